@@ -1,0 +1,1 @@
+"""Backends: kernel tables that execute a training graph."""

@@ -1,0 +1,90 @@
+"""The NumPy backend: the reference interpreter, and the oracle for every other backend.
+
+It runs the nodes in graph order with each op's reference kernel. Values are
+dropped after their last read, so the interpreter's memory follows the plan's
+liveness. Effectful ops return the new values of the inputs they write; the
+backend stores them in the caller's state mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pockengine.ir import Graph, Role, get_op
+from pockengine.ir.errors import CompileError
+
+__all__ = ["NumpyExecutable", "evaluate"]
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    kernel: Callable[..., Any]
+    attrs: dict[str, Any]
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]  # results, or the written inputs of an effectful op
+    drops: tuple[str, ...]  # values read here for the last time
+    label: str
+
+
+class NumpyExecutable:
+    """A graph bound to reference kernels; ``run`` executes one call of it."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        keep = {v.name for v in graph.inputs} | {v.name for v in graph.outputs}
+        last_read: dict[str, int] = {}
+        for i, node in enumerate(graph.nodes):
+            for v in node.inputs:
+                last_read[v.name] = i
+        steps = []
+        for i, node in enumerate(graph.nodes):
+            opdef = get_op(node.op)
+            writes = (
+                tuple(node.inputs[j].name for j in opdef.mutates)
+                if opdef.effectful
+                else tuple(v.name for v in node.outputs)
+            )
+            dying = {v.name for v in node.inputs if last_read[v.name] == i}
+            drops = tuple(sorted(dying - keep))
+            steps.append(
+                _Step(
+                    opdef.kernel,
+                    dict(node.attrs),
+                    tuple(v.name for v in node.inputs),
+                    writes,
+                    drops,
+                    f"{node.op} at {node.source or '?'}",
+                )
+            )
+        self._steps = tuple(steps)
+        self._outputs = tuple(v.name for v in graph.outputs)
+        self._inputs = tuple(v for v in graph.inputs)
+
+    def run(self, env: MutableMapping[str, Array]) -> list[Array]:
+        """Run once. ``env`` holds every graph input; written inputs are replaced in it."""
+        missing = [v.name for v in self._inputs if v.name not in env]
+        if missing:
+            raise CompileError(f"graph {self.graph.name} is missing inputs {missing}")
+        values: dict[str, Array] = {v.name: env[v.name] for v in self._inputs}
+        for step in self._steps:
+            out = step.kernel(*(values[n] for n in step.reads), **step.attrs)
+            outs = out if isinstance(out, tuple | list) else (out,)
+            for name, array in zip(step.writes, outs, strict=True):
+                values[name] = np.asarray(array)
+            for name in step.drops:
+                del values[name]
+        for v in self._inputs:
+            if v.role in (Role.PARAM, Role.BUFFER, Role.STATE):
+                env[v.name] = values[v.name]
+        return [values[n] for n in self._outputs]
+
+
+def evaluate(graph: Graph, feeds: MutableMapping[str, Array]) -> list[Array]:
+    """Run ``graph`` once on ``feeds`` with the reference kernels."""
+    return NumpyExecutable(graph).run(feeds)

@@ -1,0 +1,65 @@
+"""The IR: types, Graph/Node/Value, the op registry, builder, verify, printer, parser.
+
+This package is the ground floor: it imports nothing else of the engine.
+"""
+
+from __future__ import annotations
+
+from pockengine.ir.builder import GraphBuilder
+from pockengine.ir.errors import (
+    CompileError,
+    GraphVerifyError,
+    ParseError,
+    PockEngineError,
+    SchemeError,
+    ShapeError,
+    UnsupportedOpError,
+)
+from pockengine.ir.parser import parse_graph
+from pockengine.ir.printer import print_graph, print_node
+from pockengine.ir.registry import (
+    EFFECTFUL,
+    ELEMENTWISE,
+    OpDef,
+    Sample,
+    VJPContext,
+    all_ops,
+    defop,
+    get_op,
+    has_op,
+    register,
+)
+from pockengine.ir.types import Attrs, DType, Graph, Node, Role, TensorType, Value
+from pockengine.ir.verify import verify
+
+__all__ = [
+    "EFFECTFUL",
+    "ELEMENTWISE",
+    "Attrs",
+    "CompileError",
+    "DType",
+    "Graph",
+    "GraphBuilder",
+    "GraphVerifyError",
+    "Node",
+    "OpDef",
+    "ParseError",
+    "PockEngineError",
+    "Role",
+    "Sample",
+    "SchemeError",
+    "ShapeError",
+    "TensorType",
+    "UnsupportedOpError",
+    "VJPContext",
+    "Value",
+    "all_ops",
+    "defop",
+    "get_op",
+    "has_op",
+    "parse_graph",
+    "print_graph",
+    "print_node",
+    "register",
+    "verify",
+]

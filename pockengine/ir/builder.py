@@ -1,0 +1,110 @@
+"""GraphBuilder: the one mutable object, and the only way to make a graph.
+
+Every node is type-checked by its op's shape rule as it is added, so a graph
+that a builder returns is well typed by construction.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pockengine.ir.errors import CompileError, ShapeError
+from pockengine.ir.registry import get_op
+from pockengine.ir.types import Attrs, DType, Graph, Node, Role, TensorType, Value
+
+__all__ = ["GraphBuilder"]
+
+_NAME_OK = re.compile(r"[A-Za-z_][\w.]*")
+
+
+class GraphBuilder:
+    """Appends typed nodes in order and hands out fresh SSA names."""
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self.inputs: list[Value] = []
+        self.nodes: list[Node] = []
+        self._names: set[str] = set()
+        self._counter = 0
+
+    # -- names -------------------------------------------------------------
+    def fresh(self, hint: str = "t") -> str:
+        """A name not used yet in this graph, derived from ``hint``."""
+        base = re.sub(r"[^\w.]", "_", hint) or "t"
+        if not base[0].isalpha() and base[0] != "_":
+            base = "v" + base
+        while True:
+            name = f"{base}{self._counter}"
+            self._counter += 1
+            if name not in self._names:
+                self._names.add(name)
+                return name
+
+    def reserve(self, name: str) -> str:
+        if not _NAME_OK.fullmatch(name):
+            raise CompileError(f"invalid value name {name!r}")
+        if name in self._names:
+            raise CompileError(f"value name {name!r} is used twice")
+        self._names.add(name)
+        return name
+
+    # -- inputs ------------------------------------------------------------
+    def input(
+        self, name: str, type: TensorType, role: Role = Role.INPUT, trainable: bool = False
+    ) -> Value:
+        value = Value(self.reserve(name), type, role, trainable and role is Role.PARAM)
+        self.inputs.append(value)
+        return value
+
+    def add_input(self, value: Value) -> Value:
+        """Add an existing input value (a rewrite keeps names)."""
+        self.reserve(value.name)
+        self.inputs.append(value)
+        return value
+
+    # -- nodes -------------------------------------------------------------
+    def call_multi(
+        self, op: str, *inputs: Value, source: str = "", name: str | None = None, **attrs: Any
+    ) -> tuple[Value, ...]:
+        """Add ``op(*inputs, **attrs)``; returns its results (none for a pure effect)."""
+        opdef = get_op(op)
+        frozen = Attrs(attrs)
+        try:
+            types = opdef.infer_types([v.type for v in inputs], frozen)
+        except ShapeError as exc:
+            where = f" at {source}" if source else ""
+            raise ShapeError(f"{exc}{where}") from None
+        hint = name or op
+        outs = tuple(Value(self.fresh(hint), t) for t in types)
+        self.nodes.append(Node(op, tuple(inputs), outs, frozen, source))
+        return outs
+
+    def call(
+        self, op: str, *inputs: Value, source: str = "", name: str | None = None, **attrs: Any
+    ) -> Value:
+        """Add a single-result op and return its result."""
+        outs = self.call_multi(op, *inputs, source=source, name=name, **attrs)
+        if len(outs) != 1:
+            raise CompileError(f"{op} has {len(outs)} results; use call_multi")
+        return outs[0]
+
+    def effect(self, op: str, *inputs: Value, source: str = "", **attrs: Any) -> None:
+        """Add an effectful op (an update that writes some inputs in place)."""
+        outs = self.call_multi(op, *inputs, source=source, **attrs)
+        if outs:
+            raise CompileError(f"{op} has results; effects have none")
+
+    def scalar(self, value: float, dtype: DType = DType.F32, source: str = "") -> Value:
+        """A 0-d constant; elementwise ops broadcast it."""
+        return self.call("full", source=source, name="c", shape=(), value=value, dtype=str(dtype))
+
+    def append(self, node: Node) -> Node:
+        """Append a node whose result names are already chosen (rewrites, the parser)."""
+        for out in node.outputs:
+            self.reserve(out.name)
+        self.nodes.append(node)
+        return node
+
+    def build(self, outputs: tuple[Value, ...] | list[Value]) -> Graph:
+        return Graph(self.name, tuple(self.inputs), tuple(self.nodes), tuple(outputs))

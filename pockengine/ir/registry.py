@@ -1,0 +1,203 @@
+"""The op registry: one OpDef per op, registered where the op is defined.
+
+The registry lives here, in the ground floor; the op families in
+``pockengine.ops`` register into it when imported. An OpDef holds everything
+the engine knows about an op: its shape/dtype rule, its NumPy reference
+kernel, its vector-Jacobian product written in IR ops, its FLOPs, the inputs it
+writes in place (effectful ops), its groups and sample inputs for the op table
+tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pockengine.ir.errors import ShapeError, UnsupportedOpError
+from pockengine.ir.types import Attrs, Node, TensorType, Value
+
+if TYPE_CHECKING:
+    from pockengine.ir.builder import GraphBuilder
+
+__all__ = [
+    "EFFECTFUL",
+    "ELEMENTWISE",
+    "OpDef",
+    "Sample",
+    "VJPContext",
+    "all_ops",
+    "defop",
+    "get_op",
+    "has_op",
+    "register",
+]
+
+ELEMENTWISE = "elementwise"  # output shape = broadcast of inputs, one result per element
+EFFECTFUL = "effectful"  # writes some inputs in place; never removed by dead-code elimination
+COMMUTATIVE = "commutative"
+SHAPE = "shape"  # moves or views data, computes nothing
+REDUCTION = "reduction"
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Inputs (float64 where differentiable) and attributes for op table tests."""
+
+    inputs: tuple[Array, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class VJPContext:
+    """What a VJP rule sees: the forward node, its output cotangents, which inputs need one."""
+
+    b: GraphBuilder
+    node: Node
+    cts: tuple[Value | None, ...]
+    needs: tuple[bool, ...]
+
+    @property
+    def attrs(self) -> Attrs:
+        return self.node.attrs
+
+    @property
+    def inputs(self) -> tuple[Value, ...]:
+        return self.node.inputs
+
+    @property
+    def out(self) -> Value:
+        return self.node.output
+
+    @property
+    def ct(self) -> Value:
+        """The cotangent of the only output (zeros are never passed; see autodiff)."""
+        ct = self.cts[0]
+        if ct is None:
+            raise ValueError(f"{self.node.op}: no cotangent for its output")
+        return ct
+
+    def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
+        return self.b.call(op, *inputs, source="autodiff", **attrs)
+
+    def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
+        return self.b.call_multi(op, *inputs, source="autodiff", **attrs)
+
+    def const(self, value: float, like: Value) -> Value:
+        return self.b.scalar(value, like.dtype, source="autodiff")
+
+
+InferFn = Callable[..., TensorType | tuple[TensorType, ...]]
+KernelFn = Callable[..., Any]
+VJPFn = Callable[[VJPContext], Sequence[Value | None]]
+FlopsFn = Callable[[tuple[TensorType, ...], tuple[TensorType, ...], Attrs], int]
+SamplesFn = Callable[[np.random.Generator], list[Sample]]
+
+
+def _elementwise_flops(
+    ins: tuple[TensorType, ...], outs: tuple[TensorType, ...], attrs: Attrs
+) -> int:
+    return sum(t.numel for t in outs)
+
+
+@dataclass(frozen=True, slots=True)
+class OpDef:
+    """Everything about one op.
+
+    ``infer(*input_types, **attrs)`` returns the output type(s) or raises ShapeError.
+    ``kernel(*arrays, **attrs)`` returns the output array(s); an effectful op returns
+    the new values of the inputs listed in ``mutates``, in that order.
+    ``vjp(ctx)`` emits the backward ops and returns one cotangent (or None) per input.
+    """
+
+    name: str
+    infer: InferFn
+    kernel: KernelFn
+    vjp: VJPFn | None = None
+    flops: FlopsFn = _elementwise_flops
+    mutates: tuple[int, ...] = ()
+    groups: frozenset[str] = frozenset()
+    samples: SamplesFn | None = None
+    doc: str = ""
+
+    @property
+    def effectful(self) -> bool:
+        return bool(self.mutates)
+
+    def infer_types(self, types: Sequence[TensorType], attrs: Attrs) -> tuple[TensorType, ...]:
+        try:
+            out = self.infer(*types, **attrs)
+        except ShapeError:
+            raise
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            shown = ", ".join(str(t) for t in types)
+            raise ShapeError(f"{self.name}({shown}; {dict(attrs)}): {exc}") from exc
+        return out if isinstance(out, tuple) else (out,)
+
+    def run(self, arrays: Sequence[Array], attrs: Attrs) -> tuple[Array, ...]:
+        out = self.kernel(*arrays, **attrs)
+        return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+
+_REGISTRY: dict[str, OpDef] = {}
+
+
+def register(opdef: OpDef) -> OpDef:
+    """Add one op to the registry; each name is registered once."""
+    if opdef.name in _REGISTRY:
+        raise ValueError(f"op {opdef.name!r} is registered twice")
+    _REGISTRY[opdef.name] = opdef
+    return opdef
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        if not _REGISTRY:
+            raise UnsupportedOpError(
+                "ops (the registry is empty: import pockengine.ops)", [(name, "")]
+            ) from None
+        raise UnsupportedOpError("IR ops", [(name, "")]) from None
+
+
+def has_op(name: str) -> bool:
+    return name in _REGISTRY
+
+
+def all_ops() -> dict[str, OpDef]:
+    return dict(_REGISTRY)
+
+
+def defop(
+    name: str, *, groups: Sequence[str] = (), mutates: tuple[int, ...] = ()
+) -> Callable[[type], OpDef]:
+    """Class decorator: the class body holds the op's rules as static methods.
+
+    ``infer`` and ``kernel`` are required; ``vjp``, ``flops`` and ``samples`` are
+    optional. The class docstring states the math and becomes the op's doc.
+    """
+
+    def wrap(cls: type) -> OpDef:
+        ns = vars(cls)
+        missing = [k for k in ("infer", "kernel") if k not in ns]
+        if missing:
+            raise TypeError(f"op {name!r} lacks {missing}")
+        opdef = OpDef(
+            name=name,
+            infer=ns["infer"].__func__,
+            kernel=ns["kernel"].__func__,
+            vjp=ns["vjp"].__func__ if "vjp" in ns else None,
+            flops=ns["flops"].__func__ if "flops" in ns else _elementwise_flops,
+            mutates=mutates,
+            groups=frozenset(groups) | (frozenset({EFFECTFUL}) if mutates else frozenset()),
+            samples=ns["samples"].__func__ if "samples" in ns else None,
+            doc=(cls.__doc__ or "").strip(),
+        )
+        return register(opdef)
+
+    return wrap

@@ -1,0 +1,58 @@
+"""Matrix products."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pockengine.ir import Sample, ShapeError, TensorType, Value, VJPContext, defop
+from pockengine.ops._common import Array, broadcast_shapes, same_dtype
+
+__all__: list[str] = []
+
+
+def _swap_last(v: Value, c: VJPContext) -> Value:
+    perm = (*range(v.type.rank - 2), v.type.rank - 1, v.type.rank - 2)
+    return c.call("transpose", v, perm=perm)
+
+
+@defop("matmul")
+class Matmul:
+    """Batched matrix product of rank >= 2 operands; batch axes broadcast.
+
+    Forward: z = x @ y. Backward: gx = gz @ y^T, gy = x^T @ gz (summed over broadcast
+    batch axes by autodiff).
+    """
+
+    @staticmethod
+    def infer(x: TensorType, y: TensorType) -> TensorType:
+        dtype = same_dtype("matmul", x, y)
+        if x.rank < 2 or y.rank < 2:
+            raise ShapeError("matmul needs operands of rank >= 2")
+        if x.shape[-1] != y.shape[-2]:
+            raise ShapeError(f"inner sizes differ: {x} @ {y}")
+        batch = broadcast_shapes(x.shape[:-2], y.shape[:-2])
+        return TensorType((*batch, x.shape[-2], y.shape[-1]), dtype)
+
+    @staticmethod
+    def kernel(x: Array, y: Array) -> Array:
+        return np.asarray(np.matmul(x, y))
+
+    @staticmethod
+    def flops(ins: tuple[TensorType, ...], outs: tuple[TensorType, ...], attrs: object) -> int:
+        return 2 * outs[0].numel * ins[0].shape[-1]
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        x, y = c.inputs
+        gx = c.call("matmul", c.ct, _swap_last(y, c)) if c.needs[0] else None
+        gy = c.call("matmul", _swap_last(x, c), c.ct) if c.needs[1] else None
+        return (gx, gy)
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        return [
+            Sample((rng.standard_normal((3, 4)), rng.standard_normal((4, 5)))),
+            Sample((rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 2)))),
+        ]
