@@ -15,7 +15,7 @@ from pockengine.ir.types import Attrs, DType, Graph, Node, Role, TensorType, Val
 
 __all__ = ["GraphBuilder"]
 
-_NAME_OK = re.compile(r"[A-Za-z_][\w.]*")
+_NAME_OK = re.compile(r"\w[\w.]*")
 
 
 class GraphBuilder:

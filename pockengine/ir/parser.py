@@ -12,8 +12,8 @@ from pockengine.ir.types import Attrs, DType, Graph, Node, Role, TensorType, Val
 __all__ = ["parse_graph"]
 
 _HEADER = re.compile(r"graph\s+([\w.]+)\s*\((.*?)\)\s*\{", re.S)
-_DECL = re.compile(r"([A-Za-z_][\w.]*)\s*:\s*(\w+)\[([\d,\s]*)\]\s+(\w+)(\(frozen\))?")
-_RESULT = re.compile(r"%([A-Za-z_][\w.]*)\s*:\s*(\w+)\[([\d,\s]*)\]")
+_DECL = re.compile(r"(\w[\w.]*)\s*:\s*(\w+)\[([\d,\s]*)\]\s+(\w+)(\(frozen\))?")
+_RESULT = re.compile(r"%(\w[\w.]*)\s*:\s*(\w+)\[([\d,\s]*)\]")
 _CALL = re.compile(r"([\w.]+)\((.*)\)$", re.S)
 
 

@@ -131,9 +131,7 @@ class OpDef:
     def infer_types(self, types: Sequence[TensorType], attrs: Attrs) -> tuple[TensorType, ...]:
         try:
             out = self.infer(*types, **attrs)
-        except ShapeError:
-            raise
-        except (TypeError, ValueError, IndexError, KeyError) as exc:
+        except (ShapeError, TypeError, ValueError, IndexError, KeyError) as exc:
             shown = ", ".join(str(t) for t in types)
             raise ShapeError(f"{self.name}({shown}; {dict(attrs)}): {exc}") from exc
         return out if isinstance(out, tuple) else (out,)

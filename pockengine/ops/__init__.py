@@ -2,6 +2,30 @@
 
 from __future__ import annotations
 
-from pockengine.ops import elementwise, indexing, linalg, nn, reduce, shape, update
+from pockengine.ops import (
+    activation,
+    elementwise,
+    indexing,
+    linalg,
+    nn,
+    norm,
+    pool,
+    reduce,
+    shape,
+    unary,
+    update,
+)
 
-__all__ = ["elementwise", "indexing", "linalg", "nn", "reduce", "shape", "update"]
+__all__ = [
+    "activation",
+    "elementwise",
+    "indexing",
+    "linalg",
+    "nn",
+    "norm",
+    "pool",
+    "reduce",
+    "shape",
+    "unary",
+    "update",
+]

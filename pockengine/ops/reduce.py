@@ -1,4 +1,7 @@
-"""Reductions over axes, and the sum_to that undoes broadcasting."""
+"""Reductions over axes, the sum_to that undoes broadcasting, softmax and log_softmax.
+
+Axes attributes are tuples of ints (negative allowed); None or () is every axis.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import DType, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, broadcast_shapes, norm_axes
+from pockengine.ops._common import Array, broadcast_shapes, norm_axes, norm_axis
 
 __all__: list[str] = []
 
@@ -47,7 +50,7 @@ class Sum:
     @staticmethod
     def vjp(c: VJPContext) -> Sequence[Value | None]:
         x = c.inputs[0]
-        kept = _reduced_shape(x.type, c.attrs["axes"], True)  # type: ignore[arg-type]
+        kept = _reduced_shape(x.type, _axes_attr(c), True)
         g = c.call("reshape", c.ct, shape=kept)
         return (c.call("broadcast_to", g, shape=x.shape),)
 
@@ -89,3 +92,204 @@ class SumTo:
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
         return [Sample((rng.standard_normal((2, 3, 4)),), {"shape": (3, 1)})]
+
+
+def _axes_attr(c: VJPContext) -> tuple[int, ...] | None:
+    axes = c.attrs["axes"]
+    if axes is None or (isinstance(axes, tuple) and all(isinstance(a, int) for a in axes)):
+        return axes
+    raise TypeError(f"{c.node.op}: axes must be a tuple of ints or None, got {axes!r}")
+
+
+def _axis_attr(c: VJPContext) -> int:
+    axis = c.attrs["axis"]
+    if isinstance(axis, int):
+        return axis
+    raise TypeError(f"{c.node.op}: axis must be an int, got {axis!r}")
+
+
+def _float_input(op: str, x: TensorType) -> TensorType:
+    if not x.dtype.is_float:
+        raise ShapeError(f"{op} needs a float input, got {x}")
+    return x
+
+
+def _reduce_samples(rng: np.random.Generator) -> list[Sample]:
+    x = rng.standard_normal((2, 3, 4))
+    return [
+        Sample((x,), {"axes": (1,), "keepdims": False}),
+        Sample((x,), {"axes": (0, -1), "keepdims": True}),
+        Sample((x,), {"axes": None, "keepdims": False}),
+    ]
+
+
+@defop("mean", groups=("reduction",))
+class Mean:
+    """Forward: z = sum(x, axes) / n, n = the number of elements reduced.
+    Backward: gx = broadcast_to(reshape(gz, kept) / n, x.shape)."""
+
+    flops = staticmethod(_reduce_flops)
+    samples = staticmethod(_reduce_samples)
+
+    @staticmethod
+    def infer(x: TensorType, *, axes: tuple[int, ...] | None, keepdims: bool) -> TensorType:
+        return TensorType(_reduced_shape(_float_input("mean", x), axes, keepdims), x.dtype)
+
+    @staticmethod
+    def kernel(x: Array, *, axes: tuple[int, ...] | None, keepdims: bool) -> Array:
+        ax = norm_axes(axes, x.ndim)
+        return np.asarray(np.mean(x, axis=ax, keepdims=keepdims), dtype=x.dtype)
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        x = c.inputs[0]
+        kept = _reduced_shape(x.type, _axes_attr(c), True)
+        count = x.type.numel // max(1, int(np.prod(kept, dtype=np.int64)))
+        g = c.call("div", c.call("reshape", c.ct, shape=kept), c.const(float(count), c.ct))
+        return (c.call("broadcast_to", g, shape=x.shape),)
+
+
+@defop("amax", groups=("reduction",))
+class Amax:
+    """Forward: z = max(x, axes). Backward: the gradient is split evenly among the maxima
+    (as ATen): m = cast(x == z_kept), gx = m * reshape(gz, kept) / sum(m, axes, keepdims)."""
+
+    flops = staticmethod(_reduce_flops)
+    samples = staticmethod(_reduce_samples)
+
+    @staticmethod
+    def infer(x: TensorType, *, axes: tuple[int, ...] | None, keepdims: bool) -> TensorType:
+        return TensorType(_reduced_shape(x, axes, keepdims), x.dtype)
+
+    @staticmethod
+    def kernel(x: Array, *, axes: tuple[int, ...] | None, keepdims: bool) -> Array:
+        return np.asarray(np.amax(x, axis=norm_axes(axes, x.ndim), keepdims=keepdims))
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        x, axes = c.inputs[0], _axes_attr(c)
+        kept = _reduced_shape(x.type, axes, True)
+        z = c.call("reshape", c.out, shape=kept)
+        hits = c.call("cast", c.call("eq", x, z), dtype=str(c.ct.dtype))
+        count = c.call("sum", hits, axes=axes, keepdims=True)
+        share = c.call("div", c.call("reshape", c.ct, shape=kept), count)
+        return (c.call("mul", hits, share),)
+
+
+@defop("any", groups=("reduction",))
+class AnyOf:
+    """Forward: z = any(x != 0, axes), bool. Not differentiable."""
+
+    flops = staticmethod(_reduce_flops)
+
+    @staticmethod
+    def infer(x: TensorType, *, axes: tuple[int, ...] | None, keepdims: bool) -> TensorType:
+        return TensorType(_reduced_shape(x, axes, keepdims), DType.BOOL)
+
+    @staticmethod
+    def kernel(x: Array, *, axes: tuple[int, ...] | None, keepdims: bool) -> Array:
+        return np.asarray(np.any(x, axis=norm_axes(axes, x.ndim), keepdims=keepdims))
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        x = rng.random((2, 3, 4)) < 0.2
+        return [
+            Sample((x,), {"axes": (1,), "keepdims": False}),
+            Sample((x,), {"axes": None, "keepdims": True}),
+            Sample((rng.integers(0, 2, (3, 4)),), {"axes": (0,), "keepdims": False}),
+        ]
+
+
+def _softmax_infer(op: str) -> Any:
+    def infer(x: TensorType, *, axis: int) -> TensorType:
+        norm_axis(axis, x.rank)
+        return _float_input(op, x)
+
+    return infer
+
+
+def _softmax_flops(ins: tuple[TensorType, ...], outs: Any, attrs: Any) -> int:
+    return 5 * ins[0].numel  # max, subtract, exp, sum, divide (or log and subtract)
+
+
+def _softmax_samples(rng: np.random.Generator) -> list[Sample]:
+    x = rng.standard_normal((2, 3, 4))
+    return [Sample((x,), {"axis": -1}), Sample((x,), {"axis": 1})]
+
+
+def _shifted(x: Array, axis: int) -> Array:
+    """x minus its max along axis, so that exp never overflows."""
+    return np.asarray(x - np.amax(x, axis=axis, keepdims=True))
+
+
+@defop("softmax", groups=("reduction",))
+class Softmax:
+    """Forward: z = exp(x - max) / sum(exp(x - max), axis).
+    Backward: gx = z * (gz - sum(gz * z, axis, keepdims))."""
+
+    infer = staticmethod(_softmax_infer("softmax"))
+    flops = staticmethod(_softmax_flops)
+    samples = staticmethod(_softmax_samples)
+
+    @staticmethod
+    def kernel(x: Array, *, axis: int) -> Array:
+        e = np.exp(_shifted(x, axis))
+        return np.asarray(e / np.sum(e, axis=axis, keepdims=True), dtype=x.dtype)
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        y = c.out
+        dot = c.call("sum", c.call("mul", c.ct, y), axes=(_axis_attr(c),), keepdims=True)
+        return (c.call("mul", y, c.call("sub", c.ct, dot)),)
+
+
+@defop("log_softmax", groups=("reduction",))
+class LogSoftmax:
+    """Forward: z = (x - max) - log(sum(exp(x - max), axis)).
+    Backward: gx = gz - exp(z) * sum(gz, axis, keepdims)."""
+
+    infer = staticmethod(_softmax_infer("log_softmax"))
+    flops = staticmethod(_softmax_flops)
+    samples = staticmethod(_softmax_samples)
+
+    @staticmethod
+    def kernel(x: Array, *, axis: int) -> Array:
+        s = _shifted(x, axis)
+        return np.asarray(s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True)), dtype=x.dtype)
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        total = c.call("sum", c.ct, axes=(_axis_attr(c),), keepdims=True)
+        return (c.call("sub", c.ct, c.call("mul", c.call("exp", c.out), total)),)
+
+
+@defop("cumsum", groups=("scan",))
+class Cumsum:
+    """Forward: z_i = sum_{j <= i} x_j along ``axis`` (bool sums to i64, as in ATen).
+    Backward: gx_i = sum_{j >= i} gz_j = sum(gz) - cumsum(gz)_i + gz_i."""
+
+    flops = staticmethod(_reduce_flops)
+
+    @staticmethod
+    def infer(x: TensorType, *, axis: int) -> TensorType:
+        norm_axis(axis, x.rank)
+        return TensorType(x.shape, DType.I64 if x.dtype is DType.BOOL else x.dtype)
+
+    @staticmethod
+    def kernel(x: Array, *, axis: int) -> Array:
+        dtype = np.int64 if x.dtype == np.bool_ else x.dtype
+        return np.asarray(np.cumsum(x, axis=norm_axis(axis, x.ndim), dtype=dtype))
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        axis = _axis_attr(c)
+        total = c.call("sum", c.ct, axes=(axis,), keepdims=True)
+        head = c.call("sub", total, c.call("cumsum", c.ct, axis=axis))
+        return (c.call("add", head, c.ct),)
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        return [
+            Sample((rng.standard_normal((3, 5)),), {"axis": 1}),
+            Sample((rng.standard_normal((4, 2)),), {"axis": -2}),
+        ]

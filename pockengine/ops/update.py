@@ -1,5 +1,188 @@
-"""Placeholder module, filled in by its op family (see docs/ops.md)."""
+"""Effectful update ops: they write params, buffers or optimizer state in place.
+
+They have no results. Each kernel returns the new values of the inputs it
+writes, in the order of ``mutates``; a backend may instead write in place.
+The learning rate and the step count are scalar graph values (state), so a
+schedule changes them without recompiling.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
+from pockengine.ir import Sample, ShapeError, TensorType, defop
+from pockengine.ops._common import Array
+
 __all__: list[str] = []
+
+
+def _same(op: str, *types: TensorType) -> None:
+    if len({(t.shape, t.dtype) for t in types}) != 1:
+        raise ShapeError(f"{op} needs equal types, got {[str(t) for t in types]}")
+
+
+def _scalar(op: str, t: TensorType) -> None:
+    if t.shape != ():
+        raise ShapeError(f"{op} needs a scalar, got {t}")
+
+
+def _update_flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:
+    return 4 * ins[0].numel
+
+
+@defop("assign", mutates=(0,))
+class Assign:
+    """Effect: dst <- src (a buffer's new running statistic, the next step count)."""
+
+    @staticmethod
+    def infer(dst: TensorType, src: TensorType) -> tuple[TensorType, ...]:
+        _same("assign", dst, src)
+        return ()
+
+    @staticmethod
+    def kernel(dst: Array, src: Array) -> tuple[Array]:
+        return (np.array(src, dtype=dst.dtype, copy=True),)
+
+    @staticmethod
+    def flops(ins: object, outs: object, attrs: object) -> int:
+        return 0
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        return [Sample((rng.standard_normal(3), rng.standard_normal(3)))]
+
+
+def _sgd_direction(w: Array, g: Array, weight_decay: float) -> Array:
+    return g + weight_decay * w if weight_decay else g
+
+
+@defop("sgd_update", mutates=(0,))
+class SGDUpdate:
+    """Effect: w <- w - lr * (g + weight_decay * w)."""
+
+    flops = staticmethod(_update_flops)
+
+    @staticmethod
+    def infer(
+        w: TensorType, g: TensorType, lr: TensorType, *, weight_decay: float
+    ) -> tuple[TensorType, ...]:
+        _same("sgd_update", w, g)
+        _scalar("sgd_update", lr)
+        return ()
+
+    @staticmethod
+    def kernel(w: Array, g: Array, lr: Array, *, weight_decay: float) -> tuple[Array]:
+        d = _sgd_direction(w, g, weight_decay)
+        return ((w - lr * d).astype(w.dtype),)
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        w, g = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
+        return [Sample((w, g, np.asarray(0.1)), {"weight_decay": 0.01})]
+
+
+@defop("sgd_momentum_update", mutates=(0, 2))
+class SGDMomentumUpdate:
+    """Effect, as torch.optim.SGD with dampening 0 (a zero buffer makes step 1 buf = d):
+    d = g + weight_decay * w; buf <- momentum * buf + d;
+    w <- w - lr * (d + momentum * buf if nesterov else buf)."""
+
+    flops = staticmethod(_update_flops)
+
+    @staticmethod
+    def infer(
+        w: TensorType,
+        g: TensorType,
+        buf: TensorType,
+        lr: TensorType,
+        *,
+        momentum: float,
+        weight_decay: float,
+        nesterov: bool,
+    ) -> tuple[TensorType, ...]:
+        _same("sgd_momentum_update", w, g, buf)
+        _scalar("sgd_momentum_update", lr)
+        return ()
+
+    @staticmethod
+    def kernel(
+        w: Array,
+        g: Array,
+        buf: Array,
+        lr: Array,
+        *,
+        momentum: float,
+        weight_decay: float,
+        nesterov: bool,
+    ) -> tuple[Array, Array]:
+        d = _sgd_direction(w, g, weight_decay)
+        new_buf = (momentum * buf + d).astype(buf.dtype)
+        step = d + momentum * new_buf if nesterov else new_buf
+        return (w - lr * step).astype(w.dtype), new_buf
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        w, g, m = (rng.standard_normal((4,)) for _ in range(3))
+        attrs = {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True}
+        return [Sample((w, g, m, np.asarray(0.1)), attrs)]
+
+
+@defop("adamw_update", mutates=(0, 2, 3))
+class AdamWUpdate:
+    """Effect, as torch.optim.AdamW (step t is the count after this step, t >= 1):
+    w <- w * (1 - lr * weight_decay); m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
+    w <- w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)."""
+
+    @staticmethod
+    def infer(
+        w: TensorType,
+        g: TensorType,
+        m: TensorType,
+        v: TensorType,
+        t: TensorType,
+        lr: TensorType,
+        *,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+    ) -> tuple[TensorType, ...]:
+        _same("adamw_update", w, g, m, v)
+        _scalar("adamw_update", t)
+        _scalar("adamw_update", lr)
+        return ()
+
+    @staticmethod
+    def kernel(
+        w: Array,
+        g: Array,
+        m: Array,
+        v: Array,
+        t: Array,
+        lr: Array,
+        *,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+    ) -> tuple[Array, Array, Array]:
+        dtype = w.dtype
+        w = w * (1 - lr * weight_decay)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        bc1 = 1 - beta1**t
+        bc2 = 1 - beta2**t
+        denom = np.sqrt(v) / np.sqrt(bc2) + eps
+        w = w - (lr / bc1) * m / denom
+        return w.astype(dtype), m.astype(dtype), v.astype(dtype)
+
+    @staticmethod
+    def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:
+        return 12 * ins[0].numel
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        w, g, m = (rng.standard_normal((3,)) for _ in range(3))
+        v = rng.random(3)
+        attrs = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+        return [Sample((w, g, m, v, np.asarray(2.0), np.asarray(1e-3)), attrs)]

@@ -1,0 +1,25 @@
+"""PockEngine: sparse and efficient fine-tuning, compiled ahead of time.
+
+    import pockengine as pe
+    step = pe.compile(model, loss_fn, example_batch, optimizer=pe.optim.SGD(lr=0.1))
+    loss = step(*batch)
+"""
+
+from __future__ import annotations
+
+from pockengine import ops as _ops  # noqa: F401  (registers every op)
+from pockengine import optim
+from pockengine.ir import CompileError, PockEngineError, SchemeError, UnsupportedOpError
+from pockengine.runtime import BatchError, TrainStep, compile
+
+__all__ = [
+    "BatchError",
+    "CompileError",
+    "PockEngineError",
+    "SchemeError",
+    "TrainStep",
+    "UnsupportedOpError",
+    "compile",
+    "optim",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,7 @@
+"""Frontends translate models into the IR; they never optimise."""
+
+from __future__ import annotations
+
+from pockengine.frontend.imported import ImportedModel
+
+__all__ = ["ImportedModel"]

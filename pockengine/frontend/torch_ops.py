@@ -1,0 +1,152 @@
+"""The flat converter table of the PyTorch frontend: core ATen overload -> IR ops.
+
+Each converter receives the translated arguments (IR values for tensors,
+Python values for the rest) and returns the IR value(s) of the ATen node.
+Binary ops cast their operands to the dtype that ATen's promotion gave the
+result (read from the exported node's metadata), so IR ops see equal dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
+
+__all__ = [
+    "CONVERTERS",
+    "IGNORED",
+    "Ctx",
+    "aten",
+    "axes_of",
+    "ir_dtype",
+    "ir_type",
+    "norm_dim",
+    "promote",
+]
+
+Array = np.ndarray[Any, Any]
+Converter = Callable[..., Any]
+CONVERTERS: dict[str, Converter] = {}
+# Ops with no effect on values: runtime assertions of the exported program.
+IGNORED = frozenset(
+    {
+        "aten._assert_tensor_metadata.default",
+        "aten._assert_scalar.default",
+        "aten.sym_constrain_range_for_size.default",
+    }
+)
+
+
+def ir_dtype(dtype: Any) -> DType:
+    import torch
+
+    table = {
+        torch.float32: DType.F32,
+        torch.float64: DType.F64,
+        torch.float16: DType.F16,
+        torch.bfloat16: DType.BF16,
+        torch.int64: DType.I64,
+        torch.int32: DType.I32,
+        torch.bool: DType.BOOL,
+    }
+    if dtype not in table:
+        raise CompileError(f"dtype {dtype} is not supported (use float32, int64, int32 or bool)")
+    return table[dtype]
+
+
+def ir_type(fake: Any) -> TensorType:
+    return TensorType(tuple(int(d) for d in fake.shape), ir_dtype(fake.dtype))
+
+
+class Ctx:
+    """What converters use: the builder, the current node's metadata and source."""
+
+    def __init__(self, b: GraphBuilder) -> None:
+        self.b = b
+        self.source = ""
+        self.out: Any = None  # the exported node's FakeTensor (or tuple of them)
+        self._seed: Value | None = None
+        self._salt = 0
+        self.rng_values: dict[str, Array] = {}
+
+    # -- metadata ------------------------------------------------------------
+    @property
+    def out_type(self) -> TensorType:
+        fake = self.out[0] if isinstance(self.out, list | tuple) else self.out
+        return ir_type(fake)
+
+    # -- emitting --------------------------------------------------------------
+    def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
+        return self.b.call(op, *inputs, source=self.source, **attrs)
+
+    def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
+        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
+
+    def full(self, value: float, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
+        return self.call("full", shape=shape, value=value, dtype=str(dtype))
+
+    def cast(self, v: Value, dtype: DType) -> Value:
+        return v if v.dtype is dtype else self.call("cast", v, dtype=str(dtype))
+
+    def tensor(self, x: Value | float | bool, dtype: DType) -> Value:
+        """A tensor operand of ``dtype``: casts a value, makes a 0-d constant of a scalar."""
+        if isinstance(x, Value):
+            return self.cast(x, dtype)
+        if isinstance(x, bool | int | float):
+            return self.full(x, dtype)
+        raise CompileError(f"unsupported operand {x!r}")
+
+    # -- dropout randomness ----------------------------------------------------
+    def random_mask(self, shape: tuple[int, ...], p: float) -> Value:
+        if self._seed is None:
+            self._seed = self.b.input("rng.seed", TensorType((), DType.I64), Role.STATE)
+            self.rng_values["rng.seed"] = np.zeros((), dtype=np.int64)
+        self._salt += 1
+        return self.call("random_mask", self._seed, shape=shape, p=float(p), salt=self._salt)
+
+    def finish_rng(self) -> None:
+        """Advance the seed once per step, after every mask has been drawn."""
+        if self._seed is not None:
+            nxt = self.b.call("add", self._seed, self.full(1, DType.I64), source="rng")
+            self.b.effect("assign", self._seed, nxt, source="rng")
+
+
+def aten(*names: str) -> Callable[[Converter], Converter]:
+    """Register one converter for the listed ATen overloads."""
+
+    def wrap(fn: Converter) -> Converter:
+        for name in names:
+            CONVERTERS[f"aten.{name}"] = fn
+        return fn
+
+    return wrap
+
+
+def promote(*xs: Any) -> DType:
+    """The common dtype of comparison operands (tensors decide; scalars only lift kind)."""
+    tensors = [x.dtype for x in xs if isinstance(x, Value)]
+    floats = [d for d in tensors if d.is_float]
+    if floats:
+        return max(floats, key=lambda d: d.itemsize)
+    if any(isinstance(x, float) for x in xs):
+        return DType.F32
+    ints = [d for d in tensors if d is not DType.BOOL]
+    if ints:
+        return max(ints, key=lambda d: d.itemsize)
+    return (
+        DType.I64 if any(isinstance(x, int) and not isinstance(x, bool) for x in xs) else DType.BOOL
+    )
+
+
+def axes_of(dims: int | Sequence[int] | None, rank: int) -> tuple[int, ...] | None:
+    if dims is None:
+        return None
+    seq = [dims] if isinstance(dims, int) else list(dims)
+    return tuple(d % max(rank, 1) for d in seq) or None
+
+
+def norm_dim(dim: int, rank: int) -> int:
+    return dim % max(rank, 1)

@@ -1,0 +1,157 @@
+"""Optimizers, lowered to effectful update nodes of the training graph.
+
+An optimizer adds its state to the graph as inputs with the STATE role (the
+learning rate, the step count, one momentum or two moment tensors per trained
+parameter) and emits one update node per trained parameter. The learning rate
+is a scalar state value, so a schedule sets it between steps without
+recompiling.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
+
+__all__ = ["SGD", "AdamW", "Optimizer"]
+
+Array = np.ndarray[Any, Any]
+
+LR = "optim.lr"
+STEP = "optim.step"
+
+
+class Optimizer(ABC):
+    """Base of the optimizers: ``build`` adds state and update nodes to a training graph."""
+
+    lr: float
+
+    def build(self, b: GraphBuilder, pairs: Sequence[tuple[Value, Value]]) -> dict[str, Array]:
+        """Emit the updates of each (param, grad) pair; return the state's initial values."""
+        init: dict[str, Array] = {}
+        scalar = TensorType((), DType.F32)
+        lr = b.input(LR, scalar, Role.STATE)
+        init[LR] = np.asarray(self.lr, dtype=np.float32)
+        self._emit(b, pairs, lr, init)
+        return init
+
+    @abstractmethod
+    def _emit(
+        self,
+        b: GraphBuilder,
+        pairs: Sequence[tuple[Value, Value]],
+        lr: Value,
+        init: dict[str, Array],
+    ) -> None: ...
+
+    @staticmethod
+    def _state_like(b: GraphBuilder, kind: str, param: Value, init: dict[str, Array]) -> Value:
+        name = f"optim.{kind}.{param.name}"
+        init[name] = np.zeros(param.shape, dtype=param.dtype.to_numpy())
+        return b.input(name, param.type, Role.STATE)
+
+    @staticmethod
+    def _step_count(b: GraphBuilder, init: dict[str, Array]) -> tuple[Value, Value]:
+        """The stored step count and the count after this step (store it with ``assign``)."""
+        step = b.input(STEP, TensorType((), DType.F32), Role.STATE)
+        init[STEP] = np.zeros((), dtype=np.float32)
+        one = b.scalar(1.0, DType.F32, source="optim")
+        return step, b.call("add", step, one, source="optim")
+
+
+def _check(name: str, value: float, low: float, high: float = float("inf")) -> None:
+    if not low <= value <= high:
+        raise CompileError(f"{name}={value} is out of range [{low}, {high}]")
+
+
+@dataclass(frozen=True)
+class SGD(Optimizer):
+    """torch.optim.SGD with momentum, weight decay and Nesterov (dampening 0)."""
+
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        _check("lr", self.lr, 0.0)
+        _check("momentum", self.momentum, 0.0, 1.0)
+        _check("weight_decay", self.weight_decay, 0.0)
+        if self.nesterov and self.momentum == 0:
+            raise CompileError("Nesterov momentum needs momentum > 0")
+
+    def _emit(
+        self,
+        b: GraphBuilder,
+        pairs: Sequence[tuple[Value, Value]],
+        lr: Value,
+        init: dict[str, Array],
+    ) -> None:
+        for param, grad in pairs:
+            source = f"optim {param.name}"
+            if self.momentum == 0:
+                b.effect(
+                    "sgd_update", param, grad, lr, weight_decay=self.weight_decay, source=source
+                )
+                continue
+            buf = self._state_like(b, "momentum", param, init)
+            b.effect(
+                "sgd_momentum_update",
+                param,
+                grad,
+                buf,
+                lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+                nesterov=self.nesterov,
+                source=source,
+            )
+
+
+@dataclass(frozen=True)
+class AdamW(Optimizer):
+    """torch.optim.AdamW (decoupled weight decay, bias-corrected moments)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check("lr", self.lr, 0.0)
+        _check("beta1", self.betas[0], 0.0, 1.0)
+        _check("beta2", self.betas[1], 0.0, 1.0)
+        _check("eps", self.eps, 0.0)
+        _check("weight_decay", self.weight_decay, 0.0)
+
+    def _emit(
+        self,
+        b: GraphBuilder,
+        pairs: Sequence[tuple[Value, Value]],
+        lr: Value,
+        init: dict[str, Array],
+    ) -> None:
+        step, t = self._step_count(b, init)
+        for param, grad in pairs:
+            m = self._state_like(b, "exp_avg", param, init)
+            v = self._state_like(b, "exp_avg_sq", param, init)
+            b.effect(
+                "adamw_update",
+                param,
+                grad,
+                m,
+                v,
+                t,
+                lr,
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+                source=f"optim {param.name}",
+            )
+        b.effect("assign", step, t, source="optim")

@@ -1,0 +1,46 @@
+"""The pass pipeline: a literal list that reads like a table of contents.
+
+With checks on (tests, or ``PE_DEBUG=1``) ``ir.verify`` runs after every pass,
+and a failure names the pass. Every stage is kept for ``inspect`` to print.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pockengine.ir import Graph, GraphVerifyError, verify
+from pockengine.passes.dce import eliminate_dead_code
+
+__all__ = ["DEFAULT_PIPELINE", "PassResult", "run_pipeline"]
+
+Pass = Callable[[Graph], Graph]
+
+DEFAULT_PIPELINE: tuple[Pass, ...] = (eliminate_dead_code,)
+
+
+@dataclass(frozen=True)
+class PassResult:
+    graph: Graph
+    stages: tuple[tuple[str, Graph], ...]  # (pass name, graph after it)
+
+
+def _checks_on() -> bool:
+    return os.environ.get("PE_DEBUG", "") not in ("", "0")
+
+
+def run_pipeline(
+    graph: Graph, passes: Sequence[Pass] = DEFAULT_PIPELINE, check: bool | None = None
+) -> PassResult:
+    check = _checks_on() if check is None else check
+    stages = [("input", graph)]
+    for p in passes:
+        graph = p(graph)
+        if check:
+            try:
+                verify(graph)
+            except GraphVerifyError as exc:
+                raise GraphVerifyError(f"after pass {p.__name__}: {exc}") from exc
+        stages.append((p.__name__, graph))
+    return PassResult(graph, tuple(stages))

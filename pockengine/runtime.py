@@ -1,0 +1,192 @@
+"""compile(): frontend -> scheme -> autodiff -> optimizer -> passes -> backend.
+
+``TrainStep`` binds the resulting plan to a backend and holds the state:
+parameters, buffers, optimizer state and the dropout seed. One call runs one
+training step; nothing is traced or differentiated at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pockengine.autodiff import append_backward, gradient_graph
+from pockengine.backends.numpy_backend import NumpyExecutable
+from pockengine.frontend.imported import ImportedModel
+from pockengine.ir import CompileError, Graph, GraphBuilder, PockEngineError, Role, get_op, verify
+from pockengine.ir.rewrite import with_inputs
+from pockengine.optim import LR, SGD, Optimizer
+from pockengine.passes import run_pipeline
+from pockengine.sparse.schemes import Scheme, resolve_scheme
+
+__all__ = ["BatchError", "TrainStep", "compile", "training_graph"]
+
+log = logging.getLogger(__name__)
+Array = np.ndarray[Any, Any]
+BACKENDS = ("numpy",)
+
+
+class BatchError(PockEngineError):
+    """A batch whose shapes or dtypes differ from the example batch it was compiled for."""
+
+
+def training_graph(
+    forward: Graph, optimizer: Optimizer
+) -> tuple[Graph, dict[str, Array], tuple[str, ...]]:
+    """Forward + backward + updates as one graph.
+
+    Node order: the pure forward, the backward of the trained params, the forward's own
+    effects (buffer statistics, the dropout seed), then the optimizer's updates. Returns
+    the graph, the optimizer state's initial values and the params that get no gradient.
+    """
+    b = GraphBuilder("train_step")
+    for v in forward.inputs:
+        b.add_input(v)
+    pure = [n for n in forward.nodes if not get_op(n.op).effectful]
+    effects = [n for n in forward.nodes if get_op(n.op).effectful]
+    for node in pure:
+        b.append(node)
+    trained = forward.trainable_params
+    grads = append_backward(b, pure, forward.outputs[0], trained)
+    for node in effects:
+        b.append(node)
+    unreached = tuple(p.name for p in trained if p.name not in grads)
+    pairs = [(p, grads[p.name]) for p in trained if p.name in grads]
+    init = optimizer.build(b, pairs) if pairs else {}
+    return b.build(forward.outputs), init, unreached
+
+
+class TrainStep:
+    """A compiled training step: ``step(*batch)`` trains once and returns the loss."""
+
+    def __init__(
+        self,
+        imported: ImportedModel,
+        forward: Graph,
+        optimizer: Optimizer,
+        backend: str,
+    ) -> None:
+        self.forward = forward
+        self.optimizer = optimizer
+        self.backend = backend
+        self._batch = imported.batch
+        self._state_names = dict(imported.state_names)
+        self._aliases = dict(imported.aliases)
+        graph, init, unreached = training_graph(forward, optimizer)
+        if unreached:
+            log.warning("the loss does not depend on %s: they get no update", list(unreached))
+        result = run_pipeline(verify(graph))
+        self.graph: Graph = result.graph
+        self.stages = result.stages
+        self._values: dict[str, Array] = {**imported.values, **init}
+        self._exec = NumpyExecutable(self.graph)
+        self._grad_exec: NumpyExecutable | None = None
+        self._grad_names: tuple[str, ...] = ()
+
+    # -- running ---------------------------------------------------------------
+    def _feeds(self, batch: Sequence[Any]) -> dict[str, Array]:
+        if len(batch) != len(self._batch):
+            raise BatchError(f"expected {len(self._batch)} batch tensors, got {len(batch)}")
+        feeds = {}
+        for i, (value, item) in enumerate(zip(self._batch, batch, strict=True)):
+            array = _to_numpy(item)
+            want = value.dtype.to_numpy()
+            if array.shape != value.shape or array.dtype != want:
+                got = f"{array.dtype}{list(array.shape)}"
+                raise BatchError(
+                    f"batch entry {i}: compiled for {value.type}, got {got}; shapes and dtypes "
+                    "are fixed at compile time (compile again for another shape)"
+                )
+            feeds[value.name] = array
+        return feeds
+
+    def _run(self, executable: NumpyExecutable, batch: Sequence[Any]) -> list[Array]:
+        feeds = self._feeds(batch)
+        env = {**self._values, **feeds}
+        outs = executable.run(env)
+        for name in self._values:
+            self._values[name] = env[name]
+        return outs
+
+    def __call__(self, *batch: Any) -> float:
+        loss = self._run(self._exec, batch)[0]
+        return float(loss)
+
+    def gradients(self, *batch: Any) -> dict[str, Array]:
+        """Gradients of the trained params on ``batch``; nothing is updated."""
+        if self._grad_exec is None:
+            graph, names = gradient_graph(self.forward, self.forward.trainable_params)
+            self._grad_exec = NumpyExecutable(run_pipeline(verify(graph)).graph)
+            self._grad_names = names
+        outs = self._run(self._grad_exec, batch)
+        return {
+            self._state_names.get(name, name): array
+            for name, array in zip(self._grad_names, outs[1:], strict=True)
+        }
+
+    # -- state -----------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        return float(self._values[LR]) if LR in self._values else self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._values[LR] = np.asarray(value, dtype=np.float32)
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        return tuple(self._state_names.get(p.name, p.name) for p in self.forward.trainable_params)
+
+    def state_dict(self) -> dict[str, Array]:
+        """Params and persistent buffers, named as in ``model.state_dict()`` (tied ones
+        under each of their names)."""
+        out = {}
+        for ir, name in self._state_names.items():
+            value = self._values[ir]
+            for alias in self._aliases.get(name, (name,)):
+                out[alias] = value.copy()
+        return out
+
+    def optimizer_state(self) -> dict[str, Array]:
+        state = self.graph.inputs_with_role(Role.STATE)
+        return {v.name: self._values[v.name].copy() for v in state}
+
+    def load_into(self, model: Any) -> None:
+        """Write the trained values back into a torch module."""
+        import torch
+
+        own = model.state_dict()
+        with torch.no_grad():
+            for name, array in self.state_dict().items():
+                own[name].copy_(torch.from_numpy(np.ascontiguousarray(array)))
+
+
+def _to_numpy(item: Any) -> Array:
+    if isinstance(item, np.ndarray):
+        return item
+    if hasattr(item, "detach"):
+        return np.asarray(item.detach().cpu().numpy())
+    return np.asarray(item)
+
+
+def compile(
+    model: Any,
+    loss_fn: Callable[..., Any],
+    example_batch: Sequence[Any],
+    optimizer: Optimizer | None = None,
+    scheme: Scheme | None = None,
+    backend: str = "numpy",
+) -> TrainStep:
+    """Compile ``loss_fn(model, *batch)`` into one static training step."""
+    if backend not in BACKENDS:
+        raise CompileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    from pockengine.frontend.torch import import_torch
+
+    imported = import_torch(model, loss_fn, example_batch)
+    trainable = resolve_scheme(scheme, imported)
+    params = [v.replace(trainable=v.name in trainable) for v in imported.graph.params]
+    forward = verify(with_inputs(imported.graph, params))
+    return TrainStep(imported, forward, optimizer or SGD(), backend)

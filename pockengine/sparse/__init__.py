@@ -1,0 +1,1 @@
+"""Sparse backpropagation: update schemes and the search for the best one."""

