@@ -1,8 +1,8 @@
 """PockEngine: sparse and efficient fine-tuning, compiled ahead of time.
 
-    import pockengine as pe
-    step = pe.compile(model, loss_fn, example_batch, optimizer=pe.optim.SGD(lr=0.1))
-    loss = step(*batch)
+import pockengine as pe
+step = pe.compile(model, loss_fn, example_batch, optimizer=pe.optim.SGD(lr=0.1))
+loss = step(*batch)
 """
 
 from __future__ import annotations

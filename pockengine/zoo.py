@@ -19,6 +19,7 @@ from torch import nn
 
 __all__ = [
     "Workload",
+    "as_double",
     "bert_classifier",
     "llama_lm",
     "minilm_classifier",
@@ -35,6 +36,16 @@ class Workload:
     model: nn.Module
     loss_fn: Callable[..., torch.Tensor]
     make_batch: Callable[[int], tuple[torch.Tensor, ...]]  # seed -> batch
+
+
+def as_double(w: Workload) -> Workload:
+    """The same workload in float64 (float batch tensors too)."""
+    make = w.make_batch
+
+    def make_double(seed: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t.double() if t.is_floating_point() else t for t in make(seed))
+
+    return Workload(w.name + "-f64", w.model.double(), w.loss_fn, make_double)
 
 
 def _classify(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -77,7 +88,8 @@ class SmallCNN(nn.Module):
         h = h + F.relu6(self.bn2(self.dw(h)))
         h = F.max_pool2d(self.pw(h), 2)
         h = F.avg_pool2d(h, 4)
-        return self.fc(self.drop(torch.flatten(h, 1)))
+        logits: torch.Tensor = self.fc(self.drop(torch.flatten(h, 1)))
+        return logits
 
 
 def small_cnn(batch: int = 4, size: int = 16, dropout: float = 0.0) -> Workload:
@@ -118,7 +130,8 @@ class InvertedResidual(nn.Module):
         self.conv = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv(x) if self.use_res else self.conv(x)
+        out: torch.Tensor = self.conv(x)
+        return x + out if self.use_res else out
 
 
 class MobileNetV2(nn.Module):
@@ -149,7 +162,8 @@ class MobileNetV2(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.features(x)
-        return self.classifier(h.mean((2, 3)))
+        logits: torch.Tensor = self.classifier(h.mean((2, 3)))
+        return logits
 
 
 def mobilenet_v2(
@@ -173,7 +187,8 @@ class SequenceClassifier(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.encoder(input_ids=ids, attention_mask=mask)
-        return self.head(out.last_hidden_state[:, 0])
+        logits: torch.Tensor = self.head(out.last_hidden_state[:, 0])
+        return logits
 
 
 def _classify_text(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> Any:

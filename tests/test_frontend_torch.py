@@ -83,7 +83,9 @@ def test_batchnorm_running_statistics_follow_torch() -> None:
             w.loss_fn(model, *batch)
     ours = step.state_dict()
     for name in ("bn1.running_mean", "bn1.running_var", "bn2.running_var"):
-        np.testing.assert_allclose(ours[name], model.state_dict()[name].numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            ours[name], model.state_dict()[name].numpy(), rtol=1e-5, atol=1e-7
+        )
     assert int(ours["bn1.num_batches_tracked"]) == 3
 
 

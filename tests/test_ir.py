@@ -86,7 +86,7 @@ def test_verify_rejects_write_of_frozen_param() -> None:
         n.replace(inputs=tuple(frozen if v.name == frozen.name else v for v in n.inputs))
         for n in g.nodes
     )
-    with pytest.raises(GraphVerifyError, match="frozen param layer.0.weight is written"):
+    with pytest.raises(GraphVerifyError, match=r"frozen param layer\.0\.weight is written"):
         verify(g.replace(inputs=inputs, nodes=nodes))
 
 

@@ -19,7 +19,12 @@ def test_small_cnn_gradients() -> None:
 
 
 def test_mobilenet_v2_gradients() -> None:
-    assert_gradients_match(zoo.mobilenet_v2(width=0.35, batch=4, size=64))
+    # In float32 this randomly initialised network is ill-conditioned: torch's own float32
+    # gradients differ from its float64 ones by more than the tolerance (ReLU6 kinks flip
+    # with rounding), so the exact comparison runs in float64.
+    assert_gradients_match(
+        zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=4, size=64)), rtol=1e-7, atol=1e-10
+    )
 
 
 def test_bert_gradients() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pockengine.frontend.torch_ops import Ctx, aten, axes_of, norm_dim, promote
@@ -10,7 +11,7 @@ from pockengine.ir import CompileError, DType, Value
 __all__: list[str] = []
 
 
-def _arith(op: str) -> Any:
+def _arith(op: str) -> Callable[..., Value]:
     def convert(cx: Ctx, a: Any, b: Any, alpha: float = 1) -> Value:
         dtype = cx.out_type.dtype
         x, y = cx.tensor(a, dtype), cx.tensor(b, dtype)

@@ -56,9 +56,10 @@ def module_path(node: Any) -> str:
 
 
 def _export(model: Any, loss_fn: Callable[..., Any], batch: tuple[Any, ...]) -> Any:
-    torch = _require_torch()
+    _require_torch()
+    import torch
 
-    class _ModelAndLoss(torch.nn.Module):  # type: ignore[misc]
+    class _ModelAndLoss(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.model = model

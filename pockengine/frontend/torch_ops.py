@@ -9,7 +9,7 @@ result (read from the exported node's metadata), so IR ops see equal dtypes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -114,10 +114,13 @@ class Ctx:
             self.b.effect("assign", self._seed, nxt, source="rng")
 
 
-def aten(*names: str) -> Callable[[Converter], Converter]:
+_C = TypeVar("_C", bound=Converter)
+
+
+def aten(*names: str) -> Callable[[_C], _C]:
     """Register one converter for the listed ATen overloads."""
 
-    def wrap(fn: Converter) -> Converter:
+    def wrap(fn: _C) -> _C:
         for name in names:
             CONVERTERS[f"aten.{name}"] = fn
         return fn
