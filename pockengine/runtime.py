@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from pockengine.autodiff import append_backward, gradient_graph
-from pockengine.backends.numpy_backend import NumpyExecutable
+from pockengine.backends import Backend, Executable, get_backend
 from pockengine.frontend.imported import ImportedModel
-from pockengine.ir import CompileError, Graph, GraphBuilder, PockEngineError, Role, get_op, verify
+from pockengine.ir import Graph, GraphBuilder, PockEngineError, Role, get_op, verify
 from pockengine.ir.rewrite import with_inputs
 from pockengine.optim import LR, SGD, Optimizer
 from pockengine.passes import run_pipeline
@@ -26,7 +26,6 @@ __all__ = ["BatchError", "TrainStep", "compile", "training_graph"]
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
-BACKENDS = ("numpy",)
 
 
 class BatchError(PockEngineError):
@@ -67,7 +66,7 @@ class TrainStep:
         imported: ImportedModel,
         forward: Graph,
         optimizer: Optimizer,
-        backend: str,
+        backend: Backend,
     ) -> None:
         self.forward = forward
         self.optimizer = optimizer
@@ -81,13 +80,14 @@ class TrainStep:
         result = run_pipeline(verify(graph))
         self.graph: Graph = result.graph
         self.stages = result.stages
-        self._values: dict[str, Array] = {**imported.values, **init}
-        self._exec = NumpyExecutable(self.graph)
-        self._grad_exec: NumpyExecutable | None = None
+        values = {**imported.values, **init}
+        self._store = {k: backend.from_numpy(np.array(v, order="C")) for k, v in values.items()}
+        self._exec = backend.compile(self.graph)
+        self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
 
     # -- running ---------------------------------------------------------------
-    def _feeds(self, batch: Sequence[Any]) -> dict[str, Array]:
+    def _feeds(self, batch: Sequence[Any]) -> dict[str, Any]:
         if len(batch) != len(self._batch):
             raise BatchError(f"expected {len(self._batch)} batch tensors, got {len(batch)}")
         feeds = {}
@@ -100,41 +100,39 @@ class TrainStep:
                     f"batch entry {i}: compiled for {value.type}, got {got}; shapes and dtypes "
                     "are fixed at compile time (compile again for another shape)"
                 )
-            feeds[value.name] = array
+            feeds[value.name] = self.backend.from_numpy(array)
         return feeds
 
-    def _run(self, executable: NumpyExecutable, batch: Sequence[Any]) -> list[Array]:
-        feeds = self._feeds(batch)
-        env = {**self._values, **feeds}
-        outs = executable.run(env)
-        for name in self._values:
-            self._values[name] = env[name]
-        return outs
+    def _run(self, executable: Executable, batch: Sequence[Any]) -> list[Any]:
+        return executable.run(self._store, self._feeds(batch))
 
     def __call__(self, *batch: Any) -> float:
         loss = self._run(self._exec, batch)[0]
-        return float(loss)
+        return float(self.backend.to_numpy(loss))
 
     def gradients(self, *batch: Any) -> dict[str, Array]:
         """Gradients of the trained params on ``batch``; nothing is updated."""
         if self._grad_exec is None:
             graph, names = gradient_graph(self.forward, self.forward.trainable_params)
-            self._grad_exec = NumpyExecutable(run_pipeline(verify(graph)).graph)
+            self._grad_exec = self.backend.compile(run_pipeline(verify(graph)).graph)
             self._grad_names = names
         outs = self._run(self._grad_exec, batch)
         return {
-            self._state_names.get(name, name): array
-            for name, array in zip(self._grad_names, outs[1:], strict=True)
+            self._state_names.get(name, name): self.backend.to_numpy(out)
+            for name, out in zip(self._grad_names, outs[1:], strict=True)
         }
+
+    def _read(self, name: str) -> Array:
+        return np.array(self.backend.to_numpy(self._store[name]), copy=True)
 
     # -- state -----------------------------------------------------------------
     @property
     def lr(self) -> float:
-        return float(self._values[LR]) if LR in self._values else self.optimizer.lr
+        return float(self._read(LR)) if LR in self._store else self.optimizer.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._values[LR] = np.asarray(value, dtype=np.float32)
+        self._store[LR] = self.backend.from_numpy(np.asarray(value, dtype=np.float32))
 
     @property
     def trained(self) -> tuple[str, ...]:
@@ -145,14 +143,14 @@ class TrainStep:
         under each of their names)."""
         out = {}
         for ir, name in self._state_names.items():
-            value = self._values[ir]
+            value = self._read(ir)
             for alias in self._aliases.get(name, (name,)):
                 out[alias] = value.copy()
         return out
 
     def optimizer_state(self) -> dict[str, Array]:
         state = self.graph.inputs_with_role(Role.STATE)
-        return {v.name: self._values[v.name].copy() for v in state}
+        return {v.name: self._read(v.name) for v in state}
 
     def load_into(self, model: Any) -> None:
         """Write the trained values back into a torch module."""
@@ -161,7 +159,7 @@ class TrainStep:
         own = model.state_dict()
         with torch.no_grad():
             for name, array in self.state_dict().items():
-                own[name].copy_(torch.from_numpy(np.ascontiguousarray(array)))
+                own[name].copy_(torch.from_numpy(np.array(array, order="C")))
 
 
 def _to_numpy(item: Any) -> Array:
@@ -181,12 +179,11 @@ def compile(
     backend: str = "numpy",
 ) -> TrainStep:
     """Compile ``loss_fn(model, *batch)`` into one static training step."""
-    if backend not in BACKENDS:
-        raise CompileError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    engine = get_backend(backend)
     from pockengine.frontend.torch import import_torch
 
     imported = import_torch(model, loss_fn, example_batch)
     trainable = resolve_scheme(scheme, imported)
     params = [v.replace(trainable=v.name in trainable) for v in imported.graph.params]
     forward = verify(with_inputs(imported.graph, params))
-    return TrainStep(imported, forward, optimizer or SGD(), backend)
+    return TrainStep(imported, forward, optimizer or SGD(), engine)

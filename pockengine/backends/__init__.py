@@ -1,1 +1,23 @@
 """Backends: kernel tables that execute a training graph."""
+
+from __future__ import annotations
+
+from pockengine.backends.base import Backend, Executable, Store, check_ops
+from pockengine.ir import CompileError
+
+__all__ = ["BACKENDS", "Backend", "Executable", "Store", "check_ops", "get_backend"]
+
+BACKENDS = ("numpy", "torch", "torch-cuda")
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``; its heavy imports happen only here."""
+    if name == "numpy":
+        from pockengine.backends.numpy_backend import NumpyBackend
+
+        return NumpyBackend()
+    if name in ("torch", "torch-cuda", "torch-cpu"):
+        from pockengine.backends.torch_backend import TorchBackend
+
+        return TorchBackend(device="cuda" if name == "torch-cuda" else "cpu")
+    raise CompileError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")

@@ -8,16 +8,17 @@ backend stores them in the caller's state mapping.
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from pockengine.backends.base import Backend, Executable, Store
 from pockengine.ir import Graph, Role, get_op
 from pockengine.ir.errors import CompileError
 
-__all__ = ["NumpyExecutable", "evaluate"]
+__all__ = ["NumpyBackend", "NumpyExecutable", "evaluate"]
 
 Array = np.ndarray[Any, Any]
 
@@ -32,7 +33,7 @@ class _Step:
     label: str
 
 
-class NumpyExecutable:
+class NumpyExecutable(Executable):
     """A graph bound to reference kernels; ``run`` executes one call of it."""
 
     def __init__(self, graph: Graph) -> None:
@@ -66,12 +67,16 @@ class NumpyExecutable:
         self._outputs = tuple(v.name for v in graph.outputs)
         self._inputs = tuple(v for v in graph.inputs)
 
-    def run(self, env: MutableMapping[str, Array]) -> list[Array]:
-        """Run once. ``env`` holds every graph input; written inputs are replaced in it."""
-        missing = [v.name for v in self._inputs if v.name not in env]
+    def run(self, store: Store, feeds: Mapping[str, Any] | None = None) -> list[Array]:
+        """Run once on ``store`` (params, state; written inputs are replaced in it) and
+        ``feeds`` (batch inputs; may also be in ``store``)."""
+        feeds = feeds or {}
+        missing = [v.name for v in self._inputs if v.name not in store and v.name not in feeds]
         if missing:
             raise CompileError(f"graph {self.graph.name} is missing inputs {missing}")
-        values: dict[str, Array] = {v.name: env[v.name] for v in self._inputs}
+        values: dict[str, Array] = {
+            v.name: feeds[v.name] if v.name in feeds else store[v.name] for v in self._inputs
+        }
         for step in self._steps:
             out = step.kernel(*(values[n] for n in step.reads), **step.attrs)
             outs = out if isinstance(out, tuple | list) else (out,)
@@ -81,10 +86,25 @@ class NumpyExecutable:
                 del values[name]
         for v in self._inputs:
             if v.role in (Role.PARAM, Role.BUFFER, Role.STATE):
-                env[v.name] = values[v.name]
+                store[v.name] = values[v.name]
         return [values[n] for n in self._outputs]
 
 
+class NumpyBackend(Backend):
+    """The reference backend: NumPy arrays and each op's reference kernel."""
+
+    name = "numpy"
+
+    def compile(self, graph: Graph) -> NumpyExecutable:
+        return NumpyExecutable(graph)
+
+    def from_numpy(self, array: Array) -> Array:
+        return array
+
+    def to_numpy(self, tensor: Any) -> Array:
+        return np.asarray(tensor)
+
+
 def evaluate(graph: Graph, feeds: MutableMapping[str, Array]) -> list[Array]:
-    """Run ``graph`` once on ``feeds`` with the reference kernels."""
+    """Run ``graph`` once on ``feeds`` (every input) with the reference kernels."""
     return NumpyExecutable(graph).run(feeds)
