@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pockengine import ops as _ops  # noqa: F401  (registers every op)
 from pockengine import optim
+from pockengine.sparse import schemes
 from pockengine.ir import CompileError, PockEngineError, SchemeError, UnsupportedOpError
 from pockengine.runtime import BatchError, TrainStep, compile
 
@@ -21,5 +22,6 @@ __all__ = [
     "UnsupportedOpError",
     "compile",
     "optim",
+    "schemes",
 ]
 __version__ = "0.1.0"

@@ -15,9 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pockengine.ir import CompileError, Graph, GraphBuilder, Node, Value, VJPContext, get_op
+from pockengine.ir import (
+    CompileError,
+    GraphBuilder,
+    Node,
+    Value,
+    VJPContext,
+    get_op,
+    grad_source,
+)
 
-__all__ = ["append_backward", "depends_on", "gradient_graph"]
+__all__ = ["append_backward", "depends_on"]
 
 
 def depends_on(nodes: Sequence[Node], sources: Sequence[Value]) -> set[str]:
@@ -33,13 +41,13 @@ def depends_on(nodes: Sequence[Node], sources: Sequence[Value]) -> set[str]:
 
 def _accumulate(b: GraphBuilder, cts: dict[str, Value], x: Value, g: Value, node: Node) -> None:
     if g.shape != x.shape:
-        g = b.call("sum_to", g, shape=x.shape, source="autodiff")
+        g = b.call("sum_to", g, shape=x.shape, source=grad_source(node.source))
     if g.type != x.type:
         raise CompileError(
             f"VJP of {node.op} at {node.source or '?'} gave {g.type} for input {x} of {x.type}"
         )
     old = cts.get(x.name)
-    cts[x.name] = g if old is None else b.call("add", old, g, source="autodiff")
+    cts[x.name] = g if old is None else b.call("add", old, g, source=grad_source(node.source))
 
 
 def append_backward(
@@ -53,7 +61,8 @@ def append_backward(
     if loss.shape != () or not loss.dtype.is_float:
         raise CompileError(f"the loss must be a float scalar, got {loss.type}")
     active = depends_on(nodes, wrt)
-    cts: dict[str, Value] = {loss.name: b.call("full", shape=(), value=1.0, dtype=str(loss.dtype))}
+    seed = b.call("full", shape=(), value=1.0, dtype=str(loss.dtype), source=grad_source("loss"))
+    cts: dict[str, Value] = {loss.name: seed}
     for node in reversed(nodes):
         out_cts = tuple(cts.get(v.name) for v in node.outputs)
         if all(ct is None for ct in out_cts):
@@ -72,21 +81,3 @@ def append_backward(
             if need and g is not None:
                 _accumulate(b, cts, x, g, node)
     return {v.name: cts[v.name] for v in wrt if v.name in cts}
-
-
-def gradient_graph(
-    graph: Graph, wrt: Sequence[Value], name: str = "gradients"
-) -> tuple[Graph, tuple[str, ...]]:
-    """Forward plus backward of ``graph`` (first output: the loss), without effects.
-
-    Outputs: the loss, then one gradient per value of ``wrt`` that the loss depends on;
-    also returns the names of those values, in output order.
-    """
-    b = GraphBuilder(name)
-    for v in graph.inputs:
-        b.add_input(v)
-    pure = [n for n in graph.nodes if not get_op(n.op).effectful]
-    for node in pure:
-        b.append(node)
-    grads = append_backward(b, pure, graph.outputs[0], wrt)
-    return b.build([graph.outputs[0], *grads.values()]), tuple(grads)

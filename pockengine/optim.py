@@ -50,10 +50,13 @@ class Optimizer(ABC):
     ) -> None: ...
 
     @staticmethod
-    def _state_like(b: GraphBuilder, kind: str, param: Value, init: dict[str, Array]) -> Value:
+    def _state_like(
+        b: GraphBuilder, kind: str, param: Value, grad: Value, init: dict[str, Array]
+    ) -> Value:
+        """Per-param state, shaped like the gradient (the trained rows only, if partial)."""
         name = f"optim.{kind}.{param.name}"
-        init[name] = np.zeros(param.shape, dtype=param.dtype.to_numpy())
-        return b.input(name, param.type, Role.STATE)
+        init[name] = np.zeros(grad.shape, dtype=grad.dtype.to_numpy())
+        return b.input(name, grad.type, Role.STATE)
 
     @staticmethod
     def _step_count(b: GraphBuilder, init: dict[str, Array]) -> tuple[Value, Value]:
@@ -62,6 +65,11 @@ class Optimizer(ABC):
         init[STEP] = np.zeros((), dtype=np.float32)
         one = b.scalar(1.0, DType.F32, source="optim")
         return step, b.call("add", step, one, source="optim")
+
+
+def _rows(param: Value, grad: Value) -> dict[str, int]:
+    """The ``rows`` attr of a partial-channel update: the gradient covers leading rows."""
+    return {} if grad.shape == param.shape else {"rows": grad.shape[0]}
 
 
 def _check(name: str, value: float, low: float, high: float = float("inf")) -> None:
@@ -94,12 +102,12 @@ class SGD(Optimizer):
     ) -> None:
         for param, grad in pairs:
             source = f"optim {param.name}"
+            rows = _rows(param, grad)
             if self.momentum == 0:
-                b.effect(
-                    "sgd_update", param, grad, lr, weight_decay=self.weight_decay, source=source
-                )
+                wd = self.weight_decay
+                b.effect("sgd_update", param, grad, lr, weight_decay=wd, source=source, **rows)
                 continue
-            buf = self._state_like(b, "momentum", param, init)
+            buf = self._state_like(b, "momentum", param, grad, init)
             b.effect(
                 "sgd_momentum_update",
                 param,
@@ -110,6 +118,7 @@ class SGD(Optimizer):
                 weight_decay=self.weight_decay,
                 nesterov=self.nesterov,
                 source=source,
+                **rows,
             )
 
 
@@ -138,8 +147,8 @@ class AdamW(Optimizer):
     ) -> None:
         step, t = self._step_count(b, init)
         for param, grad in pairs:
-            m = self._state_like(b, "exp_avg", param, init)
-            v = self._state_like(b, "exp_avg_sq", param, init)
+            m = self._state_like(b, "exp_avg", param, grad, init)
+            v = self._state_like(b, "exp_avg_sq", param, grad, init)
             b.effect(
                 "adamw_update",
                 param,
@@ -153,5 +162,6 @@ class AdamW(Optimizer):
                 eps=self.eps,
                 weight_decay=self.weight_decay,
                 source=f"optim {param.name}",
+                **_rows(param, grad),
             )
         b.effect("assign", step, t, source="optim")

@@ -8,21 +8,38 @@ training step; nothing is traced or differentiated at run time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from pockengine.autodiff import append_backward, gradient_graph
+from pockengine.autodiff import append_backward
 from pockengine.backends import Backend, Executable, get_backend
-from pockengine.frontend.imported import ImportedModel
-from pockengine.ir import Graph, GraphBuilder, PockEngineError, Role, get_op, verify
+from pockengine.frontend.imported import ImportedModel, ModelInfo
+from pockengine.ir import (
+    GRAD_PREFIX,
+    Graph,
+    GraphBuilder,
+    PockEngineError,
+    Role,
+    Value,
+    get_op,
+    verify,
+)
 from pockengine.ir.rewrite import with_inputs
 from pockengine.optim import LR, SGD, Optimizer
 from pockengine.passes import run_pipeline
-from pockengine.sparse.schemes import Scheme, resolve_scheme
+from pockengine.passes.slices import sink_slices
+from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
 
-__all__ = ["BatchError", "TrainStep", "compile", "training_graph"]
+__all__ = [
+    "BatchError",
+    "TrainStep",
+    "apply_resolution",
+    "compile",
+    "gradients_graph",
+    "training_graph",
+]
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
@@ -32,8 +49,21 @@ class BatchError(PockEngineError):
     """A batch whose shapes or dtypes differ from the example batch it was compiled for."""
 
 
+def _trained_rows(
+    b: GraphBuilder, grads: dict[str, Value], rows: Mapping[str, int | None]
+) -> dict[str, Value]:
+    """Partial-channel params get the gradient of their first rows only (sink_slices then
+    makes the backward compute just that slice)."""
+    out = dict(grads)
+    for name, k in rows.items():
+        if k is not None and name in out:
+            out[name] = b.call("slice", out[name], axis=0, start=0, stop=k, step=1,
+                               source=f"{GRAD_PREFIX}{name}")  # fmt: skip
+    return out
+
+
 def training_graph(
-    forward: Graph, optimizer: Optimizer
+    forward: Graph, optimizer: Optimizer, rows: Mapping[str, int | None] | None = None
 ) -> tuple[Graph, dict[str, Array], tuple[str, ...]]:
     """Forward + backward + updates as one graph.
 
@@ -49,13 +79,28 @@ def training_graph(
     for node in pure:
         b.append(node)
     trained = forward.trainable_params
-    grads = append_backward(b, pure, forward.outputs[0], trained)
+    grads = _trained_rows(b, append_backward(b, pure, forward.outputs[0], trained), rows or {})
     for node in effects:
         b.append(node)
     unreached = tuple(p.name for p in trained if p.name not in grads)
     pairs = [(p, grads[p.name]) for p in trained if p.name in grads]
     init = optimizer.build(b, pairs) if pairs else {}
-    return b.build(forward.outputs), init, unreached
+    return sink_slices(b.build(forward.outputs)), init, unreached
+
+
+def gradients_graph(
+    forward: Graph, rows: Mapping[str, int | None] | None = None
+) -> tuple[Graph, tuple[str, ...]]:
+    """Loss and gradients of the trained params (partial ones: their rows), no effects."""
+    b = GraphBuilder("gradients")
+    for v in forward.inputs:
+        b.add_input(v)
+    pure = [n for n in forward.nodes if not get_op(n.op).effectful]
+    for node in pure:
+        b.append(node)
+    grads = append_backward(b, pure, forward.outputs[0], forward.trainable_params)
+    grads = _trained_rows(b, grads, rows or {})
+    return sink_slices(b.build([forward.outputs[0], *grads.values()])), tuple(grads)
 
 
 class TrainStep:
@@ -67,14 +112,18 @@ class TrainStep:
         forward: Graph,
         optimizer: Optimizer,
         backend: Backend,
+        resolution: Resolution,
+        info: ModelInfo,
     ) -> None:
         self.forward = forward
         self.optimizer = optimizer
         self.backend = backend
+        self.resolution = resolution
+        self.info = info
         self._batch = imported.batch
         self._state_names = dict(imported.state_names)
         self._aliases = dict(imported.aliases)
-        graph, init, unreached = training_graph(forward, optimizer)
+        graph, init, unreached = training_graph(forward, optimizer, resolution.rows)
         if unreached:
             log.warning("the loss does not depend on %s: they get no update", list(unreached))
         result = run_pipeline(verify(graph))
@@ -113,7 +162,7 @@ class TrainStep:
     def gradients(self, *batch: Any) -> dict[str, Array]:
         """Gradients of the trained params on ``batch``; nothing is updated."""
         if self._grad_exec is None:
-            graph, names = gradient_graph(self.forward, self.forward.trainable_params)
+            graph, names = gradients_graph(self.forward, self.resolution.rows)
             self._grad_exec = self.backend.compile(run_pipeline(verify(graph)).graph)
             self._grad_names = names
         outs = self._run(self._grad_exec, batch)
@@ -180,10 +229,30 @@ def compile(
 ) -> TrainStep:
     """Compile ``loss_fn(model, *batch)`` into one static training step."""
     engine = get_backend(backend)
-    from pockengine.frontend.torch import import_torch
+    from pockengine.frontend.torch import import_torch, torch_model_info
 
-    imported = import_torch(model, loss_fn, example_batch)
-    trainable = resolve_scheme(scheme, imported)
-    params = [v.replace(trainable=v.name in trainable) for v in imported.graph.params]
-    forward = verify(with_inputs(imported.graph, params))
-    return TrainStep(imported, forward, optimizer or SGD(), engine)
+    info = torch_model_info(model)
+    resolution = resolve_scheme(scheme, info)
+    eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
+    imported = import_torch(model, loss_fn, example_batch, eval_modules=eval_modules)
+    forward = apply_resolution(imported.graph, resolution)
+    return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info)
+
+
+def frozen_batchnorms(info: ModelInfo, resolution: Resolution) -> set[str]:
+    """BatchNorm modules none of whose params train (they may run on running statistics)."""
+    modules: dict[str, bool] = {}
+    for p in info.params:
+        if "batchnorm" in p.module_type.lower():
+            modules[p.module] = modules.get(p.module, False) or p.name in resolution.rows
+    return {m for m, trained in modules.items() if not trained}
+
+
+def apply_resolution(forward: Graph, resolution: Resolution) -> Graph:
+    """The forward graph with params marked trainable exactly as the scheme resolved."""
+    names = {v.name for v in forward.params}
+    unused = sorted(resolution.names - names)
+    if unused:
+        log.warning("trained params %s are not used by the loss", unused)
+    params = [v.replace(trainable=v.name in resolution.rows) for v in forward.params]
+    return verify(with_inputs(forward, params))

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from pockengine.frontend.imported import ImportedModel
+from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 
-__all__ = ["ImportedModel"]
+__all__ = ["ImportedModel", "ModelInfo", "ParamInfo"]

@@ -9,7 +9,7 @@ import numpy as np
 
 from pockengine.ir import Graph, Value
 
-__all__ = ["ImportedModel"]
+__all__ = ["ImportedModel", "ModelInfo", "ParamInfo"]
 
 Array = np.ndarray[Any, Any]
 
@@ -30,3 +30,47 @@ class ImportedModel:
     batch: tuple[Value, ...]
     state_names: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as a scheme sees it (frontend-neutral)."""
+
+    name: str  # the model's own name; also the IR value name
+    shape: tuple[int, ...]
+    module: str  # path of the owning module ("" at the top)
+    module_type: str  # the owning module's class name ("" if the frontend has none)
+    requires_grad: bool = True
+
+    @property
+    def local(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+    @property
+    def is_norm(self) -> bool:
+        return "norm" in self.module_type.lower() or self.module_type in ("BatchNorm", "LayerNorm")
+
+    @property
+    def is_bias(self) -> bool:
+        return self.local == "bias"
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What schemes resolve against: params in order, repeated block containers, the head."""
+
+    params: tuple[ParamInfo, ...]
+    containers: dict[str, tuple[str, ...]]  # container path -> child module paths, in order
+    head: str | None  # module path of the last linear layer
+    blocks: str | None = None  # the container of repeated blocks (most repeats of one class)
+    canonical: dict[str, str] = field(default_factory=dict)  # tied alias -> listed name
+
+    def param(self, name: str) -> ParamInfo:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)

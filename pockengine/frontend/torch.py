@@ -12,13 +12,14 @@ every step.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from pockengine.frontend import aten_math, aten_nn, aten_shape  # noqa: F401  (fill the table)
-from pockengine.frontend.imported import ImportedModel
+from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.frontend.torch_ops import CONVERTERS, IGNORED, Ctx, ir_type
 from pockengine.ir import (
     CompileError,
@@ -29,7 +30,7 @@ from pockengine.ir import (
     Value,
 )
 
-__all__ = ["import_torch", "module_path"]
+__all__ = ["import_torch", "module_path", "torch_model_info"]
 
 Array = np.ndarray[Any, Any]
 _WRAPPED = "model."
@@ -209,10 +210,45 @@ def _tensor_aliases(model: Any) -> tuple[dict[str, str], dict[str, tuple[str, ..
     return canonical, {k: tuple(v) for k, v in groups.items() if len(v) > 1}
 
 
+def torch_model_info(model: Any) -> ModelInfo:
+    """Param names, shapes and owning modules; repeated block containers; the last Linear."""
+    torch = _require_torch()
+    canonical, _ = _tensor_aliases(model)
+    params: list[ParamInfo] = []
+    head: str | None = None
+    containers: dict[str, tuple[str, ...]] = {}
+    repeats: dict[str, tuple[int, int]] = {}
+    for path, module in model.named_modules():
+        for local, p in module.named_parameters(recurse=False):
+            name = f"{path}.{local}" if path else local
+            if canonical.get(name, name) != name:
+                continue  # a tied weight is listed once, under its first name
+            kind = type(module).__name__
+            params.append(ParamInfo(name, tuple(p.shape), path, kind, bool(p.requires_grad)))
+        if isinstance(module, torch.nn.Linear):
+            head = path
+        if isinstance(module, torch.nn.ModuleList | torch.nn.Sequential) and len(module) >= 2:
+            children = list(module.named_children())
+            containers[path] = tuple(f"{path}.{c}" if path else c for c, _ in children)
+            kinds = Counter(type(c).__name__ for _, c in children)
+            size = sum(p.numel() for p in module.parameters())
+            repeats[path] = (kinds.most_common(1)[0][1], size)
+    blocks = max(repeats, key=lambda k: repeats[k]) if repeats else None
+    aliases = {k: v for k, v in canonical.items() if k != v}
+    return ModelInfo(tuple(params), containers, head, blocks, aliases)
+
+
 def import_torch(
-    model: Any, loss_fn: Callable[..., Any], example_batch: Sequence[Any]
+    model: Any,
+    loss_fn: Callable[..., Any],
+    example_batch: Sequence[Any],
+    eval_modules: Iterable[str] = (),
 ) -> ImportedModel:
-    """Translate ``loss_fn(model, *example_batch)`` into a forward graph."""
+    """Translate ``loss_fn(model, *example_batch)`` into a forward graph.
+
+    Modules named in ``eval_modules`` are exported in eval mode (frozen BatchNorm on its
+    running statistics); the model's own modes are restored afterwards.
+    """
     torch = _require_torch()
     if not isinstance(model, torch.nn.Module):
         raise CompileError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -220,6 +256,14 @@ def import_torch(
     bad = [i for i, t in enumerate(batch) if not isinstance(t, torch.Tensor)]
     if bad:
         raise CompileError(f"example_batch entries {bad} are not tensors")
-    exported = _export(model, loss_fn, batch)
+    modules = dict(model.named_modules())
+    switched = [modules[m] for m in eval_modules if modules[m].training]
+    for m in switched:
+        m.eval()
+    try:
+        exported = _export(model, loss_fn, batch)
+    finally:
+        for m in switched:
+            m.train()
     _check_supported(exported.graph)
     return _Translator(exported, model).run()

@@ -20,12 +20,14 @@ from pockengine.ir.printer import print_graph, print_node
 from pockengine.ir.registry import (
     EFFECTFUL,
     ELEMENTWISE,
+    GRAD_PREFIX,
     OpDef,
     Sample,
     VJPContext,
     all_ops,
     defop,
     get_op,
+    grad_source,
     has_op,
     register,
 )
@@ -35,6 +37,7 @@ from pockengine.ir.verify import verify
 __all__ = [
     "EFFECTFUL",
     "ELEMENTWISE",
+    "GRAD_PREFIX",
     "Attrs",
     "CompileError",
     "DType",
@@ -56,6 +59,7 @@ __all__ = [
     "all_ops",
     "defop",
     "get_op",
+    "grad_source",
     "has_op",
     "parse_graph",
     "print_graph",

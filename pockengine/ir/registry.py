@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 __all__ = [
     "EFFECTFUL",
     "ELEMENTWISE",
+    "GRAD_PREFIX",
     "OpDef",
     "Sample",
     "VJPContext",
     "all_ops",
     "defop",
     "get_op",
+    "grad_source",
     "has_op",
     "register",
 ]
@@ -81,14 +83,27 @@ class VJPContext:
             raise ValueError(f"{self.node.op}: no cotangent for its output")
         return ct
 
+    @property
+    def source(self) -> str:
+        """Backward nodes carry the forward node's source behind GRAD_PREFIX."""
+        return grad_source(self.node.source)
+
     def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
-        return self.b.call(op, *inputs, source="autodiff", **attrs)
+        return self.b.call(op, *inputs, source=self.source, **attrs)
 
     def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
-        return self.b.call_multi(op, *inputs, source="autodiff", **attrs)
+        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
 
     def const(self, value: float, like: Value) -> Value:
-        return self.b.scalar(value, like.dtype, source="autodiff")
+        return self.b.scalar(value, like.dtype, source=self.source)
+
+
+GRAD_PREFIX = "grad "
+
+
+def grad_source(source: str) -> str:
+    """The source of a backward node: the forward node's source with GRAD_PREFIX."""
+    return GRAD_PREFIX + (source or "?")
 
 
 InferFn = Callable[..., TensorType | tuple[TensorType, ...]]

@@ -4,6 +4,9 @@ They have no results. Each kernel returns the new values of the inputs it
 writes, in the order of ``mutates``; a backend may instead write in place.
 The learning rate and the step count are scalar graph values (state), so a
 schedule changes them without recompiling.
+
+Partial-channel updates: with ``rows=k`` an update writes only ``w[:k]`` (the first
+k output channels); the gradient and the optimizer state then have k rows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,22 @@ __all__: list[str] = []
 def _same(op: str, *types: TensorType) -> None:
     if len({(t.shape, t.dtype) for t in types}) != 1:
         raise ShapeError(f"{op} needs equal types, got {[str(t) for t in types]}")
+
+
+def _trained(op: str, w: TensorType, rows: int | None, *per_row: TensorType) -> None:
+    """The gradient and state match ``w``, or its first ``rows`` rows."""
+    want = w if rows is None else TensorType((rows, *w.shape[1:]), w.dtype)
+    if rows is not None and not (w.rank >= 1 and 0 < rows <= w.shape[0]):
+        raise ShapeError(f"{op}: rows={rows} does not fit {w}")
+    _same(op, want, *per_row)
+
+
+def _write_rows(w: Array, rows: int | None, new: Array) -> Array:
+    if rows is None:
+        return new.astype(w.dtype)
+    out = w.copy()
+    out[:rows] = new
+    return out
 
 
 def _scalar(op: str, t: TensorType) -> None:
@@ -64,21 +83,33 @@ class SGDUpdate:
 
     @staticmethod
     def infer(
-        w: TensorType, g: TensorType, lr: TensorType, *, weight_decay: float
+        w: TensorType,
+        g: TensorType,
+        lr: TensorType,
+        *,
+        weight_decay: float,
+        rows: int | None = None,
     ) -> tuple[TensorType, ...]:
-        _same("sgd_update", w, g)
+        _trained("sgd_update", w, rows, g)
         _scalar("sgd_update", lr)
         return ()
 
     @staticmethod
-    def kernel(w: Array, g: Array, lr: Array, *, weight_decay: float) -> tuple[Array]:
-        d = _sgd_direction(w, g, weight_decay)
-        return ((w - lr * d).astype(w.dtype),)
+    def kernel(
+        w: Array, g: Array, lr: Array, *, weight_decay: float, rows: int | None = None
+    ) -> tuple[Array]:
+        part = w if rows is None else w[:rows]
+        d = _sgd_direction(part, g, weight_decay)
+        return (_write_rows(w, rows, part - lr * d),)
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
         w, g = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
-        return [Sample((w, g, np.asarray(0.1)), {"weight_decay": 0.01})]
+        part = rng.standard_normal((1, 3))
+        return [
+            Sample((w, g, np.asarray(0.1)), {"weight_decay": 0.01}),
+            Sample((w, part, np.asarray(0.1)), {"weight_decay": 0.01, "rows": 1}),
+        ]
 
 
 @defop("sgd_momentum_update", mutates=(0, 2))
@@ -99,8 +130,9 @@ class SGDMomentumUpdate:
         momentum: float,
         weight_decay: float,
         nesterov: bool,
+        rows: int | None = None,
     ) -> tuple[TensorType, ...]:
-        _same("sgd_momentum_update", w, g, buf)
+        _trained("sgd_momentum_update", w, rows, g, buf)
         _scalar("sgd_momentum_update", lr)
         return ()
 
@@ -114,17 +146,23 @@ class SGDMomentumUpdate:
         momentum: float,
         weight_decay: float,
         nesterov: bool,
+        rows: int | None = None,
     ) -> tuple[Array, Array]:
-        d = _sgd_direction(w, g, weight_decay)
+        part = w if rows is None else w[:rows]
+        d = _sgd_direction(part, g, weight_decay)
         new_buf = (momentum * buf + d).astype(buf.dtype)
         step = d + momentum * new_buf if nesterov else new_buf
-        return (w - lr * step).astype(w.dtype), new_buf
+        return _write_rows(w, rows, part - lr * step), new_buf
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
         w, g, m = (rng.standard_normal((4,)) for _ in range(3))
         attrs = {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True}
-        return [Sample((w, g, m, np.asarray(0.1)), attrs)]
+        w2, g2, m2 = rng.standard_normal((4, 2)), rng.standard_normal((3, 2)), np.zeros((3, 2))
+        return [
+            Sample((w, g, m, np.asarray(0.1)), attrs),
+            Sample((w2, g2, m2, np.asarray(0.1)), {**attrs, "rows": 3}),
+        ]
 
 
 @defop("adamw_update", mutates=(0, 2, 3))
@@ -146,8 +184,9 @@ class AdamWUpdate:
         beta2: float,
         eps: float,
         weight_decay: float,
+        rows: int | None = None,
     ) -> tuple[TensorType, ...]:
-        _same("adamw_update", w, g, m, v)
+        _trained("adamw_update", w, rows, g, m, v)
         _scalar("adamw_update", t)
         _scalar("adamw_update", lr)
         return ()
@@ -165,16 +204,18 @@ class AdamWUpdate:
         beta2: float,
         eps: float,
         weight_decay: float,
+        rows: int | None = None,
     ) -> tuple[Array, Array, Array]:
         dtype = w.dtype
-        w = w * (1 - lr * weight_decay)
+        full = w
+        w = (w if rows is None else w[:rows]) * (1 - lr * weight_decay)
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
         bc1 = 1 - beta1**t
         bc2 = 1 - beta2**t
         denom = np.sqrt(v) / np.sqrt(bc2) + eps
         w = w - (lr / bc1) * m / denom
-        return w.astype(dtype), m.astype(dtype), v.astype(dtype)
+        return _write_rows(full, rows, w), m.astype(dtype), v.astype(dtype)
 
     @staticmethod
     def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
-from pockengine.passes.pipeline import DEFAULT_PIPELINE, PassResult, run_pipeline
+from pockengine.passes.fold import fold_constants
+from pockengine.passes.pipeline import DEFAULT_PIPELINE, Pass, PassResult, run_pipeline
+from pockengine.passes.reorder import reorder_updates
 
-__all__ = ["DEFAULT_PIPELINE", "PassResult", "eliminate_dead_code", "run_pipeline"]
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "Pass",
+    "PassResult",
+    "eliminate_common_subexpressions",
+    "eliminate_dead_code",
+    "fold_constants",
+    "reorder_updates",
+    "run_pipeline",
+]

@@ -11,13 +11,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pockengine.ir import Graph, GraphVerifyError, verify
+from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
+from pockengine.passes.fold import fold_constants
+from pockengine.passes.reorder import reorder_updates
 
-__all__ = ["DEFAULT_PIPELINE", "PassResult", "run_pipeline"]
+__all__ = ["DEFAULT_PIPELINE", "Pass", "PassResult", "run_pipeline"]
 
 Pass = Callable[[Graph], Graph]
 
-DEFAULT_PIPELINE: tuple[Pass, ...] = (eliminate_dead_code,)
+# Folding first turns constant chains into ``full`` nodes that CSE can then merge;
+# dead-code elimination drops what both left unread; reordering comes last, on the
+# final set of nodes, since it is about order alone.
+DEFAULT_PIPELINE: tuple[Pass, ...] = (
+    fold_constants,
+    eliminate_common_subexpressions,
+    eliminate_dead_code,
+    reorder_updates,
+)
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,316 @@
-"""Update schemes: which parameters train. Resolved once, against the model's parameters.
+"""Update schemes: which parameters train, and which output channels of a weight.
 
-A scheme is a user-facing selector; it resolves to the set of IR param names
-that train, and nothing inside the engine matches names after that.
+A scheme is a user-facing selector. It resolves once, against the model's
+``ModelInfo`` (names, shapes, owning modules, repeated blocks, the head), to a
+``Resolution``: the trained parameter names, each with the number of leading
+output channels (rows) that train, or None for the whole tensor. Nothing inside
+the engine matches names after that.
+
+Factories: ``full()``, ``bias_only()``, ``head()``, ``last_blocks(k)``,
+``select(train=..., freeze=...)`` and ``sparse(...)`` (the PockEngine recipe). Each
+takes ``channels={pattern: ratio}`` for partial-channel updates and
+``frozen_bn="eval"`` to run BatchNorm layers with no trained parameter on their
+running statistics. Schemes save to and load from small JSON/YAML files.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import difflib
+import fnmatch
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from pockengine.frontend.imported import ImportedModel
+from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.ir import SchemeError
 
-__all__ = ["FromModel", "Scheme", "resolve_scheme"]
+__all__ = [
+    "Resolution",
+    "Scheme",
+    "bias_only",
+    "full",
+    "head",
+    "last_blocks",
+    "load",
+    "requires_grad",
+    "resolve_scheme",
+    "save",
+    "select",
+    "sparse",
+]
 
 
-class Scheme(ABC):
-    """Chooses the trained params among a model's params."""
+@dataclass(frozen=True)
+class Resolution:
+    """The trained params: name -> trained leading rows (None: all of it)."""
 
-    @abstractmethod
-    def select(self, model: ImportedModel) -> set[str]:
-        """IR names of the params that train."""
+    rows: dict[str, int | None]
+    frozen_bn_eval: bool = False
 
-
-class FromModel(Scheme):
-    """Every parameter whose ``requires_grad`` is set (the default)."""
-
-    def select(self, model: ImportedModel) -> set[str]:
-        return {v.name for v in model.graph.params if v.trainable}
+    @property
+    def names(self) -> set[str]:
+        return set(self.rows)
 
 
-def resolve_scheme(scheme: Scheme | None, model: ImportedModel) -> set[str]:
-    chosen = (scheme or FromModel()).select(model)
-    if not chosen:
-        raise SchemeError("the update scheme trains no parameter")
-    return chosen
+@dataclass(frozen=True)
+class Scheme:
+    """A serialisable selector: ``kind`` plus its options (see the factories)."""
+
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+    channels: dict[str, float] = field(default_factory=dict)
+    frozen_bn: str = "train"  # "train": batch statistics; "eval": running statistics
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"scheme": self.kind, **self.options}
+        if self.channels:
+            out["channels"] = dict(self.channels)
+        if self.frozen_bn != "train":
+            out["frozen_bn"] = self.frozen_bn
+        return out
+
+    def resolve(self, info: ModelInfo) -> Resolution:
+        options = {k: v for k, v in self.options.items() if k != "channels"}
+        chosen = _SELECTORS[self.kind](info, **options)
+        if not chosen:
+            raise SchemeError(f"scheme {self.kind!r} trains no parameter of this model")
+        rows: dict[str, int | None] = {name: None for name in chosen}
+        partial = [(p, r) for pattern, r in self.channels.items() for p in
+                   _matching(info, [pattern], "channels")]  # fmt: skip
+        block_ratio = self.options.get("channels")
+        if self.kind == "sparse" and block_ratio is not None:
+            blocks = _blocks(info, options.get("blocks", 2), options.get("container"))
+            partial += [(info.param(n), float(block_ratio)) for n in blocks]
+        for p, ratio in partial:
+            if p.name in rows and not p.is_bias and not p.is_norm and len(p.shape) >= 2:
+                rows[p.name] = _rows(p, ratio)
+        return Resolution(rows, self.frozen_bn == "eval")
+
+
+def _rows(p: ParamInfo, ratio: float) -> int | None:
+    if not 0 < ratio <= 1:
+        raise SchemeError(f"channel ratio {ratio} for {p.name} must be in (0, 1]")
+    k = max(1, math.ceil(ratio * p.shape[0]))
+    return None if k == p.shape[0] else k
+
+
+# -- selectors -----------------------------------------------------------------------
+
+
+def _all(info: ModelInfo) -> list[str]:
+    return [p.name for p in info.params]
+
+
+def _bias_norm(info: ModelInfo) -> list[str]:
+    return [p.name for p in info.params if p.is_bias or p.is_norm]
+
+
+def _head(info: ModelInfo) -> list[str]:
+    if info.head is None:
+        raise SchemeError("the model has no linear layer to serve as the head")
+    prefix = f"{info.head}." if info.head else ""
+    names = []
+    for local in ("weight", "bias"):
+        name = prefix + local
+        name = info.canonical.get(name, name)
+        if any(p.name == name for p in info.params):
+            names.append(name)
+    return names
+
+
+def _blocks(info: ModelInfo, k: int, container: str | None) -> list[str]:
+    path = container if container is not None else info.blocks
+    if path is None or path not in info.containers:
+        near = difflib.get_close_matches(str(path), list(info.containers), n=5, cutoff=0.3)
+        raise SchemeError(
+            f"no block container {path!r} in the model; containers: {near or list(info.containers)}"
+        )
+    children = info.containers[path]
+    if not 0 <= k <= len(children):
+        raise SchemeError(f"{path} has {len(children)} blocks; cannot train the last {k}")
+    last = children[len(children) - k :] if k else ()
+    return [p.name for p in info.params if any(_inside(p.module, c) for c in last)]
+
+
+def _inside(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _select(
+    info: ModelInfo, train: Sequence[str] = ("*",), freeze: Sequence[str] = ()
+) -> list[str]:
+    chosen = {p.name for p in _matching(info, train, "train")}
+    frozen = {p.name for p in _matching(info, freeze, "freeze")}
+    return [p.name for p in info.params if p.name in chosen - frozen]
+
+
+def _matching(info: ModelInfo, patterns: Iterable[str], what: str) -> list[ParamInfo]:
+    found: list[ParamInfo] = []
+    for pattern in patterns:
+        hits = [p for p in info.params if _match(p, pattern, info)]
+        if not hits:
+            names = [p.name for p in info.params]
+            near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.2)
+            raise SchemeError(
+                f"{what} pattern {pattern!r} matches no parameter; nearest names: "
+                f"{near or names[:5]}"
+            )
+        found.extend(hits)
+    return found
+
+
+def _match(p: ParamInfo, pattern: str, info: ModelInfo) -> bool:
+    aliases = [a for a, c in info.canonical.items() if c == p.name]
+    return any(fnmatch.fnmatchcase(n, pattern) for n in (p.name, *aliases))
+
+
+def _sparse(
+    info: ModelInfo, bias: str = "all", blocks: int = 2, head: bool = True,
+    container: str | None = None,
+) -> list[str]:  # fmt: skip
+    # The block channel ratio ("channels" option) is applied by Scheme.resolve.
+    names: set[str] = set()
+    if bias == "all":
+        names.update(_bias_norm(info))
+    elif bias != "none":
+        raise SchemeError(f"bias must be 'all' or 'none', got {bias!r}")
+    names.update(_blocks(info, blocks, container))
+    if head:
+        names.update(_head(info))
+    return [p.name for p in info.params if p.name in names]
+
+
+def _requires_grad(info: ModelInfo) -> list[str]:
+    return [p.name for p in info.params if p.requires_grad]
+
+
+_SELECTORS: dict[str, Any] = {
+    "requires_grad": _requires_grad,
+    "full": lambda info: _all(info),
+    "bias_only": lambda info: _bias_norm(info),
+    "head": lambda info: _head(info),
+    "last_blocks": lambda info, k, container=None, head=True: sorted(
+        set(_blocks(info, k, container)) | (set(_head(info)) if head else set())
+    ),
+    "select": _select,
+    "sparse": _sparse,
+}
+
+
+# -- factories ---------------------------------------------------------------------
+
+
+def _scheme(
+    kind: str, channel_map: Mapping[str, float] | None, frozen_bn: str, **opts: Any
+) -> Scheme:
+    if frozen_bn not in ("train", "eval"):
+        raise SchemeError(f"frozen_bn must be 'train' or 'eval', got {frozen_bn!r}")
+    options = {k: v for k, v in opts.items() if v is not None}
+    return Scheme(kind, options, dict(channel_map or {}), frozen_bn)
+
+
+def requires_grad(
+    *, channels: Mapping[str, float] | None = None, frozen_bn: str = "train"
+) -> Scheme:
+    """Every parameter whose ``requires_grad`` is set (what ``scheme=None`` means)."""
+    return _scheme("requires_grad", channels, frozen_bn)
+
+
+def full(*, channels: Mapping[str, float] | None = None, frozen_bn: str = "train") -> Scheme:
+    """Every parameter trains."""
+    return _scheme("full", channels, frozen_bn)
+
+
+def bias_only(*, frozen_bn: str = "train") -> Scheme:
+    """Every bias and every normalisation parameter."""
+    return _scheme("bias_only", None, frozen_bn)
+
+
+def head(*, frozen_bn: str = "train") -> Scheme:
+    """The last linear layer only."""
+    return _scheme("head", None, frozen_bn)
+
+
+def last_blocks(
+    k: int, *, container: str | None = None, head: bool = True,
+    channels: Mapping[str, float] | None = None, frozen_bn: str = "train",
+) -> Scheme:  # fmt: skip
+    """Every parameter of the last ``k`` repeated blocks (plus the head)."""
+    return _scheme("last_blocks", channels, frozen_bn, k=k, container=container, head=head)
+
+
+def select(
+    train: Sequence[str] = ("*",), freeze: Sequence[str] = (), *,
+    channels: Mapping[str, float] | None = None, frozen_bn: str = "train",
+) -> Scheme:  # fmt: skip
+    """Parameters matching a ``train`` glob and no ``freeze`` glob."""
+    return _scheme("select", channels, frozen_bn, train=list(train), freeze=list(freeze))
+
+
+def sparse(
+    bias: str = "all", blocks: int = 2, channels: float | None = None, head: bool = True, *,
+    container: str | None = None, frozen_bn: str = "train",
+) -> Scheme:  # fmt: skip
+    """The PockEngine recipe: biases and norms everywhere, the weights of the last
+    ``blocks`` blocks (at output-channel ratio ``channels``), the head (whole)."""
+    return _scheme("sparse", None, frozen_bn, bias=bias, blocks=blocks, head=head,
+                   container=container, channels=channels)  # fmt: skip
+
+
+# -- files ------------------------------------------------------------------------
+
+
+def from_dict(data: Mapping[str, Any]) -> Scheme:
+    data = dict(data)
+    kind = str(data.pop("scheme", "select"))
+    if kind not in _SELECTORS:
+        raise SchemeError(f"unknown scheme {kind!r}; known: {sorted(_SELECTORS)}")
+    channels = data.pop("channels", None)
+    frozen_bn = str(data.pop("frozen_bn", "train"))
+    if kind == "sparse":  # its channels is the block ratio
+        return _scheme(kind, None, frozen_bn, channels=channels, **data)
+    if isinstance(channels, int | float):
+        channels = {"*": float(channels)}
+    return _scheme(kind, channels, frozen_bn, **data)
+
+
+def save(scheme: Scheme, path: str | Path) -> None:
+    """Write ``scheme`` as JSON (``.json``) or YAML (``.yaml``/``.yml``)."""
+    path = Path(path)
+    data = scheme.to_dict()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=False)
+    else:
+        text = json.dumps(data, indent=2) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def load(path: str | Path) -> Scheme:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SchemeError(f"cannot read scheme file {path}: {exc}") from exc
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:
+        raise SchemeError(f"scheme file {path} does not parse: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SchemeError(f"scheme file {path} must hold a mapping")
+    return from_dict(data)
+
+
+def resolve_scheme(scheme: Scheme | None, info: ModelInfo) -> Resolution:
+    return (scheme or requires_grad()).resolve(info)

@@ -1,0 +1,422 @@
+"""The torch kernel table, part one: creation, elementwise, reductions, shape and indexing.
+
+Each entry writes the statements of one node as source (see ``torch_codegen``): a plain
+call of an ATen kernel bound as a global (``aten_<name>``), attributes as literals. The
+semantics are those of the op's NumPy reference kernel; where ATen differs, the entry
+says how it is bridged (integer reductions keep their dtype, negative indices wrap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from pockengine.backends.torch_codegen import Emit, Emitter, literal
+from pockengine.ir import DType, get_op
+from pockengine.ops._common import norm_axes, norm_axis
+
+__all__ = ["KERNELS", "NAMESPACE", "random_mask", "wrap_index"]
+
+_M32 = 0xFFFFFFFF
+_aten = torch.ops.aten
+
+
+# -- runtime helpers (called from generated code) ------------------------------------------
+def wrap_index(index: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 indices with negative values counted from the end, as NumPy (ATen's gather,
+    scatter and embedding reject negative indices)."""
+    index = index.long()
+    return torch.where(index < 0, index + size, index)
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """random_mask's mix on int64 values in [0, 2**32); see ``ops.elementwise``."""
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x6A09E667) & _M32
+    return h ^ (h >> 16)
+
+
+def random_mask(
+    seed: torch.Tensor,
+    index: torch.Tensor,
+    salt_key: int,
+    threshold: int,
+    scale: float,
+    shape: tuple[int, ...],
+) -> torch.Tensor:
+    """random_mask's hash bit for bit: ``index`` is arange(n) (int64, n < 2**32, so
+    i & M = i and i >> 32 = 0), ``salt_key`` = mix(salt & M), and h / 2**32 >= p is
+    h >= ``threshold`` = ceil(p * 2**32), exact because both sides are integers."""
+    key = _mix(_mix(salt_key ^ (seed & _M32)) ^ ((seed >> 32) & _M32))
+    h = _mix(_mix(index ^ key))
+    return (h >= threshold).to(torch.float32).mul_(scale).reshape(shape)
+
+
+def _mix_int(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & _M32
+    h ^= h >> 15
+    h = (h * 0x6A09E667) & _M32
+    return h ^ (h >> 16)
+
+
+# -- emitter factories ---------------------------------------------------------------------
+def _call(fn: str, **kwargs: object) -> Emitter:
+    """out = fn(*inputs, **kwargs)."""
+    extra = "".join(f", {k}={literal(v)}" for k, v in kwargs.items())
+
+    def emit(e: Emit) -> list[str]:
+        return [f"{e.out} = {fn}({', '.join(e.ins)}{extra})"]
+
+    return emit
+
+
+def _binary(fn: str, *, swap: bool = False, reverse: str | None = None) -> Emitter:
+    """A binary ATen op taking a Scalar second operand: a 0-d ``full`` input is written as a
+    literal. ``swap``: the op is commutative, so a scalar first operand moves second;
+    ``reverse``: the op computing ``y fn x`` for a scalar first operand (rsub)."""
+
+    def emit(e: Emit) -> list[str]:
+        x, y = e.ins
+        sx, sy = e.scalar(0), e.scalar(1)
+        if sy is not None and sx is None:
+            return [f"{e.out} = {fn}({x}, {sy})"]
+        if sx is not None and sy is None and (swap or reverse):
+            return [f"{e.out} = {fn if swap else reverse}({y}, {sx})"]
+        return [f"{e.out} = {fn}({x}, {y})"]
+
+    return emit
+
+
+def _method(method: str, attr: str) -> Emitter:
+    def emit(e: Emit) -> list[str]:
+        return [f"{e.out} = {e.ins[0]}.{method}({literal(e.attr(attr))})"]
+
+    return emit
+
+
+# -- creation --------------------------------------------------------------------------------
+def _full(e: Emit) -> list[str]:
+    out = e.node.output
+    scalar = torch.full((), e.attr("value"), dtype=_TORCH_DTYPES[out.dtype], device=e.device)
+    k = e.const(scalar)
+    return [f"{e.out} = {k}.expand({literal(out.shape)})" if out.shape else f"{e.out} = {k}"]
+
+
+def _arange(e: Emit) -> list[str]:
+    values = get_op("arange").kernel(**e.node.attrs)
+    return [f"{e.out} = {e.const(_tensor(values, e.device))}"]
+
+
+def _random_mask(e: Emit) -> list[str]:
+    shape, p, salt = e.attr("shape"), float(e.attr("p")), int(e.attr("salt"))
+    n = math.prod(shape)
+    if n >= 2**32:
+        raise NotImplementedError("random_mask of 2**32 elements or more")
+    index = e.const(torch.arange(n, dtype=torch.int64, device=e.device))
+    threshold = math.ceil(p * 2.0**32)  # p * 2**32 is exact: a power-of-two scaling
+    scale = float(np.float32(1.0 / (1.0 - p) if p < 1.0 else 0.0))
+    args = f"{_mix_int(salt & _M32)}, {threshold}, {literal(scale)}, {literal(tuple(shape))}"
+    return [f"{e.out} = random_mask({e.ins[0]}, {index}, {args})"]
+
+
+# -- elementwise -----------------------------------------------------------------------------
+def _pow_scalar(e: Emit) -> list[str]:
+    exponent = e.attr("exponent")
+    x = e.node.inputs[0]
+    # An integer tensor keeps its dtype only with an integer exponent (ATen promotes).
+    value = exponent if x.dtype.is_float else int(exponent)
+    return [f"{e.out} = aten_pow({e.ins[0]}, {literal(value)})"]
+
+
+def _cast(e: Emit) -> list[str]:
+    return [f"{e.out} = {e.ins[0]}.to({e.dtype(e.attr('dtype'))})"]
+
+
+def _clamp(low_key: str, high_key: str) -> Emitter:
+    def emit(e: Emit) -> list[str]:
+        low, high = e.attr(low_key), e.attr(high_key)
+        x = e.ins[0]
+        if low is None and high is None:
+            return [f"{e.out} = {x}.clone()"]
+        call = f"aten_clamp({x}, {literal(low)}, {literal(high)})"
+        dtype = e.node.inputs[0].dtype
+        if not dtype.is_float and any(isinstance(b, float) for b in (low, high)):
+            call += f".to({e.dtype(dtype)})"  # float bounds promote; NumPy casts back
+        return [f"{e.out} = {call}"]
+
+    return emit
+
+
+def _gelu(e: Emit) -> list[str]:
+    return [f"{e.out} = aten_gelu({e.ins[0]}, approximate={literal(e.attr('approximate'))})"]
+
+
+def _gelu_grad(e: Emit) -> list[str]:
+    gz, x = e.ins
+    return [f"{e.out} = aten_gelu_backward({gz}, {x}, approximate={e.attr('approximate')!r})"]
+
+
+def _where(e: Emit) -> list[str]:
+    cond, x, y = e.ins
+    sx, sy = e.scalar(1), e.scalar(2)
+    if sx is None or sy is None:  # ATen's where takes one Scalar, not two
+        x, y = sx or x, sy or y
+    return [f"{e.out} = aten_where({cond}, {x}, {y})"]
+
+
+# -- reductions ------------------------------------------------------------------------------
+def _reduction(fn: str, *, typed: bool = False) -> Emitter:
+    """fn(x, dims, keepdim); ``typed``: pass the result dtype (ATen widens int32 sums)."""
+
+    def emit(e: Emit) -> list[str]:
+        x = e.node.inputs[0]
+        axes = norm_axes(e.attr("axes"), x.rank)
+        keep = bool(e.attr("keepdims"))
+        dtype = f", dtype={e.dtype(e.node.output.dtype)}" if typed else ""
+        if len(axes) == x.rank and not keep:
+            return [f"{e.out} = {fn}({e.ins[0]}{dtype})"]
+        return [f"{e.out} = {fn}({e.ins[0]}, {literal(axes)}, {keep}{dtype})"]
+
+    return emit
+
+
+def _sum_to(e: Emit) -> list[str]:
+    x, shape = e.node.inputs[0], tuple(e.attr("shape"))
+    lead = x.rank - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1
+    )
+    if not axes:
+        return [f"{e.out} = {e.ins[0]}.reshape({literal(shape)})"]
+    dtype = e.dtype(e.node.output.dtype)
+    total = f"aten_sum({e.ins[0]}, {literal(axes)}, True, dtype={dtype})"
+    return [f"{e.out} = {total}.reshape({literal(shape)})"]
+
+
+def _softmax(fn: str) -> Emitter:
+    def emit(e: Emit) -> list[str]:
+        return [f"{e.out} = {fn}({e.ins[0]}, {e.attr('axis')})"]
+
+    return emit
+
+
+def _cumsum(e: Emit) -> list[str]:
+    axis, dtype = e.attr("axis"), e.dtype(e.node.output.dtype)
+    return [f"{e.out} = aten_cumsum({e.ins[0]}, {axis}, dtype={dtype})"]
+
+
+# -- shape -----------------------------------------------------------------------------------
+def _slice(e: Emit) -> list[str]:
+    x = e.node.inputs[0]
+    axis = norm_axis(e.attr("axis"), x.rank)
+    start, stop, step = e.attr("start"), e.attr("stop"), e.attr("step")
+    if step == 1:
+        return [f"{e.out} = aten_narrow({e.ins[0]}, {axis}, {start}, {stop - start})"]
+    return [f"{e.out} = aten_slice({e.ins[0]}, {axis}, {start}, {stop}, {step})"]
+
+
+def _slice_grad(e: Emit) -> list[str]:
+    shape = tuple(e.attr("shape"))
+    axis = norm_axis(e.attr("axis"), len(shape))
+    start, stop, step = e.attr("start"), e.attr("stop"), e.attr("step")
+    if step == 1:  # one pass: pad with zeros around the slice
+        pairs = [(0, 0)] * len(shape)
+        pairs[axis] = (start, shape[axis] - stop)
+        return [f"{e.out} = aten_constant_pad_nd({e.ins[0]}, {_flat_pads(pairs)}, 0)"]
+    args = f"{literal(shape)}, {axis}, {start}, {stop}, {step}"
+    return [f"{e.out} = aten_slice_backward({e.ins[0]}, {args})"]
+
+
+def _flat_pads(pairs: list[tuple[int, int]]) -> str:
+    """F.pad's flat list: (before, after) from the last axis backwards."""
+    return literal(tuple(p for pair in reversed(pairs) for p in pair))
+
+
+def _concat(e: Emit) -> list[str]:
+    return [f"{e.out} = aten_cat([{', '.join(e.ins)}], {e.attr('axis')})"]
+
+
+def _pad(e: Emit) -> list[str]:
+    pairs = [tuple(p) for p in e.attr("pads")]
+    if not any(a or b for a, b in pairs):
+        return [f"{e.out} = {e.ins[0]}.clone()"]
+    value = literal(e.attr("value"))
+    return [f"{e.out} = aten_constant_pad_nd({e.ins[0]}, {_flat_pads(pairs)}, {value})"]
+
+
+# -- indexing --------------------------------------------------------------------------------
+def _gather(e: Emit) -> list[str]:
+    x = e.node.inputs[0]
+    axis = norm_axis(e.attr("axis"), x.rank)
+    index = f"wrap_index({e.ins[1]}, {x.shape[axis]})"
+    return [f"{e.out} = aten_gather({e.ins[0]}, {axis}, {index})"]
+
+
+def _zeros(e: Emit, shape: tuple[int, ...]) -> str:
+    return f"aten_zeros({literal(shape)}, dtype={e.dtype(e.node.output.dtype)}, device=dev)"
+
+
+def _gather_grad(e: Emit) -> list[str]:
+    shape = tuple(e.attr("shape"))
+    axis = norm_axis(e.attr("axis"), len(shape))
+    index = f"wrap_index({e.ins[1]}, {shape[axis]})"
+    return [f"{e.out} = {_zeros(e, shape)}.scatter_add_({axis}, {index}, {e.ins[0]})"]
+
+
+def _index_list(e: Emit, rank: int) -> str:
+    """ATen's index list: the index tensors on their axes, None on the axes between."""
+    axes = [norm_axis(a, rank) for a in e.attr("axes")]
+    slots = ["None"] * (max(axes) + 1)
+    for a, name in zip(axes, e.ins[1:], strict=True):
+        slots[a] = name
+    return f"[{', '.join(slots)}]"
+
+
+def _index(e: Emit) -> list[str]:
+    rank = e.node.inputs[0].rank
+    return [f"{e.out} = aten_index({e.ins[0]}, {_index_list(e, rank)})"]
+
+
+def _index_grad(e: Emit) -> list[str]:
+    shape = tuple(e.attr("shape"))
+    indices = _index_list(e, len(shape))
+    return [f"{e.out} = aten_index_put_({_zeros(e, shape)}, {indices}, {e.ins[0]}, True)"]
+
+
+def _padding_row(padding_idx: int | None, rows: int) -> int:
+    """ATen's padding_idx: the row counted from 0, or -1 for none."""
+    return -1 if padding_idx is None else padding_idx % rows
+
+
+def _embedding(e: Emit) -> list[str]:
+    rows = e.node.inputs[0].shape[0]
+    return [f"{e.out} = aten_embedding({e.ins[0]}, wrap_index({e.ins[1]}, {rows}))"]
+
+
+def _embedding_grad(e: Emit) -> list[str]:
+    rows = int(e.attr("num_rows"))
+    pad = _padding_row(e.attr("padding_idx"), rows)
+    ids = f"wrap_index({e.ins[1]}, {rows})"
+    # ATen skips the ids equal to padding_idx: that row stays zero, as the reference.
+    return [f"{e.out} = aten_embedding_dense_backward({e.ins[0]}, {ids}, {rows}, {pad}, False)"]
+
+
+# -- the table -------------------------------------------------------------------------------
+_TORCH_DTYPES = {
+    DType.F16: torch.float16,
+    DType.BF16: torch.bfloat16,
+    DType.F32: torch.float32,
+    DType.F64: torch.float64,
+    DType.I32: torch.int32,
+    DType.I64: torch.int64,
+    DType.BOOL: torch.bool,
+}
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    return _TORCH_DTYPES[dtype]
+
+
+def _tensor(array: Any, device: torch.device) -> torch.Tensor:
+    return torch.tensor(np.ascontiguousarray(array), device=device)
+
+
+_UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs")
+_UNARY += ("reciprocal", "erf")
+_PREDICATES = ("eq", "ne", "lt", "le", "gt", "ge")
+
+KERNELS: dict[str, Emitter] = {
+    "full": _full,
+    "arange": _arange,
+    "random_mask": _random_mask,
+    **{op: _call(f"aten_{op}") for op in _UNARY},
+    "silu": _call("aten_silu"),
+    "logical_not": _call("aten_logical_not"),
+    "pow_scalar": _pow_scalar,
+    "cast": _cast,
+    "clamp": _clamp("min", "max"),
+    "hardtanh": _clamp("min_val", "max_val"),
+    "gelu": _gelu,
+    "gelu_grad": _gelu_grad,
+    "relu_grad": _call("aten_threshold_backward", threshold=0),
+    "add": _binary("aten_add", swap=True),
+    "mul": _binary("aten_mul", swap=True),
+    "sub": _binary("aten_sub", reverse="aten_rsub"),
+    "div": _binary("aten_div"),
+    "maximum": _call("aten_maximum"),
+    "minimum": _call("aten_minimum"),
+    **{op: _binary(f"aten_{op}") for op in _PREDICATES},
+    "logical_and": _call("aten_logical_and"),
+    "logical_or": _call("aten_logical_or"),
+    "where": _where,
+    "sum": _reduction("aten_sum", typed=True),
+    "mean": _reduction("aten_mean"),
+    "amax": _reduction("aten_amax"),
+    "any": _reduction("aten_any"),
+    "sum_to": _sum_to,
+    "softmax": _softmax("aten_softmax"),
+    "log_softmax": _softmax("aten_log_softmax"),
+    "cumsum": _cumsum,
+    "reshape": _method("reshape", "shape"),
+    "transpose": _method("permute", "perm"),
+    "broadcast_to": _method("expand", "shape"),
+    "slice": _slice,
+    "slice_grad": _slice_grad,
+    "concat": _concat,
+    "pad": _pad,
+    "gather": _gather,
+    "gather_grad": _gather_grad,
+    "index": _index,
+    "index_grad": _index_grad,
+    "embedding": _embedding,
+    "embedding_grad": _embedding_grad,
+}
+
+_Fn = Callable[..., Any]
+NAMESPACE: dict[str, _Fn] = {
+    **{f"aten_{op}": getattr(torch, op) for op in (*_UNARY, *_PREDICATES)},
+    "aten_silu": torch._C._nn.silu,
+    "aten_logical_not": torch.logical_not,
+    "aten_logical_and": torch.logical_and,
+    "aten_logical_or": torch.logical_or,
+    "aten_pow": torch.pow,
+    "aten_clamp": torch.clamp,
+    "aten_gelu": torch._C._nn.gelu,
+    "aten_gelu_backward": _aten.gelu_backward.default,
+    "aten_threshold_backward": _aten.threshold_backward.default,
+    "aten_add": torch.add,
+    "aten_mul": torch.mul,
+    "aten_sub": torch.sub,
+    "aten_rsub": torch.rsub,
+    "aten_div": torch.div,
+    "aten_maximum": torch.maximum,
+    "aten_minimum": torch.minimum,
+    "aten_where": torch.where,
+    "aten_sum": torch.sum,
+    "aten_mean": torch.mean,
+    "aten_amax": torch.amax,
+    "aten_any": torch.any,
+    "aten_softmax": torch.softmax,
+    "aten_log_softmax": torch.log_softmax,
+    "aten_cumsum": torch.cumsum,
+    "aten_narrow": torch.narrow,
+    "aten_slice": _aten.slice.Tensor,
+    "aten_slice_backward": _aten.slice_backward.default,
+    "aten_constant_pad_nd": torch.constant_pad_nd,
+    "aten_cat": torch.cat,
+    "aten_gather": torch.gather,
+    "aten_zeros": torch.zeros,
+    "aten_index": _aten.index.Tensor,
+    "aten_index_put_": _aten.index_put_.default,
+    "aten_embedding": torch.embedding,
+    "aten_embedding_dense_backward": _aten.embedding_dense_backward.default,
+    "wrap_index": wrap_index,
+    "random_mask": random_mask,
+}

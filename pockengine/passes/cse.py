@@ -1,0 +1,78 @@
+"""Common-subexpression elimination.
+
+Needs: a verified graph. Guarantees: no two pure (non-effectful) nodes compute the
+same op with the same attributes on the same inputs (in either order for a
+commutative op); every read of a merged node's results is redirected to the first
+such node, which stays where it was. Effectful nodes are never merged. Inputs are
+unchanged; a graph output may now name the surviving node's result.
+
+One exception: creation nodes (no inputs) whose result has more than
+``REFILL_LIMIT`` elements are left alone. Merging them would keep a large constant
+alive from its first use to its last, while refilling it costs nothing but the fill.
+
+Attributes are compared by value and type (``0.0`` and ``-0.0``, ``1`` and ``1.0``
+are different), so a merge never changes a result, not even the sign of a zero.
+Merging keeps the first result alive until the last read of the merged ones; that is
+the usual trade of CSE, and the memory plan reports its cost.
+"""
+
+from __future__ import annotations
+
+from pockengine.ir import Attrs, Graph, Node, Value, get_op
+from pockengine.ir.registry import COMMUTATIVE
+from pockengine.ir.rewrite import substitute
+
+__all__ = ["REFILL_LIMIT", "eliminate_common_subexpressions"]
+
+REFILL_LIMIT = 64  # elements; larger creation nodes are refilled rather than shared
+
+_Key = tuple[str, tuple[str, ...], str]
+
+
+def _attr_key(attrs: Attrs) -> str:
+    """A canonical text of the attributes that tells 0.0 from -0.0 and 1 from 1.0."""
+    return repr(sorted((k, _typed(v)) for k, v in attrs.items()))
+
+
+def _typed(value: object) -> object:
+    if isinstance(value, tuple):
+        return tuple(_typed(v) for v in value)
+    return (type(value).__name__, repr(value))
+
+
+def _key(node: Node) -> _Key | None:
+    """What makes two nodes interchangeable, or None for a node never merged."""
+    opdef = get_op(node.op)
+    if opdef.effectful:
+        return None
+    if not node.inputs and sum(v.type.numel for v in node.outputs) > REFILL_LIMIT:
+        return None
+    names = tuple(v.name for v in node.inputs)
+    if COMMUTATIVE in opdef.groups:
+        names = tuple(sorted(names))
+    return node.op, names, _attr_key(node.attrs)
+
+
+def eliminate_common_subexpressions(graph: Graph) -> Graph:
+    """Merge repeated pure computations into their first occurrence."""
+    first: dict[_Key, Node] = {}
+    mapping: dict[str, Value] = {}
+    kept: list[Node] = []
+    for node in graph.nodes:
+        (node,) = substitute((node,), mapping)
+        key = _key(node)
+        earlier = first.get(key) if key is not None else None
+        if earlier is not None and [v.type for v in earlier.outputs] == [
+            v.type for v in node.outputs
+        ]:
+            mapping.update(
+                (new.name, old) for new, old in zip(node.outputs, earlier.outputs, strict=True)
+            )
+            continue
+        if key is not None:
+            first[key] = node
+        kept.append(node)
+    if not mapping:
+        return graph
+    outputs = tuple(mapping.get(v.name, v) for v in graph.outputs)
+    return graph.replace(nodes=tuple(kept), outputs=outputs)

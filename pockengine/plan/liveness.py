@@ -1,0 +1,94 @@
+"""Liveness: when each non-persistent value is alive, and how many bytes are live when.
+
+Persistent values (params, buffers, consts and optimizer state) live for the whole
+training run and are not tracked here. Every other value, a node result or a batch
+input, lives from the node that defines it (index -1 for a graph input) through the
+last node that reads it; a graph output lives to the end, index ``len(nodes)``; a
+result that nothing reads lives only at its own node. Intervals are inclusive: a
+node's results and its inputs are live together, so no result reuses an input's
+memory (conservative: no in-place reuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+from pockengine.ir import Graph, Role, Value
+
+__all__ = ["PERSISTENT_ROLES", "Interval", "Liveness", "liveness"]
+
+PERSISTENT_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.CONST, Role.STATE})
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """A value's lifetime: node indices ``start`` through ``end``, both included."""
+
+    value: Value
+    start: int  # the defining node; -1 for a graph input
+    end: int  # the last reading node; len(nodes) for a graph output
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.type.nbytes
+
+    def overlaps(self, other: Interval) -> bool:
+        return self.start <= other.end and other.start <= self.end
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The lifetimes of a graph's non-persistent values, in definition order."""
+
+    num_nodes: int
+    intervals: dict[str, Interval]
+
+    def live_at(self, index: int) -> list[Value]:
+        """The values live at node ``index`` (-1 is the entry, num_nodes the exit)."""
+        return [iv.value for iv in self.intervals.values() if iv.start <= index <= iv.end]
+
+    def _timeline(self) -> list[int]:
+        """Live bytes at each time point -1 .. num_nodes (list index = time + 1)."""
+        delta = [0] * (self.num_nodes + 3)
+        for iv in self.intervals.values():
+            delta[iv.start + 1] += iv.nbytes
+            delta[iv.end + 2] -= iv.nbytes
+        return list(accumulate(delta))[: self.num_nodes + 2]
+
+    def live_bytes(self) -> list[int]:
+        """The bytes of the values live at each node, one entry per node."""
+        return self._timeline()[1:-1]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes live at once, entry and exit included."""
+        return max(self._timeline())
+
+    @property
+    def peak_index(self) -> int:
+        """A node index (-1 or num_nodes for entry or exit) at which the peak is reached."""
+        timeline = self._timeline()
+        return timeline.index(max(timeline)) - 1
+
+
+def liveness(graph: Graph) -> Liveness:
+    """The lifetime of every node result and batch input of ``graph``."""
+    end = len(graph.nodes)
+    starts: dict[str, tuple[Value, int]] = {}
+    for v in graph.inputs:
+        if v.role not in PERSISTENT_ROLES:
+            starts[v.name] = (v, -1)
+    for i, node in enumerate(graph.nodes):
+        for v in node.outputs:
+            starts[v.name] = (v, i)
+    last = {name: start for name, (_, start) in starts.items()}
+    for i, node in enumerate(graph.nodes):
+        for v in node.inputs:
+            if v.name in last:
+                last[v.name] = i
+    for v in graph.outputs:
+        if v.name in last:
+            last[v.name] = end
+    intervals = {name: Interval(v, start, last[name]) for name, (v, start) in starts.items()}
+    return Liveness(end, intervals)
