@@ -8,8 +8,9 @@ the backward matmul/conv runs on the slice instead of computing the whole gradie
 and then slicing it. Dead-code elimination then drops the full-size producers.
 
 Needs: a verified graph. Guarantees: the same values for every graph output and
-effect, and no dead node (the replaced producers are removed); only slices with step 1 that start at 0, of values read by that slice
-alone, are sunk (a value read elsewhere is still computed in full once).
+effect, and no dead node (the replaced producers are removed). Only slices with
+step 1 that start at 0, of values read by that slice alone, are sunk (a value read
+elsewhere is still computed in full, once).
 """
 
 from __future__ import annotations
