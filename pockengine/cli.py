@@ -1,18 +1,38 @@
-"""The ``pockengine`` command line."""
+"""The ``pockengine`` command line: demo, inspect."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pockengine.ir import PockEngineError
 
 __all__ = ["main"]
 
 log = logging.getLogger("pockengine")
+
+
+def _scheme(spec: str | None, workload: str) -> Any:
+    """A scheme from a file (.json/.yaml) or a name: full, bias, sparse, head, last:K."""
+    from pathlib import Path
+
+    from pockengine import schemes, zoo
+
+    if spec is None:
+        return None
+    if Path(spec).suffix in (".json", ".yaml", ".yml"):
+        return schemes.load(spec)
+    if spec.startswith("last:"):
+        return schemes.last_blocks(int(spec.split(":", 1)[1]))
+    named = zoo.benchmark_schemes(workload)
+    if spec not in named:
+        raise PockEngineError(f"unknown scheme {spec!r}: a file, last:K, or one of {list(named)}")
+    return named[spec]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -40,6 +60,25 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import pockengine as pe
+    from pockengine import zoo
+
+    work, optimizer = zoo.benchmark(args.workload)
+    step = pe.compile(
+        work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
+        scheme=_scheme(args.scheme, args.workload),
+    )  # fmt: skip
+    report = step.report(depth=args.depth)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report)
+    if args.graph:
+        print(step.graph)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pockengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,11 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--threads", type=int, default=2)
     demo.set_defaults(run=_demo)
+    inspect = sub.add_parser("inspect", help="the compile-time report of a workload and scheme")
+    inspect.add_argument("workload", help="mbv2, bert, llama, mlp, cnn, mbv2-small")
+    inspect.add_argument("--scheme", help="full, bias, sparse, head, last:K or a scheme file")
+    inspect.add_argument("--depth", type=int, default=2, help="module path depth of the table")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("--graph", action="store_true", help="also print the training graph")
+    inspect.set_defaults(run=_inspect)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except PockEngineError as exc:
+    except (PockEngineError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -30,6 +30,7 @@ from pockengine.ir.rewrite import with_inputs
 from pockengine.optim import LR, SGD, Optimizer
 from pockengine.passes import run_pipeline
 from pockengine.passes.slices import sink_slices
+from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
 
 __all__ = [
@@ -114,12 +115,14 @@ class TrainStep:
         backend: Backend,
         resolution: Resolution,
         info: ModelInfo,
+        scheme: Scheme | None = None,
     ) -> None:
         self.forward = forward
         self.optimizer = optimizer
         self.backend = backend
         self.resolution = resolution
         self.info = info
+        self.scheme = scheme
         self._batch = imported.batch
         self._state_names = dict(imported.state_names)
         self._aliases = dict(imported.aliases)
@@ -173,6 +176,18 @@ class TrainStep:
 
     def _read(self, name: str) -> Array:
         return np.array(self.backend.to_numpy(self._store[name]), copy=True)
+
+    # -- compile-time facts ------------------------------------------------------
+    def report(self, depth: int | None = None) -> Report:
+        """Trained params, FLOPs, saved activations, memory: this scheme beside full
+        backprop of the same model (layers cut to ``depth`` path components)."""
+        full = apply_resolution(self.forward, Resolution(dict.fromkeys(
+            (p.name for p in self.forward.params), None)))  # fmt: skip
+        full_graph, _, _ = training_graph(full, self.optimizer)
+        full_graph = run_pipeline(full_graph).graph
+        scheme = self.scheme.to_dict() if self.scheme is not None else {"scheme": "requires_grad"}
+        label = ", ".join(f"{k}={v}" for k, v in scheme.items())
+        return Report(label, analyze(self.graph, depth), analyze(full_graph, depth))
 
     # -- state -----------------------------------------------------------------
     @property
@@ -236,7 +251,7 @@ def compile(
     eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
     imported = import_torch(model, loss_fn, example_batch, eval_modules=eval_modules)
     forward = apply_resolution(imported.graph, resolution)
-    return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info)
+    return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
 
 
 def frozen_batchnorms(info: ModelInfo, resolution: Resolution) -> set[str]:

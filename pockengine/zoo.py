@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "BENCHMARKS",
     "Workload",
     "as_double",
+    "benchmark",
+    "benchmark_schemes",
     "bert_classifier",
     "llama_lm",
     "minilm_classifier",
@@ -268,3 +271,44 @@ def llama_lm(
         return (torch.randint(0, vocab, (batch, seq), generator=g),)
 
     return Workload("llama", model, _causal_lm, make)
+
+
+# -- the benchmark workloads (shared by the CLI, benchmarks/ and docs/) ------------------
+
+BENCHMARKS: dict[str, Callable[[], Workload]] = {
+    "mbv2": lambda: mobilenet_v2(width=1.0, batch=8, size=128, classes=10),
+    "bert": lambda: bert_classifier(
+        layers=6, hidden=384, heads=12, ffn=1536, seq=128, batch=8, vocab=30522, classes=4
+    ),
+    "llama": lambda: llama_lm(
+        layers=8, hidden=512, heads=8, kv_heads=8, ffn=1376, vocab=32000, seq=256, batch=1
+    ),
+    "mlp": mlp,
+    "cnn": small_cnn,
+    "mbv2-small": lambda: mobilenet_v2(width=0.35, batch=1, size=64, classes=10),
+}
+RECIPE_BLOCKS = {"mbv2": 4, "bert": 2, "llama": 2}  # the last blocks the recipe trains
+
+
+def benchmark(name: str) -> tuple[Workload, Any]:
+    """A benchmark workload and its optimizer (SGD momentum for CNNs, AdamW otherwise)."""
+    import pockengine as pe
+
+    if name not in BENCHMARKS:
+        raise KeyError(f"unknown workload {name!r}; known: {', '.join(BENCHMARKS)}")
+    work = BENCHMARKS[name]()
+    cnn = name.startswith(("mbv2", "cnn"))
+    opt = pe.optim.SGD(lr=0.01, momentum=0.9) if cnn else pe.optim.AdamW(lr=1e-4)
+    return work, opt
+
+
+def benchmark_schemes(name: str) -> dict[str, Any]:
+    """The schemes every benchmark compares: full, bias-only, the recipe, head-only."""
+    from pockengine import schemes
+
+    return {
+        "full": schemes.full(),
+        "bias": schemes.bias_only(),
+        "sparse": schemes.sparse(blocks=RECIPE_BLOCKS.get(name, 1)),
+        "head": schemes.head(),
+    }

@@ -32,7 +32,13 @@ from pockengine.ir import DType, Graph, Node, Role, get_op, print_node
 
 __all__ = [
     "CONSTANT_OPS",
-    "VIEW_OPS", "Emit", "Emitter", "GeneratedSource", "PairFinder", "generate_source"]
+    "VIEW_OPS",
+    "Emit",
+    "Emitter",
+    "GeneratedSource",
+    "PairFinder",
+    "generate_source",
+]
 
 # Ops whose torch result may share memory with their first input.
 VIEW_OPS = frozenset(

@@ -177,10 +177,10 @@ def _reduction(fn: str, *, typed: bool = False) -> Emitter:
 
     def emit(e: Emit) -> list[str]:
         x = e.node.inputs[0]
-        axes = norm_axes(e.attr("axes"), x.rank)
+        axes = norm_axes(e.attr("axes"), x.type.rank)
         keep = bool(e.attr("keepdims"))
         dtype = f", dtype={e.dtype(e.node.output.dtype)}" if typed else ""
-        if len(axes) == x.rank and not keep:
+        if len(axes) == x.type.rank and not keep:
             return [f"{e.out} = {fn}({e.ins[0]}{dtype})"]
         return [f"{e.out} = {fn}({e.ins[0]}, {literal(axes)}, {keep}{dtype})"]
 
@@ -189,7 +189,7 @@ def _reduction(fn: str, *, typed: bool = False) -> Emitter:
 
 def _sum_to(e: Emit) -> list[str]:
     x, shape = e.node.inputs[0], tuple(e.attr("shape"))
-    lead = x.rank - len(shape)
+    lead = x.type.rank - len(shape)
     axes = tuple(range(lead)) + tuple(
         lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1
     )
@@ -215,7 +215,7 @@ def _cumsum(e: Emit) -> list[str]:
 # -- shape -----------------------------------------------------------------------------------
 def _slice(e: Emit) -> list[str]:
     x = e.node.inputs[0]
-    axis = norm_axis(e.attr("axis"), x.rank)
+    axis = norm_axis(e.attr("axis"), x.type.rank)
     start, stop, step = e.attr("start"), e.attr("stop"), e.attr("step")
     if step == 1:
         return [f"{e.out} = aten_narrow({e.ins[0]}, {axis}, {start}, {stop - start})"]
@@ -254,7 +254,7 @@ def _pad(e: Emit) -> list[str]:
 # -- indexing --------------------------------------------------------------------------------
 def _gather(e: Emit) -> list[str]:
     x = e.node.inputs[0]
-    axis = norm_axis(e.attr("axis"), x.rank)
+    axis = norm_axis(e.attr("axis"), x.type.rank)
     index = f"wrap_index({e.ins[1]}, {x.shape[axis]})"
     return [f"{e.out} = aten_gather({e.ins[0]}, {axis}, {index})"]
 
@@ -280,7 +280,7 @@ def _index_list(e: Emit, rank: int) -> str:
 
 
 def _index(e: Emit) -> list[str]:
-    rank = e.node.inputs[0].rank
+    rank = e.node.inputs[0].type.rank
     return [f"{e.out} = aten_index({e.ins[0]}, {_index_list(e, rank)})"]
 
 

@@ -1,0 +1,123 @@
+"""The torch backend: a graph compiles to one generated Python function calling ATen.
+
+``TorchBackend.compile`` writes the whole graph as the source of one straight-line
+function (``torch_codegen``; the lines come from the kernel tables in
+``torch_kernels`` and ``torch_kernels_nn``), compiles it with ``compile()`` and binds
+the ATen kernels, dtypes, the device and the compile-time constants as its globals.
+Running it is one call under ``torch.inference_mode()``: no autograd, no interpreter
+loop, no per-op lookups. The source stays on the executable as ``.source``; line
+``first_line + k`` is node ``k``, so an error raised by a kernel names its node.
+
+Params, buffers and optimizer state stay in the ``Store`` as tensors on the device and
+are updated in place by the effectful nodes. Tensors written in inference mode are
+normal tensors still (only tensors *created* there are inference tensors), so the store
+can be read and used with autograd outside.
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import math
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from pockengine.backends import torch_kernels, torch_kernels_nn
+from pockengine.backends.base import Backend, Executable, Store, check_ops
+from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_source
+from pockengine.backends.torch_kernels import torch_dtype
+from pockengine.ir import CompileError, DType, Graph, PockEngineError, print_node
+
+__all__ = ["KERNELS", "TorchBackend", "TorchExecutable", "TorchKernelError"]
+
+Array = np.ndarray[Any, Any]
+
+KERNELS: dict[str, Emitter] = {**torch_kernels.KERNELS, **torch_kernels_nn.KERNELS}
+_FINDERS: dict[str, PairFinder] = dict(torch_kernels_nn.FINDERS)
+_NAMESPACE: dict[str, Any] = {
+    **torch_kernels.NAMESPACE,
+    **torch_kernels_nn.NAMESPACE,
+    **{f"dt_{d}": torch_dtype(d) for d in DType},
+    "inf": math.inf,
+    "nan": math.nan,
+}
+_serial = itertools.count()
+
+
+class TorchKernelError(PockEngineError):
+    """A kernel that failed at run time; the message names the node and its source."""
+
+
+class TorchExecutable(Executable):
+    """One graph as a generated function; ``run`` calls it once."""
+
+    def __init__(self, graph: Graph, device: torch.device) -> None:
+        check_ops(graph, KERNELS, "torch")
+        self.graph = graph
+        self.device = device
+        generated = generate_source(graph, KERNELS, _FINDERS, device)
+        self.source = generated.source
+        self._first_line = generated.first_line
+        self._filename = f"<pockengine-torch {graph.name} #{next(_serial)}>"
+        # Registered with linecache so that tracebacks and debuggers show the source.
+        lines = self.source.splitlines(keepends=True)
+        linecache.cache[self._filename] = (len(self.source), None, lines, self._filename)
+        namespace = {**_NAMESPACE, **generated.constants, "dev": device}
+        exec(compile(self.source, self._filename, "exec"), namespace)
+        self.function: types.FunctionType = namespace[generated.function]
+        self._inputs = tuple(v.name for v in graph.inputs)
+
+    def run(self, store: Store, feeds: Mapping[str, Any] | None = None) -> list[Any]:
+        """Run once on ``store`` (params and state, written in place) and ``feeds``."""
+        feeds = feeds or {}
+        try:
+            args = [feeds[n] if n in feeds else store[n] for n in self._inputs]
+        except KeyError:
+            missing = [n for n in self._inputs if n not in store and n not in feeds]
+            raise CompileError(f"graph {self.graph.name} is missing inputs {missing}") from None
+        try:
+            with torch.inference_mode():
+                return list(self.function(*args))
+        except Exception as exc:
+            node = self._failed_node(exc)
+            if node is None:
+                raise
+            raise TorchKernelError(f"{type(exc).__name__} in {node}: {exc}") from exc
+
+    def _failed_node(self, exc: BaseException) -> str | None:
+        """The printed node whose line of the generated source raised ``exc``."""
+        tb = exc.__traceback__
+        line = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == self._filename:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        if line is None or not 0 <= line - self._first_line < len(self.graph.nodes):
+            return None
+        return print_node(self.graph.nodes[line - self._first_line])
+
+
+class TorchBackend(Backend):
+    """ATen kernels on ``device`` ("cpu" or "cuda"), called from generated code."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def compile(self, graph: Graph) -> TorchExecutable:
+        return TorchExecutable(graph, self.device)
+
+    def from_numpy(self, array: Array) -> torch.Tensor:
+        """A copy on the device, same dtype (the array is never aliased)."""
+        return torch.tensor(np.ascontiguousarray(array), device=self.device)
+
+    def to_numpy(self, tensor: Any) -> Array:
+        t = tensor.detach()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        return np.asarray(t.cpu().numpy())

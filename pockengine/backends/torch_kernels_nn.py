@@ -1,0 +1,274 @@
+"""The torch kernel table, part two: matmul, convolution, pooling, normalisation, updates.
+
+Backward kernels call ATen's own backward ops (``convolution_backward``,
+``native_batch_norm_backward``, ...). Those want tensors only for their shapes
+(the input of a convolution's input gradient), so they get a one-element
+compile-time constant expanded to that shape, as ``torch.nn.grad`` does. A
+forward node may hand its backward kernel a by-product (``FINDERS``): max
+pooling its argmax indices, batch norm its 1/std.
+
+Update ops write the param and the optimizer state in place with torch's in-place
+ops, so the tensors in the store keep their storage from step to step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pockengine.backends.torch_codegen import Emit, Emitter, GraphIndex, PairFinder, literal
+from pockengine.backends.torch_kernels import torch_dtype
+from pockengine.ir import Node
+
+__all__ = ["FINDERS", "KERNELS", "NAMESPACE"]
+
+_aten = torch.ops.aten
+
+
+def _geometry(e: Emit) -> str:
+    keys = ("stride", "padding", "dilation")
+    return ", ".join(literal(tuple(e.attr(k))) for k in keys)
+
+
+def _shape_only(e: Emit, shape: tuple[int, ...]) -> str:
+    """A global standing for a tensor of ``shape`` whose values are never read."""
+    dtype = torch_dtype(e.node.inputs[0].dtype)
+    return e.const(torch.zeros(1, dtype=dtype, device=e.device).expand(shape))
+
+
+# -- linear algebra and convolution ----------------------------------------------------------
+def _matmul(e: Emit) -> list[str]:
+    return [f"{e.out} = aten_matmul({e.ins[0]}, {e.ins[1]})"]
+
+
+def _conv2d(e: Emit) -> list[str]:
+    x, w, *b = e.ins
+    bias = b[0] if b else "None"
+    args = f"{x}, {w}, {bias}, {_geometry(e)}, {e.attr('groups')}"
+    return [f"{e.out} = aten_conv2d({args})"]
+
+
+def _conv_backward(e: Emit, gy: str, x: str, w: str, which: int) -> list[str]:
+    mask = tuple(i == which for i in range(3))
+    args = f"{gy}, {x}, {w}, None, {_geometry(e)}, False, (0, 0), {e.attr('groups')}"
+    return [f"{e.out} = aten_convolution_backward({args}, {literal(mask)})[{which}]"]
+
+
+def _conv2d_input_grad(e: Emit) -> list[str]:
+    gy, w = e.ins
+    return _conv_backward(e, gy, _shape_only(e, tuple(e.attr("x_shape"))), w, 0)
+
+
+def _conv2d_weight_grad(e: Emit) -> list[str]:
+    x, gy = e.ins
+    return _conv_backward(e, gy, x, _shape_only(e, tuple(e.attr("w_shape"))), 1)
+
+
+# -- pooling ---------------------------------------------------------------------------------
+_MAX_KEYS = ("kernel", "stride", "padding", "dilation", "ceil_mode")
+_AVG_KEYS = ("kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+
+
+def _attrs(e: Emit, keys: tuple[str, ...]) -> str:
+    return ", ".join(literal(e.attr(k)) for k in keys)
+
+
+def _max_pool2d(e: Emit) -> list[str]:
+    args = f"{e.ins[0]}, {_attrs(e, _MAX_KEYS)}"
+    if e.saved:  # the backward kernel reads the argmax indices
+        return [f"{e.out}, {e.saved} = aten_max_pool2d_with_indices({args})"]
+    return [f"{e.out} = aten_max_pool2d({args})"]
+
+
+def _max_pool2d_grad(e: Emit) -> list[str]:
+    gy, x = e.ins
+    attrs = _attrs(e, _MAX_KEYS)
+    stmts = []
+    indices = e.saved
+    if indices is None:
+        indices = e.tmp()
+        stmts.append(f"{indices} = aten_max_pool2d_with_indices({x}, {attrs})[1]")
+    call = f"aten_max_pool2d_with_indices_backward({gy}, {x}, {attrs}, {indices})"
+    return [*stmts, f"{e.out} = {call}"]
+
+
+def _pool_partner(node: Node, index: GraphIndex) -> Node | None:
+    """The max_pool2d of the same input and attributes, whose indices a grad can reuse."""
+    x = node.inputs[1]
+    for user in index.users.get(x.name, []):
+        if user.op == "max_pool2d" and user.inputs[0] == x and user.attrs == node.attrs:
+            return user
+    return None
+
+
+def _avg_pool2d(e: Emit) -> list[str]:
+    return [f"{e.out} = aten_avg_pool2d({e.ins[0]}, {_attrs(e, _AVG_KEYS)})"]
+
+
+def _avg_pool2d_grad(e: Emit) -> list[str]:
+    x = _shape_only(e, tuple(e.attr("x_shape")))
+    return [f"{e.out} = aten_avg_pool2d_backward({e.ins[0]}, {x}, {_attrs(e, _AVG_KEYS)})"]
+
+
+# -- normalisation ---------------------------------------------------------------------------
+def _batch_norm(e: Emit) -> list[str]:
+    """ATen's training-mode batch norm gives 1/std; the biased variance is 1/std^2 - eps."""
+    x, w, b = e.ins
+    y, mean, var = e.outs
+    eps = literal(float(e.attr("eps")))
+    invstd = e.saved or e.tmp()
+    call = f"aten_native_batch_norm({x}, {w}, {b}, None, None, True, 0.0, {eps})"
+    stmts = [f"{y}, {mean}, {invstd} = {call}"]
+    stmts.append(f"{var} = {invstd}.pow(-2).sub_({eps})" if e.used[2] else f"{var} = None")
+    return stmts
+
+
+def _batch_norm_grad(e: Emit) -> list[str]:
+    gy, x, w, mean, var = e.ins
+    eps = literal(float(e.attr("eps")))
+    invstd = e.saved or f"aten_rsqrt(aten_add({var}, {eps}))"
+    mask = literal(e.used)
+    args = f"{gy}, {x}, {w}, None, None, {mean}, {invstd}, True, {eps}, {mask}"
+    return [f"{', '.join(e.outs)} = aten_native_batch_norm_backward({args})"]
+
+
+def _bn_partner(node: Node, index: GraphIndex) -> Node | None:
+    """The batch_norm whose variance (and eps) this grad reads: its 1/std is reusable."""
+    made = index.producers.get(node.inputs[4].name)
+    if made is None or made.op != "batch_norm" or made.attrs["eps"] != node.attrs["eps"]:
+        return None
+    return made if made.outputs[2] == node.inputs[4] else None
+
+
+def _normalized_shape(e: Emit) -> str:
+    x = e.node.inputs[0] if e.node.op == "layer_norm" else e.node.inputs[1]
+    ndim = int(e.attr("ndim"))
+    return literal(x.shape[x.type.rank - ndim :])
+
+
+def _layer_norm(e: Emit) -> list[str]:
+    x, w, b = e.ins
+    eps = literal(float(e.attr("eps")))
+    call = f"aten_native_layer_norm({x}, {_normalized_shape(e)}, {w}, {b}, {eps})"
+    return [f"{', '.join(e.outs)} = {call}"]
+
+
+def _layer_norm_grad(e: Emit) -> list[str]:
+    gy, x, w, mean, rstd = e.ins
+    # The bias argument only gives the bias gradient's shape and dtype: w's.
+    args = f"{gy}, {x}, {_normalized_shape(e)}, {mean}, {rstd}, {w}, {w}, {literal(e.used)}"
+    return [f"{', '.join(e.outs)} = aten_native_layer_norm_backward({args})"]
+
+
+# -- updates (in place) ----------------------------------------------------------------------
+def _trained_part(e: Emit, stmts: list[str]) -> str:
+    """The param, or the view of its first ``rows`` rows that a partial update writes."""
+    rows = e.get("rows")
+    if rows is None:
+        return e.ins[0]
+    part = e.tmp()
+    stmts.append(f"{part} = {e.ins[0]}.narrow(0, 0, {int(rows)})")
+    return part
+
+
+def _direction(e: Emit, w: str, g: str, stmts: list[str]) -> str:
+    """d = g + weight_decay * w."""
+    decay = float(e.attr("weight_decay"))
+    if not decay:
+        return g
+    d = e.tmp()
+    stmts.append(f"{d} = aten_add({g}, {w}, alpha={literal(decay)})")
+    return d
+
+
+def _assign(e: Emit) -> list[str]:
+    return [f"{e.ins[0]}.copy_({e.ins[1]})"]
+
+
+def _sgd_update(e: Emit) -> list[str]:
+    stmts: list[str] = []
+    w = _trained_part(e, stmts)
+    g, lr = e.ins[1], e.ins[2]
+    d = _direction(e, w, g, stmts)
+    return [*stmts, f"{w}.addcmul_({d}, {lr}, value=-1)"]
+
+
+def _sgd_momentum_update(e: Emit) -> list[str]:
+    stmts: list[str] = []
+    w = _trained_part(e, stmts)
+    g, buf, lr = e.ins[1:]
+    d = _direction(e, w, g, stmts)
+    momentum = literal(float(e.attr("momentum")))
+    stmts.append(f"{buf}.mul_({momentum}).add_({d})")
+    step = buf
+    if e.attr("nesterov"):
+        step = e.tmp()
+        stmts.append(f"{step} = aten_add({d}, {buf}, alpha={momentum})")
+    return [*stmts, f"{w}.addcmul_({step}, {lr}, value=-1)"]
+
+
+def _adamw_update(e: Emit) -> list[str]:
+    stmts: list[str] = []
+    w = _trained_part(e, stmts)
+    g, m, v, t, lr = e.ins[1:]
+    b1, b2 = float(e.attr("beta1")), float(e.attr("beta2"))
+    decay = float(e.attr("weight_decay"))
+    # Scalars shared by every param's update: bias corrections and the decay factor.
+    step_size = e.shared(("adamw_step", lr, t, b1), f"{lr} / (1 - {literal(b1)} ** {t})")
+    bc2 = e.shared(("adamw_bc2", t, b2), f"aten_sqrt(1 - {literal(b2)} ** {t})")
+    if decay:
+        factor = e.shared(("adamw_decay", lr, decay), f"1 - {lr} * {literal(decay)}")
+        stmts.append(f"{w}.mul_({factor})")
+    stmts.append(f"{m}.mul_({literal(b1)}).add_({g}, alpha={literal(1 - b1)})")
+    stmts.append(f"{v}.mul_({literal(b2)}).addcmul_({g}, {g}, value={literal(1 - b2)})")
+    denom = e.tmp()
+    eps = literal(float(e.attr("eps")))
+    stmts.append(f"{denom} = aten_sqrt({v}).div_({bc2}).add_({eps})")
+    return [*stmts, f"{w}.sub_(aten_mul({m}, {step_size}).div_({denom}))"]
+
+
+# -- the table -------------------------------------------------------------------------------
+KERNELS: dict[str, Emitter] = {
+    "matmul": _matmul,
+    "conv2d": _conv2d,
+    "conv2d_input_grad": _conv2d_input_grad,
+    "conv2d_weight_grad": _conv2d_weight_grad,
+    "max_pool2d": _max_pool2d,
+    "max_pool2d_grad": _max_pool2d_grad,
+    "avg_pool2d": _avg_pool2d,
+    "avg_pool2d_grad": _avg_pool2d_grad,
+    "batch_norm": _batch_norm,
+    "batch_norm_grad": _batch_norm_grad,
+    "layer_norm": _layer_norm,
+    "layer_norm_grad": _layer_norm_grad,
+    "assign": _assign,
+    "sgd_update": _sgd_update,
+    "sgd_momentum_update": _sgd_momentum_update,
+    "adamw_update": _adamw_update,
+}
+
+FINDERS: dict[str, PairFinder] = {
+    "max_pool2d_grad": _pool_partner,
+    "batch_norm_grad": _bn_partner,
+}
+
+NAMESPACE: dict[str, Callable[..., Any]] = {
+    "aten_matmul": torch.matmul,
+    "aten_conv2d": torch.conv2d,
+    "aten_convolution_backward": _aten.convolution_backward.default,
+    "aten_max_pool2d": torch.max_pool2d,
+    "aten_max_pool2d_with_indices": torch._C._nn.max_pool2d_with_indices,
+    "aten_max_pool2d_with_indices_backward": _aten.max_pool2d_with_indices_backward.default,
+    "aten_avg_pool2d": torch._C._nn.avg_pool2d,
+    "aten_avg_pool2d_backward": _aten.avg_pool2d_backward.default,
+    "aten_native_batch_norm": torch.native_batch_norm,
+    "aten_native_batch_norm_backward": _aten.native_batch_norm_backward.default,
+    "aten_native_layer_norm": torch.native_layer_norm,
+    "aten_native_layer_norm_backward": _aten.native_layer_norm_backward.default,
+    "aten_rsqrt": torch.rsqrt,
+    "aten_add": torch.add,
+    "aten_mul": torch.mul,
+    "aten_sqrt": torch.sqrt,
+}

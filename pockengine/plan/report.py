@@ -1,0 +1,152 @@
+"""The compile-time report: what a training graph costs, beside full backprop.
+
+``analyze(graph)`` reads the facts off a compiled training graph: trained
+elements, forward and backward FLOPs, saved-activation bytes (forward values and
+batch inputs that a backward node reads), parameter, gradient and optimizer-state
+bytes, the planned peak of the static memory plan, and the same per layer (module
+path, cut to ``depth`` components). ``Report`` puts a scheme's figures beside
+those of full backprop and renders them as text or a dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pockengine.ir import GRAD_PREFIX, Graph, Role, get_op
+from pockengine.plan.cost import cost
+from pockengine.plan.memory import plan_memory
+
+__all__ = ["Figures", "LayerFigures", "Report", "analyze"]
+
+_UPDATE_GRAD_INPUT = 1  # sgd_update, sgd_momentum_update, adamw_update: (w, g, ...)
+
+
+@dataclass
+class LayerFigures:
+    trained_elements: int = 0
+    forward_flops: int = 0
+    backward_flops: int = 0
+    saved_bytes: int = 0
+
+
+@dataclass
+class Figures:
+    trained_elements: int
+    forward_flops: int
+    backward_flops: int
+    update_flops: int
+    saved_activation_bytes: int
+    param_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    planned_peak_bytes: int
+    layers: dict[str, LayerFigures] = field(default_factory=dict)
+
+
+def _layer(source: str, depth: int | None) -> str:
+    if source.startswith(GRAD_PREFIX):
+        source = source[len(GRAD_PREFIX) :]
+    if source.startswith("optim "):
+        source = source[len("optim ") :].rsplit(".", 1)[0]
+    if depth is None or source.startswith("<"):
+        return source
+    return ".".join(source.split(".")[:depth])
+
+
+def analyze(graph: Graph, depth: int | None = None) -> Figures:
+    """The figures of one training (or gradients) graph."""
+    costs = cost(graph)
+    layers: dict[str, LayerFigures] = {}
+    forward_made: dict[str, str] = {v.name: "<batch>" for v in graph.inputs if v.role is Role.INPUT}
+    saved: dict[str, int] = {}
+    trained = 0
+    gradient_bytes = 0
+    for node, c in zip(graph.nodes, costs.nodes, strict=True):
+        row = layers.setdefault(_layer(node.source, depth), LayerFigures())
+        if c.phase == "forward":
+            row.forward_flops += c.flops
+            for v in node.outputs:
+                forward_made[v.name] = _layer(node.source, depth)
+        elif c.phase == "backward":
+            row.backward_flops += c.flops
+            for v in node.inputs:
+                if v.name in forward_made and v.name not in saved:
+                    saved[v.name] = v.type.nbytes
+                    owner = layers.setdefault(forward_made[v.name], LayerFigures())
+                    owner.saved_bytes += v.type.nbytes
+        elif node.op != "assign" and get_op(node.op).effectful:
+            grad = node.inputs[_UPDATE_GRAD_INPUT]
+            trained += grad.type.numel
+            gradient_bytes += grad.type.nbytes
+            row.trained_elements += grad.type.numel
+    plan = plan_memory(graph)
+    phases = costs.flops_by_phase()
+    return Figures(
+        trained_elements=trained,
+        forward_flops=phases["forward"],
+        backward_flops=phases["backward"],
+        update_flops=phases["update"],
+        saved_activation_bytes=sum(saved.values()),
+        param_bytes=plan.param_bytes,
+        gradient_bytes=gradient_bytes,
+        optimizer_state_bytes=plan.state_bytes,
+        planned_peak_bytes=plan.planned_peak_bytes,
+        layers={k: v for k, v in layers.items() if any(asdict(v).values())},
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def _gflop(n: int) -> str:
+    return f"{n / 1e9:.3f} GFLOP"
+
+
+_ROWS = (
+    ("trained params", "trained_elements", lambda n: f"{n:,}"),
+    ("forward", "forward_flops", _gflop),
+    ("backward", "backward_flops", _gflop),
+    ("saved activations", "saved_activation_bytes", _mib),
+    ("params (all)", "param_bytes", _mib),
+    ("gradients", "gradient_bytes", _mib),
+    ("optimizer state", "optimizer_state_bytes", _mib),
+    ("planned peak", "planned_peak_bytes", _mib),
+)
+
+
+@dataclass
+class Report:
+    """A scheme's figures beside full backprop's, for the same model and batch."""
+
+    scheme: str
+    ours: Figures
+    full: Figures
+
+    def ratio(self, key: str) -> float:
+        base = getattr(self.full, key)
+        return getattr(self.ours, key) / base if base else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "ours": asdict(self.ours), "full": asdict(self.full)}
+
+    def __str__(self) -> str:
+        lines = [f"compile-time report (scheme: {self.scheme})"]
+        lines.append(f"  {'':<20}{'this scheme':>18}{'full backprop':>18}{'ratio':>8}")
+        for label, key, fmt in _ROWS:
+            ours, full = getattr(self.ours, key), getattr(self.full, key)
+            lines.append(f"  {label:<20}{fmt(ours):>18}{fmt(full):>18}{self.ratio(key):>8.2f}")
+        lines.append("")
+        lines.append(
+            f"  {'layer':<40}{'trained':>10}{'fwd MFLOP':>11}{'bwd MFLOP':>11}"
+            f"{'full bwd':>10}{'saved KiB':>11}{'full saved':>11}"
+        )
+        for name, row in self.full.layers.items():
+            mine = self.ours.layers.get(name, LayerFigures())
+            lines.append(
+                f"  {name[:40]:<40}{mine.trained_elements:>10,}{row.forward_flops / 1e6:>11.1f}"
+                f"{mine.backward_flops / 1e6:>11.1f}{row.backward_flops / 1e6:>10.1f}"
+                f"{mine.saved_bytes / 1024:>11.0f}{row.saved_bytes / 1024:>11.0f}"
+            )
+        return "\n".join(lines)
