@@ -1,24 +1,26 @@
-"""Random straight-line training graphs for property tests of passes and plans.
+"""Graphs for tests of passes and plans: random training graphs, compiled zoo steps.
 
-A graph reads a few batch inputs, two trained params, a frozen param and a const;
-it applies random elementwise, matmul, reduction and shape ops, constants, repeats
+A random graph reads a few batch inputs, two trained params, a frozen param and a
+const; it applies random elementwise, matmul, reduction and shape ops, constants, repeats
 of earlier nodes (for CSE), identities (for folding) and dead nodes (for DCE), and
 ends with an SGD update of each trained param by some value of the param's type.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
 
-import pockengine.ops  # noqa: F401  (registers the ops)
+import pockengine as pe
+from pockengine import zoo
 from pockengine.backends.numpy_backend import NumpyExecutable
 from pockengine.ir import DType, Graph, GraphBuilder, Role, ShapeError, TensorType, Value
 
-__all__ = ["feeds_for", "random_graphs", "run_graph"]
+__all__ = ["assert_same_results", "feeds_for", "random_graphs", "run_graph", "zoo_step"]
 
 Array = np.ndarray[Any, Any]
 F32 = DType.F32
@@ -100,7 +102,8 @@ def feeds_for(graph: Graph, seed: int = 0) -> dict[str, Array]:
     for v in graph.inputs:
         dtype = v.dtype.to_numpy()
         if v.dtype.is_float:
-            feeds[v.name] = (0.1 if v.shape == () else rng.standard_normal(v.shape)).astype(dtype)
+            value = np.asarray(0.1) if v.shape == () else rng.standard_normal(v.shape)
+            feeds[v.name] = value.astype(dtype)
         else:
             feeds[v.name] = np.zeros(v.shape, dtype)
     return {k: np.asarray(a) for k, a in feeds.items()}
@@ -130,3 +133,20 @@ def assert_same_results(
         check(a, c)
     for name, value in state0.items():
         check(value, state1[name])
+
+
+@functools.cache
+def zoo_step(name: str, optimizer: str) -> pe.TrainStep:
+    """A zoo workload compiled with an optimizer (cached: compiling takes seconds)."""
+    w = {
+        "mlp": zoo.mlp,
+        "cnn": zoo.small_cnn,
+        "bert": zoo.bert_classifier,
+        "mbv2": lambda: zoo.mobilenet_v2(width=0.35, batch=4, size=64),
+    }[name]()
+    opt = {
+        "sgd": pe.optim.SGD(lr=0.1),
+        "momentum": pe.optim.SGD(lr=0.1, momentum=0.9),
+        "adamw": pe.optim.AdamW(),
+    }[optimizer]
+    return pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt)

@@ -114,7 +114,7 @@ class TorchBackend(Backend):
 
     def from_numpy(self, array: Array) -> torch.Tensor:
         """A copy on the device, same dtype (the array is never aliased)."""
-        return torch.tensor(np.ascontiguousarray(array), device=self.device)
+        return torch.from_numpy(np.array(array, order="C", copy=True)).to(self.device)
 
     def to_numpy(self, tensor: Any) -> Array:
         t = tensor.detach()

@@ -213,7 +213,7 @@ def generate_source(
     for v in graph.inputs:
         gen.locals[v.name] = name = f"v{len(gen.locals)}"
         params.append(name)
-    function = "".join(c if c.isalnum() else "_" for c in graph.name) or "step"
+    function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
     lines = [f"def {function}({', '.join(params)}):"]
     inputs = {v.name for v in graph.inputs}
     for i, node in enumerate(graph.nodes):

@@ -325,7 +325,7 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 
 
 def _tensor(array: Any, device: torch.device) -> torch.Tensor:
-    return torch.tensor(np.ascontiguousarray(array), device=device)
+    return torch.from_numpy(np.array(array, order="C", copy=True)).to(device)
 
 
 _UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs")

@@ -1,0 +1,227 @@
+"""Training-step benchmark: workload x scheme x framework, each case in its own process.
+
+    python benchmarks/step_bench.py                       # everything, CPU, 2 threads
+    python benchmarks/step_bench.py --workloads mbv2 --schemes sparse \
+        --frameworks pockengine-torch torch-eager --steps 10
+
+Writes benchmarks/results/step_bench.json and a Markdown table (docs/benchmarks.md by
+default). Per case: median step time over ``--steps`` steps after ``--warmup`` steps,
+compile time (first call for torch.compile), training memory (peak RSS minus the RSS
+once the framework is imported and the weights and batch are loaded), the final loss,
+and achieved GFLOP/s from the analytic FLOPs of the step's matmuls and convolutions
+(the same count for every framework, from PockEngine's cost model of that scheme). A
+large matmul measured in the same run gives the attainable GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+FRAMEWORKS = ("pockengine-torch", "torch-eager", "torch-compile")
+WORKLOADS = ("mbv2", "bert", "llama")
+SCHEMES = ("full", "bias", "sparse", "head")
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    # Writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _matmul_gflops(n: int = 2048, reps: int = 10) -> float:
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / min(times) / 1e9
+
+
+def _analytic_flops(work: Any, optimizer: Any, scheme: Any) -> int:
+    """Matmul and convolution FLOPs of one step under ``scheme`` (forward + backward)."""
+    import pockengine as pe
+    from pockengine.plan.cost import cost
+
+    step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer, scheme)
+    ops = {"matmul", "conv2d", "conv2d_input_grad", "conv2d_weight_grad"}
+    return sum(c.flops for n, c in zip(step.graph.nodes, cost(step.graph).nodes, strict=True)
+               if n.op in ops)  # fmt: skip
+
+
+def _torch_optimizer(opt: Any, params: list[Any]) -> Any:
+    import torch
+
+    import pockengine as pe
+
+    if isinstance(opt, pe.optim.SGD):
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum,
+                               weight_decay=opt.weight_decay, nesterov=opt.nesterov)  # fmt: skip
+    return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                             weight_decay=opt.weight_decay)  # fmt: skip
+
+
+def _torch_step(framework: str, work: Any, optimizer: Any, trained: set[str]) -> Any:
+    import torch
+
+    model = work.model
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in trained)
+    opt = _torch_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+    forward = torch.compile(model) if framework == "torch-compile" else model
+
+    def step(*batch: Any) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = work.loss_fn(forward, *batch)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step
+
+
+def run_case(
+    workload: str, scheme_name: str, framework: str, steps: int, warmup: int
+) -> dict[str, Any]:
+    import torch
+
+    import pockengine as pe
+    from pockengine import zoo
+    from pockengine.frontend.torch import torch_model_info
+
+    work, optimizer = zoo.benchmark(workload)
+    scheme = zoo.benchmark_schemes(workload)[scheme_name]
+    batch = work.make_batch(0)
+    trained = scheme.resolve(torch_model_info(work.model)).names
+    flops = _analytic_flops(copy.deepcopy(work), optimizer, scheme)
+    base = _rss_kib("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    if framework.startswith("pockengine"):
+        backend = framework.split("-", 1)[1]
+        step: Any = pe.compile(work.model, work.loss_fn, batch, optimizer, scheme, backend=backend)
+        compile_s = time.perf_counter() - start
+    else:
+        step = _torch_step(framework, work, optimizer, trained)
+        compile_s = 0.0
+    times = []
+    loss = 0.0
+    with torch.no_grad() if framework.startswith("pockengine") else contextlib.nullcontext():
+        for i in range(warmup + steps):
+            t = time.perf_counter()
+            loss = step(*batch)
+            dt = time.perf_counter() - t
+            if i == 0 and framework == "torch-compile":
+                compile_s = dt
+            if i >= warmup:
+                times.append(dt)
+    peak = _rss_kib("VmHWM")
+    median = statistics.median(times)
+    return {
+        "workload": workload, "scheme": scheme_name, "framework": framework,
+        "step_ms": median * 1e3, "compile_s": compile_s, "loss": loss,
+        "train_mem_mib": (peak - base) / 1024, "peak_rss_mib": peak / 1024,
+        "base_rss_mib": base / 1024, "gflop": flops / 1e9, "gflops": flops / median / 1e9,
+    }  # fmt: skip
+
+
+def _subprocess(args: list[str], threads: int) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "OPENBLAS_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                         env=env, check=False)  # fmt: skip
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def markdown(results: list[dict[str, Any]], attainable: float) -> str:
+    lines = [
+        f"Attainable fp32 matmul rate in this run: {attainable:.0f} GFLOP/s.",
+        "",
+        "| workload | scheme | framework | step ms | GFLOP/s (share) | train MiB | peak RSS MiB "
+        "| compile s | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['scheme']} | {r['framework']} | error: "
+                         f"{r['error'][:80]} | | | | | |")  # fmt: skip
+            continue
+        share = r["gflops"] / attainable if attainable else 0.0
+        lines.append(
+            f"| {r['workload']} | {r['scheme']} | {r['framework']} | {r['step_ms']:.0f} "
+            f"| {r['gflops']:.0f} ({share:.0%}) | {r['train_mem_mib']:.0f} "
+            f"| {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} | {r['loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES))
+    parser.add_argument("--frameworks", nargs="*", default=list(FRAMEWORKS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
+    parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case or args.matmul:
+        _threads(args.threads)
+        result = ({"gflops": _matmul_gflops()} if args.matmul
+                  else run_case(*args.case, steps=args.steps, warmup=args.warmup))  # fmt: skip
+        print(json.dumps(result))
+        return 0
+    attainable = _subprocess(["--matmul", "--threads", str(args.threads)], args.threads)
+    results = []
+    for w in args.workloads:
+        for s in args.schemes:
+            for f in args.frameworks:
+                case = ["--case", w, s, f, "--steps", str(args.steps), "--warmup",
+                        str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+                r = {"workload": w, "scheme": s, "framework": f, **_subprocess(case, args.threads)}
+                print(json.dumps(r), file=sys.stderr)
+                results.append(r)
+    rate = float(attainable.get("gflops", 0.0))
+    results_dir = ROOT / "benchmarks" / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"attainable_gflops": rate, "results": results}
+    (results_dir / "step_bench.json").write_text(json.dumps(payload, indent=1))
+    table = markdown(results, rate)
+    Path(args.out).write_text("# Training-step benchmark\n\n" + table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
