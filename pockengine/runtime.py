@@ -216,6 +216,35 @@ class TrainStep:
         state = self.graph.inputs_with_role(Role.STATE)
         return {v.name: self._read(v.name) for v in state}
 
+    def load_state(
+        self,
+        params: Mapping[str, Array] | None = None,
+        optimizer: Mapping[str, Array] | None = None,
+    ) -> None:
+        """Set params/buffers (model names, as ``state_dict()`` gives them) and optimizer
+        state (as ``optimizer_state()`` gives it), e.g. to resume from a checkpoint."""
+        by_model = {name: ir for ir, name in self._state_names.items()}
+        for alias, canonical in self.info.canonical.items():
+            if canonical in by_model:
+                by_model.setdefault(alias, by_model[canonical])
+        updates: dict[str, Array] = {}
+        for name, array in (params or {}).items():
+            if name not in by_model:
+                raise KeyError(f"{name!r} is not a param or buffer of this model")
+            updates[by_model[name]] = array
+        state = {v.name for v in self.graph.inputs_with_role(Role.STATE)}
+        for name, array in (optimizer or {}).items():
+            if name not in state:
+                raise KeyError(f"{name!r} is not optimizer state of this step")
+            updates[name] = array
+        for ir, array in updates.items():
+            current = self._store[ir]
+            array = np.asarray(array, dtype=self.backend.to_numpy(current).dtype)
+            if array.shape != self.backend.to_numpy(current).shape:
+                raise ValueError(f"{ir}: shape {array.shape}, expected "
+                                 f"{self.backend.to_numpy(current).shape}")  # fmt: skip
+            self._store[ir] = self.backend.from_numpy(np.array(array, order="C"))
+
     def load_into(self, model: Any) -> None:
         """Write the trained values back into a torch module."""
         import torch

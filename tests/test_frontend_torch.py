@@ -158,3 +158,18 @@ def test_functional_loss_with_f_linear() -> None:
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     w = zoo.Workload("f", M(), lambda m, x, y: F.cross_entropy(m(x), y), lambda s: (x, y))
     assert_gradients_match(w)
+
+
+def test_load_state_restores_params_and_optimizer_state() -> None:
+    w = zoo.mlp()
+    opt = pe.optim.AdamW(lr=1e-2)
+    a = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt)
+    b = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt)
+    for i in range(2):
+        a(*w.make_batch(i))
+    b.load_state(a.state_dict(), a.optimizer_state())
+    assert a(*w.make_batch(5)) == b(*w.make_batch(5))
+    for name, value in a.state_dict().items():
+        np.testing.assert_array_equal(value, b.state_dict()[name])
+    with pytest.raises(KeyError, match="not a param"):
+        b.load_state({"nope": np.zeros(1)})
