@@ -20,7 +20,7 @@ from pockengine import zoo
 from pockengine.backends.numpy_backend import NumpyExecutable
 from pockengine.ir import DType, Graph, GraphBuilder, Role, ShapeError, TensorType, Value
 
-__all__ = ["assert_same_results", "feeds_for", "random_graphs", "run_graph", "zoo_step"]
+__all__ = ["Array", "assert_same_results", "feeds_for", "random_graphs", "run_graph", "zoo_step"]
 
 Array = np.ndarray[Any, Any]
 F32 = DType.F32
@@ -74,10 +74,12 @@ def random_graphs(draw: st.DrawFn, max_nodes: int = 24) -> Graph:
     lr = b.input("lr", TensorType((), F32), Role.STATE)
     made: list[Value] = []
     for _ in range(draw(st.integers(1, max_nodes))):
+        out: Value | None
         try:
             if made and draw(st.integers(0, 5)) == 0:  # repeat an earlier node
                 node = b.nodes[draw(st.integers(0, len(b.nodes) - 1))]
-                out = b.call(node.op, *node.inputs, **node.attrs)
+                attrs: dict[str, Any] = dict(node.attrs)
+                out = b.call(node.op, *node.inputs, **attrs)
             else:
                 out = _op(draw, b, pool)
         except ShapeError:
@@ -87,7 +89,8 @@ def random_graphs(draw: st.DrawFn, max_nodes: int = 24) -> Graph:
             made.append(out)
     for p in params:
         grads = [v for v in made if v.type == p.type]
-        if grads and draw(st.booleans()):
+        update = draw(st.booleans())
+        if grads and update:
             b.effect("sgd_update", p, _pick(draw, grads), lr, weight_decay=0.0)
     written = {n.inputs[0].name for n in b.nodes if n.op == "sgd_update"}
     readable = [v for v in pool if v.name not in written]
@@ -138,12 +141,13 @@ def assert_same_results(
 @functools.cache
 def zoo_step(name: str, optimizer: str) -> pe.TrainStep:
     """A zoo workload compiled with an optimizer (cached: compiling takes seconds)."""
-    w = {
+    factories: dict[str, Callable[[], zoo.Workload]] = {
         "mlp": zoo.mlp,
         "cnn": zoo.small_cnn,
         "bert": zoo.bert_classifier,
         "mbv2": lambda: zoo.mobilenet_v2(width=0.35, batch=4, size=64),
-    }[name]()
+    }
+    w = factories[name]()
     opt = {
         "sgd": pe.optim.SGD(lr=0.1),
         "momentum": pe.optim.SGD(lr=0.1, momentum=0.9),

@@ -20,7 +20,7 @@ from pockengine.passes import (
     reorder_updates,
     run_pipeline,
 )
-from tests.graphgen import assert_same_results, feeds_for, random_graphs, zoo_step
+from tests.graphgen import Array, assert_same_results, feeds_for, random_graphs, zoo_step
 
 Pass = Callable[[Graph], Graph]
 PASSES: tuple[Pass, ...] = (
@@ -31,7 +31,7 @@ PASSES: tuple[Pass, ...] = (
 )
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> None:  # type: ignore[type-arg]
+def _close(a: Array, b: Array) -> None:
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
@@ -95,7 +95,7 @@ def test_cse_golden() -> None:
     _check_pass(eliminate_common_subexpressions, CSE_BEFORE, CSE_EXPECTED)
 
 
-def _cse_keys(graph: Graph) -> list[tuple[object, ...]]:
+def _cse_keys(graph: Graph) -> list[tuple[str, tuple[str, ...], str]]:
     keys = []
     for node in graph.nodes:
         opdef = get_op(node.op)
@@ -175,16 +175,20 @@ def test_fold_golden() -> None:
 
 
 def assert_folded(graph: Graph) -> None:
-    """No identity left, and no elementwise node on constant fills alone."""
+    """No identity left (but on a value that is updated, which must not be read past its
+    update), and no elementwise node on constant fills alone."""
     producers = graph.producers()
+    written = {n.inputs[j].name for n in graph.nodes for j in get_op(n.op).mutates}
     for node in graph.nodes:
+        if not node.inputs or node.inputs[0].name in written:
+            continue
+        source, inner = node.inputs[0], producers.get(node.inputs[0].name)
         if node.op in ("reshape", "broadcast_to", "sum_to", "cast"):
-            assert node.inputs[0].type != node.output.type, node
+            assert source.type != node.output.type, node
         if node.op == "transpose":
             assert node.attrs["perm"] != tuple(range(node.output.type.rank)), node
-            inner = producers.get(node.inputs[0].name)
-            assert inner is None or inner.op != "transpose", node
-        if ELEMENTWISE in get_op(node.op).groups and node.inputs:
+            assert inner is None or inner.op != "transpose" or inner.inputs[0].name in written
+        if ELEMENTWISE in get_op(node.op).groups:
             makers = [producers.get(v.name) for v in node.inputs]
             assert not all(m is not None and m.op == "full" for m in makers), node
 
@@ -316,14 +320,15 @@ def test_pass_preserves_semantics(p: Pass, graph: Graph) -> None:
 @given(graph=random_graphs())
 def test_pipeline_preserves_semantics(graph: Graph) -> None:
     result = run_pipeline(graph, check=True)
-    assert [name for name, _ in result.stages] == ["input"] + [p.__name__ for p in PASSES]
+    assert [name for name, _ in result.stages] == ["input"] + [p.__name__ for p in DEFAULT_PIPELINE]
     assert_same_results(graph, result.graph, feeds_for(graph), _close)
     assert_no_common_subexpressions(result.graph)
     assert_updates_early(result.graph)
 
 
 def test_default_pipeline_order() -> None:
-    assert DEFAULT_PIPELINE == PASSES
+    # folding feeds CSE, both leave dead code, reordering works on the final nodes
+    assert [p for p in DEFAULT_PIPELINE if p in PASSES] == list(PASSES)
 
 
 def test_passes_are_pure() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pockengine.ir import Graph, get_op, parse_graph
+from pockengine.ir import Graph, parse_graph
 from pockengine.plan import ALIGNMENT, MemoryPlan, cost, liveness, plan_memory
 from tests.graphgen import random_graphs, zoo_step
 
@@ -78,9 +78,10 @@ graph g(x: f32[3] input, e: f32[0] input) {
     plan = plan_memory(g)
     assert "z" not in plan.offsets and "e" not in plan.offsets
     assert all(off % ALIGNMENT == 0 for off in plan.offsets.values())
-    # x (12 bytes) lives throughout; a and b overlap at node 1; c overlaps x and b
+    # x (12 bytes) lives throughout; b (4) and c (12) overlap it at node 2; a shares c's slot
+    assert plan.peak_live_bytes == 12 + 4 + 12
     assert plan.arena_bytes == 3 * ALIGNMENT
-    assert plan.peak_live_bytes == 12 + 4 + 4 + 12
+    assert plan.offsets["a"] == plan.offsets["c"]
     assert_valid(plan)
 
 
@@ -105,26 +106,19 @@ def test_memory_plan_on_random_graphs(graph: Graph) -> None:
     plan = plan_memory(graph)
     assert_valid(plan)
     live = plan.liveness
-    assert (
-        live.peak_bytes == max([0, *live.live_bytes()])
-        or live.num_nodes == 0
-        or (
-            live.peak_bytes > max(live.live_bytes())  # a batch input never read, or an output
-        )
-    )
+    by_hand = [sum(v.type.nbytes for v in live.live_at(t)) for t in range(-1, live.num_nodes + 1)]
+    assert live.peak_bytes == max(by_hand)
+    assert live.live_bytes() == by_hand[1:-1]
 
 
 def test_cost_counts_flops_and_bytes() -> None:
-    g = parse_graph(
-        """
-graph g(x: f32[8,4] input, w: f32[4,2] param, lr: f32[] state) {
+    g = parse_graph("""
+graph g(x: f32[8,4] input, w: f32[4,2] param) {
   %z: f32[8,2] = matmul(x, w)
   %t: f32[2,8] = transpose(%z, perm=(1, 0))
-  %g: f32[4,2] = matmul(transpose(x, perm=(1, 0)), %z)
-  return %z
+  return %t
 }
-""".replace("  %g: f32[4,2] = matmul(transpose(x, perm=(1, 0)), %z)\n", "")
-    )
+""")
     c = cost(g)
     assert [n.flops for n in c.nodes] == [2 * 8 * 2 * 4, 0]
     assert c.nodes[0].bytes_read == (32 + 8) * 4 and c.nodes[0].bytes_written == 16 * 4
@@ -161,14 +155,19 @@ def test_reordering_lowers_the_planned_peak(name: str, optimizer: str) -> None:
     assert after.persistent_bytes == before.persistent_bytes
 
 
-@pytest.mark.parametrize(("name", "optimizer"), ZOO)
-def test_gradients_die_at_their_update(name: str, optimizer: str) -> None:
-    graph = zoo_step(name, optimizer).graph
+def _gradient_byte_steps(graph: Graph) -> int:
+    """The sum over gradients of bytes times the nodes they stay alive."""
     live = liveness(graph)
-    for i, node in enumerate(graph.nodes):
-        if node.op.endswith("_update"):
-            grad = live.intervals[node.inputs[1].name]
-            assert grad.end == i or graph.users()[grad.value.name][-1] is not node
+    grads = [n.inputs[1].name for n in graph.nodes if n.op.endswith("_update")]
+    return sum(live.intervals[g].nbytes * (live.intervals[g].end - live.intervals[g].start)
+               for g in grads)  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "optimizer"), ZOO)
+def test_gradients_die_sooner(name: str, optimizer: str) -> None:
+    step = zoo_step(name, optimizer)
+    before = dict(step.stages)["eliminate_dead_code"]
+    assert _gradient_byte_steps(step.graph) < _gradient_byte_steps(before) / 2
 
 
 def test_zoo_cost_phases() -> None:
@@ -176,4 +175,3 @@ def test_zoo_cost_phases() -> None:
     phases = c.flops_by_phase()
     assert phases["backward"] > phases["forward"] > 0 < phases["update"]
     assert c.flops == sum(phases.values())
-    assert all(get_op(n.op) for n in zoo_step("cnn", "momentum").graph.nodes)
