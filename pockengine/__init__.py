@@ -9,18 +9,21 @@ from __future__ import annotations
 
 from pockengine import ops as _ops  # noqa: F401  (registers every op)
 from pockengine import optim
-from pockengine.sparse import schemes
+from pockengine.finetune import FinetuneError, finetune
 from pockengine.ir import CompileError, PockEngineError, SchemeError, UnsupportedOpError
 from pockengine.runtime import BatchError, TrainStep, compile
+from pockengine.sparse import schemes
 
 __all__ = [
     "BatchError",
     "CompileError",
+    "FinetuneError",
     "PockEngineError",
     "SchemeError",
     "TrainStep",
     "UnsupportedOpError",
     "compile",
+    "finetune",
     "optim",
     "schemes",
 ]

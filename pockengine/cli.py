@@ -1,4 +1,4 @@
-"""The ``pockengine`` command line: demo, inspect."""
+"""The ``pockengine`` command line: demo, inspect, finetune, export."""
 
 from __future__ import annotations
 
@@ -79,6 +79,83 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finetune(args: argparse.Namespace) -> int:
+    from pockengine.finetune import finetune
+    from pockengine.finetune.cli import config_from_args, exit_code
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = finetune(config_from_args(args))
+    print(result.summary())
+    return exit_code(result.stopped)
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Compile a zoo workload or an .onnx model and write its training step for ort_runner."""
+    import pockengine as pe
+
+    if args.model.endswith(".onnx"):
+        from pockengine import schemes
+
+        named = {
+            "full": schemes.full,
+            "bias": schemes.bias_only,
+            "head": schemes.head,
+            "sparse": lambda: schemes.sparse(blocks=1),
+        }
+        spec = args.scheme
+        scheme = named[spec]() if spec in named else _scheme(spec, "") if spec else None
+        optimizer = (
+            pe.optim.AdamW(lr=args.lr or 1e-3)
+            if args.optimizer == "adamw"
+            else pe.optim.SGD(lr=args.lr or 0.01, momentum=0.9)
+        )
+        output = int(args.output) if args.output and args.output.isdigit() else args.output
+        step = pe.compile(
+            args.model, loss=args.loss, output=output, optimizer=optimizer, scheme=scheme
+        )
+    else:
+        from pockengine import zoo
+
+        work, optimizer = zoo.benchmark(args.model)
+        step = pe.compile(
+            work.model,
+            work.loss_fn,
+            work.make_batch(0),
+            optimizer=optimizer,
+            scheme=_scheme(args.scheme, args.model),
+        )
+    side = step.export(args.out)
+    print(
+        f"wrote {args.out} and {side} ({len(step.graph.nodes)} nodes, "
+        f"{len(step.trained)} trained params); run it with pockengine/ort_runner.py"
+    )
+    return 0
+
+
+def _add_export(sub: Any) -> None:
+    export = sub.add_parser("export", help="write a training step as ONNX + state for ort_runner")
+    export.add_argument("model", help="a workload (mlp, cnn, bert, ...) or a model.onnx")
+    export.add_argument("-o", "--out", default="train_step.onnx", help="the .onnx to write")
+    export.add_argument("--scheme", help="full, bias, sparse, head, last:K or a scheme file")
+    export.add_argument(
+        "--loss",
+        default="cross_entropy",
+        help="for an .onnx model: cross_entropy, mse, causal_lm or none",
+    )
+    export.add_argument("--output", help="for an .onnx model: the output the loss applies to")
+    export.add_argument(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        default="sgd",
+        help="for an .onnx model (workloads use their benchmark optimizer)",
+    )
+    export.add_argument("--lr", type=float, help="learning rate (for an .onnx model)")
+    export.set_defaults(run=_export)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pockengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.add_argument("--graph", action="store_true", help="also print the training graph")
     inspect.set_defaults(run=_inspect)
+    from pockengine.finetune.cli import EPILOG, add_arguments
+
+    finetune = sub.add_parser(
+        "finetune", help="fine-tune a recipe or your model on your data, with checkpoints",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_arguments(finetune)
+    finetune.set_defaults(run=_finetune)
+    _add_export(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -8,7 +8,9 @@ training step; nothing is traced or differentiated at run time.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,7 @@ from pockengine.backends import Backend, Executable, get_backend
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 from pockengine.ir import (
     GRAD_PREFIX,
+    CompileError,
     Graph,
     GraphBuilder,
     PockEngineError,
@@ -245,6 +248,16 @@ class TrainStep:
                                  f"{self.backend.to_numpy(current).shape}")  # fmt: skip
             self._store[ir] = self.backend.from_numpy(np.array(array, order="C"))
 
+    def export(self, path: str | os.PathLike[str]) -> Path:
+        """Write this training step as one ONNX model (``path``) plus its current params,
+        buffers and optimizer state (``<stem>.state.npz`` beside it), to run with
+        ``pockengine/ort_runner.py`` wherever numpy and onnxruntime are installed. Returns
+        the path of the state file."""
+        from pockengine.backends.onnx_export import export_step
+
+        state = {v.name: self._read(v.name) for v in self.graph.inputs if v.role is not Role.INPUT}
+        return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
+
     def load_into(self, model: Any) -> None:
         """Write the trained values back into a torch module."""
         import torch
@@ -265,20 +278,62 @@ def _to_numpy(item: Any) -> Array:
 
 def compile(
     model: Any,
-    loss_fn: Callable[..., Any],
-    example_batch: Sequence[Any],
+    loss_fn: Callable[..., Any] | None = None,
+    example_batch: Sequence[Any] | None = None,
     optimizer: Optimizer | None = None,
     scheme: Scheme | None = None,
     backend: str = "numpy",
+    *,
+    loss: str | None = None,
+    output: str | int | None = None,
+    params: Sequence[str] | None = None,
 ) -> TrainStep:
-    """Compile ``loss_fn(model, *batch)`` into one static training step."""
+    """Compile ``loss_fn(model, *batch)`` into one static training step.
+
+    ``model`` may instead be an ONNX model (a path to an .onnx file, or a ModelProto):
+    ``loss`` then names the loss ("cross_entropy", "mse", "causal_lm", or "none" when the
+    output already is the loss) applied to the model output ``output`` (a name or an index;
+    needed when the model has several), ``example_batch`` holds the model's inputs and then
+    the loss's targets (optional when the inputs have static shapes), and ``params``
+    optionally lists the initializers (names or globs) that are parameters; see
+    ``pockengine.frontend.onnx``.
+    """
     engine = get_backend(backend)
+    if isinstance(model, str | os.PathLike) or type(model).__name__ == "ModelProto":
+        if loss is None:
+            raise CompileError('an ONNX model needs a named loss: loss="cross_entropy", "mse", '
+                               '"causal_lm" or "none"')  # fmt: skip
+        return _compile_onnx(model, loss, example_batch, optimizer, scheme, engine, output,
+                             params)  # fmt: skip
+    if loss_fn is None or example_batch is None:
+        raise CompileError("compile(model, loss_fn, example_batch) needs loss_fn and example_batch")
     from pockengine.frontend.torch import import_torch, torch_model_info
 
     info = torch_model_info(model)
     resolution = resolve_scheme(scheme, info)
     eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
     imported = import_torch(model, loss_fn, example_batch, eval_modules=eval_modules)
+    forward = apply_resolution(imported.graph, resolution)
+    return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
+
+
+def _compile_onnx(
+    model: Any,
+    loss: str,
+    example_batch: Sequence[Any] | None,
+    optimizer: Optimizer | None,
+    scheme: Scheme | None,
+    engine: Backend,
+    output: str | int | None,
+    params: Sequence[str] | None,
+) -> TrainStep:
+    from pockengine.frontend.onnx import import_onnx, load_onnx, onnx_model_info
+
+    loaded = load_onnx(model, params)
+    info = onnx_model_info(loaded)
+    resolution = resolve_scheme(scheme, info)
+    eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
+    imported = import_onnx(loaded, loss, example_batch, output, eval_modules)
     forward = apply_resolution(imported.graph, resolution)
     return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
 

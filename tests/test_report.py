@@ -33,7 +33,9 @@ def _workloads() -> list[Any]:
 def test_sparse_schemes_cost_less_than_full_and_head_least(make: Any) -> None:
     w = make()
     batch = w.make_batch(0)
-    reports = {k: pe.compile(w.model, w.loss_fn, batch, scheme=s).report() for k, s in SCHEMES.items()}
+    reports = {
+        k: pe.compile(w.model, w.loss_fn, batch, scheme=s).report() for k, s in SCHEMES.items()
+    }
     for name, r in reports.items():
         assert r.ours.backward_flops < r.full.backward_flops, name
         assert r.ours.saved_activation_bytes < r.full.saved_activation_bytes, name

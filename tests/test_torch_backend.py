@@ -2,15 +2,17 @@
 
 - every registered op's samples, as one-node graphs, in float64 to 1e-10 (effectful ops:
   the values they write);
-- zoo models: the same losses, state and gradients over five steps of SGD with momentum
-  or AdamW (MobileNetV2 at batch 2 is ill-conditioned in float32 and runs in float64);
+- zoo models: the same gradients, then the same losses, params, buffers and optimizer
+  state over five steps of SGD with momentum or AdamW (see ``_adamw`` and ``_mobilenet``
+  for the two settings that keep the comparison well conditioned);
 - the generated source: one line per node, no loop; views of a param stay the old value
   across its in-place update; errors name the node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,16 @@ from pockengine.ir import (
 Array = np.ndarray[Any, Any]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: on a loaded machine OpenMP's spinning threads slow these small
+    kernels down tenfold. Results do not depend on it; the backend itself sets nothing."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _type_of(a: Array) -> TensorType:
     return TensorType(a.shape, DType.from_numpy(a.dtype))
 
@@ -44,8 +56,8 @@ def _type_of(a: Array) -> TensorType:
 def _cases() -> list[Any]:
     cases = []
     for name, opdef in sorted(all_ops().items()):
-        for i, sample in enumerate(opdef.samples(np.random.default_rng(0)) if opdef.samples else []):
-            cases.append(pytest.param(opdef, sample, id=f"{name}-{i}"))
+        samples = opdef.samples(np.random.default_rng(0)) if opdef.samples else []
+        cases += [pytest.param(opdef, s, id=f"{name}-{i}") for i, s in enumerate(samples)]
     return cases
 
 
@@ -66,8 +78,20 @@ def test_every_op_has_a_torch_kernel() -> None:
 
 @pytest.mark.parametrize(("opdef", "sample"), _cases())
 def test_op_matches_numpy(opdef: OpDef, sample: Sample) -> None:
+    _check_op(opdef, sample, TorchBackend())
+
+
+@pytest.mark.cuda
+def test_ops_match_numpy_on_cuda() -> None:
+    """Runs with ``pytest -m cuda`` on a machine with a GPU (not in the default run)."""
+    backend = get_backend("torch-cuda")
+    assert isinstance(backend, TorchBackend) and backend.device.type == "cuda"
+    for case in _cases():
+        _check_op(*case.values, backend)
+
+
+def _check_op(opdef: OpDef, sample: Sample, backend: TorchBackend, rtol: float = 1e-10) -> None:
     graph = _one_node(opdef, sample)
-    backend = TorchBackend()
     store_np = {f"x{i}": a.copy() for i, a in enumerate(sample.inputs)}
     store_t = {k: backend.from_numpy(a) for k, a in store_np.items()}
     written = {f"x{i}": store_t[f"x{i}"] for i in opdef.mutates}
@@ -81,40 +105,59 @@ def test_op_matches_numpy(opdef: OpDef, sample: Sample) -> None:
     for g, w in zip(got, want, strict=True):
         g = backend.to_numpy(g)
         assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
-        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol, err_msg=opdef.name)
+
+
+@pytest.mark.parametrize("op", ["relu_grad", "gelu_grad"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_kernels_broadcast(op: str, dtype: type) -> None:
+    rng = np.random.default_rng(0)
+    gz, x = rng.standard_normal((3, 4)).astype(dtype), rng.standard_normal(4).astype(dtype)
+    attrs = {"approximate": "tanh"} if op == "gelu_grad" else {}
+    for inputs in ((gz, x), (x, gz)):
+        _check_op(all_ops()[op], Sample(inputs, attrs), TorchBackend(), rtol=1e-6)
 
 
 # -- whole models ----------------------------------------------------------------------------
+def _sgd(lr: float) -> pe.optim.Optimizer:
+    return pe.optim.SGD(lr=lr, momentum=0.9, weight_decay=1e-3, nesterov=True)
+
+
+def _adamw(lr: float) -> pe.optim.Optimizer:
+    # AdamW divides each gradient element by its own magnitude, so a param whose true
+    # gradient is zero (a key bias before softmax, a conv bias before BatchNorm) would move
+    # by +-lr on float32 rounding noise alone; eps=1e-5 keeps that noise from being amplified.
+    return pe.optim.AdamW(lr=lr, weight_decay=0.01, eps=1e-5)
+
+
 def _mobilenet() -> zoo.Workload:
-    return zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=2, size=32))
+    # Randomly initialised, this network is ill-conditioned in float32 (see test_models), and
+    # at batch 2 and 32x32 its last BatchNorms normalise two values each, amplifying rounding
+    # differences about a millionfold per layer even in float64: batch 4 at 64x64, float64.
+    return zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=4, size=64))
 
 
-_MODELS: dict[str, Callable[[], zoo.Workload]] = {
-    "mlp": zoo.mlp,
-    "small_cnn": zoo.small_cnn,
-    "mobilenet_v2": _mobilenet,
-    "bert": zoo.bert_classifier,
-    "llama": zoo.llama_lm,
-    "small_cnn_dropout": lambda: zoo.small_cnn(dropout=0.5),
+_STEPS = 5
+_Case = tuple[Callable[[], zoo.Workload], Callable[[], pe.optim.Optimizer]]
+_CASES: dict[str, _Case] = {
+    "mlp-sgd_momentum": (zoo.mlp, lambda: _sgd(0.05)),
+    "small_cnn-sgd_momentum": (zoo.small_cnn, lambda: _sgd(0.05)),
+    "small_cnn_dropout-sgd_momentum": (lambda: zoo.small_cnn(dropout=0.5), lambda: _sgd(0.05)),
+    "bert-adamw": (zoo.bert_classifier, lambda: _adamw(1e-3)),
+    "llama-adamw": (zoo.llama_lm, lambda: _adamw(1e-3)),
+    "mobilenet_v2-adamw": (_mobilenet, lambda: _adamw(1e-4)),
 }
-_OPTIMIZERS: dict[str, Callable[[], pe.optim.Optimizer]] = {
-    "sgd_momentum": lambda: pe.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True),
-    "adamw": lambda: pe.optim.AdamW(lr=1e-3, weight_decay=0.01),
+# The other pairs: pytest -m slow.
+_SLOW: dict[str, _Case] = {
+    "mlp-adamw": (zoo.mlp, lambda: _adamw(1e-3)),
+    "small_cnn-adamw": (zoo.small_cnn, lambda: _adamw(1e-3)),
+    "small_cnn_dropout-adamw": (lambda: zoo.small_cnn(dropout=0.5), lambda: _adamw(1e-3)),
+    "bert-sgd_momentum": (zoo.bert_classifier, lambda: _sgd(0.05)),
+    "llama-sgd_momentum": (zoo.llama_lm, lambda: _sgd(0.05)),
+    "mobilenet_v2-sgd_momentum": (_mobilenet, lambda: _sgd(1e-3)),
 }
-# Each model once and each optimizer several times by default; all pairs with -m slow.
-_DEFAULT = {
-    ("mlp", "sgd_momentum"),
-    ("mlp", "adamw"),
-    ("small_cnn", "sgd_momentum"),
-    ("mobilenet_v2", "sgd_momentum"),
-    ("bert", "adamw"),
-    ("llama", "adamw"),
-    ("small_cnn_dropout", "adamw"),
-}
-_PAIRS = [
-    pytest.param(m, o, id=f"{m}-{o}", marks=() if (m, o) in _DEFAULT else pytest.mark.slow)
-    for m in _MODELS
-    for o in _OPTIMIZERS
+_PARAMS = [pytest.param(*case, id=name) for name, case in _CASES.items()] + [
+    pytest.param(*case, id=name, marks=pytest.mark.slow) for name, case in _SLOW.items()
 ]
 
 
@@ -124,30 +167,29 @@ def _close(got: dict[str, Array], want: dict[str, Array], what: str) -> None:
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=f"{what} {name}")
 
 
-@pytest.mark.parametrize(("model", "optimizer"), _PAIRS)
-def test_training_matches_numpy(model: str, optimizer: str) -> None:
-    w = _MODELS[model]()
-    steps = {
-        backend: pe.compile(
-            w.model, w.loss_fn, w.make_batch(0), optimizer=_OPTIMIZERS[optimizer](), backend=backend
-        )
-        for backend in ("numpy", "torch")
-    }
-    for i in range(5):
+@pytest.mark.parametrize(("workload", "optimizer"), _PARAMS)
+def test_training_matches_numpy(
+    workload: Callable[[], zoo.Workload], optimizer: Callable[[], pe.optim.Optimizer]
+) -> None:
+    """Gradients at the initial weights, then five steps: losses, params, buffers, state."""
+    w = workload()
+    batch = w.make_batch(0)
+    ref = pe.compile(w.model, w.loss_fn, batch, optimizer=optimizer(), backend="numpy")
+    ours = pe.compile(w.model, w.loss_fn, batch, optimizer=optimizer(), backend="torch")
+    _close(ours.gradients(*batch), ref.gradients(*batch), "gradient")
+    for i in range(_STEPS):
         batch = w.make_batch(i)
-        want, got = steps["numpy"](*batch), steps["torch"](*batch)
+        want, got = ref(*batch), ours(*batch)
         assert got == pytest.approx(want, rel=1e-4, abs=1e-5), (i, got, want)
-    ref, ours = steps["numpy"], steps["torch"]
     _close(ours.state_dict(), ref.state_dict(), "state")
     _close(ours.optimizer_state(), ref.optimizer_state(), "optimizer state")
-    batch = w.make_batch(5)
-    _close(ours.gradients(*batch), ref.gradients(*batch), "gradient")
 
 
 # -- state lives in the store, updated in place ----------------------------------------------
 def test_params_are_updated_in_place_and_stay_usable() -> None:
     w = zoo.small_cnn()
-    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=pe.optim.SGD(lr=0.1, momentum=0.9), backend="torch")  # fmt: skip
+    sgd = pe.optim.SGD(lr=0.1, momentum=0.9)
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=sgd, backend="torch")
     before = {k: (t, t.data_ptr()) for k, t in step._store.items()}
     before_values = step.state_dict()
     for i in range(2):
@@ -174,6 +216,14 @@ def test_from_numpy_copies_and_keeps_dtype() -> None:
         assert backend.to_numpy(tensor).dtype == array.dtype
         assert not np.array_equal(backend.to_numpy(tensor), array)
     assert get_backend("torch").name == "torch"
+
+
+def test_a_non_contiguous_stored_tensor_is_refused() -> None:
+    graph = _view_read_after_update()
+    backend = TorchBackend()
+    store = {"w": backend.from_numpy(np.ones((3, 2))).t(), "lr": backend.from_numpy(np.ones(()))}
+    with pytest.raises(TorchKernelError, match=r"contiguous: \['w'\]"):
+        backend.compile(graph).run(store, {"g": backend.from_numpy(np.ones((2, 3)))})
 
 
 def _view_read_after_update() -> Graph:
@@ -212,7 +262,20 @@ def test_source_is_one_straight_line_per_node() -> None:
     assert len(body) == len(exe.graph.nodes)
     assert not any("for " in line or "while " in line for line in code)
     assert "aten_conv2d(" in exe.source and "random_mask(" in exe.source
-    assert any(line.strip().startswith("v") and "del " in line for line in body)
+    # paired kernels: max pooling keeps its argmax for the backward, batch norm its 1/std,
+    # a convolution's input and weight gradients come from one call
+    assert "(True, True, False))" in exe.source
+    assert re.search(r"v\d+, (h\d+) = aten_max_pool2d_with_indices\(", exe.source)
+    assert re.search(r"aten_max_pool2d_with_indices_backward\(.*, h\d+\)", exe.source)
+    assert re.search(r"aten_native_batch_norm_backward\(.*, h\d+, True", exe.source)
+    # every value a line makes is deleted on exactly one line, except the returned ones (an
+    # early del would fail as a NameError in the model tests): memory follows liveness
+    targets = [t for line in body for t in re.findall(r"(?:^|; )\s*([\w, ]+?) = ", line)]
+    defined = {n for t in targets for n in t.split(", ") if n != "_"}
+    deleted = [n for line in body for d in re.findall(r"del ([^;]+)$", line) for n in d.split(", ")]
+    returned = set(re.findall(r"v\d+", code[-1]))
+    assert sorted(deleted) == sorted(set(deleted))
+    assert set(deleted) == defined - returned
 
 
 def test_an_op_without_a_kernel_is_a_compile_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ from pockengine.ir import CompileError
 
 __all__ = ["BACKENDS", "Backend", "Executable", "Store", "check_ops", "get_backend"]
 
-BACKENDS = ("numpy", "torch", "torch-cuda")
+BACKENDS = ("numpy", "torch", "torch-cuda", "onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda")
 
 
 def get_backend(name: str) -> Backend:
@@ -20,4 +20,8 @@ def get_backend(name: str) -> Backend:
         from pockengine.backends.torch_backend import TorchBackend
 
         return TorchBackend(device="cuda" if name == "torch-cuda" else "cpu")
+    if name in ("onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda"):
+        from pockengine.backends.onnx_backend import OrtBackend
+
+        return OrtBackend(device={"onnxruntime": "auto"}.get(name, name.rsplit("-", 1)[-1]))
     raise CompileError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")

@@ -1,8 +1,8 @@
 """The torch backend: a graph compiles to one generated Python function calling ATen.
 
 ``TorchBackend.compile`` writes the whole graph as the source of one straight-line
-function (``torch_codegen``; the lines come from the kernel tables in
-``torch_kernels`` and ``torch_kernels_nn``), compiles it with ``compile()`` and binds
+function (``torch_codegen``; the lines come from the kernel tables in ``torch_kernels``,
+``torch_kernels_shape`` and ``torch_kernels_nn``), compiles it with ``compile()`` and binds
 the ATen kernels, dtypes, the device and the compile-time constants as its globals.
 Running it is one call under ``torch.inference_mode()``: no autograd, no interpreter
 loop, no per-op lookups. The source stays on the executable as ``.source``; line
@@ -20,26 +20,32 @@ import itertools
 import linecache
 import math
 import types
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from pockengine.backends import torch_kernels, torch_kernels_nn
+from pockengine.backends import torch_kernels, torch_kernels_nn, torch_kernels_shape
 from pockengine.backends.base import Backend, Executable, Store, check_ops
 from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_source
 from pockengine.backends.torch_kernels import torch_dtype
-from pockengine.ir import CompileError, DType, Graph, PockEngineError, print_node
+from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
 
 __all__ = ["KERNELS", "TorchBackend", "TorchExecutable", "TorchKernelError"]
 
 Array = np.ndarray[Any, Any]
 
-KERNELS: dict[str, Emitter] = {**torch_kernels.KERNELS, **torch_kernels_nn.KERNELS}
+KERNELS: dict[str, Emitter] = {
+    **torch_kernels.KERNELS,
+    **torch_kernels_shape.KERNELS,
+    **torch_kernels_nn.KERNELS,
+}
 _FINDERS: dict[str, PairFinder] = dict(torch_kernels_nn.FINDERS)
 _NAMESPACE: dict[str, Any] = {
     **torch_kernels.NAMESPACE,
+    **torch_kernels_shape.NAMESPACE,
     **torch_kernels_nn.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
@@ -49,7 +55,8 @@ _serial = itertools.count()
 
 
 class TorchKernelError(PockEngineError):
-    """A kernel that failed at run time; the message names the node and its source."""
+    """A kernel that failed (or would fail) at run time; the message names the node and its
+    source, or the stored tensors at fault."""
 
 
 class TorchExecutable(Executable):
@@ -63,13 +70,18 @@ class TorchExecutable(Executable):
         self.source = generated.source
         self._first_line = generated.first_line
         self._filename = f"<pockengine-torch {graph.name} #{next(_serial)}>"
-        # Registered with linecache so that tracebacks and debuggers show the source.
+        # Registered with linecache (while the executable lives) so that tracebacks and
+        # debuggers show the generated lines.
         lines = self.source.splitlines(keepends=True)
         linecache.cache[self._filename] = (len(self.source), None, lines, self._filename)
+        weakref.finalize(self, linecache.cache.pop, self._filename, None)
         namespace = {**_NAMESPACE, **generated.constants, "dev": device}
         exec(compile(self.source, self._filename, "exec"), namespace)
         self.function: types.FunctionType = namespace[generated.function]
         self._inputs = tuple(v.name for v in graph.inputs)
+        # The fused optimizer kernels index raw memory: what they write must be contiguous.
+        written = {n.inputs[j].name for n in graph.nodes for j in get_op(n.op).mutates}
+        self._written = tuple(k for k, name in enumerate(self._inputs) if name in written)
 
     def run(self, store: Store, feeds: Mapping[str, Any] | None = None) -> list[Any]:
         """Run once on ``store`` (params and state, written in place) and ``feeds``."""
@@ -79,6 +91,9 @@ class TorchExecutable(Executable):
         except KeyError:
             missing = [n for n in self._inputs if n not in store and n not in feeds]
             raise CompileError(f"graph {self.graph.name} is missing inputs {missing}") from None
+        if not all(args[k].is_contiguous() for k in self._written):
+            bad = [self._inputs[k] for k in self._written if not args[k].is_contiguous()]
+            raise TorchKernelError(f"stored tensors written in place must be contiguous: {bad}")
         try:
             with torch.inference_mode():
                 return list(self.function(*args))

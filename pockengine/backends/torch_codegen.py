@@ -2,7 +2,7 @@
 
 Each node becomes one line of source (its statements joined by ``;``, the printed IR node
 as a comment), so line ``k`` of the body is node ``k`` and a traceback names the node.
-The kernel table (``torch_kernels``, ``torch_kernels_nn``) writes the statements; this
+The kernel tables (``torch_kernels*``) write the statements; this
 module decides everything around them:
 
 - names: every value is a local ``v<k>``; graph inputs are the function's parameters;
@@ -13,8 +13,9 @@ module decides everything around them:
   is still live at the write is copied first, and results that alias stored tensors are
   copied before they are returned, so in-place updates never change a value the IR
   considers immutable;
-- saved values: a forward node can hand a by-product to its backward kernel (max pooling
-  indices, batch norm's 1/std) through a hidden local, when the table says how to pair them;
+- saved values: a node can hand a by-product to a later kernel (max pooling indices,
+  batch norm's 1/std, a weight gradient computed with the input gradient) through a
+  hidden local, when the table says how to pair them (``PairFinder``);
 - constants: kernels may bind compile-time tensors as globals (``k<n>``), and a 0-d
   ``full`` input can be written as a Python literal where an ATen overload takes a Scalar.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pockengine.ir import DType, Graph, Node, Role, get_op, print_node
+from pockengine.ir import DType, Graph, Node, Role, Value, get_op, print_node
 
 __all__ = [
     "CONSTANT_OPS",
@@ -40,10 +41,9 @@ __all__ = [
     "generate_source",
 ]
 
-# Ops whose torch result may share memory with their first input.
-VIEW_OPS = frozenset(
-    {"reshape", "transpose", "broadcast_to", "slice", "cast", "sum_to", "sum", "mean", "amax"}
-)
+# Ops whose result, as this backend's kernels compute it, may share memory with their first
+# input (cast to the same dtype and sum_to over no axis return it, or a view of it).
+VIEW_OPS = frozenset({"reshape", "transpose", "broadcast_to", "slice", "cast", "sum_to"})
 # Ops whose kernels bind compile-time constants (globals that must never be handed out).
 CONSTANT_OPS = frozenset({"full", "arange"})
 _STORED = (Role.PARAM, Role.BUFFER, Role.STATE, Role.CONST)
@@ -58,6 +58,8 @@ class GraphIndex:
     users: Mapping[str, list[Node]]
 
 
+# For a node of its op, the earlier node ("maker") whose kernel also computes a hidden value
+# this node's kernel reads (argmax indices for max_pool2d_grad, ...), or None.
 PairFinder = Callable[[Node, GraphIndex], Node | None]
 
 
@@ -70,8 +72,8 @@ class Emit:
     outs: tuple[str, ...]  # a local per result
     used: tuple[bool, ...]  # whether each result is read later or returned
     saved: str | None  # the hidden local shared with a paired node, if any
+    partner: Node | None  # that node: the first reader of a maker's, the maker of a reader's
     _gen: _Generator
-    pre: list[str] = field(default_factory=list)  # statements hoisted before the kernel's
     temps: list[str] = field(default_factory=list)  # locals deleted at the end of the line
 
     @property
@@ -99,16 +101,30 @@ class Emit:
         self.temps.append(name)
         return name
 
+    @property
+    def graph(self) -> Graph:
+        return self._gen.graph
+
+    def local(self, value: Value) -> str | None:
+        """The local holding ``value`` here, if it is made already and not yet deleted."""
+        name = self._gen.locals.get(value.name)
+        if name is None or value.name in self._gen.input_set:
+            return name  # graph inputs are never deleted
+        return name if self._gen.last.get(value.name, -1) >= self._gen.line_index else None
+
+    def readers(self, i: int = 0) -> list[Node]:
+        """The nodes reading result ``i``."""
+        return self._gen.index.users.get(self.node.outputs[i].name, [])
+
     def const(self, tensor: torch.Tensor) -> str:
         """Bind a compile-time tensor (already on the device) as a global; its name."""
         return self._gen.constant(tensor)
 
-    def shared(self, key: tuple[Any, ...], expr: str) -> str:
-        """A local computed once per step for ``key`` (the first node asking computes it)."""
+    def shared_const(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> str:
+        """A constant made once per graph for ``key`` and shared by the nodes asking for it."""
         name = self._gen.shared.get(key)
         if name is None:
-            name = self._gen.shared[key] = self._gen.fresh("s")
-            self.pre.append(f"{name} = {expr}")
+            name = self._gen.shared[key] = self._gen.constant(make())
         return name
 
     def scalar(self, i: int) -> str | None:
@@ -146,15 +162,26 @@ class GeneratedSource:
 
 
 class _Generator:
-    def __init__(self, graph: Graph, device: torch.device) -> None:
+    """The state of one generation: names, liveness, aliases and the constants bound."""
+
+    def __init__(
+        self, graph: Graph, device: torch.device, finders: Mapping[str, PairFinder]
+    ) -> None:
         self.graph = graph
         self.device = device
-        users: dict[str, list[Node]] = graph.users()
-        self.index = GraphIndex(graph.producers(), users)
-        self.locals: dict[str, str] = {}
+        self.index = GraphIndex(graph.producers(), graph.users())
+        self.locals = {v.name: f"v{k}" for k, v in enumerate(graph.inputs)}
         self.constants: dict[str, torch.Tensor] = {}
         self.shared: dict[tuple[Any, ...], str] = {}
+        self.inputs = tuple(v.name for v in graph.inputs)
+        self.input_set = frozenset(self.inputs)
+        self.outputs = {v.name for v in graph.outputs}
+        self.last = _last_reads(graph)
+        self.pairs = _pairs(graph, self.index, finders)
+        # value -> the stored tensors (or "<constant>") it may share memory with
+        self.aliases = {v.name: frozenset({v.name}) for v in graph.inputs if v.role in _STORED}
         self._counter = 0
+        self.line_index = 0
 
     def fresh(self, prefix: str) -> str:
         self._counter += 1
@@ -164,6 +191,62 @@ class _Generator:
         name = f"k{len(self.constants)}"
         self.constants[name] = tensor
         return name
+
+    def line(self, i: int, node: Node, kernel: Emitter) -> str:
+        """Node ``i`` as one line: copies its writes need, its kernel, the deaths it causes."""
+        self.line_index = i
+        stmts = self._copies_before_write(i, node)
+        for v in node.outputs:
+            self.locals[v.name] = f"v{len(self.locals)}"
+        e = Emit(
+            node,
+            tuple(self.locals[v.name] for v in node.inputs),
+            tuple(self.locals[v.name] for v in node.outputs),
+            tuple(self.last[v.name] > i or v.name in self.outputs for v in node.outputs),
+            self.pairs.hidden.get(i),
+            self.pairs.partner.get(i),
+            self,
+        )
+        stmts += kernel(e)
+        self._track_aliases(node)
+        dying = {v.name for v in (*node.inputs, *node.outputs) if self.last[v.name] == i}
+        dead = [self.locals[n] for n in sorted(dying - self.outputs - self.input_set)]
+        dead += [h for h, at in self.pairs.last.items() if at == i]
+        dead += e.temps
+        if dead:
+            stmts.append(f"del {', '.join(dict.fromkeys(dead))}")
+        # the printed node as a comment, on this one line whatever its source string holds
+        comment = " ".join(print_node(node).splitlines()).replace("\0", "")
+        return f"    {'; '.join(stmts) or 'pass'}  # {comment}"
+
+    def _copies_before_write(self, i: int, node: Node) -> list[str]:
+        """Copy the live values that share memory with what ``node`` is about to write."""
+        opdef = get_op(node.op)
+        if not opdef.effectful:
+            return []
+        written = {node.inputs[j].name for j in opdef.mutates}
+        stmts = []
+        for name, shares in list(self.aliases.items()):
+            if name in written or not shares & written or name not in self.locals:
+                continue
+            if self.last.get(name, -1) >= i or name in self.outputs:
+                local = self.locals[name]
+                stmts.append(f"{local} = {local}.clone()")
+                self.aliases[name] = frozenset()
+        return stmts
+
+    def _track_aliases(self, node: Node) -> None:
+        if node.op in CONSTANT_OPS:
+            self.aliases[node.outputs[0].name] = frozenset({"<constant>"})
+        elif node.op in VIEW_OPS and node.outputs:
+            shares = self.aliases.get(node.inputs[0].name, frozenset())
+            if shares:
+                self.aliases[node.outputs[0].name] = shares
+
+    def returned(self, name: str) -> str:
+        """A result sharing memory with a stored tensor or a constant is returned as a copy."""
+        local = self.locals[name]
+        return f"{local}.clone()" if self.aliases.get(name) else local
 
 
 def _last_reads(graph: Graph) -> dict[str, int]:
@@ -177,24 +260,30 @@ def _last_reads(graph: Graph) -> dict[str, int]:
     return last
 
 
-def _pairs(
-    graph: Graph, index: GraphIndex, finders: Mapping[str, PairFinder]
-) -> tuple[dict[int, str], dict[int, str], dict[str, int]]:
-    """Hidden locals: made by node -> name, read by node -> name, and each one's last read."""
+@dataclass
+class _Pairs:
+    """Hidden locals shared by paired nodes (see ``PairFinder``)."""
+
+    hidden: dict[int, str] = field(default_factory=dict)  # node index -> its hidden local
+    partner: dict[int, Node] = field(default_factory=dict)  # maker -> first reader, and back
+    last: dict[str, int] = field(default_factory=dict)  # hidden local -> its last reader
+
+
+def _pairs(graph: Graph, index: GraphIndex, finders: Mapping[str, PairFinder]) -> _Pairs:
     position = {id(node): i for i, node in enumerate(graph.nodes)}
-    made: dict[int, str] = {}
-    read: dict[int, str] = {}
-    last: dict[str, int] = {}
+    pairs = _Pairs()
     for i, node in enumerate(graph.nodes):
         finder = finders.get(node.op)
-        partner = finder(node, index) if finder else None
-        if partner is None or position[id(partner)] >= i:
+        maker = finder(node, index) if finder else None
+        if maker is None or position[id(maker)] >= i:
             continue
-        j = position[id(partner)]
-        name = made.setdefault(j, f"h{j}")
-        read[i] = name
-        last[name] = i
-    return made, read, last
+        j = position[id(maker)]
+        name = pairs.hidden.setdefault(j, f"h{j}")
+        pairs.hidden[i] = name
+        pairs.partner.setdefault(j, node)
+        pairs.partner[i] = maker
+        pairs.last[name] = i
+    return pairs
 
 
 def generate_source(
@@ -204,80 +293,10 @@ def generate_source(
     device: torch.device,
 ) -> GeneratedSource:
     """The step function's source; its globals are the kernels' and the constants."""
-    gen = _Generator(graph, device)
-    outputs = {v.name for v in graph.outputs}
-    last = _last_reads(graph)
-    made, read, hidden_last = _pairs(graph, gen.index, finders)
-    aliases = {v.name: frozenset({v.name}) for v in graph.inputs if v.role in _STORED}
-    params = []
-    for v in graph.inputs:
-        gen.locals[v.name] = name = f"v{len(gen.locals)}"
-        params.append(name)
+    gen = _Generator(graph, device, finders)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
-    lines = [f"def {function}({', '.join(params)}):"]
-    inputs = {v.name for v in graph.inputs}
-    for i, node in enumerate(graph.nodes):
-        stmts = _copies_before_write(node, i, gen, aliases, last, outputs)
-        for v in node.outputs:
-            gen.locals[v.name] = f"v{len(gen.locals)}"
-        e = Emit(
-            node,
-            tuple(gen.locals[v.name] for v in node.inputs),
-            tuple(gen.locals[v.name] for v in node.outputs),
-            tuple(last[v.name] > i or v.name in outputs for v in node.outputs),
-            made.get(i, read.get(i)),
-            gen,
-        )
-        body = kernels[node.op](e)
-        stmts += e.pre + body
-        _track_aliases(node, aliases)
-        dying = {v.name for v in (*node.inputs, *node.outputs) if last[v.name] == i}
-        dead = [gen.locals[n] for n in sorted(dying - outputs - inputs)]
-        dead += [h for h, at in hidden_last.items() if at == i]
-        dead += e.temps
-        if dead:
-            stmts.append(f"del {', '.join(dict.fromkeys(dead))}")
-        comment = print_node(node).replace("\n", " ")
-        lines.append(f"    {'; '.join(stmts) or 'pass'}  # {comment}")
-    results = [_returned(v.name, gen, aliases) for v in graph.outputs]
-    lines.append(f"    return ({''.join(r + ', ' for r in results)})")
+    lines = [f"def {function}({', '.join(gen.locals[n] for n in gen.inputs)}):"]
+    lines += [gen.line(i, node, kernels[node.op]) for i, node in enumerate(graph.nodes)]
+    results = "".join(f"{gen.returned(v.name)}, " for v in graph.outputs)
+    lines.append(f"    return ({results})")
     return GeneratedSource("\n".join(lines) + "\n", function, gen.constants, 2)
-
-
-def _copies_before_write(
-    node: Node,
-    i: int,
-    gen: _Generator,
-    aliases: dict[str, frozenset[str]],
-    last: Mapping[str, int],
-    outputs: set[str],
-) -> list[str]:
-    """Copy the live values that share memory with what ``node`` is about to write."""
-    opdef = get_op(node.op)
-    if not opdef.effectful:
-        return []
-    written = {node.inputs[j].name for j in opdef.mutates}
-    stmts = []
-    for name, shares in list(aliases.items()):
-        if name in written or not shares & written or name not in gen.locals:
-            continue
-        if last.get(name, -1) >= i or name in outputs:
-            local = gen.locals[name]
-            stmts.append(f"{local} = {local}.clone()")
-            aliases[name] = frozenset()
-    return stmts
-
-
-def _track_aliases(node: Node, aliases: dict[str, frozenset[str]]) -> None:
-    if node.op in CONSTANT_OPS:
-        aliases[node.outputs[0].name] = frozenset({"<constant>"})  # a global: never hand it out
-    elif node.op in VIEW_OPS and node.outputs:
-        shares = aliases.get(node.inputs[0].name, frozenset())
-        if shares:
-            aliases[node.outputs[0].name] = shares
-
-
-def _returned(name: str, gen: _Generator, aliases: Mapping[str, frozenset[str]]) -> str:
-    """A result that shares memory with a stored tensor or a constant is returned as a copy."""
-    local = gen.locals[name]
-    return f"{local}.clone()" if aliases.get(name) else local

@@ -1,9 +1,9 @@
-"""The torch kernel table, part one: creation, elementwise, reductions, shape and indexing.
+"""The torch kernel table, part one: creation, elementwise ops and reductions.
 
 Each entry writes the statements of one node as source (see ``torch_codegen``): a plain
 call of an ATen kernel bound as a global (``aten_<name>``), attributes as literals. The
 semantics are those of the op's NumPy reference kernel; where ATen differs, the entry
-says how it is bridged (integer reductions keep their dtype, negative indices wrap).
+says how it is bridged (integer reductions keep their dtype, for one).
 """
 
 from __future__ import annotations
@@ -17,22 +17,15 @@ import torch
 
 from pockengine.backends.torch_codegen import Emit, Emitter, literal
 from pockengine.ir import DType, get_op
-from pockengine.ops._common import norm_axes, norm_axis
+from pockengine.ops._common import norm_axes
 
-__all__ = ["KERNELS", "NAMESPACE", "random_mask", "wrap_index"]
+__all__ = ["KERNELS", "NAMESPACE", "random_mask", "torch_dtype"]
 
 _M32 = 0xFFFFFFFF
 _aten = torch.ops.aten
 
 
 # -- runtime helpers (called from generated code) ------------------------------------------
-def wrap_index(index: torch.Tensor, size: int) -> torch.Tensor:
-    """int64 indices with negative values counted from the end, as NumPy (ATen's gather,
-    scatter and embedding reject negative indices)."""
-    index = index.long()
-    return torch.where(index < 0, index + size, index)
-
-
 def _mix(h: torch.Tensor) -> torch.Tensor:
     """random_mask's mix on int64 values in [0, 2**32); see ``ops.elementwise``."""
     h = h ^ (h >> 16)
@@ -94,13 +87,6 @@ def _binary(fn: str, *, swap: bool = False, reverse: str | None = None) -> Emitt
     return emit
 
 
-def _method(method: str, attr: str) -> Emitter:
-    def emit(e: Emit) -> list[str]:
-        return [f"{e.out} = {e.ins[0]}.{method}({literal(e.attr(attr))})"]
-
-    return emit
-
-
 # -- creation --------------------------------------------------------------------------------
 def _full(e: Emit) -> list[str]:
     out = e.node.output
@@ -117,9 +103,12 @@ def _arange(e: Emit) -> list[str]:
 def _random_mask(e: Emit) -> list[str]:
     shape, p, salt = e.attr("shape"), float(e.attr("p")), int(e.attr("salt"))
     n = math.prod(shape)
-    if n >= 2**32:
+    # One arange, as long as the largest mask of the graph, serves every mask.
+    most = max(node.outputs[0].type.numel for node in e.graph.nodes if node.op == "random_mask")
+    if most >= 2**32:
         raise NotImplementedError("random_mask of 2**32 elements or more")
-    index = e.const(torch.arange(n, dtype=torch.int64, device=e.device))
+    arange = e.shared_const(("arange", most), lambda: torch.arange(most, device=e.device))
+    index = f"{arange}[:{n}]"
     threshold = math.ceil(p * 2.0**32)  # p * 2**32 is exact: a power-of-two scaling
     scale = float(np.float32(1.0 / (1.0 - p) if p < 1.0 else 0.0))
     args = f"{_mix_int(salt & _M32)}, {threshold}, {literal(scale)}, {literal(tuple(shape))}"
@@ -159,7 +148,12 @@ def _gelu(e: Emit) -> list[str]:
 
 
 def _gelu_grad(e: Emit) -> list[str]:
-    gz, x = e.ins
+    # ATen's (oneDNN) gelu_backward does not broadcast: operands are expanded to the result.
+    shape = e.node.output.shape
+    gz, x = (
+        name if v.shape == shape else f"{name}.expand({literal(shape)})"
+        for name, v in zip(e.ins, e.node.inputs, strict=True)
+    )
     return [f"{e.out} = aten_gelu_backward({gz}, {x}, approximate={e.attr('approximate')!r})"]
 
 
@@ -212,102 +206,6 @@ def _cumsum(e: Emit) -> list[str]:
     return [f"{e.out} = aten_cumsum({e.ins[0]}, {axis}, dtype={dtype})"]
 
 
-# -- shape -----------------------------------------------------------------------------------
-def _slice(e: Emit) -> list[str]:
-    x = e.node.inputs[0]
-    axis = norm_axis(e.attr("axis"), x.type.rank)
-    start, stop, step = e.attr("start"), e.attr("stop"), e.attr("step")
-    if step == 1:
-        return [f"{e.out} = aten_narrow({e.ins[0]}, {axis}, {start}, {stop - start})"]
-    return [f"{e.out} = aten_slice({e.ins[0]}, {axis}, {start}, {stop}, {step})"]
-
-
-def _slice_grad(e: Emit) -> list[str]:
-    shape = tuple(e.attr("shape"))
-    axis = norm_axis(e.attr("axis"), len(shape))
-    start, stop, step = e.attr("start"), e.attr("stop"), e.attr("step")
-    if step == 1:  # one pass: pad with zeros around the slice
-        pairs = [(0, 0)] * len(shape)
-        pairs[axis] = (start, shape[axis] - stop)
-        return [f"{e.out} = aten_constant_pad_nd({e.ins[0]}, {_flat_pads(pairs)}, 0)"]
-    args = f"{literal(shape)}, {axis}, {start}, {stop}, {step}"
-    return [f"{e.out} = aten_slice_backward({e.ins[0]}, {args})"]
-
-
-def _flat_pads(pairs: list[tuple[int, int]]) -> str:
-    """F.pad's flat list: (before, after) from the last axis backwards."""
-    return literal(tuple(p for pair in reversed(pairs) for p in pair))
-
-
-def _concat(e: Emit) -> list[str]:
-    return [f"{e.out} = aten_cat([{', '.join(e.ins)}], {e.attr('axis')})"]
-
-
-def _pad(e: Emit) -> list[str]:
-    pairs = [tuple(p) for p in e.attr("pads")]
-    if not any(a or b for a, b in pairs):
-        return [f"{e.out} = {e.ins[0]}.clone()"]
-    value = literal(e.attr("value"))
-    return [f"{e.out} = aten_constant_pad_nd({e.ins[0]}, {_flat_pads(pairs)}, {value})"]
-
-
-# -- indexing --------------------------------------------------------------------------------
-def _gather(e: Emit) -> list[str]:
-    x = e.node.inputs[0]
-    axis = norm_axis(e.attr("axis"), x.type.rank)
-    index = f"wrap_index({e.ins[1]}, {x.shape[axis]})"
-    return [f"{e.out} = aten_gather({e.ins[0]}, {axis}, {index})"]
-
-
-def _zeros(e: Emit, shape: tuple[int, ...]) -> str:
-    return f"aten_zeros({literal(shape)}, dtype={e.dtype(e.node.output.dtype)}, device=dev)"
-
-
-def _gather_grad(e: Emit) -> list[str]:
-    shape = tuple(e.attr("shape"))
-    axis = norm_axis(e.attr("axis"), len(shape))
-    index = f"wrap_index({e.ins[1]}, {shape[axis]})"
-    return [f"{e.out} = {_zeros(e, shape)}.scatter_add_({axis}, {index}, {e.ins[0]})"]
-
-
-def _index_list(e: Emit, rank: int) -> str:
-    """ATen's index list: the index tensors on their axes, None on the axes between."""
-    axes = [norm_axis(a, rank) for a in e.attr("axes")]
-    slots = ["None"] * (max(axes) + 1)
-    for a, name in zip(axes, e.ins[1:], strict=True):
-        slots[a] = name
-    return f"[{', '.join(slots)}]"
-
-
-def _index(e: Emit) -> list[str]:
-    rank = e.node.inputs[0].type.rank
-    return [f"{e.out} = aten_index({e.ins[0]}, {_index_list(e, rank)})"]
-
-
-def _index_grad(e: Emit) -> list[str]:
-    shape = tuple(e.attr("shape"))
-    indices = _index_list(e, len(shape))
-    return [f"{e.out} = aten_index_put_({_zeros(e, shape)}, {indices}, {e.ins[0]}, True)"]
-
-
-def _padding_row(padding_idx: int | None, rows: int) -> int:
-    """ATen's padding_idx: the row counted from 0, or -1 for none."""
-    return -1 if padding_idx is None else padding_idx % rows
-
-
-def _embedding(e: Emit) -> list[str]:
-    rows = e.node.inputs[0].shape[0]
-    return [f"{e.out} = aten_embedding({e.ins[0]}, wrap_index({e.ins[1]}, {rows}))"]
-
-
-def _embedding_grad(e: Emit) -> list[str]:
-    rows = int(e.attr("num_rows"))
-    pad = _padding_row(e.attr("padding_idx"), rows)
-    ids = f"wrap_index({e.ins[1]}, {rows})"
-    # ATen skips the ids equal to padding_idx: that row stays zero, as the reference.
-    return [f"{e.out} = aten_embedding_dense_backward({e.ins[0]}, {ids}, {rows}, {pad}, False)"]
-
-
 # -- the table -------------------------------------------------------------------------------
 _TORCH_DTYPES = {
     DType.F16: torch.float16,
@@ -328,8 +226,10 @@ def _tensor(array: Any, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.array(array, order="C", copy=True)).to(device)
 
 
-_UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs")
-_UNARY += ("reciprocal", "erf")
+_UNARY = (
+    *("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs"),
+    *("reciprocal", "erf"),
+)
 _PREDICATES = ("eq", "ne", "lt", "le", "gt", "ge")
 
 KERNELS: dict[str, Emitter] = {
@@ -364,19 +264,6 @@ KERNELS: dict[str, Emitter] = {
     "softmax": _softmax("aten_softmax"),
     "log_softmax": _softmax("aten_log_softmax"),
     "cumsum": _cumsum,
-    "reshape": _method("reshape", "shape"),
-    "transpose": _method("permute", "perm"),
-    "broadcast_to": _method("expand", "shape"),
-    "slice": _slice,
-    "slice_grad": _slice_grad,
-    "concat": _concat,
-    "pad": _pad,
-    "gather": _gather,
-    "gather_grad": _gather_grad,
-    "index": _index,
-    "index_grad": _index_grad,
-    "embedding": _embedding,
-    "embedding_grad": _embedding_grad,
 }
 
 _Fn = Callable[..., Any]
@@ -406,17 +293,5 @@ NAMESPACE: dict[str, _Fn] = {
     "aten_softmax": torch.softmax,
     "aten_log_softmax": torch.log_softmax,
     "aten_cumsum": torch.cumsum,
-    "aten_narrow": torch.narrow,
-    "aten_slice": _aten.slice.Tensor,
-    "aten_slice_backward": _aten.slice_backward.default,
-    "aten_constant_pad_nd": torch.constant_pad_nd,
-    "aten_cat": torch.cat,
-    "aten_gather": torch.gather,
-    "aten_zeros": torch.zeros,
-    "aten_index": _aten.index.Tensor,
-    "aten_index_put_": _aten.index_put_.default,
-    "aten_embedding": torch.embedding,
-    "aten_embedding_dense_backward": _aten.embedding_dense_backward.default,
-    "wrap_index": wrap_index,
     "random_mask": random_mask,
 }

@@ -1,14 +1,15 @@
-"""The torch kernel table, part two: matmul, convolution, pooling, normalisation, updates.
+"""The torch kernel table, part three: matmul, convolution, pooling, normalisation, updates.
 
 Backward kernels call ATen's own backward ops (``convolution_backward``,
-``native_batch_norm_backward``, ...). Those want tensors only for their shapes
-(the input of a convolution's input gradient), so they get a one-element
-compile-time constant expanded to that shape, as ``torch.nn.grad`` does. A
-forward node may hand its backward kernel a by-product (``FINDERS``): max
-pooling its argmax indices, batch norm its 1/std.
+``native_batch_norm_backward``, ...). Where one wants a tensor only for its shape
+(the weight of a weight gradient) it gets a one-element compile-time constant
+expanded to that shape. Nodes ATen computes together are paired (``FINDERS``): max
+pooling hands its backward the argmax indices, batch norm its 1/std, a convolution's
+input gradient the weight gradient of the same ``gy``.
 
-Update ops write the param and the optimizer state in place with torch's in-place
-ops, so the tensors in the store keep their storage from step to step.
+Update ops write the param and the optimizer state in place, each in one pass (ATen's
+fused SGD and AdamW kernels, ``addcmul_``, ``copy_``), so the tensors in the store keep
+their storage from step to step.
 """
 
 from __future__ import annotations
@@ -33,14 +34,23 @@ def _geometry(e: Emit) -> str:
 
 
 def _shape_only(e: Emit, shape: tuple[int, ...]) -> str:
-    """A global standing for a tensor of ``shape`` whose values are never read."""
+    """A global standing for a tensor of ``shape`` whose values the kernel never reads: one
+    element expanded (as ``torch.nn.grad`` does)."""
     dtype = torch_dtype(e.node.inputs[0].dtype)
     return e.const(torch.zeros(1, dtype=dtype, device=e.device).expand(shape))
 
 
 # -- linear algebra and convolution ----------------------------------------------------------
 def _matmul(e: Emit) -> list[str]:
-    return [f"{e.out} = aten_matmul({e.ins[0]}, {e.ins[1]})"]
+    x, y = e.ins
+    rank = e.node.output.type.rank
+    swap = (*range(rank - 2), rank - 1, rank - 2)
+    readers = e.readers()
+    if len(readers) == 1 and readers[0].op == "transpose" and readers[0].attrs["perm"] == swap:
+        # Its only reader transposes it (a weight gradient): computed as (y^T x^T)^T, which
+        # BLAS does as cheaply, the transpose is contiguous instead of a strided view.
+        return [f"{e.out} = aten_matmul({y}.mT, {x}.mT).mT"]
+    return [f"{e.out} = aten_matmul({x}, {y})"]
 
 
 def _conv2d(e: Emit) -> list[str]:
@@ -50,20 +60,54 @@ def _conv2d(e: Emit) -> list[str]:
     return [f"{e.out} = aten_conv2d({args})"]
 
 
-def _conv_backward(e: Emit, gy: str, x: str, w: str, which: int) -> list[str]:
-    mask = tuple(i == which for i in range(3))
-    args = f"{gy}, {x}, {w}, None, {_geometry(e)}, False, (0, 0), {e.attr('groups')}"
-    return [f"{e.out} = aten_convolution_backward({args}, {literal(mask)})[{which}]"]
-
-
 def _conv2d_input_grad(e: Emit) -> list[str]:
+    """With the weight gradient of the same gy paired (``_conv_partner``): one
+    convolution_backward computing both. Alone: a transposed convolution, since
+    convolution_backward wants the input itself (a shape-only stand-in sends depthwise
+    convolutions down a slow path)."""
     gy, w = e.ins
-    return _conv_backward(e, gy, _shape_only(e, tuple(e.attr("x_shape"))), w, 0)
+    x = e.local(e.partner.inputs[0]) if e.partner is not None else None
+    if e.saved and x:
+        args = f"{gy}, {x}, {w}, None, {_geometry(e)}, False, (0, 0), {e.attr('groups')}"
+        call = f"aten_convolution_backward({args}, (True, True, False))"
+        return [f"{e.out}, {e.saved}, _ = {call}"]
+    stride, padding, dilation = (tuple(e.attr(k)) for k in ("stride", "padding", "dilation"))
+    kernel, out = e.node.inputs[1].shape[2:], e.node.inputs[0].shape[2:]
+    size = tuple(e.attr("x_shape"))[2:]
+    # output_padding: the rows and columns past the last window (fewer than the stride)
+    extra = tuple(
+        size[i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1 - (out[i] - 1) * stride[i]
+        for i in range(2)
+    )
+    args = f"{literal(stride)}, {literal(padding)}, {literal(extra)}, {e.attr('groups')}"
+    return [f"{e.out} = aten_conv_transpose2d({gy}, {w}, None, {args}, {literal(dilation)})"]
 
 
 def _conv2d_weight_grad(e: Emit) -> list[str]:
+    if e.saved:  # computed with the input gradient
+        return [f"{e.out} = {e.saved}"]
     x, gy = e.ins
-    return _conv_backward(e, gy, x, _shape_only(e, tuple(e.attr("w_shape"))), 1)
+    w = _shape_only(e, tuple(e.attr("w_shape")))
+    args = f"{gy}, {x}, {w}, None, {_geometry(e)}, False, (0, 0), {e.attr('groups')}"
+    return [f"{e.out} = aten_convolution_backward({args}, (False, True, False))[1]"]
+
+
+_CONV_GEOMETRY = ("stride", "padding", "dilation", "groups")
+
+
+def _conv_partner(node: Node, index: GraphIndex) -> Node | None:
+    """The conv2d_input_grad of the same gy and convolution, for a conv2d_weight_grad."""
+    x, gy = node.inputs
+    for user in index.users.get(gy.name, []):
+        if (
+            user.op == "conv2d_input_grad"
+            and user.inputs[0] == gy
+            and user.inputs[1].shape == node.output.shape
+            and user.attrs["x_shape"] == x.shape
+            and all(user.attrs[k] == node.attrs[k] for k in _CONV_GEOMETRY)
+        ):
+            return user
+    return None
 
 
 # -- pooling ---------------------------------------------------------------------------------
@@ -196,37 +240,29 @@ def _sgd_update(e: Emit) -> list[str]:
 
 
 def _sgd_momentum_update(e: Emit) -> list[str]:
+    """ATen's fused SGD (one pass; dampening 0, and a zero buffer makes step 1 buf = d)."""
     stmts: list[str] = []
     w = _trained_part(e, stmts)
     g, buf, lr = e.ins[1:]
-    d = _direction(e, w, g, stmts)
-    momentum = literal(float(e.attr("momentum")))
-    stmts.append(f"{buf}.mul_({momentum}).add_({d})")
-    step = buf
-    if e.attr("nesterov"):
-        step = e.tmp()
-        stmts.append(f"{step} = aten_add({d}, {buf}, alpha={momentum})")
-    return [*stmts, f"{w}.addcmul_({step}, {lr}, value=-1)"]
+    args = (
+        f"[{w}], [{g}.contiguous()], [{buf}], weight_decay={literal(float(e.attr('weight_decay')))}"
+        f", momentum={literal(float(e.attr('momentum')))}, lr={lr}, dampening=0.0"
+        f", nesterov={bool(e.attr('nesterov'))}, maximize=False, is_first_step=False"
+    )
+    return [*stmts, f"aten_fused_sgd_({args})"]
 
 
 def _adamw_update(e: Emit) -> list[str]:
+    """ATen's fused AdamW (one pass over w, g, m, v; the step count t is read from a tensor).
+    Its kernel indexes raw memory, so the gradient is made contiguous first."""
     stmts: list[str] = []
     w = _trained_part(e, stmts)
     g, m, v, t, lr = e.ins[1:]
-    b1, b2 = float(e.attr("beta1")), float(e.attr("beta2"))
-    decay = float(e.attr("weight_decay"))
-    # Scalars shared by every param's update: bias corrections and the decay factor.
-    step_size = e.shared(("adamw_step", lr, t, b1), f"{lr} / (1 - {literal(b1)} ** {t})")
-    bc2 = e.shared(("adamw_bc2", t, b2), f"aten_sqrt(1 - {literal(b2)} ** {t})")
-    if decay:
-        factor = e.shared(("adamw_decay", lr, decay), f"1 - {lr} * {literal(decay)}")
-        stmts.append(f"{w}.mul_({factor})")
-    stmts.append(f"{m}.mul_({literal(b1)}).add_({g}, alpha={literal(1 - b1)})")
-    stmts.append(f"{v}.mul_({literal(b2)}).addcmul_({g}, {g}, value={literal(1 - b2)})")
-    denom = e.tmp()
-    eps = literal(float(e.attr("eps")))
-    stmts.append(f"{denom} = aten_sqrt({v}).div_({bc2}).add_({eps})")
-    return [*stmts, f"{w}.sub_(aten_mul({m}, {step_size}).div_({denom}))"]
+    hyper = ", ".join(
+        f"{k}={literal(float(e.attr(k)))}" for k in ("beta1", "beta2", "weight_decay", "eps")
+    )
+    args = f"[{w}], [{g}.contiguous()], [{m}], [{v}], [], [{t}], lr={lr}, {hyper}"
+    return [*stmts, f"aten_fused_adamw_({args}, amsgrad=False, maximize=False)"]
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -250,6 +286,7 @@ KERNELS: dict[str, Emitter] = {
 }
 
 FINDERS: dict[str, PairFinder] = {
+    "conv2d_weight_grad": _conv_partner,
     "max_pool2d_grad": _pool_partner,
     "batch_norm_grad": _bn_partner,
 }
@@ -257,6 +294,7 @@ FINDERS: dict[str, PairFinder] = {
 NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_matmul": torch.matmul,
     "aten_conv2d": torch.conv2d,
+    "aten_conv_transpose2d": torch.conv_transpose2d,
     "aten_convolution_backward": _aten.convolution_backward.default,
     "aten_max_pool2d": torch.max_pool2d,
     "aten_max_pool2d_with_indices": torch._C._nn.max_pool2d_with_indices,
@@ -269,6 +307,6 @@ NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_native_layer_norm_backward": _aten.native_layer_norm_backward.default,
     "aten_rsqrt": torch.rsqrt,
     "aten_add": torch.add,
-    "aten_mul": torch.mul,
-    "aten_sqrt": torch.sqrt,
+    "aten_fused_sgd_": torch._fused_sgd_,
+    "aten_fused_adamw_": torch._fused_adamw_,
 }

@@ -16,6 +16,7 @@ elsewhere is still computed in full, once).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pockengine.ir import ELEMENTWISE, Graph, GraphBuilder, Node, Value, get_op
 from pockengine.passes.dce import eliminate_dead_code
@@ -34,7 +35,7 @@ class _Sinker:
         self.producer: dict[str, Node] = {}
         self.source = ""
 
-    def emit(self, op: str, *inputs: Value, **attrs: object) -> Value:
+    def emit(self, op: str, *inputs: Value, **attrs: Any) -> Value:
         out = self.b.call(op, *inputs, source=self.source, **attrs)
         self.producer[out.name] = self.b.nodes[-1]
         return out

@@ -122,6 +122,8 @@ def _head(info: ModelInfo) -> list[str]:
 
 
 def _blocks(info: ModelInfo, k: int, container: str | None) -> list[str]:
+    if k == 0 and container is None:  # the last 0 blocks: none, whether the model has any
+        return []
     path = container if container is not None else info.blocks
     if path is None or path not in info.containers:
         near = difflib.get_close_matches(str(path), list(info.containers), n=5, cutoff=0.3)

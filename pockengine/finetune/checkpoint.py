@@ -1,0 +1,179 @@
+"""Checkpoints: one safetensors file, written atomically, that resumes a run exactly.
+
+A checkpoint holds the params and buffers (``param/<name>``, names as in
+``model.state_dict()``), the optimizer state (``optim/<name>``: moments, the learning
+rate, the step count and the dropout seed ``rng.seed``), the current epoch's data
+order (``data/order``) and, as JSON metadata, the counters, the training options,
+the scheme, the label names and the data fingerprint.
+
+The file is written to a temporary file in the same folder, flushed, fsynced and
+moved over the old one with ``os.replace``, so a crash at any moment leaves either
+the previous checkpoint or the new one, never a mixture. ``metrics.jsonl`` lines past
+a checkpoint are dropped on resume for the same reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from pockengine.finetune.config import FinetuneError
+
+__all__ = [
+    "CHECKPOINT",
+    "FORMAT",
+    "Checkpoint",
+    "load",
+    "remove_stale_temporaries",
+    "save",
+    "write_atomic",
+    "write_json_lines",
+]
+
+Array = np.ndarray[Any, Any]
+CHECKPOINT = "checkpoint.safetensors"
+FORMAT = "pockengine-finetune/1"
+_CHUNK = 8 << 20
+_GROUPS = ("param", "optim", "data")
+
+
+@dataclass
+class Checkpoint:
+    """Everything a run needs to continue where it stopped."""
+
+    params: dict[str, Array]
+    optimizer: dict[str, Array]
+    order: Array  # the current epoch's example order
+    counters: dict[str, int]  # step, epoch, batch (within the epoch), examples
+    config: dict[str, Any]  # FinetuneConfig.training_dict()
+    scheme: dict[str, Any]
+    info: dict[str, Any] = field(default_factory=dict)  # labels, fingerprint, best metric
+
+
+def save(path: str | Path, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` to ``path`` atomically."""
+    from safetensors.numpy import save as to_bytes
+
+    tensors: dict[str, Array] = {}
+    for group, entries in (("param", ckpt.params), ("optim", ckpt.optimizer)):
+        for name, array in entries.items():
+            tensors[f"{group}/{name}"] = np.asarray(array, order="C")  # keeps 0-d
+    tensors["data/order"] = np.asarray(ckpt.order, dtype=np.int64, order="C")
+    meta = {
+        "format": FORMAT,
+        "counters": json.dumps(ckpt.counters),
+        "config": json.dumps(ckpt.config),
+        "scheme": json.dumps(ckpt.scheme),
+        "info": json.dumps(ckpt.info),
+    }
+    write_atomic(Path(path), to_bytes(tensors, metadata=meta))
+
+
+def load(path: str | Path) -> Checkpoint:
+    """Read a checkpoint; a ``FinetuneError`` if it is missing or not one of ours."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load as from_bytes
+
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+        tensors = from_bytes(data)
+        meta = _metadata(data)
+    except FileNotFoundError as exc:
+        raise FinetuneError(f"no checkpoint to resume from at {p}") from exc
+    except (OSError, SafetensorError, ValueError) as exc:
+        raise FinetuneError(f"{p} is not a readable checkpoint: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise FinetuneError(f"{p} is not a pockengine fine-tuning checkpoint")
+    groups: dict[str, dict[str, Array]] = {g: {} for g in _GROUPS}
+    try:
+        for key, array in tensors.items():
+            group, _, name = key.partition("/")
+            groups[group][name] = array
+        return Checkpoint(
+            params=groups["param"],
+            optimizer=groups["optim"],
+            order=groups["data"]["order"],
+            counters={k: int(v) for k, v in json.loads(meta["counters"]).items()},
+            config=json.loads(meta["config"]),
+            scheme=json.loads(meta["scheme"]),
+            info=json.loads(meta["info"]),
+        )
+    except (KeyError, ValueError) as exc:
+        raise FinetuneError(f"{p} is an incomplete checkpoint (missing {exc})") from exc
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (its JSON header)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("bad safetensors metadata")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+# -- atomic files ----------------------------------------------------------------------
+
+
+def _write(f: IO[bytes], data: bytes) -> None:
+    """Write ``data`` in chunks (one place for tests to interrupt a write)."""
+    view = memoryview(data)
+    for start in range(0, len(view), _CHUNK):
+        f.write(view[start : start + _CHUNK])
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data``: temporary file in the same folder, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
+        with os.fdopen(fd, "wb") as f:
+            _write(f, data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (not possible on every platform)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove_stale_temporaries(folder: Path, name: str = CHECKPOINT) -> list[Path]:
+    """Delete temporaries a killed writer left behind (never the checkpoint itself)."""
+    stale = sorted(folder.glob(f".{name}.*.tmp")) if folder.is_dir() else []
+    for p in stale:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return stale
+
+
+def write_json_lines(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Replace a JSONL file atomically."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())

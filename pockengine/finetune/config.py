@@ -1,0 +1,123 @@
+"""What a fine-tuning run is: its options, their checks, and its error class.
+
+``FinetuneConfig`` holds every option of ``pe.finetune`` and ``pockengine finetune``.
+Options left ``None`` take the recipe's default (``recipes.defaults``). The options
+that define the training itself (``TRAINING_FIELDS``) are stored in each checkpoint;
+``--resume`` insists they are unchanged, since changing one would not continue the
+run but start a different one. The others only steer this invocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pockengine.ir import PockEngineError
+
+__all__ = [
+    "DEFAULT_BACKEND",
+    "DEFAULT_RECIPE",
+    "RUN_FIELDS",
+    "FinetuneConfig",
+    "FinetuneError",
+]
+
+# The backend fine-tuning compiles for unless told otherwise. "torch" once that
+# backend is complete: the NumPy backend is the reference, not the fast path.
+DEFAULT_BACKEND = "numpy"
+DEFAULT_RECIPE = "minilm-bbc"
+
+# Options that steer one invocation and may differ between a run and its resume.
+RUN_FIELDS = frozenset(
+    {"out", "resume", "max_steps", "checkpoint_every", "log_every", "progress", "backend"}
+)
+
+
+class FinetuneError(PockEngineError):
+    """A fine-tuning run that cannot start or go on: a missing package, a bad dataset
+    or option, a checkpoint that does not fit. The message says what to do."""
+
+
+@dataclass
+class FinetuneConfig:
+    """Every option of a fine-tuning run (``None``: the recipe's default)."""
+
+    recipe: str | None = DEFAULT_RECIPE  # None: the generic path (model + data)
+    model: str | None = None  # a Hugging Face model folder or "module:factory"
+    data: str | None = None  # a CSV, a JSONL file or a folder of class subfolders
+    text_column: str = "text"
+    label_column: str = "label"
+    tokenizer: str | None = None  # a Hugging Face tokenizer folder for factory models
+    scheme: str | None = None  # full, bias, sparse, head, last:K or a scheme file
+    optimizer: str = "adamw"  # adamw or sgd
+    lr: float | None = None
+    weight_decay: float = 0.01
+    momentum: float = 0.9  # sgd only
+    epochs: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None  # text: tokens per example
+    image_size: int | None = None  # images: side in pixels
+    warmup: float = 0.1  # fraction of all steps with a linearly rising learning rate
+    val_fraction: float = 0.2
+    max_train: int | None = None  # use at most this many training examples
+    max_val: int | None = None
+    dedupe: bool = True  # drop exact duplicate texts before splitting
+    seed: int = 0
+    backend: str = DEFAULT_BACKEND
+    out: str | None = None  # None: runs/<recipe or model name>
+    resume: bool = False
+    max_steps: int | None = None  # stop (with a checkpoint) after this many steps in all
+    checkpoint_every: int = 50  # steps; each epoch's end is a checkpoint too
+    log_every: int = 10  # steps per metrics line
+    progress: str = "auto"  # auto (tqdm if installed), plain, none
+
+    def validate(self) -> FinetuneConfig:
+        """``self`` if every option is in range, else a ``FinetuneError`` naming it."""
+        if self.recipe is None and (self.model is None or self.data is None):
+            raise FinetuneError("without a recipe, give both a model and a dataset")
+        _choice("optimizer", self.optimizer, ("adamw", "sgd"))
+        _choice("progress", self.progress, ("auto", "plain", "none"))
+        for name in (
+            "epochs",
+            "batch_size",
+            "seq_len",
+            "image_size",
+            "max_train",
+            "max_val",
+            "max_steps",
+        ):
+            _positive(name, getattr(self, name))
+        for name in ("checkpoint_every", "log_every"):
+            _positive(name, getattr(self, name))
+        if self.lr is not None and not self.lr > 0:
+            raise FinetuneError(f"lr must be > 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise FinetuneError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.warmup < 1:
+            raise FinetuneError(f"warmup is a fraction of all steps in [0, 1), got {self.warmup}")
+        if not 0 < self.val_fraction < 1:
+            raise FinetuneError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def training_dict(self) -> dict[str, Any]:
+        """The options that define the training (stored in checkpoints)."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUN_FIELDS}
+
+    def with_defaults(self, defaults: dict[str, Any]) -> FinetuneConfig:
+        """A copy whose ``None`` options are taken from ``defaults``."""
+        fill = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **fill)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise FinetuneError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise FinetuneError(f"{name} must be a positive integer, got {value}")

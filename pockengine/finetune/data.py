@@ -1,0 +1,296 @@
+"""Datasets for fine-tuning: loading, de-duplication, seeded splits, tokenisation, order.
+
+A labelled text dataset comes from a CSV file, a JSONL file or a folder whose
+subfolders are the classes (one text per file). Every malformed input raises a
+``FinetuneError`` that names the file, the line and what to fix. Splits are
+stratified and seeded; the order of each training epoch is a seeded permutation, so
+a resumed run sees the same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pockengine.finetune.config import FinetuneError
+
+__all__ = [
+    "TextDataset",
+    "WordTokenizer",
+    "dedupe",
+    "encode_hf",
+    "epoch_order",
+    "fingerprint",
+    "load_dataset",
+    "split",
+    "split_indices",
+]
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True)
+class TextDataset:
+    """Texts with their labels (names, as in the file)."""
+
+    texts: tuple[str, ...]
+    labels: tuple[str, ...]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.labels)))
+
+    def label_ids(self, names: Sequence[str]) -> Array:
+        index = {name: i for i, name in enumerate(names)}
+        return np.array([index[label] for label in self.labels], dtype=np.int64)
+
+    def take(self, indices: Iterable[int]) -> TextDataset:
+        idx = list(indices)
+        texts = tuple(self.texts[i] for i in idx)
+        return TextDataset(texts, tuple(self.labels[i] for i in idx), self.source)
+
+    def head(self, n: int | None) -> TextDataset:
+        return self if n is None or n >= len(self) else self.take(range(n))
+
+
+# -- loading -------------------------------------------------------------------------
+
+
+def load_dataset(
+    path: str | Path, text_column: str = "text", label_column: str = "label"
+) -> TextDataset:
+    """A labelled dataset from a ``.csv``/``.tsv``, ``.jsonl`` file or a class folder."""
+    p = Path(path)
+    if not p.exists():
+        raise FinetuneError(f"dataset {p} does not exist")
+    if p.is_dir():
+        data = load_folder(p)
+    elif p.suffix.lower() in (".csv", ".tsv"):
+        data = load_csv(p, text_column, label_column)
+    elif p.suffix.lower() in (".jsonl", ".ndjson"):
+        data = load_jsonl(p, text_column, label_column)
+    else:
+        raise FinetuneError(
+            f"dataset {p}: unknown format {p.suffix!r}; use .csv, .tsv, .jsonl or a folder "
+            "with one subfolder per class"
+        )
+    classes = data.label_names()
+    if len(classes) < 2:
+        raise FinetuneError(
+            f"dataset {p} has {len(classes)} class(es) {list(classes)}; "
+            "classification needs at least 2"
+        )
+    return data
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise FinetuneError(f"cannot read {p}: {exc}") from exc
+
+
+def load_csv(p: Path, text_column: str, label_column: str) -> TextDataset:
+    text = _read_text(p)
+    if not text.strip():
+        raise FinetuneError(f"dataset {p} is empty")
+    rows = _csv_rows(p, text)
+    header = rows[0][1]
+    body = [(line, row) for line, row in rows[1:] if row]
+    if not body:
+        raise FinetuneError(f"dataset {p} has a header but no rows")
+    ti, li = (
+        _column(p, header, c, what) for c, what in ((text_column, "text"), (label_column, "label"))
+    )
+    texts, labels = [], []
+    for line, row in body:
+        if len(row) != len(header):
+            raise FinetuneError(
+                f"{p}:{line}: {len(row)} fields, the header has {len(header)} "
+                "(quote fields that hold the delimiter)"
+            )
+        texts.append(row[ti])
+        labels.append(_label(p, line, row[li]))
+    return TextDataset(tuple(texts), tuple(labels), str(p))
+
+
+def _csv_rows(p: Path, text: str) -> list[tuple[int, list[str]]]:
+    """Rows with the line each starts on (quoted fields may span lines)."""
+    old_limit = csv.field_size_limit(2**31 - 1)  # long articles fit in one field
+    rows = []
+    try:
+        reader = csv.reader(
+            io.StringIO(text, newline=""), delimiter="\t" if p.suffix == ".tsv" else ","
+        )
+        line = 1
+        for row in reader:
+            rows.append((line, row))
+            line = reader.line_num + 1
+    except csv.Error as exc:
+        raise FinetuneError(f"{p}:{line}: not valid CSV ({exc})") from exc
+    finally:
+        csv.field_size_limit(old_limit)
+    return rows
+
+
+def _column(p: Path, header: Sequence[str], name: str, what: str) -> int:
+    if name not in header:
+        raise FinetuneError(
+            f"dataset {p} has no {what} column {name!r}; its columns are "
+            f"{list(header)} (choose with --{what}-column)"
+        )
+    return list(header).index(name)
+
+
+def _label(p: Path, line: int, value: Any) -> str:
+    label = "" if value is None else str(value).strip()
+    if not label:
+        raise FinetuneError(f"{p}:{line}: empty label")
+    return label
+
+
+def load_jsonl(p: Path, text_column: str, label_column: str) -> TextDataset:
+    lines = [(i + 1, s) for i, s in enumerate(_read_text(p).splitlines()) if s.strip()]
+    if not lines:
+        raise FinetuneError(f"dataset {p} is empty")
+    texts, labels = [], []
+    for line, s in lines:
+        try:
+            row = json.loads(s)
+        except json.JSONDecodeError as exc:
+            raise FinetuneError(f"{p}:{line}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):
+            raise FinetuneError(f"{p}:{line}: each line must be a JSON object")
+        for name, what in ((text_column, "text"), (label_column, "label")):
+            if name not in row:
+                raise FinetuneError(
+                    f"{p}:{line}: no {what} field {name!r}; fields: "
+                    f"{sorted(row)} (choose with --{what}-column)"
+                )
+        texts.append(str(row[text_column]))
+        labels.append(_label(p, line, row[label_column]))
+    return TextDataset(tuple(texts), tuple(labels), str(p))
+
+
+def load_folder(p: Path) -> TextDataset:
+    """One subfolder per class, one text per file (hidden files skipped)."""
+    classes = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise FinetuneError(f"dataset folder {p} has no class subfolders")
+    texts, labels = [], []
+    for d in classes:
+        files = sorted(f for f in d.iterdir() if f.is_file() and not f.name.startswith("."))
+        texts += [_read_text(f) for f in files]
+        labels += [d.name] * len(files)
+    if not texts:
+        raise FinetuneError(f"dataset folder {p}: its class subfolders hold no files")
+    return TextDataset(tuple(texts), tuple(labels), str(p))
+
+
+# -- cleaning, splitting, order -------------------------------------------------------
+
+
+def dedupe(data: TextDataset) -> tuple[TextDataset, int]:
+    """The dataset without exact duplicate texts (first one kept), and how many went."""
+    seen: set[str] = set()
+    keep = []
+    for i, text in enumerate(data.texts):
+        if text not in seen:
+            seen.add(text)
+            keep.append(i)
+    return data.take(keep), len(data) - len(keep)
+
+
+def split(data: TextDataset, val_fraction: float, seed: int) -> tuple[TextDataset, TextDataset]:
+    """A stratified, seeded train/validation split; each part in a seeded shuffled order."""
+    train, val = split_indices(data.labels, val_fraction, seed)
+    return data.take(train.tolist()), data.take(val.tolist())
+
+
+def split_indices(labels: Sequence[Any], val_fraction: float, seed: int) -> tuple[Array, Array]:
+    """Indices of a stratified, seeded train/validation split, each in a shuffled order."""
+    rng = np.random.default_rng([seed, 0x5117])
+    keys = [str(label) for label in labels]
+    train: list[int] = []
+    val: list[int] = []
+    for name in sorted(set(keys)):
+        members = np.array([i for i, key in enumerate(keys) if key == name])
+        members = members[rng.permutation(len(members))]
+        n_val = round(val_fraction * len(members)) if len(members) > 1 else 0
+        val += members[:n_val].tolist()
+        train += members[n_val:].tolist()
+    train_idx = np.array(train, dtype=np.int64)[rng.permutation(len(train))]
+    return train_idx, np.array(val, dtype=np.int64)[rng.permutation(len(val))]
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> Array:
+    """The order of the ``n`` training examples in ``epoch``: a pure function of both."""
+    return np.random.default_rng([seed, 0xE90C, epoch]).permutation(n).astype(np.int64)
+
+
+def fingerprint(*arrays: Array) -> str:
+    """A short hash of arrays' shapes, dtypes and bytes (a resumed run's data must match)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+# -- tokenisation ----------------------------------------------------------------------
+
+
+def encode_hf(tokenizer: Any, texts: Sequence[str], seq_len: int) -> tuple[Array, Array]:
+    """Token ids and attention mask, padded and truncated to ``seq_len``, int64."""
+    enc = tokenizer(
+        list(texts), padding="max_length", truncation=True, max_length=seq_len, return_tensors="np"
+    )
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    mask = np.asarray(enc["attention_mask"], dtype=np.int64)
+    return ids, mask
+
+
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+class WordTokenizer:
+    """Lower-cased words and punctuation; the most frequent ``max_vocab`` (ties: in
+    alphabetical order) of the texts it was fitted on. Id 0 pads, id 1 is unknown."""
+
+    PAD, UNK = 0, 1
+
+    def __init__(self, vocab: Sequence[str]) -> None:
+        self.vocab = tuple(vocab)
+        self._index = {w: i + 2 for i, w in enumerate(self.vocab)}
+
+    @classmethod
+    def fit(cls, texts: Iterable[str], max_vocab: int = 20000) -> WordTokenizer:
+        counts = Counter(w for t in texts for w in _WORD.findall(t.lower()))
+        ranked = sorted(counts, key=lambda w: (-counts[w], w))
+        return cls(ranked[:max_vocab])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab) + 2
+
+    def encode(self, texts: Sequence[str], seq_len: int) -> tuple[Array, Array]:
+        ids = np.zeros((len(texts), seq_len), dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for row, text in enumerate(texts):
+            words = _WORD.findall(text.lower())[:seq_len]
+            ids[row, : len(words)] = [self._index.get(w, self.UNK) for w in words]
+            mask[row, : len(words)] = 1
+        return ids, mask

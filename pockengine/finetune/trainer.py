@@ -1,0 +1,372 @@
+"""The fine-tuning loop: compile once, then epochs of fixed-shape steps.
+
+``run(config)``: check the options, fill in the recipe's defaults, build the task,
+compile one ``TrainStep`` for the fixed batch shape, and train: a seeded order per
+epoch (the last partial batch is dropped), the learning rate set through
+``step.lr`` every step (linear warmup, then linear decay to zero), a metrics line
+every ``log_every`` steps, validation at each epoch's end, a checkpoint every
+``checkpoint_every`` steps and at each epoch's end. ``max_steps``, SIGINT and
+SIGTERM stop the run after the current step with a checkpoint; ``resume`` continues
+from it with the same data order, schedule position and dropout seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import torch
+
+from pockengine.finetune import checkpoint as ckpt_io
+from pockengine.finetune import data as ds
+from pockengine.finetune import recipes
+from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.metrics import MetricsLog, evaluate
+from pockengine.finetune.progress import Progress, make_progress
+from pockengine.finetune.result import FinetuneResult
+from pockengine.optim import SGD, AdamW, Optimizer
+from pockengine.runtime import TrainStep
+from pockengine.sparse.schemes import Scheme
+
+__all__ = ["linear_schedule", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def run(config: FinetuneConfig) -> FinetuneResult:
+    """Fine-tune as ``config`` says; returns when done, stopped, or raises."""
+    start = time.perf_counter()
+    config = config.validate()
+    config = config.with_defaults(recipes.defaults(config)).validate()
+    scheme = recipes.parse_scheme(_given(config.scheme))
+    out = Path(config.out or Path("runs") / _slug(config))
+    saved = _resume_point(config, out)
+    task = recipes.build(config)
+    compile_start = time.perf_counter()
+    step = _compile(config, task, scheme)
+    compile_s = time.perf_counter() - compile_start
+    loop = _Loop(config, task, step, scheme, out)
+    if saved is not None:
+        loop.restore(saved)
+    with _stop_on_signals() as stop:
+        loop.train(stop)
+    result = FinetuneResult(
+        config=config,
+        out=out,
+        steps=loop.global_step,
+        total_steps=loop.total,
+        epochs_done=loop.epoch,
+        stopped=stop.reason or loop.stopped,
+        history=loop.history,
+        report=str(step.report()),
+        notes=task.notes,
+        wall_s=time.perf_counter() - start,
+        compile_s=compile_s,
+        step_s=loop.mean_step_s(),
+        train_examples=task.train_size,
+        val_examples=task.val_size,
+        labels=task.labels,
+        inputs=task.inputs,
+        step=step,
+    )
+    if result.finished:
+        loop.log.append({"event": "summary", **result.to_dict()})
+    ckpt_io.write_atomic(out / "summary.json", json.dumps(result.to_dict(), indent=2).encode())
+    return result
+
+
+def _given(value: str | None) -> str:
+    assert value is not None, "filled in by the recipe's defaults"
+    return value
+
+
+def _slug(config: FinetuneConfig) -> str:
+    name = config.recipe or Path(str(config.model)).name or "model"
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def _resume_point(config: FinetuneConfig, out: Path) -> ckpt_io.Checkpoint | None:
+    """The checkpoint to continue (``resume``), after checking it is this run's."""
+    path = out / ckpt_io.CHECKPOINT
+    ckpt_io.remove_stale_temporaries(out)
+    if not config.resume:
+        if path.exists():
+            raise FinetuneError(
+                f"{out} already holds a checkpoint: continue it with --resume, "
+                "or choose another --out"
+            )
+        for stale in ("metrics.jsonl", "summary.json"):  # from a run that never checkpointed
+            (out / stale).unlink(missing_ok=True)
+        return None
+    saved = ckpt_io.load(path)
+    now = json.loads(json.dumps(config.training_dict()))
+    diffs = [
+        f"{k}: {saved.config.get(k)!r} in the checkpoint, {v!r} now"
+        for k, v in now.items()
+        if saved.config.get(k) != v
+    ]
+    if diffs:
+        raise FinetuneError(
+            "--resume continues a run with the options it started with; "
+            "these differ:\n  " + "\n  ".join(diffs)
+        )
+    return saved
+
+
+def _optimizer(config: FinetuneConfig) -> Optimizer:
+    lr = float(config.lr or 0.0)
+    if config.optimizer == "sgd":
+        return SGD(lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    return AdamW(lr=lr, weight_decay=config.weight_decay)
+
+
+def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
+    from pockengine.runtime import compile
+
+    assert config.batch_size is not None
+    example = tuple(torch.from_numpy(a[: config.batch_size]) for a in task.train)
+    task.model.train()  # dropout on: its seed is the step's "rng.seed" state
+    return compile(
+        task.model,
+        task.loss_fn,
+        example,
+        optimizer=_optimizer(config),
+        scheme=scheme,
+        backend=config.backend,
+    )
+
+
+def linear_schedule(t: int, base: float, warmup: int, total: int) -> float:
+    """The learning rate of step ``t`` (0-based): rising to ``base`` over ``warmup``
+    steps, then falling linearly to zero at ``total``."""
+    if t < warmup:
+        return base * (t + 1) / warmup
+    # After a warmup, whose last step already ran at ``base``, decay starts below it.
+    return base * max(0.0, (total - t) / max(1, total - warmup + (warmup > 0)))
+
+
+class _StopFlag:
+    reason: str | None = None
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[_StopFlag]:
+    """SIGINT/SIGTERM ask the loop to stop after the current step (a second SIGINT
+    interrupts at once). Only the main thread can take signals."""
+    flag = _StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def ask(signum: int, frame: FrameType | None) -> None:
+        if flag.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag.reason = signal.Signals(signum).name
+        log.warning("%s: stopping after this step with a checkpoint", flag.reason)
+
+    old = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+class _Loop:
+    """The counters, the data order and the checkpoints of one run."""
+
+    def __init__(
+        self, config: FinetuneConfig, task: recipes.Task, step: TrainStep, scheme: Scheme, out: Path
+    ) -> None:
+        assert config.batch_size is not None and config.epochs is not None
+        self.config, self.task, self.step, self.scheme = config, task, step, scheme
+        self.batch_size = config.batch_size
+        self.steps_per_epoch = task.train_size // config.batch_size
+        self.total = config.epochs * self.steps_per_epoch
+        self.warmup = round(config.warmup * self.total)
+        self.global_step = self.epoch = self.batch = self.examples = 0
+        self.order = ds.epoch_order(task.train_size, config.seed, 0)
+        self.history: list[dict[str, Any]] = []
+        self.fingerprint = ds.fingerprint(*task.train)
+        self.path = out / ckpt_io.CHECKPOINT
+        self.log = MetricsLog(out / "metrics.jsonl")
+        self.stopped: str | None = None
+        self._losses: list[float] = []
+        self._times: list[float] = []
+        self._all_times: list[float] = []
+        self._started = time.perf_counter()
+
+    # -- state -------------------------------------------------------------------------
+    def _scheme_dict(self) -> dict[str, Any]:
+        parsed: dict[str, Any] = json.loads(json.dumps(self.scheme.to_dict()))
+        return parsed
+
+    def save(self) -> None:
+        counters = {
+            "step": self.global_step,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "examples": self.examples,
+        }
+        info = {
+            "fingerprint": self.fingerprint,
+            "labels": list(self.task.labels),
+            "history": self.history,
+            "total_steps": self.total,
+            "interval_losses": self._losses,
+        }
+        state = ckpt_io.Checkpoint(
+            self.step.state_dict(),
+            self.step.optimizer_state(),
+            self.order,
+            counters,
+            self.config.training_dict(),
+            self._scheme_dict(),
+            info,
+        )
+        try:
+            ckpt_io.save(self.path, state)
+        except OSError as exc:
+            kept = "the previous one is intact" if self.path.exists() else "none was written"
+            raise FinetuneError(
+                f"cannot write the checkpoint {self.path} at step "
+                f"{self.global_step} ({exc}); {kept}"
+            ) from exc
+
+    def restore(self, saved: ckpt_io.Checkpoint) -> None:
+        if saved.info.get("fingerprint") != self.fingerprint:
+            raise FinetuneError(
+                "the training data differ from the checkpoint's; --resume needs the same dataset"
+            )
+        if saved.scheme != self._scheme_dict():
+            raise FinetuneError(
+                f"the scheme is now {self._scheme_dict()}, the checkpoint trained {saved.scheme}"
+            )
+        if len(saved.order) != self.task.train_size:
+            raise FinetuneError("the checkpoint's data order does not fit the training split")
+        try:
+            self.step.load_state(saved.params, saved.optimizer)
+        except (KeyError, ValueError) as exc:
+            raise FinetuneError(f"the checkpoint does not fit this model: {exc}") from exc
+        c = saved.counters
+        self.global_step, self.epoch, self.batch = c["step"], c["epoch"], c["batch"]
+        self.examples, self.order = c["examples"], saved.order
+        self.history = list(saved.info.get("history", []))
+        self._losses = [float(x) for x in saved.info.get("interval_losses", [])]
+        self.log.truncate_after(self.global_step)
+        log.info(
+            "resumed %s at step %d (epoch %d, batch %d)",
+            self.path,
+            self.global_step,
+            self.epoch + 1,
+            self.batch,
+        )
+
+    # -- the loop ------------------------------------------------------------------------
+    def train(self, stop: _StopFlag) -> None:
+        progress = make_progress(
+            self.config.progress, self.total, self.global_step, self.batch_size
+        )
+        try:
+            while self.epoch < _count(self.config.epochs):
+                while self.batch < self.steps_per_epoch:
+                    if self._should_stop(stop):
+                        self.save()
+                        progress.message(
+                            f"stopped at step {self.global_step} "
+                            f"({self.stopped}); checkpoint {self.path}"
+                        )
+                        return
+                    self._one_step(progress)
+                    if (
+                        self.global_step % self.config.checkpoint_every == 0
+                        and self.batch < self.steps_per_epoch
+                    ):
+                        self.save()
+                self._end_epoch(progress)
+        finally:
+            progress.close()
+
+    def _should_stop(self, stop: _StopFlag) -> bool:
+        limit = self.config.max_steps
+        if stop.reason is not None:
+            self.stopped = stop.reason
+        elif limit is not None and self.global_step >= limit:
+            self.stopped = "max_steps"
+        return self.stopped is not None
+
+    def _one_step(self, progress: Progress) -> None:
+        rows = self.order[self.batch * self.batch_size : (self.batch + 1) * self.batch_size]
+        batch = tuple(np.ascontiguousarray(a[rows]) for a in self.task.train)
+        lr = linear_schedule(self.global_step, float(self.config.lr or 0), self.warmup, self.total)
+        self.step.lr = lr
+        start = time.perf_counter()
+        loss = self.step(*batch)
+        self._times.append(time.perf_counter() - start)
+        if not math.isfinite(loss):
+            raise FinetuneError(
+                f"the loss is {loss} at step {self.global_step + 1}; the last "
+                f"checkpoint is intact; try a lower --lr than "
+                f"{self.config.lr}"
+            )
+        self.global_step += 1
+        self.batch += 1
+        self.examples += self.batch_size
+        self._losses.append(loss)
+        progress.update(loss, lr, self.epoch)
+        if self.global_step % self.config.log_every == 0:
+            self._log_train(lr)
+
+    def _log_train(self, lr: float) -> None:
+        if not self._losses:
+            return
+        seconds = sum(self._times)  # of this invocation's steps (a resumed interval has fewer)
+        self.log.append(
+            {
+                "event": "train",
+                "step": self.global_step,
+                "epoch": round(self.epoch + self.batch / self.steps_per_epoch, 4),
+                "loss": sum(self._losses) / len(self._losses),
+                "lr": lr,
+                "examples_per_s": len(self._times) * self.batch_size / seconds if seconds else 0.0,
+                "step_s": seconds / len(self._times) if self._times else 0.0,
+                "elapsed_s": time.perf_counter() - self._started,
+            }
+        )
+        self._all_times += self._times
+        self._losses, self._times = [], []
+
+    def _end_epoch(self, progress: Progress) -> None:
+        self._log_train(self.step.lr)
+        metrics = evaluate(self.step, self.task)
+        row = {"event": "eval", "step": self.global_step, "epoch": self.epoch + 1, **metrics}
+        self.log.append(row)
+        self.history.append(row)
+        progress.message(
+            "epoch {}: {}".format(
+                self.epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            )
+        )
+        self.epoch += 1
+        self.batch = 0
+        self.order = ds.epoch_order(self.task.train_size, self.config.seed, self.epoch)
+        self.save()
+
+    def mean_step_s(self) -> float:
+        times = self._all_times + self._times
+        return sum(times) / len(times) if times else 0.0
+
+
+def _count(value: int | None) -> int:
+    assert value is not None
+    return value

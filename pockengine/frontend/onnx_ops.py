@@ -1,0 +1,160 @@
+"""The flat converter table of the ONNX frontend: ONNX op type -> IR ops.
+
+A converter receives the translated inputs and the node's attributes and returns the
+translation of each output. An operand is an IR ``Value`` (computed at run time), a NumPy
+array (known at compile time: a constant initializer, a ``Constant`` node, a shape, or
+anything computed only from those) or None (an absent optional input). The driver folds
+every node whose inputs are all known with ONNX's reference evaluator, so converters see
+at least one ``Value``; ``Ctx.value`` turns a known operand into a graph value (a ``full``
+when it is uniform, a ``const`` input otherwise).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
+
+__all__ = [
+    "CONVERTERS",
+    "Ctx",
+    "Operand",
+    "as_ints",
+    "ir_dtype",
+    "onnx_op",
+    "sanitize",
+]
+
+Array = np.ndarray[Any, Any]
+Operand = Value | Array | None
+Converter = Callable[..., Any]
+CONVERTERS: dict[str, Converter] = {}
+
+# TensorProto element types the IR has (float16 and bfloat16 models must be cast first).
+_DTYPES = {1: DType.F32, 6: DType.I32, 7: DType.I64, 9: DType.BOOL, 11: DType.F64}
+
+
+def ir_dtype(elem_type: int, what: str = "") -> DType:
+    if elem_type not in _DTYPES:
+        where = f" ({what})" if what else ""
+        raise CompileError(
+            f"ONNX element type {elem_type}{where} is not supported: use float32/64, int32/64 "
+            "or bool"
+        )
+    return _DTYPES[elem_type]
+
+
+def sanitize(name: str) -> str:
+    """An IR value name for an ONNX name: ``\\w[\\w.]*`` (torch names pass unchanged)."""
+    clean = re.sub(r"[^\w.]", "_", name)
+    return clean if clean and (clean[0].isalnum() or clean[0] == "_") else f"v{clean}"
+
+
+def as_ints(x: Operand, what: str) -> list[int]:
+    """A compile-time int vector (axes, shapes, pads)."""
+    if not isinstance(x, np.ndarray):
+        raise CompileError(f"{what} must be known at compile time (a constant), not computed")
+    return [int(v) for v in np.asarray(x).reshape(-1)]
+
+
+class Ctx:
+    """What converters use: the builder, the current node's name, constants, the rng."""
+
+    def __init__(self, b: GraphBuilder) -> None:
+        self.b = b
+        self.source = ""
+        self.opset = 18  # the model's default-domain opset; the driver sets it
+        self.n_outputs = 1  # of the node being converted
+        self.values: dict[str, Array] = {}  # const and rng inputs created while converting
+        self.eval_modules: frozenset[str] = frozenset()
+        self.module_of: dict[str, str] = {}  # IR param name -> module path
+        self._seed: Value | None = None
+        self._salt = 0
+
+    # -- emitting ------------------------------------------------------------------
+    def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
+        return self.b.call(op, *inputs, source=self.source, **attrs)
+
+    def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
+        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
+
+    def effect(self, op: str, *inputs: Value, **attrs: Any) -> None:
+        self.b.effect(op, *inputs, source=self.source, **attrs)
+
+    def full(self, value: float, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
+        return self.call("full", shape=tuple(shape), value=value, dtype=str(dtype))
+
+    def cast(self, v: Value, dtype: DType) -> Value:
+        return v if v.dtype is dtype else self.call("cast", v, dtype=str(dtype))
+
+    # -- operands ------------------------------------------------------------------
+    def value(self, x: Operand, what: str = "input") -> Value:
+        """``x`` as a graph value: constants become a ``full`` or a ``const`` input."""
+        if isinstance(x, Value):
+            return x
+        if x is None:
+            raise CompileError(f"the {what} is missing")
+        array = np.asarray(x)
+        dtype = DType.from_numpy(array.dtype) if array.dtype.kind != "U" else None
+        if dtype is None or dtype not in _DTYPES.values():
+            raise CompileError(f"a constant of dtype {array.dtype} is not supported")
+        flat = array.reshape(-1)
+        if flat.size and np.all(flat == flat[0]) and not np.isnan(flat[0]):
+            scalar = flat[0].item()
+            return self.full(scalar, dtype, tuple(array.shape))
+        name = self.b.fresh("const.")
+        self.values[name] = np.array(array, copy=True)
+        value = Value(name, TensorType(tuple(array.shape), dtype), Role.CONST)
+        self.b.inputs.append(value)
+        return value
+
+    def like(self, x: Operand, other: Value) -> Value:
+        """``x`` (often a constant) as a value of ``other``'s dtype."""
+        if isinstance(x, np.ndarray):
+            x = np.asarray(x, dtype=other.dtype.to_numpy())
+        return self.cast(self.value(x), other.dtype)
+
+    # -- dropout -------------------------------------------------------------------
+    def random_mask(self, shape: tuple[int, ...], p: float) -> Value:
+        """A keep-mask from the ``rng.seed`` state, advanced once per step (as torch's)."""
+        if self._seed is None:
+            self._seed = self.b.input("rng.seed", TensorType((), DType.I64), Role.STATE)
+            self.values["rng.seed"] = np.zeros((), dtype=np.int64)
+        self._salt += 1
+        return self.call("random_mask", self._seed, shape=shape, p=float(p), salt=self._salt)
+
+    def finish_rng(self) -> None:
+        if self._seed is not None:
+            nxt = self.b.call("add", self._seed, self.full(1, DType.I64), source="rng")
+            self.b.effect("assign", self._seed, nxt, source="rng")
+
+
+_C = TypeVar("_C", bound=Converter)
+
+
+def onnx_op(*names: str) -> Callable[[_C], _C]:
+    """Register one converter for the listed ONNX op types (default domain)."""
+
+    def wrap(fn: _C) -> _C:
+        for name in names:
+            CONVERTERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    if not -max(rank, 1) <= axis < max(rank, 1):
+        raise CompileError(f"axis {axis} is out of range for rank {rank}")
+    return axis % max(rank, 1)
+
+
+def ints_attr(attrs: dict[str, Any], key: str, default: Sequence[int] | None = None) -> list[int]:
+    value = attrs.get(key, default)
+    if value is None:
+        raise CompileError(f"attribute {key} is required")
+    return [int(v) for v in value]

@@ -1,0 +1,145 @@
+"""Datasets, splits, data order, tokenisation, the schedule and the options."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pockengine as pe
+from pockengine.finetune import FinetuneConfig, FinetuneError
+from pockengine.finetune import data as ds
+from pockengine.finetune.recipes import bbc_folder, parse_scheme
+from pockengine.finetune.trainer import linear_schedule
+
+
+def test_bbc_news_layout_and_duplicates() -> None:
+    news = ds.load_folder(bbc_folder())
+    assert len(news) == 2225
+    assert news.label_names() == ("business", "entertainment", "politics", "sports", "tech")
+    unique, dropped = ds.dedupe(news)
+    assert dropped == 98 and len(set(unique.texts)) == len(unique) == 2127
+
+
+def _toy(n: int = 100) -> ds.TextDataset:
+    labels = tuple("abc"[i % 3] if i < 90 else "c" for i in range(n))
+    return ds.TextDataset(tuple(f"text {i}" for i in range(n)), labels, "toy")
+
+
+def test_split_is_stratified_seeded_and_disjoint() -> None:
+    data = _toy()
+    train, val = ds.split(data, 0.2, seed=3)
+    assert set(train.texts).isdisjoint(val.texts) and len(train) + len(val) == len(data)
+    assert Counter(val.labels) == {"a": 6, "b": 6, "c": 8}
+    again = ds.split(data, 0.2, seed=3)
+    assert again == (train, val)
+    assert ds.split(data, 0.2, seed=4)[1].texts != val.texts
+
+
+def test_epoch_order_is_a_pure_function_of_seed_and_epoch() -> None:
+    first = ds.epoch_order(50, seed=0, epoch=0)
+    assert sorted(first.tolist()) == list(range(50))
+    np.testing.assert_array_equal(first, ds.epoch_order(50, seed=0, epoch=0))
+    assert not np.array_equal(first, ds.epoch_order(50, seed=0, epoch=1))
+
+
+def test_word_tokenizer_pads_truncates_and_marks_unknowns() -> None:
+    tok = ds.WordTokenizer.fit(["the cat sat", "the dog"], max_vocab=3)
+    assert tok.vocab == ("the", "cat", "dog") and tok.vocab_size == 5
+    ids, mask = tok.encode(["The cat flew away home", ""], seq_len=4)
+    assert ids.tolist() == [[2, 3, 1, 1], [0, 0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
+
+
+def test_csv_with_quoted_commas_and_newlines(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text('id,text,label\n1,"hello, world\nagain",x\n2,plain,y\n')
+    data = ds.load_dataset(path)
+    assert data.texts == ("hello, world\nagain", "plain") and data.labels == ("x", "y")
+
+
+def test_jsonl_and_folder(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a", "label": 1}\n\n{"text": "b", "label": 2}\n')
+    assert ds.load_dataset(path).labels == ("1", "2")
+    for label, text in (("neg", "bad"), ("pos", "good")):
+        (tmp_path / "f" / label).mkdir(parents=True)
+        (tmp_path / "f" / label / "1.txt").write_bytes(text.encode() + b"\xff")
+    folder = ds.load_dataset(tmp_path / "f")
+    assert folder.labels == ("neg", "pos") and folder.texts[0] == "bad\ufffd"
+
+
+def test_linear_warmup_then_decay() -> None:
+    lrs = [linear_schedule(t, 1.0, warmup=4, total=20) for t in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a > b for a, b in itertools.pairwise(lrs[3:])) and lrs[-1] > 0
+    assert linear_schedule(20, 1.0, warmup=4, total=20) == 0.0
+
+
+def test_scheme_names() -> None:
+    assert parse_scheme("last:3").to_dict() == {
+        "scheme": "last_blocks",
+        "k": 3,
+        "head": True,
+        "frozen_bn": "eval",
+    }
+    bias = parse_scheme("bias").to_dict()
+    assert bias == {
+        "scheme": "sparse",
+        "bias": "all",
+        "blocks": 0,
+        "head": True,
+        "frozen_bn": "eval",
+    }
+    with pytest.raises(FinetuneError, match="whole number"):
+        parse_scheme("last:x")
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(FinetuneError, match="unknown finetune options \\['learning_rate'\\]"):
+        pe.finetune(learning_rate=0.1)
+    with pytest.raises(FinetuneError, match="optimizer must be one of adamw, sgd"):
+        FinetuneConfig(optimizer="adam").validate()
+    with pytest.raises(FinetuneError, match="epochs must be a positive integer"):
+        FinetuneConfig(epochs=0).validate()
+    with pytest.raises(FinetuneError, match="brings its own model and data"):
+        pe.finetune(recipe="minilm-bbc", data="x.csv")
+
+
+def test_idx_reader_and_image_preprocessing(tmp_path: Path) -> None:
+    import gzip
+
+    from pockengine.finetune import vision
+
+    images = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
+    header = bytes([0, 0, 8, 3]) + b"".join(d.to_bytes(4, "big") for d in images.shape)
+    path = tmp_path / "x-idx3-ubyte.gz"
+    path.write_bytes(gzip.compress(header + images.tobytes()))
+    np.testing.assert_array_equal(vision.load_idx(path), images)
+    x = vision.preprocess(images, 56)
+    assert x.shape == (2, 3, 56, 56) and x.dtype == np.float32
+    np.testing.assert_array_equal(x[:, 0], x[:, 2])
+    assert x.min() >= -1 and x.max() <= 1
+    path.write_bytes(b"not idx")
+    with pytest.raises(FinetuneError, match="not an IDX file"):
+        vision.load_idx(path)
+
+
+class _CharTokenizer:
+    eos_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_causal_lm_chunks_join_documents_with_end_of_text() -> None:
+    from pockengine.finetune.causal_lm import pack, split_docs
+
+    chunks = pack(_CharTokenizer(), ["abc", "defgh", "ij"], seq_len=4, limit=None)
+    assert chunks.tolist() == [[97, 98, 99, 0], [100, 101, 102, 103], [104, 0, 105, 106]]
+    assert pack(_CharTokenizer(), ["abc", "defgh", "ij"], seq_len=4, limit=1).shape == (1, 4)
+    train, val = split_docs(10, 0.2, seed=0)
+    assert sorted([*train, *val]) == list(range(10)) and len(val) == 2

@@ -1,0 +1,200 @@
+"""Kill and resume: a run stopped (by --max-steps, SIGKILL or SIGTERM) and resumed ends
+with the same weights, optimizer state, dropout seed and metrics as one that never
+stopped. A tiny bag-of-words model with dropout on a small CSV keeps it fast."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pockengine as pe
+from pockengine.finetune import checkpoint, trainer
+from pockengine.finetune.cli import exit_code
+from pockengine.finetune.progress import Progress
+
+TINY_MODEL = """
+import torch
+from torch import nn
+
+
+class Bag(nn.Module):
+    def __init__(self, vocab_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 16)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(16, num_labels)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids) * mask.unsqueeze(-1).to(torch.float32)
+        pooled = h.sum(1) / mask.sum(1, keepdim=True).clamp(min=1).to(torch.float32)
+        return self.head(self.drop(pooled))
+
+
+def bag(vocab_size, num_labels):
+    return Bag(vocab_size, num_labels)
+"""
+
+POSITIVE = ["good", "great", "excellent", "fine", "lovely", "nice", "superb"]
+NEGATIVE = ["bad", "awful", "terrible", "poor", "horrible", "nasty", "dull"]
+FILLER = ["the", "a", "movie", "film", "plot", "was", "is", "it", "and", "very"]
+
+
+def write_task(folder: Path, rows: int = 240, module: str = "tiny_bag") -> dict[str, Any]:
+    """A factory module and a sentiment CSV in ``folder``; the finetune options using them."""
+    (folder / f"{module}.py").write_text(TINY_MODEL)
+    rng = np.random.default_rng(0)
+    with (folder / "reviews.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["review", "sentiment"])
+        for i in range(rows):
+            label = "pos" if i % 2 else "neg"
+            words = [*rng.choice(FILLER, 6), *rng.choice(POSITIVE if i % 2 else NEGATIVE, 2)]
+            writer.writerow([" ".join(rng.permutation(words)) + f" #{i}", label])
+    return {
+        "model": f"{module}:bag",
+        "data": str(folder / "reviews.csv"),
+        "text_column": "review",
+        "label_column": "sentiment",
+        "seq_len": 12,
+        "batch_size": 8,
+        "epochs": 3,
+        "lr": 1e-2,
+        "progress": "none",
+    }
+
+
+@pytest.fixture
+def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return write_task(tmp_path)
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    x, y = checkpoint.load(a), checkpoint.load(b)
+    assert x.counters == y.counters
+    for got, want in ((x.params, y.params), (x.optimizer, y.optimizer)):
+        assert got.keys() == want.keys()
+        for name in got:
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-6, err_msg=name)
+    assert "rng.seed" in x.optimizer  # the dropout seed is part of what resumes
+
+
+def metric_lines(path: Path) -> list[dict[str, Any]]:
+    """The metrics log without its timings (which differ between runs)."""
+    timing = {"examples_per_s", "step_s", "elapsed_s", "wall_s", "compile_s"}
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [
+        {k: v for k, v in r.items() if k not in timing} for r in rows if r["event"] != "summary"
+    ]
+
+
+def test_max_steps_then_resume_matches_uninterrupted(tmp_path: Path, task: dict[str, Any]) -> None:
+    whole = pe.finetune(**task, out=str(tmp_path / "whole"))
+    assert whole.finished and whole.steps == whole.total_steps == 72
+    first = pe.finetune(**task, out=str(tmp_path / "split"), max_steps=29, checkpoint_every=7)
+    assert first.stopped == "max_steps" and first.steps == 29
+    rest = pe.finetune(**task, out=str(tmp_path / "split"), resume=True)
+    assert rest.finished and rest.steps == 72
+    assert_same_state(whole.checkpoint, rest.checkpoint)
+    assert metric_lines(whole.metrics_path) == metric_lines(rest.metrics_path)
+    assert rest.history == whole.history
+    assert rest.final["val_accuracy"] > 0.8
+
+
+def test_resume_refuses_changed_options(tmp_path: Path, task: dict[str, Any]) -> None:
+    out = str(tmp_path / "run")
+    pe.finetune(**task, out=out, max_steps=3)
+    with pytest.raises(pe.FinetuneError, match=re.escape("lr: 0.01 in the checkpoint, 0.02 now")):
+        pe.finetune(**{**task, "lr": 2e-2}, out=out, resume=True)
+    with pytest.raises(pe.FinetuneError, match="already holds a checkpoint"):
+        pe.finetune(**task, out=out)
+
+
+def _cli(task: dict[str, Any], out: Path, *extra: str) -> list[str]:
+    args = [sys.executable, "-m", "pockengine", "finetune"]
+    for key, value in task.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return [*args, "--out", str(out), *extra]
+
+
+def _start(cmd: list[str], cwd: Path) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(cwd),
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_sigkilled_process_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run killed with SIGKILL right after a checkpoint, then run again with --resume,
+    ends where an uninterrupted run (here, in this process) ends."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = write_task(tmp_path, rows=500, module="tiny_bag_cli")
+    task.update(batch_size=4, epochs=4, checkpoint_every=25)  # 400 steps
+    killed = tmp_path / "killed"
+    proc = _start(_cli(task, killed), tmp_path)
+    whole = pe.finetune(**task, out=str(tmp_path / "whole"))  # meanwhile, on the other core
+    deadline = time.monotonic() + 120
+    while not (killed / checkpoint.CHECKPOINT).exists() and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before the kill:\n{err}"
+    assert 0 < checkpoint.load(killed / checkpoint.CHECKPOINT).counters["step"] < 400
+    resumed = _start(_cli(task, killed, "--resume"), tmp_path)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert "compile-time report" in out
+    assert_same_state(whole.checkpoint, killed / checkpoint.CHECKPOINT)
+    assert metric_lines(whole.metrics_path) == metric_lines(killed / "metrics.jsonl")
+    assert not list(killed.glob(".*.tmp"))
+
+
+class _SignalAt(Progress):
+    """A silent progress bar that sends this process ``sig`` after step ``at``."""
+
+    def __init__(self, at: int, sig: int, total: int, done: int, batch_size: int) -> None:
+        super().__init__(total, done, batch_size)
+        self.at, self.sig = at, sig
+
+    def update(self, loss: float, lr: float, epoch: int) -> None:
+        super().update(loss, lr, epoch)
+        if self.done == self.at:
+            os.kill(os.getpid(), self.sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_with_checkpoint_and_resumes(
+    tmp_path: Path, task: dict[str, Any], monkeypatch: pytest.MonkeyPatch, sig: int
+) -> None:
+    whole = pe.finetune(**task, out=str(tmp_path / "whole"))
+
+    def signal_at_17(mode: str, total: int, done: int, batch_size: int) -> Progress:
+        return _SignalAt(17, sig, total, done, batch_size)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "make_progress", signal_at_17)
+        first = pe.finetune(**task, out=str(tmp_path / "stopped"))
+    assert first.stopped == signal.Signals(sig).name and first.steps == 17
+    assert exit_code(first.stopped) == 128 + sig
+    rest = pe.finetune(**task, out=str(tmp_path / "stopped"), resume=True)
+    assert_same_state(whole.checkpoint, rest.checkpoint)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
