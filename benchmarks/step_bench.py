@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-FRAMEWORKS = ("pockengine-torch", "torch-eager", "torch-compile")
+FRAMEWORKS = ("pockengine-torch", "pockengine-onnxruntime", "torch-eager", "torch-compile")
 WORKLOADS = ("mbv2", "bert", "llama")
 SCHEMES = ("full", "bias", "sparse", "head")
 
