@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from pockengine.frontend.rng import DropoutSeed
 from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
 
 __all__ = [
@@ -72,8 +73,7 @@ class Ctx:
         self.values: dict[str, Array] = {}  # const and rng inputs created while converting
         self.eval_modules: frozenset[str] = frozenset()
         self.module_of: dict[str, str] = {}  # IR param name -> module path
-        self._seed: Value | None = None
-        self._salt = 0
+        self.rng = DropoutSeed(b)
 
     # -- emitting ------------------------------------------------------------------
     def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
@@ -120,17 +120,12 @@ class Ctx:
 
     # -- dropout -------------------------------------------------------------------
     def random_mask(self, shape: tuple[int, ...], p: float) -> Value:
-        """A keep-mask from the ``rng.seed`` state, advanced once per step (as torch's)."""
-        if self._seed is None:
-            self._seed = self.b.input("rng.seed", TensorType((), DType.I64), Role.STATE)
-            self.values["rng.seed"] = np.zeros((), dtype=np.int64)
-        self._salt += 1
-        return self.call("random_mask", self._seed, shape=shape, p=float(p), salt=self._salt)
+        return self.rng.mask(shape, p, self.source)
 
     def finish_rng(self) -> None:
-        if self._seed is not None:
-            nxt = self.b.call("add", self._seed, self.full(1, DType.I64), source="rng")
-            self.b.effect("assign", self._seed, nxt, source="rng")
+        """Advance the dropout seed once per step, after every mask has been drawn."""
+        self.rng.finish()
+        self.values.update(self.rng.initial_values())
 
 
 _C = TypeVar("_C", bound=Converter)

@@ -188,7 +188,7 @@ class _Translator:
         if loss.shape != () or not loss.dtype.is_float:
             raise CompileError(f"loss_fn must return a float scalar, got {loss.type}")
         self.ctx.finish_rng()
-        self.values.update(self.ctx.rng_values)
+        self.values.update(self.ctx.rng.initial_values())
         graph = self.b.build([loss])
         aliases = {n: self.aliases[n] for n in self.state_names.values() if n in self.aliases}
         return ImportedModel(graph, self.values, tuple(self.batch), self.state_names, aliases)

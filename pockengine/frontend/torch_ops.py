@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
+from pockengine.frontend.rng import DropoutSeed
+from pockengine.ir import CompileError, DType, GraphBuilder, TensorType, Value
 
 __all__ = [
     "CONVERTERS",
@@ -68,9 +69,7 @@ class Ctx:
         self.b = b
         self.source = ""
         self.out: Any = None  # the exported node's FakeTensor (or tuple of them)
-        self._seed: Value | None = None
-        self._salt = 0
-        self.rng_values: dict[str, Array] = {}
+        self.rng = DropoutSeed(b)
 
     # -- metadata ------------------------------------------------------------
     @property
@@ -101,17 +100,11 @@ class Ctx:
 
     # -- dropout randomness ----------------------------------------------------
     def random_mask(self, shape: tuple[int, ...], p: float) -> Value:
-        if self._seed is None:
-            self._seed = self.b.input("rng.seed", TensorType((), DType.I64), Role.STATE)
-            self.rng_values["rng.seed"] = np.zeros((), dtype=np.int64)
-        self._salt += 1
-        return self.call("random_mask", self._seed, shape=shape, p=float(p), salt=self._salt)
+        return self.rng.mask(shape, p, self.source)
 
     def finish_rng(self) -> None:
-        """Advance the seed once per step, after every mask has been drawn."""
-        if self._seed is not None:
-            nxt = self.b.call("add", self._seed, self.full(1, DType.I64), source="rng")
-            self.b.effect("assign", self._seed, nxt, source="rng")
+        """Advance the dropout seed once per step, after every mask has been drawn."""
+        self.rng.finish()
 
 
 _C = TypeVar("_C", bound=Converter)
