@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pockengine.frontend.lowering import batch_norm_eval
 from pockengine.frontend.torch_ops import Ctx, aten
 from pockengine.ir import CompileError, DType, Value
 
@@ -127,17 +128,8 @@ def _affine(cx: Ctx, v: Value | None, x: Value, fill: float, size: int) -> Value
     return v if v is not None else cx.full(fill, x.dtype, (size,))
 
 
-def _channel_view(cx: Ctx, v: Value, rank: int) -> Value:
-    return cx.call("reshape", v, shape=(v.shape[0],) + (1,) * (rank - 2))
-
-
 def _bn_eval(cx: Ctx, x: Value, w: Value, b: Value, mean: Value, var: Value, eps: float) -> Value:
-    rank = x.type.rank
-    rstd = cx.call("rsqrt", cx.call("add", var, cx.full(eps, var.dtype)))
-    scale = cx.call("mul", w, rstd)
-    shift = cx.call("sub", b, cx.call("mul", mean, scale))
-    y = cx.call("mul", x, _channel_view(cx, scale, rank))
-    return cx.call("add", y, _channel_view(cx, shift, rank))
+    return batch_norm_eval(cx.b, cx.source, x, w, b, mean, var, eps)
 
 
 @aten("_native_batch_norm_legit_functional.default")

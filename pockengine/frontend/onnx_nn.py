@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine.frontend.lowering import batch_norm_eval
 from pockengine.frontend.onnx_ops import Ctx, Operand, ints_attr, norm_axis, onnx_op
 from pockengine.ir import CompileError, Role, Value
 
@@ -163,17 +164,8 @@ def _global_max(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
 # -- normalisation ---------------------------------------------------------------------------
 
 
-def _channel_view(cx: Ctx, v: Value, rank: int) -> Value:
-    return cx.call("reshape", v, shape=(v.shape[0],) + (1,) * (rank - 2))
-
-
 def _bn_eval(cx: Ctx, x: Value, w: Value, b: Value, mean: Value, var: Value, eps: float) -> Value:
-    rank = x.type.rank
-    rstd = cx.call("rsqrt", cx.call("add", var, cx.full(eps, var.dtype)))
-    scale = cx.call("mul", w, rstd)
-    shift = cx.call("sub", b, cx.call("mul", mean, scale))
-    y = cx.call("mul", x, _channel_view(cx, scale, rank))
-    return cx.call("add", y, _channel_view(cx, shift, rank))
+    return batch_norm_eval(cx.b, cx.source, x, w, b, mean, var, eps)
 
 
 @onnx_op("BatchNormalization")
