@@ -241,11 +241,10 @@ class TrainStep:
                 raise KeyError(f"{name!r} is not optimizer state of this step")
             updates[name] = array
         for ir, array in updates.items():
-            current = self._store[ir]
-            array = np.asarray(array, dtype=self.backend.to_numpy(current).dtype)
-            if array.shape != self.backend.to_numpy(current).shape:
-                raise ValueError(f"{ir}: shape {array.shape}, expected "
-                                 f"{self.backend.to_numpy(current).shape}")  # fmt: skip
+            current = self.backend.to_numpy(self._store[ir])
+            array = np.asarray(array, dtype=current.dtype)
+            if array.shape != current.shape:
+                raise ValueError(f"{ir}: shape {array.shape}, expected {current.shape}")
             self._store[ir] = self.backend.from_numpy(np.array(array, order="C"))
 
     def export(self, path: str | os.PathLike[str]) -> Path:
