@@ -41,6 +41,7 @@ __all__ = [
     "TrainStep",
     "apply_resolution",
     "compile",
+    "frontend_of",
     "gradients_graph",
     "training_graph",
 ]
@@ -129,6 +130,7 @@ class TrainStep:
         self._batch = imported.batch
         self._state_names = dict(imported.state_names)
         self._aliases = dict(imported.aliases)
+        self._restructure = imported.restructure
         graph, init, unreached = training_graph(forward, optimizer, resolution.rows)
         if unreached:
             log.warning("the loss does not depend on %s: they get no update", list(unreached))
@@ -205,9 +207,15 @@ class TrainStep:
     def trained(self) -> tuple[str, ...]:
         return tuple(self._state_names.get(p.name, p.name) for p in self.forward.trainable_params)
 
-    def state_dict(self) -> dict[str, Array]:
+    def state_dict(self) -> Any:
         """Params and persistent buffers, named as in ``model.state_dict()`` (tied ones
-        under each of their names)."""
+        under each of their names); for a JAX model, the params pytree it was compiled from
+        (``flat_state_dict()`` gives the flat form for every frontend)."""
+        flat = self.flat_state_dict()
+        return flat if self._restructure is None else self._restructure(flat)
+
+    def flat_state_dict(self) -> dict[str, Array]:
+        """Params and persistent buffers as ``{model name: array}``."""
         out = {}
         for ir, name in self._state_names.items():
             value = self._read(ir)
@@ -263,7 +271,7 @@ class TrainStep:
 
         own = model.state_dict()
         with torch.no_grad():
-            for name, array in self.state_dict().items():
+            for name, array in self.flat_state_dict().items():
                 own[name].copy_(torch.from_numpy(np.array(array, order="C")))
 
 
@@ -289,6 +297,9 @@ def compile(
 ) -> TrainStep:
     """Compile ``loss_fn(model, *batch)`` into one static training step.
 
+    ``model`` is a torch ``nn.Module``, or for JAX the params pytree of
+    ``loss_fn(params, *batch)`` (see ``pockengine.frontend.jax``), or a Keras model with a
+    named ``loss`` (see ``pockengine.frontend.keras``).
     ``model`` may instead be an ONNX model (a path to an .onnx file, or a ModelProto):
     ``loss`` then names the loss ("cross_entropy", "mse", "causal_lm", or "none" when the
     output already is the loss) applied to the model output ``output`` (a name or an index;
@@ -298,20 +309,73 @@ def compile(
     ``pockengine.frontend.onnx``.
     """
     engine = get_backend(backend)
-    if isinstance(model, str | os.PathLike) or type(model).__name__ == "ModelProto":
+    kind = frontend_of(model)
+    if kind == "onnx":
         if loss is None:
             raise CompileError('an ONNX model needs a named loss: loss="cross_entropy", "mse", '
                                '"causal_lm" or "none"')  # fmt: skip
         return _compile_onnx(model, loss, example_batch, optimizer, scheme, engine, output,
                              params)  # fmt: skip
+    if kind == "keras":
+        from pockengine.frontend.keras import import_keras, keras_model_info
+
+        if loss is None:
+            raise CompileError('a Keras model needs a named loss: loss="cross_entropy", "mse", '
+                               '"causal_lm" or "none"')  # fmt: skip
+        if example_batch is None:
+            raise CompileError("compile(keras_model, loss=..., example_batch=...) needs a batch")
+        batch = example_batch
+        return _compile_imported(
+            keras_model_info(model),
+            lambda ev: import_keras(model, loss, batch, output=output, eval_modules=ev),
+            optimizer, scheme, engine,
+        )  # fmt: skip
     if loss_fn is None or example_batch is None:
         raise CompileError("compile(model, loss_fn, example_batch) needs loss_fn and example_batch")
+    fn, batch = loss_fn, example_batch
+    if kind == "jax":
+        from pockengine.frontend.jax import import_jax, jax_model_info
+
+        return _compile_imported(
+            jax_model_info(model),
+            lambda ev: import_jax(model, fn, batch, eval_modules=ev),
+            optimizer, scheme, engine,
+        )  # fmt: skip
     from pockengine.frontend.torch import import_torch, torch_model_info
 
-    info = torch_model_info(model)
+    return _compile_imported(
+        torch_model_info(model),
+        lambda ev: import_torch(model, fn, batch, eval_modules=ev),
+        optimizer, scheme, engine,
+    )  # fmt: skip
+
+
+def frontend_of(model: Any) -> str:
+    """Which frontend takes ``model``: "onnx" (a path or ModelProto), "keras" (a Keras
+    model), "torch" (an ``nn.Module``) or "jax" (anything else: a pytree of params for a
+    JAX ``loss_fn(params, *batch)``)."""
+    if isinstance(model, str | os.PathLike) or type(model).__name__ == "ModelProto":
+        return "onnx"
+    modules = {cls.__module__.split(".", 1)[0] for cls in type(model).__mro__}
+    if modules & {"keras", "tf_keras"}:
+        return "keras"
+    if "torch" in modules:
+        return "torch"
+    return "jax"
+
+
+def _compile_imported(
+    info: ModelInfo,
+    import_model: Callable[[set[str]], ImportedModel],
+    optimizer: Optimizer | None,
+    scheme: Scheme | None,
+    engine: Backend,
+) -> TrainStep:
+    """Resolve the scheme against ``info``, import (frozen BatchNorms in eval mode when the
+    scheme asks), and build the step."""
     resolution = resolve_scheme(scheme, info)
     eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
-    imported = import_torch(model, loss_fn, example_batch, eval_modules=eval_modules)
+    imported = import_model(eval_modules)
     forward = apply_resolution(imported.graph, resolution)
     return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
 
@@ -329,12 +393,11 @@ def _compile_onnx(
     from pockengine.frontend.onnx import import_onnx, load_onnx, onnx_model_info
 
     loaded = load_onnx(model, params)
-    info = onnx_model_info(loaded)
-    resolution = resolve_scheme(scheme, info)
-    eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
-    imported = import_onnx(loaded, loss, example_batch, output, eval_modules)
-    forward = apply_resolution(imported.graph, resolution)
-    return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
+    return _compile_imported(
+        onnx_model_info(loaded),
+        lambda ev: import_onnx(loaded, loss, example_batch, output, ev),
+        optimizer, scheme, engine,
+    )  # fmt: skip
 
 
 def frozen_batchnorms(info: ModelInfo, resolution: Resolution) -> set[str]:

@@ -98,6 +98,15 @@ def _relu_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("Where", positive, gz, em.scalar(0, _dtype(node)), out=out[0])
 
 
+@_kernel("hardtanh_grad")
+def _hardtanh_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    gz, y = x
+    dt = _dtype(node, 1)
+    above = em.op("Greater", y, em.scalar(_num(node.attrs["min_val"]), dt))
+    below = em.op("Less", y, em.scalar(_num(node.attrs["max_val"]), dt))
+    em.op("Where", em.op("And", above, below), gz, em.scalar(0, _dtype(node)), out=out[0])
+
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)

@@ -54,6 +54,22 @@ _NAMESPACE: dict[str, Any] = {
 _serial = itertools.count()
 
 
+def stored_layout(tensor: torch.Tensor, channels_last: bool = True) -> torch.memory_format:
+    """The layout of params, state and batch tensors in this backend: channels-last for 4-D
+    (NHWC: images, conv weights and their optimizer state) unless turned off, so
+    convolutions, batch norm and pointwise kernels take oneDNN's fast paths and propagate
+    that layout; row-major for the rest. The IR's shapes stay logical (NCHW); only strides
+    differ."""
+    return torch.channels_last if channels_last and tensor.dim() == 4 else torch.contiguous_format
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    return any(tensor.is_contiguous(memory_format=f) for f in _DENSE_FORMATS)
+
+
+_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last)
+
+
 class TorchKernelError(PockEngineError):
     """A kernel that failed (or would fail) at run time; the message names the node and its
     source, or the stored tensors at fault."""
@@ -79,7 +95,8 @@ class TorchExecutable(Executable):
         exec(compile(self.source, self._filename, "exec"), namespace)
         self.function: types.FunctionType = namespace[generated.function]
         self._inputs = tuple(v.name for v in graph.inputs)
-        # The fused optimizer kernels index raw memory: what they write must be contiguous.
+        # The fused optimizer kernels index raw memory: what they write must be dense, in the
+        # layout the store gives it (``stored_layout``).
         written = {n.inputs[j].name for n in graph.nodes for j in get_op(n.op).mutates}
         self._written = tuple(k for k, name in enumerate(self._inputs) if name in written)
 
@@ -91,9 +108,11 @@ class TorchExecutable(Executable):
         except KeyError:
             missing = [n for n in self._inputs if n not in store and n not in feeds]
             raise CompileError(f"graph {self.graph.name} is missing inputs {missing}") from None
-        if not all(args[k].is_contiguous() for k in self._written):
-            bad = [self._inputs[k] for k in self._written if not args[k].is_contiguous()]
-            raise TorchKernelError(f"stored tensors written in place must be contiguous: {bad}")
+        bad = [self._inputs[k] for k in self._written if not _dense(args[k])]
+        if bad:
+            raise TorchKernelError(
+                f"stored tensors written in place must be dense (row-major or channels-last): {bad}"
+            )
         try:
             with torch.inference_mode():
                 return list(self.function(*args))
@@ -121,18 +140,21 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", channels_last: bool = True) -> None:
         self.device = torch.device(device)
+        self.channels_last = channels_last
 
     def compile(self, graph: Graph) -> TorchExecutable:
         return TorchExecutable(graph, self.device)
 
     def from_numpy(self, array: Array) -> torch.Tensor:
-        """A copy on the device, same dtype (the array is never aliased)."""
-        return torch.from_numpy(np.array(array, order="C", copy=True)).to(self.device)
+        """A copy on the device, same dtype (the array is never aliased), in the stored
+        layout."""
+        tensor = torch.from_numpy(np.array(array, order="C", copy=True)).to(self.device)
+        return tensor.contiguous(memory_format=stored_layout(tensor, self.channels_last))
 
     def to_numpy(self, tensor: Any) -> Array:
         t = tensor.detach()
         if t.dtype == torch.bfloat16:
             t = t.float()
-        return np.asarray(t.cpu().numpy())
+        return np.asarray(t.cpu().numpy(), order="C")

@@ -147,13 +147,25 @@ def _gelu(e: Emit) -> list[str]:
     return [f"{e.out} = aten_gelu({e.ins[0]}, approximate={literal(e.attr('approximate'))})"]
 
 
-def _gelu_grad(e: Emit) -> list[str]:
-    # ATen's (oneDNN) gelu_backward does not broadcast: operands are expanded to the result.
+def _expanded(e: Emit) -> list[str]:
+    """The operands of ``e`` expanded to its result's shape (for kernels that do not
+    broadcast)."""
     shape = e.node.output.shape
-    gz, x = (
+    return [
         name if v.shape == shape else f"{name}.expand({literal(shape)})"
         for name, v in zip(e.ins, e.node.inputs, strict=True)
-    )
+    ]
+
+
+def _hardtanh_grad(e: Emit) -> list[str]:
+    gz, y = _expanded(e)
+    low, high = literal(e.attr("min_val")), literal(e.attr("max_val"))
+    return [f"{e.out} = aten_hardtanh_backward({gz}, {y}, {low}, {high})"]
+
+
+def _gelu_grad(e: Emit) -> list[str]:
+    # ATen's (oneDNN) gelu_backward does not broadcast: operands are expanded to the result.
+    gz, x = _expanded(e)
     return [f"{e.out} = aten_gelu_backward({gz}, {x}, approximate={e.attr('approximate')!r})"]
 
 
@@ -246,6 +258,7 @@ KERNELS: dict[str, Emitter] = {
     "gelu": _gelu,
     "gelu_grad": _gelu_grad,
     "relu_grad": _call("aten_threshold_backward", threshold=0),
+    "hardtanh_grad": _hardtanh_grad,
     "add": _binary("aten_add", swap=True),
     "mul": _binary("aten_mul", swap=True),
     "sub": _binary("aten_sub", reverse="aten_rsub"),
@@ -278,6 +291,7 @@ NAMESPACE: dict[str, _Fn] = {
     "aten_gelu": torch._C._nn.gelu,
     "aten_gelu_backward": _aten.gelu_backward.default,
     "aten_threshold_backward": _aten.threshold_backward.default,
+    "aten_hardtanh_backward": _aten.hardtanh_backward.default,
     "aten_add": torch.add,
     "aten_mul": torch.mul,
     "aten_sub": torch.sub,

@@ -239,13 +239,19 @@ def _sgd_update(e: Emit) -> list[str]:
     return [*stmts, f"{w}.addcmul_({d}, {lr}, value=-1)"]
 
 
+def _laid_out_as(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``g`` with the strides of ``w`` (a dense param): the fused kernels index raw memory."""
+    return g if g.stride() == w.stride() else torch.empty_like(w).copy_(g)
+
+
 def _sgd_momentum_update(e: Emit) -> list[str]:
     """ATen's fused SGD (one pass; dampening 0, and a zero buffer makes step 1 buf = d)."""
     stmts: list[str] = []
     w = _trained_part(e, stmts)
     g, buf, lr = e.ins[1:]
     args = (
-        f"[{w}], [{g}.contiguous()], [{buf}], weight_decay={literal(float(e.attr('weight_decay')))}"
+        f"[{w}], [laid_out_as({g}, {w})], [{buf}]"
+        f", weight_decay={literal(float(e.attr('weight_decay')))}"
         f", momentum={literal(float(e.attr('momentum')))}, lr={lr}, dampening=0.0"
         f", nesterov={bool(e.attr('nesterov'))}, maximize=False, is_first_step=False"
     )
@@ -254,14 +260,14 @@ def _sgd_momentum_update(e: Emit) -> list[str]:
 
 def _adamw_update(e: Emit) -> list[str]:
     """ATen's fused AdamW (one pass over w, g, m, v; the step count t is read from a tensor).
-    Its kernel indexes raw memory, so the gradient is made contiguous first."""
+    Its kernel indexes raw memory, so the gradient is laid out as the param first."""
     stmts: list[str] = []
     w = _trained_part(e, stmts)
     g, m, v, t, lr = e.ins[1:]
     hyper = ", ".join(
         f"{k}={literal(float(e.attr(k)))}" for k in ("beta1", "beta2", "weight_decay", "eps")
     )
-    args = f"[{w}], [{g}.contiguous()], [{m}], [{v}], [], [{t}], lr={lr}, {hyper}"
+    args = f"[{w}], [laid_out_as({g}, {w})], [{m}], [{v}], [], [{t}], lr={lr}, {hyper}"
     return [*stmts, f"aten_fused_adamw_({args}, amsgrad=False, maximize=False)"]
 
 
@@ -308,5 +314,6 @@ NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_rsqrt": torch.rsqrt,
     "aten_add": torch.add,
     "aten_fused_sgd_": torch._fused_sgd_,
+    "laid_out_as": _laid_out_as,
     "aten_fused_adamw_": torch._fused_adamw_,
 }

@@ -226,7 +226,7 @@ class _Loop:
             "interval_losses": self._losses,
         }
         state = ckpt_io.Checkpoint(
-            self.step.state_dict(),
+            self.step.flat_state_dict(),
             self.step.optimizer_state(),
             self.order,
             counters,

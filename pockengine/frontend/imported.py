@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ class ImportedModel:
     ``state_names`` maps the IR names of params and persistent buffers to the
     model's own names (``model.state_dict()`` keys, or pytree paths); ``aliases`` lists
     every name of a tied tensor (an LM head sharing the embedding) under its first name.
+    ``restructure``, when set, turns the flat ``{model name: array}`` state back into the
+    model's own structure (a JAX pytree); ``TrainStep.state_dict()`` returns that.
     """
 
     graph: Graph
@@ -30,6 +33,7 @@ class ImportedModel:
     batch: tuple[Value, ...]
     state_names: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    restructure: Callable[[dict[str, Array]], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class ParamInfo:
     module: str  # path of the owning module ("" at the top)
     module_type: str  # the owning module's class name ("" if the frontend has none)
     requires_grad: bool = True
+    channel_axis: int = 0  # the output-channel axis (JAX kernels: the last one)
 
     @property
     def local(self) -> str:

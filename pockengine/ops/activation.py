@@ -1,7 +1,7 @@
 """Piecewise activations and their backward kernels: relu, gelu, clamp, hardtanh.
 
-``relu_grad`` and ``gelu_grad`` are backward kernels (no VJP of their own); the
-adjoint tests of relu and gelu check them. clamp and hardtanh compute the same
+``relu_grad``, ``gelu_grad`` and ``hardtanh_grad`` are backward kernels (no VJP of their
+own); the adjoint tests of relu, gelu and hardtanh check them. clamp and hardtanh compute the same
 values and differ only at the bounds of their gradient: clamp passes it where
 min <= x <= max (ATen's clamp_backward), hardtanh strictly inside
 min_val < x < max_val (ATen's hardtanh_backward, which relu6 also uses).
@@ -219,9 +219,27 @@ class Hardtanh:
 
     @staticmethod
     def vjp(c: VJPContext) -> Sequence[Value | None]:
-        return (_pass_between(c, c.attrs["min_val"], c.attrs["max_val"], strict=True),)
+        # z = clip(x) lies strictly inside the bounds exactly when x does, so the backward
+        # reads the output (which the next layer saves anyway), not the input.
+        bounds = {"min_val": c.attrs["min_val"], "max_val": c.attrs["max_val"]}
+        return (c.call("hardtanh_grad", c.ct, c.out, **bounds),)
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
         x = _away(rng.uniform(-2.0, 8.0, (3, 4)), (0.0, 6.0))
         return [Sample((x,), {"min_val": 0.0, "max_val": 6.0})]
+
+
+@defop("hardtanh_grad", groups=_EW)
+class HardtanhGrad:
+    """Backward kernel of hardtanh: gx = gz where min_val < y < max_val, else 0, with y the
+    input or the output of hardtanh (ATen's hardtanh_backward)."""
+
+    infer = staticmethod(_grad_infer("hardtanh_grad", float_only=True))
+    samples = staticmethod(_grad_samples(kinks=(-1.0, 2.0), min_val=-1.0, max_val=2.0))
+    flops = staticmethod(_flops(2))
+
+    @staticmethod
+    def kernel(gz: Array, y: Array, *, min_val: float, max_val: float) -> Array:
+        inside = (y > min_val) & (y < max_val)
+        return _like(np.where(inside, gz, np.zeros((), gz.dtype)), gz)
