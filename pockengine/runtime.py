@@ -138,7 +138,7 @@ class TrainStep:
         self.graph: Graph = result.graph
         self.stages = result.stages
         values = {**imported.values, **init}
-        self._store = {k: backend.from_numpy(np.array(v, order="C")) for k, v in values.items()}
+        self._store = {k: backend.from_numpy(v) for k, v in values.items()}  # each copied once
         self._exec = backend.compile(self.graph)
         self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
@@ -253,7 +253,7 @@ class TrainStep:
             array = np.asarray(array, dtype=current.dtype)
             if array.shape != current.shape:
                 raise ValueError(f"{ir}: shape {array.shape}, expected {current.shape}")
-            self._store[ir] = self.backend.from_numpy(np.array(array, order="C"))
+            self._store[ir] = self.backend.from_numpy(array)
 
     def export(self, path: str | os.PathLike[str]) -> Path:
         """Write this training step as one ONNX model (``path``) plus its current params,

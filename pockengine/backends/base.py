@@ -41,7 +41,8 @@ class Backend(ABC):
     def compile(self, graph: Graph) -> Executable: ...
 
     @abstractmethod
-    def from_numpy(self, array: Array) -> Any: ...
+    def from_numpy(self, array: Array) -> Any:
+        """A copy of ``array`` that the backend owns (it never aliases ``array``)."""
 
     @abstractmethod
     def to_numpy(self, tensor: Any) -> Array: ...

@@ -99,7 +99,7 @@ class NumpyBackend(Backend):
         return NumpyExecutable(graph)
 
     def from_numpy(self, array: Array) -> Array:
-        return array
+        return np.array(array, order="C")  # a copy the store owns
 
     def to_numpy(self, tensor: Any) -> Array:
         return np.asarray(tensor)

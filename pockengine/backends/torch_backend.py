@@ -150,8 +150,15 @@ class TorchBackend(Backend):
     def from_numpy(self, array: Array) -> torch.Tensor:
         """A copy on the device, same dtype (the array is never aliased), in the stored
         layout."""
-        tensor = torch.from_numpy(np.array(array, order="C", copy=True)).to(self.device)
-        return tensor.contiguous(memory_format=stored_layout(tensor, self.channels_last))
+        array = np.asarray(array)
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            array = np.array(array, order="C")
+        source = torch.from_numpy(array)
+        layout = stored_layout(source, self.channels_last)
+        out = torch.empty(
+            source.shape, dtype=source.dtype, device=self.device, memory_format=layout
+        )
+        return out.copy_(source)  # the one copy
 
     def to_numpy(self, tensor: Any) -> Array:
         t = tensor.detach()
