@@ -31,7 +31,7 @@ from pockengine.ir import (
 )
 from pockengine.ir.rewrite import with_inputs
 from pockengine.optim import LR, SGD, Optimizer
-from pockengine.passes import run_pipeline
+from pockengine.passes import FORWARD_PIPELINE, run_pipeline
 from pockengine.passes.slices import sink_slices
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
@@ -121,7 +121,9 @@ class TrainStep:
         info: ModelInfo,
         scheme: Scheme | None = None,
     ) -> None:
-        self.forward = forward
+        fused = run_pipeline(verify(forward), FORWARD_PIPELINE)
+        self.forward = forward = fused.graph
+        self.forward_stages = fused.stages
         self.optimizer = optimizer
         self.backend = backend
         self.resolution = resolution

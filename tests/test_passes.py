@@ -16,6 +16,7 @@ from pockengine.passes import (
     DEFAULT_PIPELINE,
     eliminate_common_subexpressions,
     eliminate_dead_code,
+    fold_channel_affine,
     fold_constants,
     reorder_updates,
     run_pipeline,
@@ -24,6 +25,7 @@ from tests.graphgen import Array, assert_same_results, feeds_for, random_graphs,
 
 Pass = Callable[[Graph], Graph]
 PASSES: tuple[Pass, ...] = (
+    fold_channel_affine,
     fold_constants,
     eliminate_common_subexpressions,
     eliminate_dead_code,
@@ -397,3 +399,40 @@ def test_updates_without_reordering_follow_the_backward() -> None:
     first_update = min(_update_of(before, p.name) for p in before.trainable_params)
     grads = [_gradient_producer(before, p.name) for p in before.trainable_params]
     assert first_update > max(grads)
+
+
+# -- fusion -------------------------------------------------------------------------------
+
+AFFINE_AFTER_CONV = """
+graph g(x: f32[2,3,6,6] input, w: f32[4,3,3,3] param, b: f32[4] param, s: f32[4] param,
+        h: f32[4] param) {
+  %y: f32[2,4,4,4] = conv2d(x, w, b, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
+  %s3: f32[4,1,1] = reshape(s, shape=(4, 1, 1))
+  %h3: f32[4,1,1] = reshape(h, shape=(4, 1, 1))
+  %t: f32[2,4,4,4] = mul(%s3, %y)
+  %z: f32[2,4,4,4] = add(%t, %h3)
+  %r: f32[2,4,4,4] = relu(%z)
+  return %r%extra
+}
+"""
+
+
+def test_fold_channel_affine_folds_a_per_channel_scale_and_shift_into_the_conv() -> None:
+    graph = verify(parse_graph(AFFINE_AFTER_CONV.replace("%extra", "")))
+    after = verify(fold_channel_affine(graph))
+    ops = [n.op for n in after.nodes]
+    assert ops.count("conv2d") == 1 and ops[-2:] == ["conv2d", "relu"]
+    conv = after.nodes[-2]
+    assert conv.inputs[0].name == "x" and conv.inputs[1].shape == (4, 3, 3, 3)
+    assert not any(n.op == "mul" and n.output.shape == (2, 4, 4, 4) for n in after.nodes)
+    assert_same_results(graph, after, feeds_for(graph), _close_f32)
+
+
+@pytest.mark.parametrize("extra", [", %y", ", %t"])
+def test_fold_channel_affine_leaves_values_read_elsewhere(extra: str) -> None:
+    graph = verify(parse_graph(AFFINE_AFTER_CONV.replace("%extra", extra)))
+    assert fold_channel_affine(graph) == graph
+
+
+def _close_f32(a: Array, b: Array) -> None:
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

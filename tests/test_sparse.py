@@ -12,7 +12,7 @@ import pockengine as pe
 from pockengine import schemes, zoo
 from pockengine.ir import GRAD_PREFIX, Graph
 from pockengine.passes import eliminate_dead_code
-from pockengine.runtime import training_graph
+from pockengine.runtime import frozen_batchnorms, training_graph
 from tests.torch_ref import torch_gradients
 
 
@@ -188,3 +188,40 @@ def test_bad_scheme_file_is_a_clear_error(tmp_path: object) -> None:
     path.write_text("{not json")
     with pytest.raises(pe.SchemeError, match="does not parse"):
         schemes.load(path)
+
+
+def test_frozen_batchnorms_fold_into_their_convs_and_gradients_match_torch() -> None:
+    """Eval-mode BatchNorms of frozen layers fold into the conv before them (no per-channel
+    multiply on the activations remains); loss and trained-param gradients equal
+    torch.autograd on the model whose frozen BatchNorms are in eval mode."""
+    w = _mbv2()
+    batch = w.make_batch(0)
+    scheme = schemes.last_blocks(1, frozen_bn="eval")
+    step = pe.compile(w.model, w.loss_fn, batch, scheme=scheme)
+    unfused = step.forward_stages[0][1]
+    convs = [n for n in unfused.nodes if n.op == "conv2d"]
+    assert sum(n.op == "batch_norm" for n in step.forward.nodes) < len(convs)
+    producers = step.forward.producers()
+    for node in step.forward.nodes:  # no conv output is scaled per channel any more
+        if node.op == "mul":
+            assert all(
+                producers.get(v.name) is None or producers[v.name].op != "conv2d"
+                for v in node.inputs
+            ), node
+    model = copy.deepcopy(w.model)
+    frozen = frozen_batchnorms(step.info, step.resolution)
+    assert "features.18.1" not in frozen and "features.17.conv.1.1" in frozen
+    for name, module in model.named_modules():
+        if name in frozen:
+            module.eval()
+    trained = set(step.trained)
+    loss = w.loss_fn(model, *batch)
+    loss.backward()
+    got = step.gradients(*batch)
+    assert set(got) == trained
+    for name, p in model.named_parameters():
+        if name in trained:
+            assert p.grad is not None
+            np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-7, atol=1e-9,
+                                       err_msg=name)  # fmt: skip
+    assert step(*batch) == pytest.approx(float(loss), rel=1e-9)

@@ -5,15 +5,24 @@ from __future__ import annotations
 from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
-from pockengine.passes.pipeline import DEFAULT_PIPELINE, Pass, PassResult, run_pipeline
+from pockengine.passes.fuse import fold_channel_affine
+from pockengine.passes.pipeline import (
+    DEFAULT_PIPELINE,
+    FORWARD_PIPELINE,
+    Pass,
+    PassResult,
+    run_pipeline,
+)
 from pockengine.passes.reorder import reorder_updates
 
 __all__ = [
     "DEFAULT_PIPELINE",
+    "FORWARD_PIPELINE",
     "Pass",
     "PassResult",
     "eliminate_common_subexpressions",
     "eliminate_dead_code",
+    "fold_channel_affine",
     "fold_constants",
     "reorder_updates",
     "run_pipeline",

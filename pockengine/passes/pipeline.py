@@ -14,15 +14,20 @@ from pockengine.ir import Graph, GraphVerifyError, verify
 from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
+from pockengine.passes.fuse import fold_channel_affine
 from pockengine.passes.reorder import reorder_updates
 
-__all__ = ["DEFAULT_PIPELINE", "Pass", "PassResult", "run_pipeline"]
+__all__ = ["DEFAULT_PIPELINE", "FORWARD_PIPELINE", "Pass", "PassResult", "run_pipeline"]
 
 Pass = Callable[[Graph], Graph]
 
 # Folding first turns constant chains into ``full`` nodes that CSE can then merge;
 # dead-code elimination drops what both left unread; reordering comes last, on the
 # final set of nodes, since it is about order alone.
+# On the forward graph, before autodiff: rewrites whose backward autodiff then derives.
+FORWARD_PIPELINE: tuple[Pass, ...] = (fold_channel_affine,)
+
+# On the training graph (forward, backward, updates).
 DEFAULT_PIPELINE: tuple[Pass, ...] = (
     fold_constants,
     eliminate_common_subexpressions,
