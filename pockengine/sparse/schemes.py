@@ -93,6 +93,11 @@ class Scheme:
 def _rows(p: ParamInfo, ratio: float) -> int | None:
     if not 0 < ratio <= 1:
         raise SchemeError(f"channel ratio {ratio} for {p.name} must be in (0, 1]")
+    if p.channel_axis != 0:
+        raise SchemeError(
+            f"{p.name} {list(p.shape)} has its output channels on axis {p.channel_axis}; "
+            "partial-channel updates slice axis 0, so a channel ratio cannot apply to it"
+        )
     k = max(1, math.ceil(ratio * p.shape[0]))
     return None if k == p.shape[0] else k
 
@@ -113,7 +118,7 @@ def _head(info: ModelInfo) -> list[str]:
         raise SchemeError("the model has no linear layer to serve as the head")
     prefix = f"{info.head}." if info.head else ""
     names = []
-    for local in ("weight", "bias"):
+    for local in ("weight", "kernel", "bias"):
         name = prefix + local
         name = info.canonical.get(name, name)
         if any(p.name == name for p in info.params):

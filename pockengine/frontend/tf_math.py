@@ -1,0 +1,228 @@
+"""TF converters: elementwise arithmetic, activations, reductions, matrix products, einsum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pockengine.frontend.tf_ops import (
+    Attrs,
+    Ctx,
+    Operand,
+    const_ints,
+    float_like,
+    ir_dtype,
+    norm_axis,
+    tf_op,
+)
+from pockengine.ir import CompileError, DType, Value
+
+__all__: list[str] = []
+
+
+def _binary(op: str) -> Any:
+    def convert(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+        x, y = float_like(cx, ins)
+        return cx.call(op, x, y)
+
+    return convert
+
+
+for _tf, _ir in {
+    "Add": "add",
+    "AddV2": "add",
+    "Sub": "sub",
+    "Mul": "mul",
+    "Maximum": "maximum",
+    "Minimum": "minimum",
+    "Equal": "eq",
+    "NotEqual": "ne",
+    "Less": "lt",
+    "LessEqual": "le",
+    "Greater": "gt",
+    "GreaterEqual": "ge",
+    "LogicalAnd": "logical_and",
+    "LogicalOr": "logical_or",
+}.items():
+    tf_op(_tf)(_binary(_ir))
+
+
+@tf_op("RealDiv", "Div")
+def _div(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    x, y = float_like(cx, ins)
+    if not x.dtype.is_float:
+        raise CompileError(f"integer division of {x.type} is not supported")
+    return cx.call("div", x, y)
+
+
+@tf_op("SquaredDifference")
+def _squared_difference(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    x, y = float_like(cx, ins)
+    d = cx.call("sub", x, y)
+    return cx.call("mul", d, d)
+
+
+@tf_op("Pow")
+def _pow(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    if not isinstance(ins[1], np.ndarray) or np.asarray(ins[1]).size != 1:
+        raise CompileError("Pow needs a constant scalar exponent")
+    return cx.call("pow_scalar", cx.value(ins[0]), exponent=float(np.asarray(ins[1]).item()))
+
+
+@tf_op("SelectV2", "Select")
+def _select(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    cond = cx.cast(cx.value(ins[0]), DType.BOOL)
+    x, y = float_like(cx, ins[1:])
+    return cx.call("where", cond, x, y)
+
+
+def _unary(op: str) -> Any:
+    def convert(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+        return cx.call(op, cx.value(ins[0]))
+
+    return convert
+
+
+for _tf, _ir in {
+    "Neg": "neg",
+    "Exp": "exp",
+    "Log": "log",
+    "Sqrt": "sqrt",
+    "Rsqrt": "rsqrt",
+    "Tanh": "tanh",
+    "Sigmoid": "sigmoid",
+    "Relu": "relu",
+    "Abs": "abs",
+    "Erf": "erf",
+    "Sin": "sin",
+    "Cos": "cos",
+    "Reciprocal": "reciprocal",
+    "Inv": "reciprocal",
+    "LogicalNot": "logical_not",
+}.items():
+    tf_op(_tf)(_unary(_ir))
+
+
+@tf_op("Identity")
+def _identity(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Operand:
+    return ins[0]
+
+
+@tf_op("Square")
+def _square(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    x = cx.value(ins[0])
+    return cx.call("mul", x, x)
+
+
+@tf_op("Erfc")
+def _erfc(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    """erfc(x) = 1 - erf(x) (Keras's exact GELU is 0.5 * x * erfc(-x / sqrt(2)))."""
+    x = cx.value(ins[0])
+    return cx.call("sub", cx.full(1.0, x.dtype), cx.call("erf", x))
+
+
+@tf_op("Relu6")
+def _relu6(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    """TF's Relu6Grad passes the gradient strictly inside (0, 6), as hardtanh's does."""
+    return cx.call("hardtanh", cx.value(ins[0]), min_val=0.0, max_val=6.0)
+
+
+@tf_op("LeakyRelu")
+def _leaky_relu(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    x = cx.value(ins[0])
+    slope = cx.call("mul", x, cx.full(float(attrs.get("alpha", 0.2)), x.dtype))
+    return cx.call("where", cx.call("gt", x, cx.full(0.0, x.dtype)), x, slope)
+
+
+@tf_op("Cast")
+def _cast(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    return cx.cast(cx.value(ins[0]), ir_dtype(attrs["DstT"], "Cast"))
+
+
+def _softmax(op: str) -> Any:
+    def convert(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+        x = cx.value(ins[0])
+        return cx.call(op, x, axis=x.type.rank - 1)
+
+    return convert
+
+
+tf_op("Softmax")(_softmax("softmax"))
+tf_op("LogSoftmax")(_softmax("log_softmax"))
+
+
+def _reduce(op: str) -> Any:
+    def convert(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+        x = cx.value(ins[0])
+        axes = tuple(sorted({norm_axis(a, x.type.rank) for a in const_ints(ins[1], "axes")}))
+        if not axes:
+            return x
+        return cx.call(op, x, axes=axes, keepdims=bool(attrs.get("keep_dims", False)))
+
+    return convert
+
+
+tf_op("Mean")(_reduce("mean"))
+tf_op("Sum")(_reduce("sum"))
+tf_op("Max")(_reduce("amax"))
+
+
+# -- matrix products ---------------------------------------------------------------------
+
+
+def _swap_last(cx: Ctx, v: Value) -> Value:
+    perm = (*range(v.type.rank - 2), v.type.rank - 1, v.type.rank - 2)
+    return cx.call("transpose", v, perm=perm)
+
+
+@tf_op("MatMul", "BatchMatMulV2", "BatchMatMulV3", "BatchMatMul")
+def _matmul(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    x, y = float_like(cx, ins)
+    if attrs.get("transpose_a") or attrs.get("adj_x"):
+        x = _swap_last(cx, x)
+    if attrs.get("transpose_b") or attrs.get("adj_y"):
+        y = _swap_last(cx, y)
+    return cx.call("matmul", x, y)
+
+
+def _arrange(cx: Ctx, v: Value, letters: str, order: str) -> Value:
+    perm = tuple(letters.index(c) for c in order)
+    return v if perm == tuple(range(len(perm))) else cx.call("transpose", v, perm=perm)
+
+
+def _reshape(cx: Ctx, v: Value, shape: tuple[int, ...]) -> Value:
+    return v if v.shape == shape else cx.call("reshape", v, shape=shape)
+
+
+def _size(dims: dict[str, int], letters: str) -> int:
+    return int(np.prod([dims[c] for c in letters], dtype=np.int64))
+
+
+@tf_op("Einsum")
+def _einsum(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    """A two-operand einsum as one (batched) matmul: operands permuted to [batch, free,
+    contracted] and [batch, contracted, free], flattened, multiplied, unflattened."""
+    equation = str(attrs["equation"]).replace(" ", "")
+    lhs, out = equation.split("->")
+    parts = lhs.split(",")
+    if len(parts) != 2 or "." in equation or any(len(set(p)) != len(p) for p in parts):
+        raise CompileError(f"einsum {equation!r}: only two operands, no '...' or repeats")
+    a_s, b_s = parts
+    a, b = float_like(cx, ins)
+    dims = {**dict(zip(a_s, a.shape, strict=True)), **dict(zip(b_s, b.shape, strict=True))}
+    batch = "".join(c for c in a_s if c in b_s and c in out)
+    contract = "".join(c for c in a_s if c in b_s and c not in out)
+    a_free = "".join(c for c in a_s if c not in b_s)
+    b_free = "".join(c for c in b_s if c not in a_s)
+    if any(c not in out for c in a_free + b_free):
+        raise CompileError(f"einsum {equation!r}: summing an axis of one operand is not supported")
+    lead = (_size(dims, batch),) if batch else ()
+    x = _reshape(cx, _arrange(cx, a, a_s, batch + a_free + contract),
+                 (*lead, _size(dims, a_free), _size(dims, contract)))  # fmt: skip
+    y = _reshape(cx, _arrange(cx, b, b_s, batch + contract + b_free),
+                 (*lead, _size(dims, contract), _size(dims, b_free)))  # fmt: skip
+    z = cx.call("matmul", x, y)
+    got = batch + a_free + b_free
+    z = _reshape(cx, z, tuple(dims[c] for c in got))
+    return _arrange(cx, z, got, out)
