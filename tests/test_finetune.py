@@ -1,5 +1,5 @@
 """Fine-tuning for real: all-MiniLM-L6-v2 on BBC News (the default recipe), end to end
-through the command line on a small subset, with the NumPy backend."""
+through the command line on a small subset, with the default (torch) backend."""
 
 from __future__ import annotations
 
