@@ -271,6 +271,24 @@ def _softmax(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("Softmax", x[0], out=out[0], axis=int(_num(node.attrs["axis"])))
 
 
+@_kernel("safe_softmax")
+def _safe_softmax(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    axis = int(_num(node.attrs["axis"]))
+    dt = _dtype(node)
+    top = em.op("ReduceMax", x[0], em.ints([axis]), keepdims=1)
+    masked = em.op("IsInf", top, detect_positive=0)  # the slice is all -inf
+    z = em.op("Softmax", em.op("Where", masked, em.scalar(0, dt), x[0]), axis=axis)
+    em.op("Where", masked, em.scalar(0, dt), z, out=out[0])
+
+
+@_kernel("softmax_grad")
+def _softmax_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    gz, y = x
+    axis = int(_num(node.attrs["axis"]))
+    dot = em.op("ReduceSum", em.op("Mul", gz, y), em.ints([axis]), keepdims=1)
+    em.op("Mul", y, em.op("Sub", gz, dot), out=out[0])
+
+
 @_kernel("log_softmax")
 def _log_softmax(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("LogSoftmax", x[0], out=out[0], axis=int(_num(node.attrs["axis"])))

@@ -195,6 +195,12 @@ def _softmax(cx: Ctx, a: Value, dim: int, half_to_float: bool = False) -> Value:
     return cx.call("softmax", a, axis=norm_dim(dim, a.type.rank))
 
 
+@aten("_safe_softmax.default")
+def _safe_softmax(cx: Ctx, a: Value, dim: int, dtype: Any = None) -> Value:
+    a = _with_dtype(cx, a, dtype)
+    return cx.call("safe_softmax", a, axis=norm_dim(dim, a.type.rank))
+
+
 @aten("_log_softmax.default")
 def _log_softmax(cx: Ctx, a: Value, dim: int, half_to_float: bool = False) -> Value:
     return cx.call("log_softmax", a, axis=norm_dim(dim, a.type.rank))

@@ -74,7 +74,17 @@ def _export(model: Any, loss_fn: Callable[..., Any], batch: tuple[Any, ...]) -> 
         raise CompileError(
             f"torch.export could not trace loss_fn(model, *batch): {type(exc).__name__}: {exc}"
         ) from exc
-    return exported.run_decompositions()
+    table = torch.export.default_decompositions()
+    for op in _KEPT_WHOLE:  # ops the IR has whole, rather than their decompositions
+        key = getattr(torch.ops.aten, op).default
+        if key in table:
+            del table[key]
+    return exported.run_decompositions(table)
+
+
+# SDPA's softmax that gives 0, not NaN, on a fully masked row: decomposed, it is four
+# extra passes over the attention matrix (eq, not, any, where) and a where in backward.
+_KEPT_WHOLE = ("_safe_softmax",)
 
 
 def _check_supported(graph: Any) -> None:

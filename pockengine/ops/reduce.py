@@ -238,9 +238,63 @@ class Softmax:
 
     @staticmethod
     def vjp(c: VJPContext) -> Sequence[Value | None]:
-        y = c.out
-        dot = c.call("sum", c.call("mul", c.ct, y), axes=(_axis_attr(c),), keepdims=True)
-        return (c.call("mul", y, c.call("sub", c.ct, dot)),)
+        return (c.call("softmax_grad", c.ct, c.out, axis=_axis_attr(c)),)
+
+
+@defop("safe_softmax", groups=("reduction",))
+class SafeSoftmax:
+    """Forward: softmax(x, axis), except that a slice whose entries are all -inf (a query
+    every key of which is masked out) gives zeros instead of NaN (ATen's _safe_softmax,
+    what scaled-dot-product attention uses). Backward: gx = softmax_grad(gz, z, axis)."""
+
+    infer = staticmethod(_softmax_infer("safe_softmax"))
+    flops = staticmethod(_softmax_flops)
+
+    @staticmethod
+    def kernel(x: Array, *, axis: int) -> Array:
+        masked = np.all(x == -np.inf, axis=axis, keepdims=True)
+        e = np.exp(_shifted(np.where(masked, np.zeros((), x.dtype), x), axis))
+        z = np.where(masked, np.zeros((), x.dtype), e / np.sum(e, axis=axis, keepdims=True))
+        return np.asarray(z, dtype=x.dtype)
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        return (c.call("softmax_grad", c.ct, c.out, axis=_axis_attr(c)),)
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        x = rng.standard_normal((2, 3, 4))
+        masked = x.copy()
+        masked[0, 1, :] = -np.inf
+        masked[1, 2, 1:] = -np.inf
+        return [Sample((x,), {"axis": -1}), Sample((x,), {"axis": 1}),
+                Sample((masked,), {"axis": -1})]  # fmt: skip
+
+
+@defop("softmax_grad", groups=("reduction",))
+class SoftmaxGrad:
+    """Backward kernel of softmax: gx = y * (gz - sum(gz * y, axis, keepdims)) with y the
+    softmax output (ATen's _softmax_backward_data)."""
+
+    flops = staticmethod(_softmax_flops)
+
+    @staticmethod
+    def infer(gz: TensorType, y: TensorType, *, axis: int) -> TensorType:
+        norm_axis(axis, y.rank)
+        if gz != y:
+            raise ShapeError(f"softmax_grad needs gz and y of one type, got {gz}, {y}")
+        return _float_input("softmax_grad", y)
+
+    @staticmethod
+    def kernel(gz: Array, y: Array, *, axis: int) -> Array:
+        dot = np.sum(gz * y, axis=axis, keepdims=True)
+        return np.asarray(y * (gz - dot), dtype=y.dtype)
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        e = np.exp(rng.standard_normal((2, 3, 4)))
+        y = e / e.sum(axis=-1, keepdims=True)
+        return [Sample((rng.standard_normal((2, 3, 4)), y), {"axis": -1})]
 
 
 @defop("log_softmax", groups=("reduction",))
