@@ -180,14 +180,56 @@ def test_unsupported_ops_are_listed_at_once_with_their_layers() -> None:
     x = keras.layers.Dense(4, name="dense")(inp)
     x = keras.layers.Activation("softplus", name="soft")(x)
     x = keras.layers.Lambda(lambda t: tf.math.cumsum(t, axis=1), name="running")(x)
-    out = keras.layers.Lambda(lambda t: tf.stop_gradient(t) + t, name="detach")(x)
+    out = keras.layers.Lambda(lambda t: tf.math.atan(t) + t, name="angle")(x)
     model = keras.Model(inp, out)
     x0 = np.ones((2, 4), np.float32)
     with pytest.raises(pe.UnsupportedOpError) as info:
         pe.compile(model, loss="mse", example_batch=(x0, x0))
     entries = set(info.value.entries)
-    assert {("Softplus", "soft"), ("Cumsum", "running"), ("StopGradient", "detach")} <= entries
+    assert {("Softplus", "soft"), ("Cumsum", "running"), ("Atan", "angle")} <= entries
     assert len(entries) == 3
+
+
+class StoppedScale(keras.layers.Layer):
+    """Centres on a stopped batch mean and scales by its weight times the stopped weight;
+    ``stop`` is tf.stop_gradient, or the identity for the reference without it."""
+
+    def __init__(self, stop: Any = tf.stop_gradient, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stop = stop
+
+    def build(self, input_shape: Any) -> None:
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="random_normal",
+                                     name="scale")  # fmt: skip
+
+    def call(self, x: Any) -> Any:
+        centre = self.stop(tf.reduce_mean(x, axis=0, keepdims=True))
+        return (x - centre) * self.scale * self.stop(self.scale)
+
+
+def stopped_mlp(stop: Any = tf.stop_gradient) -> Any:
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(8, name="fc1")(inp)
+    h = keras.layers.ReLU()(StoppedScale(stop, name="stopped")(h))
+    return keras.Model(inp, keras.layers.Dense(3, name="head")(h))
+
+
+def test_stop_gradient_in_a_layer_matches_gradient_tape() -> None:
+    x, y = batch((5, 6), 3)
+    model = stopped_mlp()
+    step = pe.compile(model, loss="cross_entropy", example_batch=(x, y))
+    ours = step.gradients(x, y)
+    ref_loss, ref = keras_gradients(model, x, y)
+    _, passed_through = keras_gradients(stopped_mlp(lambda t: t), x, y)
+    assert set(ours) == set(ref) == {"fc1/kernel", "fc1/bias", "stopped/scale", "head/kernel",
+                                     "head/bias"}  # fmt: skip
+    for name in ours:
+        np.testing.assert_allclose(ours[name], ref[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    for name in ("fc1/kernel", "stopped/scale"):  # the stops change these gradients
+        assert not np.allclose(ref[name], passed_through[name], rtol=RTOL, atol=ATOL)
+    assert [n.op for n in step.forward.nodes].count("stop_gradient") == 2
+    np.testing.assert_allclose(step(x, y), ref_loss, rtol=RTOL)
 
 
 def _torch_pair(kind: str) -> tuple[Any, Any, tuple[Array, Array], tuple[Array, Array]]:

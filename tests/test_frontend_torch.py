@@ -173,3 +173,21 @@ def test_load_state_restores_params_and_optimizer_state() -> None:
         np.testing.assert_array_equal(value, b.state_dict()[name])
     with pytest.raises(KeyError, match="not a param"):
         b.load_state({"nope": np.zeros(1)})
+
+
+def test_detach_stops_the_gradient() -> None:
+    """tensor.detach() (an alias after decomposition) is a stop_gradient, as in autograd."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return (m(x) * m(x).detach()).sum()
+
+    step = pe.compile(model, loss_fn, (x,))
+    got = step.gradients(x)
+    loss_fn(model, x).backward()
+    assert any(n.op == "stop_gradient" for n in step.forward.nodes)
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-5, atol=1e-6)

@@ -2,7 +2,9 @@
 
 - the shape rule agrees with the reference kernel's output (shape and dtype);
 - each VJP passes the adjoint identity <J v, u> = <v, J^T u> in float64, with
-  J v from central finite differences of the reference kernel.
+  J v from central finite differences of the reference kernel;
+- an op whose gradient is zero by definition (group NO_GRADIENT: stop_gradient) has a VJP,
+  so autodiff can cross it, and that VJP gives no cotangent to any input.
 """
 
 from __future__ import annotations
@@ -25,14 +27,19 @@ from pockengine.ir import (
     VJPContext,
     all_ops,
 )
+from pockengine.ops.shape import NO_GRADIENT
 
 Array = np.ndarray[Any, Any]
 
 
-def _cases(with_vjp: bool) -> list[Any]:
+def _cases(with_vjp: bool, no_gradient: bool = False) -> list[Any]:
+    """Sample cases of every op; with_vjp: of the ops with a VJP whose group NO_GRADIENT
+    membership equals ``no_gradient``."""
     cases = []
     for name, opdef in sorted(all_ops().items()):
-        if opdef.samples is None or (with_vjp and opdef.vjp is None):
+        if opdef.samples is None:
+            continue
+        if with_vjp and (opdef.vjp is None or (NO_GRADIENT in opdef.groups) != no_gradient):
             continue
         for i, sample in enumerate(opdef.samples(np.random.default_rng(0))):
             cases.append(pytest.param(opdef, sample, id=f"{name}-{i}"))
@@ -109,6 +116,19 @@ def test_vjp_adjoint_identity(opdef: OpDef, sample: Sample) -> None:
     )
     v_dot_vjp = sum(float(np.sum(vs[i] * grads[i])) for i in float_in if grads[i] is not None)
     assert v_dot_vjp == pytest.approx(jvp_dot_u, rel=1e-5, abs=1e-7), opdef.name
+
+
+@pytest.mark.parametrize(("opdef", "sample"), _cases(with_vjp=True, no_gradient=True))
+def test_vjp_of_a_no_gradient_op_gives_no_cotangent(opdef: OpDef, sample: Sample) -> None:
+    outs = opdef.run(sample.inputs, Attrs(sample.attrs))
+    cts = [np.ones_like(o) if o.dtype.kind == "f" else None for o in outs]
+    assert _vjp(opdef, sample, cts) == [None] * len(sample.inputs)
+
+
+def test_no_gradient_ops_have_a_vjp_for_autodiff_to_cross() -> None:
+    held = {n: d for n, d in all_ops().items() if NO_GRADIENT in d.groups}
+    assert "stop_gradient" in held
+    assert all(d.vjp is not None for d in held.values())
 
 
 def test_role_is_kept_by_builder() -> None:

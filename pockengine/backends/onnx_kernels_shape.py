@@ -53,6 +53,11 @@ def _reshape(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("Reshape", x[0], em.ints(node.output.shape), out=out[0])
 
 
+@_k("stop_gradient")
+def _stop_gradient(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    em.op("Identity", x[0], out=out[0])
+
+
 @_k("transpose")
 def _transpose_k(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("Transpose", x[0], out=out[0], perm=list(_shape(node, "perm")))

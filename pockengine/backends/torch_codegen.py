@@ -42,8 +42,11 @@ __all__ = [
 ]
 
 # Ops whose result, as this backend's kernels compute it, may share memory with their first
-# input (cast to the same dtype and sum_to over no axis return it, or a view of it).
-VIEW_OPS = frozenset({"reshape", "transpose", "broadcast_to", "slice", "cast", "sum_to"})
+# input (stop_gradient, cast to the same dtype and sum_to over no axis return it, or a view
+# of it).
+VIEW_OPS = frozenset(
+    {"reshape", "transpose", "broadcast_to", "slice", "cast", "sum_to", "stop_gradient"}
+)
 # Ops whose kernels bind compile-time constants (globals that must never be handed out).
 CONSTANT_OPS = frozenset({"full", "arange"})
 _STORED = (Role.PARAM, Role.BUFFER, Role.STATE, Role.CONST)

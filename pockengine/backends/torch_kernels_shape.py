@@ -36,6 +36,12 @@ def _method(method: str, attr: str) -> Emitter:
 
 
 # -- shape -----------------------------------------------------------------------------------
+def _stop_gradient(e: Emit) -> list[str]:
+    # The input tensor itself (run is under inference_mode: no autograd to detach from);
+    # torch_codegen.VIEW_OPS lists it, so a stored tensor's alias is copied before a write.
+    return [f"{e.out} = {e.ins[0]}"]
+
+
 def _slice(e: Emit) -> list[str]:
     x = e.node.inputs[0]
     axis = norm_axis(e.attr("axis"), x.type.rank)
@@ -135,6 +141,7 @@ KERNELS: dict[str, Emitter] = {
     "reshape": _method("reshape", "shape"),
     "transpose": _method("permute", "perm"),
     "broadcast_to": _method("expand", "shape"),
+    "stop_gradient": _stop_gradient,
     "slice": _slice,
     "slice_grad": _slice_grad,
     "concat": _concat,

@@ -52,10 +52,18 @@ def _to_copy(cx: Ctx, a: Value, dtype: Any = None, **kwargs: Any) -> Value:
     return a if dtype is None else cx.cast(a, ir_dtype(dtype))
 
 
-@aten("clone.default", "alias.default", "lift_fresh_copy.default", "detach.default")
+@aten("clone.default", "alias.default", "lift_fresh_copy.default")
 def _identity(cx: Ctx, a: Value, **kwargs: Any) -> Value:
-    # IR values are immutable, so a copy or an alias is the value itself.
+    # IR values are immutable, so a copy or an alias is the value itself; but
+    # decomposition turns tensor.detach() into an alias that remembers it.
+    if cx.original == "aten.detach.default":
+        return _detach(cx, a)
     return a
+
+
+@aten("detach.default")
+def _detach(cx: Ctx, a: Value) -> Value:
+    return cx.call("stop_gradient", a) if a.dtype.is_float else a
 
 
 @aten("copy.default")

@@ -230,7 +230,7 @@ def import_jax(
     leaves = flatten_params(jax, params)
     batch = _batch_arrays(example_batch)
     closed, out_shape = _trace(jax, leaves, loss_fn, batch)
-    check_supported(jax, closed, len(leaves.arrays))
+    check_supported(jax, closed)
     tr = _Translator(jax, leaves)
     operands, batch_inputs = tr.inputs(closed, batch)
     outs = tr.run(closed.jaxpr, closed.consts, operands, "")

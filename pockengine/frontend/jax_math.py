@@ -182,9 +182,8 @@ def _identity(cx: JCtx, *xs: Value) -> tuple[Value, ...]:
 
 @primitive("stop_gradient")
 def _stop_gradient(cx: JCtx, x: Value) -> Value:
-    # The translator allows stop_gradient only where it cannot change a gradient (see
-    # jax.py, _gradient_neutral): the IR has no op that blocks a cotangent.
-    return x
+    # Integers never get cotangents: nothing to stop.
+    return cx.call("stop_gradient", x) if x.dtype.is_float else x
 
 
 # -- reductions -------------------------------------------------------------------

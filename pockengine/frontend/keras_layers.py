@@ -11,8 +11,9 @@ itself (``keras_trace`` puts an Identity marker where their call was):
 - ``LayerNormalization``: the ``layer_norm`` op over the trailing axes it normalises;
 - ``Dropout``: a ``random_mask``, as the other frontends draw it.
 
-Their TF expansions would need ``StopGradient`` (an op the IR lacks) and seed-generator
-state, and the single IR ops cost the same FLOPs as the PyTorch frontend's lowering.
+Their TF expansions hold ``StopGradient`` (in ``tf.nn.moments``), seed-generator state and
+moving-average assignments, and the single IR ops cost the same FLOPs as the PyTorch
+frontend's lowering.
 
 Names: a Keras variable's path ("block_1/dense/kernel") becomes the IR name with dots
 ("block_1.dense.kernel"), the module is the path of the layer that owns the variable

@@ -109,6 +109,13 @@ def _identity(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Operand:
     return ins[0]
 
 
+@tf_op("StopGradient")
+def _stop_gradient(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    x = cx.value(ins[0])
+    # Integers never get cotangents: nothing to stop.
+    return cx.call("stop_gradient", x) if x.dtype.is_float else x
+
+
 @tf_op("Square")
 def _square(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
     x = cx.value(ins[0])

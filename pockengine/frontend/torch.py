@@ -172,6 +172,7 @@ class _Translator:
             return None
         self.ctx.source = module_path(node)
         self.ctx.out = node.meta.get("val")
+        self.ctx.original = str(node.meta.get("original_aten", ""))
         args = [self._arg(a) for a in node.args]
         kwargs = {k: self._arg(v) for k, v in node.kwargs.items()}
         try:

@@ -69,6 +69,7 @@ class Ctx:
         self.b = b
         self.source = ""
         self.out: Any = None  # the exported node's FakeTensor (or tuple of them)
+        self.original = ""  # the op the exported node was decomposed from ("" if none)
         self.rng = DropoutSeed(b)
 
     # -- metadata ------------------------------------------------------------

@@ -6,12 +6,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pockengine.ir import Sample, ShapeError, TensorType, Value, VJPContext, defop
+from pockengine.ir import ELEMENTWISE, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, broadcast_shapes, norm_axis, same_dtype
 
-__all__: list[str] = []
+__all__ = ["NO_GRADIENT"]
 
 _SHAPE = ("shape",)
+# Ops whose VJP is zero by definition, not their derivative: autodiff crosses them but no
+# cotangent comes out, so the op table tests check that instead of the adjoint identity.
+NO_GRADIENT = "no_gradient"
 
 
 def _zero_flops(ins: object, outs: object, attrs: object) -> int:
@@ -67,6 +70,34 @@ class Transpose:
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
         return [Sample((rng.standard_normal((2, 3, 4)),), {"perm": (2, 0, 1)})]
+
+
+@defop("stop_gradient", groups=(*_SHAPE, ELEMENTWISE, NO_GRADIENT))
+class StopGradient:
+    """Forward: z = x. Backward: none (gx = 0 by definition): no cotangent crosses it, as
+    JAX's ``stop_gradient``, TF's ``StopGradient`` and torch's ``detach``. Any dtype."""
+
+    flops = staticmethod(_zero_flops)
+
+    @staticmethod
+    def infer(x: TensorType) -> TensorType:
+        return x
+
+    @staticmethod
+    def kernel(x: Array) -> Array:
+        return x  # the input itself, as reshape returns a view: kernels never write inputs
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        return (None,)
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        return [
+            Sample((rng.standard_normal((3, 4)),)),
+            Sample((np.asarray(rng.standard_normal()),)),
+            Sample((rng.integers(-3, 4, (2, 3)),)),
+        ]
 
 
 @defop("broadcast_to", groups=_SHAPE)
