@@ -1,4 +1,4 @@
-"""The ``pockengine`` command line: demo, inspect, finetune, export."""
+"""The ``pockengine`` command line: demo, inspect, finetune, search, export."""
 
 from __future__ import annotations
 
@@ -92,6 +92,27 @@ def _finetune(args: argparse.Namespace) -> int:
     return exit_code(result.stopped)
 
 
+def _search(args: argparse.Namespace) -> int:
+    from pockengine.finetune.cli import config_from_args
+    from pockengine.finetune.scheme_search import parse_amount, search_scheme
+    from pockengine.finetune.sensitivity import AnalysisSettings
+
+    mem, flops = args.memory_budget, args.flops_budget
+    result = search_scheme(
+        config_from_args(args),
+        parse_amount(mem) if mem else None,
+        parse_amount(flops, flops=True) if flops else None,
+        settings=AnalysisSettings(
+            steps=args.steps, holdout=args.holdout, lr=args.analysis_lr, threads=args.threads
+        ),
+        layers=args.layers, ratios=args.ratios, workers=args.workers, cache_dir=args.cache_dir,
+        out=args.out, plot=args.plot or f"{args.out}.png",
+        progress=args.progress != "none",
+    )  # fmt: skip
+    print(json.dumps(result.to_dict(), indent=2))
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     """Compile a zoo workload or an .onnx model and write its training step for ort_runner."""
     import pockengine as pe
@@ -178,6 +199,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     add_arguments(finetune)
     finetune.set_defaults(run=_finetune)
+    from pockengine.finetune.cli import add_search_arguments
+
+    search = sub.add_parser(
+        "search", help="contribution analysis, then the best scheme under a memory/FLOPs budget",
+        conflict_handler="resolve",
+    )  # fmt: skip
+    add_search_arguments(search)
+    search.set_defaults(run=_search)
     _add_export(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -7,7 +7,7 @@ import signal
 
 from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
 
-__all__ = ["EPILOG", "add_arguments", "config_from_args", "exit_code"]
+__all__ = ["EPILOG", "add_arguments", "add_search_arguments", "config_from_args", "exit_code"]
 
 EPILOG = f"""\
 recipes (each checks its packages and prints how to install what is missing):
@@ -73,6 +73,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--log-every", type=int, default=10, help="steps per metrics line")
     run.add_argument("--progress", choices=("auto", "plain", "none"), default="auto")
     run.add_argument("--threads", type=int, help="torch threads (evaluation, torch backend)")
+
+
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """``pockengine search``: the finetune options (they set the task, the shapes and the
+    analysis subset) plus the budget and the analysis options; ``--out`` is the scheme file
+    (the parser needs ``conflict_handler="resolve"``)."""
+    add_arguments(p)
+    s = p.add_argument_group("search")
+    s.add_argument("--memory-budget", help="planned peak of the step, e.g. 300MB (MiB units)")
+    s.add_argument("--flops-budget", help="backward FLOPs of the step, e.g. 20G")
+    s.add_argument("--out", default="scheme.yaml", help="the scheme file to write (.yaml/.json)")
+    s.add_argument("--plot", help="the PNG to write (default: the scheme file's name + .png)")
+    s.add_argument("--cache-dir", default="runs/sensitivity", help="analysis records")
+    s.add_argument("--steps", type=int, default=30, help="fine-tune steps a candidate")
+    s.add_argument("--analysis-lr", type=float, help="one lr for every candidate")
+    s.add_argument("--holdout", type=int, default=200,
+                   help="training examples held out to score candidates")  # fmt: skip
+    s.add_argument("--workers", type=int, help="processes (default: cores - 1, at least 1)")
+    s.add_argument("--layers", nargs="+", default=["*"], help="module path globs")
+    s.add_argument("--ratios", nargs="+", type=float, default=[0.125, 0.25, 0.5, 1.0])
 
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
