@@ -1,12 +1,15 @@
-"""Fine-tuning evidence: minilm-bbc under full, bias, sparse and head, each in its own process.
+"""Fine-tuning evidence: a recipe under full, bias, sparse and head, each in its own process.
 
-    python benchmarks/finetune_table.py                          # the budget in docs/finetune.md
+    python benchmarks/finetune_table.py                          # minilm-bbc, docs/finetune.md
+    python benchmarks/finetune_table.py --recipe lite0-fashion --max-train 1000
     python benchmarks/finetune_table.py --max-train 1701 --epochs 2 --seq-len 128
 
-Per scheme: final validation accuracy, mean step time, compile time, peak RSS of the
-process (VmHWM: model, data, the compiled step and evaluation together) and the wall
-time of the whole run. Writes benchmarks/results/finetune_table.json and the table
-between the markers in docs/finetune.md, with the subset and epochs it used.
+Per scheme: final validation accuracy (perplexity for a causal LM), mean step time,
+compile time, peak RSS of the process (VmHWM: model, data, the compiled step and
+evaluation together) and the wall time of the whole run. Writes
+benchmarks/results/finetune_table-<recipe>.json and the table between the recipe's
+markers in docs/finetune.md, with the subset and epochs it used. Shape options left out
+take the recipe's defaults.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ("full", "bias", "sparse", "head")
-START, END = "<!-- finetune-table:start -->", "<!-- finetune-table:end -->"
+
+
+def _markers(recipe: str) -> tuple[str, str]:
+    return f"<!-- finetune-table:{recipe}:start -->", f"<!-- finetune-table:{recipe}:end -->"
 
 
 def _peak_rss_mib() -> float:
@@ -41,23 +47,27 @@ def _child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
+        shapes = {k: getattr(args, k) for k in _SHAPES if getattr(args, k) is not None}
         result = pe.finetune(
-            recipe="minilm-bbc",
+            recipe=args.recipe,
             scheme=args.child,
             max_train=args.max_train,
             max_val=args.max_val,
-            seq_len=args.seq_len,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
             backend=args.backend,
             out=out,
             progress="none",
             seed=args.seed,
+            **shapes,
         )
+    metric = "val_accuracy" if "val_accuracy" in result.final else "val_perplexity"
     row = {
         "scheme": args.child,
-        "val_accuracy": result.final["val_accuracy"],
+        "metric": metric,
+        "value": result.final[metric],
         "val_loss": result.final["val_loss"],
+        "epochs": result.config.epochs,
+        "batch_size": result.config.batch_size,
+        "shape": result.config.seq_len or result.config.image_size,
         "lr": result.config.lr,
         "step_s": result.step_s,
         "compile_s": result.compile_s,
@@ -70,19 +80,14 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps(row))
 
 
+_SHAPES = ("seq_len", "image_size", "epochs", "batch_size")
+
+
 def _run_case(scheme: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", scheme]
-    for key in (
-        "max_train",
-        "max_val",
-        "seq_len",
-        "epochs",
-        "batch_size",
-        "backend",
-        "threads",
-        "seed",
-    ):
-        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    for key in ("recipe", "max_train", "max_val", *_SHAPES, "backend", "threads", "seed"):
+        if getattr(args, key) is not None:
+            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -91,50 +96,64 @@ def _run_case(scheme: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def _command(args: argparse.Namespace) -> str:
+    opts = [f"--recipe {args.recipe}"]
+    for key in ("max_train", "max_val", *_SHAPES):
+        if getattr(args, key) is not None:
+            opts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
+    opts += [f"--backend {args.backend}", f"--threads {args.threads}"]
+    return "python benchmarks/finetune_table.py " + " ".join(opts)
+
+
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     first = rows[0]
+    start, end = _markers(args.recipe)
+    metric = "val accuracy" if first["metric"] == "val_accuracy" else "val perplexity"
+    shape = first["shape"]
     lines = [
-        START,
-        f"minilm-bbc with the `{args.backend}` backend, {args.threads} threads: "
-        f"{first['train_examples']} training / {first['val_examples']} validation articles "
-        f"(the first of the seeded split, seed {args.seed}), {args.epochs} epoch(s), batch "
-        f"{args.batch_size} x {args.seq_len} tokens, AdamW at each scheme's default peak "
+        start,
+        f"{args.recipe} with the `{args.backend}` backend, {args.threads} thread(s): "
+        f"{first['train_examples']} training / {first['val_examples']} validation examples "
+        f"(the first of the seeded split, seed {args.seed}), {first['epochs']} epoch(s), "
+        f"batch {first['batch_size']} (x {shape}), AdamW at each scheme's default peak "
         "learning rate (linear warmup 10%, then linear decay). Generated by "
-        "`python benchmarks/finetune_table.py "
-        f"--max-train {args.max_train} --max-val {args.max_val} --seq-len {args.seq_len} "
-        f"--epochs {args.epochs} --batch-size {args.batch_size}`.",
+        f"`{_command(args)}`.",
         "",
-        "| scheme | lr | val accuracy | val loss | step (s) | compile (s) | peak RSS (MiB) "
+        f"| scheme | lr | {metric} | val loss | step (s) | compile (s) | peak RSS (MiB) "
         "| wall (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        value = f"{r['value']:.3f}" if r["metric"] == "val_accuracy" else f"{r['value']:.2f}"
         lines.append(
-            f"| {r['scheme']} | {r['lr']:g} | {r['val_accuracy']:.3f} | {r['val_loss']:.3f} "
+            f"| {r['scheme']} | {r['lr']:g} | {value} | {r['val_loss']:.3f} "
             f"| {r['step_s']:.2f} | {r['compile_s']:.1f} | {r['peak_rss_mib']:.0f} "
             f"| {r['wall_s']:.0f} |"
         )
-    return "\n".join([*lines, END])
+    return "\n".join([*lines, end])
 
 
-def _write_doc(path: Path, table: str) -> None:
-    text = path.read_text() if path.exists() else f"# Fine-tuning\n\n{START}\n{END}\n"
-    if START not in text or END not in text:
-        text = text.rstrip() + f"\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
+def _write_doc(path: Path, table: str, recipe: str) -> None:
+    start, end = _markers(recipe)
+    text = path.read_text() if path.exists() else "# Fine-tuning\n"
+    if start not in text or end not in text:
+        text = text.rstrip() + f"\n\n### {recipe}\n\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
     path.write_text(head + table + tail)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--recipe", default="minilm-bbc")
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     p.add_argument("--max-train", type=int, default=256)
     p.add_argument("--max-val", type=int, default=200)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--backend", default="numpy")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--image-size", type=int)
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--backend", default="torch")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "finetune.md")
@@ -147,10 +166,10 @@ def main() -> None:
     for scheme in args.schemes:
         rows.append(_run_case(scheme, args))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    results = ROOT / "benchmarks" / "results" / "finetune_table.json"
+    results = ROOT / "benchmarks" / "results" / f"finetune_table-{args.recipe}.json"
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("doc", "child")}
     results.write_text(json.dumps({"args": settings, "rows": rows}, indent=2) + "\n")
-    _write_doc(args.doc, _table(rows, args))
+    _write_doc(args.doc, _table(rows, args), args.recipe)
 
 
 if __name__ == "__main__":
