@@ -26,8 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ort_training_peer
+
 ROOT = Path(__file__).resolve().parent.parent
-FRAMEWORKS = ("pockengine-torch", "pockengine-onnxruntime", "torch-eager", "torch-compile")
+FRAMEWORKS = ("pockengine-torch", "pockengine-onnxruntime", "torch-eager", "torch-compile") + (
+    ("ort-training",) if ort_training_peer.venv_possible() else ()
+)  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
 WORKLOADS = ("mbv2", "bert", "llama")
 SCHEMES = ("full", "bias", "sparse", "head")
 
@@ -148,6 +152,8 @@ def run_case(
     from pockengine import zoo
     from pockengine.frontend.torch import torch_model_info
 
+    if framework == "ort-training":
+        return _ort_training_case(workload, scheme_name, steps, warmup)
     _load_framework(framework)
     work, optimizer = zoo.benchmark(workload)
     scheme = zoo.benchmark_schemes(workload)[scheme_name]
@@ -195,6 +201,29 @@ def run_case(
     }  # fmt: skip
 
 
+def _ort_training_case(workload: str, scheme_name: str, steps: int, warmup: int) -> dict[str, Any]:
+    """ONNX Runtime Training in its venv (ort_training_peer.py), with the same FLOP count."""
+    import torch
+
+    from pockengine import zoo
+    from pockengine.frontend.torch import torch_model_info
+
+    work, optimizer = zoo.benchmark(workload)
+    scheme = zoo.benchmark_schemes(workload)[scheme_name]
+    trained = scheme.resolve(torch_model_info(work.model)).names
+    eager = _torch_step("torch-eager", work, optimizer, trained)
+    batch = work.make_batch(0)
+    reference = [eager(*batch) for _ in range(2)]  # the first two torch-eager losses
+    del eager, work
+    result = ort_training_peer.run_case(workload, scheme_name, steps, warmup,
+                                        torch.get_num_threads(), reference)  # fmt: skip
+    fresh, _ = zoo.benchmark(workload)
+    flops = _analytic_flops(fresh, optimizer, scheme)
+    return {"workload": workload, "scheme": scheme_name, "framework": "ort-training", **result,
+            "gflop": flops / 1e9, "gflops": flops / (result["step_ms"] / 1e3) / 1e9,
+            "planned_train_mib": None}  # fmt: skip
+
+
 def _subprocess(args: list[str], threads: int) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "OPENBLAS_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}  # fmt: skip
@@ -221,10 +250,12 @@ def markdown(results: list[dict[str, Any]], attainable: float) -> str:
         share = r["gflops"] / attainable if attainable else 0.0
         planned = r.get("planned_train_mib")
         mem = f"{r['train_mem_mib']:.0f}" + ("" if planned is None else f" ({planned:.0f})")
+        # ort-training rows: its first two losses against torch eager's (ort_training_peer.py)
+        check = f" (vs eager: {r['loss_check']})" if "loss_check" in r else ""
         lines.append(
             f"| {r['workload']} | {r['scheme']} | {r['framework']} | {r['step_ms']:.0f} "
             f"| {r['gflops']:.0f} ({share:.0%}) | {mem} "
-            f"| {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} | {r['loss']:.4f} |"
+            f"| {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} | {r['loss']:.4f}{check} |"
         )
     return "\n".join(lines)
 
@@ -248,10 +279,15 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     attainable = _subprocess(["--matmul", "--threads", str(args.threads)], args.threads)
+    venv_error = ort_training_peer.ensure_venv() if "ort-training" in args.frameworks else None
     results = []
     for w in args.workloads:
         for s in args.schemes:
             for f in args.frameworks:
+                if f == "ort-training" and venv_error:
+                    results.append({"workload": w, "scheme": s, "framework": f,
+                                    "error": f"venv: {venv_error}"})  # fmt: skip
+                    continue
                 case = ["--case", w, s, f, "--steps", str(args.steps), "--warmup",
                         str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
                 r = {"workload": w, "scheme": s, "framework": f, **_subprocess(case, args.threads)}
