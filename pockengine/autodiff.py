@@ -8,7 +8,9 @@ cotangent. Broadcasting is undone here, once, with ``sum_to``; cotangents of a
 value read by several nodes are summed.
 
 Frozen parameters are simply not requested: no node of theirs gets a
-cotangent, and nothing of their backward exists in the graph.
+cotangent, and nothing of their backward exists in the graph. Ops of the
+``no_gradient`` group (``stop_gradient``) cut the dependence: their results depend
+on nothing, so no backward node is emitted for what reads only them.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ from pockengine.ir import (
     get_op,
     grad_source,
 )
+from pockengine.ops.shape import NO_GRADIENT
 
 __all__ = ["append_backward", "depends_on"]
 
 
 def depends_on(nodes: Sequence[Node], sources: Sequence[Value]) -> set[str]:
-    """Names of the float values that depend on any of ``sources`` (sources included)."""
+    """Names of the float values that depend on any of ``sources`` (sources included).
+
+    A result of a ``no_gradient`` op depends on nothing: no cotangent crosses it.
+    """
     active = {v.name for v in sources}
     for node in nodes:
-        if get_op(node.op).effectful:
+        opdef = get_op(node.op)
+        if opdef.effectful or NO_GRADIENT in opdef.groups:
             continue
         if any(v.name in active for v in node.inputs):
             active.update(v.name for v in node.outputs if v.dtype.is_float)

@@ -209,6 +209,98 @@ def test_batchnorm_running_stats_update_as_flax() -> None:
         np.testing.assert_allclose(ours[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
+class Norms(nn.Module):
+    """BatchNorms lowered whole (0: defaults, 1: no scale and the exact variance) and left
+    to Flax (2: two feature axes; 3: running averages)."""
+
+    @nn.compact
+    def __call__(self, x: Any) -> Any:
+        h = nn.BatchNorm(use_running_average=False, momentum=0.8)(nn.Dense(6)(x))
+        h = nn.BatchNorm(use_running_average=False, use_scale=False,
+                         use_fast_variance=False, epsilon=1e-3)(jnp.tanh(h))  # fmt: skip
+        h = nn.BatchNorm(use_running_average=False, axis=(-2, -1))(h.reshape(-1, 2, 3))
+        h = nn.BatchNorm(use_running_average=True)(jnp.tanh(h).reshape(-1, 6))
+        return nn.Dense(3)(h)
+
+
+@functools.cache
+def _norms() -> tuple[Any, Any, tuple[np.ndarray, ...]]:
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 5).astype(np.int32)
+    model = Norms()
+    variables = jax.jit(model.init)(jax.random.PRNGKey(2), x)
+    stats = jax.tree_util.tree_map(lambda a: a + rng.uniform(0.5, 1.0, a.shape).astype(a.dtype),
+                                   variables["batch_stats"])  # fmt: skip
+    variables = {**variables, "batch_stats": stats}  # running averages that are not 0 and 1
+
+    def loss_fn(v: Any, x: Any, y: Any) -> Any:  # apply under jit: the call is inlined
+        logits, updates = jax.jit(functools.partial(model.apply, mutable=["batch_stats"]))(v, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
+
+    return variables, loss_fn, (x, y)
+
+
+def test_flax_batchnorm_in_training_mode_is_one_batch_norm_op() -> None:
+    variables, loss_fn, batch = _norms()
+    step = pe.compile(variables, loss_fn, batch, optimizer=SGD(lr=0.0))
+    by_module: dict[str, list[str]] = {}
+    for node in step.forward.nodes:
+        by_module.setdefault(node.source.rsplit(".", 1)[-1], []).append(node.op)
+    for name in ("BatchNorm_0", "BatchNorm_1"):  # whole: no rsqrt, no E[x^2]
+        assert by_module[name].count("batch_norm") == 1, name
+        assert not {"rsqrt", "square", "mean", "sum"} & set(by_module[name]), name
+    for name in ("BatchNorm_2", "BatchNorm_3"):  # left to Flax: primitive by primitive
+        assert "batch_norm" not in by_module[name] and "rsqrt" in by_module[name], name
+    ops = [n.op for n in step.graph.nodes]
+    assert ops.count("batch_norm_grad") == 2
+    assert ops.count("assign") == 6  # BatchNorm_3 returns its statistics unchanged
+    loss, ref = _reference_grads(variables, loss_fn, batch)
+    grads = step.gradients(*batch)
+    assert set(grads) == {k for k in _flat(ref) if k.startswith("params/")}
+    for name, want in _flat(ref).items():
+        if name in grads:
+            np.testing.assert_allclose(grads[name], want, rtol=RTOL, atol=1e-5, err_msg=name)
+    assert step(*batch) == pytest.approx(float(loss), rel=RTOL)
+    step(*batch)
+    expected = variables
+    for _ in range(2):  # SGD with lr 0: only the running statistics move
+        _, updates = jax.jit(loss_fn)(expected, *batch)
+        expected = {**expected, **updates}
+    ours, want = _flat(step.state_dict()), _flat(expected)
+    for name in want:
+        np.testing.assert_allclose(ours[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    moved = [k for k in want if not np.allclose(want[k], _flat(variables)[k])]
+    assert {k.rsplit("/", 2)[-2] for k in moved} == {"BatchNorm_0", "BatchNorm_1", "BatchNorm_2"}
+
+
+def test_loss_fn_that_differentiates_the_model_is_traced_primitive_by_primitive() -> None:
+    """A gradient penalty takes jax.grad of the model inside loss_fn; the whole-BatchNorm
+    primitive has no JVP rule, so the frontend traces again without it."""
+    variables, _, (x, y) = _norms()
+    model = Norms()
+
+    def loss_fn(v: Any, x: Any, y: Any) -> Any:
+        def total(x: Any) -> Any:
+            logits, updates = model.apply(v, x, mutable=["batch_stats"])
+            return logits.sum(), updates
+
+        gx, _ = jax.grad(total, has_aux=True)(x)
+        logits, updates = model.apply(v, x, mutable=["batch_stats"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return ce + 0.1 * jnp.sum(gx**2), updates
+
+    step = pe.compile(variables, loss_fn, (x, y))
+    assert "batch_norm" not in {n.op for n in step.graph.nodes}
+    loss, ref = _reference_grads(variables, loss_fn, (x, y))
+    grads = step.gradients(x, y)
+    for name, want in _flat(ref).items():
+        if name in grads:
+            np.testing.assert_allclose(grads[name], want, rtol=RTOL, atol=1e-5, err_msg=name)
+    assert len(grads) == len([k for k in _flat(ref) if k.startswith("params/")])
+    assert step(x, y) == pytest.approx(float(loss), rel=RTOL)
+
+
 # -- plain pytrees, state_dict, errors --------------------------------------------
 
 

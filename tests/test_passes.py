@@ -177,6 +177,41 @@ def test_fold_golden() -> None:
     _check_pass(fold_constants, FOLD_BEFORE, FOLD_EXPECTED)
 
 
+FOLD_STOP_BEFORE = """
+graph train_step(x: f32[4] input, w: f32[4] param, lr: f32[] state) {
+  %h: f32[4] = mul(x, w)
+  %s: f32[4] = stop_gradient(%h)
+  %s2: f32[4] = stop_gradient(%s)
+  %z: f32[4] = add(%s2, %h)
+  %sw: f32[4] = stop_gradient(w)
+  %y: f32[4] = mul(%sw, %z)
+  %old: f32[4] = stop_gradient(w)
+  %loss: f32[] = sum(%y, axes=None, keepdims=False)
+  ! sgd_update(w, %z, lr, weight_decay=0.0)
+  return %loss, %s, %old
+}
+"""
+
+FOLD_STOP_EXPECTED = """
+graph train_step(x: f32[4] input, w: f32[4] param, lr: f32[] state) {
+  %h: f32[4] = mul(x, w)
+  %z: f32[4] = add(%h, %h)
+  %y: f32[4] = mul(w, %z)
+  %old: f32[4] = stop_gradient(w)
+  %loss: f32[] = sum(%y, axes=None, keepdims=False)
+  ! sgd_update(w, %z, lr, weight_decay=0.0)
+  return %loss, %h, %old
+}
+"""
+
+
+def test_fold_removes_stop_gradient_after_autodiff() -> None:
+    # A chain of stop_gradients and one read only before w's update are redirected to
+    # their input (the output %s too); %old is a graph output, read after w's update, so
+    # it keeps its copy of w's old value.
+    _check_pass(fold_constants, FOLD_STOP_BEFORE, FOLD_STOP_EXPECTED)
+
+
 def assert_folded(graph: Graph) -> None:
     """No identity left (but on a value that is updated, which must not be read past its
     update), and no elementwise node on constant fills alone."""
@@ -186,7 +221,7 @@ def assert_folded(graph: Graph) -> None:
         if not node.inputs or node.inputs[0].name in written:
             continue
         source, inner = node.inputs[0], producers.get(node.inputs[0].name)
-        if node.op in ("reshape", "broadcast_to", "sum_to", "cast"):
+        if node.op in ("reshape", "broadcast_to", "sum_to", "cast", "stop_gradient"):
             assert source.type != node.output.type, node
         if node.op == "transpose":
             assert node.attrs["perm"] != tuple(range(node.output.type.rank)), node

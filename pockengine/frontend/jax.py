@@ -5,7 +5,8 @@
 the user's source lines), then translates equation by equation, inlining ``jit``,
 ``custom_jvp_call``, ``custom_vjp_call``, ``closed_call`` and ``checkpoint`` (the engine
 differentiates the inlined primal; a custom rule is not used, except for functions that
-are one IR op, such as ``jax.nn.relu``).
+are one IR op, such as ``jax.nn.relu``). Flax ``nn.BatchNorm`` calls in training mode are
+lowered whole to the ``batch_norm`` op (``jax_flax``).
 
 ``params`` is any pytree: a Flax linen variables dict (``{'params': ..., 'batch_stats':
 ...}``), a Flax nnx ``State``, an Equinox module, a plain dict (see ``jax_info`` for how
@@ -18,6 +19,7 @@ after the step, as the torch frontend stores BatchNorm running statistics.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 from pockengine.frontend import jax_math, jax_nn, jax_shape  # noqa: F401  (fill the table)
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 from pockengine.frontend.jax_check import check_supported, module_of
+from pockengine.frontend.jax_flax import whole_flax_modules
 from pockengine.frontend.jax_info import Leaves, flatten_params, key_names, model_info
 from pockengine.frontend.jax_ops import (
     CONVERTERS,
@@ -41,6 +44,7 @@ from pockengine.ir import CompileError, GraphBuilder, Role, TensorType, Value
 __all__ = ["import_jax", "jax_model_info"]
 
 Array = np.ndarray[Any, Any]
+_log = logging.getLogger(__name__)
 _KNOWN_LIMIT = 64  # static values (slice starts, ...) are tracked up to this many elements
 
 
@@ -60,19 +64,35 @@ def jax_model_info(params: Any) -> ModelInfo:
 def _trace(
     jax: Any, leaves: Leaves, loss_fn: Callable[..., Any], batch: Sequence[Array]
 ) -> tuple[Any, Any]:
-    """(closed jaxpr, output shape pytree) of ``loss_fn(params, *batch)``."""
+    """(closed jaxpr, output shape pytree) of ``loss_fn(params, *batch)``, with Flax
+    BatchNorms lowered whole (``jax_flax``); traced again primitive by primitive when that
+    fails (a loss_fn that differentiates or vmaps the model itself)."""
 
     def traced(arrays: list[Any], *items: Any) -> Any:
         return loss_fn(leaves.rebuild(arrays), *items)
 
+    make = jax.make_jaxpr(traced, return_shape=True)
     arrays = [leaf.value for leaf in leaves.arrays]
+    lowering = None
     try:
-        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(arrays, *batch)
+        with whole_flax_modules() as lowering:
+            result: tuple[Any, Any] = make(arrays, *batch)
+        return result
     except Exception as exc:
-        raise CompileError(
-            f"jax.make_jaxpr could not trace loss_fn(params, *batch): {type(exc).__name__}: {exc}"
-        ) from exc
-    return closed, out_shape
+        if lowering is None or not lowering.modules:
+            raise _trace_error(exc) from exc
+        _log.info("traced again without whole Flax modules (%s): %s", lowering.modules, exc)
+    try:
+        result = make(arrays, *batch)
+    except Exception as exc:
+        raise _trace_error(exc) from exc
+    return result
+
+
+def _trace_error(exc: Exception) -> CompileError:
+    return CompileError(
+        f"jax.make_jaxpr could not trace loss_fn(params, *batch): {type(exc).__name__}: {exc}"
+    )
 
 
 class _Translator:

@@ -24,7 +24,10 @@ def _binary(op: str) -> Callable[..., Value]:
     return convert
 
 
-for _prim, _op in (("add", "add"), ("sub", "sub"), ("max", "maximum"), ("min", "minimum")):
+# add_any: how JAX's own transpose sums cotangents (a loss_fn that takes jax.grad inside)
+_BINARY = (("add", "add"), ("add_any", "add"), ("sub", "sub"), ("max", "maximum"),
+           ("min", "minimum"))  # fmt: skip
+for _prim, _op in _BINARY:
     primitive(_prim)(_binary(_op))
 
 

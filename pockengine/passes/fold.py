@@ -1,6 +1,8 @@
 """Constant folding and the algebraic identities that autodiff leaves behind.
 
-Needs: a verified graph. Guarantees, for each pure node in order:
+Needs: a verified graph, after autodiff (``stop_gradient`` is removed as an identity,
+which is right only once nothing is differentiated any more). Guarantees, for each pure
+node in order:
 
 - *Folding.* A node whose inputs are all compile-time constants (results of
   ``full``, ``arange`` or of nodes folded before it; never graph inputs, whose
@@ -14,9 +16,10 @@ Needs: a verified graph. Guarantees, for each pure node in order:
 - *Identities.* ``mul(x, 1)``, ``div(x, 1)``, ``add(x, 0)``, ``sub(x, 0)`` (with a
   uniform constant 1 or 0 and ``x`` of the result's type), ``reshape``,
   ``broadcast_to`` and ``sum_to`` to ``x``'s own shape, ``cast`` to ``x``'s own
-  dtype and ``transpose`` by the identity permutation are removed: later reads (and
-  graph outputs) read ``x``. A transpose of a transpose and a reshape of a reshape
-  become one node on the inner input (which dead-code elimination may then drop).
+  dtype, ``transpose`` by the identity permutation and ``stop_gradient`` (the identity
+  once autodiff has run) are removed: later reads (and graph outputs) read ``x``. A
+  transpose of a transpose and a reshape of a reshape become one node on the inner
+  input (which dead-code elimination may then drop).
 
 A read is never redirected to a param, buffer or state at or after the node that
 writes it, so verify's effect invariant still holds. Folded nodes keep their result
@@ -125,7 +128,8 @@ def _is_const(known: dict[str, _Const], v: Value, target: float) -> bool:
 
 _NEUTRAL = {"mul": 1.0, "add": 0.0}  # either operand may be the neutral constant
 _RIGHT_NEUTRAL = {"div": 1.0, "sub": 0.0}  # only the right operand
-_SAME_TYPE_IDENTITY = frozenset({"reshape", "broadcast_to", "sum_to", "cast"})  # x -> x
+# x -> x when the result has x's type (stop_gradient always does: after autodiff it is a copy)
+_SAME_TYPE_IDENTITY = frozenset({"reshape", "broadcast_to", "sum_to", "cast", "stop_gradient"})
 
 
 def _same_value(node: Node, known: dict[str, _Const], defs: dict[str, Node]) -> Value | Node | None:
