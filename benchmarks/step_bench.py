@@ -74,7 +74,7 @@ def _analytic_flops(work: Any, optimizer: Any, scheme: Any) -> int:
     from pockengine.plan.cost import cost
 
     step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer, scheme)
-    ops = {"matmul", "conv2d", "conv2d_input_grad", "conv2d_weight_grad"}
+    ops = {"matmul", "linear", "conv2d", "conv2d_input_grad", "conv2d_weight_grad"}
     return sum(c.flops for n, c in zip(step.graph.nodes, cost(step.graph).nodes, strict=True)
                if n.op in ops)  # fmt: skip
 

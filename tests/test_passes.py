@@ -19,6 +19,7 @@ from pockengine.passes import (
     eliminate_dead_code,
     fold_channel_affine,
     fold_constants,
+    fuse_linear_bias,
     reorder_updates,
     run_pipeline,
 )
@@ -30,6 +31,7 @@ PASSES: tuple[Pass, ...] = (
     fold_constants,
     eliminate_common_subexpressions,
     eliminate_dead_code,
+    fuse_linear_bias,
     reorder_updates,
 )
 
@@ -473,3 +475,27 @@ def test_fold_channel_affine_leaves_values_read_elsewhere(extra: str) -> None:
 
 def _close_f32(a: Array, b: Array) -> None:
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+LINEAR_BIAS = """
+graph g(x: f32[6,4] input, w: f32[5,4] param, b: f32[5] param) {
+  %wt: f32[4,5] = transpose(w, perm=(1, 0))
+  %m: f32[6,5] = matmul(x, %wt)
+  %z: f32[6,5] = add(%m, b)
+  %r: f32[6,5] = relu(%z)
+  return %r%extra
+}
+"""
+
+
+def test_fuse_linear_bias_makes_one_linear_node() -> None:
+    graph = verify(parse_graph(LINEAR_BIAS.replace("%extra", "")))
+    after = verify(fuse_linear_bias(graph))
+    assert [n.op for n in after.nodes] == ["transpose", "linear", "relu"]
+    assert [v.name for v in after.nodes[1].inputs] == ["x", "wt", "b"]
+    assert_same_results(graph, after, feeds_for(graph), _close_f32)
+
+
+def test_fuse_linear_bias_leaves_a_product_read_elsewhere() -> None:
+    graph = verify(parse_graph(LINEAR_BIAS.replace("%extra", ", %m")))
+    assert fuse_linear_bias(graph) == graph

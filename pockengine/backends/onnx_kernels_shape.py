@@ -238,6 +238,14 @@ def _embedding_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> No
     em.op("Mul", summed, em.const(keep), out=out[0])
 
 
+@_k("linear")
+def _linear(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    if node.inputs[0].type.rank == 2:
+        em.op("Gemm", *x, out=out[0])
+    else:
+        em.op("Add", em.op("MatMul", x[0], x[1]), x[2], out=out[0])
+
+
 @_k("matmul")
 def _matmul(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("MatMul", *x, out=out[0])

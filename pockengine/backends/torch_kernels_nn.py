@@ -53,6 +53,17 @@ def _matmul(e: Emit) -> list[str]:
     return [f"{e.out} = aten_matmul({x}, {y})"]
 
 
+def _linear(e: Emit) -> list[str]:
+    """x @ w + b as one addmm (BLAS adds the bias while writing the product); a batched x
+    is viewed as a matrix."""
+    x, w, b = e.ins
+    xv = e.node.inputs[0]
+    if xv.type.rank == 2:
+        return [f"{e.out} = aten_addmm({b}, {x}, {w})"]
+    shape = literal(e.node.output.shape)
+    return [f"{e.out} = aten_addmm({b}, {x}.reshape(-1, {xv.shape[-1]}), {w}).view({shape})"]
+
+
 def _conv2d(e: Emit) -> list[str]:
     x, w, *b = e.ins
     bias = b[0] if b else "None"
@@ -274,6 +285,7 @@ def _adamw_update(e: Emit) -> list[str]:
 # -- the table -------------------------------------------------------------------------------
 KERNELS: dict[str, Emitter] = {
     "matmul": _matmul,
+    "linear": _linear,
     "conv2d": _conv2d,
     "conv2d_input_grad": _conv2d_input_grad,
     "conv2d_weight_grad": _conv2d_weight_grad,
@@ -299,6 +311,7 @@ FINDERS: dict[str, PairFinder] = {
 
 NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_matmul": torch.matmul,
+    "aten_addmm": torch.addmm,
     "aten_conv2d": torch.conv2d,
     "aten_conv_transpose2d": torch.conv_transpose2d,
     "aten_convolution_backward": _aten.convolution_backward.default,

@@ -56,3 +56,32 @@ class Matmul:
             Sample((rng.standard_normal((3, 4)), rng.standard_normal((4, 5)))),
             Sample((rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 2)))),
         ]
+
+
+@defop("linear")
+class Linear:
+    """Fused forward kernel: z = x @ w + b, with x of rank >= 2, w a matrix and b a vector
+    over the last axis (what ``fuse_linear_bias`` makes of a matmul whose only reader adds
+    a bias; autodiff has already run, so it needs no VJP)."""
+
+    @staticmethod
+    def infer(x: TensorType, w: TensorType, b: TensorType) -> TensorType:
+        dtype = same_dtype("linear", x, w, b)
+        if x.rank < 2 or w.rank != 2 or b.shape != (w.shape[1],):
+            raise ShapeError(f"linear needs x (rank >= 2), w [k, n] and b [n], got {x}, {w}, {b}")
+        if x.shape[-1] != w.shape[0]:
+            raise ShapeError(f"inner sizes differ: {x} @ {w}")
+        return TensorType((*x.shape[:-1], w.shape[1]), dtype)
+
+    @staticmethod
+    def kernel(x: Array, w: Array, b: Array) -> Array:
+        return np.asarray(np.matmul(x, w) + b)
+
+    @staticmethod
+    def flops(ins: tuple[TensorType, ...], outs: tuple[TensorType, ...], attrs: object) -> int:
+        return 2 * outs[0].numel * ins[0].shape[-1] + outs[0].numel
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        r = rng.standard_normal
+        return [Sample((r((3, 4)), r((4, 5)), r(5))), Sample((r((2, 3, 4)), r((4, 2)), r(2)))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
-from pockengine.passes.fuse import fold_channel_affine
+from pockengine.passes.fuse import fold_channel_affine, fuse_linear_bias
 from pockengine.passes.pipeline import (
     DEFAULT_PIPELINE,
     FORWARD_PIPELINE,
@@ -24,6 +24,7 @@ __all__ = [
     "eliminate_dead_code",
     "fold_channel_affine",
     "fold_constants",
+    "fuse_linear_bias",
     "reorder_updates",
     "run_pipeline",
 ]

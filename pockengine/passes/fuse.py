@@ -1,4 +1,4 @@
-"""Fusion of forward patterns into fewer, larger kernels.
+"""Fusion of patterns into fewer, larger kernels.
 
 ``fold_channel_affine``: a convolution whose output is only scaled and shifted per output
 channel, ``conv2d(x, w, b) * s + h`` with ``s`` and ``h`` of shape [C, 1, 1] (an eval-mode
@@ -8,21 +8,61 @@ activation, and the backward needs no per-channel multiply either: autodiff, whi
 after this pass, differentiates the folded form (into ``w``, ``s`` and ``h`` where they
 train, so trained BatchNorm affine params still get their gradients).
 
-Needs: a verified forward graph. Guarantees: the same values for every output and effect
-up to float rounding (``conv(x, w) * s`` vs ``conv(x, w * s)``); the replaced conv and
-multiply are dead afterwards and removed. Only a conv and a multiply read by nothing else
-are folded, so no value is computed twice.
+``fuse_linear_bias``: ``add(matmul(x, w), b)`` with ``w`` a matrix and ``b`` a vector over
+the last axis becomes ``linear(x, w, b)``, which the torch backend runs as one ``addmm``
+(the bias is added while the product is written, not in a second pass over it). It runs
+on the training graph, after autodiff, as ``linear`` has no VJP.
+
+Needs: a verified graph (a forward graph for ``fold_channel_affine``). Guarantees: the
+same values for every output and effect up to float rounding (``conv(x, w) * s`` vs
+``conv(x, w * s)``); the replaced nodes are dead afterwards and removed. Only
+intermediate values read by nothing else are fused away, so nothing is computed twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pockengine.ir import Graph, GraphBuilder, Node, Value
 from pockengine.passes.dce import eliminate_dead_code
 
-__all__ = ["fold_channel_affine"]
+__all__ = ["fold_channel_affine", "fuse_linear_bias"]
+
+_Rule = Callable[[GraphBuilder, Node, "_Index", dict[str, Value]], Value | None]
+
+
+@dataclass(frozen=True)
+class _Index:
+    producers: dict[str, Node]
+    users: dict[str, list[Node]]
+    outputs: set[str]
+
+    def single_use(self, v: Value, op: str) -> Node | None:
+        """The node making ``v`` if it is an ``op`` and ``v`` has no other reader."""
+        node = self.producers.get(v.name)
+        if node is None or node.op != op or v.name in self.outputs:
+            return None
+        return node if len(self.users.get(v.name, ())) == 1 else None
+
+
+def _rewrite(graph: Graph, rule: _Rule) -> Graph:
+    """Copy ``graph``, letting ``rule`` replace a node by the value it emits instead."""
+    index = _Index(graph.producers(), graph.users(), {v.name for v in graph.outputs})
+    b = GraphBuilder(graph.name)
+    for v in graph.inputs:
+        b.add_input(v)
+    renamed: dict[str, Value] = {}
+    for node in graph.nodes:
+        if any(v.name in renamed for v in node.inputs):
+            node = node.replace(inputs=tuple(renamed.get(v.name, v) for v in node.inputs))
+        out = rule(b, node, index, renamed)
+        if out is None:
+            b.append(node)
+        else:
+            renamed[node.output.name] = out
+    return eliminate_dead_code(b.build([renamed.get(v.name, v) for v in graph.outputs]))
 
 
 @dataclass(frozen=True)
@@ -47,17 +87,17 @@ def _other(node: Node, v: Value) -> Value | None:
     return None
 
 
-def _match(add: Node, producers: dict[str, Node], users: dict[str, list[Node]]) -> _Match | None:
+def _match(add: Node, index: _Index) -> _Match | None:
     """``add(mul(conv2d(...), s), h)`` (operands in either order) with single readers."""
     if add.op != "add":
         return None
     for t in add.inputs:
-        mul = producers.get(t.name)
-        if mul is None or mul.op != "mul" or len(users.get(t.name, ())) != 1:
+        mul = index.single_use(t, "mul")
+        if mul is None:
             continue
         for y in mul.inputs:
-            conv = producers.get(y.name)
-            if conv is None or conv.op != "conv2d" or len(users.get(y.name, ())) != 1:
+            conv = index.single_use(y, "conv2d")
+            if conv is None:
                 continue
             scale, shift = _other(mul, y), _other(add, t)
             channels = y.shape[1]
@@ -84,20 +124,32 @@ def _folded(b: GraphBuilder, m: _Match, renamed: dict[str, Value]) -> Value:
     return b.call("conv2d", x, w_scaled, new_bias, source=src, **attrs)
 
 
+def _fold_rule(
+    b: GraphBuilder, node: Node, index: _Index, renamed: dict[str, Value]
+) -> Value | None:
+    m = _match(node, index)
+    return None if m is None else _folded(b, m, renamed)
+
+
 def fold_channel_affine(graph: Graph) -> Graph:
-    producers = graph.producers()
-    users = graph.users()
-    outputs = {v.name for v in graph.outputs}
-    b = GraphBuilder(graph.name)
-    for v in graph.inputs:
-        b.add_input(v)
-    renamed: dict[str, Value] = {}
-    for node in graph.nodes:
-        if any(v.name in renamed for v in node.inputs):
-            node = node.replace(inputs=tuple(renamed.get(v.name, v) for v in node.inputs))
-        m = _match(node, producers, users)
-        if m is not None and not outputs & {m.conv.output.name, m.mul.output.name}:
-            renamed[node.output.name] = _folded(b, m, renamed)
-        else:
-            b.append(node)
-    return eliminate_dead_code(b.build([renamed.get(v.name, v) for v in graph.outputs]))
+    return _rewrite(graph, _fold_rule)
+
+
+def _linear_rule(
+    b: GraphBuilder, node: Node, index: _Index, renamed: dict[str, Value]
+) -> Value | None:
+    if node.op != "add":
+        return None
+    for y in node.inputs:
+        mm = index.single_use(y, "matmul")
+        bias = _other(node, y)
+        if mm is None or bias is None:
+            continue
+        x, w = (renamed.get(v.name, v) for v in mm.inputs)
+        if w.type.rank == 2 and bias.shape == (y.shape[-1],) and node.output.shape == y.shape:
+            return b.call("linear", x, w, bias, source=mm.source)
+    return None
+
+
+def fuse_linear_bias(graph: Graph) -> Graph:
+    return _rewrite(graph, _linear_rule)

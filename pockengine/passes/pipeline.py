@@ -14,7 +14,7 @@ from pockengine.ir import Graph, GraphVerifyError, verify
 from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
-from pockengine.passes.fuse import fold_channel_affine
+from pockengine.passes.fuse import fold_channel_affine, fuse_linear_bias
 from pockengine.passes.reorder import reorder_updates
 
 __all__ = ["DEFAULT_PIPELINE", "FORWARD_PIPELINE", "Pass", "PassResult", "run_pipeline"]
@@ -22,8 +22,8 @@ __all__ = ["DEFAULT_PIPELINE", "FORWARD_PIPELINE", "Pass", "PassResult", "run_pi
 Pass = Callable[[Graph], Graph]
 
 # Folding first turns constant chains into ``full`` nodes that CSE can then merge;
-# dead-code elimination drops what both left unread; reordering comes last, on the
-# final set of nodes, since it is about order alone.
+# dead-code elimination drops what both left unread; fusion works on what is left;
+# reordering comes last, on the final set of nodes, since it is about order alone.
 # On the forward graph, before autodiff: rewrites whose backward autodiff then derives.
 FORWARD_PIPELINE: tuple[Pass, ...] = (fold_channel_affine,)
 
@@ -32,6 +32,7 @@ DEFAULT_PIPELINE: tuple[Pass, ...] = (
     fold_constants,
     eliminate_common_subexpressions,
     eliminate_dead_code,
+    fuse_linear_bias,
     reorder_updates,
 )
 
