@@ -10,10 +10,11 @@ converter: the translator inlines their inner jaxpr (``inner_jaxpr``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
+from pockengine.frontend.context import EmitContext, registrar
 from pockengine.ir import CompileError, DType, GraphBuilder, TensorType, Value
 
 __all__ = [
@@ -92,12 +93,11 @@ def norm_axes(axes: Sequence[int], rank: int) -> tuple[int, ...]:
     return tuple(int(a) % max(rank, 1) for a in axes)
 
 
-class JCtx:
+class JCtx(EmitContext):
     """What converters use: the builder, the current equation and its source."""
 
     def __init__(self, b: GraphBuilder) -> None:
-        self.b = b
-        self.source = ""
+        super().__init__(b)
         self.params: dict[str, Any] = {}
         self.out_types: tuple[TensorType, ...] = ()
         self.known: dict[str, Array] = {}  # IR value name -> its value, when static
@@ -105,18 +105,6 @@ class JCtx:
     @property
     def out_type(self) -> TensorType:
         return self.out_types[0]
-
-    def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
-        return self.b.call(op, *inputs, source=self.source, **attrs)
-
-    def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
-        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
-
-    def full(self, value: float, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
-        return self.call("full", shape=shape, value=value, dtype=str(dtype))
-
-    def cast(self, v: Value, dtype: DType) -> Value:
-        return v if v.dtype is dtype else self.call("cast", v, dtype=str(dtype))
 
     def reshape(self, v: Value, shape: tuple[int, ...]) -> Value:
         return v if v.shape == shape else self.call("reshape", v, shape=shape)
@@ -135,15 +123,5 @@ class JCtx:
         return self.known[v.name]
 
 
-_C = TypeVar("_C", bound=Converter)
-
-
-def primitive(*names: str) -> Callable[[_C], _C]:
-    """Register one converter for the listed jaxpr primitives."""
-
-    def wrap(fn: _C) -> _C:
-        for name in names:
-            CONVERTERS[name] = fn
-        return fn
-
-    return wrap
+# Registers one converter for the listed jaxpr primitives.
+primitive = registrar(CONVERTERS)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
+from pockengine.frontend.context import EmitContext, registrar
 from pockengine.frontend.rng import DropoutSeed
 from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
 
@@ -62,12 +63,11 @@ def as_ints(x: Operand, what: str) -> list[int]:
     return [int(v) for v in np.asarray(x).reshape(-1)]
 
 
-class Ctx:
+class Ctx(EmitContext):
     """What converters use: the builder, the current node's name, constants, the rng."""
 
     def __init__(self, b: GraphBuilder) -> None:
-        self.b = b
-        self.source = ""
+        super().__init__(b)
         self.opset = 18  # the model's default-domain opset; the driver sets it
         self.n_outputs = 1  # of the node being converted
         self.values: dict[str, Array] = {}  # const and rng inputs created while converting
@@ -76,20 +76,6 @@ class Ctx:
         self.rng = DropoutSeed(b)
 
     # -- emitting ------------------------------------------------------------------
-    def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
-        return self.b.call(op, *inputs, source=self.source, **attrs)
-
-    def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
-        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
-
-    def effect(self, op: str, *inputs: Value, **attrs: Any) -> None:
-        self.b.effect(op, *inputs, source=self.source, **attrs)
-
-    def full(self, value: float, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
-        return self.call("full", shape=tuple(shape), value=value, dtype=str(dtype))
-
-    def cast(self, v: Value, dtype: DType) -> Value:
-        return v if v.dtype is dtype else self.call("cast", v, dtype=str(dtype))
 
     # -- operands ------------------------------------------------------------------
     def value(self, x: Operand, what: str = "input") -> Value:
@@ -128,18 +114,8 @@ class Ctx:
         self.values.update(self.rng.initial_values())
 
 
-_C = TypeVar("_C", bound=Converter)
-
-
-def onnx_op(*names: str) -> Callable[[_C], _C]:
-    """Register one converter for the listed ONNX op types (default domain)."""
-
-    def wrap(fn: _C) -> _C:
-        for name in names:
-            CONVERTERS[name] = fn
-        return fn
-
-    return wrap
+# Registers one converter for the listed ONNX op types (default domain).
+onnx_op = registrar(CONVERTERS)
 
 
 def norm_axis(axis: int, rank: int) -> int:

@@ -11,10 +11,11 @@ every node whose inputs are all known, so converters always see at least one ``V
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
+from pockengine.frontend.context import registrar
 from pockengine.frontend.onnx_ops import Ctx, Operand
 from pockengine.ir import CompileError, DType, Value
 
@@ -76,15 +77,5 @@ def float_like(cx: Ctx, ins: Sequence[Operand]) -> list[Value]:
     return [cx.like(x, anchor) for x in ins]
 
 
-_C = TypeVar("_C", bound=Converter)
-
-
-def tf_op(*names: str) -> Callable[[_C], _C]:
-    """Register one converter for the listed TF op types."""
-
-    def wrap(fn: _C) -> _C:
-        for name in names:
-            TF_CONVERTERS[name] = fn
-        return fn
-
-    return wrap
+# Registers one converter for the listed TF op types.
+tf_op = registrar(TF_CONVERTERS)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from pockengine.frontend.context import EmitContext
 from pockengine.frontend.rng import DropoutSeed
 from pockengine.ir import CompileError, DType, GraphBuilder, TensorType, Value
 
@@ -62,12 +63,11 @@ def ir_type(fake: Any) -> TensorType:
     return TensorType(tuple(int(d) for d in fake.shape), ir_dtype(fake.dtype))
 
 
-class Ctx:
+class Ctx(EmitContext):
     """What converters use: the builder, the current node's metadata and source."""
 
     def __init__(self, b: GraphBuilder) -> None:
-        self.b = b
-        self.source = ""
+        super().__init__(b)
         self.out: Any = None  # the exported node's FakeTensor (or tuple of them)
         self.original = ""  # the op the exported node was decomposed from ("" if none)
         self.rng = DropoutSeed(b)
@@ -79,17 +79,6 @@ class Ctx:
         return ir_type(fake)
 
     # -- emitting --------------------------------------------------------------
-    def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
-        return self.b.call(op, *inputs, source=self.source, **attrs)
-
-    def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
-        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
-
-    def full(self, value: float, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
-        return self.call("full", shape=shape, value=value, dtype=str(dtype))
-
-    def cast(self, v: Value, dtype: DType) -> Value:
-        return v if v.dtype is dtype else self.call("cast", v, dtype=str(dtype))
 
     def tensor(self, x: Value | float | bool, dtype: DType) -> Value:
         """A tensor operand of ``dtype``: casts a value, makes a 0-d constant of a scalar."""

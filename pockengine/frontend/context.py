@@ -1,0 +1,53 @@
+"""What every frontend's converters share: emitting IR nodes tagged with the source of the
+node being converted, and the decorator that fills a flat converter table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any, TypeVar
+
+from pockengine.ir import DType, GraphBuilder, Value
+
+__all__ = ["EmitContext", "registrar"]
+
+
+class EmitContext:
+    """The builder and the current node's source (a module path, a layer name, a source
+    line); every node a converter emits carries that source."""
+
+    def __init__(self, b: GraphBuilder) -> None:
+        self.b = b
+        self.source = ""
+
+    def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
+        return self.b.call(op, *inputs, source=self.source, **attrs)
+
+    def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
+        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
+
+    def effect(self, op: str, *inputs: Value, **attrs: Any) -> None:
+        self.b.effect(op, *inputs, source=self.source, **attrs)
+
+    def full(self, value: float, dtype: DType, shape: tuple[int, ...] = ()) -> Value:
+        return self.call("full", shape=tuple(shape), value=value, dtype=str(dtype))
+
+    def cast(self, v: Value, dtype: DType) -> Value:
+        return v if v.dtype is dtype else self.call("cast", v, dtype=str(dtype))
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def registrar(table: MutableMapping[str, Any]) -> Callable[..., Callable[[_F], _F]]:
+    """A decorator factory: ``@register("a", "b")`` puts the function in ``table`` under
+    each of the names (ATen overloads, ONNX op types, TF op types, jaxpr primitives)."""
+
+    def register(*names: str) -> Callable[[_F], _F]:
+        def wrap(fn: _F) -> _F:
+            for name in names:
+                table[name] = fn
+            return fn
+
+        return wrap
+
+    return register
