@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any, TypeVar
 
-from pockengine.ir import DType, GraphBuilder, Value
+import numpy as np
 
-__all__ = ["EmitContext", "registrar"]
+from pockengine.ir import CompileError, DType, GraphBuilder, Value
+
+__all__ = ["EmitContext", "const_ints", "norm_axis", "registrar"]
 
 
 class EmitContext:
@@ -51,3 +53,17 @@ def registrar(table: MutableMapping[str, Any]) -> Callable[..., Callable[[_F], _
         return wrap
 
     return register
+
+
+def const_ints(x: object, what: str) -> list[int]:
+    """A compile-time int vector (axes, shapes, perms, pads) from a constant operand."""
+    if not isinstance(x, np.ndarray):
+        raise CompileError(f"{what} must be known at compile time (a constant), not computed")
+    return [int(v) for v in np.asarray(x).reshape(-1)]
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    """``axis`` in [0, rank) (a 0-d tensor has one axis here), or a CompileError."""
+    if not -max(rank, 1) <= axis < max(rank, 1):
+        raise CompileError(f"axis {axis} is out of range for rank {rank}")
+    return axis % max(rank, 1)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.frontend.onnx_ops import Ctx, Operand, as_ints, ir_dtype, norm_axis, onnx_op
+from pockengine.frontend.onnx_ops import Ctx, Operand, const_ints, ir_dtype, norm_axis, onnx_op
 from pockengine.ir import CompileError, DType, Value
 
 __all__: list[str] = []
@@ -218,7 +218,7 @@ def _reduce_axes(ins: list[Operand], attrs: dict[str, Any], rank: int) -> tuple[
     """The axes of a Reduce* node (an input since opset 18, an attribute before); None when
     it reduces nothing (noop_with_empty_axes) and () for every axis."""
     given = ins[1] if len(ins) > 1 else None
-    axes = as_ints(given, "axes") if given is not None else list(attrs.get("axes", []))
+    axes = const_ints(given, "axes") if given is not None else list(attrs.get("axes", []))
     if not axes:
         return None if attrs.get("noop_with_empty_axes", 0) else ()
     return tuple(sorted(norm_axis(int(a), rank) for a in axes))
@@ -246,7 +246,7 @@ def _cumsum(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     if attrs.get("exclusive", 0) or attrs.get("reverse", 0):
         raise CompileError("CumSum with exclusive or reverse is not supported")
     x = cx.value(ins[0])
-    axis = norm_axis(as_ints(ins[1], "CumSum axis")[0], x.type.rank)
+    axis = norm_axis(const_ints(ins[1], "CumSum axis")[0], x.type.rank)
     return cx.call("cumsum", x, axis=axis)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.frontend.context import EmitContext, registrar
+from pockengine.frontend.context import EmitContext, const_ints, norm_axis, registrar
 from pockengine.frontend.rng import DropoutSeed
 from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
 
@@ -25,8 +25,9 @@ __all__ = [
     "CONVERTERS",
     "Ctx",
     "Operand",
-    "as_ints",
+    "const_ints",
     "ir_dtype",
+    "norm_axis",
     "onnx_op",
     "sanitize",
 ]
@@ -54,13 +55,6 @@ def sanitize(name: str) -> str:
     """An IR value name for an ONNX name: ``\\w[\\w.]*`` (torch names pass unchanged)."""
     clean = re.sub(r"[^\w.]", "_", name)
     return clean if clean and (clean[0].isalnum() or clean[0] == "_") else f"v{clean}"
-
-
-def as_ints(x: Operand, what: str) -> list[int]:
-    """A compile-time int vector (axes, shapes, pads)."""
-    if not isinstance(x, np.ndarray):
-        raise CompileError(f"{what} must be known at compile time (a constant), not computed")
-    return [int(v) for v in np.asarray(x).reshape(-1)]
 
 
 class Ctx(EmitContext):
@@ -116,12 +110,6 @@ class Ctx(EmitContext):
 
 # Registers one converter for the listed ONNX op types (default domain).
 onnx_op = registrar(CONVERTERS)
-
-
-def norm_axis(axis: int, rank: int) -> int:
-    if not -max(rank, 1) <= axis < max(rank, 1):
-        raise CompileError(f"axis {axis} is out of range for rank {rank}")
-    return axis % max(rank, 1)
 
 
 def ints_attr(attrs: dict[str, Any], key: str, default: Sequence[int] | None = None) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 from pockengine.frontend.onnx_ops import (
     Ctx,
     Operand,
-    as_ints,
+    const_ints,
     ints_attr,
     norm_axis,
     onnx_op,
@@ -44,7 +44,7 @@ def _reshape(cx: Ctx, x: Value, shape: tuple[int, ...]) -> Value:
 @onnx_op("Reshape")
 def _reshape_op(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     x = cx.value(ins[0])
-    dims = as_ints(ins[1], "the shape of Reshape")
+    dims = const_ints(ins[1], "the shape of Reshape")
     if not attrs.get("allowzero", 0):
         dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
     if -1 in dims:
@@ -70,7 +70,7 @@ def _transpose(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
 
 def _axes(ins: list[Operand], attrs: dict[str, Any]) -> list[int] | None:
     if len(ins) > 1 and ins[1] is not None:
-        return as_ints(ins[1], "axes")
+        return const_ints(ins[1], "axes")
     return None if "axes" not in attrs else ints_attr(attrs, "axes")
 
 
@@ -99,14 +99,14 @@ def _unsqueeze(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
 @onnx_op("Expand")
 def _expand(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     x = cx.value(ins[0])
-    target = tuple(int(d) for d in np.broadcast_shapes(x.shape, tuple(as_ints(ins[1], "shape"))))
+    target = tuple(int(d) for d in np.broadcast_shapes(x.shape, tuple(const_ints(ins[1], "shape"))))
     return x if target == x.shape else cx.call("broadcast_to", x, shape=target)
 
 
 @onnx_op("Tile")
 def _tile(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     x = cx.value(ins[0])
-    for axis, r in enumerate(as_ints(ins[1], "repeats")):
+    for axis, r in enumerate(const_ints(ins[1], "repeats")):
         if r == 1:
             continue
         shape = x.shape
@@ -136,10 +136,11 @@ def _slice(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
         starts, ends = ints_attr(attrs, "starts"), ints_attr(attrs, "ends")
         axes, steps = ints_attr(attrs, "axes", range(len(starts))), [1] * len(starts)
     else:
-        starts, ends = as_ints(ins[1], "Slice starts"), as_ints(ins[2], "Slice ends")
+        starts, ends = const_ints(ins[1], "Slice starts"), const_ints(ins[2], "Slice ends")
         more = [*ins[3:], None, None]
-        axes = as_ints(more[0], "Slice axes") if more[0] is not None else list(range(len(starts)))
-        steps = as_ints(more[1], "Slice steps") if more[1] is not None else [1] * len(starts)
+        count = len(starts)
+        axes = const_ints(more[0], "Slice axes") if more[0] is not None else list(range(count))
+        steps = const_ints(more[1], "Slice steps") if more[1] is not None else [1] * len(starts)
     for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
         ax = norm_axis(axis, x.type.rank)
         if step < 1:
@@ -157,7 +158,7 @@ def _split(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> tuple[Value, .
     axis = norm_axis(int(attrs.get("axis", 0)), x.type.rank)
     dim = x.shape[axis]
     if len(ins) > 1 and ins[1] is not None:
-        sizes = as_ints(ins[1], "Split sizes")
+        sizes = const_ints(ins[1], "Split sizes")
     elif "split" in attrs:
         sizes = ints_attr(attrs, "split")
     else:
@@ -177,13 +178,13 @@ def _pad(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
         raise CompileError(f"Pad mode {attrs['mode']!r} is not supported (constant only)")
     x = cx.value(ins[0])
     rank = x.type.rank
-    flat = as_ints(ins[1], "pads") if cx.opset >= 11 else ints_attr(attrs, "pads")
+    flat = const_ints(ins[1], "pads") if cx.opset >= 11 else ints_attr(attrs, "pads")
     more = [*ins[2:], None, None]
     value = 0.0 if more[0] is None else float(np.asarray(more[0]).reshape(-1)[0])
     axes = (
         list(range(rank))
         if more[1] is None
-        else [norm_axis(a, rank) for a in as_ints(more[1], "Pad axes")]
+        else [norm_axis(a, rank) for a in const_ints(more[1], "Pad axes")]
     )
     pairs = [(0, 0)] * rank
     for i, axis in enumerate(axes):

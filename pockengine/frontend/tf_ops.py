@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.frontend.context import registrar
+from pockengine.frontend.context import const_ints, norm_axis, registrar
 from pockengine.frontend.onnx_ops import Ctx, Operand
 from pockengine.ir import CompileError, DType, Value
 
@@ -54,19 +54,6 @@ def ir_dtype(name: str, what: str = "") -> DType:
             "(a mixed-precision policy must be float32 for training here)"
         )
     return _DTYPES[name]
-
-
-def const_ints(x: Operand, what: str) -> list[int]:
-    """A compile-time int vector (axes, shapes, perms, paddings)."""
-    if not isinstance(x, np.ndarray):
-        raise CompileError(f"{what} must be known at compile time (a constant), not computed")
-    return [int(v) for v in np.asarray(x).reshape(-1)]
-
-
-def norm_axis(axis: int, rank: int) -> int:
-    if not -max(rank, 1) <= axis < max(rank, 1):
-        raise CompileError(f"axis {axis} is out of range for rank {rank}")
-    return axis % max(rank, 1)
 
 
 def float_like(cx: Ctx, ins: Sequence[Operand]) -> list[Value]:
