@@ -162,11 +162,11 @@ def _clip(x: Array, low: float | None, high: float | None) -> Array:
     return _like(z, x)
 
 
-def _pass_between(c: VJPContext, low: object, high: object, *, strict: bool) -> Value:
-    """gz where x lies between the bounds that are not None, else 0."""
+def _pass_between(c: VJPContext, low: object, high: object) -> Value:
+    """gz where low <= x <= high (bounds that are None are absent), else 0."""
     x = c.inputs[0]
     mask: Value | None = None
-    for bound, op in ((low, "gt" if strict else "ge"), (high, "lt" if strict else "le")):
+    for bound, op in ((low, "ge"), (high, "le")):
         if bound is None:
             continue
         inside = c.call(op, x, c.const(_number(bound), x))
@@ -191,7 +191,7 @@ class Clamp:
 
     @staticmethod
     def vjp(c: VJPContext) -> Sequence[Value | None]:
-        return (_pass_between(c, c.attrs["min"], c.attrs["max"], strict=False),)
+        return (_pass_between(c, c.attrs["min"], c.attrs["max"]),)
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
