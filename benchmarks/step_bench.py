@@ -68,11 +68,23 @@ def _matmul_gflops(n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 / min(times) / 1e9
 
 
-def _analytic_flops(work: Any, optimizer: Any, scheme: Any) -> int:
-    """Matmul and convolution FLOPs of one step under ``scheme`` (forward + backward)."""
+def _case(workload: str, scheme_name: str) -> tuple[Any, Any, Any, set[str]]:
+    """A case's fresh workload, its optimizer, the scheme and the names it trains."""
+    from pockengine import zoo
+    from pockengine.frontend.torch import torch_model_info
+
+    work, optimizer = zoo.benchmark(workload)
+    scheme = zoo.benchmark_schemes(workload)[scheme_name]
+    return work, optimizer, scheme, set(scheme.resolve(torch_model_info(work.model)).names)
+
+
+def _analytic_flops(workload: str, scheme_name: str) -> int:
+    """Matmul and convolution FLOPs of one step under the scheme (forward + backward), on a
+    fresh copy of the workload (counted after measuring, outside the measured process state)."""
     import pockengine as pe
     from pockengine.plan.cost import cost
 
+    work, optimizer, scheme, _ = _case(workload, scheme_name)
     step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer, scheme)
     ops = {"matmul", "linear", "conv2d", "conv2d_input_grad", "conv2d_weight_grad"}
     return sum(c.flops for n, c in zip(step.graph.nodes, cost(step.graph).nodes, strict=True)
@@ -80,8 +92,9 @@ def _analytic_flops(work: Any, optimizer: Any, scheme: Any) -> int:
 
 
 def _load_framework(framework: str) -> None:
-    """Import all of the framework (a compiler loads torch.export or dynamo and inductor on
-    first use) by compiling and running a tiny MLP, so its code is in the base RSS."""
+    """Load all of the framework (a compiler loads torch.export or dynamo and inductor on
+    first use, autograd starts its engine on the first backward) by compiling and running a
+    tiny MLP step, so its code is in the base RSS."""
     import gc
 
     import pockengine as pe
@@ -91,7 +104,7 @@ def _load_framework(framework: str) -> None:
     batch = tiny.make_batch(0)
     if framework.startswith("pockengine"):
         pe.compile(tiny.model, tiny.loss_fn, batch, backend=framework.split("-", 1)[1])(*batch)
-    elif framework == "torch-compile":
+    else:  # eager too: autograd's engine and its thread pool start on the first backward
         _torch_step(framework, tiny, pe.optim.SGD(lr=0.1), {"0.weight"})(*batch)
     gc.collect()
 
@@ -149,16 +162,12 @@ def run_case(
     import torch
 
     import pockengine as pe
-    from pockengine import zoo
-    from pockengine.frontend.torch import torch_model_info
 
     if framework == "ort-training":
         return _ort_training_case(workload, scheme_name, steps, warmup)
     _load_framework(framework)
-    work, optimizer = zoo.benchmark(workload)
-    scheme = zoo.benchmark_schemes(workload)[scheme_name]
+    work, optimizer, scheme, trained = _case(workload, scheme_name)
     batch = work.make_batch(0)
-    trained = scheme.resolve(torch_model_info(work.model)).names
     base = _rss_kib("VmRSS")
     start = time.perf_counter()
     if framework.startswith("pockengine"):
@@ -190,8 +199,7 @@ def run_case(
     median = statistics.median(times)
     del step
     gc.collect()
-    fresh, _ = zoo.benchmark(workload)
-    flops = _analytic_flops(fresh, optimizer, scheme)
+    flops = _analytic_flops(workload, scheme_name)
     return {
         "workload": workload, "scheme": scheme_name, "framework": framework,
         "step_ms": median * 1e3, "compile_s": compile_s, "loss": loss,
@@ -205,20 +213,14 @@ def _ort_training_case(workload: str, scheme_name: str, steps: int, warmup: int)
     """ONNX Runtime Training in its venv (ort_training_peer.py), with the same FLOP count."""
     import torch
 
-    from pockengine import zoo
-    from pockengine.frontend.torch import torch_model_info
-
-    work, optimizer = zoo.benchmark(workload)
-    scheme = zoo.benchmark_schemes(workload)[scheme_name]
-    trained = scheme.resolve(torch_model_info(work.model)).names
+    work, optimizer, _, trained = _case(workload, scheme_name)
     eager = _torch_step("torch-eager", work, optimizer, trained)
     batch = work.make_batch(0)
     reference = [eager(*batch) for _ in range(2)]  # the first two torch-eager losses
     del eager, work
     result = ort_training_peer.run_case(workload, scheme_name, steps, warmup,
                                         torch.get_num_threads(), reference)  # fmt: skip
-    fresh, _ = zoo.benchmark(workload)
-    flops = _analytic_flops(fresh, optimizer, scheme)
+    flops = _analytic_flops(workload, scheme_name)
     return {"workload": workload, "scheme": scheme_name, "framework": "ort-training", **result,
             "gflop": flops / 1e9, "gflops": flops / (result["step_ms"] / 1e3) / 1e9,
             "planned_train_mib": None}  # fmt: skip
