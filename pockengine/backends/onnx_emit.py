@@ -144,9 +144,19 @@ def _np(dtype: DType | str | np.dtype[Any]) -> np.dtype[Any]:
 
 
 def kernel_table() -> dict[str, Kernel]:
-    from pockengine.backends import onnx_kernels, onnx_kernels_nn, onnx_kernels_shape
+    from pockengine.backends import (
+        onnx_kernels,
+        onnx_kernels_attn,
+        onnx_kernels_nn,
+        onnx_kernels_shape,
+    )
 
-    return {**onnx_kernels.KERNELS, **onnx_kernels_shape.KERNELS, **onnx_kernels_nn.KERNELS}
+    return {
+        **onnx_kernels.KERNELS,
+        **onnx_kernels_shape.KERNELS,
+        **onnx_kernels_nn.KERNELS,
+        **onnx_kernels_attn.KERNELS,
+    }
 
 
 def _value_info(onnx: Any, name: str, dtype: DType, shape: tuple[int, ...]) -> Any:

@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.backends import torch_kernels, torch_kernels_nn, torch_kernels_shape
+from pockengine.backends import (
+    torch_kernels,
+    torch_kernels_attn,
+    torch_kernels_nn,
+    torch_kernels_shape,
+)
 from pockengine.backends.base import Backend, Executable, Store, check_ops
 from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_source
 from pockengine.backends.torch_kernels import torch_dtype
@@ -41,12 +46,14 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels.KERNELS,
     **torch_kernels_shape.KERNELS,
     **torch_kernels_nn.KERNELS,
+    **torch_kernels_attn.KERNELS,
 }
 _FINDERS: dict[str, PairFinder] = dict(torch_kernels_nn.FINDERS)
 _NAMESPACE: dict[str, Any] = {
     **torch_kernels.NAMESPACE,
     **torch_kernels_shape.NAMESPACE,
     **torch_kernels_nn.NAMESPACE,
+    **torch_kernels_attn.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
     "nan": math.nan,

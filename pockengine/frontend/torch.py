@@ -18,7 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.frontend import aten_math, aten_nn, aten_shape  # noqa: F401  (fill the table)
+from pockengine.frontend import (  # noqa: F401  (fill the table)
+    aten_attention,
+    aten_math,
+    aten_nn,
+    aten_shape,
+)
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.frontend.torch_ops import CONVERTERS, IGNORED, Ctx, ir_type
 from pockengine.ir import (
@@ -82,9 +87,11 @@ def _export(model: Any, loss_fn: Callable[..., Any], batch: tuple[Any, ...]) -> 
     return exported.run_decompositions(table)
 
 
-# SDPA's softmax that gives 0, not NaN, on a fully masked row: decomposed, it is four
-# extra passes over the attention matrix (eq, not, any, where) and a where in backward.
-_KEPT_WHOLE = ("_safe_softmax",)
+# Scaled dot-product attention becomes one IR op (fused kernels, no stored probabilities).
+# SDPA's softmax that gives 0, not NaN, on a fully masked row (what the attention
+# converter emits with dropout): decomposed, it is four extra passes over the attention
+# matrix (eq, not, any, where) and a where in backward.
+_KEPT_WHOLE = ("scaled_dot_product_attention", "_safe_softmax")
 
 
 def _check_supported(graph: Any) -> None:

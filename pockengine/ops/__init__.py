@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pockengine.ops import (
     activation,
+    attention,
     elementwise,
     indexing,
     linalg,
@@ -18,6 +19,7 @@ from pockengine.ops import (
 
 __all__ = [
     "activation",
+    "attention",
     "elementwise",
     "indexing",
     "linalg",
