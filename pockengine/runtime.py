@@ -43,6 +43,7 @@ __all__ = [
     "compile",
     "frontend_of",
     "gradients_graph",
+    "release_free_memory",
     "training_graph",
 ]
 
@@ -379,7 +380,28 @@ def _compile_imported(
     eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
     imported = import_model(eval_modules)
     forward = apply_resolution(imported.graph, resolution)
-    return TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
+    step = TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
+    del imported, forward
+    release_free_memory()
+    return step
+
+
+def release_free_memory() -> None:
+    """Hand the heap that compiling freed (traced graphs, NumPy copies of the weights) back
+    to the OS: glibc keeps freed blocks in the process, and the resident memory of a
+    training run would carry them. A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _compile_onnx(
