@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 import pockengine as pe
 from pockengine.finetune import FinetuneConfig, FinetuneError
 from pockengine.finetune import data as ds
-from pockengine.finetune.recipes import bbc_folder, parse_scheme
+from pockengine.finetune.recipes import _DEFAULTS, bbc_folder, parse_scheme
 from pockengine.finetune.trainer import linear_schedule
 
 
@@ -143,3 +144,38 @@ def test_causal_lm_chunks_join_documents_with_end_of_text() -> None:
     assert pack(_CharTokenizer(), ["abc", "defgh", "ij"], seq_len=4, limit=1).shape == (1, 4)
     train, val = split_docs(10, 0.2, seed=0)
     assert sorted([*train, *val]) == list(range(10)) and len(val) == 2
+
+
+def test_llm_recipe_trains_norms_and_output_projections_of_every_block() -> None:
+    from pockengine import zoo
+    from pockengine.frontend.torch import torch_model_info
+    from pockengine.sparse.schemes import resolve_scheme
+
+    model = zoo.llama_lm().model
+    trained = resolve_scheme(parse_scheme("sparse", "smollm2-pydocs"), torch_model_info(model))
+    layers = model.config.num_hidden_layers
+    want = {n for n, _ in model.named_parameters() if "norm" in n}
+    for i in range(layers):
+        want |= {
+            f"model.layers.{i}.mlp.down_proj.weight",
+            f"model.layers.{i}.self_attn.o_proj.weight",
+        }
+    assert trained.names == want
+    # other recipes keep the PockEngine recipe of biases, norms and the last blocks
+    assert parse_scheme("sparse", "minilm-bbc").to_dict()["scheme"] == "sparse"
+
+
+def test_learning_rate_defaults_by_recipe_and_scheme() -> None:
+    from pockengine.finetune.recipes import defaults
+
+    def lr(**kw: Any) -> float:
+        return float(defaults(FinetuneConfig(**kw))["lr"])
+
+    assert lr(recipe="minilm-bbc", scheme="full") == 1e-4
+    assert lr(recipe="minilm-bbc", scheme="head") == 1e-2
+    assert lr(recipe="minilm-bbc", scheme="last:3") == 5e-4
+    assert lr(recipe="minilm-bbc", scheme="head", optimizer="sgd") == pytest.approx(0.1)
+    table = _DEFAULTS["smollm2-pydocs"]["lr"]  # the LLM recipe's own, by scheme
+    for scheme in ("full", "sparse", "bias", "head"):
+        assert lr(recipe="smollm2-pydocs", scheme=scheme) == table[scheme]
+    assert lr(recipe="smollm2-pydocs", scheme="last:4") == 5e-4  # not in it: the general one

@@ -48,7 +48,7 @@ def run(config: FinetuneConfig) -> FinetuneResult:
     start = time.perf_counter()
     config = config.validate()
     config = config.with_defaults(recipes.defaults(config)).validate()
-    scheme = recipes.parse_scheme(_given(config.scheme))
+    scheme = recipes.parse_scheme(_given(config.scheme), config.recipe)
     out = Path(config.out or Path("runs") / _slug(config))
     saved = _resume_point(config, out)
     task = recipes.build(config)
