@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -324,3 +325,21 @@ def test_stored_layout_and_partial_channel_updates(channels_last: bool) -> None:
         assert ours(*batch) == pytest.approx(ref(*batch), rel=1e-4, abs=1e-5)
     _close(ours.state_dict(), ref.state_dict(), "state")
     _close(ours.optimizer_state(), ref.optimizer_state(), "optimizer state")
+
+
+def test_cpu_compile_keeps_the_freed_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes.util
+
+    from pockengine.backends import torch_backend
+
+    w = zoo.mlp()
+    graph = pe.compile(w.model, w.loss_fn, w.make_batch(0), backend="numpy").graph
+    calls: list[int] = []
+    monkeypatch.setattr(torch_backend, "keep_freed_heap", lambda: calls.append(1) or True)
+    TorchBackend(keep_heap=False).compile(graph)
+    assert calls == []
+    TorchBackend().compile(graph)
+    assert calls == [1]
+    monkeypatch.undo()
+    if ctypes.util.find_library("c") and platform.libc_ver()[0] == "glibc":
+        assert torch_backend.keep_freed_heap() is True  # mallopt took both settings

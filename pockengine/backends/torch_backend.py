@@ -16,6 +16,9 @@ can be read and used with autograd outside.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import itertools
 import linecache
 import math
@@ -38,7 +41,7 @@ from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_sour
 from pockengine.backends.torch_kernels import torch_dtype
 from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
 
-__all__ = ["KERNELS", "TorchBackend", "TorchExecutable", "TorchKernelError"]
+__all__ = ["KERNELS", "TorchBackend", "TorchExecutable", "TorchKernelError", "keep_freed_heap"]
 
 Array = np.ndarray[Any, Any]
 
@@ -142,16 +145,45 @@ class TorchExecutable(Executable):
         return print_node(self.graph.nodes[line - self._first_line])
 
 
+# glibc's mallopt parameters, and the values keep_freed_heap sets
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling on 64-bit
+_TRIM_THRESHOLD = 2**30
+
+
+@functools.cache
+def keep_freed_heap() -> bool:
+    """Let the process keep and reuse freed CPU memory, as a static arena would: the step
+    allocates the same tensors every call, and glibc otherwise maps each large one fresh
+    (page faults on first touch) and returns it at its ``del``. Sets glibc's mmap threshold
+    to its 32 MiB ceiling and the trim threshold to 1 GiB, once per process; the resident
+    size then stays at the step's high-water mark. True if set (False off glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    done = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+    return bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and done)
+
+
 class TorchBackend(Backend):
     """ATen kernels on ``device`` ("cpu" or "cuda"), called from generated code."""
 
     name = "torch"
 
-    def __init__(self, device: str = "cpu", channels_last: bool = True) -> None:
+    def __init__(
+        self, device: str = "cpu", channels_last: bool = True, keep_heap: bool = True
+    ) -> None:
         self.device = torch.device(device)
         self.channels_last = channels_last
+        self.keep_heap = keep_heap
 
     def compile(self, graph: Graph) -> TorchExecutable:
+        if self.keep_heap and self.device.type == "cpu":
+            keep_freed_heap()
         return TorchExecutable(graph, self.device)
 
     def from_numpy(self, array: Array) -> torch.Tensor:
