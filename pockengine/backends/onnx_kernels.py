@@ -289,6 +289,13 @@ def _softmax_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> None
     em.op("Mul", y, em.op("Sub", gz, dot), out=out[0])
 
 
+@_kernel("log_softmax_grad")
+def _log_softmax_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    gz, z = x
+    total = em.op("ReduceSum", gz, em.ints([int(_num(node.attrs["axis"]))]), keepdims=1)
+    em.op("Sub", gz, em.op("Mul", em.op("Exp", z), total), out=out[0])
+
+
 @_kernel("log_softmax")
 def _log_softmax(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("LogSoftmax", x[0], out=out[0], axis=int(_num(node.attrs["axis"])))

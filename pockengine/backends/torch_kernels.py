@@ -226,6 +226,12 @@ def _softmax_grad(e: Emit) -> list[str]:
     return [f"{e.out} = aten_softmax_backward_data({gz}, {y}, {e.attr('axis')}, {dtype})"]
 
 
+def _log_softmax_grad(e: Emit) -> list[str]:
+    gz, z = e.ins
+    dtype = e.dtype(e.node.output.dtype)
+    return [f"{e.out} = aten_log_softmax_backward_data({gz}, {z}, {e.attr('axis')}, {dtype})"]
+
+
 def _cumsum(e: Emit) -> list[str]:
     axis, dtype = e.attr("axis"), e.dtype(e.node.output.dtype)
     return [f"{e.out} = aten_cumsum({e.ins[0]}, {axis}, dtype={dtype})"]
@@ -291,6 +297,7 @@ KERNELS: dict[str, Emitter] = {
     "log_softmax": _softmax("aten_log_softmax"),
     "safe_softmax": _softmax("safe_softmax"),
     "softmax_grad": _softmax_grad,
+    "log_softmax_grad": _log_softmax_grad,
     "cumsum": _cumsum,
 }
 
@@ -301,6 +308,7 @@ NAMESPACE: dict[str, _Fn] = {
     "aten_logical_not": torch.logical_not,
     "safe_softmax": _safe_softmax,
     "aten_softmax_backward_data": torch.ops.aten._softmax_backward_data.default,
+    "aten_log_softmax_backward_data": torch.ops.aten._log_softmax_backward_data.default,
     "aten_logical_and": torch.logical_and,
     "aten_logical_or": torch.logical_or,
     "aten_pow": torch.pow,

@@ -300,7 +300,7 @@ class SoftmaxGrad:
 @defop("log_softmax", groups=("reduction",))
 class LogSoftmax:
     """Forward: z = (x - max) - log(sum(exp(x - max), axis)).
-    Backward: gx = gz - exp(z) * sum(gz, axis, keepdims)."""
+    Backward: gx = log_softmax_grad(gz, z, axis)."""
 
     infer = staticmethod(_softmax_infer("log_softmax"))
     flops = staticmethod(_softmax_flops)
@@ -313,8 +313,34 @@ class LogSoftmax:
 
     @staticmethod
     def vjp(c: VJPContext) -> Sequence[Value | None]:
-        total = c.call("sum", c.ct, axes=(_axis_attr(c),), keepdims=True)
-        return (c.call("sub", c.ct, c.call("mul", c.call("exp", c.out), total)),)
+        return (c.call("log_softmax_grad", c.ct, c.out, axis=_axis_attr(c)),)
+
+
+@defop("log_softmax_grad", groups=("reduction",))
+class LogSoftmaxGrad:
+    """Backward kernel of log_softmax: gx = gz - exp(z) * sum(gz, axis, keepdims) with z the
+    log_softmax output (ATen's _log_softmax_backward_data: one pass instead of exp, sum, mul
+    and sub over, say, an LLM's [tokens, vocab] logits)."""
+
+    flops = staticmethod(_softmax_flops)
+
+    @staticmethod
+    def infer(gz: TensorType, z: TensorType, *, axis: int) -> TensorType:
+        norm_axis(axis, z.rank)
+        if gz != z:
+            raise ShapeError(f"log_softmax_grad needs gz and z of one type, got {gz}, {z}")
+        return _float_input("log_softmax_grad", z)
+
+    @staticmethod
+    def kernel(gz: Array, z: Array, *, axis: int) -> Array:
+        total = np.sum(gz, axis=axis, keepdims=True)
+        return np.asarray(gz - np.exp(z) * total, dtype=z.dtype)
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        x = rng.standard_normal((2, 3, 4))
+        z = x - np.log(np.sum(np.exp(x), axis=1, keepdims=True))
+        return [Sample((rng.standard_normal((2, 3, 4)), z), {"axis": 1})]
 
 
 @defop("cumsum", groups=("scan",))
