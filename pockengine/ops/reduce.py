@@ -208,6 +208,18 @@ def _softmax_infer(op: str) -> Any:
     return infer
 
 
+def _softmax_grad_infer(op: str) -> Any:
+    """The shape rule of a (log_)softmax backward kernel: gz and the forward output alike."""
+
+    def infer(gz: TensorType, out: TensorType, *, axis: int) -> TensorType:
+        norm_axis(axis, out.rank)
+        if gz != out:
+            raise ShapeError(f"{op} needs gz and the output of one type, got {gz}, {out}")
+        return _float_input(op, out)
+
+    return infer
+
+
 def _softmax_flops(ins: tuple[TensorType, ...], outs: Any, attrs: Any) -> int:
     return 5 * ins[0].numel  # max, subtract, exp, sum, divide (or log and subtract)
 
@@ -278,12 +290,7 @@ class SoftmaxGrad:
 
     flops = staticmethod(_softmax_flops)
 
-    @staticmethod
-    def infer(gz: TensorType, y: TensorType, *, axis: int) -> TensorType:
-        norm_axis(axis, y.rank)
-        if gz != y:
-            raise ShapeError(f"softmax_grad needs gz and y of one type, got {gz}, {y}")
-        return _float_input("softmax_grad", y)
+    infer = staticmethod(_softmax_grad_infer("softmax_grad"))
 
     @staticmethod
     def kernel(gz: Array, y: Array, *, axis: int) -> Array:
@@ -324,12 +331,7 @@ class LogSoftmaxGrad:
 
     flops = staticmethod(_softmax_flops)
 
-    @staticmethod
-    def infer(gz: TensorType, z: TensorType, *, axis: int) -> TensorType:
-        norm_axis(axis, z.rank)
-        if gz != z:
-            raise ShapeError(f"log_softmax_grad needs gz and z of one type, got {gz}, {z}")
-        return _float_input("log_softmax_grad", z)
+    infer = staticmethod(_softmax_grad_infer("log_softmax_grad"))
 
     @staticmethod
     def kernel(gz: Array, z: Array, *, axis: int) -> Array:
