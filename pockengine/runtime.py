@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine._libc import libc_function
 from pockengine.autodiff import append_backward
 from pockengine.backends import Backend, Executable, get_backend
 from pockengine.frontend.imported import ImportedModel, ModelInfo
@@ -390,16 +391,10 @@ def release_free_memory() -> None:
     """Hand the heap that compiling freed (traced graphs, NumPy copies of the weights) back
     to the OS: glibc keeps freed blocks in the process, and the resident memory of a
     training run would carry them. A no-op where the C library has no malloc_trim."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 

@@ -16,8 +16,6 @@ can be read and used with autograd outside.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import itertools
 import linecache
@@ -30,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pockengine._libc import libc_function
 from pockengine.backends import (
     torch_kernels,
     torch_kernels_attn,
@@ -158,11 +157,7 @@ def keep_freed_heap() -> bool:
     (page faults on first touch) and returns it at its ``del``. Sets glibc's mmap threshold
     to its 32 MiB ceiling and the trim threshold to 1 GiB, once per process; the resident
     size then stays at the step's high-water mark. True if set (False off glibc)."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
     done = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
