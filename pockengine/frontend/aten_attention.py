@@ -14,6 +14,7 @@ import math
 
 from pockengine.frontend.torch_ops import Ctx, aten
 from pockengine.ir import CompileError, DType, Value
+from pockengine.ops.attention import attention_scores
 
 __all__: list[str] = []
 
@@ -55,24 +56,11 @@ def _repeat_heads(cx: Ctx, x: Value, heads: int) -> Value:
     return cx.call("reshape", x, shape=(*lead, heads, s, e))
 
 
-def _swap_last(cx: Ctx, x: Value) -> Value:
-    r = x.type.rank
-    return cx.call("transpose", x, perm=(*range(r - 2), r - 1, r - 2))
-
-
 def _explicit(
     cx: Ctx, q: Value, k: Value, v: Value, masks: list[Value], scale: float, causal: bool,
     dropout_p: float,
 ) -> Value:  # fmt: skip
-    s = cx.call("mul", cx.call("matmul", q, _swap_last(cx, k)), cx.full(scale, q.dtype))
-    for m in masks:
-        s = cx.call("add", s, m)
-    if causal:
-        length, keys = s.shape[-2:]
-        rows = cx.call("arange", start=0, stop=length, step=1, dtype="i64")
-        cols = cx.call("arange", start=0, stop=keys, step=1, dtype="i64")
-        keep = cx.call("ge", cx.call("reshape", rows, shape=(length, 1)), cols)
-        s = cx.call("where", keep, s, cx.full(-math.inf, q.dtype))
+    s = attention_scores(cx.call, q, k, masks, cx.full(scale, q.dtype), causal)
     p = cx.call("safe_softmax", s, axis=-1)
     if dropout_p >= 1:
         p = cx.full(0.0, q.dtype, p.shape)

@@ -15,14 +15,16 @@ whose keys are all masked out (-inf) gets a zero output and lse 0 instead of NaN
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pockengine.ir import Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, broadcast_shapes
 
-__all__: list[str] = []
+__all__ = ["attention_scores", "swap_last"]
+
+Call = Callable[..., Value]  # emits one IR node: call(op, *inputs, **attrs)
 
 
 def _check(
@@ -148,41 +150,47 @@ def _explicit_vjp(c: VJPContext) -> tuple[Value | None, ...]:
     out, lse = c.node.outputs
     scale, causal = c.attrs["scale"], bool(c.attrs["causal"])
     assert isinstance(scale, float | int)
-    s = c.call("mul", c.call("matmul", q, _swap(c, k)), c.const(scale, q))
-    for m in mask:
-        s = c.call("add", s, m)
-    if causal:
-        s = _causal(c, s)
+    s = attention_scores(c.call, q, k, mask, c.const(scale, q), causal)
     p = c.call("exp", c.call("sub", s, c.call("reshape", lse, shape=(*lse.shape, 1))))
     ds: Value | None = None
     gv: Value | None = None
     if gout is not None:
-        dp = c.call("matmul", gout, _swap(c, v))
+        dp = c.call("matmul", gout, swap_last(c.call, v))
         delta = c.call("sum", c.call("mul", gout, out), axes=(3,), keepdims=True)
         ds = c.call("mul", p, c.call("sub", dp, delta))
-        gv = c.call("matmul", _swap(c, p), gout) if c.needs[2] else None
+        gv = c.call("matmul", swap_last(c.call, p), gout) if c.needs[2] else None
     if glse is not None:
         from_lse = c.call("mul", p, c.call("reshape", glse, shape=(*glse.shape, 1)))
         ds = from_lse if ds is None else c.call("add", ds, from_lse)
     assert ds is not None  # one of gout, glse is given
     gs = c.call("mul", ds, c.const(scale, q))
     gq = c.call("matmul", gs, k) if c.needs[0] else None
-    gk = c.call("matmul", _swap(c, gs), q) if c.needs[1] else None
+    gk = c.call("matmul", swap_last(c.call, gs), q) if c.needs[1] else None
     gmask = [ds if need else None for need in c.needs[3:]]
     return (gq, gk, gv, *gmask)
 
 
-def _swap(c: VJPContext, x: Value) -> Value:
-    return c.call("transpose", x, perm=(0, 1, 3, 2))
+def swap_last(call: Call, x: Value) -> Value:
+    """x with its last two axes swapped, emitted through ``call``."""
+    r = x.type.rank
+    return call("transpose", x, perm=(*range(r - 2), r - 1, r - 2))
 
 
-def _causal(c: VJPContext, s: Value) -> Value:
-    """s with -inf where key j > query i."""
-    length, keys = s.shape[2:]
-    rows = c.call("arange", start=0, stop=length, step=1, dtype="i64")
-    cols = c.call("arange", start=0, stop=keys, step=1, dtype="i64")
-    keep = c.call("ge", c.call("reshape", rows, shape=(length, 1)), cols)
-    return c.call("where", keep, s, c.const(-np.inf, s))
+def attention_scores(
+    call: Call, q: Value, k: Value, masks: Sequence[Value], scale: Value, causal: bool
+) -> Value:
+    """The scores q @ k^T * scale + each mask, with -inf where key j > query i if causal,
+    as IR nodes emitted through ``call`` (a VJP context's or a frontend converter's)."""
+    s = call("mul", call("matmul", q, swap_last(call, k)), scale)
+    for m in masks:
+        s = call("add", s, m)
+    if not causal:
+        return s
+    length, keys = s.shape[-2:]
+    rows = call("arange", start=0, stop=length, step=1, dtype="i64")
+    cols = call("arange", start=0, stop=keys, step=1, dtype="i64")
+    keep = call("ge", call("reshape", rows, shape=(length, 1)), cols)
+    return call("where", keep, s, call("full", shape=(), value=-np.inf, dtype=str(s.dtype)))
 
 
 @defop("attention_grad")
