@@ -154,6 +154,8 @@ def defaults(config: FinetuneConfig) -> dict[str, Any]:
 # 20% of the weights, spread over all blocks, come close. Backprop runs to the first
 # block, but weight gradients and AdamW state exist for those weights only.
 _LM_SPARSE = ("*norm*", "*.mlp.down_proj.weight", "*.self_attn.o_proj.weight")
+# what ``sparse`` trains in a recipe whose model the default recipe does not suit
+_RECIPE_SPARSE = {"smollm2-pydocs": _LM_SPARSE}
 
 
 def parse_scheme(spec: str, recipe: str | None = None) -> Scheme:
@@ -172,8 +174,8 @@ def parse_scheme(spec: str, recipe: str | None = None) -> Scheme:
         if not k.isdigit():
             raise FinetuneError(f"scheme {spec!r}: last:K needs a whole number of blocks K")
         return schemes.last_blocks(int(k), frozen_bn="eval")
-    if spec == "sparse" and recipe == "smollm2-pydocs":
-        return schemes.select(_LM_SPARSE, frozen_bn="eval")
+    if spec == "sparse" and recipe in _RECIPE_SPARSE:
+        return schemes.select(_RECIPE_SPARSE[recipe], frozen_bn="eval")
     if spec in ("sparse", "bias"):  # bias: every bias and norm, and the (new) head
         return schemes.sparse(blocks=2 if spec == "sparse" else 0, frozen_bn="eval")
     named = {"full": schemes.full, "head": schemes.head}
