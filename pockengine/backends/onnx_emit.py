@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import CompileError, DType, Graph, Node, UnsupportedOpError, get_op
+from pockengine.ir.registry import registrar
 
 __all__ = [
     "IR_VERSION",
@@ -48,20 +49,6 @@ _ONNX_DTYPE = {
     DType.F64: 11,
     DType.BF16: 16,
 }
-
-
-def registrar(table: dict[str, Kernel]) -> Callable[..., Callable[[Kernel], Kernel]]:
-    """A decorator factory: ``@kernel("op", ...)`` puts the function in ``table``."""
-
-    def kernel(*names: str) -> Callable[[Kernel], Kernel]:
-        def wrap(fn: Kernel) -> Kernel:
-            for name in names:
-                table[name] = fn
-            return fn
-
-        return wrap
-
-    return kernel
 
 
 def onnx_dtype(dtype: DType | str) -> int:

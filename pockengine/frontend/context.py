@@ -3,12 +3,12 @@ node being converted, and the decorator that fills a flat converter table."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from pockengine.ir import CompileError, DType, GraphBuilder, Value
+from pockengine.ir.registry import registrar
 
 __all__ = ["EmitContext", "const_ints", "norm_axis", "registrar"]
 
@@ -35,24 +35,6 @@ class EmitContext:
 
     def cast(self, v: Value, dtype: DType) -> Value:
         return v if v.dtype is dtype else self.call("cast", v, dtype=str(dtype))
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def registrar(table: MutableMapping[str, Any]) -> Callable[..., Callable[[_F], _F]]:
-    """A decorator factory: ``@register("a", "b")`` puts the function in ``table`` under
-    each of the names (ATen overloads, ONNX op types, TF op types, jaxpr primitives)."""
-
-    def register(*names: str) -> Callable[[_F], _F]:
-        def wrap(fn: _F) -> _F:
-            for name in names:
-                table[name] = fn
-            return fn
-
-        return wrap
-
-    return register
 
 
 def const_ints(x: object, what: str) -> list[int]:

@@ -10,9 +10,9 @@ tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,7 @@ __all__ = [
     "grad_source",
     "has_op",
     "register",
+    "registrar",
 ]
 
 ELEMENTWISE = "elementwise"  # output shape = broadcast of inputs, one result per element
@@ -214,3 +215,22 @@ def defop(
         return register(opdef)
 
     return wrap
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def registrar(table: MutableMapping[str, Any]) -> Callable[..., Callable[[_F], _F]]:
+    """A decorator factory: ``@register("a", "b")`` puts the function in ``table`` under
+    each of the names (frontends' converters by ATen overload, ONNX or TF op type or jaxpr
+    primitive; backends' kernels by IR op)."""
+
+    def register(*names: str) -> Callable[[_F], _F]:
+        def wrap(fn: _F) -> _F:
+            for name in names:
+                table[name] = fn
+            return fn
+
+        return wrap
+
+    return register
