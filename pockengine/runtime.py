@@ -293,7 +293,7 @@ def compile(
     example_batch: Sequence[Any] | None = None,
     optimizer: Optimizer | None = None,
     scheme: Scheme | None = None,
-    backend: str = "numpy",
+    backend: str | Backend = "numpy",
     *,
     loss: str | None = None,
     output: str | int | None = None,
@@ -311,6 +311,8 @@ def compile(
     the loss's targets (optional when the inputs have static shapes), and ``params``
     optionally lists the initializers (names or globs) that are parameters; see
     ``pockengine.frontend.onnx``.
+    ``backend`` names one of ``pockengine.backends.BACKENDS`` or is a configured ``Backend``
+    instance (``TorchBackend(channels_last=False)``).
     """
     engine = get_backend(backend)
     kind = frontend_of(model)

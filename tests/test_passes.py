@@ -20,6 +20,7 @@ from pockengine.passes import (
     fold_channel_affine,
     fold_constants,
     fuse_linear_bias,
+    rematerialize,
     reorder_updates,
     run_pipeline,
 )
@@ -32,6 +33,7 @@ PASSES: tuple[Pass, ...] = (
     eliminate_common_subexpressions,
     eliminate_dead_code,
     fuse_linear_bias,
+    rematerialize,
     reorder_updates,
 )
 

@@ -10,8 +10,11 @@ __all__ = ["BACKENDS", "Backend", "Executable", "Store", "check_ops", "get_backe
 BACKENDS = ("numpy", "torch", "torch-cuda", "onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda")
 
 
-def get_backend(name: str) -> Backend:
-    """The backend called ``name``; its heavy imports happen only here."""
+def get_backend(name: str | Backend) -> Backend:
+    """The backend called ``name`` (or ``name`` itself when it already is a ``Backend``, such
+    as ``TorchBackend(keep_heap=False)``); its heavy imports happen only here."""
+    if isinstance(name, Backend):
+        return name
     if name == "numpy":
         from pockengine.backends.numpy_backend import NumpyBackend
 

@@ -87,11 +87,11 @@ class TorchKernelError(PockEngineError):
 class TorchExecutable(Executable):
     """One graph as a generated function; ``run`` calls it once."""
 
-    def __init__(self, graph: Graph, device: torch.device) -> None:
+    def __init__(self, graph: Graph, device: torch.device, inplace: bool = True) -> None:
         check_ops(graph, KERNELS, "torch")
         self.graph = graph
         self.device = device
-        generated = generate_source(graph, KERNELS, _FINDERS, device)
+        generated = generate_source(graph, KERNELS, _FINDERS, device, inplace)
         self.source = generated.source
         self._first_line = generated.first_line
         self._filename = f"<pockengine-torch {graph.name} #{next(_serial)}>"
@@ -170,16 +170,21 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(
-        self, device: str = "cpu", channels_last: bool = True, keep_heap: bool = True
+        self,
+        device: str = "cpu",
+        channels_last: bool = True,
+        keep_heap: bool = True,
+        inplace: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.channels_last = channels_last
         self.keep_heap = keep_heap
+        self.inplace = inplace  # elementwise results over dying inputs (plan.inplace)
 
     def compile(self, graph: Graph) -> TorchExecutable:
         if self.keep_heap and self.device.type == "cpu":
             keep_freed_heap()
-        return TorchExecutable(graph, self.device)
+        return TorchExecutable(graph, self.device, self.inplace)
 
     def from_numpy(self, array: Array) -> torch.Tensor:
         """A copy on the device, same dtype (the array is never aliased), in the stored

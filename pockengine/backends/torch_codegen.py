@@ -17,7 +17,11 @@ module decides everything around them:
   batch norm's 1/std, a weight gradient computed with the input gradient) through a
   hidden local, when the table says how to pair them (``PairFinder``);
 - constants: kernels may bind compile-time tensors as globals (``k<n>``), and a 0-d
-  ``full`` input can be written as a Python literal where an ATen overload takes a Scalar.
+  ``full`` input can be written as a Python literal where an ATen overload takes a Scalar;
+- in-place reuse: where ``plan.inplace.reusable_inputs`` allows it (and the memory plan
+  counts it), an elementwise kernel writes its result over a dying input (``Emit.into``,
+  passed as ``out=``): the chains of a layer (batch norm, relu6, residual add; the
+  backward's gradient sums) run in one buffer instead of allocating one per op.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 from pockengine.ir import DType, Graph, Node, Role, Value, get_op, print_node
+from pockengine.plan.inplace import CONSTANT_OPS, INPLACE_OPS, VIEW_OPS, reusable_inputs
 
 __all__ = [
     "CONSTANT_OPS",
@@ -41,24 +46,22 @@ __all__ = [
     "generate_source",
 ]
 
-# Ops whose result, as this backend's kernels compute it, may share memory with their first
-# input (stop_gradient, cast to the same dtype and sum_to over no axis return it, or a view
-# of it).
-VIEW_OPS = frozenset(
-    {"reshape", "transpose", "broadcast_to", "slice", "cast", "sum_to", "stop_gradient"}
-)
-# Ops whose kernels bind compile-time constants (globals that must never be handed out).
-CONSTANT_OPS = frozenset({"full", "arange"})
+# VIEW_OPS: ops whose result, as this backend's kernels compute it, may share memory with
+# their first input (stop_gradient, cast to the same dtype and sum_to over no axis return
+# it, or a view of it). CONSTANT_OPS: ops whose kernels bind compile-time constants
+# (globals that must never be handed out or written).
 _STORED = (Role.PARAM, Role.BUFFER, Role.STATE, Role.CONST)
 _LITERAL_DTYPES = (DType.F32, DType.F64, DType.I64)
 
 
 @dataclass(frozen=True, slots=True)
 class GraphIndex:
-    """Lookups a pair finder needs: the node making each value, the nodes reading it."""
+    """Lookups a pair finder needs: the node making each value, the nodes reading it, and
+    where each value is made (the index of its node; -1 for a graph input)."""
 
     producers: Mapping[str, Node]
     users: Mapping[str, list[Node]]
+    made_at: Mapping[str, int]
 
 
 # For a node of its op, the earlier node ("maker") whose kernel also computes a hidden value
@@ -76,6 +79,7 @@ class Emit:
     used: tuple[bool, ...]  # whether each result is read later or returned
     saved: str | None  # the hidden local shared with a paired node, if any
     partner: Node | None  # that node: the first reader of a maker's, the maker of a reader's
+    reuse: int | None  # the input whose buffer the result may overwrite (plan.inplace)
     _gen: _Generator
     temps: list[str] = field(default_factory=list)  # locals deleted at the end of the line
 
@@ -83,6 +87,11 @@ class Emit:
     def out(self) -> str:
         (name,) = self.outs
         return name
+
+    @property
+    def into(self) -> str | None:
+        """The local whose buffer the result may overwrite (an ``out=`` argument), or None."""
+        return None if self.reuse is None else self.ins[self.reuse]
 
     @property
     def device(self) -> torch.device:
@@ -168,11 +177,17 @@ class _Generator:
     """The state of one generation: names, liveness, aliases and the constants bound."""
 
     def __init__(
-        self, graph: Graph, device: torch.device, finders: Mapping[str, PairFinder]
+        self,
+        graph: Graph,
+        device: torch.device,
+        kernels: Mapping[str, Emitter],
+        finders: Mapping[str, PairFinder],
+        inplace: bool,
     ) -> None:
         self.graph = graph
         self.device = device
-        self.index = GraphIndex(graph.producers(), graph.users())
+        made_at = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
+        self.index = GraphIndex(graph.producers(), graph.users(), made_at)
         self.locals = {v.name: f"v{k}" for k, v in enumerate(graph.inputs)}
         self.constants: dict[str, torch.Tensor] = {}
         self.shared: dict[tuple[Any, ...], str] = {}
@@ -181,6 +196,7 @@ class _Generator:
         self.outputs = {v.name for v in graph.outputs}
         self.last = _last_reads(graph)
         self.pairs = _pairs(graph, self.index, finders)
+        self.reuse = reusable_inputs(graph, INPLACE_OPS & frozenset(kernels)) if inplace else {}
         # value -> the stored tensors (or "<constant>") it may share memory with
         self.aliases = {v.name: frozenset({v.name}) for v in graph.inputs if v.role in _STORED}
         self._counter = 0
@@ -208,6 +224,7 @@ class _Generator:
             tuple(self.last[v.name] > i or v.name in self.outputs for v in node.outputs),
             self.pairs.hidden.get(i),
             self.pairs.partner.get(i),
+            self.reuse.get(i),
             self,
         )
         stmts += kernel(e)
@@ -294,9 +311,11 @@ def generate_source(
     kernels: Mapping[str, Emitter],
     finders: Mapping[str, PairFinder],
     device: torch.device,
+    inplace: bool = True,
 ) -> GeneratedSource:
-    """The step function's source; its globals are the kernels' and the constants."""
-    gen = _Generator(graph, device, finders)
+    """The step function's source; its globals are the kernels' and the constants.
+    ``inplace``: write elementwise results over dying inputs where ``plan.inplace`` allows."""
+    gen = _Generator(graph, device, kernels, finders, inplace)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
     lines = [f"def {function}({', '.join(gen.locals[n] for n in gen.inputs)}):"]
     lines += [gen.line(i, node, kernels[node.op]) for i, node in enumerate(graph.nodes)]

@@ -60,14 +60,28 @@ def _mix_int(h: int) -> int:
 
 
 # -- emitter factories ---------------------------------------------------------------------
+def _into(e: Emit, keyword: str = "out") -> str:
+    """``, out=<local>`` when the result may overwrite a dying input (``Emit.into``)."""
+    return "" if e.into is None else f", {keyword}={e.into}"
+
+
 def _call(fn: str, **kwargs: object) -> Emitter:
-    """out = fn(*inputs, **kwargs)."""
+    """out = fn(*inputs, **kwargs), written over a dying input where allowed (``fn`` is a
+    torch function taking ``out=``)."""
     extra = "".join(f", {k}={literal(v)}" for k, v in kwargs.items())
 
     def emit(e: Emit) -> list[str]:
-        return [f"{e.out} = {fn}({', '.join(e.ins)}{extra})"]
+        return [f"{e.out} = {fn}({', '.join(e.ins)}{extra}{_into(e)})"]
 
     return emit
+
+
+def _grad_call(fn: str, e: Emit, args: str) -> str:
+    """``fn(args)``, or its ``.grad_input`` overload (bound as ``fn_into``) writing over a
+    dying input where allowed."""
+    if e.into is None:
+        return f"{e.out} = {fn}({args})"
+    return f"{e.out} = {fn}_into({args}{_into(e, 'grad_input')})"
 
 
 def _binary(fn: str, *, swap: bool = False, reverse: str | None = None) -> Emitter:
@@ -78,11 +92,14 @@ def _binary(fn: str, *, swap: bool = False, reverse: str | None = None) -> Emitt
     def emit(e: Emit) -> list[str]:
         x, y = e.ins
         sx, sy = e.scalar(0), e.scalar(1)
+        out = _into(e)
         if sy is not None and sx is None:
-            return [f"{e.out} = {fn}({x}, {sy})"]
-        if sx is not None and sy is None and (swap or reverse):
-            return [f"{e.out} = {fn if swap else reverse}({y}, {sx})"]
-        return [f"{e.out} = {fn}({x}, {y})"]
+            return [f"{e.out} = {fn}({x}, {sy}{out})"]
+        if sx is not None and sy is None and swap:
+            return [f"{e.out} = {fn}({y}, {sx}{out})"]
+        if sx is not None and sy is None and reverse:
+            return [f"{e.out} = {reverse}({y}, {sx})"]
+        return [f"{e.out} = {fn}({x}, {y}{out})"]
 
     return emit
 
@@ -134,17 +151,19 @@ def _clamp(low_key: str, high_key: str) -> Emitter:
         x = e.ins[0]
         if low is None and high is None:
             return [f"{e.out} = {x}.clone()"]
-        call = f"aten_clamp({x}, {literal(low)}, {literal(high)})"
+        bounds = f"{literal(low)}, {literal(high)}"
         dtype = e.node.inputs[0].dtype
         if not dtype.is_float and any(isinstance(b, float) for b in (low, high)):
-            call += f".to({e.dtype(dtype)})"  # float bounds promote; NumPy casts back
-        return [f"{e.out} = {call}"]
+            # float bounds promote; NumPy casts back
+            return [f"{e.out} = aten_clamp({x}, {bounds}).to({e.dtype(dtype)})"]
+        return [f"{e.out} = aten_clamp({x}, {bounds}{_into(e)})"]
 
     return emit
 
 
 def _gelu(e: Emit) -> list[str]:
-    return [f"{e.out} = aten_gelu({e.ins[0]}, approximate={literal(e.attr('approximate'))})"]
+    approximate = literal(e.attr("approximate"))
+    return [f"{e.out} = aten_gelu({e.ins[0]}, approximate={approximate}{_into(e)})"]
 
 
 def _expanded(e: Emit) -> list[str]:
@@ -160,13 +179,19 @@ def _expanded(e: Emit) -> list[str]:
 def _hardtanh_grad(e: Emit) -> list[str]:
     gz, y = _expanded(e)
     low, high = literal(e.attr("min_val")), literal(e.attr("max_val"))
-    return [f"{e.out} = aten_hardtanh_backward({gz}, {y}, {low}, {high})"]
+    return [_grad_call("aten_hardtanh_backward", e, f"{gz}, {y}, {low}, {high}")]
+
+
+def _relu_grad(e: Emit) -> list[str]:
+    gz, y = e.ins
+    return [_grad_call("aten_threshold_backward", e, f"{gz}, {y}, 0")]
 
 
 def _gelu_grad(e: Emit) -> list[str]:
     # ATen's (oneDNN) gelu_backward does not broadcast: operands are expanded to the result.
     gz, x = _expanded(e)
-    return [f"{e.out} = aten_gelu_backward({gz}, {x}, approximate={e.attr('approximate')!r})"]
+    approximate = repr(e.attr("approximate"))
+    return [_grad_call("aten_gelu_backward", e, f"{gz}, {x}, approximate={approximate}")]
 
 
 def _where(e: Emit) -> list[str]:
@@ -276,7 +301,7 @@ KERNELS: dict[str, Emitter] = {
     "hardtanh": _clamp("min_val", "max_val"),
     "gelu": _gelu,
     "gelu_grad": _gelu_grad,
-    "relu_grad": _call("aten_threshold_backward", threshold=0),
+    "relu_grad": _relu_grad,
     "hardtanh_grad": _hardtanh_grad,
     "add": _binary("aten_add", swap=True),
     "mul": _binary("aten_mul", swap=True),
@@ -315,8 +340,11 @@ NAMESPACE: dict[str, _Fn] = {
     "aten_clamp": torch.clamp,
     "aten_gelu": torch._C._nn.gelu,
     "aten_gelu_backward": _aten.gelu_backward.default,
+    "aten_gelu_backward_into": _aten.gelu_backward.grad_input,
     "aten_threshold_backward": _aten.threshold_backward.default,
+    "aten_threshold_backward_into": _aten.threshold_backward.grad_input,
     "aten_hardtanh_backward": _aten.hardtanh_backward.default,
+    "aten_hardtanh_backward_into": _aten.hardtanh_backward.grad_input,
     "aten_add": torch.add,
     "aten_mul": torch.mul,
     "aten_sub": torch.sub,

@@ -107,12 +107,14 @@ _CONV_GEOMETRY = ("stride", "padding", "dilation", "groups")
 
 
 def _conv_partner(node: Node, index: GraphIndex) -> Node | None:
-    """The conv2d_input_grad of the same gy and convolution, for a conv2d_weight_grad."""
+    """The conv2d_input_grad of the same gy and convolution, for a conv2d_weight_grad, if
+    the input x is made before it (the pair is computed at the input gradient's line)."""
     x, gy = node.inputs
     for user in index.users.get(gy.name, []):
         if (
             user.op == "conv2d_input_grad"
             and user.inputs[0] == gy
+            and index.made_at.get(x.name, -1) < index.made_at[user.outputs[0].name]
             and user.inputs[1].shape == node.output.shape
             and user.attrs["x_shape"] == x.shape
             and all(user.attrs[k] == node.attrs[k] for k in _CONV_GEOMETRY)

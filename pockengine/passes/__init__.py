@@ -13,6 +13,7 @@ from pockengine.passes.pipeline import (
     PassResult,
     run_pipeline,
 )
+from pockengine.passes.remat import rematerialize
 from pockengine.passes.reorder import reorder_updates
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "fold_channel_affine",
     "fold_constants",
     "fuse_linear_bias",
+    "rematerialize",
     "reorder_updates",
     "run_pipeline",
 ]

@@ -15,6 +15,7 @@ from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
 from pockengine.passes.fuse import fold_channel_affine, fuse_linear_bias
+from pockengine.passes.remat import rematerialize
 from pockengine.passes.reorder import reorder_updates
 
 __all__ = ["DEFAULT_PIPELINE", "FORWARD_PIPELINE", "Pass", "PassResult", "run_pipeline"]
@@ -23,6 +24,7 @@ Pass = Callable[[Graph], Graph]
 
 # Folding first turns constant chains into ``full`` nodes that CSE can then merge;
 # dead-code elimination drops what both left unread; fusion works on what is left;
+# rematerialisation then trades saved activations for recomputation in the backward pass;
 # reordering comes last, on the final set of nodes, since it is about order alone.
 # On the forward graph, before autodiff: rewrites whose backward autodiff then derives.
 FORWARD_PIPELINE: tuple[Pass, ...] = (fold_channel_affine,)
@@ -33,6 +35,7 @@ DEFAULT_PIPELINE: tuple[Pass, ...] = (
     eliminate_common_subexpressions,
     eliminate_dead_code,
     fuse_linear_bias,
+    rematerialize,
     reorder_updates,
 )
 

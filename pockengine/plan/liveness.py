@@ -5,12 +5,14 @@ training run and are not tracked here. Every other value, a node result or a bat
 input, lives from the node that defines it (index -1 for a graph input) through the
 last node that reads it; a graph output lives to the end, index ``len(nodes)``; a
 result that nothing reads lives only at its own node. Intervals are inclusive: a
-node's results and its inputs are live together, so no result reuses an input's
-memory (conservative: no in-place reuse).
+node's results and its inputs are live together, except where ``reuse`` says a node
+writes its result over an input that dies there (``plan.inplace``): that input's
+lifetime then ends just before the node.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -72,8 +74,9 @@ class Liveness:
         return timeline.index(max(timeline)) - 1
 
 
-def liveness(graph: Graph) -> Liveness:
-    """The lifetime of every node result and batch input of ``graph``."""
+def liveness(graph: Graph, reuse: Mapping[int, int] | None = None) -> Liveness:
+    """The lifetime of every node result and batch input of ``graph``; ``reuse`` maps a node
+    index to the position of the input whose buffer its result takes."""
     end = len(graph.nodes)
     starts: dict[str, tuple[Value, int]] = {}
     for v in graph.inputs:
@@ -90,5 +93,9 @@ def liveness(graph: Graph) -> Liveness:
     for v in graph.outputs:
         if v.name in last:
             last[v.name] = end
+    for i, k in (reuse or {}).items():
+        name = graph.nodes[i].inputs[k].name
+        if last.get(name) == i and starts[name][1] < i:
+            last[name] = i - 1
     intervals = {name: Interval(v, start, last[name]) for name, (v, start) in starts.items()}
     return Liveness(end, intervals)

@@ -9,9 +9,10 @@ values already placed that are alive at the same time (the "greedy by size" plan
 of TFLite). The arena is at least the peak of live bytes, which is the lower bound
 for any placement; ``arena_bytes - peak_live_bytes`` is the fragmentation cost.
 
-Conservative by design: a value that a backend would make a view (reshape, transpose,
-broadcast_to, slice) still gets a buffer of its own, and a node never writes its
-result over one of its inputs.
+In-place reuse is planned as the torch backend runs it: an elementwise result that
+``plan.inplace.reusable_inputs`` lets overwrite a dying input takes that input's place
+(its lifetime ends just before the node). Otherwise conservative: a value that a backend
+would make a view (reshape, transpose, broadcast_to, slice) still gets a buffer of its own.
 
 Persistent values (params, buffers, consts, optimizer state) live outside the arena
 for the whole run; they are reported by role.
@@ -19,11 +20,13 @@ for the whole run; they are reported by role.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from pockengine.ir import Graph, Role
+from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import Interval, Liveness, liveness
 
 __all__ = ["ALIGNMENT", "MemoryPlan", "plan_memory"]
@@ -102,9 +105,11 @@ def _bytes(graph: Graph, role: Role, trained_only: bool = False) -> int:
     return sum(v.type.nbytes for v in values if v.trainable or not trained_only)
 
 
-def plan_memory(graph: Graph) -> MemoryPlan:
-    """Place every non-persistent value of ``graph`` in one arena."""
-    live = liveness(graph)
+def plan_memory(graph: Graph, reuse: Mapping[int, int] | None = None) -> MemoryPlan:
+    """Place every non-persistent value of ``graph`` in one arena; ``reuse`` (node index ->
+    input position, default ``reusable_inputs(graph)``) says which results overwrite an
+    input; ``{}`` plans no in-place reuse."""
+    live = liveness(graph, reusable_inputs(graph) if reuse is None else reuse)
     planned = [iv for iv in live.intervals.values() if iv.nbytes > 0]
     offsets = _place(planned)
     arena = max((offsets[iv.value.name] + _aligned(iv.nbytes) for iv in planned), default=0)

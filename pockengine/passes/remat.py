@@ -1,0 +1,192 @@
+"""Rematerialisation: recompute cheap activations in the backward pass instead of saving them.
+
+A forward value ``z`` that the backward reads is saved: it stays alive from the forward
+pass to its first backward reader, and all of them are alive together at the start of
+the backward pass, the step's memory peak. When ``z`` can be recomputed at its first
+backward reader from values that are alive there anyway, by a few elementwise kernels,
+this pass inserts that recomputation just before the reader and points every backward
+reader at the copy; ``z`` itself then dies after its last forward reader.
+
+Recomputable (``_RECOMPUTABLE``): elementwise forward ops (activations, arithmetic,
+clamps), views and batch norm's ``y`` (from its input, which its backward keeps anyway),
+whose inputs are available at the reader or recomputable in turn (up to ``MAX_DEPTH`` ops
+deep). A recomputation repeats the original node exactly, statistics included for batch
+norm, so every backend computes the same bits again (an eval-mode formula from the saved
+statistics would differ in the last bit and could flip a ReLU6 mask at 0 or 6).
+Available: a value whose last reader is at or after the insertion point, a compile-time
+constant, or a param, buffer or const that no effect writes before it.
+
+The typical case is a CNN's conv -> batch norm -> ReLU6: autodiff saves the conv output
+for the batch norm backward and the ReLU6 output for its own backward (and the next
+convolution's weight gradient). The ReLU6 output is now recomputed from the conv output,
+one batch-norm pass and one clamp, so a block keeps one activation per layer instead of
+two. In a gated MLP (LLaMA's ``silu(gate) * up``), ``sigmoid(gate)`` and ``silu(gate)`` are
+recomputed from ``gate``.
+
+Needs: a verified training graph whose backward nodes carry ``GRAD_PREFIX`` sources and
+whose effects (updates) come after the backward pass (run before ``reorder_updates``).
+Guarantees: the same values, bit for bit, for every output and effect (deterministic
+kernels); recomputed nodes carry ``GRAD_PREFIX`` + the original node's source, so cost and
+the report count them as backward work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pockengine.ir import GRAD_PREFIX, Graph, Node, Role, Value, get_op
+from pockengine.plan.inplace import CONSTANT_OPS, INPLACE_OPS
+
+__all__ = ["MAX_DEPTH", "rematerialize"]
+
+MAX_DEPTH = 3  # ops in one recomputed chain
+_VIEWS = frozenset({"reshape", "transpose", "broadcast_to", "slice"})
+_RECOMPUTABLE = (
+    (INPLACE_OPS - {"relu_grad", "hardtanh_grad", "gelu_grad"}) | {"relu", "batch_norm"} | _VIEWS
+)
+_STORED = (Role.PARAM, Role.BUFFER, Role.CONST)
+
+
+@dataclass
+class _State:
+    graph: Graph
+    producers: dict[str, Node]
+    position: dict[str, int]  # value -> index of the node making it
+    last: dict[str, int]  # value -> index of its last reader (len(nodes) for outputs)
+    written: dict[str, int]  # stored value -> index of the first effect writing it
+    names: set[str]
+    inserted: dict[int, list[Node]] = field(default_factory=dict)  # before node i
+    copies: dict[str, tuple[Value, int]] = field(default_factory=dict)  # value -> copy, where
+
+    def fresh(self, base: str) -> str:
+        k = 0
+        while f"{base}_re{k}" in self.names:
+            k += 1
+        name = f"{base}_re{k}"
+        self.names.add(name)
+        return name
+
+
+def _backward(node: Node) -> bool:
+    return node.source.startswith(GRAD_PREFIX)
+
+
+def _available(s: _State, v: Value, at: int) -> bool:
+    made = s.producers.get(v.name)
+    if made is None and v.role in _STORED:
+        return s.written.get(v.name, len(s.graph.nodes)) > at
+    if made is not None and made.op in CONSTANT_OPS:
+        return True
+    return s.last.get(v.name, -1) >= at
+
+
+def _plan(s: _State, v: Value, at: int, depth: int, out: list[Node]) -> Value | None:
+    """``v`` recomputed at node ``at`` (its nodes appended to ``out``), or None."""
+    if _available(s, v, at):
+        return v
+    copy = s.copies.get(v.name)
+    if copy is not None and copy[1] <= at:  # recomputed already, for an earlier reader
+        s.last[copy[0].name] = max(s.last[copy[0].name], at)
+        return copy[0]
+    made = s.producers.get(v.name)
+    if made is None or depth == 0:
+        return None
+    if made.op not in _RECOMPUTABLE or (len(made.outputs) != 1 and made.op != "batch_norm"):
+        return None
+    inputs = []
+    for u in made.inputs:
+        r = _plan(s, u, at, depth - 1, out)
+        if r is None:
+            return None
+        inputs.append(r)
+    if v is not made.outputs[0]:
+        return None
+    return _emit(s, made, tuple(inputs), at, out)
+
+
+def _emit(s: _State, made: Node, inputs: tuple[Value, ...], at: int, out: list[Node]) -> Value:
+    """A copy of ``made`` reading ``inputs``, made before node ``at``; its first result (the
+    one recomputed), which later recomputations at or after ``at`` may read too."""
+    results = tuple(Value(s.fresh(v.name), v.type) for v in made.outputs)
+    out.append(Node(made.op, inputs, results, made.attrs, GRAD_PREFIX + made.source))
+    s.copies[made.outputs[0].name] = (results[0], at)
+    s.last[results[0].name] = at
+    return results[0]
+
+
+def _insertion_point(s: _State, readers: dict[str, list[int]], j: int) -> int:
+    """Before backward node ``j``, or before an earlier backward node reading a backward
+    value that ``j`` reads (its sibling: the input gradient of the same ``gy`` as a weight
+    gradient), so that a backend computing siblings together has every operand."""
+    nodes = s.graph.nodes
+    at = j
+    for g in nodes[j].inputs:
+        made = s.producers.get(g.name)
+        if made is None or not _backward(made):
+            continue
+        at = min(at, *(i for i in readers.get(g.name, []) if _backward(nodes[i])))
+    return at
+
+
+def rematerialize(graph: Graph) -> Graph:
+    """Recompute the saved activations that are cheap to recompute; see the module doc."""
+    nodes = graph.nodes
+    end = len(nodes)
+    s = _State(graph, graph.producers(), {}, {}, {}, {v.name for v in graph.inputs})
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for v in node.outputs:
+            s.position[v.name] = i
+            s.names.add(v.name)
+            s.last[v.name] = i
+        for j, v in enumerate(node.inputs):
+            s.last[v.name] = i
+            readers.setdefault(v.name, []).append(i)
+            if j in get_op(node.op).mutates:
+                s.written.setdefault(v.name, i)
+    for v in graph.outputs:
+        s.last[v.name] = end
+    returned = {v.name for v in graph.outputs}
+    renamed: dict[int, dict[str, Value]] = {}  # node index -> reads to redirect
+    # Candidates in the order of their insertion points, so that a chain recomputed for an
+    # earlier reader (silu(gate) for the up-projection's gradient) is there to be reused by
+    # a later one (sigmoid(gate) for silu's own gradient).
+    candidates = []
+    for i, node in enumerate(nodes):
+        if _backward(node) or get_op(node.op).effectful:
+            continue
+        for z in node.outputs:
+            reads = readers.get(z.name, [])
+            later = [j for j in reads if _backward(nodes[j])]
+            if not later or z.name in returned or z.type.nbytes == 0:
+                continue
+            at = _insertion_point(s, readers, later[0])
+            before = [j for j in reads if j not in later]
+            if all(j < at for j in before):
+                candidates.append((at, i, z, later, before))
+    for at, i, z, later, before in sorted(candidates, key=lambda c: (c[0], c[1])):
+        s.last[z.name] = -1  # as if z died in the forward pass: not available at ``at``
+        chain: list[Node] = []
+        copy = _plan(s, z, at, MAX_DEPTH, chain)
+        if copy is None or copy is z:
+            s.last[z.name] = max(later)
+            continue
+        s.last[z.name] = max(before, default=i)
+        s.inserted.setdefault(at, []).extend(chain)
+        for j in later:
+            renamed.setdefault(j, {})[z.name] = copy
+        for n in chain:  # the chain's inputs are read at ``at``
+            for u in n.inputs:
+                s.last[u.name] = max(s.last.get(u.name, -1), at)
+        s.last[copy.name] = max(s.last[copy.name], later[-1])
+        s.copies[z.name] = (copy, at)
+    if not s.inserted:
+        return graph
+    out: list[Node] = []
+    for i, node in enumerate(nodes):
+        out.extend(s.inserted.get(i, ()))
+        mapping = renamed.get(i)
+        if mapping:
+            node = node.replace(inputs=tuple(mapping.get(v.name, v) for v in node.inputs))
+        out.append(node)
+    return graph.replace(nodes=tuple(out))
