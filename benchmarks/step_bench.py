@@ -5,12 +5,13 @@
         --frameworks pockengine-torch torch-eager --steps 10
 
 Writes benchmarks/results/step_bench.json and a Markdown table (docs/benchmarks.md by
-default). Per case: median step time over ``--steps`` steps after ``--warmup`` steps,
-compile time (first call for torch.compile), training memory (peak RSS minus the RSS
-once the framework is imported and the weights and batch are loaded), the final loss,
-and achieved GFLOP/s from the analytic FLOPs of the step's matmuls and convolutions
-(the same count for every framework, from PockEngine's cost model of that scheme). A
-large matmul measured in the same run gives the attainable GFLOP/s.
+default). ``--repeat N`` runs every case in N separate processes and reports the median of
+each figure (all runs stay in the JSON). Per case: median step time over ``--steps`` steps
+after ``--warmup`` steps, compile time (first call for torch.compile), training memory
+(peak RSS minus the RSS once the framework is imported and the weights and batch are
+loaded), the final loss, and achieved GFLOP/s from the analytic FLOPs of the step's
+matmuls and convolutions (the same count for every framework, from PockEngine's cost model
+of that scheme). A large matmul measured in the same run gives the attainable GFLOP/s.
 """
 
 from __future__ import annotations
@@ -239,6 +240,23 @@ def _subprocess(args: list[str], threads: int) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+_MEDIANS = ("step_ms", "compile_s", "train_mem_mib", "peak_rss_mib", "base_rss_mib")
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case run in ``--repeat`` separate processes: the median of each measured figure
+    (step time and memory move by 10-25% between processes here), every run kept."""
+    failed = [r for r in runs if "error" in r]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    out = dict(runs[0])
+    for key in _MEDIANS:
+        out[key] = statistics.median(r[key] for r in runs)
+    out["gflops"] = out["gflop"] / (out["step_ms"] / 1e3)
+    out["runs"] = [{k: r[k] for k in ("step_ms", "train_mem_mib")} for r in runs]
+    return out
+
+
 def markdown(results: list[dict[str, Any]], attainable: float) -> str:
     lines = [
         f"Attainable fp32 matmul rate in this run: {attainable:.0f} GFLOP/s.",
@@ -273,6 +291,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="processes per case; figures are their medians")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
     parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
@@ -295,7 +315,8 @@ def main() -> int:
                     continue
                 case = ["--case", w, s, f, "--steps", str(args.steps), "--warmup",
                         str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
-                r = {"workload": w, "scheme": s, "framework": f, **_subprocess(case, args.threads)}
+                runs = [_subprocess(case, args.threads) for _ in range(args.repeat)]
+                r = {"workload": w, "scheme": s, "framework": f, **_combine(runs)}
                 print(json.dumps(r), file=sys.stderr)
                 results.append(r)
     rate = float(attainable.get("gflops", 0.0))
