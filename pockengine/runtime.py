@@ -32,7 +32,7 @@ from pockengine.ir import (
 )
 from pockengine.ir.rewrite import with_inputs
 from pockengine.optim import LR, SGD, Optimizer
-from pockengine.passes import FORWARD_PIPELINE, run_pipeline
+from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, Pass, run_pipeline
 from pockengine.passes.slices import sink_slices
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
@@ -122,7 +122,9 @@ class TrainStep:
         resolution: Resolution,
         info: ModelInfo,
         scheme: Scheme | None = None,
+        passes: Sequence[Pass] = DEFAULT_PIPELINE,
     ) -> None:
+        self.passes = tuple(passes)
         fused = run_pipeline(verify(forward), FORWARD_PIPELINE)
         self.forward = forward = fused.graph
         self.forward_stages = fused.stages
@@ -138,7 +140,7 @@ class TrainStep:
         graph, init, unreached = training_graph(forward, optimizer, resolution.rows)
         if unreached:
             log.warning("the loss does not depend on %s: they get no update", list(unreached))
-        result = run_pipeline(verify(graph))
+        result = run_pipeline(verify(graph), self.passes)
         self.graph: Graph = result.graph
         self.stages = result.stages
         values = {**imported.values, **init}
@@ -175,7 +177,7 @@ class TrainStep:
         """Gradients of the trained params on ``batch``; nothing is updated."""
         if self._grad_exec is None:
             graph, names = gradients_graph(self.forward, self.resolution.rows)
-            self._grad_exec = self.backend.compile(run_pipeline(verify(graph)).graph)
+            self._grad_exec = self.backend.compile(run_pipeline(verify(graph), self.passes).graph)
             self._grad_names = names
         outs = self._run(self._grad_exec, batch)
         return {
@@ -193,7 +195,7 @@ class TrainStep:
         full = apply_resolution(self.forward, Resolution(dict.fromkeys(
             (p.name for p in self.forward.params), None)))  # fmt: skip
         full_graph, _, _ = training_graph(full, self.optimizer)
-        full_graph = run_pipeline(full_graph).graph
+        full_graph = run_pipeline(full_graph, self.passes).graph
         scheme = self.scheme.to_dict() if self.scheme is not None else {"scheme": "requires_grad"}
         label = ", ".join(f"{k}={v}" for k, v in scheme.items())
         return Report(label, analyze(self.graph, depth), analyze(full_graph, depth))
@@ -298,6 +300,7 @@ def compile(
     loss: str | None = None,
     output: str | int | None = None,
     params: Sequence[str] | None = None,
+    passes: Sequence[Pass] | None = None,
 ) -> TrainStep:
     """Compile ``loss_fn(model, *batch)`` into one static training step.
 
@@ -313,15 +316,19 @@ def compile(
     ``pockengine.frontend.onnx``.
     ``backend`` names one of ``pockengine.backends.BACKENDS`` or is a configured ``Backend``
     instance (``TorchBackend(channels_last=False)``).
+    ``passes`` are the training-graph passes, in order (default
+    ``pockengine.passes.DEFAULT_PIPELINE``); leaving out ``passes.rematerialize`` keeps every
+    saved activation instead of recomputing the cheap ones (faster, more memory).
     """
     engine = get_backend(backend)
+    pipeline = DEFAULT_PIPELINE if passes is None else tuple(passes)
     kind = frontend_of(model)
     if kind == "onnx":
         if loss is None:
             raise CompileError('an ONNX model needs a named loss: loss="cross_entropy", "mse", '
                                '"causal_lm" or "none"')  # fmt: skip
         return _compile_onnx(model, loss, example_batch, optimizer, scheme, engine, output,
-                             params)  # fmt: skip
+                             params, pipeline)  # fmt: skip
     if kind == "keras":
         from pockengine.frontend.keras import import_keras, keras_model_info
 
@@ -334,7 +341,7 @@ def compile(
         return _compile_imported(
             keras_model_info(model),
             lambda ev: import_keras(model, loss, batch, output=output, eval_modules=ev),
-            optimizer, scheme, engine,
+            optimizer, scheme, engine, pipeline,
         )  # fmt: skip
     if loss_fn is None or example_batch is None:
         raise CompileError("compile(model, loss_fn, example_batch) needs loss_fn and example_batch")
@@ -345,14 +352,14 @@ def compile(
         return _compile_imported(
             jax_model_info(model),
             lambda ev: import_jax(model, fn, batch, eval_modules=ev),
-            optimizer, scheme, engine,
+            optimizer, scheme, engine, pipeline,
         )  # fmt: skip
     from pockengine.frontend.torch import import_torch, torch_model_info
 
     return _compile_imported(
         torch_model_info(model),
         lambda ev: import_torch(model, fn, batch, eval_modules=ev),
-        optimizer, scheme, engine,
+        optimizer, scheme, engine, pipeline,
     )  # fmt: skip
 
 
@@ -376,6 +383,7 @@ def _compile_imported(
     optimizer: Optimizer | None,
     scheme: Scheme | None,
     engine: Backend,
+    passes: Sequence[Pass] = DEFAULT_PIPELINE,
 ) -> TrainStep:
     """Resolve the scheme against ``info``, import (frozen BatchNorms in eval mode when the
     scheme asks), and build the step."""
@@ -383,7 +391,9 @@ def _compile_imported(
     eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
     imported = import_model(eval_modules)
     forward = apply_resolution(imported.graph, resolution)
-    step = TrainStep(imported, forward, optimizer or SGD(), engine, resolution, info, scheme)
+    step = TrainStep(
+        imported, forward, optimizer or SGD(), engine, resolution, info, scheme, passes
+    )
     del imported, forward
     release_free_memory()
     return step
@@ -410,6 +420,7 @@ def _compile_onnx(
     engine: Backend,
     output: str | int | None,
     params: Sequence[str] | None,
+    passes: Sequence[Pass],
 ) -> TrainStep:
     from pockengine.frontend.onnx import import_onnx, load_onnx, onnx_model_info
 
@@ -417,7 +428,7 @@ def _compile_onnx(
     return _compile_imported(
         onnx_model_info(loaded),
         lambda ev: import_onnx(loaded, loss, example_batch, output, ev),
-        optimizer, scheme, engine,
+        optimizer, scheme, engine, passes,
     )  # fmt: skip
 
 
