@@ -51,12 +51,12 @@ _STORED = (Role.PARAM, Role.BUFFER, Role.CONST)
 class _State:
     graph: Graph
     producers: dict[str, Node]
-    position: dict[str, int]  # value -> index of the node making it
     last: dict[str, int]  # value -> index of its last reader (len(nodes) for outputs)
     written: dict[str, int]  # stored value -> index of the first effect writing it
     names: set[str]
     inserted: dict[int, list[Node]] = field(default_factory=dict)  # before node i
-    copies: dict[str, tuple[Value, int]] = field(default_factory=dict)  # value -> copy, where
+    # value -> its recomputed copy and the node it is made before
+    copies: dict[str, tuple[Value, int]] = field(default_factory=dict)
 
     def fresh(self, base: str) -> str:
         k = 0
@@ -80,7 +80,10 @@ def _available(s: _State, v: Value, at: int) -> bool:
     return s.last.get(v.name, -1) >= at
 
 
-def _plan(s: _State, v: Value, at: int, depth: int, out: list[Node]) -> Value | None:
+_Chain = list[tuple[Node, str]]  # recomputing nodes, each with the value it recomputes
+
+
+def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None:
     """``v`` recomputed at node ``at`` (its nodes appended to ``out``), or None."""
     if _available(s, v, at):
         return v
@@ -91,7 +94,9 @@ def _plan(s: _State, v: Value, at: int, depth: int, out: list[Node]) -> Value | 
     made = s.producers.get(v.name)
     if made is None or depth == 0:
         return None
-    if made.op not in _RECOMPUTABLE or (len(made.outputs) != 1 and made.op != "batch_norm"):
+    if made.op not in _RECOMPUTABLE or v is not made.outputs[0]:
+        return None
+    if len(made.outputs) != 1 and made.op != "batch_norm":  # batch norm: y; stats unread
         return None
     inputs = []
     for u in made.inputs:
@@ -99,18 +104,9 @@ def _plan(s: _State, v: Value, at: int, depth: int, out: list[Node]) -> Value | 
         if r is None:
             return None
         inputs.append(r)
-    if v is not made.outputs[0]:
-        return None
-    return _emit(s, made, tuple(inputs), at, out)
-
-
-def _emit(s: _State, made: Node, inputs: tuple[Value, ...], at: int, out: list[Node]) -> Value:
-    """A copy of ``made`` reading ``inputs``, made before node ``at``; its first result (the
-    one recomputed), which later recomputations at or after ``at`` may read too."""
-    results = tuple(Value(s.fresh(v.name), v.type) for v in made.outputs)
-    out.append(Node(made.op, inputs, results, made.attrs, GRAD_PREFIX + made.source))
-    s.copies[made.outputs[0].name] = (results[0], at)
-    s.last[results[0].name] = at
+    results = tuple(Value(s.fresh(w.name), w.type) for w in made.outputs)
+    out.append((Node(made.op, tuple(inputs), results, made.attrs, GRAD_PREFIX + made.source),
+                v.name))  # fmt: skip
     return results[0]
 
 
@@ -132,11 +128,10 @@ def rematerialize(graph: Graph) -> Graph:
     """Recompute the saved activations that are cheap to recompute; see the module doc."""
     nodes = graph.nodes
     end = len(nodes)
-    s = _State(graph, graph.producers(), {}, {}, {}, {v.name for v in graph.inputs})
+    s = _State(graph, graph.producers(), {}, {}, {v.name for v in graph.inputs})
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
         for v in node.outputs:
-            s.position[v.name] = i
             s.names.add(v.name)
             s.last[v.name] = i
         for j, v in enumerate(node.inputs):
@@ -166,17 +161,19 @@ def rematerialize(graph: Graph) -> Graph:
                 candidates.append((at, i, z, later, before))
     for at, i, z, later, before in sorted(candidates, key=lambda c: (c[0], c[1])):
         s.last[z.name] = -1  # as if z died in the forward pass: not available at ``at``
-        chain: list[Node] = []
+        chain: _Chain = []
         copy = _plan(s, z, at, MAX_DEPTH, chain)
-        if copy is None or copy is z:
+        if copy is None or copy is z:  # (a failed chain leaves nothing behind)
             s.last[z.name] = max(later)
             continue
         s.last[z.name] = max(before, default=i)
-        s.inserted.setdefault(at, []).extend(chain)
+        s.inserted.setdefault(at, []).extend(n for n, _ in chain)
         for j in later:
             renamed.setdefault(j, {})[z.name] = copy
-        for n in chain:  # the chain's inputs are read at ``at``
-            for u in n.inputs:
+        for n, original in chain:  # later recomputations at or after ``at`` may reuse these
+            s.copies[original] = (n.outputs[0], at)
+            s.last[n.outputs[0].name] = at
+            for u in n.inputs:  # read at ``at``
                 s.last[u.name] = max(s.last.get(u.name, -1), at)
         s.last[copy.name] = max(s.last[copy.name], later[-1])
         s.copies[z.name] = (copy, at)
