@@ -189,6 +189,21 @@ def test_training_matches_numpy(
     _close(ours.optimizer_state(), ref.optimizer_state(), "optimizer state")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["full", "sparse"])
+@pytest.mark.parametrize("workload", ["mbv2", "bert", "llama"])
+def test_benchmark_workloads_match_numpy(workload: str, scheme: str) -> None:
+    """The benchmark's own workloads (float32, full size, their optimizers): the losses of
+    five steps agree with the NumPy oracle to 1e-4."""
+    losses = []
+    for backend in ("numpy", "torch"):
+        w, optimizer = zoo.benchmark(workload)
+        step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer,
+                          zoo.benchmark_schemes(workload)[scheme], backend=backend)  # fmt: skip
+        losses.append([step(*w.make_batch(i)) for i in range(_STEPS)])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+
+
 # -- state lives in the store, updated in place ----------------------------------------------
 def test_params_are_updated_in_place_and_stay_usable() -> None:
     w = zoo.small_cnn()
