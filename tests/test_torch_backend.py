@@ -193,11 +193,15 @@ def test_training_matches_numpy(
 @pytest.mark.parametrize("scheme", ["full", "sparse"])
 @pytest.mark.parametrize("workload", ["mbv2", "bert", "llama"])
 def test_benchmark_workloads_match_numpy(workload: str, scheme: str) -> None:
-    """The benchmark's own workloads (float32, full size, their optimizers): the losses of
-    five steps agree with the NumPy oracle to 1e-4."""
+    """The benchmark's own workloads (full size, their optimizers): the losses of five steps
+    agree with the NumPy oracle to 1e-4. MobileNetV2 runs in float64: randomly initialised, its
+    float32 gradients already differ by 14% between the two backends (and between two runs of
+    the same one) in the last blocks, whose batch norms normalise 4x4x8 values (``_mobilenet``)."""
     losses = []
     for backend in ("numpy", "torch"):
         w, optimizer = zoo.benchmark(workload)
+        if workload == "mbv2":
+            w = zoo.as_double(w)
         step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer,
                           zoo.benchmark_schemes(workload)[scheme], backend=backend)  # fmt: skip
         losses.append([step(*w.make_batch(i)) for i in range(_STEPS)])
