@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from pockengine.ir import DType, Graph, Node, Role, Value, get_op, print_node
-from pockengine.plan.inplace import CONSTANT_OPS, INPLACE_OPS, VIEW_OPS, reusable_inputs
+from pockengine.plan.inplace import CONSTANT_OPS, VIEW_OPS, reusable_inputs
 
 __all__ = [
     "CONSTANT_OPS",
@@ -180,7 +180,6 @@ class _Generator:
         self,
         graph: Graph,
         device: torch.device,
-        kernels: Mapping[str, Emitter],
         finders: Mapping[str, PairFinder],
         inplace: bool,
     ) -> None:
@@ -196,7 +195,7 @@ class _Generator:
         self.outputs = {v.name for v in graph.outputs}
         self.last = _last_reads(graph)
         self.pairs = _pairs(graph, self.index, finders)
-        self.reuse = reusable_inputs(graph, INPLACE_OPS & frozenset(kernels)) if inplace else {}
+        self.reuse = reusable_inputs(graph) if inplace else {}
         # value -> the stored tensors (or "<constant>") it may share memory with
         self.aliases = {v.name: frozenset({v.name}) for v in graph.inputs if v.role in _STORED}
         self._counter = 0
@@ -315,7 +314,7 @@ def generate_source(
 ) -> GeneratedSource:
     """The step function's source; its globals are the kernels' and the constants.
     ``inplace``: write elementwise results over dying inputs where ``plan.inplace`` allows."""
-    gen = _Generator(graph, device, kernels, finders, inplace)
+    gen = _Generator(graph, device, finders, inplace)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
     lines = [f"def {function}({', '.join(gen.locals[n] for n in gen.inputs)}):"]
     lines += [gen.line(i, node, kernels[node.op]) for i, node in enumerate(graph.nodes)]

@@ -23,6 +23,7 @@ so a chain ``bn -> relu6 -> +residual`` runs in one buffer.
 from __future__ import annotations
 
 from pockengine.ir import Graph, Node
+from pockengine.plan.liveness import liveness
 
 __all__ = ["CONSTANT_OPS", "INPLACE_OPS", "VIEW_OPS", "reusable_inputs"]
 
@@ -46,13 +47,7 @@ _FOREIGN = ""  # the root of memory the step does not own
 
 def reusable_inputs(graph: Graph, ops: frozenset[str] = INPLACE_OPS) -> dict[int, int]:
     """Node index -> the position of the input whose buffer its result may take."""
-    end = len(graph.nodes)
-    last: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for v in (*node.inputs, *node.outputs):
-            last[v.name] = i
-    for v in graph.outputs:
-        last[v.name] = end
+    last = {name: iv.end for name, iv in liveness(graph).intervals.items()}
     root = {v.name: _FOREIGN for v in graph.inputs}  # value -> the buffer it may live in
     writable: dict[str, bool] = {}
     group_end: dict[str, int] = {}  # buffer -> the last read of any value in it
