@@ -20,6 +20,7 @@ import pytest
 from pockengine.finetune.cli import EPILOG
 from pockengine.finetune.recipes import RECIPES
 
+BUILTIN = sorted(set(RECIPES) - {"generic"})  # generic: the user's own --model and --data
 ROOT = Path(__file__).resolve().parent.parent
 _COMMAND = re.compile(r"(?:pip|apt-get) install\b")
 
@@ -67,7 +68,8 @@ def test_readme_opens_with_the_main_job_and_the_test_command() -> None:
 
 def test_every_builtin_recipe_documents_its_install_line() -> None:
     lines = recipe_install_lines()
-    assert set(RECIPES) <= set(lines), f"recipes without an install line: {set(RECIPES) - set(lines)}"
+    missing = set(BUILTIN) - set(lines)
+    assert not missing, f"recipes without an install line: {missing}"
     for name, commands in lines.items():
         assert commands, name
         for command in commands:
@@ -91,7 +93,7 @@ def test_the_install_line_parser_splits_commands() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", BUILTIN)
 def test_recipe_install_line_runs_two_steps_in_a_fresh_venv(recipe: str, tmp_path: Path) -> None:
     commands = recipe_install_lines()[recipe]
     if any(c.startswith("apt-get") for c in commands) and (
