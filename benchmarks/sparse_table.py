@@ -63,7 +63,7 @@ HEADER = """# Sparse backpropagation: compile-time cost
 Produced by `python benchmarks/sparse_table.py` (nothing is executed: the figures are
 read off the compiled training graphs by `TrainStep.report()`). Each cell: the value,
 and in parentheses its ratio to full backprop of the same workload. Schemes: *full*
-trains every parameter; *bias* every bias and normalisation parameter; *sparse* is
+trains every parameter; *bias-only* every bias and normalisation parameter; *sparse* is
 the PockEngine recipe (biases and norms everywhere, all weights of the last blocks —
 4 for MobileNetV2, 2 for the transformers — and the head); *head* the last linear
 layer only. Optimizers: SGD with momentum for MobileNetV2, AdamW for the
@@ -86,6 +86,32 @@ Reading the table:
 - The planned peak is the static memory plan (arena of temporaries + params +
   buffers + optimizer state); for the LLaMA decoder the 32000-token embedding and
   head dominate it.
+## Scheme names
+
+One vocabulary (`pockengine/sparse/names.py`) serves `pockengine inspect`, `finetune`,
+`search`, `export` and the API (`pockengine.sparse.names.scheme_named(name)`); each name
+trains the same parameters everywhere:
+
+| name | trains | as a factory of `pe.schemes` |
+|---|---|---|
+| `full` | every parameter | `full()` |
+| `bias` | every bias and normalisation parameter, and the head (1) | `sparse(blocks=0)` |
+| `bias-only` | every bias and normalisation parameter (the tables above) | `bias_only()` |
+| `sparse` | biases and norms, the last blocks' weights, the head (2) | `sparse()` (2) |
+| `head` | the last linear layer | `head()` |
+| `last:K` | every parameter of the last K repeated blocks, and the head | `last_blocks(K)` |
+| `*.json`, `*.yaml`, `*.yml` | what the scheme file says | `schemes.load(path)` |
+
+(1) BitFit, with the head that a new task must train. (2) The model's sparse recipe: the
+last 2 blocks unless the workload or recipe declares its own: `zoo.RECIPE_BLOCKS` (mbv2 4,
+bert 2, llama 2), `Recipe.sparse` (smollm2-pydocs: the norms and every block's output
+projections).
+
+Under a name, BatchNorm layers that train nothing run on their running statistics
+(`frozen_bn="eval"`, what `finetune` and `search` always do, and the default of `inspect
+--frozen-bn` and `export --frozen-bn`): a short fine-tune barely moves them. The tables
+above were measured with `frozen_bn="train"` (`zoo.benchmark_schemes`), as `--frozen-bn
+train` reproduces.
 """
 
 

@@ -34,7 +34,7 @@ FRAMEWORKS = ("pockengine-torch", "pockengine-onnxruntime", "torch-eager", "torc
     ("ort-training",) if ort_training_peer.venv_possible() else ()
 )  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
 WORKLOADS = ("mbv2", "bert", "llama")
-SCHEMES = ("full", "bias", "sparse", "head")
+SCHEMES = ("full", "bias-only", "sparse", "head")  # names: pockengine.sparse.names
 
 
 def _rss_kib(field: str) -> int:

@@ -11,15 +11,17 @@ from pockengine import ops as _ops  # noqa: F401  (registers every op)
 from pockengine import optim
 from pockengine.finetune import FinetuneError, finetune
 from pockengine.ir import CompileError, PockEngineError, SchemeError, UnsupportedOpError
-from pockengine.runtime import BatchError, TrainStep, compile
+from pockengine.runtime import BatchError, NonFiniteError, StateError, TrainStep, compile
 from pockengine.sparse import schemes
 
 __all__ = [
     "BatchError",
     "CompileError",
     "FinetuneError",
+    "NonFiniteError",
     "PockEngineError",
     "SchemeError",
+    "StateError",
     "TrainStep",
     "UnsupportedOpError",
     "compile",

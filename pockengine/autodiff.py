@@ -9,7 +9,7 @@ value read by several nodes are summed.
 
 Frozen parameters are simply not requested: no node of theirs gets a
 cotangent, and nothing of their backward exists in the graph. Ops of the
-``no_gradient`` group (``stop_gradient``) cut the dependence: their results depend
+``Fact.NO_GRADIENT`` (``stop_gradient``) cut the dependence: their results depend
 on nothing, so no backward node is emitted for what reads only them.
 """
 
@@ -19,14 +19,15 @@ from collections.abc import Sequence
 
 from pockengine.ir import (
     CompileError,
+    Fact,
     GraphBuilder,
     Node,
+    Phase,
     Value,
     VJPContext,
     get_op,
     grad_source,
 )
-from pockengine.ops.shape import NO_GRADIENT
 
 __all__ = ["append_backward", "depends_on"]
 
@@ -34,12 +35,12 @@ __all__ = ["append_backward", "depends_on"]
 def depends_on(nodes: Sequence[Node], sources: Sequence[Value]) -> set[str]:
     """Names of the float values that depend on any of ``sources`` (sources included).
 
-    A result of a ``no_gradient`` op depends on nothing: no cotangent crosses it.
+    A result of a ``Fact.NO_GRADIENT`` op depends on nothing: no cotangent crosses it.
     """
     active = {v.name for v in sources}
     for node in nodes:
         opdef = get_op(node.op)
-        if opdef.effectful or NO_GRADIENT in opdef.groups:
+        if opdef.effectful or opdef.has(Fact.NO_GRADIENT):
             continue
         if any(v.name in active for v in node.inputs):
             active.update(v.name for v in node.outputs if v.dtype.is_float)
@@ -63,8 +64,16 @@ def append_backward(
     """Emit into ``b`` the backward of ``nodes`` from the scalar ``loss`` to ``wrt``.
 
     Returns the gradient value of each requested input that the loss depends on;
-    a requested value the loss does not depend on has no entry.
+    a requested value the loss does not depend on has no entry. Every node emitted has
+    ``Phase.BACKWARD``.
     """
+    with b.in_phase(Phase.BACKWARD):
+        return _backward(b, nodes, loss, wrt)
+
+
+def _backward(
+    b: GraphBuilder, nodes: Sequence[Node], loss: Value, wrt: Sequence[Value]
+) -> dict[str, Value]:
     if loss.shape != () or not loss.dtype.is_float:
         raise CompileError(f"the loss must be a float scalar, got {loss.type}")
     active = depends_on(nodes, wrt)

@@ -8,31 +8,37 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from pockengine.ir import PockEngineError
+from pockengine.sparse.names import SCHEME_HELP
 
 __all__ = ["main"]
 
 log = logging.getLogger("pockengine")
 
 
-def _scheme(spec: str | None, workload: str) -> Any:
-    """A scheme from a file (.json/.yaml) or a name: full, bias, sparse, head, last:K."""
-    from pathlib import Path
+class _UsageError(Exception):
+    """A command line that does not parse (an unknown option, a value out of range)."""
 
-    from pockengine import schemes, zoo
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one ``error:`` line (``main`` prints it), not a
+    usage dump and a ``SystemExit`` from inside the parser."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+def _scheme(spec: str | None, workload: str, frozen_bn: str = "eval") -> Any:
+    """The scheme a name or file stands for (``pockengine.sparse.names``); ``sparse`` is
+    the benchmark workload's own recipe."""
+    from pockengine import zoo
+    from pockengine.sparse.names import scheme_named
 
     if spec is None:
         return None
-    if Path(spec).suffix in (".json", ".yaml", ".yml"):
-        return schemes.load(spec)
-    if spec.startswith("last:"):
-        return schemes.last_blocks(int(spec.split(":", 1)[1]))
-    named = zoo.benchmark_schemes(workload)
-    if spec not in named:
-        raise PockEngineError(f"unknown scheme {spec!r}: a file, last:K, or one of {list(named)}")
-    return named[spec]
+    return scheme_named(spec, sparse=zoo.workload_sparse(workload), frozen_bn=frozen_bn)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -67,7 +73,7 @@ def _inspect(args: argparse.Namespace) -> int:
     work, optimizer = zoo.benchmark(args.workload)
     step = pe.compile(
         work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
-        scheme=_scheme(args.scheme, args.workload),
+        scheme=_scheme(args.scheme, args.workload, args.frozen_bn),
     )  # fmt: skip
     report = step.report(depth=args.depth)
     if args.json:
@@ -118,16 +124,7 @@ def _export(args: argparse.Namespace) -> int:
     import pockengine as pe
 
     if args.model.endswith(".onnx"):
-        from pockengine import schemes
-
-        named = {
-            "full": schemes.full,
-            "bias": schemes.bias_only,
-            "head": schemes.head,
-            "sparse": lambda: schemes.sparse(blocks=1),
-        }
-        spec = args.scheme
-        scheme = named[spec]() if spec in named else _scheme(spec, "") if spec else None
+        scheme = _scheme(args.scheme, "", args.frozen_bn)
         optimizer = (
             pe.optim.AdamW(lr=args.lr or 1e-3)
             if args.optimizer == "adamw"
@@ -146,21 +143,48 @@ def _export(args: argparse.Namespace) -> int:
             work.loss_fn,
             work.make_batch(0),
             optimizer=optimizer,
-            scheme=_scheme(args.scheme, args.model),
+            scheme=_scheme(args.scheme, args.model, args.frozen_bn),
         )
-    side = step.export(args.out)
+    if args.target == "c":
+        folder = step.export(args.out or "train_step_c", target="c")
+        print(
+            f"wrote {folder}/ ({len(step.graph.nodes)} nodes, {len(step.trained)} trained "
+            f"params); build it with `make -C {folder}` and run {folder}/train X.npy Y.npy ..."
+        )
+        return 0
+    out = args.out or "train_step.onnx"
+    side = step.export(out)
     print(
-        f"wrote {args.out} and {side} ({len(step.graph.nodes)} nodes, "
+        f"wrote {out} and {side} ({len(step.graph.nodes)} nodes, "
         f"{len(step.trained)} trained params); run it with pockengine/ort_runner.py"
     )
     return 0
 
 
+def _add_frozen_bn(parser: Any) -> None:
+    parser.add_argument(
+        "--frozen-bn", choices=("eval", "train"), default="eval",
+        help="BatchNorm layers that train nothing under a named scheme: running statistics "
+        "(eval, as finetune runs them) or batch statistics (train, the benchmark tables)",
+    )  # fmt: skip
+
+
 def _add_export(sub: Any) -> None:
-    export = sub.add_parser("export", help="write a training step as ONNX + state for ort_runner")
+    export = sub.add_parser(
+        "export", help="write a training step as ONNX + state for ort_runner, or as a C trainer"
+    )
     export.add_argument("model", help="a workload (mlp, cnn, bert, ...) or a model.onnx")
-    export.add_argument("-o", "--out", default="train_step.onnx", help="the .onnx to write")
-    export.add_argument("--scheme", help="full, bias, sparse, head, last:K or a scheme file")
+    export.add_argument(
+        "-o", "--out", help="the .onnx (default train_step.onnx) or, for --target c, the folder "
+        "(default train_step_c) to write",
+    )  # fmt: skip
+    export.add_argument(
+        "--target", choices=("onnx", "c"), default="onnx",
+        help="onnx: an ONNX model + state for ort_runner; c: a C folder whose `make` builds a "
+        "stand-alone trainer",
+    )  # fmt: skip
+    export.add_argument("--scheme", help=SCHEME_HELP)
+    _add_frozen_bn(export)
     export.add_argument(
         "--loss",
         default="cross_entropy",
@@ -173,20 +197,25 @@ def _add_export(sub: Any) -> None:
         default="sgd",
         help="for an .onnx model (workloads use their benchmark optimizer)",
     )
-    export.add_argument("--lr", type=float, help="learning rate (for an .onnx model)")
+    from pockengine.finetune.cli import positive_float
+
+    export.add_argument("--lr", type=positive_float, help="learning rate (for an .onnx model)")
     export.set_defaults(run=_export)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pockengine", description=__doc__)
+    from pockengine.finetune.cli import positive_int
+
+    parser = _Parser(prog="pockengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compile a small CNN and watch its loss fall")
-    demo.add_argument("--steps", type=int, default=30)
-    demo.add_argument("--threads", type=int, default=2)
+    demo.add_argument("--steps", type=positive_int, default=30)
+    demo.add_argument("--threads", type=positive_int, default=2)
     demo.set_defaults(run=_demo)
     inspect = sub.add_parser("inspect", help="the compile-time report of a workload and scheme")
     inspect.add_argument("workload", help="mbv2, bert, llama, mlp, cnn, mbv2-small")
-    inspect.add_argument("--scheme", help="full, bias, sparse, head, last:K or a scheme file")
+    inspect.add_argument("--scheme", help=SCHEME_HELP)
+    _add_frozen_bn(inspect)
     inspect.add_argument("--depth", type=int, default=2, help="module path depth of the table")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.add_argument("--graph", action="store_true", help="also print the training graph")
@@ -208,12 +237,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_search_arguments(search)
     search.set_defaults(run=_search)
     _add_export(sub)
-    args = parser.parse_args(argv)
+    from pockengine.federated.cli import register as add_federated
+
+    add_federated(sub)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(f"error: {exc} (see --help)", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run a command; every failure is one ``error:`` line and exit 2, never a traceback
+    (``PE_DEBUG=1`` shows the traceback of an unexpected one)."""
+    import os
+
     try:
         return int(args.run(args))
-    except (PockEngineError, KeyError) as exc:
+    except (PockEngineError, KeyError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if os.environ.get("PE_DEBUG"):
+            raise
+        print(f"error: {type(exc).__name__}: {exc} (PE_DEBUG=1 shows where)", file=sys.stderr)
         return 2
 
 

@@ -9,6 +9,7 @@ recompiling.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
+from pockengine.ir import CompileError, DType, GraphBuilder, Phase, Role, TensorType, Value
 
 __all__ = ["SGD", "AdamW", "Optimizer"]
 
@@ -31,13 +32,19 @@ class Optimizer(ABC):
 
     lr: float
 
-    def build(self, b: GraphBuilder, pairs: Sequence[tuple[Value, Value]]) -> dict[str, Array]:
-        """Emit the updates of each (param, grad) pair; return the state's initial values."""
+    def build(
+        self, b: GraphBuilder, pairs: Sequence[tuple[Value, Value]], skip: Value | None = None
+    ) -> dict[str, Array]:
+        """Emit the updates of each (param, grad) pair (``Phase.UPDATE`` nodes); return the
+        state's initial values. ``skip`` (an f32 scalar, 1.0 on a non-finite loss) becomes
+        every update's last input: a skipped step leaves params and state as they were."""
         init: dict[str, Array] = {}
         scalar = TensorType((), DType.F32)
         lr = b.input(LR, scalar, Role.STATE)
         init[LR] = np.asarray(self.lr, dtype=np.float32)
-        self._emit(b, pairs, lr, init)
+        gate = () if skip is None else (skip,)
+        with b.in_phase(Phase.UPDATE):
+            self._emit(b, pairs, lr, init, gate)
         return init
 
     @abstractmethod
@@ -47,6 +54,7 @@ class Optimizer(ABC):
         pairs: Sequence[tuple[Value, Value]],
         lr: Value,
         init: dict[str, Array],
+        gate: tuple[Value, ...],
     ) -> None: ...
 
     @staticmethod
@@ -73,8 +81,9 @@ def _rows(param: Value, grad: Value) -> dict[str, int]:
 
 
 def _check(name: str, value: float, low: float, high: float = float("inf")) -> None:
-    if not low <= value <= high:
-        raise CompileError(f"{name}={value} is out of range [{low}, {high}]")
+    """A finite ``value`` in ``[low, high]``, else a ``CompileError`` naming it."""
+    if not (isinstance(value, int | float) and math.isfinite(value) and low <= value <= high):
+        raise CompileError(f"{name}={value!r} must be a finite number in [{low}, {high}]")
 
 
 @dataclass(frozen=True)
@@ -99,13 +108,16 @@ class SGD(Optimizer):
         pairs: Sequence[tuple[Value, Value]],
         lr: Value,
         init: dict[str, Array],
+        gate: tuple[Value, ...],
     ) -> None:
         for param, grad in pairs:
             source = f"optim {param.name}"
             rows = _rows(param, grad)
             if self.momentum == 0:
                 wd = self.weight_decay
-                b.effect("sgd_update", param, grad, lr, weight_decay=wd, source=source, **rows)
+                b.effect(
+                    "sgd_update", param, grad, lr, *gate, weight_decay=wd, source=source, **rows
+                )
                 continue
             buf = self._state_like(b, "momentum", param, grad, init)
             b.effect(
@@ -114,6 +126,7 @@ class SGD(Optimizer):
                 grad,
                 buf,
                 lr,
+                *gate,
                 momentum=self.momentum,
                 weight_decay=self.weight_decay,
                 nesterov=self.nesterov,
@@ -144,6 +157,7 @@ class AdamW(Optimizer):
         pairs: Sequence[tuple[Value, Value]],
         lr: Value,
         init: dict[str, Array],
+        gate: tuple[Value, ...],
     ) -> None:
         step, t = self._step_count(b, init)
         for param, grad in pairs:
@@ -157,6 +171,7 @@ class AdamW(Optimizer):
                 v,
                 t,
                 lr,
+                *gate,
                 beta1=self.betas[0],
                 beta2=self.betas[1],
                 eps=self.eps,
@@ -164,4 +179,4 @@ class AdamW(Optimizer):
                 source=f"optim {param.name}",
                 **_rows(param, grad),
             )
-        b.effect("assign", step, t, source="optim")
+        b.effect("assign", step, t, *gate, source="optim")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -85,6 +86,7 @@ class TrainingSession:
         self._bound: dict[str, Any] = {}
         self._spare: dict[str, Any] = {}
         self.steps = 0
+        self.skipped_steps = 0  # non-finite losses: the step wrote nothing
 
     def _ortvalue(self, array: Any) -> Any:
         array = np.array(array, order="C")  # owned by the OrtValue: copied in
@@ -120,7 +122,10 @@ class TrainingSession:
         for old, written in targets.items():
             self._spare[old], self._state[old] = self._state[old], written
         self.steps += 1
-        return float(binding.get_outputs()[0].numpy())
+        loss = float(binding.get_outputs()[0].numpy())
+        if not math.isfinite(loss):  # the graph's gate wrote every state value back unchanged
+            self.skipped_steps += 1
+        return loss
 
     @property
     def lr(self) -> float:
@@ -128,6 +133,8 @@ class TrainingSession:
 
     @lr.setter
     def lr(self, value: float) -> None:
+        if not (math.isfinite(float(value)) and float(value) > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {value!r}")
         self._state[_LR] = self._ortvalue(np.asarray(value, dtype=np.float32))
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ training step; nothing is traced or differentiated at run time.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,13 +18,16 @@ import numpy as np
 
 from pockengine._libc import libc_function
 from pockengine.autodiff import append_backward
-from pockengine.backends import Backend, Executable, get_backend
+from pockengine.backends import Backend, BackendSpec, Executable, get_backend
+from pockengine.backends.mixed import MixedBackend
+from pockengine.batch_checks import IndexBound, index_bounds, out_of_range
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 from pockengine.ir import (
     GRAD_PREFIX,
     CompileError,
     Graph,
     GraphBuilder,
+    Phase,
     PockEngineError,
     Role,
     Value,
@@ -31,6 +35,7 @@ from pockengine.ir import (
     verify,
 )
 from pockengine.ir.rewrite import with_inputs
+from pockengine.loading import LoadResult, StateError, load_into_module, match_arrays
 from pockengine.optim import LR, SGD, Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, Pass, run_pipeline
 from pockengine.passes.slices import sink_slices
@@ -38,7 +43,11 @@ from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
 
 __all__ = [
+    "ON_NONFINITE",
     "BatchError",
+    "LoadResult",
+    "NonFiniteError",
+    "StateError",
     "TrainStep",
     "apply_resolution",
     "compile",
@@ -53,7 +62,17 @@ Array = np.ndarray[Any, Any]
 
 
 class BatchError(PockEngineError):
-    """A batch whose shapes or dtypes differ from the example batch it was compiled for."""
+    """A batch that does not fit the step: shapes or dtypes other than the example batch's,
+    or class targets outside ``[0, classes)``."""
+
+
+class NonFiniteError(PockEngineError):
+    """A step whose loss was NaN or inf: it applied no update (params, optimizer state,
+    buffers and the step count are as before it)."""
+
+
+ON_NONFINITE = ("raise", "skip")
+_RESULT_FIELDS = ("missing", "unexpected", "mismatched")
 
 
 def _trained_rows(
@@ -65,7 +84,7 @@ def _trained_rows(
     for name, k in rows.items():
         if k is not None and name in out:
             out[name] = b.call("slice", out[name], axis=0, start=0, stop=k, step=1,
-                               source=f"{GRAD_PREFIX}{name}")  # fmt: skip
+                               source=f"{GRAD_PREFIX}{name}", phase=Phase.BACKWARD)  # fmt: skip
     return out
 
 
@@ -74,9 +93,12 @@ def training_graph(
 ) -> tuple[Graph, dict[str, Array], tuple[str, ...]]:
     """Forward + backward + updates as one graph.
 
-    Node order: the pure forward, the backward of the trained params, the forward's own
-    effects (buffer statistics, the dropout seed), then the optimizer's updates. Returns
-    the graph, the optimizer state's initial values and the params that get no gradient.
+    Node order: the pure forward, ``skip = nonfinite(loss)``, the backward of the trained
+    params, the forward's own effects (buffer statistics, the dropout seed), then the
+    optimizer's updates. Every effect takes ``skip`` as its last input, so a step whose
+    loss is NaN or inf writes nothing; it is computed right after the loss, so
+    ``reorder_updates`` can still move updates into the backward. Returns the graph, the
+    optimizer state's initial values and the params that get no gradient.
     """
     b = GraphBuilder("train_step")
     for v in forward.inputs:
@@ -85,13 +107,14 @@ def training_graph(
     effects = [n for n in forward.nodes if get_op(n.op).effectful]
     for node in pure:
         b.append(node)
+    skip = b.call("nonfinite", forward.outputs[0], source="loss", phase=Phase.FORWARD)
     trained = forward.trainable_params
     grads = _trained_rows(b, append_backward(b, pure, forward.outputs[0], trained), rows or {})
     for node in effects:
-        b.append(node)
+        b.append(node.replace(inputs=(*node.inputs, skip)))
     unreached = tuple(p.name for p in trained if p.name not in grads)
     pairs = [(p, grads[p.name]) for p in trained if p.name in grads]
-    init = optimizer.build(b, pairs) if pairs else {}
+    init = optimizer.build(b, pairs, skip) if pairs else {}
     return sink_slices(b.build(forward.outputs)), init, unreached
 
 
@@ -148,6 +171,12 @@ class TrainStep:
         self._exec = backend.compile(self.graph)
         self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
+        self._index_bounds: dict[str, list[IndexBound]] = {}
+        for bound in index_bounds(self.forward):  # class targets, token ids
+            self._index_bounds.setdefault(bound.input, []).append(bound)
+        self.calls = 0  # steps run, skipped ones included: the number errors name
+        self.skipped_steps = 0  # steps whose loss was not finite (they applied no update)
+        self._on_nonfinite = "raise"
 
     # -- running ---------------------------------------------------------------
     def _feeds(self, batch: Sequence[Any]) -> dict[str, Any]:
@@ -163,6 +192,10 @@ class TrainStep:
                     f"batch entry {i}: compiled for {value.type}, got {got}; shapes and dtypes "
                     "are fixed at compile time (compile again for another shape)"
                 )
+            for bound in self._index_bounds.get(value.name, ()):
+                problem = out_of_range(array, bound)
+                if problem is not None:
+                    raise BatchError(f"batch entry {i}: {problem}; nothing was trained")
             feeds[value.name] = self.backend.from_numpy(array)
         return feeds
 
@@ -170,8 +203,33 @@ class TrainStep:
         return executable.run(self._store, self._feeds(batch))
 
     def __call__(self, *batch: Any) -> float:
-        loss = self._run(self._exec, batch)[0]
-        return float(self.backend.to_numpy(loss))
+        """Train once on ``batch``; returns the loss. A NaN or inf loss applies no update
+        (checked in the graph before any update runs): a ``NonFiniteError``, or with
+        ``on_nonfinite = "skip"`` the step counts in ``skipped_steps`` and returns it."""
+        feeds = self._feeds(batch)
+        self.calls += 1
+        loss = float(self.backend.to_numpy(self._exec.run(self._store, feeds)[0]))
+        if not math.isfinite(loss):
+            self.skipped_steps += 1
+            if self._on_nonfinite == "raise":
+                raise NonFiniteError(
+                    f"step {self.calls}: the loss is {loss}; the step applied no update "
+                    "(params, optimizer state, buffers and step count are unchanged). Look for "
+                    "NaN/inf in the batch, or lower the learning rate"
+                )
+        return loss
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a step with a NaN/inf loss does (it never updates): "raise" a
+        ``NonFiniteError`` (the default), or "skip" (counted in ``skipped_steps``)."""
+        return self._on_nonfinite
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, value: str) -> None:
+        if value not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {value!r}")
+        self._on_nonfinite = value
 
     def gradients(self, *batch: Any) -> dict[str, Array]:
         """Gradients of the trained params on ``batch``; nothing is updated."""
@@ -189,6 +247,13 @@ class TrainStep:
         return np.array(self.backend.to_numpy(self._store[name]), copy=True)
 
     # -- compile-time facts ------------------------------------------------------
+    @property
+    def source(self) -> str | None:
+        """The generated code of the training step where the backend writes one (C for
+        ``backend="c"``, Python for ``"torch"``): one statement per node under its IR text."""
+        source = getattr(self._exec, "source", None)
+        return source if isinstance(source, str) else None
+
     def report(self, depth: int | None = None) -> Report:
         """Trained params, FLOPs, saved activations, memory: this scheme beside full
         backprop of the same model (layers cut to ``depth`` path components)."""
@@ -198,7 +263,9 @@ class TrainStep:
         full_graph = run_pipeline(full_graph, self.passes).graph
         scheme = self.scheme.to_dict() if self.scheme is not None else {"scheme": "requires_grad"}
         label = ", ".join(f"{k}={v}" for k, v in scheme.items())
-        return Report(label, analyze(self.graph, depth), analyze(full_graph, depth))
+        mixed = self.backend if isinstance(self.backend, MixedBackend) else None
+        placement = mixed.placement(self.graph) if mixed is not None else None
+        return Report(label, analyze(self.graph, depth), analyze(full_graph, depth), placement)
 
     # -- state -----------------------------------------------------------------
     @property
@@ -207,7 +274,14 @@ class TrainStep:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._store[LR] = self.backend.from_numpy(np.asarray(value, dtype=np.float32))
+        """A finite learning rate > 0; anything else is refused before it is stored."""
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise StateError(f"step.lr must be a number, got {value!r}") from None
+        if not (math.isfinite(number) and number > 0):
+            raise StateError(f"step.lr must be a finite number > 0, got {value!r}")
+        self._store[LR] = self.backend.from_numpy(np.asarray(number, dtype=np.float32))
 
     @property
     def trained(self) -> tuple[str, ...]:
@@ -233,52 +307,72 @@ class TrainStep:
         state = self.graph.inputs_with_role(Role.STATE)
         return {v.name: self._read(v.name) for v in state}
 
+    def _spec(self, ir: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        current = self.backend.to_numpy(self._store[ir])
+        return tuple(current.shape), current.dtype
+
     def load_state(
         self,
-        params: Mapping[str, Array] | None = None,
-        optimizer: Mapping[str, Array] | None = None,
-    ) -> None:
+        params: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        *,
+        strict: bool = True,
+    ) -> LoadResult:
         """Set params/buffers (model names, as ``state_dict()`` gives them) and optimizer
-        state (as ``optimizer_state()`` gives it), e.g. to resume from a checkpoint."""
+        state (as ``optimizer_state()`` gives it), e.g. to resume from a checkpoint.
+
+        Strict (the default): each given mapping must name every param and buffer (every
+        optimizer state value), no other name, with the same shapes and dtype kinds; a
+        ``StateError`` lists what differs and nothing is written. ``strict=False`` loads
+        what fits and returns the rest."""
         by_model = {name: ir for ir, name in self._state_names.items()}
         for alias, canonical in self.info.canonical.items():
             if canonical in by_model:
                 by_model.setdefault(alias, by_model[canonical])
         updates: dict[str, Array] = {}
-        for name, array in (params or {}).items():
-            if name not in by_model:
-                raise KeyError(f"{name!r} is not a param or buffer of this model")
-            updates[by_model[name]] = array
-        state = {v.name for v in self.graph.inputs_with_role(Role.STATE)}
-        for name, array in (optimizer or {}).items():
-            if name not in state:
-                raise KeyError(f"{name!r} is not optimizer state of this step")
-            updates[name] = array
+        results = []
+        if params is not None:
+            expected = {ir: self._spec(ir) for ir in self._state_names}
+            fitting, result = match_arrays(
+                params, expected, what="params and buffers", strict=strict, key=by_model.get,
+                label=lambda ir: self._state_names[ir],
+            )  # fmt: skip
+            updates.update(fitting)
+            results.append(result)
+        if optimizer is not None:
+            state = {v.name: self._spec(v.name) for v in self.graph.inputs_with_role(Role.STATE)}
+            fitting, result = match_arrays(optimizer, state, what="optimizer state",
+                                           strict=strict)  # fmt: skip
+            updates.update(fitting)
+            results.append(result)
         for ir, array in updates.items():
-            current = self.backend.to_numpy(self._store[ir])
-            array = np.asarray(array, dtype=current.dtype)
-            if array.shape != current.shape:
-                raise ValueError(f"{ir}: shape {array.shape}, expected {current.shape}")
             self._store[ir] = self.backend.from_numpy(array)
+        return LoadResult(*(sum((getattr(r, f) for r in results), ()) for f in _RESULT_FIELDS))
 
-    def export(self, path: str | os.PathLike[str]) -> Path:
-        """Write this training step as one ONNX model (``path``) plus its current params,
-        buffers and optimizer state (``<stem>.state.npz`` beside it), to run with
-        ``pockengine/ort_runner.py`` wherever numpy and onnxruntime are installed. Returns
-        the path of the state file."""
+    def export(self, path: str | os.PathLike[str], *, target: str = "onnx") -> Path:
+        """Write this training step with its current params, buffers and optimizer state.
+        ``target="onnx"``: one ONNX model (``path``) plus ``<stem>.state.npz`` beside it, to
+        run with ``pockengine/ort_runner.py`` wherever numpy and onnxruntime are installed;
+        returns the path of the state file. ``target="c"``: a self-contained folder
+        (``path``) whose ``make`` builds a stand-alone ``./train`` needing only libc and
+        libm (see ``pockengine.backends.c.export``); returns the folder."""
+        state = {v.name: self._read(v.name) for v in self.graph.inputs if v.role is not Role.INPUT}
+        if target == "c":
+            from pockengine.backends.c.export import export_c
+
+            return export_c(path, self.graph, state, self._batch, self._state_names)
+        if target != "onnx":
+            raise CompileError(f"unknown export target {target!r}; use 'onnx' or 'c'")
         from pockengine.backends.onnx_export import export_step
 
-        state = {v.name: self._read(v.name) for v in self.graph.inputs if v.role is not Role.INPUT}
         return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
 
-    def load_into(self, model: Any) -> None:
-        """Write the trained values back into a torch module."""
-        import torch
-
-        own = model.state_dict()
-        with torch.no_grad():
-            for name, array in self.flat_state_dict().items():
-                own[name].copy_(torch.from_numpy(np.array(array, order="C")))
+    def load_into(self, model: Any, *, strict: bool = True) -> LoadResult:
+        """Write the trained values back into a torch module. Strict (the default): the
+        module must have exactly this step's params and buffers, with the same shapes and
+        dtype kinds, or a ``StateError`` says what differs and nothing is written;
+        ``strict=False`` writes what fits and returns the rest."""
+        return load_into_module(self.flat_state_dict(), model, strict=strict)
 
 
 def _to_numpy(item: Any) -> Array:
@@ -295,7 +389,7 @@ def compile(
     example_batch: Sequence[Any] | None = None,
     optimizer: Optimizer | None = None,
     scheme: Scheme | None = None,
-    backend: str | Backend = "numpy",
+    backend: BackendSpec = "numpy",
     *,
     loss: str | None = None,
     output: str | int | None = None,
@@ -315,7 +409,10 @@ def compile(
     optionally lists the initializers (names or globs) that are parameters; see
     ``pockengine.frontend.onnx``.
     ``backend`` names one of ``pockengine.backends.BACKENDS`` or is a configured ``Backend``
-    instance (``TorchBackend(channels_last=False)``).
+    instance (``TorchBackend(channels_last=False)``), or a list of them in priority order
+    (``["onnxruntime", "numpy"]``: each node runs on the first that claims it, see
+    ``pockengine.backends.mixed``; ``step.report()`` shows the split), or ``"auto"`` (the
+    fastest of torch and onnxruntime per node, timed at compile time).
     ``passes`` are the training-graph passes, in order (default
     ``pockengine.passes.DEFAULT_PIPELINE``); leaving out ``passes.rematerialize`` keeps every
     saved activation instead of recomputing the cheap ones (faster, more memory).

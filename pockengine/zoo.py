@@ -30,6 +30,7 @@ __all__ = [
     "mlp",
     "mobilenet_v2",
     "small_cnn",
+    "workload_sparse",
 ]
 
 
@@ -287,7 +288,8 @@ BENCHMARKS: dict[str, Callable[[], Workload]] = {
     "cnn": small_cnn,
     "mbv2-small": lambda: mobilenet_v2(width=0.35, batch=1, size=64, classes=10),
 }
-RECIPE_BLOCKS = {"mbv2": 4, "bert": 2, "llama": 2}  # the last blocks the recipe trains
+# the last blocks each workload's sparse recipe trains
+RECIPE_BLOCKS = {"mbv2": 4, "bert": 2, "llama": 2, "mlp": 1, "cnn": 1, "mbv2-small": 1}
 
 
 def benchmark(name: str) -> tuple[Workload, Any]:
@@ -302,13 +304,19 @@ def benchmark(name: str) -> tuple[Workload, Any]:
     return work, opt
 
 
-def benchmark_schemes(name: str) -> dict[str, Any]:
-    """The schemes every benchmark compares: full, bias-only, the recipe, head-only."""
+def workload_sparse(name: str) -> Any:
+    """What the scheme name ``sparse`` trains on a workload: biases and norms, the weights of
+    its last ``RECIPE_BLOCKS`` blocks (2 for one not listed), the head."""
     from pockengine import schemes
 
-    return {
-        "full": schemes.full(),
-        "bias": schemes.bias_only(),
-        "sparse": schemes.sparse(blocks=RECIPE_BLOCKS.get(name, 1)),
-        "head": schemes.head(),
-    }
+    return schemes.sparse(blocks=RECIPE_BLOCKS.get(name, 2))
+
+
+def benchmark_schemes(name: str) -> dict[str, Any]:
+    """The scheme names every benchmark compares (``pockengine.sparse.names``): full,
+    bias-only, the workload's sparse recipe, head-only; frozen BatchNorms train on batch
+    statistics, as in the tables of docs/sparse_backprop.md and docs/benchmarks.md."""
+    from pockengine.sparse.names import scheme_named
+
+    names = ("full", "bias-only", "sparse", "head")
+    return {n: scheme_named(n, sparse=workload_sparse(name), frozen_bn="train") for n in names}

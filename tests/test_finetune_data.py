@@ -13,13 +13,13 @@ import pytest
 import pockengine as pe
 from pockengine.finetune import FinetuneConfig, FinetuneError
 from pockengine.finetune import data as ds
-from pockengine.finetune.recipes import _DEFAULTS, bbc_folder, parse_scheme
+from pockengine.finetune.recipes import RECIPES, bbc_folder, parse_scheme
 from pockengine.finetune.trainer import linear_schedule
 
 
 def test_bbc_news_layout_and_duplicates() -> None:
-    news = ds.load_folder(bbc_folder())
-    assert len(news) == 2225
+    news = ds.load_folder(bbc_folder(), replace=True)  # as the recipe reads it
+    assert len(news) == 2225 and news.replaced > 0  # a few pound signs in Latin-1
     assert news.label_names() == ("business", "entertainment", "politics", "sports", "tech")
     unique, dropped = ds.dedupe(news)
     assert dropped == 98 and len(set(unique.texts)) == len(unique) == 2127
@@ -69,8 +69,12 @@ def test_jsonl_and_folder(tmp_path: Path) -> None:
     for label, text in (("neg", "bad"), ("pos", "good")):
         (tmp_path / "f" / label).mkdir(parents=True)
         (tmp_path / "f" / label / "1.txt").write_bytes(text.encode() + b"\xff")
-    folder = ds.load_dataset(tmp_path / "f")
-    assert folder.labels == ("neg", "pos") and folder.texts[0] == "bad\ufffd"
+    with pytest.raises(FinetuneError, match=r"neg/1\.txt:1: not utf-8"):
+        ds.load_dataset(tmp_path / "f")
+    folder = ds.load_dataset(tmp_path / "f", encoding="latin-1")
+    assert folder.labels == ("neg", "pos") and folder.texts[0] == "bad\xff"
+    replaced = ds.load_folder(tmp_path / "f", replace=True)
+    assert replaced.texts[0] == "bad\ufffd" and replaced.replaced == 2
 
 
 def test_linear_warmup_then_decay() -> None:
@@ -175,7 +179,7 @@ def test_learning_rate_defaults_by_recipe_and_scheme() -> None:
     assert lr(recipe="minilm-bbc", scheme="head") == 1e-2
     assert lr(recipe="minilm-bbc", scheme="last:3") == 5e-4
     assert lr(recipe="minilm-bbc", scheme="head", optimizer="sgd") == pytest.approx(0.1)
-    table = _DEFAULTS["smollm2-pydocs"]["lr"]  # the LLM recipe's own, by scheme
+    table = RECIPES["smollm2-pydocs"].lr  # the LLM recipe's own, by scheme
     for scheme in ("full", "sparse", "bias", "head"):
         assert lr(recipe="smollm2-pydocs", scheme=scheme) == table[scheme]
     assert lr(recipe="smollm2-pydocs", scheme="last:4") == 5e-4  # not in it: the general one

@@ -100,8 +100,10 @@ def test_scheme_that_matches_no_parameter(
     scheme = write(tmp_path / "s.json", json.dumps({"scheme": "select", "train": ["blocks.*"]}))
     err = run_failing(cli_args(task, scheme=scheme), capsys, tmp_path / "out")
     assert "train pattern 'blocks.*' matches no parameter" in err
-    err = run_failing(cli_args(task, scheme="last:2"), capsys, tmp_path / "out")
-    assert "block container" in err
+    named = {"scheme": "last_blocks", "k": 2, "container": "blocks"}
+    err = run_failing(cli_args(task, scheme=write(tmp_path / "b.json", json.dumps(named))),
+                      capsys, tmp_path / "out")  # fmt: skip
+    assert "no block container 'blocks'" in err
     err = run_failing(cli_args(task, scheme="everything"), capsys, tmp_path / "out")
     assert "unknown scheme 'everything'" in err
 
@@ -132,7 +134,8 @@ def test_bad_options(
 ) -> None:
     for changes, message in (
         ({"batch_size": 1000}, "fewer than one batch of 1000"),
-        ({"val_fraction": 1.5}, "val_fraction must be in (0, 1)"),
+        ({"val_fraction": 1.5}, "--val-fraction: must be in [0, 1), got 1.5"),
+        ({"val_fraction": 0}, "val_fraction must be in (0, 1)"),
         ({"model": "not/a/folder"}, "neither a Hugging Face model folder nor module:factory"),
         ({"model": "tiny_bag_errors:nothing"}, "has no callable 'nothing'"),
     ):

@@ -512,3 +512,24 @@ def test_numpy_and_torch_backends_give_the_same_losses() -> None:
         runs.append([step(*batch) for _ in range(3)])
     np.testing.assert_allclose(runs[0], runs[1], rtol=RTOL)
     assert runs[0][-1] < runs[0][0]
+
+
+def test_log1p_and_a_computed_exponent_match_jax_grad() -> None:
+    """optax's sigmoid BCE (log1p) and ``base ** exponent`` with a trained exponent."""
+    rng = np.random.default_rng(5)
+    params = {"w": rng.standard_normal((5, 3)).astype(np.float32),
+              "e": rng.uniform(-1, 1, (3,)).astype(np.float32)}  # fmt: skip
+
+    def loss_fn(p: Any, x: Any, y: Any) -> Any:
+        z = x @ p["w"]
+        powered = (jnp.abs(z) + 0.5) ** p["e"]
+        return jnp.mean(jnp.log1p(jnp.exp(-jnp.abs(z))) + powered - y * z)
+
+    x = (8 * rng.standard_normal((4, 5))).astype(np.float32)  # large |z|: tiny log1p inputs
+    y = (rng.random((4, 3)) > 0.5).astype(np.float32)
+    step = pe.compile(params, loss_fn, (x, y))
+    assert {"log1p", "pow"} <= {n.op for n in step.forward.nodes}
+    ref = jax.grad(loss_fn)(params, x, y)
+    for name, g in step.gradients(x, y).items():
+        np.testing.assert_allclose(g, ref[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    assert step(x, y) == pytest.approx(float(loss_fn(params, x, y)), rel=RTOL)

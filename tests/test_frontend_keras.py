@@ -62,6 +62,34 @@ def cnn() -> Any:
     return keras.Model(inp, out)
 
 
+@tf.custom_gradient
+def _exact_tanh(x: Any) -> Any:
+    """tanh with its own (exact) gradient: TF wraps it in IdentityN."""
+    y = tf.tanh(x)
+    return y, lambda g: g * (1 - y * y)
+
+
+class ExactTanh(keras.layers.Layer):
+    def call(self, x: Any) -> Any:
+        return _exact_tanh(x)
+
+
+def dilated() -> Any:
+    """Dilated Conv1Ds: TF runs them as SpaceToBatchND -> Conv2D -> BatchToSpaceND; a custom
+    gradient (IdentityN) and TF's Log1p and Pow between them."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16, 3))
+    x = keras.layers.Conv1D(4, 3, dilation_rate=2, padding="same", name="c1")(inp)
+    x = ExactTanh(name="act")(x)
+    # TF's Log1p, and Pow by a computed exponent
+    x = keras.layers.Lambda(
+        lambda t: tf.math.log1p(tf.abs(t)) + tf.pow(tf.abs(t) + 0.5, t), name="powers"
+    )(x)
+    x = keras.layers.Conv1D(5, 3, dilation_rate=3, name="c2")(x)
+    out = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inp, out)
+
+
 def batch(shape: tuple[int, ...], classes: int, seed: int = 0) -> tuple[Array, Array]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -81,7 +109,11 @@ def keras_gradients(model: Any, x: Array, y: Array) -> tuple[float, dict[str, Ar
                                                               strict=True)}  # fmt: skip
 
 
-MODELS = {"cnn": (cnn, (4, 8, 8, 3), 5), "transformer": (transformer, (2, 6, 16), 3)}
+MODELS = {
+    "cnn": (cnn, (4, 8, 8, 3), 5),
+    "transformer": (transformer, (2, 6, 16), 3),
+    "dilated": (dilated, (2, 16, 3), 3),
+}
 SCHEMES = {
     "full": schemes.full(),
     "bias_only": schemes.bias_only(),
@@ -89,7 +121,8 @@ SCHEMES = {
     "select": schemes.select(train=["conv2/*", "dw.*", "head.kernel"]),
 }
 CASES = [("cnn", "full"), ("cnn", "bias_only"), ("cnn", "select"), ("transformer", "full"),
-         ("transformer", "bias_only"), ("transformer", "last_blocks")]  # fmt: skip
+         ("transformer", "bias_only"), ("transformer", "last_blocks"),
+         ("dilated", "full")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("model_name", "scheme_name"), CASES)
@@ -109,6 +142,18 @@ def test_loss_and_gradients_match_gradient_tape(model_name: str, scheme_name: st
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     for name in trained:
         np.testing.assert_allclose(ours[name], ref[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_dilated_conv1d_is_traced_through_space_to_batch(caplog: pytest.LogCaptureFixture) -> None:
+    x, y = batch((2, 16, 3), 3)
+    with caplog.at_level("WARNING", logger="pockengine"):
+        step = pe.compile(dilated(), loss="cross_entropy", example_batch=(x, y))
+    assert any("act" in r.getMessage() and "custom_gradient" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    ops = [n.op for n in step.forward.nodes]
+    # each dilated conv: pad, reshape, transpose, reshape in; reshape, transpose, reshape out
+    assert ops.count("conv2d") == 2 and ops.count("transpose") >= 4
+    assert {"log1p", "pow"} <= set(ops)
 
 
 def test_schemes_select_keras_layers() -> None:

@@ -171,8 +171,8 @@ def test_load_state_restores_params_and_optimizer_state() -> None:
     assert a(*w.make_batch(5)) == b(*w.make_batch(5))
     for name, value in a.state_dict().items():
         np.testing.assert_array_equal(value, b.state_dict()[name])
-    with pytest.raises(KeyError, match="not a param"):
-        b.load_state({"nope": np.zeros(1)})
+    with pytest.raises(pe.StateError, match=r"1 unexpected \(nope\)"):
+        b.load_state({**a.state_dict(), "nope": np.zeros(1)})
 
 
 def test_detach_stops_the_gradient() -> None:
@@ -191,3 +191,93 @@ def test_detach_stops_the_gradient() -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None
         np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -- ops that real models need (issue 15): each against torch.autograd -------------------
+
+
+class _Layout(nn.Module):
+    """One op of interest, ``kind``, between two trained linear layers."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.rand(6) + 0.5)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)  # [4, 6]
+        if self.kind == "pow":  # aten.pow.Tensor_Tensor: positive base, trained exponent
+            h = torch.pow(self.scale, torch.tanh(h))
+        elif self.kind == "pow_scalar_base":  # aten.pow.Scalar
+            h = torch.pow(2.0, h * self.scale)
+        elif self.kind == "repeat":
+            h = h.repeat(2, 1, 1).sum(0) + h.repeat(1, 2)[:, 3:9]
+        elif self.kind == "adaptive_pool":  # Swin's pooler: as_strided on a mean
+            h = F.adaptive_avg_pool1d(h.reshape(4, 2, 3).transpose(1, 2), 1).reshape(4, 3)
+            h = torch.cat([h, h * self.scale[:3]], dim=1)
+        elif self.kind == "as_strided_transpose":
+            h = torch.as_strided(h.contiguous(), (6, 4), (1, 6)).t() * self.scale
+        elif self.kind == "slice_scatter":  # shift right, as T5 and BART's decoder inputs
+            shifted = torch.zeros_like(h)
+            shifted[:, 1:] = h[:, :-1]
+            h = shifted * self.scale
+        return self.out(h)
+
+
+def _layout_workload(kind: str) -> zoo.Workload:
+    torch.manual_seed(0)
+
+    def make(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+    return zoo.Workload(kind, _Layout(kind), lambda m, x, y: F.cross_entropy(m(x), y), make)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["pow", "pow_scalar_base", "repeat", "adaptive_pool", "as_strided_transpose", "slice_scatter"],
+)
+def test_layout_and_power_ops_match_autograd(kind: str) -> None:
+    assert_gradients_match(_layout_workload(kind))
+
+
+def test_bce_with_logits_uses_log1p_and_matches_autograd() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    x, y = torch.randn(4, 5) * 8, (torch.rand(4, 3) > 0.5).float()  # large logits: tiny log1p
+    w = zoo.Workload("bce", model, lambda m, a, b: F.binary_cross_entropy_with_logits(m(a), b),
+                     lambda seed: (x, y))  # fmt: skip
+    step = assert_gradients_match(w)
+    assert "log1p" in {n.op for n in step.forward.nodes}
+
+
+def test_overlapping_as_strided_is_a_clear_error() -> None:
+    model = nn.Linear(6, 6)
+    x = torch.randn(4, 6)
+    windows = lambda m, a: torch.as_strided(m(a).contiguous(), (4, 3, 2), (6, 1, 1)).sum()  # noqa: E731
+    with pytest.raises(
+        pe.CompileError, match=r"as_strided .* size \[4, 3, 2\], stride \[6, 1, 1\]"
+    ):
+        pe.compile(model, windows, (x,))
+
+
+def test_attention_broadcasts_one_key_value_head() -> None:
+    """Falcon's multi-query attention: k and v of one head for every query head."""
+
+    class MQA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.kv = nn.Linear(8, 16), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x).reshape(2, 5, 4, 4).transpose(1, 2)
+            k, v = self.kv(x).reshape(2, 5, 2, 4).permute(2, 0, 1, 3).unsqueeze(2)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1).mean(-1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 5, 8), torch.randn(2, 5)
+    w = zoo.Workload("mqa", MQA(), lambda m, a, b: F.mse_loss(m(a), b), lambda seed: (x, y))
+    assert_gradients_match(w)

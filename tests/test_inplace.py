@@ -5,7 +5,7 @@ how the memory plan counts it, and the torch backend writing them with ``out=``.
   results still read later, another view of the same buffer among the inputs, shape or
   dtype changes all keep a fresh buffer; chains share one;
 - the liveness and the plan: a reused input's lifetime ends before the node;
-- every op of ``INPLACE_OPS`` on the torch backend, as a node whose inputs are the step's own
+- every op with ``Fact.INPLACE`` on the torch backend, as a node whose inputs are the step's own
   buffers: its line writes with ``out=``/``grad_input=`` and its result matches NumPy;
 - the feeds and params are never written; a whole model trains the same with and without.
 """
@@ -23,7 +23,7 @@ from pockengine import zoo
 from pockengine.backends.numpy_backend import NumpyBackend
 from pockengine.backends.torch_backend import TorchBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, all_ops, parse_graph
-from pockengine.plan import INPLACE_OPS, liveness, plan_memory, reusable_inputs
+from pockengine.plan import inplace_ops, liveness, plan_memory, reusable_inputs
 
 Array = np.ndarray[Any, Any]
 
@@ -111,7 +111,7 @@ graph chain(x: f32[{n}] input) {{
 
 def _inplace_cases() -> list[Any]:
     cases = []
-    for name in sorted(INPLACE_OPS):
+    for name in sorted(inplace_ops()):
         opdef = all_ops()[name]
         assert opdef.samples is not None, name
         for i, s in enumerate(opdef.samples(np.random.default_rng(0))):

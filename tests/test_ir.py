@@ -12,6 +12,7 @@ from pockengine.ir import (
     GraphVerifyError,
     Node,
     ParseError,
+    Phase,
     Role,
     ShapeError,
     TensorType,
@@ -48,6 +49,26 @@ def test_print_parse_round_trip() -> None:
     back = parse_graph(text)
     assert back == g
     assert str(back) == text
+
+
+def test_phases_are_set_by_the_builder_and_round_trip_through_text() -> None:
+    b = GraphBuilder("g")
+    x = b.input("x", TensorType((2,), F32))
+    w = b.input("w", TensorType((2,), F32), Role.PARAM, trainable=True)
+    lr = b.input("lr", TensorType((), F32), Role.STATE)
+    y = b.call("mul", x, w, source="m")
+    with b.in_phase(Phase.BACKWARD):
+        g = b.call("mul", y, x, source="grad m")
+        with b.in_phase(Phase.UPDATE):
+            b.effect("sgd_update", w, g, lr, weight_decay=0.0)
+        assert b.phase is Phase.BACKWARD  # restored on leaving the block
+    s = b.call("sum", y, axes=None, keepdims=False, phase=Phase.UPDATE)
+    graph = verify(b.build([s]))
+    assert [n.phase for n in graph.nodes] == [Phase.FORWARD, Phase.BACKWARD, Phase.UPDATE,
+                                              Phase.UPDATE]  # fmt: skip
+    text = str(graph)
+    assert "= mul(%mul0, x) @backward  # grad m" in text and "weight_decay=0.0) @update" in text
+    assert parse_graph(text) == graph
 
 
 def test_builder_checks_shapes_and_names_the_source() -> None:

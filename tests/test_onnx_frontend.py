@@ -255,3 +255,20 @@ def test_named_output_and_losses() -> None:
     assert [v.name for v in mse._batch] == ["x", "target"]
     with pytest.raises(pe.CompileError, match="needs a named loss"):
         pe.compile(model, output=0)
+
+
+def test_pow_by_a_computed_exponent() -> None:
+    """Pow(base, x @ w): the float ``pow`` op, its loss as NumPy computes it."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["e"], name="proj"),
+        helper.make_node("Pow", ["base", "e"], ["out"], name="power"),
+    ]
+    base = onnx.numpy_helper.from_array(np.asarray([1.5, 0.5, 2.0], dtype=np.float32), "base")
+    model = _tiny_model(nodes, [_weight("w", (3, 3)), base], ["out"])
+    x = np.random.default_rng(2).standard_normal((4, 3)).astype(np.float32)
+    target = np.zeros((4, 3), np.float32)
+    step = pe.compile(model, loss="mse", example_batch=(x, target))
+    w = onnx.numpy_helper.to_array(model.graph.initializer[0])
+    out = np.asarray([1.5, 0.5, 2.0], np.float32) ** (x @ w)
+    assert "pow" in {n.op for n in step.forward.nodes}
+    assert step(x, target) == pytest.approx(np.mean(out**2), rel=1e-5)

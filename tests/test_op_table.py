@@ -3,7 +3,7 @@
 - the shape rule agrees with the reference kernel's output (shape and dtype);
 - each VJP passes the adjoint identity <J v, u> = <v, J^T u> in float64, with
   J v from central finite differences of the reference kernel;
-- an op whose gradient is zero by definition (group NO_GRADIENT: stop_gradient) has a VJP,
+- an op whose gradient is zero by definition (Fact.NO_GRADIENT: stop_gradient) has a VJP,
   so autodiff can cross it, and that VJP gives no cotangent to any input.
 """
 
@@ -19,6 +19,7 @@ from pockengine.backends.numpy_backend import evaluate
 from pockengine.ir import (
     Attrs,
     DType,
+    Fact,
     GraphBuilder,
     OpDef,
     Role,
@@ -27,19 +28,18 @@ from pockengine.ir import (
     VJPContext,
     all_ops,
 )
-from pockengine.ops.shape import NO_GRADIENT
 
 Array = np.ndarray[Any, Any]
 
 
 def _cases(with_vjp: bool, no_gradient: bool = False) -> list[Any]:
-    """Sample cases of every op; with_vjp: of the ops with a VJP whose group NO_GRADIENT
-    membership equals ``no_gradient``."""
+    """Sample cases of every op; with_vjp: of the ops with a VJP whose Fact.NO_GRADIENT
+    equals ``no_gradient``."""
     cases = []
     for name, opdef in sorted(all_ops().items()):
         if opdef.samples is None:
             continue
-        if with_vjp and (opdef.vjp is None or (NO_GRADIENT in opdef.groups) != no_gradient):
+        if with_vjp and (opdef.vjp is None or opdef.has(Fact.NO_GRADIENT) != no_gradient):
             continue
         for i, sample in enumerate(opdef.samples(np.random.default_rng(0))):
             cases.append(pytest.param(opdef, sample, id=f"{name}-{i}"))
@@ -51,7 +51,7 @@ def _type_of(a: Array) -> TensorType:
 
 
 def test_every_op_has_samples_and_docs() -> None:
-    missing = [n for n, d in all_ops().items() if d.samples is None and "creation" not in d.groups]
+    missing = [n for n, d in all_ops().items() if d.samples is None and not d.has(Fact.CREATION)]
     assert not missing, f"ops without sample inputs: {missing}"
     undocumented = [n for n, d in all_ops().items() if not d.doc]
     assert not undocumented, f"ops without a docstring: {undocumented}"
@@ -126,7 +126,7 @@ def test_vjp_of_a_no_gradient_op_gives_no_cotangent(opdef: OpDef, sample: Sample
 
 
 def test_no_gradient_ops_have_a_vjp_for_autodiff_to_cross() -> None:
-    held = {n: d for n, d in all_ops().items() if NO_GRADIENT in d.groups}
+    held = {n: d for n, d in all_ops().items() if d.has(Fact.NO_GRADIENT)}
     assert "stop_gradient" in held
     assert all(d.vjp is not None for d in held.values())
 

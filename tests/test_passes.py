@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from pockengine.ir import Graph, Role, get_op, parse_graph, verify
-from pockengine.ir.registry import COMMUTATIVE, ELEMENTWISE
+from pockengine.ir.registry import Fact
 from pockengine.passes import (
     DEFAULT_PIPELINE,
     FORWARD_PIPELINE,
@@ -109,7 +109,7 @@ def _cse_keys(graph: Graph) -> list[tuple[str, tuple[str, ...], str]]:
         if opdef.effectful or (not node.inputs and node.output.type.numel > 64):
             continue
         names = [v.name for v in node.inputs]
-        if COMMUTATIVE in opdef.groups:
+        if opdef.has(Fact.COMMUTATIVE):
             names.sort()
         attrs = sorted((k, type(v).__name__, repr(v)) for k, v in node.attrs.items())
         keys.append((node.op, tuple(names), repr(attrs)))
@@ -230,7 +230,7 @@ def assert_folded(graph: Graph) -> None:
         if node.op == "transpose":
             assert node.attrs["perm"] != tuple(range(node.output.type.rank)), node
             assert inner is None or inner.op != "transpose" or inner.inputs[0].name in written
-        if ELEMENTWISE in get_op(node.op).groups:
+        if get_op(node.op).has(Fact.ELEMENTWISE):
             makers = [producers.get(v.name) for v in node.inputs]
             assert not all(m is not None and m.op == "full" for m in makers), node
 
@@ -299,9 +299,6 @@ def _batch_dependent(graph: Graph) -> set[str]:
     return found
 
 
-_VIEWS = ("reshape", "transpose", "broadcast_to", "slice")
-
-
 def _dependencies(graph: Graph, index: int) -> set[int]:
     """Nodes that effect ``index`` must follow: producers of what it reads (transitively)
     and earlier readers of what it writes or of a view of it."""
@@ -316,7 +313,7 @@ def _dependencies(graph: Graph, index: int) -> set[int]:
     node = graph.nodes[index]
     aliases = {node.inputs[j].name for j in get_op(node.op).mutates}
     for i, other in enumerate(graph.nodes[:index]):
-        if other.op in _VIEWS and other.inputs[0].name in aliases:
+        if get_op(other.op).has(Fact.VIEW) and other.inputs[0].name in aliases:
             aliases.add(other.output.name)
         if any(v.name in aliases for v in other.inputs):
             deps.add(i)

@@ -23,7 +23,7 @@ import pytest
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.ir import GRAD_PREFIX, Graph, verify
+from pockengine.ir import Graph, Phase, verify
 from pockengine.passes import DEFAULT_PIPELINE, rematerialize, run_pipeline
 from pockengine.plan import plan_memory
 from pockengine.plan.report import analyze
@@ -32,7 +32,7 @@ WITHOUT = tuple(p for p in DEFAULT_PIPELINE if p is not rematerialize)
 
 
 def _backward(node: Any) -> bool:
-    return bool(node.source.startswith(GRAD_PREFIX))
+    return node.phase is Phase.BACKWARD
 
 
 @functools.cache

@@ -6,6 +6,10 @@ dropout seed) lives in a ``Store``: a dict of backend tensors keyed by IR name,
 shared by every executable of one ``TrainStep`` and written by the effectful
 nodes. An op a backend lacks is a compile-time ``UnsupportedOpError`` naming
 every such op and where it came from.
+
+A backend also says which nodes it can run (``claims``: by default, those whose op is in
+its kernel table, ``supported_ops``) and which values are its own tensors (``holds``), so
+that a list of backends (``backends.mixed``) can split a graph between them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.ir import Graph, UnsupportedOpError
+from pockengine.ir import Graph, Node, UnsupportedOpError, all_ops
 
 __all__ = ["Backend", "Executable", "Store", "check_ops"]
 
@@ -46,6 +50,19 @@ class Backend(ABC):
 
     @abstractmethod
     def to_numpy(self, tensor: Any) -> Array: ...
+
+    def supported_ops(self) -> frozenset[str]:
+        """The ops of its kernel table. The default, every registered op, suits a backend
+        that checks its graph itself when it compiles (and fails there)."""
+        return frozenset(all_ops())
+
+    def claims(self, node: Node) -> bool:
+        """Whether this backend can run ``node`` (default: its op has a kernel here)."""
+        return node.op in self.supported_ops()
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` is one of this backend's own tensors (no hand-over needed)."""
+        return False
 
 
 def check_ops(graph: Graph, supported: Iterable[str], backend: str) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.ir import Graph, Role, get_op
 from pockengine.ir.errors import CompileError
+from pockengine.plan.liveness import last_reads
 
 __all__ = ["NumpyBackend", "NumpyExecutable", "evaluate"]
 
@@ -39,10 +40,7 @@ class NumpyExecutable(Executable):
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         keep = {v.name for v in graph.inputs} | {v.name for v in graph.outputs}
-        last_read: dict[str, int] = {}
-        for i, node in enumerate(graph.nodes):
-            for v in node.inputs:
-                last_read[v.name] = i
+        last_read = last_reads(graph)
         steps = []
         for i, node in enumerate(graph.nodes):
             opdef = get_op(node.op)
@@ -103,6 +101,9 @@ class NumpyBackend(Backend):
 
     def to_numpy(self, tensor: Any) -> Array:
         return np.asarray(tensor)
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, np.ndarray)
 
 
 def evaluate(graph: Graph, feeds: MutableMapping[str, Array]) -> list[Array]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.backends.base import Backend, Executable, Store
-from pockengine.backends.onnx_emit import emit_onnx
+from pockengine.backends.onnx_emit import emit_onnx, kernel_table
 from pockengine.ir import CompileError, Graph, PockEngineError, TensorType
 
 __all__ = ["OrtBackend", "OrtExecutable", "OrtRunError", "require_onnxruntime"]
@@ -147,6 +147,12 @@ class OrtBackend(Backend):
         value = self.empty(array.shape, array.dtype)
         value.update_inplace(array)
         return value
+
+    def supported_ops(self) -> frozenset[str]:
+        return frozenset(kernel_table())
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, self.ort.OrtValue) and value.device_name().lower() == self.device
 
     def to_numpy(self, tensor: Any) -> Array:
         """A copy: a CPU OrtValue's ``numpy()`` is a view of memory the next step reuses."""

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from pockengine.backends.onnx_emit import Emitter, Kernel, onnx_dtype, registrar
-from pockengine.ir import DType, Node
+from pockengine.ir import DType, Node, get_op
 from pockengine.ops._common import norm_axes
 
 __all__ = ["KERNELS"]
@@ -178,6 +178,21 @@ def _hardtanh(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
 @_kernel("pow_scalar")
 def _pow_scalar(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("Pow", x[0], em.scalar(_num(node.attrs["exponent"]), _dtype(node)), out=out[0])
+
+
+@_kernel("pow")
+def _pow(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    em.op("Pow", x[0], x[1], out=out[0])
+
+
+@_kernel("log1p")
+def _log1p(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    """ONNX has no Log1p; log(u) * x / (u - 1) with u = 1 + x (Goldberg's correction of
+    the rounding in u), and x itself where u rounds to 1."""
+    one = em.scalar(1, _dtype(node))
+    u = em.op("Add", x[0], one)
+    corrected = em.op("Div", em.op("Mul", em.op("Log", u), x[0]), em.op("Sub", u, one))
+    em.op("Where", em.op("Equal", u, one), x[0], corrected, out=out[0])
 
 
 @_kernel("cast")
@@ -347,12 +362,46 @@ def _direction(em: Emitter, part: str, g: str, wd: float, dt: DType) -> str:
     return em.op("Add", g, em.op("Mul", em.scalar(wd, dt), part))
 
 
+# inputs of each effect before its optional ``skip`` flag
+_ARITY = {"assign": 2, "sgd_update": 3, "sgd_momentum_update": 4, "adamw_update": 6}
+
+
+def _gated(kernel: Kernel) -> Kernel:
+    """An effect honouring its optional last input ``skip`` (1.0: a non-finite step): the
+    kernel's new values go to temporaries, and each written output is
+    ``Where(skip != 0, old, new)``, so a skipped step writes back what it read."""
+
+    def gated(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+        if len(node.inputs) <= _ARITY[node.op]:
+            kernel(em, node, x, out)
+            return
+        new = [em.tmp() for _ in out]
+        kernel(em, node, x, new)
+        skip = em.op("Cast", x[-1], to=onnx_dtype(DType.BOOL))
+        for i, fresh, name in zip(get_op(node.op).mutates, new, out, strict=True):
+            em.op("Where", skip, x[i], fresh, out=name)
+
+    return gated
+
+
+@_kernel("nonfinite")
+def _nonfinite(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    bad = em.op("Or", em.op("IsNaN", x[0]), em.op("IsInf", x[0]))
+    flag = em.op("Cast", bad, to=onnx_dtype(DType.F32))
+    if node.inputs[0].shape == ():
+        em.op("Identity", flag, out=out[0])
+    else:
+        em.op("ReduceMax", flag, out=out[0], keepdims=0)
+
+
 @_kernel("assign")
+@_gated
 def _assign(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     em.op("Identity", x[1], out=out[0])
 
 
 @_kernel("sgd_update")
+@_gated
 def _sgd(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     w, g, lr = x[0], x[1], _like_param(em, node, x, 2)
     dt, rows = _dtype(node), _rows(node)
@@ -363,6 +412,7 @@ def _sgd(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
 
 
 @_kernel("sgd_momentum_update")
+@_gated
 def _sgd_momentum(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     w, g, buf, lr = *x[:3], _like_param(em, node, x, 3)
     dt, rows = _dtype(node), _rows(node)
@@ -378,6 +428,7 @@ def _sgd_momentum(em: Emitter, node: Node, x: list[str], out: list[str]) -> None
 
 
 @_kernel("adamw_update")
+@_gated
 def _adamw(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     w, g, m, v = x[:4]
     t, lr = _like_param(em, node, x, 4), _like_param(em, node, x, 5)

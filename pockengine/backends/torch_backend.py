@@ -199,6 +199,12 @@ class TorchBackend(Backend):
         )
         return out.copy_(source)  # the one copy
 
+    def supported_ops(self) -> frozenset[str]:
+        return frozenset(KERNELS)
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.device.type == self.device.type
+
     def to_numpy(self, tensor: Any) -> Array:
         t = tensor.detach()
         if t.dtype == torch.bfloat16:

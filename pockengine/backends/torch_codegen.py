@@ -6,9 +6,11 @@ The kernel tables (``torch_kernels*``) write the statements; this
 module decides everything around them:
 
 - names: every value is a local ``v<k>``; graph inputs are the function's parameters;
-- liveness: a value is deleted (``del``) on the line of its last read, results nobody
-  reads on the line that makes them, so peak memory follows the graph's liveness;
-- aliasing: view ops (reshape, transpose, slice, ...) may share memory with a param,
+- liveness: a value is deleted (``del``) on the line of its last read (``plan.last_reads``),
+  results nobody reads on the line that makes them, so peak memory follows the graph's
+  liveness;
+- aliasing: view ops (``Fact.VIEW``: reshape, transpose, slice, ...) may share memory
+  with a param,
   buffer or state tensor that a later effectful node writes in place; such a view that
   is still live at the write is copied first, and results that alias stored tensors are
   copied before they are returned, so in-place updates never change a value the IR
@@ -33,12 +35,11 @@ from typing import Any
 
 import torch
 
-from pockengine.ir import DType, Graph, Node, Role, Value, get_op, print_node
-from pockengine.plan.inplace import CONSTANT_OPS, VIEW_OPS, reusable_inputs
+from pockengine.ir import DType, Fact, Graph, Node, Role, Value, get_op, print_node
+from pockengine.plan.inplace import reusable_inputs
+from pockengine.plan.liveness import last_reads
 
 __all__ = [
-    "CONSTANT_OPS",
-    "VIEW_OPS",
     "Emit",
     "Emitter",
     "GeneratedSource",
@@ -46,9 +47,9 @@ __all__ = [
     "generate_source",
 ]
 
-# VIEW_OPS: ops whose result, as this backend's kernels compute it, may share memory with
+# Fact.VIEW: ops whose result, as this backend's kernels compute it, may share memory with
 # their first input (stop_gradient, cast to the same dtype and sum_to over no axis return
-# it, or a view of it). CONSTANT_OPS: ops whose kernels bind compile-time constants
+# it, or a view of it). Fact.CONSTANT: ops whose kernels bind compile-time constants
 # (globals that must never be handed out or written).
 _STORED = (Role.PARAM, Role.BUFFER, Role.STATE, Role.CONST)
 _LITERAL_DTYPES = (DType.F32, DType.F64, DType.I64)
@@ -193,7 +194,7 @@ class _Generator:
         self.inputs = tuple(v.name for v in graph.inputs)
         self.input_set = frozenset(self.inputs)
         self.outputs = {v.name for v in graph.outputs}
-        self.last = _last_reads(graph)
+        self.last = last_reads(graph)
         self.pairs = _pairs(graph, self.index, finders)
         self.reuse = reusable_inputs(graph) if inplace else {}
         # value -> the stored tensors (or "<constant>") it may share memory with
@@ -255,9 +256,10 @@ class _Generator:
         return stmts
 
     def _track_aliases(self, node: Node) -> None:
-        if node.op in CONSTANT_OPS:
+        opdef = get_op(node.op)
+        if opdef.has(Fact.CONSTANT):
             self.aliases[node.outputs[0].name] = frozenset({"<constant>"})
-        elif node.op in VIEW_OPS and node.outputs:
+        elif opdef.has(Fact.VIEW) and node.outputs:
             shares = self.aliases.get(node.inputs[0].name, frozenset())
             if shares:
                 self.aliases[node.outputs[0].name] = shares
@@ -266,17 +268,6 @@ class _Generator:
         """A result sharing memory with a stored tensor or a constant is returned as a copy."""
         local = self.locals[name]
         return f"{local}.clone()" if self.aliases.get(name) else local
-
-
-def _last_reads(graph: Graph) -> dict[str, int]:
-    """The index of the last node reading each value; a result nobody reads dies where made."""
-    last: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for v in node.outputs:
-            last[v.name] = i
-        for v in node.inputs:
-            last[v.name] = i
-    return last
 
 
 @dataclass

@@ -284,7 +284,7 @@ def _tensor(array: Any, device: torch.device) -> torch.Tensor:
 
 _UNARY = (
     *("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs"),
-    *("reciprocal", "erf"),
+    *("reciprocal", "erf", "log1p"),
 )
 _PREDICATES = ("eq", "ne", "lt", "le", "gt", "ge")
 
@@ -296,6 +296,7 @@ KERNELS: dict[str, Emitter] = {
     "silu": _call("aten_silu"),
     "logical_not": _call("aten_logical_not"),
     "pow_scalar": _pow_scalar,
+    "pow": _call("aten_pow"),
     "cast": _cast,
     "clamp": _clamp("min", "max"),
     "hardtanh": _clamp("min_val", "max_val"),

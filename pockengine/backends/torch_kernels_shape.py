@@ -38,7 +38,7 @@ def _method(method: str, attr: str) -> Emitter:
 # -- shape -----------------------------------------------------------------------------------
 def _stop_gradient(e: Emit) -> list[str]:
     # The input tensor itself (run is under inference_mode: no autograd to detach from);
-    # torch_codegen.VIEW_OPS lists it, so a stored tensor's alias is copied before a write.
+    # it has Fact.VIEW, so a stored tensor's alias is copied before a write.
     return [f"{e.out} = {e.ins[0]}"]
 
 

@@ -19,6 +19,7 @@ itself; torch is imported when a run starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any
 
 from pockengine.finetune.config import (
@@ -49,7 +50,8 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     unknown = sorted(set(options) - names)
     if unknown:
         raise FinetuneError(f"unknown finetune options {unknown}; options: {sorted(names)}")
-    config = dataclasses.replace(config or FinetuneConfig(), **options)
+    paths = {k: os.fspath(v) for k, v in options.items() if isinstance(v, os.PathLike)}
+    config = dataclasses.replace(config or FinetuneConfig(), **{**options, **paths})
     if ("model" in options or "data" in options) and "recipe" not in options:
         config = dataclasses.replace(config, recipe=None)
     from pockengine.finetune import trainer

@@ -114,7 +114,9 @@ def _dequantize(source: Path, out: Path) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     with models.quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=_GGUF)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(source), gguf_file=_GGUF, trust_remote_code=False
+        )
         model = LlamaForCausalLM.from_pretrained(str(source), gguf_file=_GGUF, dtype=torch.float32)
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights written are plain float32
@@ -129,8 +131,10 @@ def load_smollm2(config: FinetuneConfig) -> tuple[nn.Module, Any]:
 
     folder = smollm2_folder()
     with models.quiet_transformers():
-        model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model = LlamaForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, use_safetensors=True, trust_remote_code=False
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     if not isinstance(model, nn.Module):
         raise FinetuneError(f"{folder} did not load as a torch module")
     assert config.seq_len is not None

@@ -26,6 +26,7 @@ from typing import IO, Any
 import numpy as np
 
 from pockengine.finetune.config import FinetuneError
+from pockengine.finetune.model_files import check_safetensors
 
 __all__ = [
     "CHECKPOINT",
@@ -85,6 +86,7 @@ def load(path: str | Path) -> Checkpoint:
     p = Path(path)
     try:
         data = p.read_bytes()
+        check_safetensors(p, data)  # a truncated file fails here, before the Rust reader
         tensors = from_bytes(data)
         meta = _metadata(data)
     except FileNotFoundError as exc:
@@ -98,17 +100,25 @@ def load(path: str | Path) -> Checkpoint:
         for key, array in tensors.items():
             group, _, name = key.partition("/")
             groups[group][name] = array
+        fields = {k: _json_object(meta[k]) for k in ("counters", "config", "scheme", "info")}
         return Checkpoint(
             params=groups["param"],
             optimizer=groups["optim"],
             order=groups["data"]["order"],
-            counters={k: int(v) for k, v in json.loads(meta["counters"]).items()},
-            config=json.loads(meta["config"]),
-            scheme=json.loads(meta["scheme"]),
-            info=json.loads(meta["info"]),
+            counters={k: int(v) for k, v in fields["counters"].items()},
+            config=fields["config"],
+            scheme=fields["scheme"],
+            info=fields["info"],
         )
-    except (KeyError, ValueError) as exc:
-        raise FinetuneError(f"{p} is an incomplete checkpoint (missing {exc})") from exc
+    except (KeyError, ValueError, TypeError) as exc:
+        raise FinetuneError(f"{p} is an incomplete or corrupt checkpoint ({exc!r})") from exc
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text[:40]!r}")
+    return value
 
 
 def _metadata(data: bytes) -> dict[str, str]:

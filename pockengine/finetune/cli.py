@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import math
 import signal
 
 from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+from pockengine.sparse.names import SCHEME_HELP
 
-__all__ = ["EPILOG", "add_arguments", "add_search_arguments", "config_from_args", "exit_code"]
+__all__ = [
+    "EPILOG",
+    "add_arguments",
+    "add_search_arguments",
+    "config_from_args",
+    "encoding",
+    "exit_code",
+    "fraction",
+    "non_negative_float",
+    "positive_float",
+    "positive_int",
+]
 
 EPILOG = f"""\
 recipes (each checks its packages and prints how to install what is missing):
@@ -30,6 +44,60 @@ summary.json. Ctrl-C stops after the current step with a checkpoint; run the sam
 command with --resume to continue. The backend defaults to {DEFAULT_BACKEND!r}."""
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (threads, sizes, counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (learning rates)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (weight decay)."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1) (warmup, momentum; the config checks tighter)."""
+    value = _number(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def encoding(text: str) -> str:
+    """An argparse type: a text encoding Python knows."""
+    try:
+        codecs.lookup(text)
+    except LookupError:
+        raise argparse.ArgumentTypeError(f"unknown encoding {text!r}") from None
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to train")
     what.add_argument(
@@ -38,29 +106,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     what.add_argument("--model", help="a Hugging Face model folder, or module:factory")
     what.add_argument("--data", help="a .csv/.tsv/.jsonl file or a folder of class subfolders")
+    what.add_argument(
+        "--encoding", type=encoding, default="utf-8", help="of the --data text (default utf-8)"
+    )
     what.add_argument("--text-column", default="text")
     what.add_argument("--label-column", default="label")
     what.add_argument(
         "--tokenizer",
-        help="a Hugging Face tokenizer folder for a factory model "
-        "(default: a word vocabulary built from the training split)",
+        help="a Hugging Face tokenizer folder for a factory model, or for a model folder "
+        "without one (factory default: a word vocabulary built from the training split)",
     )
     how = p.add_argument_group("how to train (defaults: the recipe's)")
-    how.add_argument("--scheme", help="full, bias, sparse, head, last:K, or a scheme file")
+    how.add_argument("--scheme", help=SCHEME_HELP)
     how.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    how.add_argument("--lr", type=float, help="peak learning rate (default: by scheme)")
-    how.add_argument("--weight-decay", type=float, default=0.01)
-    how.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    how.add_argument("--epochs", type=int)
-    how.add_argument("--batch-size", type=int)
-    how.add_argument("--seq-len", type=int, help="tokens per example (padded/truncated)")
-    how.add_argument("--image-size", type=int, help="image side in pixels (image recipes)")
-    how.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of all steps")
+    how.add_argument("--lr", type=positive_float, help="peak learning rate (default: by scheme)")
+    how.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    how.add_argument("--momentum", type=fraction, default=0.9, help="SGD momentum")
+    how.add_argument("--epochs", type=positive_int)
+    how.add_argument("--batch-size", type=positive_int)
+    how.add_argument("--seq-len", type=positive_int, help="tokens per example (padded/truncated)")
+    how.add_argument("--image-size", type=positive_int, help="image side in pixels (images)")
+    how.add_argument("--warmup", type=fraction, default=0.1, help="warmup fraction of all steps")
     how.add_argument("--backend", default=DEFAULT_BACKEND)
     split = p.add_argument_group("data split")
-    split.add_argument("--val-fraction", type=float, default=0.2)
-    split.add_argument("--max-train", type=int, help="use at most N training examples")
-    split.add_argument("--max-val", type=int, help="use at most N validation examples")
+    split.add_argument("--val-fraction", type=fraction, default=0.2)
+    split.add_argument("--max-train", type=positive_int, help="use at most N training examples")
+    split.add_argument("--max-val", type=positive_int, help="use at most N validation examples")
     split.add_argument(
         "--no-dedupe", dest="dedupe", action="store_false", help="keep exact duplicate texts"
     )
@@ -68,11 +139,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("this run")
     run.add_argument("--out", help="output folder (default runs/<recipe or model>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
-    run.add_argument("--max-steps", type=int, help="stop with a checkpoint after N steps")
-    run.add_argument("--checkpoint-every", type=int, default=50, help="steps")
-    run.add_argument("--log-every", type=int, default=10, help="steps per metrics line")
+    run.add_argument("--max-steps", type=positive_int, help="stop with a checkpoint after N steps")
+    run.add_argument("--checkpoint-every", type=positive_int, default=50, help="steps")
+    run.add_argument("--log-every", type=positive_int, default=10, help="steps per metrics line")
     run.add_argument("--progress", choices=("auto", "plain", "none"), default="auto")
-    run.add_argument("--threads", type=int, help="torch threads (evaluation, torch backend)")
+    run.add_argument(
+        "--threads", type=positive_int, help="torch threads (evaluation, torch backend)"
+    )
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,11 +159,11 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--out", default="scheme.yaml", help="the scheme file to write (.yaml/.json)")
     s.add_argument("--plot", help="the PNG to write (default: the scheme file's name + .png)")
     s.add_argument("--cache-dir", default="runs/sensitivity", help="analysis records")
-    s.add_argument("--steps", type=int, default=30, help="fine-tune steps a candidate")
-    s.add_argument("--analysis-lr", type=float, help="one lr for every candidate")
-    s.add_argument("--holdout", type=int, default=200,
+    s.add_argument("--steps", type=positive_int, default=30, help="fine-tune steps a candidate")
+    s.add_argument("--analysis-lr", type=positive_float, help="one lr for every candidate")
+    s.add_argument("--holdout", type=positive_int, default=200,
                    help="training examples held out to score candidates")  # fmt: skip
-    s.add_argument("--workers", type=int, help="processes (default: cores - 1, at least 1)")
+    s.add_argument("--workers", type=positive_int, help="processes (default: cores - 1, >= 1)")
     s.add_argument("--layers", nargs="+", default=["*"], help="module path globs")
     s.add_argument("--ratios", nargs="+", type=float, default=[0.125, 0.25, 0.5, 1.0])
 
@@ -106,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         text_column=args.text_column,
         label_column=args.label_column,
         tokenizer=args.tokenizer,
+        encoding=args.encoding,
         scheme=args.scheme,
         optimizer=args.optimizer,
         lr=args.lr,

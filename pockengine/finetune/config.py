@@ -9,10 +9,14 @@ run but start a different one. The others only steer this invocation.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
+from pockengine.backends import BACKENDS
 from pockengine.ir import PockEngineError
 
 __all__ = [
@@ -30,7 +34,16 @@ DEFAULT_RECIPE = "minilm-bbc"
 
 # Options that steer one invocation and may differ between a run and its resume.
 RUN_FIELDS = frozenset(
-    {"out", "resume", "max_steps", "checkpoint_every", "log_every", "progress", "backend"}
+    {
+        "out",
+        "resume",
+        "max_steps",
+        "checkpoint_every",
+        "log_every",
+        "progress",
+        "backend",
+        "encoding",  # the data's fingerprint is checked on resume instead
+    }
 )
 
 
@@ -48,7 +61,9 @@ class FinetuneConfig:
     data: str | None = None  # a CSV, a JSONL file or a folder of class subfolders
     text_column: str = "text"
     label_column: str = "label"
-    tokenizer: str | None = None  # a Hugging Face tokenizer folder for factory models
+    tokenizer: str | None = None  # a Hugging Face tokenizer folder (factory models, or
+    # a model folder without one)
+    encoding: str = "utf-8"  # of the --data text files
     scheme: str | None = None  # full, bias, sparse, head, last:K or a scheme file
     optimizer: str = "adamw"  # adamw or sgd
     lr: float | None = None
@@ -74,9 +89,11 @@ class FinetuneConfig:
 
     def validate(self) -> FinetuneConfig:
         """``self`` if every option is in range, else a ``FinetuneError`` naming it."""
+        _numbers(self)
         if self.recipe is None and (self.model is None or self.data is None):
             raise FinetuneError("without a recipe, give both a model and a dataset")
         _choice("optimizer", self.optimizer, ("adamw", "sgd"))
+        _choice("backend", self.backend, (*BACKENDS, "torch-cpu"))
         _choice("progress", self.progress, ("auto", "plain", "none"))
         for name in (
             "epochs",
@@ -90,10 +107,18 @@ class FinetuneConfig:
             _positive(name, getattr(self, name))
         for name in ("checkpoint_every", "log_every"):
             _positive(name, getattr(self, name))
-        if self.lr is not None and not self.lr > 0:
-            raise FinetuneError(f"lr must be > 0, got {self.lr}")
-        if not self.weight_decay >= 0:
-            raise FinetuneError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise FinetuneError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise FinetuneError(
+                f"weight_decay must be a finite number >= 0, got {self.weight_decay}"
+            )
+        if not 0 <= self.momentum < 1:
+            raise FinetuneError(f"momentum must be in [0, 1), got {self.momentum}")
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise FinetuneError(f"unknown text encoding {self.encoding!r}") from None
         if not 0 <= self.warmup < 1:
             raise FinetuneError(f"warmup is a fraction of all steps in [0, 1), got {self.warmup}")
         if not 0 < self.val_fraction < 1:
@@ -119,5 +144,19 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise FinetuneError(f"{name} must be a positive integer, got {value}")
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise FinetuneError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _numbers(config: FinetuneConfig) -> None:
+    """The float options are numbers and the text options text (the API takes any value)."""
+    for name in ("lr", "weight_decay", "momentum", "warmup", "val_fraction"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise FinetuneError(f"{name} must be a number, got {value!r}")
+    for name in ("recipe", "model", "data", "tokenizer", "scheme", "out", "backend", "encoding"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise FinetuneError(f"{name} must be a string, got {value!r}")

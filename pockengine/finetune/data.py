@@ -46,6 +46,7 @@ class TextDataset:
     texts: tuple[str, ...]
     labels: tuple[str, ...]
     source: str
+    replaced: int = 0  # undecodable bytes replaced by U+FFFD (recipes that allow it)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -60,7 +61,7 @@ class TextDataset:
     def take(self, indices: Iterable[int]) -> TextDataset:
         idx = list(indices)
         texts = tuple(self.texts[i] for i in idx)
-        return TextDataset(texts, tuple(self.labels[i] for i in idx), self.source)
+        return TextDataset(texts, tuple(self.labels[i] for i in idx), self.source, self.replaced)
 
     def head(self, n: int | None) -> TextDataset:
         return self if n is None or n >= len(self) else self.take(range(n))
@@ -70,18 +71,22 @@ class TextDataset:
 
 
 def load_dataset(
-    path: str | Path, text_column: str = "text", label_column: str = "label"
+    path: str | Path,
+    text_column: str = "text",
+    label_column: str = "label",
+    encoding: str = "utf-8",
 ) -> TextDataset:
-    """A labelled dataset from a ``.csv``/``.tsv``, ``.jsonl`` file or a class folder."""
+    """A labelled dataset from a ``.csv``/``.tsv``, ``.jsonl`` file or a class folder, its
+    text decoded with ``encoding`` (bytes that do not decode: an error naming the line)."""
     p = Path(path)
     if not p.exists():
         raise FinetuneError(f"dataset {p} does not exist")
     if p.is_dir():
-        data = load_folder(p)
+        data = load_folder(p, encoding=encoding)
     elif p.suffix.lower() in (".csv", ".tsv"):
-        data = load_csv(p, text_column, label_column)
+        data = load_csv(p, text_column, label_column, encoding=encoding)
     elif p.suffix.lower() in (".jsonl", ".ndjson"):
-        data = load_jsonl(p, text_column, label_column)
+        data = load_jsonl(p, text_column, label_column, encoding=encoding)
     else:
         raise FinetuneError(
             f"dataset {p}: unknown format {p.suffix!r}; use .csv, .tsv, .jsonl or a folder "
@@ -96,15 +101,32 @@ def load_dataset(
     return data
 
 
-def _read_text(p: Path) -> str:
+def _read_text(p: Path, encoding: str = "utf-8", replace: bool = False) -> tuple[str, int]:
+    """The text of ``p`` and the number of bytes replaced (``replace``: undecodable bytes
+    become U+FFFD, counted; otherwise they are an error naming the file and line)."""
     try:
-        return p.read_bytes().decode("utf-8", errors="replace")
+        raw = p.read_bytes()
     except OSError as exc:
         raise FinetuneError(f"cannot read {p}: {exc}") from exc
+    try:
+        return raw.decode(encoding), 0
+    except LookupError as exc:
+        raise FinetuneError(f"unknown text encoding {encoding!r} (--encoding)") from exc
+    except UnicodeDecodeError as exc:
+        if replace:
+            text = raw.decode(encoding, errors="replace")
+            return text, text.count("\ufffd") - raw.decode(encoding, "ignore").count("\ufffd")
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise FinetuneError(
+            f"{p}:{line}: not {encoding} text (byte {raw[exc.start]:#04x} at offset "
+            f"{exc.start}); give the file's encoding with --encoding, e.g. --encoding latin-1"
+        ) from exc
 
 
-def load_csv(p: Path, text_column: str, label_column: str) -> TextDataset:
-    text = _read_text(p)
+def load_csv(
+    p: Path, text_column: str, label_column: str, encoding: str = "utf-8", replace: bool = False
+) -> TextDataset:
+    text, replaced = _read_text(p, encoding, replace)
     if not text.strip():
         raise FinetuneError(f"dataset {p} is empty")
     rows = _csv_rows(p, text)
@@ -124,7 +146,7 @@ def load_csv(p: Path, text_column: str, label_column: str) -> TextDataset:
             )
         texts.append(row[ti])
         labels.append(_label(p, line, row[li]))
-    return TextDataset(tuple(texts), tuple(labels), str(p))
+    return TextDataset(tuple(texts), tuple(labels), str(p), replaced)
 
 
 def _csv_rows(p: Path, text: str) -> list[tuple[int, list[str]]]:
@@ -162,8 +184,11 @@ def _label(p: Path, line: int, value: Any) -> str:
     return label
 
 
-def load_jsonl(p: Path, text_column: str, label_column: str) -> TextDataset:
-    lines = [(i + 1, s) for i, s in enumerate(_read_text(p).splitlines()) if s.strip()]
+def load_jsonl(
+    p: Path, text_column: str, label_column: str, encoding: str = "utf-8"
+) -> TextDataset:
+    text, _ = _read_text(p, encoding)
+    lines = [(i + 1, s) for i, s in enumerate(text.splitlines()) if s.strip()]
     if not lines:
         raise FinetuneError(f"dataset {p} is empty")
     texts, labels = [], []
@@ -185,19 +210,22 @@ def load_jsonl(p: Path, text_column: str, label_column: str) -> TextDataset:
     return TextDataset(tuple(texts), tuple(labels), str(p))
 
 
-def load_folder(p: Path) -> TextDataset:
+def load_folder(p: Path, encoding: str = "utf-8", replace: bool = False) -> TextDataset:
     """One subfolder per class, one text per file (hidden files skipped)."""
     classes = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
         raise FinetuneError(f"dataset folder {p} has no class subfolders")
-    texts, labels = [], []
+    texts, labels, replaced = [], [], 0
     for d in classes:
         files = sorted(f for f in d.iterdir() if f.is_file() and not f.name.startswith("."))
-        texts += [_read_text(f) for f in files]
+        for f in files:
+            text, n = _read_text(f, encoding, replace)
+            texts.append(text)
+            replaced += n
         labels += [d.name] * len(files)
     if not texts:
         raise FinetuneError(f"dataset folder {p}: its class subfolders hold no files")
-    return TextDataset(tuple(texts), tuple(labels), str(p))
+    return TextDataset(tuple(texts), tuple(labels), str(p), replaced)
 
 
 # -- cleaning, splitting, order -------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pockengine.finetune.checkpoint import write_json_lines
+from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.recipes import Task
 from pockengine.runtime import TrainStep
 
@@ -28,7 +29,10 @@ __all__ = ["MetricsLog", "evaluate"]
 def evaluate(step: TrainStep, task: Task, batch_size: int = 64) -> dict[str, float]:
     """Validation metrics of the step's current weights (a causal LM in batches of at most
     8 sequences: its logits are as wide as the vocabulary)."""
-    step.load_into(task.model)
+    # Buffers the compiled step does not hold (ones the loss never reads) keep their values.
+    loaded = step.load_into(task.model, strict=False)
+    if loaded.unexpected or loaded.mismatched:
+        raise FinetuneError(f"the trained values do not fit the model: {loaded.describe()}")
     was_training = task.model.training
     task.model.eval()
     try:

@@ -5,6 +5,12 @@
 ``module:factory``, a function returning a ``torch.nn.Module`` whose
 ``forward(ids, mask)`` gives logits. The factory receives those of ``num_labels``,
 ``vocab_size`` and ``seq_len`` that its signature names.
+
+Nothing in a model folder executes (``model_files``): no ``auto_map`` code, no pickled
+weights, no prompt. The only user code PockEngine runs is the ``module:factory`` the
+user names: ``module`` is imported as Python imports it (``sys.path``: installed
+packages, ``PYTHONPATH``), with the current folder put first on ``sys.path`` for that
+import only (as ``python -m`` would).
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import torch
 from torch import nn
 
 from pockengine.finetune.config import FinetuneError
+from pockengine.finetune.model_files import check_model_folder, has_tokenizer, read_json
 
 __all__ = [
     "MeanPoolClassifier",
+    "check_tokenizer_folder",
     "is_factory_spec",
     "load_factory",
     "load_hf_encoder",
@@ -90,22 +98,26 @@ def quiet_transformers() -> Iterator[None]:
 def _hf_folder(path: str) -> Path:
     require("transformers", "pip install 'transformers>=4.45'", f"the model {path}")
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FinetuneError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    check_model_folder(folder)
     return folder
 
 
+# Loaders never run code from the folder (no auto_map classes) and never prompt for it.
+_SAFE = {"local_files_only": True, "trust_remote_code": False}
+
+
 def load_hf_encoder(path: str) -> tuple[nn.Module, int, int]:
-    """The encoder in a local folder (offline), its hidden size and its longest input."""
+    """The encoder in a local folder (offline, safetensors only, none of the folder's own
+    code), its hidden size and its longest input."""
     from transformers import AutoConfig, AutoModel
 
     folder = _hf_folder(path)
     try:
         with quiet_transformers():
-            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            config = AutoConfig.from_pretrained(str(folder), **_SAFE)
             extra = {"add_pooling_layer": False} if config.model_type in _POOLER_MODELS else {}
-            encoder = AutoModel.from_pretrained(str(folder), local_files_only=True, **extra)
-    except (OSError, ValueError, KeyError) as exc:
+            encoder = AutoModel.from_pretrained(str(folder), use_safetensors=True, **_SAFE, **extra)
+    except Exception as exc:  # transformers raises many kinds; the folder is the cause
         raise FinetuneError(f"cannot load the model in {folder}: {exc}") from exc
     hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
     if not isinstance(hidden, int):
@@ -114,16 +126,35 @@ def load_hf_encoder(path: str) -> tuple[nn.Module, int, int]:
     return encoder, hidden, longest
 
 
+def check_tokenizer_folder(path: str) -> Path:
+    """A folder with tokenizer files that asks for none of its own code."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FinetuneError(f"tokenizer folder {folder} does not exist")
+    config = folder / "tokenizer_config.json"
+    if config.is_file() and "auto_map" in read_json(config):
+        raise FinetuneError(
+            f"the tokenizer in {folder} needs its own Python code ({config}: auto_map); "
+            "PockEngine never runs code from a model folder"
+        )
+    if not has_tokenizer(folder):
+        raise FinetuneError(
+            f"{folder} has no tokenizer files (tokenizer.json, vocab.txt, ...); "
+            "give one with --tokenizer FOLDER"
+        )
+    return folder
+
+
 def load_hf_tokenizer(path: str) -> Any:
-    """The tokenizer in a local Hugging Face folder (offline)."""
+    """The tokenizer in a local Hugging Face folder (offline, none of the folder's code)."""
     from transformers import AutoTokenizer
 
-    folder = Path(path)
     require("transformers", "pip install 'transformers>=4.45'", f"the tokenizer {path}")
+    folder = check_tokenizer_folder(path)
     try:
         with quiet_transformers():
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+            return AutoTokenizer.from_pretrained(str(folder), **_SAFE)
+    except Exception as exc:  # transformers raises many kinds; the folder is the cause
         raise FinetuneError(f"cannot load a tokenizer from {folder}: {exc}") from exc
 
 
@@ -140,7 +171,7 @@ def load_factory(spec: str, **offered: int) -> nn.Module:
         sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # the user's module: ImportError, SyntaxError, its own errors
         raise FinetuneError(f"cannot import {module_name!r} for the model {spec!r}: {exc}") from exc
     finally:
         if added:
@@ -151,7 +182,10 @@ def load_factory(spec: str, **offered: int) -> nn.Module:
     params = inspect.signature(factory).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
-    model = factory(**kwargs)
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:  # the user's code failed; say where
+        raise FinetuneError(f"the model factory {spec} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise FinetuneError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     return model

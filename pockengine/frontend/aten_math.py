@@ -123,7 +123,7 @@ def _unary(op: str) -> Any:
 
 for _op in (
     "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "sin", "cos",
-    "abs", "reciprocal", "erf",
+    "abs", "reciprocal", "erf", "log1p",
 ):  # fmt: skip
     aten(f"{_op}.default")(_unary(_op))
 
@@ -156,6 +156,17 @@ def _pow(cx: Ctx, a: Value, exponent: float) -> Value:
     if exponent == 2:
         return cx.call("mul", a, a)
     return cx.call("pow_scalar", a, exponent=float(exponent))
+
+
+@aten("pow.Tensor_Tensor", "pow.Scalar")
+def _pow_tensor(cx: Ctx, a: Any, exponent: Any) -> Value:
+    """A tensor exponent (or a scalar base): the IR's float ``pow`` in the result dtype."""
+    dtype = cx.out_type.dtype
+    if not dtype.is_float:
+        raise CompileError(
+            f"pow with a tensor exponent gives {dtype}: only float results are supported"
+        )
+    return cx.call("pow", cx.tensor(a, dtype), cx.tensor(exponent, dtype))
 
 
 # -- reductions -------------------------------------------------------------------

@@ -104,7 +104,7 @@ def _erfc(cx: JCtx, x: Value) -> Value:
 
 @primitive("log1p")
 def _log1p(cx: JCtx, x: Value) -> Value:
-    return cx.call("log", cx.call("add", x, cx.full(1.0, x.dtype)))
+    return cx.call("log1p", x)
 
 
 @primitive("expm1")
@@ -131,10 +131,11 @@ def _integer_pow(cx: JCtx, x: Value) -> Value:
 
 @primitive("pow")
 def _pow(cx: JCtx, x: Value, y: Value) -> Value:
-    exponent = cx.static(y, "the exponent of pow")
-    if exponent.size != 1:
-        raise CompileError("pow needs a scalar exponent")
-    return cx.call("pow_scalar", x, exponent=float(exponent.reshape(())))
+    """A constant scalar exponent is ``pow_scalar``; a computed one the float ``pow``."""
+    known = cx.known.get(y.name)
+    if known is not None and known.size == 1:
+        return cx.call("pow_scalar", x, exponent=float(known.reshape(())))
+    return cx.call("pow", x, cx.cast(y, x.dtype))
 
 
 @primitive("sign")

@@ -35,14 +35,25 @@ MARKER = "pockengine_layer"
 
 
 def require_tensorflow() -> Any:
-    """The ``tensorflow`` module, or a CompileError that says how to install it."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    """The ``tensorflow`` module, or a CompileError that says how to install it.
+
+    TensorFlow's C++ start-up logging is quieted while it is first imported (it reads
+    ``TF_CPP_MIN_LOG_LEVEL`` then); the variable is restored afterwards, so the user's
+    process keeps its own environment."""
+    key = "TF_CPP_MIN_LOG_LEVEL"
+    before = os.environ.get(key)
+    os.environ.setdefault(key, "2")
     try:
         import tensorflow as tf
     except ImportError as exc:
         raise CompileError(
             'the Keras frontend needs TensorFlow: pip install "pockengine[tf]"'
         ) from exc
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
     return tf
 
 

@@ -84,10 +84,14 @@ def _where(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
 
 @onnx_op("Pow")
 def _pow(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
+    """A constant scalar exponent is ``pow_scalar``; a computed one the float ``pow``."""
     base, exponent = ins
-    if not isinstance(exponent, np.ndarray) or exponent.size != 1:
-        raise CompileError("Pow needs a constant scalar exponent")
-    return cx.call("pow_scalar", cx.value(base), exponent=float(exponent.reshape(-1)[0]))
+    if isinstance(exponent, np.ndarray) and exponent.size == 1:
+        return cx.call("pow_scalar", cx.value(base), exponent=float(exponent.reshape(-1)[0]))
+    x = cx.value(base)
+    if not x.dtype.is_float:
+        raise CompileError(f"Pow of {x.type} by a computed exponent: only float is supported")
+    return cx.call("pow", x, cx.like(exponent, x))
 
 
 _UNARY = {

@@ -65,9 +65,13 @@ def _squared_difference(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
 
 @tf_op("Pow")
 def _pow(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
-    if not isinstance(ins[1], np.ndarray) or np.asarray(ins[1]).size != 1:
-        raise CompileError("Pow needs a constant scalar exponent")
-    return cx.call("pow_scalar", cx.value(ins[0]), exponent=float(np.asarray(ins[1]).item()))
+    """A constant scalar exponent is ``pow_scalar``; a computed one the float ``pow``."""
+    if isinstance(ins[1], np.ndarray) and np.asarray(ins[1]).size == 1:
+        return cx.call("pow_scalar", cx.value(ins[0]), exponent=float(np.asarray(ins[1]).item()))
+    x, y = float_like(cx, ins)
+    if not x.dtype.is_float:
+        raise CompileError(f"Pow of {x.type} by a computed exponent: only float is supported")
+    return cx.call("pow", x, y)
 
 
 @tf_op("SelectV2", "Select")
@@ -88,6 +92,7 @@ for _tf, _ir in {
     "Neg": "neg",
     "Exp": "exp",
     "Log": "log",
+    "Log1p": "log1p",
     "Sqrt": "sqrt",
     "Rsqrt": "rsqrt",
     "Tanh": "tanh",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ from pockengine.frontend.tf_ops import (
 from pockengine.ir import CompileError, DType, Value
 
 __all__: list[str] = []
+
+log = logging.getLogger(__name__)
 
 
 def _shape_of(x: Operand) -> tuple[int, ...]:
@@ -174,3 +177,61 @@ def _fill_like(fill: int) -> Any:
 
 tf_op("ZerosLike")(_fill_like(0))
 tf_op("OnesLike")(_fill_like(1))
+
+
+@tf_op("IdentityN")
+def _identity_n(cx: Ctx, ins: list[Operand], attrs: Attrs) -> tuple[Operand, ...]:
+    """Each input passed through. ``tf.custom_gradient`` puts one around its function, with
+    ``_gradient_op_type`` set: autodiff then differentiates the function's own ops, which is
+    its custom gradient only where that gradient is exact, so this says so once per node."""
+    if attrs.get("_gradient_op_type"):
+        log.warning("%s: a tf.custom_gradient is replaced by the gradient of the ops it wraps",
+                    cx.source or "IdentityN")  # fmt: skip
+    return tuple(ins)
+
+
+def _blocks(ins: list[Operand], x: Value, what: str) -> tuple[list[int], list[list[int]]]:
+    """The block shape and the [M, 2] paddings or crops of Space/BatchToSpaceND."""
+    block = const_ints(ins[1], f"the block shape of {what}")
+    flat = const_ints(ins[2], f"the paddings or crops of {what}")
+    if len(flat) != 2 * len(block) or x.type.rank < 1 + len(block):
+        raise CompileError(f"{what}: block {block} and pads {flat} do not fit {x.type}")
+    return block, [flat[2 * i : 2 * i + 2] for i in range(len(block))]
+
+
+@tf_op("SpaceToBatchND")
+def _space_to_batch(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    """[B, P1, .., PM, R..] (padded) -> [B, P1/b1, b1, ..] -> [b1, .., bM, B, P1/b1, .., R..]
+    -> [b1*..*bM*B, P1/b1, .., PM/bM, R..]: how TF runs a dilated convolution."""
+    x = cx.value(ins[0])
+    block, pads = _blocks(ins, x, "SpaceToBatchND")
+    m, rest = len(block), x.shape[1 + len(block) :]
+    zeros = ((0, 0),) * len(rest)
+    if any(lo or hi for lo, hi in pads):
+        grown = ((0, 0), *((lo, hi) for lo, hi in pads), *zeros)
+        x = cx.call("pad", x, pads=grown, value=0.0)
+    batch, spatial = x.shape[0], x.shape[1 : 1 + m]
+    if any(d % b for d, b in zip(spatial, block, strict=True)):
+        raise CompileError(f"SpaceToBatchND: padded {list(spatial)} is not a multiple of {block}")
+    split = [d for s, b in zip(spatial, block, strict=True) for d in (s // b, b)]
+    x = reshape(cx, x, (batch, *split, *rest))
+    perm = (*(2 + 2 * i for i in range(m)), 0, *(1 + 2 * i for i in range(m)))
+    x = cx.call("transpose", x, perm=(*perm, *range(1 + 2 * m, x.type.rank)))
+    outer = batch * int(np.prod(block))
+    return reshape(cx, x, (outer, *(s // b for s, b in zip(spatial, block, strict=True)), *rest))
+
+
+@tf_op("BatchToSpaceND")
+def _batch_to_space(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    """The inverse: [b1*..*bM*B, S1, .., R..] -> [B, S1*b1, .., SM*bM, R..], then cropped."""
+    x = cx.value(ins[0])
+    block, crops = _blocks(ins, x, "BatchToSpaceND")
+    m, spatial, rest = len(block), x.shape[1 : 1 + len(block)], x.shape[1 + len(block) :]
+    batch = x.shape[0] // int(np.prod(block))
+    x = reshape(cx, x, (*block, batch, *spatial, *rest))
+    perm = (m, *(d for i in range(m) for d in (m + 1 + i, i)))
+    x = cx.call("transpose", x, perm=(*perm, *range(2 * m + 1, x.type.rank)))
+    x = reshape(cx, x, (batch, *(s * b for s, b in zip(spatial, block, strict=True)), *rest))
+    for axis, (lo, hi) in enumerate(crops, start=1):
+        x = _slice_axis(cx, x, axis, lo, x.shape[axis] - hi, 1)
+    return x

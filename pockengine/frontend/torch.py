@@ -20,6 +20,7 @@ import numpy as np
 
 from pockengine.frontend import (  # noqa: F401  (fill the table)
     aten_attention,
+    aten_layout,
     aten_math,
     aten_nn,
     aten_shape,
@@ -180,6 +181,7 @@ class _Translator:
         self.ctx.source = module_path(node)
         self.ctx.out = node.meta.get("val")
         self.ctx.original = str(node.meta.get("original_aten", ""))
+        self.ctx.node = node
         args = [self._arg(a) for a in node.args]
         kwargs = {k: self._arg(v) for k, v in node.kwargs.items()}
         try:
@@ -191,7 +193,7 @@ class _Translator:
         outputs = node.args[0]
         losses: list[Value] = []
         for spec, out in zip(self.ep.graph_signature.output_specs, outputs, strict=True):
-            value = self.env[out.name]
+            value = self.env[out.name] if hasattr(out, "name") else out  # a Python constant
             if spec.kind.name == "BUFFER_MUTATION":
                 fqn = str(spec.target)
                 target = self.b.inputs[[v.name for v in self.b.inputs].index(fqn[len(_WRAPPED) :])]
@@ -201,7 +203,8 @@ class _Translator:
             else:
                 raise CompileError(f"unsupported exported output of kind {spec.kind.name}")
         if len(losses) != 1 or not isinstance(losses[0], Value):
-            raise CompileError(f"loss_fn must return one scalar tensor, got {len(losses)} outputs")
+            got = f"{len(losses)} outputs" if len(losses) != 1 else repr(losses[0])
+            raise CompileError(f"loss_fn must return one scalar tensor, got {got}")
         loss = losses[0]
         if loss.shape != () or not loss.dtype.is_float:
             raise CompileError(f"loss_fn must return a float scalar, got {loss.type}")

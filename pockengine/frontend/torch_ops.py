@@ -70,6 +70,7 @@ class Ctx(EmitContext):
         super().__init__(b)
         self.out: Any = None  # the exported node's FakeTensor (or tuple of them)
         self.original = ""  # the op the exported node was decomposed from ("" if none)
+        self.node: Any = None  # the exported node itself (its inputs' strides, for as_strided)
         self.rng = DropoutSeed(b)
 
     # -- metadata ------------------------------------------------------------

@@ -18,9 +18,11 @@ from pockengine.ir.errors import (
 from pockengine.ir.parser import parse_graph
 from pockengine.ir.printer import print_graph, print_node
 from pockengine.ir.registry import (
+    COMMUTATIVE,
     EFFECTFUL,
     ELEMENTWISE,
     GRAD_PREFIX,
+    Fact,
     OpDef,
     Sample,
     VJPContext,
@@ -31,22 +33,25 @@ from pockengine.ir.registry import (
     has_op,
     register,
 )
-from pockengine.ir.types import Attrs, DType, Graph, Node, Role, TensorType, Value
+from pockengine.ir.types import Attrs, DType, Graph, Node, Phase, Role, TensorType, Value
 from pockengine.ir.verify import verify
 
 __all__ = [
+    "COMMUTATIVE",
     "EFFECTFUL",
     "ELEMENTWISE",
     "GRAD_PREFIX",
     "Attrs",
     "CompileError",
     "DType",
+    "Fact",
     "Graph",
     "GraphBuilder",
     "GraphVerifyError",
     "Node",
     "OpDef",
     "ParseError",
+    "Phase",
     "PockEngineError",
     "Role",
     "Sample",

@@ -7,11 +7,13 @@ that a builder returns is well typed by construction.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pockengine.ir.errors import CompileError, ShapeError
 from pockengine.ir.registry import get_op
-from pockengine.ir.types import Attrs, DType, Graph, Node, Role, TensorType, Value
+from pockengine.ir.types import Attrs, DType, Graph, Node, Phase, Role, TensorType, Value
 
 __all__ = ["GraphBuilder"]
 
@@ -27,6 +29,16 @@ class GraphBuilder:
         self.nodes: list[Node] = []
         self._names: set[str] = set()
         self._counter = 0
+        self.phase = Phase.FORWARD  # the phase of the nodes ``call`` adds without one
+
+    @contextmanager
+    def in_phase(self, phase: Phase) -> Iterator[None]:
+        """Nodes added inside the block get ``phase`` (autodiff: BACKWARD; optimizer: UPDATE)."""
+        outer, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = outer
 
     # -- names -------------------------------------------------------------
     def fresh(self, hint: str = "t") -> str:
@@ -65,7 +77,13 @@ class GraphBuilder:
 
     # -- nodes -------------------------------------------------------------
     def call_multi(
-        self, op: str, *inputs: Value, source: str = "", name: str | None = None, **attrs: Any
+        self,
+        op: str,
+        *inputs: Value,
+        source: str = "",
+        name: str | None = None,
+        phase: Phase | None = None,
+        **attrs: Any,
     ) -> tuple[Value, ...]:
         """Add ``op(*inputs, **attrs)``; returns its results (none for a pure effect)."""
         opdef = get_op(op)
@@ -77,27 +95,37 @@ class GraphBuilder:
             raise ShapeError(f"{exc}{where}") from None
         hint = name or op
         outs = tuple(Value(self.fresh(hint), t) for t in types)
-        self.nodes.append(Node(op, tuple(inputs), outs, frozen, source))
+        self.nodes.append(Node(op, tuple(inputs), outs, frozen, source, phase or self.phase))
         return outs
 
     def call(
-        self, op: str, *inputs: Value, source: str = "", name: str | None = None, **attrs: Any
+        self,
+        op: str,
+        *inputs: Value,
+        source: str = "",
+        name: str | None = None,
+        phase: Phase | None = None,
+        **attrs: Any,
     ) -> Value:
         """Add a single-result op and return its result."""
-        outs = self.call_multi(op, *inputs, source=source, name=name, **attrs)
+        outs = self.call_multi(op, *inputs, source=source, name=name, phase=phase, **attrs)
         if len(outs) != 1:
             raise CompileError(f"{op} has {len(outs)} results; use call_multi")
         return outs[0]
 
     def effect(self, op: str, *inputs: Value, source: str = "", **attrs: Any) -> None:
-        """Add an effectful op (an update that writes some inputs in place)."""
+        """Add an effectful op (an update that writes some inputs in place), in the
+        builder's current phase (the optimizer's updates: ``in_phase(Phase.UPDATE)``)."""
         outs = self.call_multi(op, *inputs, source=source, **attrs)
         if outs:
             raise CompileError(f"{op} has results; effects have none")
 
-    def scalar(self, value: float, dtype: DType = DType.F32, source: str = "") -> Value:
+    def scalar(
+        self, value: float, dtype: DType = DType.F32, source: str = "", phase: Phase | None = None
+    ) -> Value:
         """A 0-d constant; elementwise ops broadcast it."""
-        return self.call("full", source=source, name="c", shape=(), value=value, dtype=str(dtype))
+        return self.call("full", source=source, name="c", phase=phase, shape=(), value=value,
+                         dtype=str(dtype))  # fmt: skip
 
     def append(self, node: Node) -> Node:
         """Append a node whose result names are already chosen (rewrites, the parser)."""

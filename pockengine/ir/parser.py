@@ -7,7 +7,7 @@ import re
 
 from pockengine.ir.errors import ParseError
 from pockengine.ir.registry import get_op
-from pockengine.ir.types import Attrs, DType, Graph, Node, Role, TensorType, Value
+from pockengine.ir.types import Attrs, DType, Graph, Node, Phase, Role, TensorType, Value
 
 __all__ = ["parse_graph"]
 
@@ -15,6 +15,7 @@ _HEADER = re.compile(r"graph\s+([\w.]+)\s*\((.*?)\)\s*\{", re.S)
 _DECL = re.compile(r"(\w[\w.]*)\s*:\s*(\w+)\[([\d,\s]*)\]\s+(\w+)(\(frozen\))?")
 _RESULT = re.compile(r"%(\w[\w.]*)\s*:\s*(\w+)\[([\d,\s]*)\]")
 _CALL = re.compile(r"([\w.]+)\((.*)\)$", re.S)
+_PHASE = re.compile(r"\s@(backward|update)$")  # the printer's mark of a non-forward node
 
 
 def _type(dtype: str, dims: str) -> TensorType:
@@ -52,6 +53,10 @@ def _parse_node(line: str, env: dict[str, Value], lineno: int) -> Node:
     if "  # " in line:
         line, source = line.rsplit("  # ", 1)
         line, source = line.strip(), source.strip()
+    phase = Phase.FORWARD
+    marked = _PHASE.search(line)
+    if marked:
+        line, phase = line[: marked.start()].rstrip(), Phase(marked.group(1))
     outs: list[Value] = []
     if line.startswith("!"):
         call = line[1:].strip()
@@ -77,7 +82,7 @@ def _parse_node(line: str, env: dict[str, Value], lineno: int) -> Node:
         if name not in env:
             raise ParseError(f"line {lineno}: {op} reads undefined value {arg!r}")
         inputs.append(env[name])
-    node = Node(op, tuple(inputs), tuple(outs), Attrs(attrs), source)  # type: ignore[arg-type]
+    node = Node(op, tuple(inputs), tuple(outs), Attrs(attrs), source, phase)  # type: ignore[arg-type]
     for v in outs:
         env[v.name] = v
     return node

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pockengine.ir.types import Graph, Node, Role, Value
+from pockengine.ir.types import Graph, Node, Phase, Role, Value
 
 __all__ = ["print_graph", "print_node"]
 
@@ -23,6 +23,8 @@ def print_node(node: Node) -> str:
         line = f"{lhs} = {call}"
     else:
         line = f"! {call}"
+    if node.phase is not Phase.FORWARD:  # forward is the default and is not written
+        line = f"{line} @{node.phase}"
     return f"{line}  # {node.source}" if node.source else line
 
 

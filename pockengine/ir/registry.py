@@ -4,7 +4,7 @@ The registry lives here, in the ground floor; the op families in
 ``pockengine.ops`` register into it when imported. An OpDef holds everything
 the engine knows about an op: its shape/dtype rule, its NumPy reference
 kernel, its vector-Jacobian product written in IR ops, its FLOPs, the inputs it
-writes in place (effectful ops), its groups and sample inputs for the op table
+writes in place (effectful ops), its facts (``Fact``) and sample inputs for the op table
 tests.
 """
 
@@ -12,20 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from enum import Flag, auto
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from pockengine.ir.errors import ShapeError, UnsupportedOpError
-from pockengine.ir.types import Attrs, Node, TensorType, Value
+from pockengine.ir.types import Attrs, Node, Phase, TensorType, Value
 
 if TYPE_CHECKING:
     from pockengine.ir.builder import GraphBuilder
 
 __all__ = [
+    "COMMUTATIVE",
     "EFFECTFUL",
     "ELEMENTWISE",
     "GRAD_PREFIX",
+    "Fact",
     "OpDef",
     "Sample",
     "VJPContext",
@@ -38,11 +41,34 @@ __all__ = [
     "registrar",
 ]
 
-ELEMENTWISE = "elementwise"  # output shape = broadcast of inputs, one result per element
-EFFECTFUL = "effectful"  # writes some inputs in place; never removed by dead-code elimination
-COMMUTATIVE = "commutative"
-SHAPE = "shape"  # moves or views data, computes nothing
-REDUCTION = "reduction"
+
+class Fact(Flag):
+    """What the engine may assume about an op, declared once on its ``@defop``.
+
+    Passes, the memory plan and backends ask these instead of listing op names, so a new
+    op is described in one place. ``tests/test_op_facts.py`` checks the claims that a
+    backend's kernels can contradict (views alias, in-place kernels honour ``out=``).
+    """
+
+    ELEMENTWISE = auto()  # output shape = broadcast of inputs, one result per element
+    COMMUTATIVE = auto()  # op(a, b) == op(b, a)
+    SHAPE = auto()  # moves or views data, computes nothing
+    REDUCTION = auto()  # reduces over axes
+    SCAN = auto()  # a running reduction along an axis (cumsum)
+    CREATION = auto()  # makes a tensor from its attributes alone (full, arange, random_mask)
+    CONSTANT = auto()  # its result is a compile-time constant, never written (full, arange)
+    VIEW = auto()  # a backend may return its first input itself or a view of it
+    INPLACE = auto()  # its result may overwrite a dying input of equal shape and dtype
+    CHEAP = auto()  # cheap enough to recompute in the backward pass (rematerialisation)
+    NO_GRADIENT = auto()  # no cotangent crosses it (stop_gradient)
+    SAME_TYPE_IDENTITY = auto()  # returns its first input when the result has its type
+    EFFECTFUL = auto()  # writes some inputs in place; set by ``defop`` from ``mutates``
+
+
+NO_FACTS = Fact(0)
+ELEMENTWISE = Fact.ELEMENTWISE
+EFFECTFUL = Fact.EFFECTFUL
+COMMUTATIVE = Fact.COMMUTATIVE
 
 Array = np.ndarray[Any, Any]
 
@@ -86,17 +112,18 @@ class VJPContext:
 
     @property
     def source(self) -> str:
-        """Backward nodes carry the forward node's source behind GRAD_PREFIX."""
+        """Backward nodes carry the forward node's source behind GRAD_PREFIX (for the
+        report's per-layer attribution; their phase, not this text, marks them)."""
         return grad_source(self.node.source)
 
     def call(self, op: str, *inputs: Value, **attrs: Any) -> Value:
-        return self.b.call(op, *inputs, source=self.source, **attrs)
+        return self.b.call(op, *inputs, source=self.source, phase=Phase.BACKWARD, **attrs)
 
     def call_multi(self, op: str, *inputs: Value, **attrs: Any) -> tuple[Value, ...]:
-        return self.b.call_multi(op, *inputs, source=self.source, **attrs)
+        return self.b.call_multi(op, *inputs, source=self.source, phase=Phase.BACKWARD, **attrs)
 
     def const(self, value: float, like: Value) -> Value:
-        return self.b.scalar(value, like.dtype, source=self.source)
+        return self.b.scalar(value, like.dtype, source=self.source, phase=Phase.BACKWARD)
 
 
 GRAD_PREFIX = "grad "
@@ -136,13 +163,17 @@ class OpDef:
     vjp: VJPFn | None = None
     flops: FlopsFn = _elementwise_flops
     mutates: tuple[int, ...] = ()
-    groups: frozenset[str] = frozenset()
+    facts: Fact = NO_FACTS
     samples: SamplesFn | None = None
     doc: str = ""
 
     @property
     def effectful(self) -> bool:
         return bool(self.mutates)
+
+    def has(self, fact: Fact) -> bool:
+        """Whether the op has every fact in ``fact``."""
+        return fact in self.facts
 
     def infer_types(self, types: Sequence[TensorType], attrs: Attrs) -> tuple[TensorType, ...]:
         try:
@@ -188,12 +219,13 @@ def all_ops() -> dict[str, OpDef]:
 
 
 def defop(
-    name: str, *, groups: Sequence[str] = (), mutates: tuple[int, ...] = ()
+    name: str, *, facts: Fact = NO_FACTS, mutates: tuple[int, ...] = ()
 ) -> Callable[[type], OpDef]:
     """Class decorator: the class body holds the op's rules as static methods.
 
     ``infer`` and ``kernel`` are required; ``vjp``, ``flops`` and ``samples`` are
-    optional. The class docstring states the math and becomes the op's doc.
+    optional. The class docstring states the math and becomes the op's doc. ``facts``
+    are what passes may assume (``Fact``); ``mutates`` lists the inputs an effect writes.
     """
 
     def wrap(cls: type) -> OpDef:
@@ -208,7 +240,7 @@ def defop(
             vjp=ns["vjp"].__func__ if "vjp" in ns else None,
             flops=ns["flops"].__func__ if "flops" in ns else _elementwise_flops,
             mutates=mutates,
-            groups=frozenset(groups) | (frozenset({EFFECTFUL}) if mutates else frozenset()),
+            facts=facts | (Fact.EFFECTFUL if mutates else NO_FACTS),
             samples=ns["samples"].__func__ if "samples" in ns else None,
             doc=(cls.__doc__ or "").strip(),
         )

@@ -22,6 +22,7 @@ __all__ = [
     "DType",
     "Graph",
     "Node",
+    "Phase",
     "Role",
     "TensorType",
     "Value",
@@ -116,6 +117,15 @@ class Role(StrEnum):
     STATE = "state"  # optimizer and engine state (moments, step count, lr, rng)
 
 
+class Phase(StrEnum):
+    """Which part of a training step a node belongs to; set by whoever emits it (autodiff
+    marks the backward, the optimizer its updates), never read from ``source`` text."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UPDATE = "update"
+
+
 @dataclass(frozen=True, slots=True)
 class Value:
     """An SSA value: a graph input (with a role) or the result of one node."""
@@ -203,6 +213,7 @@ class Node:
     outputs: tuple[Value, ...]
     attrs: Attrs = field(default_factory=Attrs)
     source: str = ""  # where it came from: module path, source line, or "autodiff"
+    phase: Phase = Phase.FORWARD
 
     @property
     def output(self) -> Value:

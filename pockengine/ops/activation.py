@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pockengine.ir import ELEMENTWISE, Sample, ShapeError, TensorType, Value, VJPContext, defop
+from pockengine.ir import Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, broadcast_shapes, same_dtype
 from pockengine.ops.unary import _away, _erf, _flops, _like, _number, _numeric_infer, _uniform
 
 __all__: list[str] = []
 
-_EW = (ELEMENTWISE,)
+_EW = Fact.ELEMENTWISE
+_EW_INPLACE = Fact.ELEMENTWISE | Fact.INPLACE  # the result may overwrite a dying input
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -56,7 +57,7 @@ def _grad_samples(kinks: Sequence[float], **attrs: object) -> Callable[..., list
 
 
 # -- relu -------------------------------------------------------------------
-@defop("relu", groups=_EW)
+@defop("relu", facts=_EW | Fact.CHEAP)
 class Relu:
     """Forward: z = max(x, 0). Backward: gx = relu_grad(gz, z), i.e. gz where z > 0, else 0."""
 
@@ -72,7 +73,7 @@ class Relu:
         return (c.call("relu_grad", c.ct, c.out),)
 
 
-@defop("relu_grad", groups=_EW)
+@defop("relu_grad", facts=_EW_INPLACE)
 class ReluGrad:
     """Backward kernel of relu: gx = gz where y > 0, else 0 (y = relu(x) or x)."""
 
@@ -103,7 +104,7 @@ def _gelu_derivative(x: Array, approximate: str) -> Array:
     return _like(cdf + x * pdf, x)
 
 
-@defop("gelu", groups=_EW)
+@defop("gelu", facts=_EW_INPLACE | Fact.CHEAP)
 class Gelu:
     """Forward: z = x * Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2 (approximate='none'), or
     z = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) (approximate='tanh').
@@ -136,7 +137,7 @@ class Gelu:
         ]
 
 
-@defop("gelu_grad", groups=_EW)
+@defop("gelu_grad", facts=_EW_INPLACE)
 class GeluGrad:
     """Backward kernel of gelu: gx = gz * d gelu(x) / dx. For approximate='none',
     d/dx = Phi(x) + x * phi(x) with phi(x) = exp(-x^2/2) / sqrt(2 pi); for 'tanh', with
@@ -176,7 +177,7 @@ def _pass_between(c: VJPContext, low: object, high: object) -> Value:
     return c.call("where", mask, c.ct, c.const(0.0, c.ct))
 
 
-@defop("clamp", groups=_EW)
+@defop("clamp", facts=_EW_INPLACE | Fact.CHEAP)
 class Clamp:
     """Forward: z = min(max(x, min), max); a bound that is None is absent; min > max gives max
     (as ATen). The result keeps x's dtype: an integer x wants integer bounds.
@@ -205,7 +206,7 @@ class Clamp:
         ]
 
 
-@defop("hardtanh", groups=_EW)
+@defop("hardtanh", facts=_EW_INPLACE | Fact.CHEAP)
 class Hardtanh:
     """Forward: z = min(max(x, min_val), max_val) (relu6 is hardtanh(0, 6)).
     Backward: gx = gz where min_val < x < max_val, else 0 (ATen's hardtanh_backward)."""
@@ -230,7 +231,7 @@ class Hardtanh:
         return [Sample((x,), {"min_val": 0.0, "max_val": 6.0})]
 
 
-@defop("hardtanh_grad", groups=_EW)
+@defop("hardtanh_grad", facts=_EW_INPLACE)
 class HardtanhGrad:
     """Backward kernel of hardtanh: gx = gz where min_val < y < max_val, else 0, with y the
     input or the output of hardtanh (ATen's hardtanh_backward)."""

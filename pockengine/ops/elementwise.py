@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import (
-    ELEMENTWISE,
     DType,
+    Fact,
     OpDef,
     Sample,
     ShapeError,
@@ -30,8 +30,11 @@ from pockengine.ops._common import Array, broadcast_shapes, np_dtype, same_dtype
 
 __all__: list[str] = []
 
+# Arithmetic whose result may overwrite a dying input and that is cheap to recompute.
+_ARITHMETIC = Fact.ELEMENTWISE | Fact.INPLACE | Fact.CHEAP
 
-@defop("full", groups=("creation",))
+
+@defop("full", facts=Fact.CREATION | Fact.CONSTANT)
 class Full:
     """A tensor filled with one value: full(shape, value, dtype). No inputs, no gradient."""
 
@@ -56,7 +59,7 @@ def _arange_length(start: float, stop: float, step: float) -> int:
     return max(0, math.ceil((stop - start) / step))
 
 
-@defop("arange", groups=("creation",))
+@defop("arange", facts=Fact.CREATION | Fact.CONSTANT)
 class Arange:
     """z[i] = start + i * step for i < ceil((stop - start) / step), as ``np.arange``;
     computed in f64 (or i64) and then converted to ``dtype`` (as ATen). An integer dtype
@@ -109,7 +112,7 @@ def _mask_hash(seed: Array, salt: int, n: int) -> Array:
     return _mix32(_mix32(key ^ (i & _M32)) ^ (i >> 32))
 
 
-@defop("random_mask", groups=("creation",))
+@defop("random_mask", facts=Fact.CREATION)
 class RandomMask:
     """Dropout keep-mask: z = f32(1 / (1 - p)) where element i is kept, 0 where dropped,
     for a counter-based hash of (seed, salt, i), i the row-major flat index. seed is an
@@ -169,7 +172,7 @@ def _float_samples(*shapes: tuple[int, ...]) -> Any:
     return samples
 
 
-@defop("add", groups=(ELEMENTWISE, "commutative"))
+@defop("add", facts=_ARITHMETIC | Fact.COMMUTATIVE)
 class Add:
     """Forward: z = x + y. Backward: gx = gz, gy = gz."""
 
@@ -185,7 +188,7 @@ class Add:
         return (c.ct, c.ct)
 
 
-@defop("mul", groups=(ELEMENTWISE, "commutative"))
+@defop("mul", facts=_ARITHMETIC | Fact.COMMUTATIVE)
 class Mul:
     """Forward: z = x * y. Backward: gx = gz * y, gy = gz * x."""
 
@@ -205,7 +208,7 @@ class Mul:
         )
 
 
-@defop("sub", groups=(ELEMENTWISE,))
+@defop("sub", facts=_ARITHMETIC)
 class Sub:
     """Forward: z = x - y. Backward: gx = gz, gy = -gz."""
 
@@ -221,7 +224,7 @@ class Sub:
         return (c.ct if c.needs[0] else None, c.call("neg", c.ct) if c.needs[1] else None)
 
 
-@defop("div", groups=(ELEMENTWISE,))
+@defop("div", facts=_ARITHMETIC)
 class Div:
     """Forward: z = x / y, true division of float operands.
     Backward: gx = gz / y, gy = -gz * z / y."""
@@ -267,7 +270,7 @@ def _untied_samples(rng: np.random.Generator) -> list[Sample]:
     return [Sample((x, y))]
 
 
-@defop("maximum", groups=(ELEMENTWISE, "commutative"))
+@defop("maximum", facts=_ARITHMETIC | Fact.COMMUTATIVE)
 class Maximum:
     """Forward: z = max(x, y) (NaN propagates). Backward: gx = gz where x > y, gz/2 where
     x == y, else 0; gy = gz - gx (ties split evenly, as ATen)."""
@@ -284,7 +287,7 @@ class Maximum:
         return _select_vjp(c, "gt")
 
 
-@defop("minimum", groups=(ELEMENTWISE, "commutative"))
+@defop("minimum", facts=_ARITHMETIC | Fact.COMMUTATIVE)
 class Minimum:
     """Forward: z = min(x, y) (NaN propagates). Backward: gx = gz where x < y, gz/2 where
     x == y, else 0; gy = gz - gx (ties split evenly, as ATen)."""
@@ -335,8 +338,9 @@ def _predicate(
         "kernel": staticmethod(kernel),
         "samples": staticmethod(_logical_samples if bool_only else _compare_samples),
     }
-    commutative = ("commutative",) if name in ("eq", "ne", "logical_and", "logical_or") else ()
-    return defop(name, groups=(ELEMENTWISE, *commutative))(type(name, (), body))
+    commutative = name in ("eq", "ne", "logical_and", "logical_or")
+    facts = Fact.ELEMENTWISE | (Fact.COMMUTATIVE if commutative else Fact(0))
+    return defop(name, facts=facts)(type(name, (), body))
 
 
 _predicate("eq", "x == y", np.equal)
@@ -349,7 +353,7 @@ _predicate("logical_and", "x and y, on bool", np.logical_and, bool_only=True)
 _predicate("logical_or", "x or y, on bool", np.logical_or, bool_only=True)
 
 
-@defop("logical_not", groups=(ELEMENTWISE,))
+@defop("logical_not", facts=Fact.ELEMENTWISE)
 class LogicalNot:
     """Forward: z = not x, on bool. Not differentiable."""
 
@@ -368,7 +372,7 @@ class LogicalNot:
         return [Sample((rng.random((3, 4)) < 0.5,)), Sample((np.asarray(True),))]
 
 
-@defop("where", groups=(ELEMENTWISE,))
+@defop("where", facts=Fact.ELEMENTWISE)
 class Where:
     """Forward: z = x where cond else y (cond bool; x, y one dtype; all three broadcast).
     Backward: gcond = none, gx = where(cond, gz, 0), gy = where(cond, 0, gz)."""

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.ir import DType, Sample, ShapeError, TensorType, Value, VJPContext, defop
+from pockengine.ir import DType, Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, broadcast_shapes, norm_axis
 
 __all__: list[str] = []
 
-_SHAPE = ("shape",)
+_SHAPE = Fact.SHAPE
 _INDEX_DTYPES = (DType.I64, DType.I32)
 
 
@@ -77,7 +77,7 @@ def _along_axis_key(index: Array, axis: int) -> tuple[Array, ...]:
     return tuple(key)
 
 
-@defop("gather", groups=_SHAPE)
+@defop("gather", facts=_SHAPE)
 class Gather:
     """torch.gather: z[i, j, k] = x[i, index[i, j, k], k] for axis=1, z has index's shape;
     index.shape[d] <= x.shape[d] off the axis (equal sizes: np.take_along_axis).
@@ -111,7 +111,7 @@ class Gather:
         ]
 
 
-@defop("gather_grad", groups=_SHAPE)
+@defop("gather_grad", facts=_SHAPE)
 class GatherGrad:
     """Scatter-add: z = zeros(shape); z[i, index[i, j, k], k] += gz[i, j, k] for axis=1.
 
@@ -179,7 +179,7 @@ def _index_key(rank: int, axes: tuple[int, ...], indices: Sequence[Array]) -> tu
     return tuple(key)
 
 
-@defop("index", groups=_SHAPE)
+@defop("index", facts=_SHAPE)
 class Index:
     """NumPy advanced indexing (ATen index.Tensor): z = x[..., i0, ..., i1, ...] with the index
     tensors on ``axes`` (distinct, increasing), broadcast together, and ':' on the other axes.
@@ -218,7 +218,7 @@ class Index:
         ]
 
 
-@defop("index_grad", groups=_SHAPE)
+@defop("index_grad", facts=_SHAPE)
 class IndexGrad:
     """Scatter-add: z = zeros(shape); z[..., i0, ..., i1, ...] += gz, repeated indices summed.
 
@@ -267,7 +267,7 @@ def _padding_row(padding_idx: int | None, num_rows: int) -> int | None:
     return padding_idx % num_rows
 
 
-@defop("embedding", groups=_SHAPE)
+@defop("embedding", facts=_SHAPE)
 class Embedding:
     """Row lookup (torch F.embedding): z[..., :] = weight[ids[...], :], of shape [*ids, D].
 
@@ -312,7 +312,7 @@ class Embedding:
         ]
 
 
-@defop("embedding_grad", groups=_SHAPE)
+@defop("embedding_grad", facts=_SHAPE)
 class EmbeddingGrad:
     """Scatter-add of rows: z = zeros(num_rows, D); z[ids[...], :] += gz[..., :]; then the row
     padding_idx (if any) is zero.

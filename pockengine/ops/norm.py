@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pockengine.ir import Sample, ShapeError, TensorType, Value, VJPContext, defop
+from pockengine.ir import Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array
 from pockengine.ops._window import float_dtype
 
@@ -83,7 +83,7 @@ def _check_channels(op: str, x: TensorType, **vectors: TensorType) -> None:
             raise ShapeError(f"{op}: {name} {v} must have shape [{x.shape[1]}] (channels of {x})")
 
 
-@defop("batch_norm")
+@defop("batch_norm", facts=Fact.CHEAP)
 class BatchNorm:
     """Training-mode batch normalisation over every axis but 1 (N, C, ...); results y,
     mean and the biased variance, both of shape [C].

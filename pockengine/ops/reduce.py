@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.ir import DType, Sample, ShapeError, TensorType, Value, VJPContext, defop
+from pockengine.ir import DType, Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, broadcast_shapes, norm_axes, norm_axis
 
 __all__: list[str] = []
@@ -27,7 +27,7 @@ def _reduce_flops(ins: tuple[TensorType, ...], outs: Any, attrs: Any) -> int:
     return ins[0].numel
 
 
-@defop("sum", groups=("reduction",))
+@defop("sum", facts=Fact.REDUCTION)
 class Sum:
     """Forward: z = sum(x, axes). Backward: gx = broadcast_to(reshape(gz, kept), x.shape).
 
@@ -64,7 +64,7 @@ class Sum:
         ]
 
 
-@defop("sum_to", groups=("reduction",))
+@defop("sum_to", facts=Fact.REDUCTION | Fact.VIEW | Fact.SAME_TYPE_IDENTITY)
 class SumTo:
     """Forward: z = sum of x over the axes that broadcasting to x.shape added or stretched,
     giving ``shape``. Backward: gx = broadcast_to(gz, x.shape)."""
@@ -123,7 +123,7 @@ def _reduce_samples(rng: np.random.Generator) -> list[Sample]:
     ]
 
 
-@defop("mean", groups=("reduction",))
+@defop("mean", facts=Fact.REDUCTION)
 class Mean:
     """Forward: z = sum(x, axes) / n, n = the number of elements reduced.
     Backward: gx = broadcast_to(reshape(gz, kept) / n, x.shape)."""
@@ -149,7 +149,7 @@ class Mean:
         return (c.call("broadcast_to", g, shape=x.shape),)
 
 
-@defop("amax", groups=("reduction",))
+@defop("amax", facts=Fact.REDUCTION)
 class Amax:
     """Forward: z = max(x, axes). Backward: the gradient is split evenly among the maxima
     (as ATen): m = cast(x == z_kept), gx = m * reshape(gz, kept) / sum(m, axes, keepdims)."""
@@ -176,7 +176,7 @@ class Amax:
         return (c.call("mul", hits, share),)
 
 
-@defop("any", groups=("reduction",))
+@defop("any", facts=Fact.REDUCTION)
 class AnyOf:
     """Forward: z = any(x != 0, axes), bool. Not differentiable."""
 
@@ -234,7 +234,7 @@ def _shifted(x: Array, axis: int) -> Array:
     return np.asarray(x - np.amax(x, axis=axis, keepdims=True))
 
 
-@defop("softmax", groups=("reduction",))
+@defop("softmax", facts=Fact.REDUCTION)
 class Softmax:
     """Forward: z = exp(x - max) / sum(exp(x - max), axis).
     Backward: gx = z * (gz - sum(gz * z, axis, keepdims))."""
@@ -253,7 +253,7 @@ class Softmax:
         return (c.call("softmax_grad", c.ct, c.out, axis=_axis_attr(c)),)
 
 
-@defop("safe_softmax", groups=("reduction",))
+@defop("safe_softmax", facts=Fact.REDUCTION)
 class SafeSoftmax:
     """Forward: softmax(x, axis), except that a slice whose entries are all -inf (a query
     every key of which is masked out) gives zeros instead of NaN (ATen's _safe_softmax,
@@ -283,7 +283,7 @@ class SafeSoftmax:
                 Sample((masked,), {"axis": -1})]  # fmt: skip
 
 
-@defop("softmax_grad", groups=("reduction",))
+@defop("softmax_grad", facts=Fact.REDUCTION)
 class SoftmaxGrad:
     """Backward kernel of softmax: gx = y * (gz - sum(gz * y, axis, keepdims)) with y the
     softmax output (ATen's _softmax_backward_data)."""
@@ -304,7 +304,7 @@ class SoftmaxGrad:
         return [Sample((rng.standard_normal((2, 3, 4)), y), {"axis": -1})]
 
 
-@defop("log_softmax", groups=("reduction",))
+@defop("log_softmax", facts=Fact.REDUCTION)
 class LogSoftmax:
     """Forward: z = (x - max) - log(sum(exp(x - max), axis)).
     Backward: gx = log_softmax_grad(gz, z, axis)."""
@@ -323,7 +323,7 @@ class LogSoftmax:
         return (c.call("log_softmax_grad", c.ct, c.out, axis=_axis_attr(c)),)
 
 
-@defop("log_softmax_grad", groups=("reduction",))
+@defop("log_softmax_grad", facts=Fact.REDUCTION)
 class LogSoftmaxGrad:
     """Backward kernel of log_softmax: gx = gz - exp(z) * sum(gz, axis, keepdims) with z the
     log_softmax output (ATen's _log_softmax_backward_data: one pass instead of exp, sum, mul
@@ -345,7 +345,7 @@ class LogSoftmaxGrad:
         return [Sample((rng.standard_normal((2, 3, 4)), z), {"axis": 1})]
 
 
-@defop("cumsum", groups=("scan",))
+@defop("cumsum", facts=Fact.SCAN)
 class Cumsum:
     """Forward: z_i = sum_{j <= i} x_j along ``axis`` (bool sums to i64, as in ATen).
     Backward: gx_i = sum_{j >= i} gz_j = sum(gz) - cumsum(gz)_i + gz_i."""

@@ -6,22 +6,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pockengine.ir import ELEMENTWISE, Sample, ShapeError, TensorType, Value, VJPContext, defop
+from pockengine.ir import Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, broadcast_shapes, norm_axis, same_dtype
 
-__all__ = ["NO_GRADIENT"]
-
-_SHAPE = ("shape",)
-# Ops whose VJP is zero by definition, not their derivative: autodiff crosses them but no
-# cotangent comes out, so the op table tests check that instead of the adjoint identity.
-NO_GRADIENT = "no_gradient"
+_SHAPE = Fact.SHAPE
+# Views of their input that are cheap to recompute (a backend may alias them).
+_CHEAP_VIEW = Fact.SHAPE | Fact.VIEW | Fact.CHEAP
 
 
 def _zero_flops(ins: object, outs: object, attrs: object) -> int:
     return 0
 
 
-@defop("reshape", groups=_SHAPE)
+@defop("reshape", facts=_CHEAP_VIEW | Fact.SAME_TYPE_IDENTITY)
 class Reshape:
     """Forward: z = reshape(x, shape). Backward: gx = reshape(gz, x.shape)."""
 
@@ -46,7 +43,7 @@ class Reshape:
         return [Sample((rng.standard_normal((2, 6)),), {"shape": (3, 2, 2)})]
 
 
-@defop("transpose", groups=_SHAPE)
+@defop("transpose", facts=_CHEAP_VIEW)
 class Transpose:
     """Forward: z = permute(x, perm). Backward: gx = permute(gz, argsort(perm))."""
 
@@ -72,7 +69,10 @@ class Transpose:
         return [Sample((rng.standard_normal((2, 3, 4)),), {"perm": (2, 0, 1)})]
 
 
-@defop("stop_gradient", groups=(*_SHAPE, ELEMENTWISE, NO_GRADIENT))
+@defop(
+    "stop_gradient",
+    facts=_SHAPE | Fact.ELEMENTWISE | Fact.VIEW | Fact.NO_GRADIENT | Fact.SAME_TYPE_IDENTITY,
+)
 class StopGradient:
     """Forward: z = x. Backward: none (gx = 0 by definition): no cotangent crosses it, as
     JAX's ``stop_gradient``, TF's ``StopGradient`` and torch's ``detach``. Any dtype."""
@@ -100,7 +100,7 @@ class StopGradient:
         ]
 
 
-@defop("broadcast_to", groups=_SHAPE)
+@defop("broadcast_to", facts=_CHEAP_VIEW | Fact.SAME_TYPE_IDENTITY)
 class BroadcastTo:
     """Forward: z = broadcast_to(x, shape). Backward: gx = gz (autodiff sums it to x.shape)."""
 
@@ -153,7 +153,7 @@ def _sliced_shape(
     return (*shape[:ax], len(range(start, stop, step)), *shape[ax + 1 :])
 
 
-@defop("slice", groups=_SHAPE)
+@defop("slice", facts=_CHEAP_VIEW)
 class Slice:
     """Forward: z = x[..., start:stop:step, ...] on ``axis``; start and stop are already
     clamped to [0, dim]. Backward: gx = slice_grad(gz, x.shape, axis, start, stop, step)."""
@@ -182,7 +182,7 @@ class Slice:
         ]
 
 
-@defop("slice_grad", groups=_SHAPE)
+@defop("slice_grad", facts=_SHAPE)
 class SliceGrad:
     """Forward: z = zeros(shape); z[..., start:stop:step, ...] = gz on ``axis``.
     Backward (it is linear): ggz = slice(gz', axis, start, stop, step)."""
@@ -217,7 +217,7 @@ class SliceGrad:
         return [Sample((rng.standard_normal((4, 3, 5)),), attrs)]
 
 
-@defop("concat", groups=_SHAPE)
+@defop("concat", facts=_SHAPE)
 class Concat:
     """Forward: z = concatenate(x0, x1, ..., axis). Backward: gxi = slice(gz, axis, oi, oi + ni)
     with oi the offset of xi along ``axis`` and ni its size."""
@@ -274,7 +274,7 @@ def _check_pads(x: TensorType, pads: tuple[tuple[int, int], ...]) -> None:
             raise ShapeError(f"pad amounts must be pairs of ints >= 0, got {pads}")
 
 
-@defop("pad", groups=_SHAPE)
+@defop("pad", facts=_SHAPE)
 class Pad:
     """Constant padding, pads = ((before0, after0), (before1, after1), ...), one pair per axis.
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import (
-    ELEMENTWISE,
     DType,
+    Fact,
     Sample,
     ShapeError,
     TensorType,
@@ -29,7 +29,9 @@ from pockengine.ops._common import Array, np_dtype
 
 __all__: list[str] = []
 
-_EW = (ELEMENTWISE,)
+_EW = Fact.ELEMENTWISE
+# Elementwise ops whose result may overwrite an input and that are cheap to recompute.
+_EW_INPLACE = Fact.ELEMENTWISE | Fact.INPLACE | Fact.CHEAP
 _ERF = np.frompyfunc(math.erf, 1, 1)  # libm's erf, element by element: slow but exact
 
 
@@ -92,7 +94,7 @@ def _uniform(low: float, high: float, kinks: Sequence[float] = ()) -> Callable[.
 
 
 # -- math functions ---------------------------------------------------------
-@defop("neg", groups=_EW)
+@defop("neg", facts=_EW_INPLACE)
 class Neg:
     """Forward: z = -x. Backward: gx = -gz."""
 
@@ -108,7 +110,7 @@ class Neg:
         return (c.call("neg", c.ct),)
 
 
-@defop("exp", groups=_EW)
+@defop("exp", facts=_EW_INPLACE)
 class Exp:
     """Forward: z = exp(x). Backward: gx = gz * z."""
 
@@ -124,7 +126,7 @@ class Exp:
         return (c.call("mul", c.ct, c.out),)
 
 
-@defop("log", groups=_EW)
+@defop("log", facts=_EW_INPLACE)
 class Log:
     """Forward: z = log(x). Backward: gx = gz / x."""
 
@@ -140,7 +142,7 @@ class Log:
         return (c.call("div", c.ct, c.inputs[0]),)
 
 
-@defop("sqrt", groups=_EW)
+@defop("sqrt", facts=_EW_INPLACE)
 class Sqrt:
     """Forward: z = sqrt(x). Backward: gx = gz * 0.5 / z."""
 
@@ -156,7 +158,7 @@ class Sqrt:
         return (c.call("div", c.call("mul", c.ct, c.const(0.5, c.ct)), c.out),)
 
 
-@defop("rsqrt", groups=_EW)
+@defop("rsqrt", facts=_EW_INPLACE)
 class Rsqrt:
     """Forward: z = 1 / sqrt(x). Backward: gx = gz * (-0.5) * z^3."""
 
@@ -174,7 +176,7 @@ class Rsqrt:
         return (c.call("mul", c.ct, c.call("mul", y3, c.const(-0.5, y))),)
 
 
-@defop("tanh", groups=_EW)
+@defop("tanh", facts=_EW_INPLACE)
 class Tanh:
     """Forward: z = tanh(x). Backward: gx = gz * (1 - z^2)."""
 
@@ -195,7 +197,7 @@ def _sigmoid(x: Array) -> Array:
     return _like(np.reciprocal(np.exp(-x) + 1.0), x)
 
 
-@defop("sigmoid", groups=_EW)
+@defop("sigmoid", facts=_EW_INPLACE)
 class Sigmoid:
     """Forward: z = 1 / (1 + exp(-x)). Backward: gx = gz * z * (1 - z)."""
 
@@ -211,7 +213,7 @@ class Sigmoid:
         return (c.call("mul", c.ct, dy),)
 
 
-@defop("silu", groups=_EW)
+@defop("silu", facts=_EW_INPLACE)
 class Silu:
     """Forward: z = x * s, s = sigmoid(x). Backward: gx = gz * s * (1 + x * (1 - s))."""
 
@@ -232,7 +234,7 @@ class Silu:
         return (c.call("mul", c.ct, c.call("mul", s, inner)),)
 
 
-@defop("sin", groups=_EW)
+@defop("sin", facts=_EW_INPLACE)
 class Sin:
     """Forward: z = sin(x). Backward: gx = gz * cos(x)."""
 
@@ -248,7 +250,7 @@ class Sin:
         return (c.call("mul", c.ct, c.call("cos", c.inputs[0])),)
 
 
-@defop("cos", groups=_EW)
+@defop("cos", facts=_EW_INPLACE)
 class Cos:
     """Forward: z = cos(x). Backward: gx = -gz * sin(x)."""
 
@@ -264,7 +266,7 @@ class Cos:
         return (c.call("neg", c.call("mul", c.ct, c.call("sin", c.inputs[0]))),)
 
 
-@defop("abs", groups=_EW)
+@defop("abs", facts=_EW_INPLACE)
 class Abs:
     """Forward: z = |x|. Backward: gx = gz * sign(x), sign(0) = 0 (as ATen's sgn).
 
@@ -287,7 +289,7 @@ class Abs:
         return (c.call("mul", c.ct, c.call("sub", pos, neg)),)
 
 
-@defop("reciprocal", groups=_EW)
+@defop("reciprocal", facts=_EW_INPLACE)
 class Reciprocal:
     """Forward: z = 1 / x. Backward: gx = -gz * z^2."""
 
@@ -304,7 +306,7 @@ class Reciprocal:
         return (c.call("neg", c.call("mul", c.ct, c.call("mul", y, y))),)
 
 
-@defop("erf", groups=_EW)
+@defop("erf", facts=_EW_INPLACE)
 class Erf:
     """Forward: z = erf(x). Backward: gx = gz * 2/sqrt(pi) * exp(-x^2)."""
 
@@ -331,7 +333,7 @@ def _pow_samples(rng: np.random.Generator) -> list[Sample]:
     ]
 
 
-@defop("pow_scalar", groups=_EW)
+@defop("pow_scalar", facts=_EW)
 class PowScalar:
     """Forward: z = x ** exponent. Backward: gx = gz * exponent * x ** (exponent - 1)
     (zero when exponent == 0, as ATen). An integer x needs an integer exponent >= 0."""
@@ -358,7 +360,7 @@ class PowScalar:
         return (c.call("mul", c.ct, dx),)
 
 
-@defop("cast", groups=_EW)
+@defop("cast", facts=_EW | Fact.VIEW | Fact.SAME_TYPE_IDENTITY)
 class Cast:
     """Forward: z = x converted to ``dtype`` (float to int truncates toward zero, to bool is
     x != 0). Backward: gx = cast(gz, x.dtype) when x and z are float; none otherwise."""

@@ -7,16 +7,26 @@ schedule changes them without recompiling.
 
 Partial-channel updates: with ``rows=k`` an update writes only ``w[:k]`` (the first
 k output channels); the gradient and the optimizer state then have k rows.
+
+Skipped steps: every effect takes an optional last input ``skip``, an f32 scalar that is
+1.0 when the step's loss is not finite (``nonfinite(loss)``, computed right after the
+loss, before any update can run). With ``skip`` = 1 an effect writes back what it read,
+so a step on a NaN batch changes no param, optimizer state, buffer or step count, as
+``torch.amp.GradScaler`` skips a step with infs. f32 rather than bool because ATen's
+fused optimizers take exactly this flag (``found_inf``) and skip inside the kernel.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pockengine.ir import Sample, ShapeError, TensorType, defop
+from pockengine.ir import DType, Sample, ShapeError, TensorType, defop
 from pockengine.ops._common import Array
 
 __all__: list[str] = []
+
+_ONE = np.asarray(1.0, dtype=np.float32)  # sample skip flags
+_ZERO = np.asarray(0.0, dtype=np.float32)
 
 
 def _same(op: str, *types: TensorType) -> None:
@@ -49,17 +59,66 @@ def _update_flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> i
     return 4 * ins[0].numel
 
 
+def _skip_flag(op: str, skip: TensorType | None) -> None:
+    """The optional ``skip`` input: an f32 scalar."""
+    if skip is not None and (skip.shape != () or skip.dtype is not DType.F32):
+        raise ShapeError(f"{op}: skip must be an f32 scalar, got {skip}")
+
+
+def _skipped(skip: Array | None) -> bool:
+    return skip is not None and bool(np.asarray(skip) != 0)
+
+
+def _unchanged(*written: Array) -> tuple[Array, ...]:
+    """What a skipped effect writes back: copies of what it read."""
+    return tuple(np.array(a, copy=True) for a in written)
+
+
+@defop("nonfinite")
+class NonFinite:
+    """Forward: skip = 1.0 if any element of x is NaN or +-inf, else 0.0 (an f32 scalar,
+    ATen's ``found_inf``). The step's updates take it as their ``skip`` input. No
+    gradient: it is computed from the loss after autodiff has run."""
+
+    @staticmethod
+    def infer(x: TensorType) -> tuple[TensorType, ...]:
+        if not x.dtype.is_float:
+            raise ShapeError(f"nonfinite needs a floating tensor, got {x}")
+        return (TensorType((), DType.F32),)
+
+    @staticmethod
+    def kernel(x: Array) -> tuple[Array]:
+        return (np.asarray(0.0 if np.isfinite(x).all() else 1.0, dtype=np.float32),)
+
+    @staticmethod
+    def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:
+        return ins[0].numel
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        return [
+            Sample((rng.standard_normal(3),)),
+            Sample((np.array([1.0, np.nan]),)),
+            Sample((np.asarray(np.inf),)),
+        ]
+
+
 @defop("assign", mutates=(0,))
 class Assign:
     """Effect: dst <- src (a buffer's new running statistic, the next step count)."""
 
     @staticmethod
-    def infer(dst: TensorType, src: TensorType) -> tuple[TensorType, ...]:
+    def infer(
+        dst: TensorType, src: TensorType, skip: TensorType | None = None
+    ) -> tuple[TensorType, ...]:
         _same("assign", dst, src)
+        _skip_flag("assign", skip)
         return ()
 
     @staticmethod
-    def kernel(dst: Array, src: Array) -> tuple[Array]:
+    def kernel(dst: Array, src: Array, skip: Array | None = None) -> tuple[Array, ...]:
+        if _skipped(skip):
+            return _unchanged(dst)
         return (np.array(src, dtype=dst.dtype, copy=True),)
 
     @staticmethod
@@ -68,7 +127,12 @@ class Assign:
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
-        return [Sample((rng.standard_normal(3), rng.standard_normal(3)))]
+        dst, src = rng.standard_normal(3), rng.standard_normal(3)
+        return [
+            Sample((dst, src)),
+            Sample((dst, src, np.asarray(1.0, dtype=np.float32))),
+            Sample((dst, src, np.asarray(0.0, dtype=np.float32))),
+        ]
 
 
 def _sgd_direction(w: Array, g: Array, weight_decay: float) -> Array:
@@ -86,18 +150,28 @@ class SGDUpdate:
         w: TensorType,
         g: TensorType,
         lr: TensorType,
+        skip: TensorType | None = None,
         *,
         weight_decay: float,
         rows: int | None = None,
     ) -> tuple[TensorType, ...]:
         _trained("sgd_update", w, rows, g)
         _scalar("sgd_update", lr)
+        _skip_flag("sgd_update", skip)
         return ()
 
     @staticmethod
     def kernel(
-        w: Array, g: Array, lr: Array, *, weight_decay: float, rows: int | None = None
-    ) -> tuple[Array]:
+        w: Array,
+        g: Array,
+        lr: Array,
+        skip: Array | None = None,
+        *,
+        weight_decay: float,
+        rows: int | None = None,
+    ) -> tuple[Array, ...]:
+        if _skipped(skip):
+            return _unchanged(w)
         part = w if rows is None else w[:rows]
         d = _sgd_direction(part, g, weight_decay)
         return (_write_rows(w, rows, part - lr * d),)
@@ -109,6 +183,8 @@ class SGDUpdate:
         return [
             Sample((w, g, np.asarray(0.1)), {"weight_decay": 0.01}),
             Sample((w, part, np.asarray(0.1)), {"weight_decay": 0.01, "rows": 1}),
+            Sample((w, g, np.asarray(0.1), _ONE), {"weight_decay": 0.01}),
+            Sample((w, g, np.asarray(0.1), _ZERO), {"weight_decay": 0.01}),
         ]
 
 
@@ -126,6 +202,7 @@ class SGDMomentumUpdate:
         g: TensorType,
         buf: TensorType,
         lr: TensorType,
+        skip: TensorType | None = None,
         *,
         momentum: float,
         weight_decay: float,
@@ -134,6 +211,7 @@ class SGDMomentumUpdate:
     ) -> tuple[TensorType, ...]:
         _trained("sgd_momentum_update", w, rows, g, buf)
         _scalar("sgd_momentum_update", lr)
+        _skip_flag("sgd_momentum_update", skip)
         return ()
 
     @staticmethod
@@ -142,12 +220,15 @@ class SGDMomentumUpdate:
         g: Array,
         buf: Array,
         lr: Array,
+        skip: Array | None = None,
         *,
         momentum: float,
         weight_decay: float,
         nesterov: bool,
         rows: int | None = None,
-    ) -> tuple[Array, Array]:
+    ) -> tuple[Array, ...]:
+        if _skipped(skip):
+            return _unchanged(w, buf)
         part = w if rows is None else w[:rows]
         d = _sgd_direction(part, g, weight_decay)
         new_buf = (momentum * buf + d).astype(buf.dtype)
@@ -162,6 +243,7 @@ class SGDMomentumUpdate:
         return [
             Sample((w, g, m, np.asarray(0.1)), attrs),
             Sample((w2, g2, m2, np.asarray(0.1)), {**attrs, "rows": 3}),
+            Sample((w, g, m, np.asarray(0.1), _ONE), attrs),
         ]
 
 
@@ -179,6 +261,7 @@ class AdamWUpdate:
         v: TensorType,
         t: TensorType,
         lr: TensorType,
+        skip: TensorType | None = None,
         *,
         beta1: float,
         beta2: float,
@@ -189,6 +272,7 @@ class AdamWUpdate:
         _trained("adamw_update", w, rows, g, m, v)
         _scalar("adamw_update", t)
         _scalar("adamw_update", lr)
+        _skip_flag("adamw_update", skip)
         return ()
 
     @staticmethod
@@ -199,13 +283,16 @@ class AdamWUpdate:
         v: Array,
         t: Array,
         lr: Array,
+        skip: Array | None = None,
         *,
         beta1: float,
         beta2: float,
         eps: float,
         weight_decay: float,
         rows: int | None = None,
-    ) -> tuple[Array, Array, Array]:
+    ) -> tuple[Array, ...]:
+        if _skipped(skip):
+            return _unchanged(w, m, v)
         dtype = w.dtype
         full = w
         w = (w if rows is None else w[:rows]) * (1 - lr * weight_decay)
@@ -226,4 +313,8 @@ class AdamWUpdate:
         w, g, m = (rng.standard_normal((3,)) for _ in range(3))
         v = rng.random(3)
         attrs = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
-        return [Sample((w, g, m, v, np.asarray(2.0), np.asarray(1e-3)), attrs)]
+        return [
+            Sample((w, g, m, v, np.asarray(2.0), np.asarray(1e-3)), attrs),
+            Sample((w, g, m, v, np.asarray(2.0), np.asarray(1e-3), _ONE), attrs),
+            Sample((w, g, m, v, np.asarray(2.0), np.asarray(1e-3), _ZERO), attrs),
+        ]

@@ -19,7 +19,7 @@ the usual trade of CSE, and the memory plan reports its cost.
 from __future__ import annotations
 
 from pockengine.ir import Attrs, Graph, Node, Value, get_op
-from pockengine.ir.registry import COMMUTATIVE
+from pockengine.ir.registry import Fact
 from pockengine.ir.rewrite import substitute
 
 __all__ = ["REFILL_LIMIT", "eliminate_common_subexpressions"]
@@ -48,7 +48,7 @@ def _key(node: Node) -> _Key | None:
     if not node.inputs and sum(v.type.numel for v in node.outputs) > REFILL_LIMIT:
         return None
     names = tuple(v.name for v in node.inputs)
-    if COMMUTATIVE in opdef.groups:
+    if opdef.has(Fact.COMMUTATIVE):
         names = tuple(sorted(names))
     return node.op, names, _attr_key(node.attrs)
 

@@ -33,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.ir import ELEMENTWISE, Attrs, DType, Graph, Node, TensorType, Value, get_op
+from pockengine.ir import Attrs, DType, Fact, Graph, Node, TensorType, Value, get_op
 from pockengine.ir.rewrite import substitute
+from pockengine.plan.liveness import last_reads
 
 __all__ = ["EVAL_LIMIT", "fold_constants"]
 
@@ -42,8 +43,9 @@ Array = np.ndarray[Any, Any]
 
 EVAL_LIMIT = 1 << 16  # elements of a non-uniform constant evaluated at compile time
 
-_CREATION = frozenset({"full", "arange"})
-_UNIFORM_VIEWS = frozenset({"reshape", "transpose", "broadcast_to", "slice"})
+# A view that only moves data (reshape, transpose, broadcast_to, slice): a uniform input
+# gives a uniform result.
+_DATA_VIEW = Fact.SHAPE | Fact.VIEW
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +91,9 @@ def _evaluate(node: Node, ins: list[_Const]) -> list[_Const] | None:
     sizes = [t.numel for t in outs] + [int(c.array.size) for c in ins]
     all_uniform = all(c.uniform for c in ins) and min(sizes) > 0 and len(outs) == 1
     with np.errstate(all="ignore"):
-        if all_uniform and node.op in _UNIFORM_VIEWS:
+        if all_uniform and opdef.has(_DATA_VIEW):
             return [_uniform(ins[0].first(), outs[0])]
-        if all_uniform and ELEMENTWISE in opdef.groups:
+        if all_uniform and opdef.has(Fact.ELEMENTWISE):
             (one,) = opdef.run([c.first() for c in ins], node.attrs)
             return [_uniform(np.asarray(one, dtype=dtypes[0]).reshape(-1)[:1], outs[0])]
         if max(sizes, default=0) > EVAL_LIMIT:
@@ -117,7 +119,7 @@ def _as_full(node: Node, consts: list[_Const]) -> list[Node]:
     for v, c in zip(node.outputs, consts, strict=True):
         element = c.first() if c.array.size else np.zeros(1, v.dtype.to_numpy())
         attrs = Attrs(shape=v.shape, value=element.item(), dtype=str(v.dtype))
-        fulls.append(Node("full", (), (v,), attrs, node.source))
+        fulls.append(Node("full", (), (v,), attrs, node.source, node.phase))
     return fulls
 
 
@@ -128,8 +130,6 @@ def _is_const(known: dict[str, _Const], v: Value, target: float) -> bool:
 
 _NEUTRAL = {"mul": 1.0, "add": 0.0}  # either operand may be the neutral constant
 _RIGHT_NEUTRAL = {"div": 1.0, "sub": 0.0}  # only the right operand
-# x -> x when the result has x's type (stop_gradient always does: after autodiff it is a copy)
-_SAME_TYPE_IDENTITY = frozenset({"reshape", "broadcast_to", "sum_to", "cast", "stop_gradient"})
 
 
 def _same_value(node: Node, known: dict[str, _Const], defs: dict[str, Node]) -> Value | Node | None:
@@ -146,7 +146,9 @@ def _same_value(node: Node, known: dict[str, _Const], defs: dict[str, Node]) -> 
     right = _RIGHT_NEUTRAL.get(node.op)
     if right is not None and x.type == out.type and _is_const(known, node.inputs[1], right):
         return x
-    if node.op in _SAME_TYPE_IDENTITY and x.type == out.type:
+    # x -> x when the result has x's type (Fact.SAME_TYPE_IDENTITY; stop_gradient always
+    # does: after autodiff it is a copy)
+    if get_op(node.op).has(Fact.SAME_TYPE_IDENTITY) and x.type == out.type:
         return x
     if node.op == "transpose" and node.attrs["perm"] == tuple(range(x.type.rank)):
         return x
@@ -188,11 +190,12 @@ class _Folder:
         (node,) = substitute((node,), self.mapping)
         if get_op(node.op).effectful:
             return [node]
-        if node.op in _CREATION or (node.inputs and all(v.name in self.known for v in node.inputs)):
+        constant = get_op(node.op).has(Fact.CONSTANT)
+        if constant or (node.inputs and all(v.name in self.known for v in node.inputs)):
             consts = _evaluate(node, [self.known[v.name] for v in node.inputs])
             if consts is not None:
                 self.known.update((v.name, c) for v, c in zip(node.outputs, consts, strict=True))
-                return [node] if node.op in _CREATION else _as_full(node, consts)
+                return [node] if constant else _as_full(node, consts)
         return self.simplify(i, node)
 
     def simplify(self, i: int, node: Node) -> list[Node]:
@@ -210,12 +213,6 @@ class _Folder:
         return [node]
 
 
-def _last_reads(graph: Graph) -> dict[str, int]:
-    last = {v.name: i for i, node in enumerate(graph.nodes) for v in node.inputs}
-    last.update((v.name, len(graph.nodes)) for v in graph.outputs)
-    return last
-
-
 def _write_positions(graph: Graph) -> dict[str, int]:
     return {
         node.inputs[j].name: i
@@ -226,7 +223,7 @@ def _write_positions(graph: Graph) -> dict[str, int]:
 
 def fold_constants(graph: Graph) -> Graph:
     """Evaluate constant nodes at compile time and drop algebraic identities."""
-    folder = _Folder(_last_reads(graph), _write_positions(graph), {}, {}, {})
+    folder = _Folder(last_reads(graph), _write_positions(graph), {}, {}, {})
     nodes: list[Node] = []
     for i, node in enumerate(graph.nodes):
         for new in folder.step(i, node):

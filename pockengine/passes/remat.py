@@ -7,8 +7,8 @@ backward reader from values that are alive there anyway, by a few elementwise ke
 this pass inserts that recomputation just before the reader and points every backward
 reader at the copy; ``z`` itself then dies after its last forward reader.
 
-Recomputable (``_RECOMPUTABLE``): elementwise forward ops (activations, arithmetic,
-clamps), views and batch norm's ``y`` (from its input, which its backward keeps anyway),
+Recomputable: ops with ``Fact.CHEAP`` (elementwise forward ops: activations, arithmetic,
+clamps; views; batch norm's ``y``, from its input, which its backward keeps anyway),
 whose inputs are available at the reader or recomputable in turn (up to ``MAX_DEPTH`` ops
 deep). A recomputation repeats the original node exactly, statistics included for batch
 norm, so every backend computes the same bits again (an eval-mode formula from the saved
@@ -23,27 +23,23 @@ one batch-norm pass and one clamp, so a block keeps one activation per layer ins
 two. In a gated MLP (LLaMA's ``silu(gate) * up``), ``sigmoid(gate)`` and ``silu(gate)`` are
 recomputed from ``gate``.
 
-Needs: a verified training graph whose backward nodes carry ``GRAD_PREFIX`` sources and
-whose effects (updates) come after the backward pass (run before ``reorder_updates``).
+Needs: a verified training graph whose backward nodes have ``Phase.BACKWARD`` and whose
+effects (updates) come after the backward pass (run before ``reorder_updates``).
 Guarantees: the same values, bit for bit, for every output and effect (deterministic
-kernels); recomputed nodes carry ``GRAD_PREFIX`` + the original node's source, so cost and
-the report count them as backward work.
+kernels); recomputed nodes have ``Phase.BACKWARD`` (and ``GRAD_PREFIX`` + the original
+node's source), so cost and the report count them as backward work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pockengine.ir import GRAD_PREFIX, Graph, Node, Role, Value, get_op
-from pockengine.plan.inplace import CONSTANT_OPS, INPLACE_OPS
+from pockengine.ir import GRAD_PREFIX, Fact, Graph, Node, Phase, Role, Value, get_op
+from pockengine.plan.liveness import last_reads
 
 __all__ = ["MAX_DEPTH", "rematerialize"]
 
 MAX_DEPTH = 3  # ops in one recomputed chain
-_VIEWS = frozenset({"reshape", "transpose", "broadcast_to", "slice"})
-_RECOMPUTABLE = (
-    (INPLACE_OPS - {"relu_grad", "hardtanh_grad", "gelu_grad"}) | {"relu", "batch_norm"} | _VIEWS
-)
 _STORED = (Role.PARAM, Role.BUFFER, Role.CONST)
 
 
@@ -68,14 +64,14 @@ class _State:
 
 
 def _backward(node: Node) -> bool:
-    return node.source.startswith(GRAD_PREFIX)
+    return node.phase is Phase.BACKWARD
 
 
 def _available(s: _State, v: Value, at: int) -> bool:
     made = s.producers.get(v.name)
     if made is None and v.role in _STORED:
         return s.written.get(v.name, len(s.graph.nodes)) > at
-    if made is not None and made.op in CONSTANT_OPS:
+    if made is not None and get_op(made.op).has(Fact.CONSTANT):
         return True
     return s.last.get(v.name, -1) >= at
 
@@ -94,7 +90,7 @@ def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None
     made = s.producers.get(v.name)
     if made is None or depth == 0:
         return None
-    if made.op not in _RECOMPUTABLE or v is not made.outputs[0]:
+    if not get_op(made.op).has(Fact.CHEAP) or v is not made.outputs[0]:
         return None
     if len(made.outputs) != 1 and made.op != "batch_norm":  # batch norm: y; stats unread
         return None
@@ -105,8 +101,8 @@ def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None
             return None
         inputs.append(r)
     results = tuple(Value(s.fresh(w.name), w.type) for w in made.outputs)
-    out.append((Node(made.op, tuple(inputs), results, made.attrs, GRAD_PREFIX + made.source),
-                v.name))  # fmt: skip
+    source = GRAD_PREFIX + made.source
+    out.append((Node(made.op, tuple(inputs), results, made.attrs, source, Phase.BACKWARD), v.name))
     return results[0]
 
 
@@ -127,20 +123,14 @@ def _insertion_point(s: _State, readers: dict[str, list[int]], j: int) -> int:
 def rematerialize(graph: Graph) -> Graph:
     """Recompute the saved activations that are cheap to recompute; see the module doc."""
     nodes = graph.nodes
-    end = len(nodes)
-    s = _State(graph, graph.producers(), {}, {}, {v.name for v in graph.inputs})
+    s = _State(graph, graph.producers(), last_reads(graph), {}, {v.name for v in graph.inputs})
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
-        for v in node.outputs:
-            s.names.add(v.name)
-            s.last[v.name] = i
+        s.names.update(v.name for v in node.outputs)
         for j, v in enumerate(node.inputs):
-            s.last[v.name] = i
             readers.setdefault(v.name, []).append(i)
             if j in get_op(node.op).mutates:
                 s.written.setdefault(v.name, i)
-    for v in graph.outputs:
-        s.last[v.name] = end
     returned = {v.name for v in graph.outputs}
     renamed: dict[int, dict[str, Value]] = {}  # node index -> reads to redirect
     # Candidates in the order of their insertion points, so that a chain recomputed for an

@@ -19,20 +19,18 @@ The backward pass runs in reverse layer order, so the last layer's update now ru
 before the backward of the earlier layers, and each weight gradient is freed right
 after it is used rather than all of them being held until the optimizer runs.
 
-Reads through views count because a backend may implement ``reshape``, ``transpose``,
-``broadcast_to`` and ``slice`` as views and the updates in place: an update of ``w``
-waits for the last read of ``transpose(w)`` too.
+Reads through views count because a backend may implement the ops with ``Fact.VIEW``
+(``reshape``, ``transpose``, ``slice``, ``cast`` to the same dtype, ...) as views and the
+updates in place: an update of ``w`` waits for the last read of ``transpose(w)`` too.
 """
 
 from __future__ import annotations
 
 import heapq
 
-from pockengine.ir import Graph, Node, Role, get_op
+from pockengine.ir import Fact, Graph, Node, Role, get_op
 
 __all__ = ["reorder_updates"]
-
-_VIEWS = frozenset({"reshape", "transpose", "broadcast_to", "slice"})
 
 
 def _is_effect(node: Node) -> bool:
@@ -67,7 +65,7 @@ def _view_roots(graph: Graph) -> dict[str, str]:
     root: dict[str, str] = {}
     for node in graph.nodes:
         for v in node.outputs:
-            src = node.inputs[0].name if node.op in _VIEWS else v.name
+            src = node.inputs[0].name if get_op(node.op).has(Fact.VIEW) else v.name
             root[v.name] = root.get(src, src)
     return root
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pockengine.ir import ELEMENTWISE, Graph, GraphBuilder, Node, Value, get_op
+from pockengine.ir import Fact, Graph, GraphBuilder, Node, Value, get_op
 from pockengine.passes.dce import eliminate_dead_code
 
 __all__ = ["sink_slices"]
@@ -52,7 +52,7 @@ class _Sinker:
         node = self.producer.get(x.name)
         if node is not None and self.users.get(x.name, 0) == 1 and len(node.outputs) == 1:
             rule = _RULES.get(node.op)
-            if rule is None and ELEMENTWISE in get_op(node.op).groups:
+            if rule is None and get_op(node.op).has(Fact.ELEMENTWISE):
                 rule = _elementwise
             if rule is not None:
                 out = rule(self, node, axis, k)
@@ -134,6 +134,7 @@ def sink_slices(graph: Graph) -> Graph:
         if any(v.name in renamed for v in node.inputs):
             node = node.replace(inputs=tuple(renamed.get(v.name, v) for v in node.inputs))
         s.source = node.source
+        s.b.phase = node.phase
         if _is_leading_slice(node):
             axis, stop = node.attrs["axis"], node.attrs["stop"]
             assert isinstance(axis, int) and isinstance(stop, int)

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 from pockengine.plan.cost import PHASES, Cost, NodeCost, cost
-from pockengine.plan.inplace import INPLACE_OPS, reusable_inputs
+from pockengine.plan.inplace import inplace_ops, reusable_inputs
 from pockengine.plan.liveness import PERSISTENT_ROLES, Interval, Liveness, liveness
 from pockengine.plan.memory import ALIGNMENT, MemoryPlan, plan_memory
 
 __all__ = [
     "ALIGNMENT",
-    "INPLACE_OPS",
     "PERSISTENT_ROLES",
     "PHASES",
     "Cost",
@@ -19,6 +18,7 @@ __all__ = [
     "MemoryPlan",
     "NodeCost",
     "cost",
+    "inplace_ops",
     "liveness",
     "plan_memory",
     "reusable_inputs",

@@ -3,26 +3,27 @@
 Bytes read are the sizes of a node's inputs and bytes written the sizes of its
 results (for an effect, of the values it writes), counted once per node as if every
 operand went through memory: an upper bound that ignores caches and fusion. Each node
-also gets a phase: ``update`` for effects, ``backward`` for nodes that autodiff made
-(their source starts with ``ir.GRAD_PREFIX``), ``forward`` for the rest.
+also gets a phase: ``update`` for effects (forward ones too: batch norm's running
+statistics), otherwise the node's own ``Phase`` (autodiff marks the backward, the
+optimizer its updates).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pockengine.ir import GRAD_PREFIX, Graph, Node, get_op
+from pockengine.ir import Graph, Node, Phase, get_op
 
 __all__ = ["PHASES", "Cost", "NodeCost", "cost"]
 
-PHASES = ("forward", "backward", "update")
+PHASES = tuple(Phase)
 
 
 @dataclass(frozen=True, slots=True)
 class NodeCost:
     index: int
     op: str
-    phase: str  # one of PHASES
+    phase: Phase
     flops: int
     bytes_read: int
     bytes_written: int
@@ -47,16 +48,14 @@ class Cost:
         return sum(c.bytes_written for c in self.nodes)
 
     def flops_by_phase(self) -> dict[str, int]:
-        totals = dict.fromkeys(PHASES, 0)
+        totals = {str(p): 0 for p in PHASES}
         for c in self.nodes:
             totals[c.phase] += c.flops
         return totals
 
 
-def _phase(node: Node) -> str:
-    if get_op(node.op).effectful:
-        return "update"
-    return "backward" if node.source.startswith(GRAD_PREFIX) else "forward"
+def _phase(node: Node) -> Phase:
+    return Phase.UPDATE if get_op(node.op).effectful else node.phase
 
 
 def _node_cost(index: int, node: Node) -> NodeCost:

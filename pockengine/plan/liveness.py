@@ -8,6 +8,10 @@ result that nothing reads lives only at its own node. Intervals are inclusive: a
 node's results and its inputs are live together, except where ``reuse`` says a node
 writes its result over an input that dies there (``plan.inplace``): that input's
 lifetime then ends just before the node.
+
+``last_reads`` is the one last-use analysis of the engine: the memory plan, in-place
+reuse, rematerialisation and the backends (the torch codegen's ``del``s, the NumPy
+interpreter's drops) all read it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from itertools import accumulate
 
 from pockengine.ir import Graph, Role, Value
 
-__all__ = ["PERSISTENT_ROLES", "Interval", "Liveness", "liveness"]
+__all__ = ["PERSISTENT_ROLES", "Interval", "Liveness", "last_reads", "liveness"]
 
 PERSISTENT_ROLES = frozenset({Role.PARAM, Role.BUFFER, Role.CONST, Role.STATE})
 
@@ -74,6 +78,21 @@ class Liveness:
         return timeline.index(max(timeline)) - 1
 
 
+def last_reads(graph: Graph) -> dict[str, int]:
+    """The index of the last node reading each value of ``graph``, persistent ones too: a
+    graph output's is ``len(nodes)``, a result nothing reads dies at its own node, a graph
+    input nothing reads at -1."""
+    last = {v.name: -1 for v in graph.inputs}
+    for i, node in enumerate(graph.nodes):
+        for v in node.outputs:
+            last[v.name] = i
+        for v in node.inputs:
+            last[v.name] = i
+    for v in graph.outputs:
+        last[v.name] = len(graph.nodes)
+    return last
+
+
 def liveness(graph: Graph, reuse: Mapping[int, int] | None = None) -> Liveness:
     """The lifetime of every node result and batch input of ``graph``; ``reuse`` maps a node
     index to the position of the input whose buffer its result takes."""
@@ -85,14 +104,7 @@ def liveness(graph: Graph, reuse: Mapping[int, int] | None = None) -> Liveness:
     for i, node in enumerate(graph.nodes):
         for v in node.outputs:
             starts[v.name] = (v, i)
-    last = {name: start for name, (_, start) in starts.items()}
-    for i, node in enumerate(graph.nodes):
-        for v in node.inputs:
-            if v.name in last:
-                last[v.name] = i
-    for v in graph.outputs:
-        if v.name in last:
-            last[v.name] = end
+    last = last_reads(graph)
     for i, k in (reuse or {}).items():
         name = graph.nodes[i].inputs[k].name
         if last.get(name) == i and starts[name][1] < i:

@@ -5,7 +5,8 @@ elements, forward and backward FLOPs, saved-activation bytes (forward values and
 batch inputs that a backward node reads), parameter, gradient and optimizer-state
 bytes, the planned peak of the static memory plan, and the same per layer (module
 path, cut to ``depth`` components). ``Report`` puts a scheme's figures beside
-those of full backprop and renders them as text or a dict.
+those of full backprop and renders them as text or a dict; for a step on several
+backends it also shows the placement (nodes per backend, boundary transfers).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pockengine.ir import GRAD_PREFIX, Graph, Role, get_op
+from pockengine.ir import GRAD_PREFIX, Graph, Node, Phase, Role, get_op
 from pockengine.plan.cost import cost
 from pockengine.plan.memory import plan_memory
+from pockengine.plan.placement import Placement
 
 __all__ = ["Figures", "LayerFigures", "Report", "analyze"]
 
@@ -44,8 +46,11 @@ class Figures:
     layers: dict[str, LayerFigures] = field(default_factory=dict)
 
 
-def _layer(source: str, depth: int | None) -> str:
-    if source.startswith(GRAD_PREFIX):
+def _layer(node: Node, depth: int | None) -> str:
+    """The layer a node is attributed to: its source, less the marks that autodiff and the
+    optimizer put before the forward node's or the param's name."""
+    source = node.source
+    if node.phase is Phase.BACKWARD and source.startswith(GRAD_PREFIX):
         source = source[len(GRAD_PREFIX) :]
     if source.startswith("optim "):
         source = source[len("optim ") :].rsplit(".", 1)[0]
@@ -63,12 +68,12 @@ def analyze(graph: Graph, depth: int | None = None) -> Figures:
     trained = 0
     gradient_bytes = 0
     for node, c in zip(graph.nodes, costs.nodes, strict=True):
-        row = layers.setdefault(_layer(node.source, depth), LayerFigures())
-        if c.phase == "forward":
+        row = layers.setdefault(_layer(node, depth), LayerFigures())
+        if c.phase is Phase.FORWARD:
             row.forward_flops += c.flops
             for v in node.outputs:
-                forward_made[v.name] = _layer(node.source, depth)
-        elif c.phase == "backward":
+                forward_made[v.name] = _layer(node, depth)
+        elif c.phase is Phase.BACKWARD:
             row.backward_flops += c.flops
             for v in node.inputs:
                 if v.name in forward_made and v.name not in saved:
@@ -123,13 +128,17 @@ class Report:
     scheme: str
     ours: Figures
     full: Figures
+    placement: Placement | None = None  # a step on several backends: who runs what
 
     def ratio(self, key: str) -> float:
         base = getattr(self.full, key)
         return getattr(self.ours, key) / base if base else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "ours": asdict(self.ours), "full": asdict(self.full)}
+        out = {"scheme": self.scheme, "ours": asdict(self.ours), "full": asdict(self.full)}
+        if self.placement is not None:
+            out["backends"] = _placement_dict(self.placement)
+        return out
 
     def __str__(self) -> str:
         lines = [f"compile-time report (scheme: {self.scheme})"]
@@ -149,4 +158,27 @@ class Report:
                 f"{mine.backward_flops / 1e6:>11.1f}{row.backward_flops / 1e6:>10.1f}"
                 f"{mine.saved_bytes / 1024:>11.0f}{row.saved_bytes / 1024:>11.0f}"
             )
+        if self.placement is not None:
+            lines += ["", f"  backends: {self.placement.summary()}"]
+            for name, ops in _placement_dict(self.placement)["ops"].items():
+                shown = ", ".join(f"{op} x{n}" for op, n in ops.items())
+                lines.append(f"    {name}: {shown}")
         return "\n".join(lines)
+
+
+def _placement_dict(p: Placement) -> dict[str, Any]:
+    """Nodes per backend, the ops each non-primary backend runs, the boundary transfers."""
+    ops: dict[str, dict[str, int]] = {name: {} for name in p.backends[1:]}
+    for node_op, k in zip(p.ops, p.assignment, strict=True):
+        if k:
+            row = ops[p.backends[k]]
+            row[node_op] = row.get(node_op, 0) + 1
+    steps = p.per_step()
+    return {
+        "nodes": p.nodes_per_backend(),
+        "ops": ops,
+        "segments": len(p.segments),
+        "transfers_per_step": len(steps),
+        "transfer_bytes_per_step": p.transfer_bytes,
+        "cached_transfers": len(p.transfers) - len(steps),
+    }

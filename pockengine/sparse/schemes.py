@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from typing import Any
 from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.ir import SchemeError
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "Resolution",
     "Scheme",
@@ -35,6 +38,7 @@ __all__ = [
     "head",
     "last_blocks",
     "load",
+    "named",
     "requires_grad",
     "resolve_scheme",
     "save",
@@ -127,7 +131,15 @@ def _head(info: ModelInfo) -> list[str]:
 
 
 def _blocks(info: ModelInfo, k: int, container: str | None) -> list[str]:
+    """The params of the last ``k`` blocks. A model with fewer blocks (or none that repeat)
+    trains the blocks it has, with a warning; a named container must exist."""
+    if k < 0:
+        raise SchemeError(f"the number of blocks must be >= 0, got {k}")
     if k == 0 and container is None:  # the last 0 blocks: none, whether the model has any
+        return []
+    if container is None and info.blocks is None:
+        log.warning("the model has no repeated blocks: the scheme trains no block weights "
+                    "(only what else it names: biases, norms, the head)")  # fmt: skip
         return []
     path = container if container is not None else info.blocks
     if path is None or path not in info.containers:
@@ -136,8 +148,10 @@ def _blocks(info: ModelInfo, k: int, container: str | None) -> list[str]:
             f"no block container {path!r} in the model; containers: {near or list(info.containers)}"
         )
     children = info.containers[path]
-    if not 0 <= k <= len(children):
-        raise SchemeError(f"{path} has {len(children)} blocks; cannot train the last {k}")
+    if k > len(children):
+        log.warning("%s has %d blocks, fewer than %d: training all %d", path, len(children), k,
+                    len(children))  # fmt: skip
+        k = len(children)
     last = children[len(children) - k :] if k else ()
     return [p.name for p in info.params if any(_inside(p.module, c) for c in last)]
 
@@ -270,11 +284,63 @@ def sparse(
 # -- files ------------------------------------------------------------------------
 
 
+# What a scheme file may say: each kind's options with their types (checked before use).
+_COMMON: dict[str, tuple[type, ...]] = {"scheme": (str,), "frozen_bn": (str,)}
+_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
+    "requires_grad": {"channels": (dict, int, float)},
+    "full": {"channels": (dict, int, float)},
+    "bias_only": {},
+    "head": {},
+    "last_blocks": {"k": (int,), "container": (str,), "head": (bool,),
+                    "channels": (dict, int, float)},
+    "select": {"train": (list, str), "freeze": (list, str), "channels": (dict, int, float)},
+    "sparse": {"bias": (str,), "blocks": (int,), "head": (bool,), "container": (str,),
+               "channels": (int, float)},
+}  # fmt: skip
+_TYPE_NAMES = {dict: "a mapping", int: "an integer", float: "a number", str: "a string",
+               bool: "true/false", list: "a list"}  # fmt: skip
+
+
+def _check_option(kind: str, key: str, value: Any) -> None:
+    """A ``SchemeError`` naming ``key`` unless it is an option of ``kind`` of the right type;
+    a misspelt name gets the nearest valid one."""
+    allowed = {**_COMMON, **_OPTIONS[kind]}
+    if key not in allowed:
+        near = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise SchemeError(
+            f"scheme {kind!r} has no option {key!r}{hint} (options: {sorted(allowed)})"
+        )
+    types = allowed[key]
+    is_bool = isinstance(value, bool)
+    if not isinstance(value, types) or (is_bool and bool not in types):
+        want = " or ".join(_TYPE_NAMES[t] for t in types)
+        raise SchemeError(f"scheme option {key!r} must be {want}, got {value!r}")
+    entries = (
+        value if isinstance(value, list) else value.values() if isinstance(value, dict) else ()
+    )
+    for entry in entries:
+        good = (str,) if key in ("train", "freeze") else (int, float)
+        if not isinstance(entry, good) or isinstance(entry, bool):
+            what = "a string" if good == (str,) else "a number"
+            raise SchemeError(f"scheme option {key!r} holds {entry!r}, not {what}")
+
+
 def from_dict(data: Mapping[str, Any]) -> Scheme:
+    """A scheme from its dict form (``to_dict()``, a scheme file), every option checked."""
     data = dict(data)
-    kind = str(data.pop("scheme", "select"))
-    if kind not in _SELECTORS:
-        raise SchemeError(f"unknown scheme {kind!r}; known: {sorted(_SELECTORS)}")
+    kind = data.pop("scheme", "select")
+    if not isinstance(kind, str) or kind not in _SELECTORS:
+        near = difflib.get_close_matches(str(kind), list(_SELECTORS), n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise SchemeError(f"unknown scheme {kind!r}{hint} (known: {sorted(_SELECTORS)})")
+    for key, value in data.items():
+        _check_option(kind, str(key), value)
+    if kind == "last_blocks" and "k" not in data:
+        raise SchemeError("scheme 'last_blocks' needs k, the number of blocks to train")
+    for key in ("train", "freeze"):
+        if isinstance(data.get(key), str):
+            data[key] = [data[key]]
     channels = data.pop("channels", None)
     frozen_bn = str(data.pop("frozen_bn", "train"))
     if kind == "sparse":  # its channels is the block ratio
@@ -302,8 +368,8 @@ def save(scheme: Scheme, path: str | Path) -> None:
 def load(path: str | Path) -> Scheme:
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise SchemeError(f"cannot read scheme file {path}: {exc}") from exc
     try:
         if path.suffix in (".yaml", ".yml"):
@@ -313,11 +379,23 @@ def load(path: str | Path) -> Scheme:
         else:
             data = json.loads(text)
     except Exception as exc:
-        raise SchemeError(f"scheme file {path} does not parse: {exc}") from exc
+        flat = " ".join(str(exc).split())  # YAML errors span lines; the message is one
+        raise SchemeError(f"scheme file {path} does not parse: {flat}") from exc
     if not isinstance(data, dict):
         raise SchemeError(f"scheme file {path} must hold a mapping")
-    return from_dict(data)
+    try:
+        return from_dict(data)
+    except SchemeError as exc:
+        raise SchemeError(f"scheme file {path}: {exc}") from None
 
 
 def resolve_scheme(scheme: Scheme | None, info: ModelInfo) -> Resolution:
     return (scheme or requires_grad()).resolve(info)
+
+
+def named(spec: str, *, sparse: Scheme | None = None, frozen_bn: str = "eval") -> Scheme:
+    """The scheme a name stands for, as on the command line: full, bias, bias-only, sparse,
+    head, last:K, or a scheme file (the table is in ``pockengine.sparse.names``)."""
+    from pockengine.sparse.names import scheme_named  # names builds on this module
+
+    return scheme_named(spec, sparse=sparse, frozen_bn=frozen_bn)

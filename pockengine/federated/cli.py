@@ -1,0 +1,165 @@
+"""``pockengine federated``: its options, the run, the summary and the plot.
+
+The options are the federation's plus those of ``pockengine finetune`` that apply to
+every client's local training (recipe or model and data, scheme, optimizer, learning
+rate, batch shape, data subset, seed, backend). ``--out DIR`` receives ``rounds.jsonl``,
+``summary.json``, ``global.safetensors`` and ``rounds.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+
+__all__ = ["add_arguments", "config_from_args", "plot_rounds", "run", "summary_text"]
+
+_FINETUNE_OPTIONS = (
+    "recipe", "model", "data", "text_column", "label_column", "tokenizer", "scheme",
+    "optimizer", "lr", "weight_decay", "momentum", "batch_size", "seq_len", "image_size",
+    "warmup", "val_fraction", "max_train", "max_val", "dedupe", "seed", "backend", "out",
+)  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    fed = p.add_argument_group("federation")
+    fed.add_argument("--clients", type=int, default=2, help="client processes (shards)")
+    fed.add_argument("--rounds", type=int, default=3)
+    fed.add_argument("--local-epochs", type=int, default=1, help="epochs a client runs a round")
+    fed.add_argument("--partition", choices=("iid", "dirichlet"), default="iid")
+    fed.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
+    fed.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx (0: FedAvg)")
+    fed.add_argument("--timeout", type=float, default=600.0, help="seconds a round waits")
+    fed.add_argument("--threads", type=int, default=1, help="torch threads per client")
+    fed.add_argument("--resume", action="store_true", help="continue from --out's state")
+    fed.add_argument("--stop-after-round", type=int, help="stop the server there (for --resume)")
+    fed.add_argument("--fail", nargs="*", default=[], metavar="CLIENT:ROUND",
+                     help="make a client's training raise in a round (faults)")  # fmt: skip
+    fed.add_argument("--delay", nargs="*", default=[], metavar="CLIENT:ROUND:SECONDS",
+                     help="make a client sleep before training in a round")  # fmt: skip
+    what = p.add_argument_group("local training (as pockengine finetune; defaults: the recipe's)")
+    what.add_argument("--recipe", help=f"a built-in recipe (default {DEFAULT_RECIPE})")
+    what.add_argument("--model", help="a Hugging Face model folder, or module:factory")
+    what.add_argument("--data", help="a .csv/.tsv/.jsonl file or a folder of class subfolders")
+    what.add_argument("--text-column", default="text")
+    what.add_argument("--label-column", default="label")
+    what.add_argument("--tokenizer", help="a Hugging Face tokenizer folder for a factory model")
+    what.add_argument("--scheme", help="full, bias, sparse, head, last:K, or a scheme file")
+    what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    what.add_argument("--lr", type=float, help="peak learning rate (default: by scheme)")
+    what.add_argument("--weight-decay", type=float, default=0.01)
+    what.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    what.add_argument("--batch-size", type=int)
+    what.add_argument("--seq-len", type=int, help="tokens per example")
+    what.add_argument("--image-size", type=int, help="image side in pixels")
+    what.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of all steps")
+    what.add_argument("--val-fraction", type=float, default=0.2)
+    what.add_argument("--max-train", type=int, help="at most N training examples in all")
+    what.add_argument("--max-val", type=int, help="at most N held-out examples (central eval)")
+    what.add_argument("--no-dedupe", dest="dedupe", action="store_false")
+    what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--backend", default=DEFAULT_BACKEND)
+    what.add_argument("--out", help="output folder (default runs/federated-<recipe>)")
+
+
+def config_from_args(args: argparse.Namespace) -> FederatedConfig:
+    values = {name: getattr(args, name) for name in _FINETUNE_OPTIONS}
+    if values["recipe"] is None and values["model"] is None and values["data"] is None:
+        values["recipe"] = DEFAULT_RECIPE
+    ft = FinetuneConfig(**values)
+    return FederatedConfig(
+        finetune=ft, clients=args.clients, rounds=args.rounds, local_epochs=args.local_epochs,
+        partition=args.partition, alpha=args.alpha, proximal_mu=args.proximal_mu,
+        timeout=args.timeout, resume=args.resume, threads=args.threads,
+        stop_after_round=args.stop_after_round,
+        fail=tuple(args.fail), delay=tuple(args.delay),
+    )  # fmt: skip
+
+
+def run(config: FederatedConfig) -> dict[str, Any]:
+    """Simulate the run, write its plot; the summary (``summary.json``'s contents)."""
+    try:
+        from pockengine.federated.engine import simulate
+    except ImportError as exc:
+        raise FederatedError(
+            f"pockengine federated needs Flower ({exc}): pip install 'pockengine[federated]'"
+        ) from exc
+    summary = simulate(config)
+    from pockengine.federated.server import ROUNDS, out_dir
+
+    out = out_dir(config)
+    rows = [json.loads(line) for line in (out / ROUNDS).read_text().splitlines() if line]
+    try:
+        summary["plot"] = str(plot_rounds(rows, out / "rounds.png", summary["initial"]))
+    except ImportError:
+        summary["plot"] = None  # matplotlib is an extra: pip install 'pockengine[plot]'
+    return summary
+
+
+def plot_rounds(
+    rows: list[dict[str, Any]], path: Path, initial: dict[str, float] | None = None
+) -> Path:
+    """Accuracy (from round 0, the starting state), and bytes sent up (sparse vs
+    full-model FedAvg), against the round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = [r["round"] for r in rows]
+    start = [(0, initial["accuracy"])] if initial and "accuracy" in initial else []
+    points = start + [(r["round"], r["accuracy"]) for r in rows]
+    fig, (acc, comm) = plt.subplots(1, 2, figsize=(10, 4))
+    acc.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+    for axis in (acc, comm):
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    acc.set(xlabel="round", ylabel="central accuracy", title="accuracy")
+    comm.plot(rounds, [r["bytes_up"] / 2**20 for r in rows], marker="o", label="sent up (sparse)")
+    comm.plot(rounds, [r["bytes_full_model"] / 2**20 for r in rows], marker="x",
+              label="full-model FedAvg")  # fmt: skip
+    comm.set(xlabel="round", ylabel="MiB per round", title="communication", yscale="log")
+    comm.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    ratio = summary["up_ratio"]
+    final, initial = summary["final"], summary["initial"]
+    lines = [
+        f"federated: {summary['rounds']} round(s) of {summary['config']['clients']} client(s)"
+        f" in {summary['wall_s']:.1f}s",
+        f"accuracy {initial.get('accuracy', float('nan')):.4f} -> {final['accuracy']:.4f}, "
+        f"loss {initial.get('loss', float('nan')):.4f} -> {final['loss']:.4f} (central)",
+        f"sent up {summary['bytes_up']} B, full-model FedAvg {summary['bytes_full_model']} B"
+        + (f" ({100 * ratio:.2f}%)" if ratio is not None else ""),
+        f"trained tensors: {len(summary['trained_tensors'])}",
+    ]
+    if summary.get("plot"):
+        lines.append(f"plot: {summary['plot']}")
+    return "\n".join(lines)
+
+
+def register(sub: Any) -> None:
+    """Add ``pockengine federated`` to the command line's subparsers."""
+    p = sub.add_parser(
+        "federated",
+        help="federated sparse fine-tuning: a Flower simulation of N clients on one machine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(run=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    summary = run(config_from_args(args))
+    print(summary_text(summary))
+    return 0

@@ -1,0 +1,164 @@
+"""One client's local training: a compiled PockEngine step over its shard.
+
+``LocalTrainer`` builds the recipe's task, cuts its shard of the training split and
+compiles one ``TrainStep`` for the fixed batch shape: once per client process, then
+reused every round (``load_state`` receives the global trained tensors). A round runs
+E local epochs in the order ``pockengine finetune`` uses (``epoch_order(n, seed,
+epoch)``, the last partial batch dropped), with the learning rate schedule of the whole
+federated run (warmup, then linear decay over all rounds' local steps), and fresh
+optimizer moments each round; the dropout seed advances one a step across rounds, as
+if the client had never stopped. So one client with IID data, one round, runs exactly
+the steps of ``pockengine finetune``, and a resumed run repeats the rounds it redoes.
+
+FedProx (``proximal_mu`` > 0): a compiled step's loss is fixed, so the proximal term
+is applied decoupled, as AdamW applies weight decay: after each step, ``w -= lr * mu *
+(w - w_global)`` on the trained tensors (their trained rows).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.federated.partition import partition
+from pockengine.federated.payload import TrainedSet, load_some
+from pockengine.finetune import data as ds
+from pockengine.finetune import recipes
+from pockengine.finetune.config import FinetuneConfig
+from pockengine.finetune.trainer import linear_schedule
+from pockengine.optim import SGD, AdamW, Optimizer
+from pockengine.runtime import TrainStep
+from pockengine.sparse.schemes import Scheme
+
+__all__ = ["LocalResult", "LocalTrainer", "prepare", "seed_offset"]
+
+Array = np.ndarray[Any, Any]
+RNG_SEED = "rng.seed"
+
+
+def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, TrainStep]:
+    """The config with the recipe's defaults, its task, and its compiled step."""
+    config = config.validate()
+    ft = config.finetune
+    ft = ft.with_defaults(recipes.defaults(ft)).validate()
+    config = FederatedConfig(**{**vars(config), "finetune": ft})
+    assert ft.scheme is not None
+    scheme = recipes.parse_scheme(ft.scheme, ft.recipe)
+    recipes.check_model_files(ft)
+    task = recipes.build(ft)
+    return config, task, compile_task(ft, task, scheme)
+
+
+def _optimizer(ft: FinetuneConfig) -> Optimizer:
+    lr = float(ft.lr or 0.0)
+    if ft.optimizer == "sgd":
+        return SGD(lr=lr, momentum=ft.momentum, weight_decay=ft.weight_decay)
+    return AdamW(lr=lr, weight_decay=ft.weight_decay)
+
+
+def compile_task(ft: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
+    """The step ``pockengine finetune`` compiles for this task (same optimizer, batch
+    shape, backend; dropout on, its seed the step's ``rng.seed`` state)."""
+    import torch
+
+    from pockengine.runtime import compile
+
+    assert ft.batch_size is not None
+    example = tuple(torch.from_numpy(a[: ft.batch_size]) for a in task.train)
+    task.model.train()
+    opt = _optimizer(ft)
+    return compile(
+        task.model, task.loss_fn, example, optimizer=opt, scheme=scheme, backend=ft.backend
+    )
+
+
+def seed_offset(client: int) -> int:
+    """What a client adds to the run's seed (data order) and to the dropout seed, so that
+    clients draw differently; 0 for client 0, which then trains as ``finetune`` does."""
+    return 1_000_003 * client
+
+
+@dataclass
+class LocalResult:
+    """One round of a client: its trained tensors, examples seen, mean loss, seconds."""
+
+    arrays: dict[str, Array]
+    examples: int
+    loss: float
+    seconds: float
+
+
+class LocalTrainer:
+    """The compiled step, the shard and the counters of one client process."""
+
+    def __init__(self, config: FederatedConfig, client: int) -> None:
+        config, task, step = prepare(config)
+        ft = config.finetune
+        assert ft.batch_size is not None
+        shards = partition(
+            task.train, config.partition, config.clients, config.alpha, ft.seed, ft.batch_size
+        )
+        self.config, self.client, self.step = config, client, step
+        self.shard = tuple(np.ascontiguousarray(a[shards[client]]) for a in task.train)
+        self.batch_size = ft.batch_size
+        self.steps_per_epoch = len(self.shard[0]) // ft.batch_size
+        self.steps_per_round = config.local_epochs * self.steps_per_epoch
+        self.total = config.rounds * self.steps_per_round
+        self.warmup = round(ft.warmup * self.total)
+        self.trained = TrainedSet.of(step)
+        self._fresh = step.optimizer_state()
+
+    def train(self, arrays: dict[str, Array], server_round: int, mu: float) -> LocalResult:
+        """E local epochs from the global ``arrays``; the trained tensors after them."""
+        start = time.perf_counter()
+        self.trained.merge(self.step, arrays, f"client {self.client}, round {server_round}")
+        load_some(
+            self.step, optimizer=self._round_start(server_round), where=f"client {self.client}"
+        )
+        ft = self.config.finetune
+        losses = []
+        for e in range(self.config.local_epochs):
+            epoch = (server_round - 1) * self.config.local_epochs + e
+            order = ds.epoch_order(len(self.shard[0]), ft.seed + seed_offset(self.client), epoch)
+            for b in range(self.steps_per_epoch):
+                t = (server_round - 1) * self.steps_per_round + e * self.steps_per_epoch + b
+                lr = linear_schedule(t, float(ft.lr or 0.0), self.warmup, self.total)
+                losses.append(self._one_step(order[b * self.batch_size :][: self.batch_size], lr))
+                if mu > 0:
+                    self._proximal(arrays, lr * mu)
+        return LocalResult(
+            self.trained.extract(self.step),
+            self.steps_per_round * self.batch_size,
+            float(np.mean(losses)),
+            time.perf_counter() - start,
+        )
+
+    def _round_start(self, server_round: int) -> dict[str, Array]:
+        """Fresh optimizer moments; the dropout seed where a client that had run every
+        earlier round would be (distinct per client), so a resumed run repeats it."""
+        state = dict(self._fresh)
+        if RNG_SEED in state:
+            done = (server_round - 1) * self.steps_per_round
+            state[RNG_SEED] = state[RNG_SEED] + seed_offset(self.client) + done
+        return state
+
+    def _one_step(self, rows: Array, lr: float) -> float:
+        self.step.lr = lr
+        loss = self.step(*(np.ascontiguousarray(a[rows]) for a in self.shard))
+        if not math.isfinite(loss):
+            raise FederatedError(
+                f"client {self.client}: the loss is {loss}; try a lower --lr than "
+                f"{self.config.finetune.lr}"
+            )
+        return loss
+
+    def _proximal(self, global_arrays: dict[str, Array], weight: float) -> None:
+        """FedProx's pull towards the round's global tensors, decoupled from the step."""
+        now = self.trained.extract(self.step)
+        pulled = {k: v - weight * (v - global_arrays[k]) for k, v in now.items()}
+        self.trained.merge(self.step, pulled, f"client {self.client} (FedProx)")

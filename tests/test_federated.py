@@ -1,0 +1,317 @@
+"""Federated sparse fine-tuning on Flower (issue 18): a tiny bag-of-words model with a
+partial-channel layer on a small CSV, so that a simulation with client processes runs
+in CI. Tests that run Flower skip when it is not installed (pip install
+'pockengine[federated]'); the data partitions and the local trainer need no Flower."""
+
+from __future__ import annotations
+
+import json
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pockengine.federated import FederatedConfig, FederatedError
+from pockengine.federated.local import LocalTrainer
+from pockengine.federated.partition import dirichlet, iid, partition
+from pockengine.finetune import FinetuneConfig
+from tests.test_finetune_resume import write_task
+
+needs_flwr = pytest.mark.skipif(
+    find_spec("flwr") is None, reason="Flower is not installed: pip install 'pockengine[federated]'"
+)
+
+FED_MODEL = """
+import torch
+from torch import nn
+
+
+class Bag(nn.Module):
+    def __init__(self, vocab_size, num_labels):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 16)
+        self.fc = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(16, num_labels)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids) * mask.unsqueeze(-1).to(torch.float32)
+        pooled = h.sum(1) / mask.sum(1, keepdim=True).clamp(min=1).to(torch.float32)
+        return self.head(self.drop(torch.relu(self.fc(pooled))))
+
+
+def bag(vocab_size, num_labels):
+    return Bag(vocab_size, num_labels)
+"""
+# fc trains its first 8 of 16 output rows; the embedding stays frozen and never travels
+SCHEME = {"scheme": "select", "train": ["fc.*", "head.*"], "channels": {"fc.weight": 0.5}}
+SENT_SHAPES = {"fc.weight": [8, 16], "fc.bias": [16], "head.weight": [2, 16], "head.bias": [2]}
+SENT_BYTES = 4 * (8 * 16 + 16 + 2 * 16 + 2)  # float32
+
+
+@pytest.fixture
+def finetune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FinetuneConfig:
+    """The finetune options of the tiny task (its module importable by client processes)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    options = write_task(tmp_path, rows=240)
+    (tmp_path / "fed_bag.py").write_text(FED_MODEL)
+    (tmp_path / "scheme.json").write_text(json.dumps(SCHEME))
+    for unused in ("epochs", "progress"):
+        del options[unused]
+    options.update(model="fed_bag:bag", scheme=str(tmp_path / "scheme.json"))
+    return FinetuneConfig(recipe=None, out=str(tmp_path / "fed"), **options)
+
+
+def federated(ft: FinetuneConfig, **options: Any) -> FederatedConfig:
+    return FederatedConfig(finetune=ft, **options)
+
+
+def rounds_log(ft: FinetuneConfig) -> list[dict[str, Any]]:
+    assert ft.out is not None
+    lines = (Path(ft.out) / "rounds.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+# -- partitions and options (no Flower) --------------------------------------------------
+
+
+def test_iid_shards_cover_the_split_once_and_one_client_keeps_its_order() -> None:
+    shards = iid(103, 4, seed=0)
+    assert sorted(len(s) for s in shards) == [25, 26, 26, 26]
+    np.testing.assert_array_equal(np.sort(np.concatenate(shards)), np.arange(103))
+    np.testing.assert_array_equal(iid(50, 1, seed=3)[0], np.arange(50))
+
+
+def test_dirichlet_skews_labels_and_is_reproducible() -> None:
+    labels = np.repeat(np.arange(5), 200)
+    shards = dirichlet(labels, 10, alpha=0.5, seed=1, least=16)
+    again = dirichlet(labels, 10, alpha=0.5, seed=1, least=16)
+    assert all(np.array_equal(a, b) for a, b in zip(shards, again, strict=True))
+    np.testing.assert_array_equal(np.sort(np.concatenate(shards)), np.arange(1000))
+    assert min(len(s) for s in shards) >= 16
+    # label skew: the commonest label holds far more than a fifth of a typical shard
+    top = [np.bincount(labels[s], minlength=5).max() / len(s) for s in shards]
+    assert np.median(top) > 0.4, top
+    iid_top = [np.bincount(labels[s], minlength=5).max() / len(s) for s in iid(1000, 10, 1)]
+    assert np.median(iid_top) < 0.3, iid_top
+
+
+def test_partition_errors_name_the_problem() -> None:
+    train = (np.zeros((20, 4)), np.arange(20) % 2)
+    with pytest.raises(FederatedError, match="fewer than one batch of 8"):
+        partition(train, "iid", 4, 0.5, 0, least=8)
+    with pytest.raises(FederatedError, match="needs class labels"):
+        partition((np.zeros((20, 4)),), "dirichlet", 2, 0.5, 0, least=2)
+    with pytest.raises(FederatedError, match="in 100 draws"):
+        dirichlet(np.arange(20) % 2, 4, alpha=0.01, seed=0, least=5)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(FederatedError, match="clients must be a positive integer"):
+        FederatedConfig(clients=0).validate()
+    with pytest.raises(FederatedError, match="partition must be iid or dirichlet"):
+        FederatedConfig(partition="shards").validate()
+    with pytest.raises(FederatedError, match="expected CLIENT:ROUND"):
+        FederatedConfig(fail=("1",)).validate()
+    config = FederatedConfig(fail=("1:2",), delay=("0:1:2.5",)).validate()
+    assert config.fails(1, 2) and not config.fails(1, 1) and config.delay_s(0, 1) == 2.5
+    assert FederatedConfig.from_json(config.to_json()) == config
+
+
+# -- the local trainer (no Flower) -----------------------------------------------------
+
+
+def test_fedprox_pull_of_one_returns_the_global_tensors(finetune: FinetuneConfig) -> None:
+    """A client with one step a round and lr * mu = 1: the proximal step lands back on
+    the global tensors; without it the step moves them. Frozen rows never move."""
+    ft = FinetuneConfig(**{**vars(finetune), "warmup": 0.0, "max_train": 16})
+    trainer = LocalTrainer(federated(ft, clients=2, rounds=1), client=1)
+    assert trainer.steps_per_round == 1
+    start = trainer.trained.extract(trainer.step)
+    frozen_rows = trainer.step.flat_state_dict()["fc.weight"][8:].copy()
+    free = trainer.train(start, server_round=1, mu=0.0).arrays
+    assert all(not np.array_equal(free[k], start[k]) for k in start)
+    pulled = trainer.train(start, server_round=1, mu=1 / float(ft.lr or 1)).arrays
+    for name, array in pulled.items():
+        np.testing.assert_allclose(array, start[name], rtol=0, atol=1e-7, err_msg=name)
+    np.testing.assert_array_equal(trainer.step.flat_state_dict()["fc.weight"][8:], frozen_rows)
+
+
+# -- Flower: messages, the equivalence with central training, a whole simulation --------
+
+
+@needs_flwr
+def test_messages_carry_exactly_the_trained_tensors(finetune: FinetuneConfig) -> None:
+    """The ClientApp, called as a SuperNode calls it: the reply holds the trained
+    tensors (fc.weight as its 8 trained rows, no embedding), its byte count is what
+    its metrics report, and a second round reuses the compiled step."""
+    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from pockengine.federated import client
+    from pockengine.federated.local import prepare
+    from pockengine.federated.payload import TrainedSet
+    from pockengine.federated.strategy import SparseFedAvg
+
+    config = federated(finetune, clients=2, rounds=2)
+    trained = TrainedSet.of(prepare(config)[2])
+    assert {k: list(v) for k, v in trained.shapes.items()} == SENT_SHAPES
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 7, 1
+    node_config: dict[str, bool | float | int | str] = {"partition-id": 1, "num-partitions": 2}
+    context = Context(7, 1002, node_config, RecordDict(), {client.RUN_CONFIG_KEY: config.to_json()})
+    arrays = {k: np.zeros(v, np.float32) for k, v in trained.shapes.items()}
+    replies = []
+    for server_round in (1, 2):
+        content = RecordDict({
+            "arrays": client.to_record(arrays),
+            "config": ConfigRecord({"server-round": server_round}),
+        })  # fmt: skip
+        message = Message(content, 1002, MessageType.TRAIN)
+        message.metadata.__dict__["_message_id"] = f"m{server_round}"
+        replies.append(client.app(message, context))
+        if server_round == 1:
+            compiled = next(iter(client._TRAINERS.values())).step
+    assert next(iter(client._TRAINERS.values())).step is compiled  # not recompiled
+    for reply in replies:
+        got = client.to_arrays(reply.content.array_records["arrays"])
+        assert {k: list(v.shape) for k, v in got.items()} == SENT_SHAPES
+        metrics = reply.content.metric_records["metrics"]
+        assert metrics["bytes-up"] == SENT_BYTES == sum(a.nbytes for a in got.values())
+        assert metrics["num-examples"] == 96 // 8 * 8 and metrics["client"] == 1
+    strategy = SparseFedAvg(trained, clients=2)
+    assert strategy._reject(replies[0]) is None
+    leaky = client.to_arrays(replies[0].content.array_records["arrays"])
+    leaky["emb.weight"] = np.zeros((3, 16), np.float32)
+    content = RecordDict({
+        "arrays": client.to_record(leaky),
+        "metrics": replies[0].content.metric_records["metrics"],
+    })  # fmt: skip
+    reason = strategy._reject(Message(content, reply_to=message))
+    assert reason is not None and "unexpected ['emb.weight']" in reason
+
+
+@needs_flwr
+def test_one_client_one_round_is_the_central_run(finetune: FinetuneConfig) -> None:
+    """One client, one round, IID: the global state equals, bit for bit, the weights of
+    `pockengine finetune` over the same epochs (same seed, order, schedule, dropout)."""
+    import pockengine as pe
+    from pockengine.federated.engine import simulate
+
+    summary = simulate(federated(finetune, clients=1, rounds=1, local_epochs=2))
+    assert summary["rounds"] == 1
+    central = pe.finetune(finetune, epochs=2, progress="none", out=f"{finetune.out}-central")
+    assert central.step is not None
+    weights = central.step.flat_state_dict()
+    saved = _global_state(finetune)
+    assert set(saved) == set(SENT_SHAPES)
+    for name, array in saved.items():
+        np.testing.assert_array_equal(array, weights[name][: array.shape[0]], err_msg=name)
+    assert not np.array_equal(saved["head.weight"], _initial(finetune)["head.weight"])
+
+
+def _global_state(ft: FinetuneConfig) -> dict[str, Any]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(Path(str(ft.out)) / "global.safetensors"))
+
+
+def _initial(ft: FinetuneConfig) -> dict[str, Any]:
+    from pockengine.federated.local import prepare
+
+    return prepare(federated(ft))[2].flat_state_dict()
+
+
+@needs_flwr
+def test_three_clients_two_rounds_drop_a_failing_client_and_resume(
+    finetune: FinetuneConfig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pockengine federated`: 3 client processes, Dirichlet shards, client 1 failing in
+    round 2; the server stops after round 1 and a second command resumes it."""
+    from pockengine.cli import main
+
+    args = [
+        "federated", "--model", str(finetune.model), "--data", str(finetune.data),
+        "--text-column", "review", "--label-column", "sentiment", "--seq-len", "12",
+        "--batch-size", "8", "--lr", "0.01", "--scheme", str(finetune.scheme),
+        "--clients", "3", "--rounds", "2", "--partition", "dirichlet", "--alpha", "1.0",
+        "--fail", "1:2", "--out", str(finetune.out),
+    ]  # fmt: skip
+    assert main([*args, "--stop-after-round", "1"]) == 0
+    assert [r["round"] for r in rounds_log(finetune)] == [1]
+    assert main([*args, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "2 round(s) of 3 client(s)" in out and "sent up" in out
+    rows = rounds_log(finetune)
+    assert [r["round"] for r in rows] == [1, 2]
+    assert rows[0]["clients"] == [0, 1, 2] and rows[0]["dropped"] == []
+    assert rows[1]["clients"] == [0, 2]
+    assert len(rows[1]["dropped"]) == 1 and "client 1 fails in round 2" in rows[1]["dropped"][0]
+    full = rows[0]["bytes_full_model"] / 3
+    assert full > 10 * SENT_BYTES  # the frozen embedding stays home
+    for row in rows:
+        assert row["bytes_up"] == SENT_BYTES * len(row["clients"])
+        assert row["bytes_down"] == SENT_BYTES * 3
+        assert row["bytes_full_model"] == full * len(row["clients"])
+        assert 0.0 <= row["accuracy"] <= 1.0 and np.isfinite(row["loss"])
+    summary = json.loads((Path(str(finetune.out)) / "summary.json").read_text())
+    assert summary["resumed_at"] == 1 and summary["rounds"] == 2
+    assert summary["up_ratio"] == pytest.approx(SENT_BYTES / full)
+    if find_spec("matplotlib") is not None:
+        assert (Path(str(finetune.out)) / "rounds.png").stat().st_size > 0
+
+
+@needs_flwr
+def test_saved_state_is_not_overwritten_and_resume_checks_the_options(
+    finetune: FinetuneConfig,
+) -> None:
+    from safetensors.numpy import save_file
+
+    from pockengine.federated.server import GLOBAL_STATE, run_server
+
+    out = Path(str(finetune.out))
+    out.mkdir()
+    with pytest.raises(FederatedError, match="no saved global state"):
+        run_server(None, federated(finetune, resume=True))  # type: ignore[arg-type]
+    meta = {"round": "1", "config": json.dumps(federated(finetune, rounds=5).training_dict())}
+    save_file({"head.bias": np.zeros(2, np.float32)}, str(out / GLOBAL_STATE), metadata=meta)
+    with pytest.raises(FederatedError, match="continue it with --resume"):
+        run_server(None, federated(finetune))  # type: ignore[arg-type]
+    with pytest.raises(FederatedError, match="saved by a run with other options"):
+        run_server(None, federated(finetune, rounds=3, resume=True))  # type: ignore[arg-type]
+
+
+@needs_flwr
+@pytest.mark.slow
+def test_a_client_past_the_timeout_is_dropped_and_replaced(finetune: FinetuneConfig) -> None:
+    """Client 0 sleeps past round 1's timeout: the round aggregates client 1 alone, and
+    round 2 has both again (client 0 in a fresh process, compiled anew)."""
+    from pockengine.federated.engine import simulate
+
+    config = federated(finetune, clients=2, rounds=2, delay=("0:1:60",), timeout=20.0)
+    simulate(config)
+    rows = rounds_log(finetune)
+    assert rows[0]["clients"] == [1] and "did not answer in time" in rows[0]["dropped"][0]
+    assert rows[1]["clients"] == [0, 1] and rows[1]["dropped"] == []
+
+
+@needs_flwr
+@pytest.mark.slow
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_state(finetune: FinetuneConfig) -> None:
+    """Stopped after round 1 and resumed (fresh client processes), a 2-round run ends
+    with exactly the global state of the same run never stopped."""
+    import dataclasses
+
+    from pockengine.federated.engine import simulate
+
+    config = federated(finetune, clients=2, rounds=2, partition="dirichlet", alpha=1.0)
+    simulate(config)
+    whole = _global_state(finetune)
+    other = dataclasses.replace(finetune, out=f"{finetune.out}-resumed")
+    simulate(dataclasses.replace(config, finetune=other, stop_after_round=1))
+    simulate(dataclasses.replace(config, finetune=other, resume=True))
+    resumed = _global_state(other)
+    assert [r["round"] for r in rounds_log(other)] == [1, 2]
+    for name, array in whole.items():
+        np.testing.assert_array_equal(resumed[name], array, err_msg=name)
