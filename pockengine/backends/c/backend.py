@@ -1,0 +1,170 @@
+"""The C backend: the whole step as compiled C over one arena, called through ctypes.
+
+``CExecutable`` plans the graph's memory (``plan_memory``), emits its C source
+(``.source``), compiles it (``driver.build_library``, cached by hash) and allocates the
+arena once: ``plan.arena_bytes``, 64-byte aligned. The ``Store`` holds C-contiguous NumPy
+arrays (params, buffers, optimizer state: the state block); ``run`` copies the batch into
+the arena at its planned offsets, passes the arrays' pointers to ``pe_step`` (which
+writes the updates into them in place and allocates nothing), and copies the outputs
+out of the arena.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pockengine.backends.base import Backend, Executable, Store
+from pockengine.backends.c import lower_ew, lower_nn, lower_reduce
+from pockengine.backends.c.driver import build_library
+from pockengine.backends.c.emit import CTYPES, Lowering, emit_step
+from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
+from pockengine.plan import MemoryPlan, plan_memory
+
+__all__ = ["KERNELS", "BoundStep", "CBackend", "CExecutable"]
+
+Array = np.ndarray[Any, Any]
+
+KERNELS: dict[str, Lowering] = {**lower_ew.KERNELS, **lower_reduce.KERNELS, **lower_nn.KERNELS}
+
+
+def claims(node: Node) -> bool:
+    """Whether the C backend can run ``node``: a kernel for its op, and C types for every
+    value it reads and writes (no f16/bf16)."""
+    values = (*node.inputs, *node.outputs)
+    return node.op in KERNELS and all(v.dtype in CTYPES for v in values)
+
+
+def check_claims(graph: Graph) -> None:
+    """One UnsupportedOpError listing every node of ``graph`` the backend cannot run."""
+    missing: dict[tuple[str, str], None] = {}
+    for node in graph.nodes:
+        if not claims(node):
+            types = ", ".join(sorted({str(v.dtype) for v in (*node.inputs, *node.outputs)}))
+            label = node.op if node.op not in KERNELS else f"{node.op} on {types}"
+            missing[(label, node.source)] = None
+    if missing:
+        raise UnsupportedOpError("ops for the c backend", list(missing))
+
+
+@dataclass(frozen=True)
+class BoundStep:
+    """One call of the compiled step, ready to make: ``function(arena, args)``."""
+
+    function: Any  # the ctypes function pe_step
+    arena: int  # the arena's address
+    args: Any  # a ctypes array of the inputs' addresses
+
+
+class CExecutable(Executable):
+    """One graph compiled to a shared library; ``run`` calls its ``pe_step`` once."""
+
+    def __init__(self, graph: Graph, portable: bool | None = None, profile: bool = False) -> None:
+        check_claims(graph)
+        self.graph = graph
+        self.plan: MemoryPlan = plan_memory(graph)
+        self.source = emit_step(graph, self.plan, KERNELS, profile=profile)
+        self.profiled = profile
+        self.library_path = build_library(self.source, portable)
+        self._lib = ctypes.CDLL(str(self.library_path))
+        self._fn = self._lib.pe_step
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._fn.restype = None
+        size = max(self.plan.arena_bytes, 64)
+        self._buffer = np.zeros(size + 64, dtype=np.uint8)  # the arena, allocated once
+        start = (-self._buffer.ctypes.data) % 64
+        self.arena: Array = self._buffer[start : start + size]
+        self._address = int(self.arena.ctypes.data)
+        self._args = (ctypes.c_void_p * max(len(graph.inputs), 1))()
+        self._inputs = tuple(graph.inputs)
+        results = (v for n in graph.nodes for v in n.outputs)
+        self._types = {v.name: v.type for v in (*graph.inputs, *results)}
+
+    def _view(self, name: str) -> Array:
+        """The arena bytes of value ``name`` as an array of its type."""
+        t = self._types[name]
+        if t.nbytes == 0:  # the plan places only values with bytes
+            return np.empty(t.shape, t.dtype.to_numpy())
+        offset = self.plan.offsets[name]
+        return self.arena[offset : offset + t.nbytes].view(t.dtype.to_numpy()).reshape(t.shape)
+
+    def bind(self, store: Store, feeds: Mapping[str, Any]) -> BoundStep:
+        """Copy the batch into the arena and point the arguments at the state block."""
+        for k, v in enumerate(self._inputs):
+            if v.role in (None, Role.INPUT) and v.name in feeds:
+                if v.type.nbytes == 0:
+                    self._args[k] = self._address
+                    continue
+                self._view(v.name)[...] = feeds[v.name]
+                self._args[k] = self._address + self.plan.offsets[v.name]
+                continue
+            if v.name not in store:
+                raise CompileError(f"graph {self.graph.name} is missing input {v.name!r}")
+            array = store[v.name]
+            ok = isinstance(array, np.ndarray) and array.flags.c_contiguous
+            if not (ok and array.dtype == v.dtype.to_numpy()):
+                array = store[v.name] = np.ascontiguousarray(array, dtype=v.dtype.to_numpy())
+            self._args[k] = array.ctypes.data
+        return BoundStep(self._fn, self._address, self._args)
+
+    def node_seconds(self) -> list[tuple[float, str]]:
+        """With ``profile=True``: seconds spent in each node over every run so far, with the
+        node's IR text, slowest first."""
+        if not self.profiled:
+            raise CompileError("compile with CBackend(profile=True) to time the nodes")
+        n = len(self.graph.nodes)
+        times = (ctypes.c_double * n).in_dll(self._lib, "pe_node_seconds")
+        texts = [print_node(node) for node in self.graph.nodes]
+        return sorted(zip(list(times), texts, strict=True), reverse=True)
+
+    def run(self, store: Store, feeds: Mapping[str, Any] | None = None) -> list[Array]:
+        bound = self.bind(store, feeds or {})
+        bound.function(bound.arena, bound.args)
+        index = {v.name: k for k, v in enumerate(self._inputs)}
+        outs = []
+        for v in self.graph.outputs:
+            if v.name in index and v.name not in self.plan.offsets:
+                outs.append(np.array(store[v.name], copy=True))
+            else:
+                outs.append(np.array(self._view(v.name), copy=True))
+        return outs
+
+
+class CBackend(Backend):
+    """Compiled C over a static arena (see the module docstring); ``portable`` builds
+    without ``-march=native``, ``threads`` sets the OpenMP thread count, ``profile`` times
+    every node (``CExecutable.node_seconds``)."""
+
+    name = "c"
+
+    def __init__(
+        self, portable: bool | None = None, threads: int | None = None, profile: bool = False
+    ) -> None:
+        self.portable = portable
+        self.threads = threads
+        self.profile = profile
+
+    def compile(self, graph: Graph) -> CExecutable:
+        executable = CExecutable(graph, self.portable, self.profile)
+        if self.threads is not None:
+            executable._lib.pe_set_threads(ctypes.c_int(self.threads))
+        return executable
+
+    def supported_ops(self) -> frozenset[str]:
+        return frozenset(KERNELS)
+
+    def claims(self, node: Node) -> bool:
+        return claims(node)
+
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, np.ndarray)
+
+    def from_numpy(self, array: Array) -> Array:
+        return np.array(array, order="C")  # a copy the state block owns
+
+    def to_numpy(self, tensor: Any) -> Array:
+        return np.asarray(tensor)

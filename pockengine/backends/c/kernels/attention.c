@@ -1,0 +1,113 @@
+/* Scaled dot-product attention (one op: out and the log-sum-exp of each query's scores)
+ * and its backward kernel, FlashAttention-style: the [L, S] matrix of scores is never
+ * stored. Queries go in tiles of at most 16 Ki scores, kept on the stack (64 KiB in
+ * float; the backward keeps two); the products are GEMMs, and the backward recomputes
+ * the probabilities from q, k and lse.
+ *
+ * geom: B, H, L, S, E, Ev, then the additive mask's element strides over [B, H, L, S]
+ * (0 on broadcast axes). A query whose keys are all masked gets out 0 and lse 0. */
+#ifndef PE_T
+#include "pe_kernels.h"
+#include <tgmath.h>
+#define PE_T float
+#define PE_S(name) name##_f32
+#include "attention.c"
+#undef PE_T
+#undef PE_S
+#define PE_T double
+#define PE_S(name) name##_f64
+#include "attention.c"
+#undef PE_T
+#undef PE_S
+#else
+
+#ifndef PE_ATTN_HELPERS
+#define PE_ATTN_HELPERS
+/* Queries per tile: a tile of scores (queries x keys) stays within 16 Ki elements. */
+static long pe_attention_tile(long S) {
+    long t = 16384 / (S > 0 ? S : 1);
+    return t < 1 ? 1 : (t > 64 ? 64 : t);
+}
+#endif
+
+/* Scores of queries [i0, i0+rows) of head (b, h) against every key, into tile[rows][S]:
+ * q k^T * scale + mask, -inf above the diagonal when causal. */
+static void PE_S(pe_attention_scores)(const PE_T *qh, const PE_T *kh, const PE_T *mask,
+                                      const long *g, long b, long h, long i0, long rows,
+                                      PE_T scale, int causal, PE_T *tile) {
+    long S = g[3], E = g[4];
+    PE_S(pe_gemm)(rows, S, E, qh + i0 * E, E, 0, kh, E, 1, tile, S, 0);
+    for (long r = 0; r < rows; r++) {
+        PE_T *row = tile + r * S;
+        const PE_T *m = mask ? mask + b * g[6] + h * g[7] + (i0 + r) * g[8] : NULL;
+        for (long j = 0; j < S; j++) row[j] = row[j] * scale + (m ? m[j * g[9]] : (PE_T)0);
+        if (causal)
+            for (long j = i0 + r + 1; j < S; j++) row[j] = -INFINITY;
+    }
+}
+
+void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T *mask,
+                        PE_T *out, PE_T *lse, const long *g, double scale_, int causal) {
+    long B = g[0], H = g[1], L = g[2], S = g[3], E = g[4], Ev = g[5], T = pe_attention_tile(S);
+    PE_T scale = (PE_T)scale_;
+    PE_PARALLEL_FOR(B * H * L * S * (E + Ev))
+    for (long bh = 0; bh < B * H; bh++) {
+        PE_T tile[T * S]; /* on the stack: scores, then probabilities, of T queries */
+        const PE_T *qh = q + bh * L * E, *kh = k + bh * S * E, *vh = v + bh * S * Ev;
+        for (long i0 = 0; i0 < L; i0 += T) {
+            long rows = L - i0 < T ? L - i0 : T;
+            PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
+                                      tile);
+            for (long r = 0; r < rows; r++) {
+                PE_T *row = tile + r * S, top = -INFINITY, total = 0;
+                for (long j = 0; j < S; j++) top = row[j] > top ? row[j] : top;
+                if (top == -INFINITY) { /* every key masked: out 0, lse 0 */
+                    for (long j = 0; j < S; j++) row[j] = 0;
+                    lse[bh * L + i0 + r] = 0;
+                    continue;
+                }
+                for (long j = 0; j < S; j++) {
+                    row[j] = exp(row[j] - top);
+                    total += row[j];
+                }
+                for (long j = 0; j < S; j++) row[j] /= total;
+                lse[bh * L + i0 + r] = top + log(total);
+            }
+            PE_S(pe_gemm)(rows, Ev, S, tile, S, 0, vh, Ev, 0, out + (bh * L + i0) * Ev, Ev, 0);
+        }
+    }
+}
+
+void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const PE_T *v,
+                             const PE_T *mask, const PE_T *out, const PE_T *lse, PE_T *gq,
+                             PE_T *gk, PE_T *gv, const long *g, double scale_, int causal) {
+    long B = g[0], H = g[1], L = g[2], S = g[3], E = g[4], Ev = g[5], T = pe_attention_tile(S);
+    PE_T scale = (PE_T)scale_;
+    PE_PARALLEL_FOR(B * H * L * S * (E + Ev))
+    for (long bh = 0; bh < B * H; bh++) {
+        PE_T p[T * S], ds[T * S]; /* on the stack: probabilities and their gradient */
+        const PE_T *qh = q + bh * L * E, *kh = k + bh * S * E, *vh = v + bh * S * Ev;
+        for (long i0 = 0; i0 < L; i0 += T) {
+            long rows = L - i0 < T ? L - i0 : T;
+            const PE_T *gor = go + (bh * L + i0) * Ev;
+            PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
+                                      p);
+            PE_S(pe_gemm)(rows, S, Ev, gor, Ev, 0, vh, Ev, 1, ds, S, 0); /* dp = go v^T */
+            for (long r = 0; r < rows; r++) {
+                const PE_T *o = out + (bh * L + i0 + r) * Ev, *gr = gor + r * Ev;
+                PE_T m = lse[bh * L + i0 + r], delta = 0;
+                for (long e = 0; e < Ev; e++) delta += gr[e] * o[e];
+                for (long j = 0; j < S; j++) {
+                    PE_T pj = exp(p[r * S + j] - m);
+                    p[r * S + j] = pj;
+                    ds[r * S + j] = pj * (ds[r * S + j] - delta) * scale;
+                }
+            }
+            PE_S(pe_gemm)(rows, E, S, ds, S, 0, kh, E, 0, gq + (bh * L + i0) * E, E, 0);
+            PE_S(pe_gemm)(S, E, rows, ds, S, 1, qh + i0 * E, E, 0, gk + bh * S * E, E, i0 > 0);
+            PE_S(pe_gemm)(S, Ev, rows, p, S, 1, gor, Ev, 0, gv + bh * S * Ev, Ev, i0 > 0);
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,160 @@
+/* 2-D convolution (NCHW, OIHW weights, groups, stride, padding, dilation) and its input
+ * and weight gradients.
+ *
+ * A pointwise convolution (1x1, stride 1, no padding, one group) is a GEMM per image:
+ * y[n] = w[O, C] x[n][C, HW]. Every other case (depthwise, grouped, strided, dilated, the
+ * 3-channel stem) runs direct loops whose innermost loop walks one output row over the
+ * range of positions whose tap lands inside the input, so it has no branch. The geometry
+ * array is indexed by the PE_G_* names of pe_kernels.h. */
+#ifndef PE_T
+#include "pe_kernels.h"
+#define PE_T float
+#define PE_S(name) name##_f32
+#include "conv.c"
+#undef PE_T
+#undef PE_S
+#define PE_T double
+#define PE_S(name) name##_f64
+#include "conv.c"
+#undef PE_T
+#undef PE_S
+#else
+
+#ifndef PE_CONV_HELPERS
+#define PE_CONV_HELPERS
+/* The output positions [lo, hi) along one axis whose input index o*s - p + t*d is in
+ * [0, size). */
+static void pe_tap_range(long out, long size, long s, long p, long t, long d, long *lo,
+                         long *hi) {
+    long off = t * d - p; /* input index = o*s + off */
+    long first = off >= 0 ? 0 : (-off + s - 1) / s;
+    long last = (size - 1 - off) < 0 ? -1 : (size - 1 - off) / s; /* largest o in bounds */
+    *lo = first;
+    *hi = last + 1 < out ? last + 1 : out;
+    if (*hi < *lo) *hi = *lo;
+}
+
+static int pe_is_pointwise(const long *g) {
+    return g[PE_G_KH] == 1 && g[PE_G_KW] == 1 && g[PE_G_SH] == 1 && g[PE_G_SW] == 1 &&
+           g[PE_G_PH] == 0 && g[PE_G_PW] == 0 && g[PE_G_GROUPS] == 1;
+}
+#endif
+
+void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
+    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
+    long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    long cg = C / g[PE_G_GROUPS], og = O / g[PE_G_GROUPS];
+    if (pe_is_pointwise(g)) {
+        for (long n = 0; n < N; n++)
+            PE_S(pe_gemm)(O, H * W, C, w, C, 0, x + n * C * H * W, H * W, 0, y + n * O * H * W,
+                          H * W, 0);
+        if (bias)
+            for (long n = 0; n < N; n++)
+                for (long o = 0; o < O; o++)
+                    for (long p = 0; p < OH * OW; p++) y[(n * O + o) * OH * OW + p] += bias[o];
+        return;
+    }
+    PE_PARALLEL_FOR(N * O * OH * OW * cg * KH * KW)
+    for (long no = 0; no < N * O; no++) {
+        long n = no / O, o = no % O, c0 = o / og * cg;
+        PE_T *restrict out = y + no * OH * OW;
+        PE_T b = bias ? bias[o] : (PE_T)0;
+        for (long p = 0; p < OH * OW; p++) out[p] = b;
+        for (long c = 0; c < cg; c++) {
+            const PE_T *plane = x + (n * C + c0 + c) * H * W;
+            for (long i = 0; i < KH; i++) {
+                long oh0, oh1;
+                pe_tap_range(OH, H, g[PE_G_SH], g[PE_G_PH], i, g[PE_G_DH], &oh0, &oh1);
+                for (long j = 0; j < KW; j++) {
+                    long ow0, ow1;
+                    pe_tap_range(OW, W, g[PE_G_SW], g[PE_G_PW], j, g[PE_G_DW], &ow0, &ow1);
+                    PE_T wv = w[((o * cg + c) * KH + i) * KW + j];
+                    long dw = j * g[PE_G_DW] - g[PE_G_PW], sw = g[PE_G_SW];
+                    for (long oh = oh0; oh < oh1; oh++) {
+                        const PE_T *row = plane + (oh * g[PE_G_SH] - g[PE_G_PH] + i * g[PE_G_DH]) * W;
+                        PE_T *restrict orow = out + oh * OW;
+                        for (long ow = ow0; ow < ow1; ow++) orow[ow] += wv * row[ow * sw + dw];
+                    }
+                }
+            }
+        }
+    }
+}
+
+void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
+    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
+    long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    long groups = g[PE_G_GROUPS], cg = C / groups, og = O / groups;
+    if (pe_is_pointwise(g)) {
+        for (long n = 0; n < N; n++)
+            PE_S(pe_gemm)(C, H * W, O, w, C, 1, gy + n * O * H * W, H * W, 0, gx + n * C * H * W,
+                          H * W, 0);
+        return;
+    }
+    /* Each (image, input channel) plane gathers from the output channels of its group. */
+    PE_PARALLEL_FOR(N * C * H * W * og * KH * KW)
+    for (long nc = 0; nc < N * C; nc++) {
+        long n = nc / C, c = nc % C, grp = c / cg, cl = c % cg;
+        PE_T *restrict plane = gx + nc * H * W;
+        for (long p = 0; p < H * W; p++) plane[p] = 0;
+        for (long oo = 0; oo < og; oo++) {
+            long o = grp * og + oo;
+            const PE_T *gplane = gy + (n * O + o) * OH * OW;
+            for (long i = 0; i < KH; i++) {
+                long oh0, oh1;
+                pe_tap_range(OH, H, g[PE_G_SH], g[PE_G_PH], i, g[PE_G_DH], &oh0, &oh1);
+                for (long j = 0; j < KW; j++) {
+                    long ow0, ow1;
+                    pe_tap_range(OW, W, g[PE_G_SW], g[PE_G_PW], j, g[PE_G_DW], &ow0, &ow1);
+                    PE_T wv = w[((o * cg + cl) * KH + i) * KW + j];
+                    long dw = j * g[PE_G_DW] - g[PE_G_PW], sw = g[PE_G_SW];
+                    for (long oh = oh0; oh < oh1; oh++) {
+                        PE_T *row = plane + (oh * g[PE_G_SH] - g[PE_G_PH] + i * g[PE_G_DH]) * W;
+                        const PE_T *grow = gplane + oh * OW;
+                        for (long ow = ow0; ow < ow1; ow++) row[ow * sw + dw] += wv * grow[ow];
+                    }
+                }
+            }
+        }
+    }
+}
+
+void PE_S(pe_conv2d_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, const long *g) {
+    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
+    long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    long cg = C / g[PE_G_GROUPS], og = O / g[PE_G_GROUPS];
+    if (pe_is_pointwise(g)) {
+        for (long n = 0; n < N; n++)
+            PE_S(pe_gemm)(O, C, H * W, gy + n * O * H * W, H * W, 0, x + n * C * H * W, H * W, 1,
+                          gw, C, n > 0);
+        return;
+    }
+    PE_PARALLEL_FOR(O * cg * KH * KW * N * OH * OW)
+    for (long oc = 0; oc < O * cg; oc++) {
+        long o = oc / cg, c = o / og * cg + oc % cg;
+        for (long i = 0; i < KH; i++) {
+            long oh0, oh1;
+            pe_tap_range(OH, H, g[PE_G_SH], g[PE_G_PH], i, g[PE_G_DH], &oh0, &oh1);
+            for (long j = 0; j < KW; j++) {
+                long ow0, ow1;
+                pe_tap_range(OW, W, g[PE_G_SW], g[PE_G_PW], j, g[PE_G_DW], &ow0, &ow1);
+                long dw = j * g[PE_G_DW] - g[PE_G_PW], sw = g[PE_G_SW];
+                double acc = 0;
+                for (long n = 0; n < N; n++) {
+                    const PE_T *plane = x + (n * C + c) * H * W;
+                    const PE_T *gplane = gy + (n * O + o) * OH * OW;
+                    for (long oh = oh0; oh < oh1; oh++) {
+                        const PE_T *row = plane + (oh * g[PE_G_SH] - g[PE_G_PH] + i * g[PE_G_DH]) * W;
+                        const PE_T *grow = gplane + oh * OW;
+                        PE_T part = 0;
+                        for (long ow = ow0; ow < ow1; ow++) part += grow[ow] * row[ow * sw + dw];
+                        acc += part;
+                    }
+                }
+                gw[(oc * KH + i) * KW + j] = (PE_T)acc;
+            }
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,63 @@
+/* Elementwise math: one inline scalar function per op, for float (_f32) and double (_f64).
+ *
+ * The generated step writes the loops (shapes and broadcast strides are compile-time
+ * constants there, so the compiler unrolls and vectorises them) and calls these for the
+ * math; integer and bool ops use plain C operators in the loop. */
+#ifndef PE_T
+#ifndef PE_ELEMENTWISE_H
+#define PE_ELEMENTWISE_H
+#include <tgmath.h>
+#include "pe_kernels.h"
+
+#define PE_T float
+#define PE_S(name) name##_f32
+#include "elementwise.h"
+#undef PE_T
+#undef PE_S
+#define PE_T double
+#define PE_S(name) name##_f64
+#include "elementwise.h"
+#undef PE_T
+#undef PE_S
+#endif
+#else
+
+#define PE_C(x) ((PE_T)(x))
+
+static inline PE_T PE_S(pe_sigmoid)(PE_T x) { return PE_C(1) / (exp(-x) + PE_C(1)); }
+static inline PE_T PE_S(pe_silu)(PE_T x) { return x * PE_S(pe_sigmoid)(x); }
+static inline PE_T PE_S(pe_rsqrt)(PE_T x) { return PE_C(1) / sqrt(x); }
+static inline PE_T PE_S(pe_relu)(PE_T x) { return x > 0 ? x : PE_C(0); }
+static inline PE_T PE_S(pe_relu_grad)(PE_T gz, PE_T y) { return y > 0 ? gz : PE_C(0); }
+
+static inline PE_T PE_S(pe_clip)(PE_T x, PE_T lo, PE_T hi) {
+    /* NaN passes through, as np.maximum/np.minimum propagate it */
+    return x < lo ? lo : (x > hi ? hi : x);
+}
+
+static inline PE_T PE_S(pe_hardtanh_grad)(PE_T gz, PE_T y, PE_T lo, PE_T hi) {
+    return (y > lo && y < hi) ? gz : PE_C(0);
+}
+
+static inline PE_T PE_S(pe_gelu)(PE_T x, int tanh_mode) {
+    if (tanh_mode) {
+        PE_T inner = PE_C(0.7978845608028654) * (x + PE_C(0.044715) * x * x * x);
+        return PE_C(0.5) * x * (PE_C(1) + tanh(inner));
+    }
+    return PE_C(0.5) * x * (PE_C(1) + erf(x * PE_C(0.7071067811865476)));
+}
+
+static inline PE_T PE_S(pe_gelu_grad)(PE_T gz, PE_T x, int tanh_mode) {
+    if (tanh_mode) {
+        PE_T x2 = x * x;
+        PE_T t = tanh(PE_C(0.7978845608028654) * (x + PE_C(0.044715) * x2 * x));
+        PE_T dinner = PE_C(0.7978845608028654) * (PE_C(1) + PE_C(3 * 0.044715) * x2);
+        return gz * (PE_C(0.5) * (PE_C(1) + t) + PE_C(0.5) * x * (PE_C(1) - t * t) * dinner);
+    }
+    PE_T cdf = PE_C(0.5) * (PE_C(1) + erf(x * PE_C(0.7071067811865476)));
+    PE_T pdf = exp(PE_C(-0.5) * x * x) * PE_C(0.3989422804014327);
+    return gz * (cdf + x * pdf);
+}
+
+#undef PE_C
+#endif

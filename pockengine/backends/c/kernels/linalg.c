@@ -1,0 +1,114 @@
+/* Matrix products: a cache-blocked GEMM, C = op(A) op(B) (+ C when accumulating).
+ *
+ * op(A)[i, k] is A[i*lda + k], or A[k*lda + i] when ta; op(B)[k, j] is B[k*ldb + j], or
+ * B[j*ldb + k] when tb. The kernel updates PE_MR rows of C at a time from a KC x NR
+ * sliver of op(B) copied to the stack (transposed on the way when tb): rows of B 4 KiB
+ * apart would alias in L1, and the copy makes every case one micro-kernel.
+ * Nothing is allocated on the heap. */
+#ifndef PE_T
+#include "pe_kernels.h"
+#define PE_T float
+#define PE_S(name) name##_f32
+#include "linalg.c"
+#undef PE_T
+#undef PE_S
+#define PE_T double
+#define PE_S(name) name##_f64
+#include "linalg.c"
+#undef PE_T
+#undef PE_S
+#else
+
+#define PE_KC 256
+#define PE_MC 256
+/* The micro-kernel's block: PE_MR x PE_NR accumulators, two vector registers a row, as many
+ * rows as the register file holds with room for B (32 registers with AVX-512, else 16). */
+#ifdef __AVX512F__
+#define PE_VEC 64
+#define PE_MR 8
+#elif defined(__AVX__)
+#define PE_VEC 32
+#define PE_MR 4
+#else
+#define PE_VEC 16
+#define PE_MR 4
+#endif
+#define PE_NR (PE_VEC / (int)sizeof(PE_T) * 2)
+
+/* C[i0..i0+PE_MR) [j0..j0+PE_NR) += op(A)[.., k0..k1) B: the micro-kernel, B a packed
+ * sliver. The PE_MR x PE_NR accumulators are a fixed-size local block that the compiler keeps in vector
+ * registers; each k loads one row sliver of B and four scalars of A. */
+static void PE_S(pe_gemm_micro)(long i0, long j0, long k0, long k1, const PE_T *A, long lda,
+                                int ta, const PE_T *B, PE_T *C, long ldc) {
+    PE_T acc[PE_MR][PE_NR];
+    memset(acc, 0, sizeof(acc));
+    for (long k = k0; k < k1; k++) {
+        PE_T a[PE_MR];
+        for (int r = 0; r < PE_MR; r++) a[r] = ta ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
+        const PE_T *restrict b = B + (k - k0) * PE_NR;
+        for (int r = 0; r < PE_MR; r++)
+            for (int j = 0; j < PE_NR; j++) acc[r][j] += a[r] * b[j];
+    }
+    for (int r = 0; r < PE_MR; r++)
+        for (int j = 0; j < PE_NR; j++) C[(i0 + r) * ldc + j0 + j] += acc[r][j];
+}
+
+/* The same product for rows [i0, i1) and the first ``width`` columns of a sliver. */
+static void PE_S(pe_gemm_edge)(long i0, long i1, long j0, long width, long k0, long k1,
+                               const PE_T *A, long lda, int ta, const PE_T *B, PE_T *C,
+                               long ldc) {
+    for (long i = i0; i < i1; i++) {
+        PE_T *restrict c = C + i * ldc + j0;
+        for (long k = k0; k < k1; k++) {
+            PE_T a = ta ? A[k * lda + i] : A[i * lda + k];
+            const PE_T *restrict b = B + (k - k0) * PE_NR;
+            for (long j = 0; j < width; j++) c[j] += a * b[j];
+        }
+    }
+}
+
+/* Copy op(B)[k0..k1, j0..j0+width) into the sliver, rows PE_NR apart. */
+static void PE_S(pe_gemm_pack)(PE_T *restrict sliver, const PE_T *B, long ldb, int tb, long k0,
+                               long k1, long j0, long width) {
+    for (long k = k0; k < k1; k++) {
+        PE_T *restrict row = sliver + (k - k0) * PE_NR;
+        if (!tb) {
+            memcpy(row, B + k * ldb + j0, sizeof(PE_T) * (size_t)width);
+        } else {
+            for (long j = 0; j < width; j++) row[j] = B[(j0 + j) * ldb + k];
+        }
+    }
+}
+
+void PE_S(pe_gemm)(long M, long N, long K, const PE_T *A, long lda, int ta, const PE_T *B,
+                   long ldb, int tb, PE_T *C, long ldc, int accumulate) {
+    if (!accumulate)
+        for (long i = 0; i < M; i++) memset(C + i * ldc, 0, (size_t)N * sizeof(PE_T));
+    /* Row blocks of PE_MC (an A block of PE_MC x PE_KC stays in L2) split across threads;
+     * within one, each B sliver of PE_KC x PE_NR (in L1) serves every row quadruple. */
+    long row_blocks = (M + PE_MC - 1) / PE_MC;
+    PE_PARALLEL_FOR(M * N * K)
+    for (long rb = 0; rb < row_blocks; rb++) {
+        long r0 = rb * PE_MC, r1 = r0 + PE_MC < M ? r0 + PE_MC : M;
+        long r4 = r0 + (r1 - r0) / PE_MR * PE_MR;
+        PE_T sliver[PE_KC * PE_NR]; /* on the stack: B rows 4 KiB apart would alias in L1 */
+        for (long k0 = 0; k0 < K; k0 += PE_KC) {
+            long k1 = k0 + PE_KC < K ? k0 + PE_KC : K;
+            for (long j0 = 0; j0 < N; j0 += PE_NR) {
+                long width = N - j0 < PE_NR ? N - j0 : PE_NR;
+                long full = width == PE_NR ? r4 : r0;
+                PE_S(pe_gemm_pack)(sliver, B, ldb, tb, k0, k1, j0, width);
+                for (long i0 = r0; i0 < full; i0 += PE_MR)
+                    PE_S(pe_gemm_micro)(i0, j0, k0, k1, A, lda, ta, sliver, C, ldc);
+                PE_S(pe_gemm_edge)(full, r1, j0, width, k0, k1, A, lda, ta, sliver, C, ldc);
+            }
+        }
+    }
+}
+
+#undef PE_KC
+#undef PE_MC
+#undef PE_MR
+#undef PE_VEC
+#undef PE_NR
+#endif

@@ -1,0 +1,103 @@
+/* PockEngine C kernels: the declarations every generated step and every kernel file share.
+ *
+ * Kernels take raw pointers and sizes; they never allocate. Each family (linalg.c, conv.c,
+ * norm.c, pool.c, softmax.c, index.c, update.c) is written once over PE_T and instantiated
+ * for float (suffix _f32) and double (suffix _f64) by including itself twice. Elementwise
+ * math lives in elementwise.h as inline scalar functions that the generated loops call. */
+#ifndef PE_KERNELS_H
+#define PE_KERNELS_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define PE_PRAGMA(x) _Pragma(#x)
+/* Loops of less work (about a quarter million multiply-adds) stay on one thread. */
+#define PE_PARALLEL_FOR(work) \
+    PE_PRAGMA(omp parallel for schedule(static) if ((work) > (1L << 18)))
+#else
+#define PE_PARALLEL_FOR(work)
+#endif
+
+/* Element types and roles of the step's inputs, as the metadata tables name them. */
+enum pe_dtype { PE_F32 = 0, PE_F64 = 1, PE_I32 = 2, PE_I64 = 3, PE_BOOL = 4 };
+enum pe_role { PE_INPUT = 0, PE_PARAM = 1, PE_BUFFER = 2, PE_CONST = 3, PE_STATE = 4 };
+
+/* One graph input: its IR name, the name in the state file, type, role and, for a batch
+ * input, its planned offset in the arena. */
+typedef struct {
+    const char *name;
+    const char *file_name;
+    int dtype;
+    int role;
+    int rank;
+    long shape[8];
+    long arena_offset;
+} pe_input_info;
+
+/* One graph output: where it lives (an arena offset, or a graph input when >= 0). */
+typedef struct {
+    const char *name;
+    int dtype;
+    long numel;
+    long arena_offset;
+    int input_index;
+} pe_output_info;
+
+int pe_set_threads(int threads);
+size_t pe_dtype_size(int dtype);
+
+#define PE_DECLARE(S, T)                                                                       \
+    void pe_gemm_##S(long M, long N, long K, const T *A, long lda, int ta, const T *B,         \
+                     long ldb, int tb, T *C, long ldc, int accumulate);                        \
+    void pe_conv2d_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);         \
+    void pe_conv2d_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);           \
+    void pe_conv2d_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);          \
+    void pe_batch_norm_##S(const T *x, const T *w, const T *b, T *y, T *mean, T *var,          \
+                           long N, long C, long S_, double eps);                               \
+    void pe_batch_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
+                                const T *var, T *gx, T *gw, T *gb, long N, long C, long S_,    \
+                                double eps);                                                   \
+    void pe_layer_norm_##S(const T *x, const T *w, const T *b, T *y, T *mean, T *rstd,         \
+                           long rows, long cols, double eps);                                  \
+    void pe_layer_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
+                                const T *rstd, T *gx, T *gw, T *gb, long rows, long cols);     \
+    void pe_max_pool2d_##S(const T *x, T *y, const long *geom);                                \
+    void pe_max_pool2d_grad_##S(const T *gy, const T *x, T *gx, const long *geom);             \
+    void pe_avg_pool2d_##S(const T *x, T *y, const long *geom);                                \
+    void pe_avg_pool2d_grad_##S(const T *gy, T *gx, const long *geom);                         \
+    void pe_softmax_##S(const T *x, T *y, long outer, long n, long inner, int log, int safe); \
+    void pe_softmax_grad_##S(const T *gz, const T *z, T *gx, long outer, long n, long inner,   \
+                             int log);                                                         \
+    void pe_gather_grad_##S(const T *gz, const int64_t *index, const long *ishape,             \
+                            const long *zshape, int rank, int axis, T *z);                     \
+    void pe_embedding_##S(const T *table, const int64_t *ids, long n, long dim, T *z);         \
+    void pe_embedding_grad_##S(const T *gz, const int64_t *ids, long n, long dim, long rows,   \
+                               long padding_row, T *gt);                                       \
+    void pe_sgd_##S(T *w, const T *g, double lr, long n, double wd);                            \
+    void pe_sgd_momentum_##S(T *w, const T *g, T *buf, double lr, long n, double momentum,       \
+                             double wd, int nesterov);                                         \
+    void pe_adamw_##S(T *w, const T *g, T *m, T *v, double t, double lr, long n,                \
+                      double beta1, double beta2, double eps, double wd);                      \
+    void pe_attention_##S(const T *q, const T *k, const T *v, const T *mask, T *out, T *lse,  \
+                          const long *geom, double scale, int causal);                         \
+    void pe_attention_grad_##S(const T *go, const T *q, const T *k, const T *v, const T *mask, \
+                               const T *out, const T *lse, T *gq, T *gk, T *gv,                \
+                               const long *geom, double scale, int causal);
+
+PE_DECLARE(f32, float)
+PE_DECLARE(f64, double)
+
+/* Geometry of a 2-D window op, as the emitter writes it (one static array per node). */
+enum {
+    PE_G_N, PE_G_C, PE_G_H, PE_G_W, PE_G_O, PE_G_KH, PE_G_KW, PE_G_OH, PE_G_OW,
+    PE_G_SH, PE_G_SW, PE_G_PH, PE_G_PW, PE_G_DH, PE_G_DW, PE_G_GROUPS,
+    PE_G_MODE, /* pooling: ceil_mode/count_include_pad flags (bit 0: include pad) */
+    PE_G_DIVISOR, /* pooling: divisor_override, 0 when none */
+    PE_G_LEN
+};
+
+#endif

@@ -1,0 +1,114 @@
+/* 2-D max and average pooling over the last two axes (planes = product of the leading
+ * axes) and their backward kernels, as ATen computes them: padded taps never win a max
+ * (the first maximum in row-major tap order does), and the average divides by the
+ * window clipped to the padded input (count_include_pad), or to the input, or by the
+ * override. The geometry array is indexed by the PE_G_* names; PE_G_N holds the number
+ * of planes. */
+#ifndef PE_T
+#include "pe_kernels.h"
+#define PE_T float
+#define PE_S(name) name##_f32
+#include "pool.c"
+#undef PE_T
+#undef PE_S
+#define PE_T double
+#define PE_S(name) name##_f64
+#include "pool.c"
+#undef PE_T
+#undef PE_S
+#else
+
+/* The input index of the first maximum of window (oh, ow) in one plane, or -1. */
+static long PE_S(pe_window_argmax)(const PE_T *plane, const long *g, long oh, long ow) {
+    long H = g[PE_G_H], W = g[PE_G_W], best = -1;
+    PE_T top = 0;
+    for (long i = 0; i < g[PE_G_KH]; i++) {
+        long ih = oh * g[PE_G_SH] - g[PE_G_PH] + i * g[PE_G_DH];
+        if (ih < 0 || ih >= H) continue;
+        for (long j = 0; j < g[PE_G_KW]; j++) {
+            long iw = ow * g[PE_G_SW] - g[PE_G_PW] + j * g[PE_G_DW];
+            if (iw < 0 || iw >= W) continue;
+            PE_T v = plane[ih * W + iw];
+            if (best < 0 || v > top || (v != v && top == top)) {
+                best = ih * W + iw;
+                top = v;
+            }
+        }
+    }
+    return best;
+}
+
+void PE_S(pe_max_pool2d)(const PE_T *x, PE_T *y, const long *g) {
+    long planes = g[PE_G_N], HW = g[PE_G_H] * g[PE_G_W], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
+    for (long p = 0; p < planes; p++)
+        for (long oh = 0; oh < OH; oh++)
+            for (long ow = 0; ow < OW; ow++) {
+                long at = PE_S(pe_window_argmax)(x + p * HW, g, oh, ow);
+                y[(p * OH + oh) * OW + ow] = at < 0 ? (PE_T)-INFINITY : x[p * HW + at];
+            }
+}
+
+void PE_S(pe_max_pool2d_grad)(const PE_T *gy, const PE_T *x, PE_T *gx, const long *g) {
+    long planes = g[PE_G_N], HW = g[PE_G_H] * g[PE_G_W], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
+    for (long p = 0; p < planes; p++) {
+        PE_T *restrict out = gx + p * HW;
+        for (long k = 0; k < HW; k++) out[k] = 0;
+        for (long oh = 0; oh < OH; oh++)
+            for (long ow = 0; ow < OW; ow++) {
+                long at = PE_S(pe_window_argmax)(x + p * HW, g, oh, ow);
+                if (at >= 0) out[at] += gy[(p * OH + oh) * OW + ow];
+            }
+    }
+}
+
+/* The clipped window [h0, h1) x [w0, w1) of output (oh, ow) and its divisor. */
+static PE_T PE_S(pe_avg_window)(const long *g, long oh, long ow, long *h0, long *h1, long *w0,
+                                long *w1) {
+    long H = g[PE_G_H], W = g[PE_G_W];
+    long hs = oh * g[PE_G_SH] - g[PE_G_PH], ws = ow * g[PE_G_SW] - g[PE_G_PW];
+    long he = hs + g[PE_G_KH] < H + g[PE_G_PH] ? hs + g[PE_G_KH] : H + g[PE_G_PH];
+    long we = ws + g[PE_G_KW] < W + g[PE_G_PW] ? ws + g[PE_G_KW] : W + g[PE_G_PW];
+    long padded = (he - hs) * (we - ws);
+    *h0 = hs > 0 ? hs : 0;
+    *w0 = ws > 0 ? ws : 0;
+    *h1 = he < H ? he : H;
+    *w1 = we < W ? we : W;
+    if (g[PE_G_DIVISOR]) return (PE_T)g[PE_G_DIVISOR];
+    if (g[PE_G_MODE] & 1) return (PE_T)padded;
+    return (PE_T)((*h1 - *h0) * (*w1 - *w0));
+}
+
+void PE_S(pe_avg_pool2d)(const PE_T *x, PE_T *y, const long *g) {
+    long planes = g[PE_G_N], W = g[PE_G_W], HW = g[PE_G_H] * W, OH = g[PE_G_OH], OW = g[PE_G_OW];
+    PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
+    for (long p = 0; p < planes; p++)
+        for (long oh = 0; oh < OH; oh++)
+            for (long ow = 0; ow < OW; ow++) {
+                long h0, h1, w0, w1;
+                PE_T div = PE_S(pe_avg_window)(g, oh, ow, &h0, &h1, &w0, &w1), total = 0;
+                for (long h = h0; h < h1; h++)
+                    for (long w = w0; w < w1; w++) total += x[p * HW + h * W + w];
+                y[(p * OH + oh) * OW + ow] = total / div;
+            }
+}
+
+void PE_S(pe_avg_pool2d_grad)(const PE_T *gy, PE_T *gx, const long *g) {
+    long planes = g[PE_G_N], W = g[PE_G_W], HW = g[PE_G_H] * W, OH = g[PE_G_OH], OW = g[PE_G_OW];
+    PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
+    for (long p = 0; p < planes; p++) {
+        PE_T *restrict out = gx + p * HW;
+        for (long k = 0; k < HW; k++) out[k] = 0;
+        for (long oh = 0; oh < OH; oh++)
+            for (long ow = 0; ow < OW; ow++) {
+                long h0, h1, w0, w1;
+                PE_T div = PE_S(pe_avg_window)(g, oh, ow, &h0, &h1, &w0, &w1);
+                PE_T share = gy[(p * OH + oh) * OW + ow] / div;
+                for (long h = h0; h < h1; h++)
+                    for (long w = w0; w < w1; w++) out[h * W + w] += share;
+            }
+    }
+}
+
+#endif
