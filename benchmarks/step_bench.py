@@ -30,7 +30,13 @@ from typing import Any
 import ort_training_peer
 
 ROOT = Path(__file__).resolve().parent.parent
-FRAMEWORKS = ("pockengine-torch", "pockengine-onnxruntime", "torch-eager", "torch-compile") + (
+FRAMEWORKS = (
+    "pockengine-torch",
+    "pockengine-onnxruntime",
+    "pockengine-c",
+    "torch-eager",
+    "torch-compile",
+) + (
     ("ort-training",) if ort_training_peer.venv_possible() else ()
 )  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
 WORKLOADS = ("mbv2", "bert", "llama")

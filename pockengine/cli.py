@@ -119,88 +119,12 @@ def _search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
-    """Compile a zoo workload or an .onnx model and write its training step for ort_runner."""
-    import pockengine as pe
-
-    if args.model.endswith(".onnx"):
-        scheme = _scheme(args.scheme, "", args.frozen_bn)
-        optimizer = (
-            pe.optim.AdamW(lr=args.lr or 1e-3)
-            if args.optimizer == "adamw"
-            else pe.optim.SGD(lr=args.lr or 0.01, momentum=0.9)
-        )
-        output = int(args.output) if args.output and args.output.isdigit() else args.output
-        step = pe.compile(
-            args.model, loss=args.loss, output=output, optimizer=optimizer, scheme=scheme
-        )
-    else:
-        from pockengine import zoo
-
-        work, optimizer = zoo.benchmark(args.model)
-        step = pe.compile(
-            work.model,
-            work.loss_fn,
-            work.make_batch(0),
-            optimizer=optimizer,
-            scheme=_scheme(args.scheme, args.model, args.frozen_bn),
-        )
-    if args.target == "c":
-        folder = step.export(args.out or "train_step_c", target="c")
-        print(
-            f"wrote {folder}/ ({len(step.graph.nodes)} nodes, {len(step.trained)} trained "
-            f"params); build it with `make -C {folder}` and run {folder}/train X.npy Y.npy ..."
-        )
-        return 0
-    out = args.out or "train_step.onnx"
-    side = step.export(out)
-    print(
-        f"wrote {out} and {side} ({len(step.graph.nodes)} nodes, "
-        f"{len(step.trained)} trained params); run it with pockengine/ort_runner.py"
-    )
-    return 0
-
-
 def _add_frozen_bn(parser: Any) -> None:
     parser.add_argument(
         "--frozen-bn", choices=("eval", "train"), default="eval",
         help="BatchNorm layers that train nothing under a named scheme: running statistics "
         "(eval, as finetune runs them) or batch statistics (train, the benchmark tables)",
     )  # fmt: skip
-
-
-def _add_export(sub: Any) -> None:
-    export = sub.add_parser(
-        "export", help="write a training step as ONNX + state for ort_runner, or as a C trainer"
-    )
-    export.add_argument("model", help="a workload (mlp, cnn, bert, ...) or a model.onnx")
-    export.add_argument(
-        "-o", "--out", help="the .onnx (default train_step.onnx) or, for --target c, the folder "
-        "(default train_step_c) to write",
-    )  # fmt: skip
-    export.add_argument(
-        "--target", choices=("onnx", "c"), default="onnx",
-        help="onnx: an ONNX model + state for ort_runner; c: a C folder whose `make` builds a "
-        "stand-alone trainer",
-    )  # fmt: skip
-    export.add_argument("--scheme", help=SCHEME_HELP)
-    _add_frozen_bn(export)
-    export.add_argument(
-        "--loss",
-        default="cross_entropy",
-        help="for an .onnx model: cross_entropy, mse, causal_lm or none",
-    )
-    export.add_argument("--output", help="for an .onnx model: the output the loss applies to")
-    export.add_argument(
-        "--optimizer",
-        choices=("sgd", "adamw"),
-        default="sgd",
-        help="for an .onnx model (workloads use their benchmark optimizer)",
-    )
-    from pockengine.finetune.cli import positive_float
-
-    export.add_argument("--lr", type=positive_float, help="learning rate (for an .onnx model)")
-    export.set_defaults(run=_export)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -236,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     add_search_arguments(search)
     search.set_defaults(run=_search)
-    _add_export(sub)
+    from pockengine.export_cli import register as add_export
+
+    add_export(sub)
     from pockengine.federated.cli import register as add_federated
 
     add_federated(sub)

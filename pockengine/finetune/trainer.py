@@ -38,7 +38,7 @@ from pockengine.optim import SGD, AdamW, Optimizer
 from pockengine.runtime import NonFiniteError, TrainStep
 from pockengine.sparse.schemes import Scheme
 
-__all__ = ["linear_schedule", "run"]
+__all__ = ["compile_task", "linear_schedule", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,13 @@ def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> Trai
         scheme=scheme,
         backend=config.backend,
     )
+
+
+def compile_task(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
+    """The training step a run of ``config`` (defaults filled in) compiles for ``task``:
+    the same batch shape, optimizer and scheme, for tools that rebuild a run's step
+    (``pockengine export``)."""
+    return _compile(config, task, scheme)
 
 
 def linear_schedule(t: int, base: float, warmup: int, total: int) -> float:

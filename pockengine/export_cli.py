@@ -1,0 +1,365 @@
+"""``pockengine export``: a training step as ONNX + state for ``ort_runner.py``, or as a
+stand-alone C trainer folder.
+
+What it exports, by the first argument:
+
+- a run folder (``RUN/checkpoint.safetensors``): the step of that fine-tune, rebuilt from
+  the options stored in its checkpoint, with its trained weights and optimizer state;
+- nothing, with ``--recipe`` or ``--model/--data`` and the other ``pockengine finetune``
+  options: the step that fine-tune would compile, with its initial weights;
+- a benchmark workload (mlp, cnn, bert, ...) or a ``model.onnx``.
+
+A fine-tune's export is a folder: the artifact, ``ort_runner.py`` beside an ONNX step,
+``README.txt`` with the command that runs it and the layout of its batch files, and with
+``--write-batches N`` the first N training batches in that layout, to try it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pockengine.finetune.config import FinetuneConfig
+from pockengine.ir import PockEngineError, Role, Value
+
+__all__ = ["ExportError", "batch_inputs", "readme", "register", "write_export"]
+
+Array = np.ndarray[Any, Any]
+
+# Options that set what a fine-tune trains (defaults: None); a run folder fixes them all.
+_FINETUNE_OPTIONS = ("recipe", "model", "data", "tokenizer", "epochs", "batch_size", "seq_len",
+                     "image_size", "max_train", "max_val", "lr", "scheme", "optimizer",
+                     "text_column", "label_column", "encoding", "weight_decay", "momentum",
+                     "warmup", "val_fraction", "dedupe", "seed")  # fmt: skip
+_ONNX_MODEL_OPTIONS = ("loss", "output", "frozen_bn")
+_ALWAYS = ("source", "target", "out", "backend", "threads", "run", "defaults")
+
+
+_DESCRIPTION = """\
+Write a training step as ONNX + state for ort_runner.py (--target onnx) or as a C folder
+whose make builds a stand-alone ./train (--target c). What it exports:
+
+  RUN                       a run folder of pockengine finetune: its step, with the run's
+                            trained weights and optimizer state (the run's data must be
+                            where it was, to rebuild the model and write batches)
+  --recipe R | --model M --data D [finetune options]
+                            the step that fine-tune compiles, with its initial weights
+  WORKLOAD | model.onnx     a benchmark workload (mlp, cnn, bert, ...) or an ONNX model
+
+A fine-tune's export is a folder (default RUN/export_<target> or train_step_<target>)
+holding README.txt: the command that runs it and the layout of its batch files.
+--write-batches N also writes the first N training batches in that layout. Options that
+only steer a run (--resume, --max-steps, --progress, ...) are accepted and ignored, so a
+finetune command line can be reused."""
+
+
+class ExportError(PockEngineError):
+    """An export that cannot run: options that conflict, a folder that is not a run."""
+
+
+@dataclass
+class _Prepared:
+    """A compiled step and, for a fine-tune, the task whose data it trains on."""
+
+    step: Any  # TrainStep
+    what: str
+    config: FinetuneConfig | None = None
+    train: tuple[Array, ...] = ()
+    labels: tuple[str, ...] = ()
+    kind: str = "classify"
+
+
+# -- the command line ------------------------------------------------------------------
+
+
+def register(sub: Any) -> None:
+    """Add ``export`` to the ``pockengine`` subcommands."""
+    from pockengine.finetune.cli import EPILOG, add_arguments, positive_int
+
+    p = sub.add_parser(
+        "export", help="write a training step (a run, a fine-tune, a workload, an .onnx) as "
+        "ONNX + state for ort_runner, or as a stand-alone C trainer",
+        description=_DESCRIPTION, epilog=EPILOG.split("\n\n")[0], conflict_handler="resolve",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("source", nargs="?", help="a run folder, a workload (mlp, cnn, bert, ...) or "
+                   "a model.onnx; leave out to export --recipe or --model/--data")  # fmt: skip
+    add_arguments(p)
+    p.add_argument("-o", "--out", help="the folder to write (default RUN/export_<target>, "
+                   "train_step_<target>); for a workload or .onnx, an .onnx file (default "
+                   "train_step.onnx) or, for --target c, the folder")  # fmt: skip
+    p.add_argument("--target", choices=("onnx", "c"), default="onnx",
+                   help="onnx: ONNX + state for ort_runner; c: a folder whose make builds ./train "
+                   "(default onnx)")  # fmt: skip
+    p.add_argument("--write-batches", type=positive_int, metavar="N",
+                   help="also write the first N training batches of the fine-tune")  # fmt: skip
+    p.add_argument("--frozen-bn", choices=("eval", "train"), default="eval",
+                   help="workloads and .onnx: BatchNorm that trains nothing under a named "
+                   "scheme uses running (eval) or batch (train) statistics")  # fmt: skip
+    p.add_argument("--loss", default="cross_entropy",
+                   help="for an .onnx model: cross_entropy, mse, causal_lm or none")  # fmt: skip
+    p.add_argument("--output", help="for an .onnx model: the output the loss applies to")
+    p.set_defaults(optimizer=None, run=_export)
+    p.set_defaults(defaults=vars(p.parse_args([])))
+
+
+def _given(args: argparse.Namespace) -> list[str]:
+    """The options given on the command line (those that differ from their defaults)."""
+    defaults: dict[str, Any] = args.defaults
+    return [
+        k for k, v in vars(args).items() if k in defaults and k not in _ALWAYS and v != defaults[k]
+    ]
+
+
+def _flags(names: list[str]) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
+def _check_options(args: argparse.Namespace, kind: str) -> None:
+    """One ``ExportError`` naming the options that do not go with this kind of source."""
+    given = _given(args)
+    if kind == "run":
+        bad = [k for k in given if k != "write_batches"]
+        why = "a run folder brings its own recipe, data and options"
+    elif kind == "finetune":
+        bad = [k for k in given if k in _ONNX_MODEL_OPTIONS]
+        why = "these apply to a workload or an .onnx model, not a fine-tune"
+    else:
+        allowed = {"scheme", "frozen_bn", *(("loss", "output", "optimizer", "lr")
+                                            if kind == "onnx" else ())}  # fmt: skip
+        bad = [k for k in given if k not in allowed]
+        why = f"these apply to a fine-tune (--recipe or --model/--data), not to {args.source}"
+    if bad:
+        raise ExportError(f"export {args.source or ''}: {_flags(bad)}: {why}; drop them")
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Prepare the step the arguments name, write it, and say what was written."""
+    kind = _kind(args)
+    _check_options(args, kind)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if kind in ("workload", "onnx"):
+        return _export_model(args, kind)
+    prepared = _from_run(Path(args.source), args) if kind == "run" else _from_args(args)
+    default = Path(args.source) / f"export_{args.target}" if kind == "run" else None
+    folder = Path(args.out or default or f"train_step_{args.target}")
+    written = write_export(prepared, folder, args.target, args.write_batches)
+    print(f"wrote {folder}/ ({prepared.what}): {', '.join(written)}")
+    print(f"see {folder / 'README.txt'} for how to run it")
+    return 0
+
+
+def _kind(args: argparse.Namespace) -> str:
+    source = args.source
+    if source is None:
+        if not (args.recipe or args.model or args.data):
+            raise ExportError(
+                "export what? give a run folder, a workload (mlp, cnn, ...), a model.onnx, "
+                "or --recipe / --model and --data as for pockengine finetune"
+            )
+        return "finetune"
+    if source.endswith(".onnx"):
+        return "onnx"
+    path = Path(source)
+    if path.is_dir():
+        from pockengine.finetune.checkpoint import CHECKPOINT
+
+        if not (path / CHECKPOINT).is_file():
+            raise ExportError(
+                f"{source} is not a fine-tuning run folder: it has no {CHECKPOINT} "
+                "(pockengine finetune --out FOLDER writes one at its first checkpoint)"
+            )
+        return "run"
+    return "workload"
+
+
+# -- preparing the step ----------------------------------------------------------------
+
+
+def _from_args(args: argparse.Namespace) -> _Prepared:
+    """The step ``pockengine finetune`` with these options would compile."""
+    from pockengine.finetune.cli import config_from_args
+
+    fixed = argparse.Namespace(**{**vars(args), "optimizer": args.optimizer or "adamw"})
+    config = config_from_args(fixed)
+    return _prepare(config, None, f"recipe {config.recipe}" if config.recipe else str(config.model))
+
+
+def _from_run(run: Path, args: argparse.Namespace) -> _Prepared:
+    """The step of the run in ``run``, holding its checkpoint's weights and optimizer state."""
+    from pockengine.finetune import checkpoint
+
+    saved = checkpoint.load(run / checkpoint.CHECKPOINT)
+    try:
+        config = FinetuneConfig(**{**saved.config, "backend": args.backend, "progress": "none"})
+    except TypeError as exc:
+        raise ExportError(
+            f"{run}: the checkpoint's options do not fit this version: {exc}"
+        ) from exc
+    prepared = _prepare(config, saved.scheme, f"run {run} at step {saved.counters['step']}")
+    try:
+        prepared.step.load_state(saved.params, saved.optimizer)
+    except (KeyError, ValueError) as exc:
+        raise ExportError(f"{run}: the checkpoint does not fit the rebuilt model: {exc}") from exc
+    return prepared
+
+
+def _prepare(config: FinetuneConfig, scheme: dict[str, Any] | None, what: str) -> _Prepared:
+    """Fill in the recipe's defaults, build the task and compile its step, as a run does."""
+    from pockengine.finetune import recipes, trainer
+    from pockengine.sparse import schemes
+
+    config = config.validate()
+    config = config.with_defaults(recipes.defaults(config)).validate()
+    assert config.scheme is not None, "filled in by the recipe's defaults"
+    if scheme:  # a run's own scheme, as its checkpoint stored it
+        parsed = schemes.from_dict(scheme)
+    else:
+        parsed = recipes.parse_scheme(config.scheme, config.recipe)
+    recipes.check_model_files(config)
+    task = recipes.build(config)
+    step = trainer.compile_task(config, task, parsed)
+    what = f"{what}, scheme {config.scheme}, {len(step.trained)} trained params"
+    return _Prepared(step, what, config, task.train, task.labels, task.kind)
+
+
+def _export_model(args: argparse.Namespace, kind: str) -> int:
+    """A workload or an .onnx model, as ``pockengine export`` has always written them."""
+    import pockengine as pe
+    from pockengine.sparse.names import scheme_named
+
+    if kind == "onnx":
+        scheme = scheme_named(args.scheme, frozen_bn=args.frozen_bn) if args.scheme else None
+        lr = args.lr
+        optimizer = (pe.optim.AdamW(lr=lr or 1e-3) if args.optimizer == "adamw"
+                     else pe.optim.SGD(lr=lr or 0.01, momentum=0.9))  # fmt: skip
+        output = int(args.output) if args.output and args.output.isdigit() else args.output
+        step = pe.compile(args.source, loss=args.loss, output=output, optimizer=optimizer,
+                          scheme=scheme)  # fmt: skip
+    else:
+        from pockengine import zoo
+
+        work, optimizer = zoo.benchmark(args.source)
+        scheme = (scheme_named(args.scheme, sparse=zoo.workload_sparse(args.source),
+                               frozen_bn=args.frozen_bn) if args.scheme else None)  # fmt: skip
+        step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
+                          scheme=scheme)  # fmt: skip
+    size = f"{len(step.graph.nodes)} nodes, {len(step.trained)} trained params"
+    if args.target == "c":
+        folder = step.export(args.out or "train_step_c", target="c")
+        print(f"wrote {folder}/ ({size}); build it with `make -C {folder}` and run "
+              f"{folder}/train X.npy Y.npy ...")  # fmt: skip
+        return 0
+    out = args.out or "train_step.onnx"
+    side = step.export(out)
+    print(f"wrote {out} and {side} ({size}); run it with pockengine/ort_runner.py")
+    return 0
+
+
+# -- writing the folder ----------------------------------------------------------------
+
+
+def batch_inputs(step: Any) -> list[Value]:
+    """The step's batch inputs, in call order."""
+    return list(step.graph.inputs_with_role(Role.INPUT))
+
+
+def write_export(prepared: _Prepared, folder: Path, target: str, batches: int | None) -> list[str]:
+    """Write the step to ``folder`` for ``target``, the runner (onnx), ``README.txt`` and
+    ``batches`` training batches; returns the names written at the top of the folder."""
+    from pockengine import ort_runner
+
+    step = prepared.step
+    if target == "c":
+        step.export(folder, target="c")
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        step.export(folder / "train_step.onnx")
+        shutil.copy(ort_runner.__file__, folder / "ort_runner.py")
+    files = _write_batches(prepared, folder, target, batches) if batches else []
+    (folder / "README.txt").write_text(readme(prepared, target, files))
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _write_batches(prepared: _Prepared, folder: Path, target: str, count: int) -> list[str]:
+    """The first ``count`` training batches in the order a run takes them (epoch 0),
+    stacked along a new leading axis: ``batches.npz`` (onnx) or one ``.npy`` per input (c)."""
+    from pockengine.finetune import data as ds
+
+    config, values = prepared.config, batch_inputs(prepared.step)
+    assert config is not None and config.batch_size is not None
+    size, n = config.batch_size, len(prepared.train[0])
+    if count * size > n:
+        raise ExportError(f"--write-batches {count}: the training split has {n} examples, "
+                          f"{n // size} batches of {size}")  # fmt: skip
+    rows = ds.epoch_order(n, config.seed, 0)[: count * size]
+    stacked = {
+        v.name: np.ascontiguousarray(a[rows], dtype=v.dtype.to_numpy()).reshape(count, *v.shape)
+        for v, a in zip(values, prepared.train, strict=True)
+    }
+    if target == "onnx":
+        np.savez(folder / "batches.npz", **stacked)  # type: ignore[arg-type]
+        return ["batches.npz"]
+    (folder / "batches").mkdir(exist_ok=True)
+    for name, array in stacked.items():
+        np.save(folder / "batches" / f"{name}.npy", array)
+    return [f"batches/{name}.npy" for name in stacked]
+
+
+def _roles(prepared: _Prepared, count: int) -> list[str]:
+    """What each batch input is, as the recipes build them."""
+    if prepared.kind == "causal-lm":
+        return ["token ids (the loss predicts each next token)"][:count]
+    labels = ", ".join(f"{i}={name}" for i, name in enumerate(prepared.labels))
+    inputs = {3: ["token ids", "attention mask (1 = token, 0 = padding)"], 2: ["images"]}
+    return [*inputs.get(count, [f"model input {i}" for i in range(count - 1)]),
+            f"label ids: {labels}"]  # fmt: skip
+
+
+def readme(prepared: _Prepared, target: str, batch_files: list[str]) -> str:
+    """How to run the exported step, and what its batch files hold."""
+    values = batch_inputs(prepared.step)
+    roles = _roles(prepared, len(values))
+    layout = "\n".join(
+        f"  {i}. {v.name:12s} {v.dtype.to_numpy().name:8s} shape {list(v.shape)}  ({role})"
+        for i, (v, role) in enumerate(zip(values, roles, strict=True))
+    )
+    names = [v.name for v in values]
+    if target == "onnx":
+        run = ("python ort_runner.py train_step.onnx --batches batches.npz [--steps N] "
+               "--save trained.safetensors")  # fmt: skip
+        files = ("batches.npz: one array per input, named as above, each with a leading axis "
+                 "of batches [B, *shape]; step k uses batch k modulo B")  # fmt: skip
+        needs = "needs numpy and onnxruntime (safetensors to save .safetensors)"
+    else:
+        run = "make && ./train [--steps N] --save trained.safetensors " + " ".join(
+            f"batches/{n}.npy" for n in names
+        )
+        files = ("one .npy file per input, in the order above, each one batch [*shape] or a "
+                 "stack of B batches [B, *shape] used in turn")  # fmt: skip
+        needs = "needs only a C compiler (make builds ./train, linked with libc and libm)"
+    written = ("\n".join(f"  {f}" for f in batch_files) if batch_files else
+               "  none: add --write-batches N to pockengine export to write some")  # fmt: skip
+    return f"""PockEngine training step: {prepared.what}.
+Exported for target {target}; {needs}.
+
+Run it:
+  {run}
+
+Batch inputs, in call order (dtype, shape of one batch):
+{layout}
+
+Batch files: {files}.
+Written from the training data (the first batches of epoch 0, in a run's order):
+{written}
+
+The step runs at the learning rate it was exported with (a run's schedule is not applied).
+"""
