@@ -11,9 +11,11 @@ every step.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,18 +76,31 @@ def _export(model: Any, loss_fn: Callable[..., Any], batch: tuple[Any, ...]) -> 
         def forward(self, *args: Any) -> Any:
             return loss_fn(self.model, *args)
 
-    try:
-        exported = torch.export.export(_ModelAndLoss(), batch, strict=False)
-    except Exception as exc:
-        raise CompileError(
-            f"torch.export could not trace loss_fn(model, *batch): {type(exc).__name__}: {exc}"
-        ) from exc
-    table = torch.export.default_decompositions()
-    for op in _KEPT_WHOLE:  # ops the IR has whole, rather than their decompositions
-        key = getattr(torch.ops.aten, op).default
-        if key in table:
-            del table[key]
-    return exported.run_decompositions(table)
+    with _torch_internal_warnings_filtered():
+        try:
+            exported = torch.export.export(_ModelAndLoss(), batch, strict=False)
+        except Exception as exc:
+            raise CompileError(
+                f"torch.export could not trace loss_fn(model, *batch): {type(exc).__name__}: {exc}"
+            ) from exc
+        table = torch.export.default_decompositions()
+        for op in _KEPT_WHOLE:  # ops the IR has whole, rather than their decompositions
+            key = getattr(torch.ops.aten, op).default
+            if key in table:
+                del table[key]
+        return exported.run_decompositions(table)
+
+
+@contextlib.contextmanager
+def _torch_internal_warnings_filtered() -> Iterator[None]:
+    """Hide the deprecation torch.export's own pytree code raises while copying the
+    exported program (``isinstance(treespec, LeafSpec)``): no user can act on it, and it
+    appeared in every compile. Scoped to the export; every other warning passes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning
+        )
+        yield
 
 
 # Scaled dot-product attention becomes one IR op (fused kernels, no stored probabilities).
