@@ -9,16 +9,8 @@
 #ifndef PE_T
 #include "pe_kernels.h"
 #include <tgmath.h>
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "attention.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "attention.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "attention.c"
+#include "pe_instantiate.h"
 #else
 
 #ifndef PE_ATTN_HELPERS

@@ -8,16 +8,8 @@
  * array is indexed by the PE_G_* names of pe_kernels.h. */
 #ifndef PE_T
 #include "pe_kernels.h"
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "conv.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "conv.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "conv.c"
+#include "pe_instantiate.h"
 #else
 
 #ifndef PE_CONV_HELPERS

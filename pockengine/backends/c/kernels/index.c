@@ -3,16 +3,8 @@
  * shapes are row-major with at most 8 axes. */
 #ifndef PE_T
 #include "pe_kernels.h"
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "index.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "index.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "index.c"
+#include "pe_instantiate.h"
 #else
 
 #ifndef PE_INDEX_HELPERS

@@ -7,16 +7,8 @@
  * Nothing is allocated on the heap. */
 #ifndef PE_T
 #include "pe_kernels.h"
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "linalg.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "linalg.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "linalg.c"
+#include "pe_instantiate.h"
 #else
 
 #define PE_KC 256

@@ -4,16 +4,8 @@
  * pairwise sums are more accurate than a float running sum. */
 #ifndef PE_T
 #include "pe_kernels.h"
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "norm.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "norm.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "norm.c"
+#include "pe_instantiate.h"
 #else
 
 /* Sums of a row, and of its squared deviations from mu, in eight independent lanes (the

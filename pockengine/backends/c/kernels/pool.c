@@ -6,16 +6,8 @@
  * of planes. */
 #ifndef PE_T
 #include "pe_kernels.h"
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "pool.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "pool.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "pool.c"
+#include "pe_instantiate.h"
 #else
 
 /* The input index of the first maximum of window (oh, ow) in one plane, or -1. */

@@ -4,16 +4,8 @@
 #ifndef PE_T
 #include "pe_kernels.h"
 #include <tgmath.h>
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "softmax.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "softmax.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "softmax.c"
+#include "pe_instantiate.h"
 #else
 
 void PE_S(pe_softmax)(const PE_T *x, PE_T *y, long outer, long n, long inner, int log_,

@@ -5,16 +5,8 @@
 #ifndef PE_T
 #include "pe_kernels.h"
 #include <tgmath.h>
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "update.c"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "update.c"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "update.c"
+#include "pe_instantiate.h"
 #else
 
 void PE_S(pe_sgd)(PE_T *w, const PE_T *g, double lr, long n, double wd) {

@@ -1,0 +1,14 @@
+/* Instantiates the kernel file that includes it for float (names suffixed _f32) and double
+ * (_f64). A kernel file defines PE_SELF as its own name and includes this header while
+ * PE_T is undefined; after its #else it holds its kernels once, written over PE_T and
+ * PE_S(name). No include guard: each kernel file is its own translation unit. */
+#define PE_T float
+#define PE_S(name) name##_f32
+#include PE_SELF
+#undef PE_T
+#undef PE_S
+#define PE_T double
+#define PE_S(name) name##_f64
+#include PE_SELF
+#undef PE_T
+#undef PE_S
