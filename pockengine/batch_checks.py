@@ -17,12 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.ir import Graph, Node, Role, Value
+from pockengine.ir import Fact, Graph, Node, Role, Value, get_op
 
 __all__ = ["IndexBound", "index_bounds", "out_of_range"]
 
 Array = np.ndarray[Any, Any]
-_PASS_THROUGH = frozenset({"reshape", "slice", "transpose", "broadcast_to", "cast"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,13 @@ def _ignore_guard(node: Node, producer: dict[str, Node]) -> tuple[Value, int] | 
     return None
 
 
+def _keeps_values(node: Node) -> bool:
+    """A view op (reshape, slice, transpose, broadcast, cast) passes an index's values
+    through unchanged, except a cast from float, which truncates."""
+    src, out = node.inputs[0].dtype, node.outputs[0].dtype
+    return get_op(node.op).has(Fact.VIEW) and (src == out or not src.is_float)
+
+
 def _batch_source(
     index: Value, producer: dict[str, Node], inputs: set[str]
 ) -> tuple[str, frozenset[int]] | None:
@@ -65,7 +71,7 @@ def _batch_source(
         node = producer.get(value.name)
         if node is None:
             return None
-        if node.op in _PASS_THROUGH and (node.op != "cast" or not node.inputs[0].dtype.is_float):
+        if _keeps_values(node):
             value = node.inputs[0]
         elif node.op == "where" and (guard := _ignore_guard(node, producer)) is not None:
             value, v = guard

@@ -76,14 +76,19 @@ class ExactTanh(keras.layers.Layer):
 
 def dilated() -> Any:
     """Dilated Conv1Ds: TF runs them as SpaceToBatchND -> Conv2D -> BatchToSpaceND; a custom
-    gradient (IdentityN) and TF's Log1p and Pow between them."""
+    gradient (IdentityN) and TF's Log1p, Pow and ClipByValue between them."""
     keras.utils.set_random_seed(3)
     inp = keras.Input((16, 3))
     x = keras.layers.Conv1D(4, 3, dilation_rate=2, padding="same", name="c1")(inp)
     x = ExactTanh(name="act")(x)
-    # TF's Log1p, and Pow by a computed exponent
+    # TF's Log1p, Pow by a computed exponent, and ClipByValue (some values clipped)
     x = keras.layers.Lambda(
-        lambda t: tf.math.log1p(tf.abs(t)) + tf.pow(tf.abs(t) + 0.5, t), name="powers"
+        lambda t: tf.raw_ops.ClipByValue(
+            t=tf.math.log1p(tf.abs(t)) + tf.pow(tf.abs(t) + 0.5, t),
+            clip_value_min=0.2,
+            clip_value_max=1.6,
+        ),
+        name="powers",
     )(x)
     x = keras.layers.Conv1D(5, 3, dilation_rate=3, name="c2")(x)
     out = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(x))
@@ -153,7 +158,7 @@ def test_dilated_conv1d_is_traced_through_space_to_batch(caplog: pytest.LogCaptu
     ops = [n.op for n in step.forward.nodes]
     # each dilated conv: pad, reshape, transpose, reshape in; reshape, transpose, reshape out
     assert ops.count("conv2d") == 2 and ops.count("transpose") >= 4
-    assert {"log1p", "pow"} <= set(ops)
+    assert {"log1p", "pow", "clamp"} <= set(ops)
 
 
 def test_schemes_select_keras_layers() -> None:

@@ -14,19 +14,24 @@
   write inputs, views and in-place ops have one result);
 - every op has a NumPy kernel (the registry requires it) and a kernel in every backend's
   table, or is listed below as knowingly absent: adding an elementwise op fails here until
-  each backend has its kernel.
+  each backend has its kernel;
+- every elementwise op has a converter in each frontend (torch, ONNX, JAX, Keras) or a
+  reason it has none: adding one fails here until each frontend emits it.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-import pockengine.ops  # noqa: F401  (registers the ops)
+import pockengine.frontend
+import pockengine.ops  # registers the ops
 from pockengine.backends.onnx_backend import OrtBackend
 from pockengine.backends.torch_backend import _FINDERS, KERNELS, TorchBackend
 from pockengine.backends.torch_codegen import generate_source
@@ -191,3 +196,77 @@ def test_a_new_elementwise_op_without_kernels_fails_the_coverage_check(
     monkeypatch.setitem(registry._REGISTRY, "neg_copy", dataclasses.replace(neg, name="neg_copy"))
     with pytest.raises(AssertionError, match="neg_copy"):
         test_every_op_has_a_kernel_in_every_backend_or_is_knowingly_absent()
+
+
+# -- frontends: every elementwise op has a converter in each, or a reason it has none ------
+
+_FRONTEND_DIR = Path(pockengine.frontend.__file__).parent
+# each frontend's converter modules (glob patterns), plus the lowerings they all share
+_FRONTEND_FILES = {
+    "torch": ("aten_*.py", "torch*.py"),
+    "onnx": ("onnx*.py",),
+    "jax": ("jax*.py",),
+    "keras": ("keras*.py", "tf_*.py"),
+}
+_SHARED_FILES = ("context.py", "lowering.py", "imported.py", "rng.py")
+# Elementwise ops a frontend knowingly never emits (op -> why): the source format has no
+# counterpart, so the model's own decomposition arrives as other ops.
+FRONTEND_ABSENT: dict[str, dict[str, str]] = {
+    "torch": {},
+    "onnx": {
+        "log1p": "ONNX has no Log1p; exporters write Log(Add(x, 1))",
+        "silu": "no ONNX op below opset 24; exporters write Mul(x, Sigmoid(x))",
+        "stop_gradient": "an ONNX graph carries no gradient structure",
+    },
+    "jax": {
+        "gelu": "jax.nn.gelu traces to tanh/erf primitives",
+        "hardtanh": "jax.nn.hard_tanh traces to clamp or max/min",
+        "reciprocal": "JAX has no reciprocal primitive (integer_pow -1, div)",
+        "silu": "jax.nn.silu traces to logistic and mul",
+    },
+    "keras": {
+        "gelu": "TF has no Gelu op; keras' gelu traces to Erf/Tanh ops",
+        "silu": "tf.nn.silu traces to Sigmoid and Mul",
+    },
+}
+
+
+def _ops_named_in(patterns: tuple[str, ...]) -> set[str]:
+    """Every string literal in the frontend's converter modules: each converter names the
+    IR op it emits (``cx.call("neg", ...)`` or a table ``{"Neg": "neg"}``)."""
+    names: set[str] = set()
+    for pattern in (*patterns, *_SHARED_FILES):
+        for path in sorted(_FRONTEND_DIR.glob(pattern)):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    names.add(node.value)
+    return names
+
+
+def _frontend_ops() -> list[str]:
+    """Elementwise ops a model can contain (``*_grad`` ops only autodiff emits)."""
+    return sorted(
+        name
+        for name, d in all_ops().items()
+        if d.has(Fact.ELEMENTWISE) and not name.endswith("_grad")
+    )
+
+
+def test_every_elementwise_op_has_a_converter_in_every_frontend_or_is_knowingly_absent() -> None:
+    for frontend, patterns in _FRONTEND_FILES.items():
+        named = _ops_named_in(patterns)
+        absent = FRONTEND_ABSENT[frontend]
+        missing = [op for op in _frontend_ops() if op not in named and op not in absent]
+        assert missing == [], f"{frontend} frontend has no converter emitting {missing}"
+        stale = sorted(op for op in absent if op in named)
+        assert stale == [], f"{frontend}: listed absent but converted: {stale}"
+
+
+def test_a_new_elementwise_op_without_converters_fails_the_frontend_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An elementwise op registered with kernels but no frontend converter fails above."""
+    neg = all_ops()["neg"]
+    monkeypatch.setitem(registry._REGISTRY, "neg_copy", dataclasses.replace(neg, name="neg_copy"))
+    with pytest.raises(AssertionError, match="neg_copy"):
+        test_every_elementwise_op_has_a_converter_in_every_frontend_or_is_knowingly_absent()

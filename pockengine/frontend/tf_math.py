@@ -74,6 +74,19 @@ def _pow(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
     return cx.call("pow", x, y)
 
 
+@tf_op("ClipByValue")
+def _clip_by_value(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    """Constant scalar bounds are ``clamp``'s attributes; computed bounds are
+    ``minimum(maximum(x, lo), hi)``, which TF's own gradient matches on ties."""
+    x = cx.value(ins[0])
+    lo, hi = ins[1], ins[2]
+    if all(isinstance(b, np.ndarray) and b.size == 1 for b in (lo, hi)):
+        bounds = [np.asarray(b).item() for b in (lo, hi)]
+        return cx.call("clamp", x, min=bounds[0], max=bounds[1])
+    x, lo_v, hi_v = float_like(cx, ins)
+    return cx.call("minimum", cx.call("maximum", x, lo_v), hi_v)
+
+
 @tf_op("SelectV2", "Select")
 def _select(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
     cond = cx.cast(cx.value(ins[0]), DType.BOOL)
