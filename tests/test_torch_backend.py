@@ -346,7 +346,7 @@ def test_stored_layout_and_partial_channel_updates(channels_last: bool) -> None:
     _close(ours.optimizer_state(), ref.optimizer_state(), "optimizer state")
 
 
-def test_cpu_compile_keeps_the_freed_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keeping_the_freed_heap_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     import ctypes.util
 
     from pockengine.backends import torch_backend
@@ -355,9 +355,10 @@ def test_cpu_compile_keeps_the_freed_heap(monkeypatch: pytest.MonkeyPatch) -> No
     graph = pe.compile(w.model, w.loss_fn, w.make_batch(0), backend="numpy").graph
     calls: list[int] = []
     monkeypatch.setattr(torch_backend, "keep_freed_heap", lambda: calls.append(1) or True)
-    TorchBackend(keep_heap=False).compile(graph)
+    TorchBackend().compile(graph)  # process-wide allocator settings: never by default
+    pe.compile(w.model, w.loss_fn, w.make_batch(0), backend="torch")
     assert calls == []
-    TorchBackend().compile(graph)
+    TorchBackend(keep_heap=True).compile(graph)
     assert calls == [1]
     monkeypatch.undo()
     if ctypes.util.find_library("c") and platform.libc_ver()[0] == "glibc":

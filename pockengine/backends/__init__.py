@@ -28,7 +28,7 @@ BackendSpec = str | Backend | Sequence[str | Backend]
 
 def get_backend(name: BackendSpec) -> Backend:
     """The backend called ``name`` (or ``name`` itself when it already is a ``Backend``, such
-    as ``TorchBackend(keep_heap=False)``); its heavy imports happen only here. A list of
+    as ``TorchBackend(keep_heap=True)``); its heavy imports happen only here. A list of
     them (``["onnxruntime", "numpy"]``) runs each node on the first that claims it
     (``backends.mixed``); ``"auto"`` times the torch and onnxruntime kernels of each node
     at compile time and keeps the fastest (``backends.auto``)."""

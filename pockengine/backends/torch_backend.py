@@ -32,7 +32,9 @@ from pockengine._libc import libc_function
 from pockengine.backends import (
     torch_kernels,
     torch_kernels_attn,
+    torch_kernels_loss,
     torch_kernels_nn,
+    torch_kernels_quant,
     torch_kernels_shape,
 )
 from pockengine.backends.base import Backend, Executable, Store, check_ops
@@ -49,6 +51,8 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_shape.KERNELS,
     **torch_kernels_nn.KERNELS,
     **torch_kernels_attn.KERNELS,
+    **torch_kernels_loss.KERNELS,
+    **torch_kernels_quant.KERNELS,
 }
 _FINDERS: dict[str, PairFinder] = dict(torch_kernels_nn.FINDERS)
 _NAMESPACE: dict[str, Any] = {
@@ -56,6 +60,8 @@ _NAMESPACE: dict[str, Any] = {
     **torch_kernels_shape.NAMESPACE,
     **torch_kernels_nn.NAMESPACE,
     **torch_kernels_attn.NAMESPACE,
+    **torch_kernels_quant.NAMESPACE,
+    **torch_kernels_loss.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
     "nan": math.nan,
@@ -156,7 +162,11 @@ def keep_freed_heap() -> bool:
     allocates the same tensors every call, and glibc otherwise maps each large one fresh
     (page faults on first touch) and returns it at its ``del``. Sets glibc's mmap threshold
     to its 32 MiB ceiling and the trim threshold to 1 GiB, once per process; the resident
-    size then stays at the step's high-water mark. True if set (False off glibc)."""
+    size then stays at the step's high-water mark. True if set (False off glibc).
+
+    These settings are process-wide and cannot be undone (glibc has no getter to restore
+    its adaptive thresholds), so they are opt-in: ``TorchBackend(keep_heap=True)``. Faster
+    steps (no page faults on first touch), at the cost of keeping freed memory resident."""
     mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
@@ -173,7 +183,7 @@ class TorchBackend(Backend):
         self,
         device: str = "cpu",
         channels_last: bool = True,
-        keep_heap: bool = True,
+        keep_heap: bool = False,
         inplace: bool = True,
     ) -> None:
         self.device = torch.device(device)
