@@ -28,6 +28,7 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.c import CBackend, CExecutable, claims, toolchain
+from pockengine.backends.c.backend import KERNELS
 from pockengine.backends.c.export import read_safetensors
 from pockengine.backends.numpy_backend import NumpyBackend
 from pockengine.ir import (
@@ -119,6 +120,22 @@ def test_op_sample_matches_numpy(label: str, op_results: dict[str, Any]) -> None
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9, err_msg=label)
 
 
+def test_dropout_mask_equals_numpy_for_negative_seeds_and_salts() -> None:
+    """The counter hash's arithmetic shifts and masks on negative int64 seeds and salts."""
+    b = GraphBuilder("mask")
+    seed = b.input("seed", TensorType((), DType.I64), Role.INPUT)
+    outs = [b.call("random_mask", seed, shape=(64, 33), p=p, salt=salt, source="m")
+            for p, salt in ((0.3, -7), (0.0, 3), (1.0, 5), (0.5, 2**40))]  # fmt: skip
+    graph = b.build(outs)
+    for value in (-987654321012, 2**40 + 17, 0):
+        feeds = {"seed": np.asarray(value, dtype=np.int64)}
+        got = CBackend().compile(graph).run(dict(feeds), {})
+        want = NumpyBackend().compile(graph).run(dict(feeds))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert 0 < np.count_nonzero(got[0]) < got[0].size  # p = 0.3 keeps some, drops some
+
+
 def test_every_op_of_the_cnn_workloads_is_claimed() -> None:
     """MLP, small CNN and MobileNetV2 (every scheme) run entirely in C."""
     makers: list[Callable[[], zoo.Workload]] = [
@@ -132,7 +149,8 @@ def test_every_op_of_the_cnn_workloads_is_claimed() -> None:
             assert missing == [], (w.name, missing)
 
 
-def test_missing_ops_are_listed_at_once() -> None:
+def test_missing_ops_are_listed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(KERNELS, "cumsum")  # as if the backend had no cumsum kernel
     b = GraphBuilder("g")
     x = b.input("x", TensorType((2, 3), DType.F32), Role.INPUT)
     y = b.call("relu", x, source="a.py:1")
@@ -202,11 +220,12 @@ def test_mobilenet_training_matches_numpy(scheme: str | None) -> None:
     _train_both(w, lambda: _adamw(1e-4), pe.schemes.sparse(blocks=4) if scheme else None)
 
 
-def test_unclaimed_nodes_fall_back_to_the_next_backend() -> None:
-    """cumsum has no C kernel: with backend=["c", "torch"] it runs on torch, the rest in C,
+def test_unclaimed_nodes_fall_back_to_the_next_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a C cumsum kernel, backend=["c", "torch"] runs cumsum on torch, the rest in C,
     and training matches the NumPy oracle."""
     import torch
 
+    monkeypatch.delitem(KERNELS, "cumsum")
     w = zoo.mlp()
 
     class Cumulative(torch.nn.Module):

@@ -150,6 +150,20 @@ def _full(ctx: EmitContext, node: Node) -> str:
     return f"for (long i = 0; i < {out.type.numel}; i++) {ctx.ref(out)}[i] = {value};"
 
 
+def _random_mask(ctx: EmitContext, node: Node) -> str:
+    """Dropout's keep-mask from the counter-based hash of (seed, salt, flat index)."""
+    seed, out = node.inputs[0], node.outputs[0]
+    p, salt = attr_float(node, "p"), attr_int(node, "salt")
+    scale = c_literal(float(np.float32(1.0 / (1.0 - p) if p < 1.0 else 0.0)), DType.F32)
+    return (
+        f"{{ uint64_t key = pe_mask_key({ctx.ref(seed)}[0], {salt}LL); "
+        f"for (long i = 0; i < {out.type.numel}; i++) {{ "
+        f"uint64_t h = pe_mix32(pe_mix32(key ^ ((uint64_t)i & 0xFFFFFFFFULL)) ^ "
+        f"((uint64_t)i >> 32)); "
+        f"{ctx.ref(out)}[i] = (double)h / 4294967296.0 >= {p!r} ? {scale} : 0.0f; }} }}"
+    )
+
+
 def _arange(ctx: EmitContext, node: Node) -> str:
     out = node.outputs[0]
     start, step = attr_float(node, "start"), attr_float(node, "step")
@@ -324,6 +338,7 @@ KERNELS: dict[str, Lowering] = {
     "abs": _operator("({0} < 0 ? -{0} : {0})"),
     "exp": _libm("exp"),
     "log": _libm("log"),
+    "log1p": _libm("log1p"),
     "sqrt": _libm("sqrt"),
     "tanh": _libm("tanh"),
     "sin": _libm("sin"),
@@ -341,6 +356,7 @@ KERNELS: dict[str, Lowering] = {
     "hardtanh": _clamp,
     "hardtanh_grad": _hardtanh_grad,
     "pow_scalar": _pow_scalar,
+    "pow": _operator("pow({0}, {1})", floats_only=True),
     "cast": _cast,
     "add": _operator("{0} + {1}"),
     "sub": _operator("{0} - {1}"),
@@ -360,6 +376,7 @@ KERNELS: dict[str, Lowering] = {
     "where": _where,
     "full": _full,
     "arange": _arange,
+    "random_mask": _random_mask,
     "reshape": _copy,
     "stop_gradient": _copy,
     "transpose": _transpose,

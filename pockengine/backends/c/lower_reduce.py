@@ -120,8 +120,23 @@ def _nonfinite(ctx: EmitContext, node: Node) -> str:
     )
 
 
+def _cumsum(ctx: EmitContext, node: Node) -> str:
+    """z[o, k, i] = z[o, k-1, i] + x[o, k, i] along the axis; bool sums to i64."""
+    x, out = node.inputs[0], node.outputs[0]
+    if x.dtype is DType.BOOL and out.dtype is not DType.I64:
+        raise CEmitError(f"cumsum of bool into {out.dtype}")
+    o, n, i = _split(x.shape, node.attrs["axis"])
+    xs, zs, t = ctx.ref(x), ctx.ref(out), CTYPES[out.dtype]
+    return (
+        f"for (long a = 0; a < {o}; a++) for (long c = 0; c < {i}; c++) {{ "
+        f"{t} acc = 0; for (long k = 0; k < {n}; k++) {{ "
+        f"long at = (a * {n} + k) * {i} + c; acc += ({t}){xs}[at]; {zs}[at] = acc; }} }}"
+    )
+
+
 KERNELS: dict[str, Lowering] = {
     "nonfinite": _nonfinite,
+    "cumsum": _cumsum,
     "sum": _reduction("sum"),
     "mean": _reduction("mean"),
     "amax": _reduction("max"),

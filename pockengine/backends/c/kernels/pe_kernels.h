@@ -100,4 +100,21 @@ enum {
     PE_G_LEN
 };
 
+/* The dropout mask's counter-based hash (the random_mask op's docstring): a bijection of
+ * [0, 2**32); every product stays below 2**63, so this equals the int64 reference. */
+static inline uint64_t pe_mix32(uint64_t h) {
+    h ^= h >> 16;
+    h = (h * 0x7FEB352DULL) & 0xFFFFFFFFULL;
+    h ^= h >> 15;
+    h = (h * 0x6A09E667ULL) & 0xFFFFFFFFULL;
+    return h ^ (h >> 16);
+}
+
+/* The hash key of a (seed, salt) pair; >> on int64 is arithmetic, as in the reference. */
+static inline uint64_t pe_mask_key(int64_t seed, int64_t salt) {
+    uint64_t key = pe_mix32((uint64_t)(salt & 0xFFFFFFFFLL));
+    key = pe_mix32(key ^ (uint64_t)(seed & 0xFFFFFFFFLL));
+    return pe_mix32(key ^ (uint64_t)((seed >> 32) & 0xFFFFFFFFLL));
+}
+
 #endif
