@@ -3,13 +3,17 @@
     python benchmarks/finetune_table.py                          # minilm-bbc, docs/finetune.md
     python benchmarks/finetune_table.py --recipe lite0-fashion --max-train 1000
     python benchmarks/finetune_table.py --max-train 1701 --epochs 2 --seq-len 128
+    python benchmarks/finetune_table.py --recipe smollm2-pydocs --schemes sparse \
+        --frozen-dtype gguf                                      # low-bit frozen weights
 
 Per scheme: final validation accuracy (perplexity for a causal LM), mean step time,
 compile time, peak RSS of the process (VmHWM: model, data, the compiled step and
 evaluation together) and the wall time of the whole run. Writes
 benchmarks/results/finetune_table-<recipe>.json and the table between the recipe's
 markers in docs/finetune.md, with the subset and epochs it used. Shape options left out
-take the recipe's defaults.
+take the recipe's defaults. ``--frozen-dtype`` (int8, int4, gguf; docs/quant.md) stores
+the frozen weights low-bit; its results go to ``finetune_table-<recipe>-<dtype>.json`` and
+their own markers, beside the float32 table.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ("full", "bias", "sparse", "head")
 
 
-def _markers(recipe: str) -> tuple[str, str]:
+def _markers(recipe: str, frozen_dtype: str = "none") -> tuple[str, str]:
+    if frozen_dtype != "none":
+        recipe = f"{recipe}:{frozen_dtype}"
     return f"<!-- finetune-table:{recipe}:start -->", f"<!-- finetune-table:{recipe}:end -->"
 
 
@@ -54,6 +60,7 @@ def _child(args: argparse.Namespace) -> None:
             max_train=args.max_train,
             max_val=args.max_val,
             backend=args.backend,
+            frozen_dtype=args.frozen_dtype,
             out=out,
             progress="none",
             seed=args.seed,
@@ -62,6 +69,7 @@ def _child(args: argparse.Namespace) -> None:
     metric = "val_accuracy" if "val_accuracy" in result.final else "val_perplexity"
     row = {
         "scheme": args.child,
+        "frozen_dtype": args.frozen_dtype,
         "metric": metric,
         "value": result.final[metric],
         "val_loss": result.final["val_loss"],
@@ -81,11 +89,15 @@ def _child(args: argparse.Namespace) -> None:
 
 
 _SHAPES = ("seq_len", "image_size", "epochs", "batch_size")
+_FROZEN = {"none": "float32", "int8": "int8 per channel", "int4": "int4 (groups of 32)",
+           "gguf": "the shipped GGUF blocks"}  # fmt: skip
 
 
 def _run_case(scheme: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", scheme]
-    for key in ("recipe", "max_train", "max_val", *_SHAPES, "backend", "threads", "seed"):
+    keys = ("recipe", "max_train", "max_val", *_SHAPES, "backend", "frozen_dtype", "threads",
+            "seed")  # fmt: skip
+    for key in keys:
         if getattr(args, key) is not None:
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -102,17 +114,20 @@ def _command(args: argparse.Namespace) -> str:
         if getattr(args, key) is not None:
             opts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
     opts += [f"--backend {args.backend}", f"--threads {args.threads}"]
+    if args.frozen_dtype != "none":
+        opts.append(f"--frozen-dtype {args.frozen_dtype}")
     return "python benchmarks/finetune_table.py " + " ".join(opts)
 
 
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     first = rows[0]
-    start, end = _markers(args.recipe)
+    start, end = _markers(args.recipe, args.frozen_dtype)
     metric = "val accuracy" if first["metric"] == "val_accuracy" else "val perplexity"
     shape = first["shape"]
     lines = [
         start,
-        f"{args.recipe} with the `{args.backend}` backend, {args.threads} thread(s): "
+        f"{args.recipe} with the `{args.backend}` backend, {args.threads} thread(s), "
+        f"frozen weights {_FROZEN[args.frozen_dtype]}: "
         f"{first['train_examples']} training / {first['val_examples']} validation examples "
         f"(the first of the seeded split, seed {args.seed}), {first['epochs']} epoch(s), "
         f"batch {first['batch_size']} (x {shape}), AdamW at each scheme's default peak "
@@ -133,11 +148,12 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join([*lines, end])
 
 
-def _write_doc(path: Path, table: str, recipe: str) -> None:
-    start, end = _markers(recipe)
+def _write_doc(path: Path, table: str, recipe: str, frozen_dtype: str = "none") -> None:
+    start, end = _markers(recipe, frozen_dtype)
     text = path.read_text() if path.exists() else "# Fine-tuning\n"
     if start not in text or end not in text:
-        text = text.rstrip() + f"\n\n### {recipe}\n\n{start}\n{end}\n"
+        title = recipe if frozen_dtype == "none" else f"{recipe}, frozen weights {frozen_dtype}"
+        text = text.rstrip() + f"\n\n### {title}\n\n{start}\n{end}\n"
     head, rest = text.split(start, 1)
     tail = rest.split(end, 1)[1]
     path.write_text(head + table + tail)
@@ -154,6 +170,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--backend", default="torch")
+    p.add_argument("--frozen-dtype", choices=tuple(_FROZEN), default="none")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "finetune.md")
@@ -166,10 +183,11 @@ def main() -> None:
     for scheme in args.schemes:
         rows.append(_run_case(scheme, args))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    results = ROOT / "benchmarks" / "results" / f"finetune_table-{args.recipe}.json"
+    suffix = "" if args.frozen_dtype == "none" else f"-{args.frozen_dtype}"
+    results = ROOT / "benchmarks" / "results" / f"finetune_table-{args.recipe}{suffix}.json"
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("doc", "child")}
     results.write_text(json.dumps({"args": settings, "rows": rows}, indent=2) + "\n")
-    _write_doc(args.doc, _table(rows, args), args.recipe)
+    _write_doc(args.doc, _table(rows, args), args.recipe, args.frozen_dtype)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,17 @@ loss = step(*batch)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from pockengine import ops as _ops  # noqa: F401  (registers every op)
 from pockengine import optim
 from pockengine.finetune import FinetuneError, finetune
 from pockengine.ir import CompileError, PockEngineError, SchemeError, UnsupportedOpError
 from pockengine.runtime import BatchError, NonFiniteError, StateError, TrainStep, compile
 from pockengine.sparse import schemes
+
+if TYPE_CHECKING:
+    from pockengine.finetune.home_load import load_run
 
 __all__ = [
     "BatchError",
@@ -26,7 +31,17 @@ __all__ = [
     "UnsupportedOpError",
     "compile",
     "finetune",
+    "load_run",
     "optim",
     "schemes",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``load_run`` on first use: it needs torch, which the core never imports."""
+    if name == "load_run":
+        from pockengine.finetune.home_load import load_run
+
+        return load_run
+    raise AttributeError(f"module 'pockengine' has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """Which batch inputs index a tensor, and the range their values must lie in.
 
 A class target reaches the loss as the index of a ``gather`` over the log-probabilities
-(cross-entropy lowers to ``log_softmax`` + ``gather`` in every frontend), and token ids as
+(cross-entropy lowers to ``log_softmax`` + ``gather`` in every frontend; a large vocabulary's
+to the fused ``linear_log_softmax_gather``, whose index is its third input), and token ids as
 the index of an ``embedding``. Backends wrap a negative index (``-1`` would train as the
 last class, as Python's ``x[-1]`` does) or fail with a raw error past the end, so the
 step checks such inputs at the batch boundary instead. ``index_bounds`` reads the graph
@@ -94,6 +95,9 @@ def index_bounds(graph: Graph) -> tuple[IndexBound, ...]:
             high, what = x.shape[axis % len(x.shape)], "class target"
         elif node.op == "embedding":
             index, high, what = node.inputs[1], node.inputs[0].shape[0], "token id"
+        elif node.op == "linear_log_softmax_gather":  # the fused loss: (x, w, target)
+            w, what = node.inputs[1], "class target"
+            index, high = node.inputs[2], w.shape[0 if node.attrs["vocab_major"] else 1]
         else:
             continue
         source = _batch_source(index, producer, inputs)

@@ -10,12 +10,17 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from pockengine.cli_help import HelpFormatter
 from pockengine.ir import PockEngineError
 from pockengine.sparse.names import SCHEME_HELP
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 log = logging.getLogger("pockengine")
+
+_DESCRIPTION = """\
+PockEngine compiles a whole training step (forward, backward, optimizer) into one static
+graph and runs it. Each command has its own --help."""
 
 
 class _UsageError(Exception):
@@ -24,7 +29,12 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad command line is one ``error:`` line (``main`` prints it), not a
-    usage dump and a ``SystemExit`` from inside the parser."""
+    usage dump and a ``SystemExit`` from inside the parser; help shows every default
+    (``HelpFormatter``, which subparsers inherit, being built with this class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(f"{self.prog}: {message}")
@@ -94,6 +104,8 @@ def _finetune(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     result = finetune(config_from_args(args))
+    if args.report:
+        print(result.report, end="\n\n")
     print(result.summary())
     return exit_code(result.stopped)
 
@@ -106,7 +118,7 @@ def _search(args: argparse.Namespace) -> int:
     mem, flops = args.memory_budget, args.flops_budget
     result = search_scheme(
         config_from_args(args),
-        parse_amount(mem) if mem else None,
+        mem,  # bytes: finetune.cli.byte_amount
         parse_amount(flops, flops=True) if flops else None,
         settings=AnalysisSettings(
             steps=args.steps, holdout=args.holdout, lr=args.analysis_lr, threads=args.threads
@@ -128,44 +140,7 @@ def _add_frozen_bn(parser: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pockengine.finetune.cli import positive_int
-
-    parser = _Parser(prog="pockengine", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="compile a small CNN and watch its loss fall")
-    demo.add_argument("--steps", type=positive_int, default=30)
-    demo.add_argument("--threads", type=positive_int, default=2)
-    demo.set_defaults(run=_demo)
-    inspect = sub.add_parser("inspect", help="the compile-time report of a workload and scheme")
-    inspect.add_argument("workload", help="mbv2, bert, llama, mlp, cnn, mbv2-small")
-    inspect.add_argument("--scheme", help=SCHEME_HELP)
-    _add_frozen_bn(inspect)
-    inspect.add_argument("--depth", type=int, default=2, help="module path depth of the table")
-    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
-    inspect.add_argument("--graph", action="store_true", help="also print the training graph")
-    inspect.set_defaults(run=_inspect)
-    from pockengine.finetune.cli import EPILOG, add_arguments
-
-    finetune = sub.add_parser(
-        "finetune", help="fine-tune a recipe or your model on your data, with checkpoints",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    add_arguments(finetune)
-    finetune.set_defaults(run=_finetune)
-    from pockengine.finetune.cli import add_search_arguments
-
-    search = sub.add_parser(
-        "search", help="contribution analysis, then the best scheme under a memory/FLOPs budget",
-        conflict_handler="resolve",
-    )  # fmt: skip
-    add_search_arguments(search)
-    search.set_defaults(run=_search)
-    from pockengine.export_cli import register as add_export
-
-    add_export(sub)
-    from pockengine.federated.cli import register as add_federated
-
-    add_federated(sub)
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except _UsageError as exc:
@@ -175,6 +150,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return _run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pockengine`` parser, every subcommand registered."""
+    from pockengine.finetune.cli import positive_int
+
+    parser = _Parser(prog="pockengine", description=_DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="compile a small CNN and watch its loss fall")
+    demo.add_argument("--steps", type=positive_int, default=30, help="training steps")
+    demo.add_argument("--threads", type=positive_int, default=2, help="torch threads")
+    demo.set_defaults(run=_demo)
+    inspect = sub.add_parser("inspect", help="the compile-time report of a workload and scheme")
+    inspect.add_argument("workload", help="mbv2, bert, llama, mlp, cnn, mbv2-small")
+    inspect.add_argument(
+        "--scheme", help=f"{SCHEME_HELP} (default: the parameters whose requires_grad is set)"
+    )
+    _add_frozen_bn(inspect)
+    inspect.add_argument("--depth", type=int, default=2, help="module path depth of the table")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("--graph", action="store_true", help="also print the training graph")
+    inspect.set_defaults(run=_inspect)
+    from pockengine.finetune.cli import EPILOG, add_arguments
+
+    finetune = sub.add_parser(
+        "finetune", help="fine-tune a recipe or your model on your data, with checkpoints",
+        epilog=EPILOG,
+    )  # fmt: skip
+    add_arguments(finetune)
+    finetune.add_argument(
+        "--report", action="store_true", help="also print the compile-time report (RUN/report.txt)"
+    )
+    finetune.set_defaults(run=_finetune)
+    from pockengine.finetune.cli import add_search_arguments
+
+    search = sub.add_parser(
+        "search", help="contribution analysis, then the best scheme under a memory/FLOPs budget",
+        conflict_handler="resolve",
+    )  # fmt: skip
+    add_search_arguments(search)
+    search.set_defaults(run=_search)
+    from pockengine.run_cli import register as add_run_commands
+
+    add_run_commands(sub)
+    from pockengine.export_cli import register as add_export
+
+    add_export(sub)
+    from pockengine.federated.cli import register as add_federated
+
+    add_federated(sub)
+    from pockengine.plot_cli import register as add_plot
+
+    add_plot(sub)
+    return parser
 
 
 def _run(args: argparse.Namespace) -> int:

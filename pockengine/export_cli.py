@@ -85,7 +85,6 @@ def register(sub: Any) -> None:
         "export", help="write a training step (a run, a fine-tune, a workload, an .onnx) as "
         "ONNX + state for ort_runner, or as a stand-alone C trainer",
         description=_DESCRIPTION, epilog=EPILOG.split("\n\n")[0], conflict_handler="resolve",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("source", nargs="?", help="a run folder, a workload (mlp, cnn, bert, ...) or "
                    "a model.onnx; leave out to export --recipe or --model/--data")  # fmt: skip

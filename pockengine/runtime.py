@@ -36,8 +36,11 @@ from pockengine.ir import (
 )
 from pockengine.ir.rewrite import with_inputs
 from pockengine.loading import LoadResult, StateError, load_into_module, match_arrays
+from pockengine.ops.quant import Quantized
 from pockengine.optim import LR, SGD, Optimizer
-from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, Pass, run_pipeline
+from pockengine.passes import DEFAULT_PIPELINE, Pass, forward_passes, run_pipeline
+from pockengine.passes.quantize import AS_GIVEN, FrozenWeights, quantize_frozen
+from pockengine.passes.remat_budget import parse_budget, recomputation, with_budget
 from pockengine.passes.slices import sink_slices
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
@@ -146,9 +149,15 @@ class TrainStep:
         info: ModelInfo,
         scheme: Scheme | None = None,
         passes: Sequence[Pass] = DEFAULT_PIPELINE,
+        frozen: FrozenWeights = AS_GIVEN,
     ) -> None:
         self.passes = tuple(passes)
-        fused = run_pipeline(verify(forward), FORWARD_PIPELINE)
+        bounds = index_bounds(forward)  # class targets, token ids (before quantizing)
+        given = {ir: frozen.given[name] for ir, name in imported.state_names.items()
+                 if name in frozen.given}  # fmt: skip
+        quant = quantize_frozen(verify(forward), imported.values, frozen.dtype, prequantized=given)
+        self._quantized = quant.params  # float params stored as codes
+        fused = run_pipeline(quant.graph, forward_passes(backend.supported_ops()))
         self.forward = forward = fused.graph
         self.forward_stages = fused.stages
         self.optimizer = optimizer
@@ -166,13 +175,17 @@ class TrainStep:
         result = run_pipeline(verify(graph), self.passes)
         self.graph: Graph = result.graph
         self.stages = result.stages
-        values = {**imported.values, **init}
-        self._store = {k: backend.from_numpy(v) for k, v in values.items()}  # each copied once
+        values = {**quant.values, **init}
+        written = {n.inputs[i].name for n in self.graph.nodes for i in get_op(n.op).mutates}
+        self._store = {  # each copied once, or shared when the step never writes it
+            k: backend.from_numpy(v) if k in written else backend.share_numpy(v)
+            for k, v in values.items()
+        }
         self._exec = backend.compile(self.graph)
         self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
         self._index_bounds: dict[str, list[IndexBound]] = {}
-        for bound in index_bounds(self.forward):  # class targets, token ids
+        for bound in bounds:
             self._index_bounds.setdefault(bound.input, []).append(bound)
         self.calls = 0  # steps run, skipped ones included: the number errors name
         self.skipped_steps = 0  # steps whose loss was not finite (they applied no update)
@@ -244,6 +257,9 @@ class TrainStep:
         }
 
     def _read(self, name: str) -> Array:
+        quantized = self._quantized.get(name)
+        if quantized is not None:  # the float values the step computes with
+            return quantized.dequantized(lambda n: self.backend.to_numpy(self._store[n]))
         return np.array(self.backend.to_numpy(self._store[name]), copy=True)
 
     # -- compile-time facts ------------------------------------------------------
@@ -265,7 +281,8 @@ class TrainStep:
         label = ", ".join(f"{k}={v}" for k, v in scheme.items())
         mixed = self.backend if isinstance(self.backend, MixedBackend) else None
         placement = mixed.placement(self.graph) if mixed is not None else None
-        return Report(label, analyze(self.graph, depth), analyze(full_graph, depth), placement)
+        ours, full_figures = analyze(self.graph, depth), analyze(full_graph, depth)
+        return Report(label, ours, full_figures, placement, recomputation(self.passes, self.stages))
 
     # -- state -----------------------------------------------------------------
     @property
@@ -308,6 +325,9 @@ class TrainStep:
         return {v.name: self._read(v.name) for v in state}
 
     def _spec(self, ir: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        quantized = self._quantized.get(ir)
+        if quantized is not None:
+            return quantized.type.shape, quantized.type.dtype.to_numpy()
         current = self.backend.to_numpy(self._store[ir])
         return tuple(current.shape), current.dtype
 
@@ -346,7 +366,15 @@ class TrainStep:
             updates.update(fitting)
             results.append(result)
         for ir, array in updates.items():
-            self._store[ir] = self.backend.from_numpy(array)
+            quantized = self._quantized.get(ir)
+            if quantized is None:
+                self._store[ir] = self.backend.from_numpy(array)
+                continue
+            if np.array_equal(array, self._read(ir)):  # unchanged (a resume): codes as they are
+                continue
+            dtypes = {n: self._spec(n)[1] for n in quantized.inputs}
+            for name, codes in quantized.quantized(array, dtypes).items():  # requantized
+                self._store[name] = self.backend.from_numpy(codes)
         return LoadResult(*(sum((getattr(r, f) for r in results), ()) for f in _RESULT_FIELDS))
 
     def export(self, path: str | os.PathLike[str], *, target: str = "onnx") -> Path:
@@ -371,8 +399,14 @@ class TrainStep:
         """Write the trained values back into a torch module. Strict (the default): the
         module must have exactly this step's params and buffers, with the same shapes and
         dtype kinds, or a ``StateError`` says what differs and nothing is written;
-        ``strict=False`` writes what fits and returns the rest."""
-        return load_into_module(self.flat_state_dict(), model, strict=strict)
+        ``strict=False`` writes what fits and returns the rest. LoRA adapters are merged
+        into the weights they adapt (the module has none)."""
+        state = self.flat_state_dict()
+        if self.resolution.adapters:
+            from pockengine.sparse.lora import merge_adapters
+
+            state = merge_adapters(state, self.resolution.adapters)
+        return load_into_module(state, model, strict=strict)
 
 
 def _to_numpy(item: Any) -> Array:
@@ -395,6 +429,9 @@ def compile(
     output: str | int | None = None,
     params: Sequence[str] | None = None,
     passes: Sequence[Pass] | None = None,
+    frozen_dtype: str | None = None,
+    quantized: Mapping[str, Quantized] | None = None,
+    memory_budget: str | int | None = None,
 ) -> TrainStep:
     """Compile ``loss_fn(model, *batch)`` into one static training step.
 
@@ -416,16 +453,27 @@ def compile(
     ``passes`` are the training-graph passes, in order (default
     ``pockengine.passes.DEFAULT_PIPELINE``); leaving out ``passes.rematerialize`` keeps every
     saved activation instead of recomputing the cheap ones (faster, more memory).
+    ``frozen_dtype`` ("int8": per output channel; "int4": 32-element groups with scales
+    and offsets; None: float) stores the frozen weights of linear and embedding layers
+    low-bit, dequantized one layer at a time inside the step (``pockengine.passes.quantize``,
+    docs/quant.md); ``quantized`` gives weights already quantized (GGUF blocks, by model
+    name: ``pockengine.finetune.gguf``), used as they are.
+    ``memory_budget`` ("600MB", binary units, or bytes) caps the planned peak: saved
+    activations, whole transformer blocks included, are recomputed in the backward pass at
+    the least FLOPs until the plan fits (``pockengine.passes.remat_budget``; bit-identical
+    results; a warning says how far the best plan is from a budget it cannot meet).
     """
+    frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)
     pipeline = DEFAULT_PIPELINE if passes is None else tuple(passes)
+    pipeline = with_budget(pipeline, parse_budget(memory_budget))
     kind = frontend_of(model)
     if kind == "onnx":
         if loss is None:
             raise CompileError('an ONNX model needs a named loss: loss="cross_entropy", "mse", '
                                '"causal_lm" or "none"')  # fmt: skip
         return _compile_onnx(model, loss, example_batch, optimizer, scheme, engine, output,
-                             params, pipeline)  # fmt: skip
+                             params, pipeline, frozen)  # fmt: skip
     if kind == "keras":
         from pockengine.frontend.keras import import_keras, keras_model_info
 
@@ -438,7 +486,7 @@ def compile(
         return _compile_imported(
             keras_model_info(model),
             lambda ev: import_keras(model, loss, batch, output=output, eval_modules=ev),
-            optimizer, scheme, engine, pipeline,
+            optimizer, scheme, engine, pipeline, frozen,
         )  # fmt: skip
     if loss_fn is None or example_batch is None:
         raise CompileError("compile(model, loss_fn, example_batch) needs loss_fn and example_batch")
@@ -449,14 +497,14 @@ def compile(
         return _compile_imported(
             jax_model_info(model),
             lambda ev: import_jax(model, fn, batch, eval_modules=ev),
-            optimizer, scheme, engine, pipeline,
+            optimizer, scheme, engine, pipeline, frozen,
         )  # fmt: skip
     from pockengine.frontend.torch import import_torch, torch_model_info
 
     return _compile_imported(
         torch_model_info(model),
         lambda ev: import_torch(model, fn, batch, eval_modules=ev),
-        optimizer, scheme, engine, pipeline,
+        optimizer, scheme, engine, pipeline, frozen,
     )  # fmt: skip
 
 
@@ -481,15 +529,20 @@ def _compile_imported(
     scheme: Scheme | None,
     engine: Backend,
     passes: Sequence[Pass] = DEFAULT_PIPELINE,
+    frozen: FrozenWeights = AS_GIVEN,
 ) -> TrainStep:
     """Resolve the scheme against ``info``, import (frozen BatchNorms in eval mode when the
     scheme asks), and build the step."""
     resolution = resolve_scheme(scheme, info)
     eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
     imported = import_model(eval_modules)
+    if resolution.adapters:  # LoRA: the adapters' params join the graph before marking
+        from pockengine.sparse.lora import insert_adapters
+
+        imported = insert_adapters(imported, resolution.adapters)
     forward = apply_resolution(imported.graph, resolution)
     step = TrainStep(
-        imported, forward, optimizer or SGD(), engine, resolution, info, scheme, passes
+        imported, forward, optimizer or SGD(), engine, resolution, info, scheme, passes, frozen
     )
     del imported, forward
     release_free_memory()
@@ -518,6 +571,7 @@ def _compile_onnx(
     output: str | int | None,
     params: Sequence[str] | None,
     passes: Sequence[Pass],
+    frozen: FrozenWeights,
 ) -> TrainStep:
     from pockengine.frontend.onnx import import_onnx, load_onnx, onnx_model_info
 
@@ -525,7 +579,7 @@ def _compile_onnx(
     return _compile_imported(
         onnx_model_info(loaded),
         lambda ev: import_onnx(loaded, loss, example_batch, output, ev),
-        optimizer, scheme, engine, passes,
+        optimizer, scheme, engine, passes, frozen,
     )  # fmt: skip
 
 

@@ -54,7 +54,9 @@ def test_minilm_bbc_head_beats_chance(tmp_path: Path, capsys: pytest.CaptureFixt
     assert summary["steps"] == 8 and summary["stopped"] is None
     assert summary["final"]["val_accuracy"] >= MIN_ACCURACY, summary["final"]
     assert "dropped 98 exact duplicate texts" in captured.out
-    assert "compile-time report" in captured.out and "trained params" in captured.out
+    assert "validation accuracy" in captured.out and "peak RSS" in captured.out
+    assert "full backprop" not in captured.out  # the report: report.txt, printed with --report
+    assert "trained params" in (out / "report.txt").read_text()
     assert "ex/s" in captured.err and "ETA" in captured.err  # the plain progress line
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

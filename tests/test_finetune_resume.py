@@ -162,7 +162,7 @@ def test_sigkilled_process_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
     resumed = _start(_cli(task, killed, "--resume"), tmp_path)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert "compile-time report" in out
+    assert f"files in {killed}:" in out  # the closing screen
     assert_same_state(whole.checkpoint, killed / checkpoint.CHECKPOINT)
     assert metric_lines(whole.metrics_path) == metric_lines(killed / "metrics.jsonl")
     assert not list(killed.glob(".*.tmp"))

@@ -20,6 +20,7 @@ from pockengine.passes import (
     fold_channel_affine,
     fold_constants,
     fuse_linear_bias,
+    fuse_linear_cross_entropy,
     rematerialize,
     reorder_updates,
     run_pipeline,
@@ -29,6 +30,7 @@ from tests.graphgen import Array, assert_same_results, feeds_for, random_graphs,
 Pass = Callable[[Graph], Graph]
 PASSES: tuple[Pass, ...] = (
     fold_channel_affine,
+    fuse_linear_cross_entropy,
     fold_constants,
     eliminate_common_subexpressions,
     eliminate_dead_code,

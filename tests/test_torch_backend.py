@@ -363,3 +363,32 @@ def test_keeping_the_freed_heap_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.undo()
     if ctypes.util.find_library("c") and platform.libc_ver()[0] == "glibc":
         assert torch_backend.keep_freed_heap() is True  # mallopt took both settings
+
+
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_frozen_weights_are_shared_with_the_model_and_trained_ones_copied(backend: str) -> None:
+    """Compiling holds no second copy of what the step only reads: a frozen weight is the
+    model's own memory (read-only); a trained weight is the step's copy, so training
+    never writes the user's model, and the step's results equal a fully copied step's."""
+    w = zoo.small_cnn()
+    batch = w.make_batch(0)
+    before = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
+    scheme = pe.schemes.select(train=["fc.*"])
+    step = pe.compile(w.model, w.loss_fn, batch, scheme=scheme, backend=backend)
+    store = step._store  # the backend's values, by IR name
+
+    def address(value: Any) -> int:
+        return int(value.data_ptr() if isinstance(value, torch.Tensor) else value.ctypes.data)
+
+    params = dict(w.model.named_parameters())
+    shared = {n for n, p in params.items() if n in store and address(store[n]) == p.data_ptr()}
+    frozen_2d = {n for n, p in params.items() if not n.startswith("fc.") and p.dim() != 4}
+    assert frozen_2d and frozen_2d <= shared  # 4-D conv weights: channels-last copies on torch
+    assert not any(n.startswith("fc.") for n in shared)
+    if backend == "numpy":
+        assert all(not store[n].flags.writeable for n in shared)
+    copied = pe.compile(zoo.small_cnn().model, w.loss_fn, batch, scheme=scheme, backend=backend)
+    for i in range(3):
+        assert step(*w.make_batch(i)) == pytest.approx(copied(*w.make_batch(i)), rel=1e-6)
+    for name, value in w.model.state_dict().items():  # the user's model is untouched
+        assert torch.equal(value, before[name]), name

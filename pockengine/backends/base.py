@@ -48,6 +48,12 @@ class Backend(ABC):
     def from_numpy(self, array: Array) -> Any:
         """A copy of ``array`` that the backend owns (it never aliases ``array``)."""
 
+    def share_numpy(self, array: Array) -> Any:
+        """``array`` for a value the step only ever reads (a frozen weight, a constant): a
+        backend that can run on the caller's memory shares it instead of copying, so
+        compiling holds no second copy of the frozen weights. Default: ``from_numpy``."""
+        return self.from_numpy(array)
+
     @abstractmethod
     def to_numpy(self, tensor: Any) -> Array: ...
 

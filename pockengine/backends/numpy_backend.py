@@ -99,6 +99,14 @@ class NumpyBackend(Backend):
     def from_numpy(self, array: Array) -> Array:
         return np.array(array, order="C")  # a copy the store owns
 
+    def share_numpy(self, array: Array) -> Array:
+        """``array`` itself when C-ordered, made read-only: a value the step only reads."""
+        if not array.flags.c_contiguous:
+            return self.from_numpy(array)
+        shared = array.view()
+        shared.flags.writeable = False
+        return shared
+
     def to_numpy(self, tensor: Any) -> Array:
         return np.asarray(tensor)
 

@@ -42,6 +42,8 @@ Kernel = Callable[["Emitter", Node, list[str], list[str]], None]
 
 _ONNX_DTYPE = {
     DType.F32: 1,
+    DType.U8: 2,
+    DType.I8: 3,
     DType.I32: 6,
     DType.I64: 7,
     DType.BOOL: 9,
@@ -134,7 +136,9 @@ def kernel_table() -> dict[str, Kernel]:
     from pockengine.backends import (
         onnx_kernels,
         onnx_kernels_attn,
+        onnx_kernels_loss,
         onnx_kernels_nn,
+        onnx_kernels_quant,
         onnx_kernels_shape,
     )
 
@@ -143,6 +147,8 @@ def kernel_table() -> dict[str, Kernel]:
         **onnx_kernels_shape.KERNELS,
         **onnx_kernels_nn.KERNELS,
         **onnx_kernels_attn.KERNELS,
+        **onnx_kernels_loss.KERNELS,
+        **onnx_kernels_quant.KERNELS,
     }
 
 

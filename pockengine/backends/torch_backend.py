@@ -21,6 +21,7 @@ import itertools
 import linecache
 import math
 import types
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -208,6 +209,18 @@ class TorchBackend(Backend):
             source.shape, dtype=source.dtype, device=self.device, memory_format=layout
         )
         return out.copy_(source)  # the one copy
+
+    def share_numpy(self, array: Array) -> torch.Tensor:
+        """A CPU tensor over ``array``'s own memory when its layout is the stored one (not a
+        4-D channels-last weight) and its dtype is torch's: the step never writes these
+        values (plan.inplace writes only over intermediates, updates only their targets)."""
+        array = np.asarray(array)
+        channels_last = self.channels_last and array.ndim == 4
+        if self.device.type != "cpu" or not array.flags.c_contiguous or channels_last:
+            return self.from_numpy(array)
+        with warnings.catch_warnings():  # read-only arrays: read, never written (above)
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            return torch.from_numpy(array)
 
     def supported_ops(self) -> frozenset[str]:
         return frozenset(KERNELS)

@@ -268,6 +268,8 @@ _TORCH_DTYPES = {
     DType.BF16: torch.bfloat16,
     DType.F32: torch.float32,
     DType.F64: torch.float64,
+    DType.I8: torch.int8,
+    DType.U8: torch.uint8,
     DType.I32: torch.int32,
     DType.I64: torch.int64,
     DType.BOOL: torch.bool,

@@ -10,7 +10,9 @@ their trained rows). The ``ServerApp`` (``server``) aggregates them with
 ``SparseFedAvg`` (``strategy``: weighted FedAvg, FedProx as an option), evaluates
 centrally on the held-out split, logs every round and saves the global state for
 ``--resume``. ``engine`` runs it all on one machine, a process per client;
-``partition`` cuts the data (IID or Dirichlet). Needs Flower: ``pip install
+``deployment`` runs it under Flower's deployment engine (a local SuperLink and N
+SuperNodes, each with a long-lived ClientApp process from ``node``); ``partition``
+cuts the data (IID or Dirichlet). Needs Flower: ``pip install
 'pockengine[federated]'``; this module imports none of it.
 """
 

@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pockengine.cli_help import BACKEND_HELP
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+from pockengine.sparse.names import SCHEME_HELP
 
 __all__ = ["add_arguments", "config_from_args", "plot_rounds", "run", "summary_text"]
 
@@ -28,9 +30,10 @@ _FINETUNE_OPTIONS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     fed = p.add_argument_group("federation")
     fed.add_argument("--clients", type=int, default=2, help="client processes (shards)")
-    fed.add_argument("--rounds", type=int, default=3)
+    fed.add_argument("--rounds", type=int, default=3, help="rounds of local training and averaging")
     fed.add_argument("--local-epochs", type=int, default=1, help="epochs a client runs a round")
-    fed.add_argument("--partition", choices=("iid", "dirichlet"), default="iid")
+    fed.add_argument("--partition", choices=("iid", "dirichlet"), default="iid",
+                     help="how the training split is dealt to the clients")  # fmt: skip
     fed.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     fed.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx (0: FedAvg)")
     fed.add_argument("--timeout", type=float, default=600.0, help="seconds a round waits")
@@ -41,28 +44,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="make a client's training raise in a round (faults)")  # fmt: skip
     fed.add_argument("--delay", nargs="*", default=[], metavar="CLIENT:ROUND:SECONDS",
                      help="make a client sleep before training in a round")  # fmt: skip
+    fed.add_argument("--deployment", action="store_true",
+                     help="run under Flower's deployment engine: a SuperLink and N SuperNodes "
+                     "on 127.0.0.1, started and stopped by the command")  # fmt: skip
     what = p.add_argument_group("local training (as pockengine finetune; defaults: the recipe's)")
     what.add_argument("--recipe", help=f"a built-in recipe (default {DEFAULT_RECIPE})")
     what.add_argument("--model", help="a Hugging Face model folder, or module:factory")
     what.add_argument("--data", help="a .csv/.tsv/.jsonl file or a folder of class subfolders")
-    what.add_argument("--text-column", default="text")
-    what.add_argument("--label-column", default="label")
+    what.add_argument("--text-column", default="text", help="the --data column or key of the text")
+    what.add_argument("--label-column", default="label", help="the --data column of the label")
     what.add_argument("--tokenizer", help="a Hugging Face tokenizer folder for a factory model")
-    what.add_argument("--scheme", help="full, bias, sparse, head, last:K, or a scheme file")
-    what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    what.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: the recipe's)")
+    what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer")
     what.add_argument("--lr", type=float, help="peak learning rate (default: by scheme)")
-    what.add_argument("--weight-decay", type=float, default=0.01)
+    what.add_argument("--weight-decay", type=float, default=0.01, help="AdamW or SGD decay")
     what.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    what.add_argument("--batch-size", type=int)
+    what.add_argument("--batch-size", type=int, help="examples a step (default: the recipe's)")
     what.add_argument("--seq-len", type=int, help="tokens per example")
     what.add_argument("--image-size", type=int, help="image side in pixels")
     what.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of all steps")
-    what.add_argument("--val-fraction", type=float, default=0.2)
+    what.add_argument("--val-fraction", type=float, default=0.2, help="held out for central eval")
     what.add_argument("--max-train", type=int, help="at most N training examples in all")
     what.add_argument("--max-val", type=int, help="at most N held-out examples (central eval)")
-    what.add_argument("--no-dedupe", dest="dedupe", action="store_false")
-    what.add_argument("--seed", type=int, default=0)
-    what.add_argument("--backend", default=DEFAULT_BACKEND)
+    what.add_argument("--no-dedupe", dest="dedupe", action="store_false",
+                      help="keep exact duplicate texts")  # fmt: skip
+    what.add_argument("--seed", type=int, default=0, help="the split, the shards, the order")
+    what.add_argument("--backend", default=DEFAULT_BACKEND, help=BACKEND_HELP)
     what.add_argument("--out", help="output folder (default runs/federated-<recipe>)")
 
 
@@ -80,15 +87,17 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
     )  # fmt: skip
 
 
-def run(config: FederatedConfig) -> dict[str, Any]:
-    """Simulate the run, write its plot; the summary (``summary.json``'s contents)."""
+def run(config: FederatedConfig, deployment: bool = False) -> dict[str, Any]:
+    """Simulate the run (or deploy it: ``deployment``), write its plot; the summary
+    (``summary.json``'s contents)."""
     try:
+        from pockengine.federated.deployment import deploy
         from pockengine.federated.engine import simulate
     except ImportError as exc:
         raise FederatedError(
             f"pockengine federated needs Flower ({exc}): pip install 'pockengine[federated]'"
         ) from exc
-    summary = simulate(config)
+    summary = deploy(config) if deployment else simulate(config)
     from pockengine.federated.server import ROUNDS, out_dir
 
     out = out_dir(config)
@@ -147,19 +156,25 @@ def summary_text(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_DESCRIPTION = """\
+Federated sparse fine-tuning: a Flower simulation of N client processes on this machine.
+The options are the federation's plus those of pockengine finetune that apply to every
+client's local training. --out receives rounds.jsonl, summary.json, global.safetensors
+and rounds.png."""
+
+
 def register(sub: Any) -> None:
     """Add ``pockengine federated`` to the command line's subparsers."""
     p = sub.add_parser(
         "federated",
         help="federated sparse fine-tuning: a Flower simulation of N clients on one machine",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_DESCRIPTION,
     )
     add_arguments(p)
     p.set_defaults(run=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
-    summary = run(config_from_args(args))
+    summary = run(config_from_args(args), deployment=args.deployment)
     print(summary_text(summary))
     return 0

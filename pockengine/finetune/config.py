@@ -22,6 +22,7 @@ from pockengine.ir import PockEngineError
 __all__ = [
     "DEFAULT_BACKEND",
     "DEFAULT_RECIPE",
+    "FROZEN_DTYPE_CHOICES",
     "RUN_FIELDS",
     "FinetuneConfig",
     "FinetuneError",
@@ -31,6 +32,8 @@ __all__ = [
 # tests hold to the NumPy reference (the oracle, not the fast path).
 DEFAULT_BACKEND = "torch"
 DEFAULT_RECIPE = "minilm-bbc"
+# How frozen weights are stored in the step: float, int8, int4, or a GGUF recipe's blocks.
+FROZEN_DTYPE_CHOICES = ("none", "int8", "int4", "gguf")
 
 # Options that steer one invocation and may differ between a run and its resume.
 RUN_FIELDS = frozenset(
@@ -43,6 +46,7 @@ RUN_FIELDS = frozenset(
         "progress",
         "backend",
         "encoding",  # the data's fingerprint is checked on resume instead
+        "keep",  # which weights RUN/model holds; written at the end of each invocation
     }
 )
 
@@ -64,7 +68,9 @@ class FinetuneConfig:
     tokenizer: str | None = None  # a Hugging Face tokenizer folder (factory models, or
     # a model folder without one)
     encoding: str = "utf-8"  # of the --data text files
-    scheme: str | None = None  # full, bias, sparse, head, last:K or a scheme file
+    scheme: str | None = None  # auto, full, bias, sparse, head, last:K or a scheme file
+    memory_budget: float | None = None  # auto: planned-peak bytes (None: sparse's peak)
+    remat_budget: float | None = None  # planned-peak bytes met by recomputation (None: off)
     optimizer: str = "adamw"  # adamw or sgd
     lr: float | None = None
     weight_decay: float = 0.01
@@ -75,17 +81,20 @@ class FinetuneConfig:
     image_size: int | None = None  # images: side in pixels
     warmup: float = 0.1  # fraction of all steps with a linearly rising learning rate
     val_fraction: float = 0.2
+    test_fraction: float = 0.0  # of the validation split, held out as a test split
     max_train: int | None = None  # use at most this many training examples
     max_val: int | None = None
     dedupe: bool = True  # drop exact duplicate texts before splitting
     seed: int = 0
     backend: str = DEFAULT_BACKEND
+    frozen_dtype: str = "none"  # none, int8, int4, gguf (docs/quant.md)
     out: str | None = None  # None: runs/<recipe or model name>
     resume: bool = False
     max_steps: int | None = None  # stop (with a checkpoint) after this many steps in all
     checkpoint_every: int = 50  # steps; each epoch's end is a checkpoint too
     log_every: int = 10  # steps per metrics line
     progress: str = "auto"  # auto (tqdm if installed), plain, none
+    keep: str = "best"  # RUN/model: the best validation's weights (ties: latest) or the last
 
     def validate(self) -> FinetuneConfig:
         """``self`` if every option is in range, else a ``FinetuneError`` naming it."""
@@ -94,7 +103,9 @@ class FinetuneConfig:
             raise FinetuneError("without a recipe, give both a model and a dataset")
         _choice("optimizer", self.optimizer, ("adamw", "sgd"))
         _choice("backend", self.backend, (*BACKENDS, "torch-cpu"))
+        _choice("frozen_dtype", self.frozen_dtype, FROZEN_DTYPE_CHOICES)
         _choice("progress", self.progress, ("auto", "plain", "none"))
+        _choice("keep", self.keep, ("best", "last"))
         for name in (
             "epochs",
             "batch_size",
@@ -123,6 +134,12 @@ class FinetuneConfig:
             raise FinetuneError(f"warmup is a fraction of all steps in [0, 1), got {self.warmup}")
         if not 0 < self.val_fraction < 1:
             raise FinetuneError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0 <= self.test_fraction < 1:
+            raise FinetuneError(f"test_fraction must be in [0, 1), got {self.test_fraction}")
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise FinetuneError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
+        if self.remat_budget is not None and not self.remat_budget > 0:
+            raise FinetuneError(f"remat_budget must be > 0 bytes, got {self.remat_budget}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,11 +169,13 @@ def _positive(name: str, value: int | None) -> None:
 
 def _numbers(config: FinetuneConfig) -> None:
     """The float options are numbers and the text options text (the API takes any value)."""
-    for name in ("lr", "weight_decay", "momentum", "warmup", "val_fraction"):
+    for name in ("lr", "weight_decay", "momentum", "warmup", "val_fraction", "test_fraction",
+                 "memory_budget", "remat_budget"):  # fmt: skip
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
             raise FinetuneError(f"{name} must be a number, got {value!r}")
-    for name in ("recipe", "model", "data", "tokenizer", "scheme", "out", "backend", "encoding"):
+    for name in ("recipe", "model", "data", "tokenizer", "scheme", "out", "backend", "encoding",
+                 "frozen_dtype"):  # fmt: skip
         value = getattr(config, name)
         if value is not None and not isinstance(value, str | os.PathLike):
             raise FinetuneError(f"{name} must be a string, got {value!r}")

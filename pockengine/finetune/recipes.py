@@ -11,6 +11,7 @@ defaults, learning rates by scheme and its ``sparse`` scheme). ``build(config)``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -43,6 +44,7 @@ __all__ = [
     "defaults",
     "parse_scheme",
     "recipe_name",
+    "with_test_split",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,10 +55,12 @@ Array = np.ndarray[Any, Any]
 _ADAMW_LR = {
     "full": 1e-4,
     "sparse": 5e-4,
+    "auto": 5e-4,  # as sparse: biases, norms, the head and some weights
     "last": 5e-4,
     "bias": 2e-3,
     "bias-only": 2e-3,
     "head": 1e-2,
+    "lora": 5e-3,  # beat 1e-3 on minilm-bbc (docs/benchmarks.md, the PEFT peer); no sweep
 }
 
 
@@ -73,6 +77,9 @@ class Task:
     kind: str = "classify"
     notes: list[str] = field(default_factory=list)
     inputs: str = ""  # what one example is, for the summary: "128 tokens"
+    test: tuple[Array, ...] = ()  # held out from everything but the final test metric
+    tokenizer: Any = None  # what encodes a text (a transformers tokenizer, a WordTokenizer)
+    home: dict[str, Any] = field(default_factory=dict)  # how RUN/model is written (home.py)
 
     @property
     def train_size(self) -> int:
@@ -96,6 +103,7 @@ class Recipe:
     defaults: Mapping[str, Any]
     lr: Mapping[str, float] = field(default_factory=dict)
     sparse: Scheme = field(default_factory=schemes.sparse)
+    lora_head: bool = True  # whether ``--scheme lora`` trains the head (a new one must)
 
     def learning_rate(self, scheme: str) -> float:
         """The AdamW rate of a scheme name (``last:K`` is ``last``; a file gets 1e-3)."""
@@ -153,15 +161,39 @@ def parse_scheme(spec: str, recipe: str | None = None) -> Scheme:
     statistics would meet different ones at evaluation.
     """
     own = RECIPES[recipe].sparse if recipe in RECIPES else None
+    head = RECIPES[recipe].lora_head if recipe in RECIPES else True
     try:
-        return scheme_named(spec, sparse=own, frozen_bn="eval")
+        return scheme_named(spec, sparse=own, frozen_bn="eval", lora_head=head)
     except SchemeError as exc:
         raise FinetuneError(str(exc)) from exc
 
 
 def build(config: FinetuneConfig) -> Task:
-    """The task of a config whose defaults are filled in."""
-    return RECIPES[recipe_name(config)].build(config)
+    """The task of a config whose defaults are filled in; with ``test_fraction``, a seeded
+    part of its validation split is the test split instead."""
+    task = RECIPES[recipe_name(config)].build(config)
+    if not config.test_fraction:
+        return task
+    return with_test_split(task, config.test_fraction, config.seed)
+
+
+def with_test_split(task: Task, fraction: float, seed: int) -> Task:
+    """``task`` with a seeded ``fraction`` of its validation examples as ``test`` (a split
+    may be ordered by class, so the examples are drawn, not cut off the end): nothing in a
+    run (lr choice, scheme search, evaluation, keeping the best) reads them."""
+    n = task.val_size
+    cut = n - round(n * fraction)
+    if not 0 < cut < n:
+        raise FinetuneError(
+            f"{n} validation examples cannot give a test fraction of {fraction:g} and keep "
+            "one of each; use more data or another --test-fraction"
+        )
+    order = np.random.default_rng([seed, 0x7E57]).permutation(n)
+    keep, test = np.sort(order[:cut]), np.sort(order[cut:])
+    val = tuple(a[keep] for a in task.val)
+    note = f"{cut} validation / {n - cut} test examples (a seeded {fraction:g} of validation)"
+    return dataclasses.replace(task, val=val, test=tuple(a[test] for a in task.val),
+                               notes=[*task.notes, note])  # fmt: skip
 
 
 # -- recipes -------------------------------------------------------------------------
@@ -234,6 +266,7 @@ def _lite0_fashion(config: FinetuneConfig) -> Task:
     torch.manual_seed(config.seed)
     model = vision.lite0(len(vision.FASHION_LABELS))
     size = config.image_size
+    assert size is not None
     return Task(
         "lite0-fashion",
         model,
@@ -243,6 +276,12 @@ def _lite0_fashion(config: FinetuneConfig) -> Task:
         vision.FASHION_LABELS,
         notes=[note],
         inputs=f"3x{size}x{size} images",
+        home={
+            "format": "vision",
+            "builder": "lite0",
+            "classes": len(vision.FASHION_LABELS),
+            "preprocessing": vision.preprocessing(size),
+        },
     )
 
 
@@ -277,6 +316,8 @@ def _smollm2_pydocs(config: FinetuneConfig) -> Task:
         kind="causal-lm",
         notes=notes,
         inputs=f"{seq} tokens",
+        tokenizer=tokenizer,
+        home={"format": "hf-causal-lm"},
     )
 
 
@@ -357,9 +398,9 @@ def _hf_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, path:
         for part in (train, val)
     ]
     inputs = f"{config.seq_len} tokens"
-    return Task(
-        name, model, classify_loss, arrays[0], arrays[1], labels, notes=notes, inputs=inputs
-    )
+    home = {"format": "hf-classifier", "source": path, "pooling": "mean"}
+    return Task(name, model, classify_loss, arrays[0], arrays[1], labels, notes=notes,
+                inputs=inputs, tokenizer=tokenizer, home=home)  # fmt: skip
 
 
 def _factory_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, spec: str) -> Task:
@@ -367,24 +408,24 @@ def _factory_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, 
     train, val, notes = _splits(config, data)
     labels = data.label_names()
     encode: Callable[[Sequence[str], int], tuple[Array, Array]]
+    tokenizer: Any
     if config.tokenizer:
-        tok = models.load_hf_tokenizer(config.tokenizer)
-        encode, vocab = functools.partial(ds.encode_hf, tok), len(tok)
+        tokenizer = models.load_hf_tokenizer(config.tokenizer)
+        encode, vocab = functools.partial(ds.encode_hf, tokenizer), len(tokenizer)
     else:
-        words = ds.WordTokenizer.fit(train.texts)
-        encode, vocab = words.encode, words.vocab_size
+        tokenizer = ds.WordTokenizer.fit(train.texts)
+        encode, vocab = tokenizer.encode, tokenizer.vocab_size
         notes.append(f"word vocabulary of {vocab} from the training split")
     torch.manual_seed(config.seed)
-    model = models.load_factory(
-        spec, num_labels=len(labels), vocab_size=vocab, seq_len=config.seq_len
-    )
+    offered = {"num_labels": len(labels), "vocab_size": vocab, "seq_len": config.seq_len}
+    model = models.load_factory(spec, **offered)
     arrays = [
         (*encode(part.texts, config.seq_len), part.label_ids(labels)) for part in (train, val)
     ]
     inputs = f"{config.seq_len} tokens"
-    return Task(
-        name, model, classify_loss, arrays[0], arrays[1], labels, notes=notes, inputs=inputs
-    )
+    home = {"format": "factory", "factory": spec, "factory_kwargs": offered}
+    return Task(name, model, classify_loss, arrays[0], arrays[1], labels, notes=notes,
+                inputs=inputs, tokenizer=tokenizer, home=home)  # fmt: skip
 
 
 # -- the recipes -----------------------------------------------------------------------
@@ -415,8 +456,9 @@ RECIPES: dict[str, Recipe] = {
             "SmolLM2-135M-Instruct (GGUF) as a causal LM on the Python 3.11 docs",
             _smollm2_pydocs,
             {"epochs": 1, "batch_size": 4, "seq_len": 128, "max_train": 64, "max_val": 32},
-            lr={"full": 1e-4, "sparse": 5e-4, "bias": 1e-4, "head": 1e-4},
+            lr={"full": 1e-4, "sparse": 5e-4, "bias": 1e-4, "head": 1e-4, "lora": 5e-4},
             sparse=schemes.select(_LM_SPARSE),
+            lora_head=False,  # the head is the pretrained (tied) embedding
         ),
         Recipe(
             "generic",

@@ -234,22 +234,27 @@ class StepBuilder:
         """The compiler's report of ``scheme`` (``TrainStep.report().ours``)."""
         return analyze(self.step(scheme).graph)
 
-    def measure(self, c: Candidate) -> Record:
+    def short_run(self, scheme: Scheme, lr: float) -> tuple[dict[str, float], Figures]:
+        """``settings.steps`` steps of ``scheme`` at peak rate ``lr`` (linear warmup and
+        decay), from the pretrained weights: the held-out metrics and the step's figures."""
         from pockengine.finetune.metrics import evaluate
         from pockengine.finetune.trainer import linear_schedule
 
-        start = time.perf_counter()
-        lr = float(self.settings.lr or self.config.lr or 1e-3)
-        step = self.step(self.scheme(c), lr)
-        step.on_nonfinite = "skip"  # a candidate that diverges is scored, not fatal
+        step = self.step(scheme, lr)
+        step.on_nonfinite = "skip"  # a run that diverges is scored, not fatal
         costs = analyze(step.graph)
         for t, batch in enumerate(self._batches()):
             step.lr = linear_schedule(t, lr, max(1, self.settings.steps // 10), self.settings.steps)
             step(*batch)
         try:
-            metrics = evaluate(step, self.task)
+            return evaluate(step, self.task), costs
         finally:
             self.task.model.load_state_dict(self.pristine)
+
+    def measure(self, c: Candidate) -> Record:
+        start = time.perf_counter()
+        lr = float(self.settings.lr or self.config.lr or 1e-3)
+        metrics, costs = self.short_run(self.scheme(c), lr)
         return Record(
             c.key,
             c.kind,

@@ -13,6 +13,7 @@ from it with the same data order, schedule position and dropout seed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -26,16 +27,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from pockengine.finetune import adapter, home, recipes
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune import data as ds
-from pockengine.finetune import recipes
+from pockengine.finetune.auto_scheme import AUTO, AutoChoice, choose_auto
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.curves import CurvesWriter, RunInfo
 from pockengine.finetune.metrics import MetricsLog, evaluate
 from pockengine.finetune.progress import Progress, make_progress
-from pockengine.finetune.result import FinetuneResult
+from pockengine.finetune.result import FinetuneResult, peak_rss_bytes, write_report
 from pockengine.finetune.run_lock import RunLock
 from pockengine.optim import SGD, AdamW, Optimizer
 from pockengine.runtime import NonFiniteError, TrainStep
+from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 
 __all__ = ["compile_task", "linear_schedule", "run"]
@@ -48,25 +52,37 @@ def run(config: FinetuneConfig) -> FinetuneResult:
     start = time.perf_counter()
     config = config.validate()
     config = config.with_defaults(recipes.defaults(config)).validate()
-    scheme = recipes.parse_scheme(_given(config.scheme), config.recipe)
+    given = _given(config.scheme)
+    scheme = None if given == AUTO else recipes.parse_scheme(given, config.recipe)
     recipes.check_model_files(config)
     out = Path(config.out or Path("runs") / _slug(config))
     with RunLock(out):
         return _run_in(config, scheme, out, start)
 
 
-def _run_in(config: FinetuneConfig, scheme: Scheme, out: Path, start: float) -> FinetuneResult:
-    """The run, once ``out`` is held: resume point, task, compile, train, summary."""
+def _run_in(
+    config: FinetuneConfig, given: Scheme | None, out: Path, start: float
+) -> FinetuneResult:
+    """The run, once ``out`` is held: resume point, task, scheme, compile, train, summary."""
     saved = _resume_point(config, out)
     task = recipes.build(config)
+    scheme, choice = _scheme_of_run(config, task, given, saved)
     compile_start = time.perf_counter()
     step = _compile(config, task, scheme)
     compile_s = time.perf_counter() - compile_start
+    report = step.report()
     loop = _Loop(config, task, step, scheme, out)
+    loop.info = RunInfo(out.name, _given(config.scheme), report.ours.trained_elements,
+                        planned_peak_bytes=report.ours.planned_peak_bytes)  # fmt: skip
     if saved is not None:
-        loop.restore(saved)
+        loop.restore(saved)  # a refused resume changes nothing in the folder
+    write_report(out, str(report))
     with _stop_on_signals() as stop:
         loop.train(stop)
+    home.write_model(
+        out, task, adapter.merged_state(step), config, loop.best, loop.history, loop.global_step
+    )
+    adapter.save_adapter(step, out / adapter.ADAPTER_DIR, base_model=task.home.get("source"))
     result = FinetuneResult(
         config=config,
         out=out,
@@ -75,7 +91,7 @@ def _run_in(config: FinetuneConfig, scheme: Scheme, out: Path, start: float) -> 
         epochs_done=loop.epoch,
         stopped=stop.reason or loop.stopped,
         history=loop.history,
-        report=str(step.report()),
+        report=str(report),
         notes=task.notes,
         wall_s=time.perf_counter() - start,
         compile_s=compile_s,
@@ -85,11 +101,48 @@ def _run_in(config: FinetuneConfig, scheme: Scheme, out: Path, start: float) -> 
         labels=task.labels,
         inputs=task.inputs,
         step=step,
+        trained_params=report.ours.trained_elements,
+        total_params=report.full.trained_elements,
+        planned_peak_bytes=report.ours.planned_peak_bytes,
+        peak_rss_bytes=peak_rss_bytes(),
+        test=_test_metrics(step, task) if loop.stopped is None and stop.reason is None else {},
+        auto_scheme=choice.to_dict() if choice is not None else None,
+        scheme_lines=choice.lines() if choice is not None else [],
     )
     if result.finished:
         loop.log.append({"event": "summary", **result.to_dict()})
     ckpt_io.write_atomic(out / "summary.json", json.dumps(result.to_dict(), indent=2).encode())
+    loop.curves.update(RunInfo.from_summary(out.name, result.to_dict()))
+    loop.curves.wait()
     return result
+
+
+def _scheme_of_run(
+    config: FinetuneConfig,
+    task: recipes.Task,
+    given: Scheme | None,
+    saved: ckpt_io.Checkpoint | None,
+) -> tuple[Scheme, AutoChoice | None]:
+    """The scheme given, or the one ``--scheme auto`` chooses (a resumed run keeps the
+    one its checkpoint trained, and says the analysis was skipped)."""
+    if given is not None:
+        return given, None
+    if saved is not None:
+        scheme = schemes.from_dict(saved.scheme)
+        choice = AutoChoice(scheme, float(config.memory_budget or 0), "the checkpoint", 0.0,
+                            "resumed", 0.0)  # fmt: skip
+        choice.notes.append("analysis skipped: --resume trains the scheme the run chose first")
+        return scheme, choice
+    choice = choose_auto(config, task, recipes.RECIPES[recipes.recipe_name(config)].sparse)
+    return choice.scheme, choice
+
+
+def _test_metrics(step: TrainStep, task: recipes.Task) -> dict[str, float]:
+    """The final weights' metrics on the test split (``--test-fraction``; else none)."""
+    if not task.test:
+        return {}
+    metrics = evaluate(step, dataclasses.replace(task, val=task.test))
+    return {f"test_{k.removeprefix('val_')}": v for k, v in metrics.items()}
 
 
 def _given(value: str | None) -> str:
@@ -112,15 +165,16 @@ def _resume_point(config: FinetuneConfig, out: Path) -> ckpt_io.Checkpoint | Non
                 f"{out} already holds a checkpoint: continue it with --resume, "
                 "or choose another --out"
             )
-        for stale in ("metrics.jsonl", "summary.json"):  # from a run that never checkpointed
+        for stale in ("metrics.jsonl", "summary.json", home.BEST):  # never checkpointed
             (out / stale).unlink(missing_ok=True)
         return None
     saved = ckpt_io.load(path)
     now = json.loads(json.dumps(config.training_dict()))
+    before = {"frozen_dtype": "none", **saved.config}  # checkpoints older than the option
     diffs = [
-        f"{k}: {saved.config.get(k)!r} in the checkpoint, {v!r} now"
+        f"{k}: {before.get(k)!r} in the checkpoint, {v!r} now"
         for k, v in now.items()
-        if saved.config.get(k) != v
+        if before.get(k) != v
     ]
     if diffs:
         raise FinetuneError(
@@ -138,11 +192,13 @@ def _optimizer(config: FinetuneConfig) -> Optimizer:
 
 
 def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
+    from pockengine.finetune.gguf import frozen_weights
     from pockengine.runtime import compile
 
     assert config.batch_size is not None
     example = tuple(torch.from_numpy(a[: config.batch_size]) for a in task.train)
     task.model.train()  # dropout on: its seed is the step's "rng.seed" state
+    frozen = frozen_weights(config)
     return compile(
         task.model,
         task.loss_fn,
@@ -150,6 +206,9 @@ def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> Trai
         optimizer=_optimizer(config),
         scheme=scheme,
         backend=config.backend,
+        frozen_dtype=frozen.dtype,
+        quantized=frozen.given,
+        memory_budget=None if config.remat_budget is None else int(config.remat_budget),
     )
 
 
@@ -214,6 +273,9 @@ class _Loop:
         self.fingerprint = ds.fingerprint(*task.train)
         self.path = out / ckpt_io.CHECKPOINT
         self.log = MetricsLog(out / "metrics.jsonl")
+        self.best = home.BestWeights(out / home.BEST, task.kind)
+        self.curves = CurvesWriter(out)  # curves.png, redrawn at each validation
+        self.info = RunInfo(out.name)  # its legend (the trainer adds the report's figures)
         self.stopped: str | None = None
         self._losses: list[float] = []
         self._times: list[float] = []
@@ -279,6 +341,7 @@ class _Loop:
         self.global_step, self.epoch, self.batch = c["step"], c["epoch"], c["batch"]
         self.examples, self.order = c["examples"], saved.order
         self.history = list(saved.info.get("history", []))
+        self.best.restore(self.global_step)
         self._losses = [float(x) for x in saved.info.get("interval_losses", [])]
         self.log.truncate_after(self.global_step)
         log.info(
@@ -369,6 +432,9 @@ class _Loop:
         row = {"event": "eval", "step": self.global_step, "epoch": self.epoch + 1, **metrics}
         self.log.append(row)
         self.history.append(row)
+        # evaluate() has just loaded this step's values into the model: keep them if best
+        self.best.offer(row, self.task.model, adapter.changed_in_model(self.step))
+        self.curves.update(dataclasses.replace(self.info, peak_rss_bytes=peak_rss_bytes()))
         progress.message(
             "epoch {}: {}".format(
                 self.epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())

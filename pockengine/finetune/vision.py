@@ -25,7 +25,14 @@ from pockengine.finetune import data as ds
 from pockengine.finetune import models
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 
-__all__ = ["FASHION_DIR", "FASHION_LABELS", "load_idx", "preprocess", "tasks_arrays"]
+__all__ = [
+    "FASHION_DIR",
+    "FASHION_LABELS",
+    "load_idx",
+    "preprocess",
+    "preprocessing",
+    "tasks_arrays",
+]
 
 Array = np.ndarray[Any, Any]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -71,6 +78,17 @@ def preprocess(images: Array, size: int) -> Array:
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     x = ((x - 127.0) / 128.0).expand(-1, 3, -1, -1)
     return np.ascontiguousarray(x.numpy(), dtype=np.float32)
+
+
+def preprocessing(size: int) -> dict[str, Any]:
+    """What ``preprocess`` does, as data (written to ``RUN/model/pockengine.json``)."""
+    return {
+        "input": "uint8 grey images, 28x28 (Fashion-MNIST)",
+        "resize": {"size": [size, size], "mode": "bilinear", "align_corners": False},
+        "channels": 3,
+        "normalize": {"subtract": 127.0, "divide": 128.0},
+        "layout": "NCHW float32",
+    }
 
 
 def tasks_arrays(config: FinetuneConfig) -> tuple[tuple[Array, Array], tuple[Array, Array], str]:

@@ -135,10 +135,14 @@ class _Translator:
         self.ctx = Ctx(self.b)
 
     def _tensor(self, fqn: str) -> Array:
+        """The model's own memory, read-only: a backend copies what the step writes and may
+        share what it only reads, so compiling holds no second copy of the weights."""
         raw = self.ep.state_dict.get(fqn)
         if raw is None:
             raw = self.ep.constants[fqn]
-        return np.array(raw.detach().cpu().numpy(), copy=True)
+        array: Array = raw.detach().cpu().numpy()
+        array.flags.writeable = False
+        return array
 
     def _input(self, spec: Any, node: Any) -> Value:
         kind = spec.kind.name

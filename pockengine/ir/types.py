@@ -36,6 +36,8 @@ class DType(StrEnum):
     BF16 = "bf16"
     F32 = "f32"
     F64 = "f64"
+    I8 = "i8"  # quantized weight codes (symmetric int8)
+    U8 = "u8"  # quantized weight codes (two 4-bit codes a byte)
     I32 = "i32"
     I64 = "i64"
     BOOL = "bool"
@@ -67,6 +69,8 @@ _ITEMSIZE = {
     DType.BF16: 2,
     DType.F32: 4,
     DType.F64: 8,
+    DType.I8: 1,
+    DType.U8: 1,
     DType.I32: 4,
     DType.I64: 8,
     DType.BOOL: 1,
@@ -75,6 +79,8 @@ _NUMPY_NAME = {
     DType.F16: "float16",
     DType.F32: "float32",
     DType.F64: "float64",
+    DType.I8: "int8",
+    DType.U8: "uint8",
     DType.I32: "int32",
     DType.I64: "int64",
     DType.BOOL: "bool",

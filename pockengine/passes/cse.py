@@ -6,9 +6,11 @@ commutative op); every read of a merged node's results is redirected to the firs
 such node, which stays where it was. Effectful nodes are never merged. Inputs are
 unchanged; a graph output may now name the surviving node's result.
 
-One exception: creation nodes (no inputs) whose result has more than
-``REFILL_LIMIT`` elements are left alone. Merging them would keep a large constant
-alive from its first use to its last, while refilling it costs nothing but the fill.
+Two exceptions, both for results of more than ``REFILL_LIMIT`` elements: creation nodes
+(no inputs), and cheap non-view nodes computed from stored values alone (``Fact.CHEAP``,
+every input a param, buffer or const: a quantized weight's ``dequantize`` before each
+of its readers, a tied embedding and LM head). Merging them would keep a large tensor
+alive from its first use to its last, while recomputing it costs one cheap pass.
 
 Attributes are compared by value and type (``0.0`` and ``-0.0``, ``1`` and ``1.0``
 are different), so a merge never changes a result, not even the sign of a zero.
@@ -18,13 +20,14 @@ the usual trade of CSE, and the memory plan reports its cost.
 
 from __future__ import annotations
 
-from pockengine.ir import Attrs, Graph, Node, Value, get_op
+from pockengine.ir import Attrs, Graph, Node, Role, Value, get_op
 from pockengine.ir.registry import Fact
 from pockengine.ir.rewrite import substitute
 
 __all__ = ["REFILL_LIMIT", "eliminate_common_subexpressions"]
 
 REFILL_LIMIT = 64  # elements; larger creation nodes are refilled rather than shared
+_STORED = (Role.PARAM, Role.BUFFER, Role.CONST)
 
 _Key = tuple[str, tuple[str, ...], str]
 
@@ -45,12 +48,20 @@ def _key(node: Node) -> _Key | None:
     opdef = get_op(node.op)
     if opdef.effectful:
         return None
-    if not node.inputs and sum(v.type.numel for v in node.outputs) > REFILL_LIMIT:
+    if sum(v.type.numel for v in node.outputs) > REFILL_LIMIT and (
+        not node.inputs or _recomputed_from_stored(node)
+    ):
         return None
     names = tuple(v.name for v in node.inputs)
     if opdef.has(Fact.COMMUTATIVE):
         names = tuple(sorted(names))
     return node.op, names, _attr_key(node.attrs)
+
+
+def _recomputed_from_stored(node: Node) -> bool:
+    opdef = get_op(node.op)
+    stored = all(v.role in _STORED for v in node.inputs)
+    return stored and opdef.has(Fact.CHEAP) and not opdef.has(Fact.VIEW)
 
 
 def eliminate_common_subexpressions(graph: Graph) -> Graph:

@@ -7,7 +7,7 @@ and a failure names the pass. Every stage is kept for ``inspect`` to print.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from pockengine.ir import Graph, GraphVerifyError, verify
@@ -15,10 +15,18 @@ from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
 from pockengine.passes.fuse import fold_channel_affine, fuse_linear_bias
+from pockengine.passes.fuse_loss import FUSED_LOSS_OPS, fuse_linear_cross_entropy
 from pockengine.passes.remat import rematerialize
 from pockengine.passes.reorder import reorder_updates
 
-__all__ = ["DEFAULT_PIPELINE", "FORWARD_PIPELINE", "Pass", "PassResult", "run_pipeline"]
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "FORWARD_PIPELINE",
+    "Pass",
+    "PassResult",
+    "forward_passes",
+    "run_pipeline",
+]
 
 Pass = Callable[[Graph], Graph]
 
@@ -27,7 +35,7 @@ Pass = Callable[[Graph], Graph]
 # rematerialisation then trades saved activations for recomputation in the backward pass;
 # reordering comes last, on the final set of nodes, since it is about order alone.
 # On the forward graph, before autodiff: rewrites whose backward autodiff then derives.
-FORWARD_PIPELINE: tuple[Pass, ...] = (fold_channel_affine,)
+FORWARD_PIPELINE: tuple[Pass, ...] = (fold_channel_affine, fuse_linear_cross_entropy)
 
 # On the training graph (forward, backward, updates).
 DEFAULT_PIPELINE: tuple[Pass, ...] = (
@@ -38,6 +46,14 @@ DEFAULT_PIPELINE: tuple[Pass, ...] = (
     rematerialize,
     reorder_updates,
 )
+
+
+def forward_passes(supported: Collection[str]) -> tuple[Pass, ...]:
+    """FORWARD_PIPELINE for a backend that runs the ops ``supported``: the fused loss only
+    where it has the fused ops' kernels (the C backend has none; it runs the unfused loss)."""
+    if set(supported) >= FUSED_LOSS_OPS:
+        return FORWARD_PIPELINE
+    return tuple(p for p in FORWARD_PIPELINE if p is not fuse_linear_cross_entropy)
 
 
 @dataclass(frozen=True)

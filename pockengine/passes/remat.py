@@ -23,6 +23,10 @@ one batch-norm pass and one clamp, so a block keeps one activation per layer ins
 two. In a gated MLP (LLaMA's ``silu(gate) * up``), ``sigmoid(gate)`` and ``silu(gate)`` are
 recomputed from ``gate``.
 
+``recompute`` is the machinery, with the rule of what may be repeated and how deep as
+arguments: ``rematerialize`` is ``recompute`` with the cheap rule above, and
+``passes.remat_budget`` uses it with any pure node, for the values it chooses.
+
 Needs: a verified training graph whose backward nodes have ``Phase.BACKWARD`` and whose
 effects (updates) come after the backward pass (run before ``reorder_updates``).
 Guarantees: the same values, bit for bit, for every output and effect (deterministic
@@ -32,15 +36,19 @@ node's source), so cost and the report count them as backward work.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pockengine.ir import GRAD_PREFIX, Fact, Graph, Node, Phase, Role, Value, get_op
 from pockengine.plan.liveness import last_reads
 
-__all__ = ["MAX_DEPTH", "rematerialize"]
+__all__ = ["MAX_DEPTH", "Recomputable", "recompute", "rematerialize"]
 
 MAX_DEPTH = 3  # ops in one recomputed chain
-_STORED = (Role.PARAM, Role.BUFFER, Role.CONST)
+_STORED = (Role.PARAM, Role.BUFFER, Role.CONST, Role.STATE)
+
+# May the value (an output of the node) be recomputed by repeating the node?
+Recomputable = Callable[[Node, Value], bool]
 
 
 @dataclass
@@ -50,9 +58,11 @@ class _State:
     last: dict[str, int]  # value -> index of its last reader (len(nodes) for outputs)
     written: dict[str, int]  # stored value -> index of the first effect writing it
     names: set[str]
+    recomputable: Recomputable
     inserted: dict[int, list[Node]] = field(default_factory=dict)  # before node i
     # value -> its recomputed copy and the node it is made before
     copies: dict[str, tuple[Value, int]] = field(default_factory=dict)
+    planned: dict[str, Value | None] = field(default_factory=dict)  # in the chain being planned
 
     def fresh(self, base: str) -> str:
         k = 0
@@ -76,7 +86,7 @@ def _available(s: _State, v: Value, at: int) -> bool:
     return s.last.get(v.name, -1) >= at
 
 
-_Chain = list[tuple[Node, str]]  # recomputing nodes, each with the value it recomputes
+_Chain = list[tuple[Node, str, Value]]  # recomputing nodes: the value recomputed, its copy
 
 
 def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None:
@@ -87,12 +97,11 @@ def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None
     if copy is not None and copy[1] <= at:  # recomputed already, for an earlier reader
         s.last[copy[0].name] = max(s.last[copy[0].name], at)
         return copy[0]
+    if v.name in s.planned:  # shared by two operands of the chain: planned once
+        return s.planned[v.name]
+    s.planned[v.name] = None
     made = s.producers.get(v.name)
-    if made is None or depth == 0:
-        return None
-    if not get_op(made.op).has(Fact.CHEAP) or v is not made.outputs[0]:
-        return None
-    if len(made.outputs) != 1 and made.op != "batch_norm":  # batch norm: y; stats unread
+    if made is None or depth == 0 or not s.recomputable(made, v):
         return None
     inputs = []
     for u in made.inputs:
@@ -102,8 +111,10 @@ def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None
         inputs.append(r)
     results = tuple(Value(s.fresh(w.name), w.type) for w in made.outputs)
     source = GRAD_PREFIX + made.source
-    out.append((Node(made.op, tuple(inputs), results, made.attrs, source, Phase.BACKWARD), v.name))
-    return results[0]
+    result = s.planned[v.name] = results[made.outputs.index(v)]
+    node = Node(made.op, tuple(inputs), results, made.attrs, source, Phase.BACKWARD)
+    out.append((node, v.name, result))
+    return result
 
 
 def _insertion_point(s: _State, readers: dict[str, list[int]], j: int) -> int:
@@ -120,10 +131,28 @@ def _insertion_point(s: _State, readers: dict[str, list[int]], j: int) -> int:
     return at
 
 
+def _cheap(node: Node, v: Value) -> bool:
+    """Elementwise ops and views; batch norm's ``y`` (its statistics are not read)."""
+    if not get_op(node.op).has(Fact.CHEAP) or v is not node.outputs[0]:
+        return False
+    return len(node.outputs) == 1 or node.op == "batch_norm"
+
+
 def rematerialize(graph: Graph) -> Graph:
     """Recompute the saved activations that are cheap to recompute; see the module doc."""
+    return recompute(graph, _cheap, MAX_DEPTH)
+
+
+def recompute(
+    graph: Graph, recomputable: Recomputable, depth: int, targets: Collection[str] | None = None
+) -> Graph:
+    """Recompute saved forward values at their first backward reader, by repeating nodes that
+    ``recomputable`` admits, up to ``depth`` ops deep. ``targets=None``: every saved value
+    that can be; otherwise only the values named (checkpointing: each is unavailable to the
+    others' recomputations from the start, so a chain through them repeats them too)."""
     nodes = graph.nodes
-    s = _State(graph, graph.producers(), last_reads(graph), {}, {v.name for v in graph.inputs})
+    names = {v.name for v in graph.inputs}
+    s = _State(graph, graph.producers(), last_reads(graph), {}, names, recomputable)
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
         s.names.update(v.name for v in node.outputs)
@@ -147,22 +176,26 @@ def rematerialize(graph: Graph) -> Graph:
                 continue
             at = _insertion_point(s, readers, later[0])
             before = [j for j in reads if j not in later]
-            if all(j < at for j in before):
+            if all(j < at for j in before) and (targets is None or z.name in targets):
                 candidates.append((at, i, z, later, before))
+    if targets is not None:  # dropped from the start: chains through them repeat them
+        for _, i, z, _, before in candidates:
+            s.last[z.name] = max(before, default=i)
     for at, i, z, later, before in sorted(candidates, key=lambda c: (c[0], c[1])):
         s.last[z.name] = -1  # as if z died in the forward pass: not available at ``at``
         chain: _Chain = []
-        copy = _plan(s, z, at, MAX_DEPTH, chain)
+        s.planned.clear()
+        copy = _plan(s, z, at, depth, chain)
         if copy is None or copy is z:  # (a failed chain leaves nothing behind)
             s.last[z.name] = max(later)
             continue
         s.last[z.name] = max(before, default=i)
-        s.inserted.setdefault(at, []).extend(n for n, _ in chain)
+        s.inserted.setdefault(at, []).extend(n for n, _, _ in chain)
         for j in later:
             renamed.setdefault(j, {})[z.name] = copy
-        for n, original in chain:  # later recomputations at or after ``at`` may reuse these
-            s.copies[original] = (n.outputs[0], at)
-            s.last[n.outputs[0].name] = at
+        for n, original, made in chain:  # later recomputations at or after ``at`` may reuse
+            s.copies[original] = (made, at)
+            s.last.update(dict.fromkeys((w.name for w in n.outputs), at))
             for u in n.inputs:  # read at ``at``
                 s.last[u.name] = max(s.last.get(u.name, -1), at)
         s.last[copy.name] = max(s.last[copy.name], later[-1])

@@ -12,12 +12,15 @@ backends it also shows the placement (nodes per backend, boundary transfers).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pockengine.ir import GRAD_PREFIX, Graph, Node, Phase, Role, get_op
 from pockengine.plan.cost import cost
 from pockengine.plan.memory import plan_memory
 from pockengine.plan.placement import Placement
+
+if TYPE_CHECKING:
+    from pockengine.passes.remat_budget import Recomputation
 
 __all__ = ["Figures", "LayerFigures", "Report", "analyze"]
 
@@ -44,6 +47,8 @@ class Figures:
     optimizer_state_bytes: int
     planned_peak_bytes: int
     layers: dict[str, LayerFigures] = field(default_factory=dict)
+    # frozen params by dtype: float weights, low-bit codes and their scales (docs/quant.md)
+    frozen_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def _layer(node: Node, depth: int | None) -> str:
@@ -98,7 +103,16 @@ def analyze(graph: Graph, depth: int | None = None) -> Figures:
         optimizer_state_bytes=plan.state_bytes,
         planned_peak_bytes=plan.planned_peak_bytes,
         layers={k: v for k, v in layers.items() if any(asdict(v).values())},
+        frozen_bytes=_frozen_bytes(graph),
     )
+
+
+def _frozen_bytes(graph: Graph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in graph.params:
+        if not v.trainable:
+            out[str(v.dtype)] = out.get(str(v.dtype), 0) + v.type.nbytes
+    return dict(sorted(out.items()))
 
 
 def _mib(n: int) -> str:
@@ -129,6 +143,7 @@ class Report:
     ours: Figures
     full: Figures
     placement: Placement | None = None  # a step on several backends: who runs what
+    recomputation: Recomputation | None = None  # compile(memory_budget=...): what it recomputes
 
     def ratio(self, key: str) -> float:
         base = getattr(self.full, key)
@@ -138,6 +153,8 @@ class Report:
         out = {"scheme": self.scheme, "ours": asdict(self.ours), "full": asdict(self.full)}
         if self.placement is not None:
             out["backends"] = _placement_dict(self.placement)
+        if self.recomputation is not None:
+            out["recomputation"] = self.recomputation.to_dict()
         return out
 
     def __str__(self) -> str:
@@ -146,15 +163,19 @@ class Report:
         for label, key, fmt in _ROWS:
             ours, full = getattr(self.ours, key), getattr(self.full, key)
             lines.append(f"  {label:<20}{fmt(ours):>18}{fmt(full):>18}{self.ratio(key):>8.2f}")
+        if self.ours.frozen_bytes:
+            shown = ", ".join(f"{k} {_mib(n)}" for k, n in self.ours.frozen_bytes.items())
+            lines.append(f"  {'frozen weights':<20}{shown}")
         lines.append("")
+        width = max([40, *(len(name) + 2 for name in self.full.layers)])  # full names, aligned
         lines.append(
-            f"  {'layer':<40}{'trained':>10}{'fwd MFLOP':>11}{'bwd MFLOP':>11}"
+            f"  {'layer':<{width}}{'trained':>10}{'fwd MFLOP':>11}{'bwd MFLOP':>11}"
             f"{'full bwd':>10}{'saved KiB':>11}{'full saved':>11}"
         )
         for name, row in self.full.layers.items():
             mine = self.ours.layers.get(name, LayerFigures())
             lines.append(
-                f"  {name[:40]:<40}{mine.trained_elements:>10,}{row.forward_flops / 1e6:>11.1f}"
+                f"  {name:<{width}}{mine.trained_elements:>10,}{row.forward_flops / 1e6:>11.1f}"
                 f"{mine.backward_flops / 1e6:>11.1f}{row.backward_flops / 1e6:>10.1f}"
                 f"{mine.saved_bytes / 1024:>11.0f}{row.saved_bytes / 1024:>11.0f}"
             )
@@ -163,6 +184,8 @@ class Report:
             for name, ops in _placement_dict(self.placement)["ops"].items():
                 shown = ", ".join(f"{op} x{n}" for op, n in ops.items())
                 lines.append(f"    {name}: {shown}")
+        if self.recomputation is not None:
+            lines += ["", *(f"  {line}" for line in self.recomputation.lines())]
         return "\n".join(lines)
 
 

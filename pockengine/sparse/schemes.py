@@ -10,7 +10,9 @@ Factories: ``full()``, ``bias_only()``, ``head()``, ``last_blocks(k)``,
 ``select(train=..., freeze=...)`` and ``sparse(...)`` (the PockEngine recipe). Each
 takes ``channels={pattern: ratio}`` for partial-channel updates and
 ``frozen_bn="eval"`` to run BatchNorm layers with no trained parameter on their
-running statistics. Schemes save to and load from small JSON/YAML files.
+running statistics. ``lora(rank, alpha, targets)`` trains low-rank adapters that the
+compile inserts (``pockengine.sparse.lora``); ``a | b`` trains what either scheme trains
+(a ``union``). Schemes save to and load from small JSON/YAML files.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.ir import SchemeError
+
+if TYPE_CHECKING:
+    from pockengine.sparse.lora import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ __all__ = [
     "head",
     "last_blocks",
     "load",
+    "lora",
     "named",
     "requires_grad",
     "resolve_scheme",
@@ -53,6 +59,7 @@ class Resolution:
 
     rows: dict[str, int | None]
     frozen_bn_eval: bool = False
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters the compile inserts (their factors train)
 
     @property
     def names(self) -> set[str]:
@@ -76,7 +83,24 @@ class Scheme:
             out["frozen_bn"] = self.frozen_bn
         return out
 
+    def __or__(self, other: Scheme) -> Scheme:
+        """A scheme training what either trains (``lora(...) | bias_only()``); BatchNorms
+        that train nothing run on running statistics if either part asks for that."""
+        if not isinstance(other, Scheme):
+            return NotImplemented
+        parts = [p for s in (self, other) for p in (s.options["schemes"] if s.kind == "union"
+                                                   else [s.to_dict()])]  # fmt: skip
+        eval_bn = "eval" in (self.frozen_bn, other.frozen_bn)
+        return Scheme("union", {"schemes": parts}, {}, "eval" if eval_bn else "train")
+
     def resolve(self, info: ModelInfo) -> Resolution:
+        if self.kind == "union":
+            return _resolve_union(self, info)
+        if self.kind == "lora":
+            from pockengine.sparse.lora import resolve_lora  # lora builds on this module
+
+            lora = resolve_lora(info, **self.options)
+            return Resolution(lora.rows, self.frozen_bn == "eval", lora.adapters)
         options = {k: v for k, v in self.options.items() if k != "channels"}
         chosen = _SELECTORS[self.kind](info, **options)
         if not chosen:
@@ -92,6 +116,21 @@ class Scheme:
             if p.name in rows and not p.is_bias and not p.is_norm and len(p.shape) >= 2:
                 rows[p.name] = _rows(p, ratio)
         return Resolution(rows, self.frozen_bn == "eval")
+
+
+def _resolve_union(scheme: Scheme, info: ModelInfo) -> Resolution:
+    """Every part's trained params (a whole tensor where any part trains all of it)."""
+    rows: dict[str, int | None] = {}
+    adapters: list[Adapter] = []
+    for part in (from_dict(d) for d in scheme.options["schemes"]):
+        resolved = part.resolve(info)
+        for name, k in resolved.rows.items():
+            old = rows.get(name, k)
+            rows[name] = None if old is None or k is None else max(old, k)
+        adapters += [a for a in resolved.adapters if a not in adapters]
+    if len({a.weight for a in adapters}) != len(adapters):
+        raise SchemeError("two lora parts of a union adapt the same weight")
+    return Resolution(rows, scheme.frozen_bn == "eval", tuple(adapters))
 
 
 def _rows(p: ParamInfo, ratio: float) -> int | None:
@@ -281,6 +320,20 @@ def sparse(
                    container=container, channels=channels)  # fmt: skip
 
 
+def lora(
+    rank: int = 8, alpha: float = 16, targets: Sequence[str] | None = None,
+    dropout: float = 0.0, *, seed: int = 0,
+) -> Scheme:  # fmt: skip
+    """Low-rank adapters on the linear layers ``targets`` (module globs such as
+    ``"*q_proj"``, or PEFT-style names such as ``"q_proj"``; None: the model family's
+    attention query/value projections, ``pockengine.sparse.lora.DEFAULT_TARGETS``). The
+    adapters alone train; compose with ``|`` to train more (``lora() | head()``)."""
+    opts: dict[str, Any] = {"rank": rank, "alpha": alpha, "dropout": dropout, "seed": seed}
+    if targets is not None:
+        opts["targets"] = [targets] if isinstance(targets, str) else list(targets)
+    return _scheme("lora", None, "train", **opts)
+
+
 # -- files ------------------------------------------------------------------------
 
 
@@ -296,6 +349,14 @@ _OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
     "select": {"train": (list, str), "freeze": (list, str), "channels": (dict, int, float)},
     "sparse": {"bias": (str,), "blocks": (int,), "head": (bool,), "container": (str,),
                "channels": (int, float)},
+    "lora": {"rank": (int,), "alpha": (int, float), "targets": (list, str),
+             "dropout": (int, float), "seed": (int,)},
+    "union": {"schemes": (list,)},
+}  # fmt: skip
+_KINDS = (*_SELECTORS, "lora", "union")
+_ENTRY_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "train": ((str,), "a string"), "freeze": ((str,), "a string"),
+    "targets": ((str,), "a string"), "schemes": ((dict,), "a mapping"),
 }  # fmt: skip
 _TYPE_NAMES = {dict: "a mapping", int: "an integer", float: "a number", str: "a string",
                bool: "true/false", list: "a list"}  # fmt: skip
@@ -320,9 +381,8 @@ def _check_option(kind: str, key: str, value: Any) -> None:
         value if isinstance(value, list) else value.values() if isinstance(value, dict) else ()
     )
     for entry in entries:
-        good = (str,) if key in ("train", "freeze") else (int, float)
+        good, what = _ENTRY_TYPES.get(key, ((int, float), "a number"))
         if not isinstance(entry, good) or isinstance(entry, bool):
-            what = "a string" if good == (str,) else "a number"
             raise SchemeError(f"scheme option {key!r} holds {entry!r}, not {what}")
 
 
@@ -330,15 +390,21 @@ def from_dict(data: Mapping[str, Any]) -> Scheme:
     """A scheme from its dict form (``to_dict()``, a scheme file), every option checked."""
     data = dict(data)
     kind = data.pop("scheme", "select")
-    if not isinstance(kind, str) or kind not in _SELECTORS:
-        near = difflib.get_close_matches(str(kind), list(_SELECTORS), n=1, cutoff=0.5)
+    if not isinstance(kind, str) or kind not in _KINDS:
+        near = difflib.get_close_matches(str(kind), list(_KINDS), n=1, cutoff=0.5)
         hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise SchemeError(f"unknown scheme {kind!r}{hint} (known: {sorted(_SELECTORS)})")
+        raise SchemeError(f"unknown scheme {kind!r}{hint} (known: {sorted(_KINDS)})")
     for key, value in data.items():
         _check_option(kind, str(key), value)
     if kind == "last_blocks" and "k" not in data:
         raise SchemeError("scheme 'last_blocks' needs k, the number of blocks to train")
-    for key in ("train", "freeze"):
+    if kind == "union":
+        parts = [from_dict(d) for d in data.get("schemes", [])]
+        if not parts:
+            raise SchemeError("scheme 'union' needs a non-empty list of schemes")
+        return _scheme("union", None, str(data.get("frozen_bn", "train")),
+                       schemes=[p.to_dict() for p in parts])  # fmt: skip
+    for key in ("train", "freeze", "targets"):
         if isinstance(data.get(key), str):
             data[key] = [data[key]]
     channels = data.pop("channels", None)

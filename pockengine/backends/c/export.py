@@ -23,31 +23,19 @@ from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
 from pockengine.ir import DType, Graph, Role, Value
 from pockengine.plan import plan_memory
+from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
 
 __all__ = ["export_c", "read_safetensors", "write_safetensors"]
 
 Array = np.ndarray[Any, Any]
 TRAINER_DIR = Path(__file__).with_name("trainer")
-_ST_DTYPES = {"F32": "float32", "F64": "float64", "I32": "int32", "I64": "int64", "BOOL": "bool"}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+_ST_DTYPES = SAFETENSORS_DTYPES
 
 
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, Array]) -> None:
     """``tensors`` as one safetensors file (little-endian, C order)."""
-    header: dict[str, Any] = {}
-    offset = 0
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    for name, a in arrays.items():
-        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}  # fmt: skip
-        offset += a.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for a in arrays.values():
-            f.write(a.tobytes())
+        write_safetensors_to(f, tensors)
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, Array]:

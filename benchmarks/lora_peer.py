@@ -1,0 +1,325 @@
+"""LoRA peer: Hugging Face PEFT LoRA in PyTorch eager beside our LoRA scheme and our sparse
+recipe, on one fine-tuning recipe's model and data, each in its own process.
+
+    python benchmarks/lora_peer.py                                   # minilm-bbc
+    python benchmarks/lora_peer.py --recipe smollm2-pydocs --steps 20 --max-train 80
+
+Cases: ``peft`` (``get_peft_model`` with rank 8, alpha 16, the model family's q/v
+projections, the head in ``modules_to_save`` where the recipe trains it; ``torch.optim.AdamW``
+in eager mode), ``lora`` (``--scheme lora``: the same adapters and head, compiled, torch
+backend), ``sparse`` (the recipe's sparse scheme, compiled). Each trains ``--steps`` steps
+on the same seeded batches with AdamW under the same warmup + linear-decay schedule (the
+adapters at the ``lora`` learning rate, the sparse scheme at its own), then evaluates on the
+validation split in torch. The compiled cases drop the torch module's weights once
+compiled (the step holds its own copy of every weight, as in step_bench.py). Per case:
+median step time, idle RSS (model and data loaded, every weight paged in: Hugging Face
+maps safetensors files lazily), peak RSS over the training steps,
+their difference (the training memory), the whole process's peak (compiling included: it
+holds two copies of the weights a while), and the validation accuracy and loss
+(perplexity for a causal LM). ``lora-int8`` is ``lora`` with the frozen weights stored as
+int8 (``frozen_dtype="int8"``: QLoRA's idea; PEFT's 4/8-bit path needs bitsandbytes).
+``--dropout off`` sets every dropout probability of the model to 0 in all cases (the
+recipe's model keeps its own otherwise). Writes
+benchmarks/results/lora_peer-<recipe>[-nodropout].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = ("peft", "lora", "lora-int8", "sparse")
+Array = np.ndarray[Any, Any]
+
+
+def _status_mib(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux >= 4.0: clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _batches(
+    train: tuple[Array, ...], batch: int, steps: int, seed: int
+) -> Iterator[tuple[Array, ...]]:
+    order = np.random.default_rng(seed).permutation(len(train[0]))
+    for i in range(steps):
+        idx = np.take(order, np.arange(i * batch, (i + 1) * batch), mode="wrap")
+        yield tuple(np.ascontiguousarray(a[idx]) for a in train)
+
+
+def _task(args: argparse.Namespace) -> tuple[Any, Any]:
+    from pockengine.finetune import recipes
+    from pockengine.finetune.config import FinetuneConfig
+
+    config = FinetuneConfig(recipe=args.recipe, max_train=args.max_train, max_val=args.max_val,
+                            batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                            scheme="sparse" if args.child == "sparse" else "lora")  # fmt: skip
+    if args.lora_lr is not None and args.child != "sparse":
+        config.lr = args.lora_lr
+    config = config.with_defaults(recipes.defaults(config)).validate()
+    task = recipes.build(config)
+    if args.dropout == "off":
+        _no_dropout(task.model)
+    for p in task.model.parameters():  # page in the mmapped weights: idle holds the model
+        p.detach().sum()
+    return config, task
+
+
+def _no_dropout(model: Any) -> None:
+    """Every dropout probability of ``model`` to 0 (modules and attention attributes)."""
+    from torch import nn
+
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for attr in ("dropout_prob", "attention_dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+
+
+def _peft_trainer(task: Any, config: Any, head: bool) -> tuple[Any, Callable[..., float], Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from pockengine.sparse.lora import DEFAULT_TARGETS
+
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in task.model.named_modules()}
+    targets = next(list(pair) for pair in DEFAULT_TARGETS if set(pair) <= leaves)
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets,
+                      modules_to_save=["head"] if head else None)  # fmt: skip
+    model = get_peft_model(task.model, lora)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+
+    def train(lr: float, *batch: Array) -> float:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss_fn(model, *(torch.from_numpy(a) for a in batch))
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return model, train, sum(p.numel() for p in params)
+
+
+def _our_trainer(
+    task: Any, config: Any, scheme_name: str, frozen_dtype: str | None
+) -> tuple[Any, Callable[..., float], Any]:
+    import torch
+
+    import pockengine as pe
+    from pockengine.finetune import recipes
+
+    scheme = recipes.parse_scheme(scheme_name, config.recipe)
+    example = tuple(torch.from_numpy(a[: config.batch_size]) for a in task.train)
+    task.model.train()
+    step = pe.compile(
+        task.model,
+        task.loss_fn,
+        example,
+        scheme=scheme,
+        backend="torch",
+        frozen_dtype=frozen_dtype,
+        optimizer=pe.optim.AdamW(lr=config.lr, weight_decay=config.weight_decay),
+    )
+    trained = step.report().ours.trained_elements
+    for p in task.model.parameters():  # the step holds every weight: drop the module's copy
+        p.data = torch.empty(0)
+    pe.runtime.release_free_memory()
+
+    def train(lr: float, *batch: Array) -> float:
+        step.lr = lr
+        return step(*batch)
+
+    return step, train, trained
+
+
+def _evaluate(model: Any, task: Any) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    losses, correct, seen = [], 0, 0
+    size = 8 if task.kind == "causal-lm" else 64
+    with torch.no_grad():
+        for i in range(0, len(task.val[0]), size):
+            batch = [torch.from_numpy(a[i : i + size]) for a in task.val]
+            if task.kind == "causal-lm":
+                losses.append(float(task.loss_fn(model, *batch)) * len(batch[0]))
+            else:
+                logits = model(*batch[:-1])
+                losses.append(float(F.cross_entropy(logits, batch[-1], reduction="sum")))
+                correct += int((logits.argmax(-1) == batch[-1]).sum())
+            seen += len(batch[0])
+    out = {"val_loss": sum(losses) / seen}
+    if task.kind == "causal-lm":
+        out["val_perplexity"] = math.exp(out["val_loss"])
+    else:
+        out["val_accuracy"] = correct / seen
+    return out
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch
+
+    from pockengine.finetune.trainer import linear_schedule
+    from pockengine.sparse.lora import merge_adapters
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    config, task = _task(args)
+    idle = _status_mib("VmRSS")
+    load_peak = _status_mib("VmHWM")
+    _reset_peak()
+    start = time.perf_counter()
+    head = task.kind != "causal-lm"
+    if args.child == "peft":
+        model, train, trained = _peft_trainer(task, config, head)
+    else:
+        scheme, _, frozen = args.child.partition("-")
+        model, train, trained = _our_trainer(task, config, scheme, frozen or None)
+    setup_s = time.perf_counter() - start
+    setup_peak = _status_mib("VmHWM")  # compiling holds two copies of the weights a while
+    _reset_peak()
+    times, losses = [], []
+    warmup = round(config.warmup * args.steps)
+    for t, batch in enumerate(_batches(task.train, config.batch_size, args.steps, args.seed)):
+        lr = linear_schedule(t, float(config.lr), warmup, args.steps)
+        tick = time.perf_counter()
+        losses.append(train(lr, *batch))
+        times.append(time.perf_counter() - tick)
+    train_peak = _status_mib("VmHWM")
+    if args.child != "peft":  # evaluate in torch: the weights back, adapters merged
+        state = merge_adapters(model.flat_state_dict(), model.resolution.adapters)
+        for name, p in task.model.named_parameters():
+            p.data = torch.from_numpy(state[name])
+        model = task.model
+    row = {
+        "case": args.child,
+        "recipe": args.recipe,
+        "steps": args.steps,
+        "batch_size": config.batch_size,
+        "seq_len": config.seq_len,
+        "lr": config.lr,
+        "trained_elements": int(trained),
+        "step_s_median": statistics.median(times[1:] or times),
+        "step_s_first": times[0],
+        "setup_s": setup_s,
+        "idle_rss_mib": idle,
+        "train_peak_rss_mib": train_peak,
+        "training_mib": train_peak - idle,
+        "setup_peak_rss_mib": setup_peak,
+        "process_peak_rss_mib": max(load_peak, setup_peak, train_peak),
+        "first_loss": losses[0],
+        "last_loss_mean10": float(np.mean(losses[-10:])),
+        **_evaluate(model, task),
+        "train_examples": task.train_size,
+        "val_examples": task.val_size,
+        "threads": args.threads,
+        "dropout": args.dropout,
+    }
+    print(json.dumps(row))
+
+
+def _run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        case,
+        "--recipe",
+        args.recipe,
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+        "--dropout",
+        args.dropout,
+    ]
+    if args.lora_lr is not None:
+        cmd += ["--lora-lr", str(args.lora_lr)]
+    for key in ("max_train", "max_val", "batch_size", "seq_len"):
+        if getattr(args, key) is not None:
+            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        print(f"{case} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+        return {"case": case, "error": done.stderr[-1000:]}
+    row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return row
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    quality = "val_perplexity" if any("val_perplexity" in r for r in rows) else "val_accuracy"
+    lines = [
+        f"| case | trained elements | step (s, median) | idle RSS (MiB) | training (MiB) "
+        f"| process peak (MiB) | {quality.replace('_', ' ')} | val loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | failed: see the results JSON | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['case']} | {r['trained_elements']:,} | {r['step_s_median']:.3f} "
+            f"| {r['idle_rss_mib']:.0f} | {r['training_mib']:.0f} "
+            f"| {r['process_peak_rss_mib']:.0f} | {r[quality]:.3f} | {r['val_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--recipe", default="minilm-bbc")
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--max-train", type=int, default=1600)
+    p.add_argument("--max-val", type=int, default=200)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dropout", choices=("model", "off"), default="model")
+    p.add_argument("--lora-lr", type=float, help="peak lr of the LoRA cases (default: recipe's)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        _child(args)
+        return
+    rows = []
+    for case in args.cases:
+        rows.append(_run_case(case, args))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    suffix = "-nodropout" if args.dropout == "off" else ""
+    suffix += f"-lora-lr{args.lora_lr:g}" if args.lora_lr is not None else ""
+    results = ROOT / "benchmarks" / "results" / f"lora_peer-{args.recipe}{suffix}.json"
+    settings = {k: v for k, v in vars(args).items() if k != "child"}
+    results.write_text(json.dumps({"args": settings, "rows": rows}, indent=2) + "\n")
+    print(_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Quality of each scheme on a held-out test split, over seeds: docs/quality.md.
+
+For each recipe (and a generic ``--model/--data`` run) and each scheme (full, auto,
+sparse, bias, head; lora when the scheme vocabulary has it):
+
+1. the learning rate is chosen on the training split (``pockengine.finetune.lr_choice``:
+   short runs over ``--lr-grid``, scored on held-out *training* examples), once per
+   recipe and scheme, with the first seed's split;
+2. ``pockengine finetune`` runs once per seed in its own process (so its peak RSS is
+   its own), with ``--test-fraction``: the last part of the validation split is a test
+   split that neither the lr choice, the scheme search nor the keeping of the best
+   epoch reads;
+3. the test metric of the final weights (accuracy, or perplexity for the causal LM),
+   mean and standard deviation over seeds, the step's planned peak and the measured
+   whole-process peak RSS are written to ``benchmarks/results/quality_table-<tag>.json``
+   and, as a table, between this tag's markers in ``docs/quality.md``.
+
+The full run (every recipe at its defaults, three seeds) is the default; the shared
+2-core machine ran the reduced configuration that docs/quality.md names.
+
+    python benchmarks/quality_table.py --recipes minilm-bbc --seeds 0 1 --max-train 480 \\
+        --seq-len 64 --epochs 1 --tag reduced
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "quality.md"
+RECIPES = ("minilm-bbc", "minilm-tweets", "lite0-fashion", "smollm2-pydocs")
+_MIB = float(1 << 20)
+
+
+def default_schemes() -> list[str]:
+    from pockengine.sparse.names import SCHEME_NAMES
+
+    return ["full", "auto", "sparse", "bias", "head", *(["lora"] if "lora" in SCHEME_NAMES else [])]
+
+
+def _options(args: argparse.Namespace) -> list[str]:
+    """The finetune options every run of this table shares."""
+    out = []
+    for flag in ("max_train", "max_val", "epochs", "seq_len", "batch_size", "image_size"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    return [*out, "--backend", args.backend, "--test-fraction", str(args.test_fraction)]
+
+
+def _target(recipe: str, args: argparse.Namespace) -> list[str]:
+    if recipe == "generic":
+        return ["--model", args.model, "--data", args.data]
+    return ["--recipe", recipe]
+
+
+def choose_lr(recipe: str, scheme: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The scheme's lr on the training split (cached in ``--work``)."""
+    from pockengine.finetune.cli import config_from_args
+    from pockengine.finetune.lr_choice import choose_lr as choose
+
+    path = Path(args.work) / f"lr-{recipe}-{scheme.replace(':', '_')}.json"
+    if path.exists():
+        cached: dict[str, Any] = json.loads(path.read_text())
+        return cached
+    parser = argparse.ArgumentParser()
+    from pockengine.finetune.cli import add_arguments
+
+    add_arguments(parser)
+    ns = parser.parse_args([*_target(recipe, args), *_options(args), "--seed", str(seed)])
+    result = choose(config_from_args(ns), scheme, args.lr_grid, steps=args.lr_steps,
+                    holdout=args.lr_holdout).to_dict()  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_one(
+    recipe: str, scheme: str, lr: float, seed: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One fine-tune in its own process; its summary.json (cached in ``--work``)."""
+    out = Path(args.work) / f"{recipe}-{scheme.replace(':', '_')}-seed{seed}"
+    summary = out / "summary.json"
+    if not summary.exists():
+        command = [sys.executable, "-m", "pockengine", "finetune", *_target(recipe, args),
+                   *_options(args), "--scheme", scheme, "--lr", f"{lr:g}", "--seed", str(seed),
+                   "--out", str(out), "--progress", "none",
+                   "--threads", str(args.threads)]  # fmt: skip
+        if out.exists() and (out / "checkpoint.safetensors").exists():
+            command.append("--resume")
+        print(" ".join(command), flush=True)
+        subprocess.run(
+            command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        )
+    data: dict[str, Any] = json.loads(summary.read_text())
+    return data
+
+
+def row(
+    recipe: str, scheme: str, lr: dict[str, Any], runs: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    metric = "test_accuracy" if "test_accuracy" in runs[0]["test"] else "test_perplexity"
+    values = [float(r["test"][metric]) for r in runs]
+    auto = [r["auto_scheme"] for r in runs if r.get("auto_scheme")]
+    return {
+        "recipe": recipe,
+        "scheme": scheme,
+        "lr": lr["lr"],
+        "lr_trials": lr["trials"],
+        "metric": metric,
+        "values": values,
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "trained_params": runs[0]["trained_params"],
+        "planned_peak_mib": statistics.fmean(r["planned_peak_bytes"] for r in runs) / _MIB,
+        "peak_rss_mib": max(r["peak_rss_bytes"] for r in runs) / _MIB,
+        "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+        "analysis_s": statistics.fmean(a["seconds"] for a in auto) if auto else None,
+    }
+
+
+def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
+    lines = [f"`{command}`", ""]
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        mine = [r for r in rows if r["recipe"] == recipe]
+        full = next((r for r in mine if r["scheme"] == "full"), None)
+        name = mine[0]["metric"].removeprefix("test_")
+        lines += [f"**{recipe}** (test {name}, mean ± std over {len(mine[0]['values'])} seeds)", "",
+                  f"| scheme | lr (train split) | test {name} | vs full | trained params | "
+                  "planned peak (MiB) | peak RSS (MiB) | wall (s) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in mine:
+            scale = 100.0 if name == "accuracy" else 1.0
+            vs = f"{(r['mean'] - full['mean']) * scale:+.1f}" if full and r is not full else ""
+            lines.append(
+                f"| {r['scheme']} | {r['lr']:g} | {r['mean'] * scale:.1f} ± {r['std'] * scale:.1f} "
+                f"| {vs} | {r['trained_params']:,} | {r['planned_peak_mib']:.1f} | "
+                f"{r['peak_rss_mib']:.0f} | {r['wall_s']:.0f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_doc(tag: str, text: str) -> None:
+    start, end = f"<!-- quality:{tag}:start -->", f"<!-- quality:{tag}:end -->"
+    doc = DOC.read_text() if DOC.exists() else "# Quality\n"
+    if start in doc:
+        doc = doc.split(start)[0] + f"{start}\n{text}\n{end}" + doc.split(end, 1)[1]
+    else:
+        doc += f"\n{start}\n{text}\n{end}\n"
+    DOC.write_text(doc)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), help="recipes, or generic")
+    p.add_argument("--model", help="for generic: a Hugging Face folder")
+    p.add_argument("--data", help="for generic: a CSV/JSONL/class folder")
+    p.add_argument("--schemes", nargs="+", default=default_schemes())
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    for flag in ("max-train", "max-val", "epochs", "seq-len", "batch-size", "image-size"):
+        p.add_argument(f"--{flag}", type=int)
+    p.add_argument("--test-fraction", type=float, default=0.5)
+    p.add_argument("--backend", default="torch")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lr-grid", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2])
+    p.add_argument("--lr-steps", type=int, default=30)
+    p.add_argument("--lr-holdout", type=int, default=200)
+    p.add_argument("--work", default="runs/quality", help="run folders and cached lr choices")
+    p.add_argument("--tag", default="full")
+    args = p.parse_args(argv)
+    if "generic" in args.recipes and not (args.model and args.data):
+        p.error("the generic run needs --model and --data")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    command = "python benchmarks/quality_table.py " + " ".join(argv or sys.argv[1:])
+    rows = []
+    for recipe in args.recipes:
+        for scheme in args.schemes:
+            lr = choose_lr(recipe, scheme, args, args.seeds[0])
+            runs = [run_one(recipe, scheme, lr["lr"], seed, args) for seed in args.seeds]
+            rows.append(row(recipe, scheme, lr, runs))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "lr_trials"}), flush=True)
+            write_results(args.tag, command, rows)  # after each row: a cut-short run keeps them
+
+
+def write_results(tag: str, command: str, rows: Sequence[dict[str, Any]]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "rows": list(rows)}  # fmt: skip
+    (RESULTS / f"quality_table-{tag}.json").write_text(json.dumps(result, indent=1))
+    write_doc(tag, markdown(rows, command))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Torch kernels of ``linear_log_softmax_gather`` and its backward, chunked over rows.
+
+Each chunk's logits are one ``addmm`` (or ``mm``) into one ``[chunk, vocab]`` buffer that
+every chunk reuses, and everything else over it runs in place (the log-sum-exp as
+``amax``, ``sub_``, ``exp_``, ``sum``), so the ``[rows, vocab]`` logits, probabilities and
+their gradient never exist whole and a call allocates one such buffer; the backward
+recomputes the chunk's probabilities in place from the saved log-sum-exp and accumulates
+the weight gradient with ``addmm_``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pockengine.backends.torch_codegen import Emit, Emitter, literal
+
+__all__ = ["KERNELS", "NAMESPACE"]
+
+
+def _logits(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, buffer: torch.Tensor
+) -> torch.Tensor:
+    """x @ w (+ bias) written into the first rows of ``buffer`` (one buffer for all chunks)."""
+    out = buffer[: x.shape[0]]
+    return torch.mm(x, w, out=out) if bias is None else torch.addmm(bias, x, w, out=out)
+
+
+def _buffer(x: torch.Tensor, chunk: int, vocab: int) -> torch.Tensor:
+    return x.new_empty((min(chunk, x.shape[0]), vocab))
+
+
+def linear_log_softmax_gather(
+    x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None,
+    chunk: int, vocab_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """picked and lse of x @ w (+ bias), ``chunk`` rows at a time (w [vocab, k] when
+    ``vocab_major``: its transpose is a view)."""
+    rows = x.shape[0]
+    picked, lse = x.new_empty(rows), x.new_empty(rows)
+    index, w = index.long(), w.t() if vocab_major else w
+    buffer = _buffer(x, chunk, w.shape[1])
+    for start in range(0, rows, chunk):
+        at = slice(start, min(rows, start + chunk))
+        z = _logits(x[at], w, bias, buffer)
+        torch.gather(z, 1, index[at, None], out=picked[at, None])
+        top = z.amax(1, keepdim=True)
+        torch.sum(z.sub_(top).exp_(), 1, out=lse[at]).log_().add_(top.squeeze_(1))
+        picked[at] -= lse[at]
+    return picked, lse
+
+
+def linear_log_softmax_gather_grad(
+    gp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+    index: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None, chunk: int,
+    vocab_major: bool, wanted: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The wanted ones of gx, gw, gb: dz = scale * softmax(z) + gp * onehot(index) per
+    chunk, its logits recomputed; gw in w's own layout, written contiguously."""
+    x_grad, w_grad, b_grad = wanted
+    rows, kv = x.shape[0], w.t() if vocab_major else w  # kv: [k, vocab]
+    gx = torch.empty_like(x) if x_grad else None
+    gw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if w_grad else None
+    gb = torch.zeros(kv.shape[1], dtype=w.dtype, device=w.device) if b_grad else None
+    index, buffer = index.long(), _buffer(x, chunk, kv.shape[1])
+    for start in range(0, rows, chunk):
+        at = slice(start, min(rows, start + chunk))
+        dz = _logits(x[at], kv, bias, buffer).sub_(lse[at, None]).exp_().mul_(scale[at, None])
+        dz.scatter_add_(1, index[at, None], gp[at, None])
+        if gx is not None:
+            torch.mm(dz, kv.t(), out=gx[at])
+        if gw is not None and vocab_major:
+            gw.addmm_(dz.t(), x[at])
+        elif gw is not None:
+            gw.addmm_(x[at].t(), dz)
+        if gb is not None:
+            gb.add_(dz.sum(0))
+    return tuple(g for g in (gx, gw, gb) if g is not None)
+
+
+def _forward(e: Emit) -> list[str]:
+    x, w, index, *bias = e.ins
+    b = bias[0] if bias else "None"
+    chunk, major = literal(int(e.attr("chunk"))), literal(bool(e.attr("vocab_major")))
+    args = f"{x}, {w}, {index}, {b}, {chunk}, {major}"
+    return [f"{', '.join(e.outs)} = linear_log_softmax_gather({args})"]
+
+
+def _backward(e: Emit) -> list[str]:
+    gp, scale, x, w, index, lse, *bias = e.ins
+    b = bias[0] if bias else "None"
+    chunk, major = literal(int(e.attr("chunk"))), literal(bool(e.attr("vocab_major")))
+    wanted = literal(tuple(bool(e.attr(k)) for k in ("x_grad", "w_grad", "b_grad")))
+    args = f"{gp}, {scale}, {x}, {w}, {index}, {lse}, {b}, {chunk}, {major}, {wanted}"
+    return [f"{', '.join(e.outs)}, = linear_log_softmax_gather_grad({args})"]
+
+
+KERNELS: dict[str, Emitter] = {
+    "linear_log_softmax_gather": _forward,
+    "linear_log_softmax_gather_grad": _backward,
+}
+
+NAMESPACE: dict[str, Any] = {
+    "linear_log_softmax_gather": linear_log_softmax_gather,
+    "linear_log_softmax_gather_grad": linear_log_softmax_gather_grad,
+}

@@ -1,0 +1,375 @@
+"""``pockengine federated --deployment``: the same apps under Flower's deployment engine.
+
+``deploy`` starts, on 127.0.0.1 and free ports, a SuperLink (insecure, in-memory
+state) and N SuperNodes with ``--node-config "partition-id=i num-partitions=N"``,
+each SuperNode with ``--isolation process`` and one long-lived ClientApp process
+(``node.serve``) beside it, so a client compiles its step once for the whole run.
+It writes a Flower App project (``write_app``: a ``pyproject.toml`` naming
+``pockengine.federated.server:app`` and ``pockengine.federated.client:app``, the run's
+``FederatedConfig`` as JSON under the run config key ``pockengine-config``) and a
+Flower configuration naming the SuperLink (``write_connection``) into a temporary
+folder, and submits the app with ``flwr run --stream``. It logs a line per round as
+``rounds.jsonl`` grows, and stops every process it started when the run ends, fails,
+or is interrupted (Ctrl-C, SIGTERM): the process groups of those processes and of
+their descendants are terminated, then killed. ``--out`` receives what the simulation
+writes, and each process's log in ``deployment-logs/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pockengine.federated.client import RUN_CONFIG_KEY
+from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.federated.node import CLIENT_APP
+from pockengine.federated.server import ROUNDS, SUMMARY, out_dir
+
+__all__ = [
+    "LocalFederation", "deploy", "free_port", "live_members", "write_app", "write_connection",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+SERVER_APP = "pockengine.federated.server:app"
+CONNECTION = "pockengine-local"
+LOGS = "deployment-logs"  # in --out: each process's log
+_STARTUP_S = 180.0  # imports of torch and Flower on a loaded machine
+_STOP_S = 10.0
+
+_PYPROJECT = """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "pockengine-federated"
+version = "1.0.0"
+description = "A PockEngine federated run (written by pockengine federated --deployment)"
+license = "MIT"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "pockengine"
+
+[tool.flwr.app.components]
+serverapp = "{server}"
+clientapp = "{client}"
+
+[tool.flwr.app.config]
+{key} = {config}
+"""
+
+
+def write_app(folder: Path, config: FederatedConfig) -> Path:
+    """A Flower App project whose run config carries ``config`` (as JSON); its folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    # JSON's string escapes are TOML's basic-string escapes, so the JSON text of the
+    # JSON text is a valid TOML string
+    text = _PYPROJECT.format(
+        server=SERVER_APP,
+        client=CLIENT_APP,
+        key=RUN_CONFIG_KEY,
+        config=json.dumps(config.to_json()),
+    )
+    (folder / "pyproject.toml").write_text(text)
+    return folder
+
+
+def write_connection(home: Path, address: str) -> Path:
+    """A Flower configuration (``$FLWR_HOME/config.toml``) whose default SuperLink
+    connection is ``address``, insecure; its path."""
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "config.toml"
+    path.write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        f'[superlink.{CONNECTION}]\naddress = "{address}"\ninsecure = true\n'
+    )
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def deploy(config: FederatedConfig) -> dict[str, Any]:
+    """Run ``config`` under a local deployment engine (module docstring); the summary."""
+    config = _absolute_out(config.validate())
+    out = out_dir(config)
+    out.mkdir(parents=True, exist_ok=True)
+    before = _mtime(out / SUMMARY)
+    with _terminate_raises(), tempfile.TemporaryDirectory(prefix="pockengine-flower-") as tmp:
+        try:
+            with LocalFederation(config.clients, Path(tmp), config.threads) as federation:
+                federation.start()
+                run = federation.submit(write_app(Path(tmp) / "app", config))
+                _follow(run, federation, out / ROUNDS, config.rounds)
+        finally:
+            _keep_logs(Path(tmp), out / LOGS)
+    if _mtime(out / SUMMARY) == before:
+        raise FederatedError(
+            f"the deployed run ended without a summary in {out}; the end of its log "
+            f"({out / LOGS / 'flwr-run.log'}):\n" + _tail(out / LOGS / "flwr-run.log")
+        )
+    summary: dict[str, Any] = json.loads((out / SUMMARY).read_text())
+    return summary
+
+
+def _keep_logs(folder: Path, logs: Path) -> None:
+    """Each process's log, into ``logs`` (replacing an earlier run's)."""
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    for path in folder.glob("*.log"):
+        shutil.copyfile(path, logs / path.name)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    """The last lines of a log (for errors)."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class _Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+class LocalFederation:
+    """A SuperLink and N SuperNodes, each with its ClientApp process, on 127.0.0.1.
+
+    Every process starts in a process group of its own. ``close`` ends those groups and
+    the groups of all their descendants (``flower-superexec`` starts a session of its
+    own; ``flwr-serverapp`` runs in it): SIGTERM, then SIGKILL for what is left.
+    """
+
+    def __init__(self, clients: int, folder: Path, threads: int = 1) -> None:
+        self.clients, self.folder = clients, folder
+        self.stop_s = _STOP_S  # how long ``close`` waits for SIGTERM before SIGKILL
+        self.home = folder / "flower-home"
+        self.port = free_port()
+        self.processes: list[_Process] = []
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.home),  # runs, apps and the connection stay in the folder
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),  # a factory's module
+            "OMP_NUM_THREADS": str(threads),
+        }
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LocalFederation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """The SuperLink, the SuperNodes (they retry until the SuperLink answers) and,
+        as each SuperNode listens, its ClientApp process; returns when all are started
+        (the ServerApp waits for the N nodes)."""
+        write_connection(self.home, self.address)
+        self._spawn("superlink", "flower-superlink", "--insecure",
+                    "--host", "127.0.0.1", "--port", str(self.port),
+                    "--disable-runtime-dependency-installation")  # fmt: skip
+        node_ports = [free_port() for _ in range(self.clients)]
+        for i, port in enumerate(node_ports):
+            self._spawn(f"supernode-{i}", "flower-supernode", "--insecure",
+                        "--superlink", self.address, "--isolation", "process",
+                        "--host", "127.0.0.1", "--port", str(port),
+                        "--node-config",
+                        f"partition-id={i} num-partitions={self.clients}")  # fmt: skip
+        self._wait_listening(self.port, "superlink")
+        for i, port in enumerate(node_ports):
+            self._wait_listening(port, f"supernode-{i}")
+            self._spawn(f"clientapp-{i}", sys.executable, "-m", "pockengine.federated.node",
+                        "--insecure", "--runtime-api-address", f"127.0.0.1:{port}",
+                        "--parent-pid", str(os.getpid()))  # fmt: skip
+
+    def submit(self, app: Path) -> _Process:
+        """``flwr run APP --stream`` against this SuperLink; it ends with the run."""
+        return self._spawn("flwr-run", "flwr", "run", str(app), CONNECTION, "--stream")
+
+    def check(self) -> None:
+        """A ``FederatedError`` if a SuperLink, SuperNode or ClientApp process died."""
+        for p in self.processes:
+            if p.name != "flwr-run" and p.popen.poll() is not None:
+                raise FederatedError(
+                    f"{p.name} exited with code {p.popen.returncode}; the end of its log:\n"
+                    + _tail(p.log)
+                )
+
+    def close(self) -> None:
+        """End every process this federation started (module docstring)."""
+        groups = self.process_groups
+        for group in groups:
+            _signal_group(group, signal.SIGTERM)
+        end = time.monotonic() + self.stop_s
+        for p in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(max(0.1, end - time.monotonic()))
+        groups = sorted({*groups, *self.process_groups})
+        for group in groups:  # what TERM left, helpers included
+            _signal_group(group, signal.SIGKILL)
+        for p in self.processes:
+            p.popen.wait()
+        end = time.monotonic() + self.stop_s
+        while live_members(groups) and time.monotonic() < end:
+            time.sleep(0.05)  # a killed process is gone once it is scheduled again
+
+    @property
+    def process_groups(self) -> list[int]:
+        """The process groups of the processes started and of their live descendants
+        (``flower-superexec`` starts a session of its own)."""
+        leaders = [p.popen.pid for p in self.processes]
+        table = _process_table()
+        family, grew = set(leaders), True
+        while grew:
+            more = {pid for pid, (ppid, _, _) in table.items() if ppid in family} - family
+            family, grew = family | more, bool(more)
+        return sorted({*leaders, *(table[pid][1] for pid in family if pid in table)})
+
+    def _spawn(self, name: str, program: str, *args: str) -> _Process:
+        log_path = self.folder / f"{name}.log"
+        with log_path.open("wb") as sink:
+            popen = subprocess.Popen(
+                [_tool(program), *args], stdout=sink, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
+            )  # fmt: skip
+        process = _Process(name, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def _wait_listening(self, port: int, name: str) -> None:
+        end = time.monotonic() + _STARTUP_S
+        while time.monotonic() < end:
+            self.check()
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.settimeout(1.0)
+                s.connect(("127.0.0.1", port))
+                return
+            time.sleep(0.2)
+        raise FederatedError(f"{name} did not listen on port {port} in {_STARTUP_S:.0f}s")
+
+
+def live_members(groups: list[int]) -> list[int]:
+    """The processes (not zombies) in these process groups."""
+    wanted = set(groups)
+    return [pid for pid, (_, group, state) in _process_table().items()
+            if group in wanted and state != "Z"]  # fmt: skip
+
+
+def _process_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, process group, state) of every process, from ``/proc``
+    (Linux; empty elsewhere)."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after ")"
+            fields = stat.read_text().rpartition(")")[2].split()
+            table[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), fields[0])
+    return table
+
+
+def _follow(run: _Process, federation: LocalFederation, rounds: Path, total: int) -> None:
+    """Log each round as the server appends it, until ``flwr run`` ends."""
+    old = set(_whole_lines(rounds))  # a resumed run's earlier rounds
+    logged: set[str] = set()
+    while True:
+        done = run.popen.poll() is not None
+        for line in _whole_lines(rounds):
+            if line in old or line in logged:
+                continue
+            logged.add(line)
+            row = json.loads(line)
+            log.info(
+                "round %d/%d: accuracy %.4f, loss %.4f, up %d B (full model %d B), clients %s",
+                row["round"], total, row["accuracy"], row["loss"], row["bytes_up"],
+                row["bytes_full_model"], row["clients"],
+            )  # fmt: skip
+        if done:
+            return
+        federation.check()
+        time.sleep(0.5)
+
+
+def _whole_lines(path: Path) -> list[str]:
+    """The complete lines of a file being appended to ([] if it does not exist)."""
+    text = path.read_text() if path.exists() else ""
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
+def _tool(program: str) -> str:
+    """A Flower command (or this Python) by path: beside this interpreter, or on PATH."""
+    if os.path.isabs(program):
+        return program
+    beside = Path(sys.executable).parent / program
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(program)
+    if found is None:
+        raise FederatedError(
+            f"--deployment needs Flower's command {program!r}: pip install 'pockengine[federated]'"
+        )
+    return found
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _absolute_out(config: FederatedConfig) -> FederatedConfig:
+    """The config with ``out`` as an absolute path (the ServerApp runs elsewhere)."""
+    ft = dataclasses.replace(config.finetune, out=str(out_dir(config).resolve()))
+    return dataclasses.replace(config, finetune=ft)
+
+
+def _mtime(path: Path) -> int | None:
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """SIGTERM raises ``KeyboardInterrupt`` in here, so the processes are stopped."""
+    if sys.platform == "win32" or not _is_main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,276 @@
+"""``--scheme auto``: the gradient estimate, then the budgeted search, before a fine-tune.
+
+``choose_auto(config, task, sparse)``: the base is what every sparse scheme trains
+(classification: every bias and norm and the new head, the ``bias`` scheme; a causal
+LM: every bias and norm, ``bias-only``, since its head is the tied embedding). The
+budget is ``config.memory_budget`` (bytes of the planned peak), by default the planned
+peak of the recipe's ``sparse`` scheme at the run's shapes. The candidates are the other
+weights at the output-channel ratios of ``EstimateSettings``, valued by their share of
+the estimate's total score (``estimate``), costed by their estimated extra bytes; the
+knapsack of ``sparse.search`` picks, and ``fit_to_budget`` repairs the pick against the
+compiler's own planned peak (``Planner``: the training graph and its memory plan, no
+backend). What was chosen and why (each weight's score, cost and ratio) goes into the
+run's summary; so does a budget the choice leaves unused, or an analysis skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pockengine.finetune.checkpoint import write_atomic
+from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.data import fingerprint
+from pockengine.finetune.estimate import (
+    Estimate,
+    EstimateSettings,
+    Planner,
+    WeightScore,
+    cache_folder,
+    cache_key,
+    candidate_weights,
+    estimate_scores,
+    optimizer_of,
+)
+from pockengine.ir import SchemeError
+from pockengine.optim import Optimizer
+from pockengine.sparse import schemes
+from pockengine.sparse.names import scheme_named
+from pockengine.sparse.schemes import Scheme
+from pockengine.sparse.search import Budget, Item, choose, fit_to_budget, scheme_for
+
+__all__ = ["AUTO", "AutoChoice", "choose_auto", "items_from_estimate"]
+
+log = logging.getLogger(__name__)
+AUTO = "auto"  # the scheme name the fine-tuner resolves here
+_MIB = float(1 << 20)
+_SLACK = 0.9  # a measured peak under this fraction of the budget is reported as unused room
+
+
+@dataclass
+class AutoChoice:
+    """The scheme ``auto`` chose, the budget it met and the evidence, for the summary."""
+
+    scheme: Scheme
+    budget_bytes: float
+    budget_source: str
+    planned_peak_bytes: float
+    base: str
+    base_peak_bytes: float
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    estimate_seconds: float = 0.0
+    cached: bool = False
+    score: str = "fisher"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["scheme"] = self.scheme.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AutoChoice:
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls)}
+        return cls(**{**fields, "scheme": schemes.from_dict(data["scheme"])})
+
+    def lines(self, top: int = 8) -> list[str]:
+        """A few lines for the printed summary: the choice, the budget, the best weights."""
+        if not self.budget_bytes:  # resumed: the checkpoint's scheme, nothing analysed
+            return [f"  auto scheme note: {n}" for n in self.notes]
+        chosen = [c for c in self.candidates if c["ratio"]]
+        lines = [
+            f"  auto scheme: {self.base} + {len(chosen)} of {len(self.candidates)} weights; "
+            f"planned peak {self.planned_peak_bytes / _MIB:.1f} MiB of a "
+            f"{self.budget_bytes / _MIB:.1f} MiB budget ({self.budget_source}); analysis "
+            f"{self.seconds:.1f} s{' (cached)' if self.cached else ''}",
+        ]
+        for c in sorted(self.candidates, key=lambda c: -c["share"])[:top]:
+            mark = f"trained at ratio {c['ratio']:g}" if c["ratio"] else "frozen"
+            lines.append(
+                f"    {c['param']}: {self.score} share {c['share']:.3f}, "
+                f"+{c['extra_mib']:.1f} MiB at ratio 1, {mark}"
+            )
+        lines += [f"  auto scheme note: {n}" for n in self.notes]
+        return lines
+
+
+def items_from_estimate(
+    estimate: Estimate, kind: str, ratios: Sequence[float], optimizer: Optimizer
+) -> list[Item]:
+    """One knapsack group per weight (at most one ratio), valued by its share of the total
+    score at ratio 1, costed by its estimated extra bytes and backward FLOPs."""
+    total = sum(w.score(kind, 1.0) for w in estimate.weights) or 1.0
+    slots = _state_slots(optimizer)
+    items = []
+    for w in estimate.weights:
+        for r in ratios if w.partial else (1.0,):
+            items.append(
+                Item(
+                    f"weight:{w.param}@{r:g}",
+                    w.param,
+                    w.score(kind, r) / total,
+                    _extra(w, r, slots),
+                    (w.param,),
+                    float(r),
+                )
+            )
+    return items
+
+
+def _state_slots(optimizer: Optimizer) -> int:
+    """Optimizer-state tensors per trained element (AdamW 2, SGD with momentum 1)."""
+    return 2 if type(optimizer).__name__ == "AdamW" else int(getattr(optimizer, "momentum", 0) > 0)
+
+
+def _extra(w: WeightScore, ratio: float, slots: int) -> dict[str, float]:
+    trained = w.trained_rows(ratio) * (w.numel // max(1, w.shape[0]))
+    memory = trained * 4 * (1 + slots) + w.saved_input_bytes
+    return {"memory": float(memory), "flops": float(w.forward_flops * trained / max(1, w.numel))}
+
+
+def choose_auto(
+    config: FinetuneConfig,
+    task: Any,
+    sparse: Scheme,
+    settings: EstimateSettings | None = None,
+) -> AutoChoice:
+    """The scheme to train under the budget (see the module docstring); a choice made
+    before for the same model, data, shapes, optimizer and budget is read from the cache."""
+    start = time.perf_counter()
+    settings = (settings or EstimateSettings()).check()
+    facts = {"budget": config.memory_budget, "sparse": sparse.to_dict(), "kind": task.kind,
+             "optimizer": [config.optimizer, config.momentum], "score": settings.score,
+             "ratios": list(settings.ratios)}  # fmt: skip
+    key = cache_key(config, fingerprint(*task.train), settings, **facts)
+    path = cache_folder() / f"choice-{key}.json"
+    try:
+        choice = AutoChoice.from_dict(json.loads(path.read_text()))
+        choice.cached = True
+    except (OSError, ValueError, KeyError, TypeError, SchemeError):
+        choice = _choose(config, task, sparse, settings)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(choice.to_dict()).encode())
+    choice.seconds = time.perf_counter() - start
+    log.info("auto scheme chosen in %.1f s", choice.seconds)
+    return choice
+
+
+def _choose(
+    config: FinetuneConfig, task: Any, sparse: Scheme, settings: EstimateSettings
+) -> AutoChoice:
+    from pockengine.frontend.torch import import_torch, torch_model_info
+
+    assert config.batch_size is not None
+    example = tuple(torch.from_numpy(np.ascontiguousarray(a[: config.batch_size]))
+                    for a in task.train)  # fmt: skip
+    task.model.train()
+    info = torch_model_info(task.model)
+    model, loss_fn = task.model, task.loss_fn
+    planner = Planner(
+        info,
+        lambda ev: import_torch(model, loss_fn, example, eval_modules=ev),
+        optimizer_of(config),
+    )
+    base_name = "bias-only" if task.kind == "causal-lm" else "bias"
+    base = scheme_named(base_name, frozen_bn="eval")
+    base_peak = float(planner.figures(base).planned_peak_bytes)
+    budget, source = _budget(config, planner, sparse)
+    choice = AutoChoice(base, budget, source, base_peak, base_name, base_peak, score=settings.score)
+    if budget < base_peak:
+        raise FinetuneError(
+            f"--memory-budget {budget / _MIB:.1f} MiB is below the planned peak of the "
+            f"{base_name} scheme that auto starts from ({base_peak / _MIB:.1f} MiB): raise the "
+            "budget, or train --scheme head"
+        )
+    if config.memory_budget is not None:  # the default (sparse's peak) is below full's
+        full = schemes.full(frozen_bn="eval")
+        full_peak = float(planner.figures(full).planned_peak_bytes)
+        if budget >= full_peak:
+            choice.scheme, choice.planned_peak_bytes = full, full_peak
+            choice.notes.append(f"analysis skipped: the budget allows full fine-tuning "
+                                f"({full_peak / _MIB:.1f} MiB)")  # fmt: skip
+            return choice
+    _search(choice, config, task, planner, settings)
+    log.info("auto scheme: %d planner calls", planner.calls)
+    return choice
+
+
+def _budget(config: FinetuneConfig, planner: Planner, sparse: Scheme) -> tuple[float, str]:
+    if config.memory_budget is not None:
+        return float(config.memory_budget), "--memory-budget"
+    peak = planner.figures(dataclasses.replace(sparse, frozen_bn="eval")).planned_peak_bytes
+    return float(peak), "the sparse scheme's planned peak"
+
+
+def _search(
+    choice: AutoChoice,
+    config: FinetuneConfig,
+    task: Any,
+    planner: Planner,
+    settings: EstimateSettings,
+) -> None:
+    """Estimate, choose, repair against the planner; fill in ``choice``."""
+    base_names = sorted(choice.scheme.resolve(planner.info).names)
+    weights = candidate_weights(planner.info, set(base_names))
+    if not weights:
+        choice.notes.append(f"analysis skipped: no weight outside the {choice.base} scheme")
+        return
+    estimate = estimate_scores(config, task, planner, weights, settings)
+    items = items_from_estimate(estimate, settings.score, settings.ratios, planner.optimizer)
+    budget = Budget({"memory": choice.budget_bytes}, {"memory": choice.base_peak_bytes})
+    selection = choose(items, budget, seed=config.seed)
+
+    def measure(chosen: Sequence[Item]) -> dict[str, float]:
+        figures = planner.figures(scheme_for(base_names, chosen))
+        return {"memory": float(figures.planned_peak_bytes)}
+
+    chosen, measured = fit_to_budget(selection, items, budget, measure, max_additions=4)
+    choice.scheme = scheme_for(base_names, chosen)
+    choice.planned_peak_bytes = measured["memory"]
+    choice.cached, choice.estimate_seconds = estimate.cached, estimate.seconds
+    choice.candidates = _table(estimate, items, chosen, settings.score)
+    _note_unused(choice, chosen, items)
+
+
+def _table(
+    estimate: Estimate, items: Sequence[Item], chosen: Sequence[Item], kind: str
+) -> list[dict[str, Any]]:
+    ratio = {i.group: i.ratio for i in chosen}
+    at_one = {i.group: i for i in items if i.ratio == 1.0}
+    return [
+        {
+            "param": w.param,
+            "layer": w.layer,
+            "share": at_one[w.param].value,
+            "score": w.score(kind, 1.0),
+            "extra_mib": at_one[w.param].cost["memory"] / _MIB,
+            "ratio": ratio.get(w.param, 0.0),
+        }
+        for w in estimate.weights
+    ]
+
+
+def _note_unused(choice: AutoChoice, chosen: Sequence[Item], items: Sequence[Item]) -> None:
+    """Say so when the choice leaves a good part of the budget unused."""
+    if choice.planned_peak_bytes >= _SLACK * choice.budget_bytes:
+        return
+    left = {i.group for i in items} - {i.group for i in chosen}
+    why = (
+        f"{len(left)} weights left out did not fit when measured"
+        if left
+        else "every candidate weight is trained"
+    )
+    choice.notes.append(
+        f"the scheme trains less than the budget allows: planned peak "
+        f"{choice.planned_peak_bytes / _MIB:.1f} MiB of {choice.budget_bytes / _MIB:.1f} MiB "
+        f"({why})"
+    )

@@ -1,0 +1,326 @@
+"""Recomputation under a memory budget: activation checkpointing chosen by the planner.
+
+``FitMemoryBudget(budget)`` is a training-graph pass. When the planned peak of the step
+(``plan.memory``, after the passes that follow it, ``finish``) is above ``budget`` bytes,
+it chooses saved forward values to recompute in the backward pass instead of keeping them
+alive from the forward pass, greedily: the saved values alive at the planned peak, one by
+one the one whose recomputation costs the fewest FLOPs per byte it frees there (its own
+size), costed with the values chosen before it, enough to cover the excess over the
+budget, each kept only if it and the earlier choices can all still be recomputed; then it
+plans again, until the plan fits or nothing alive at the peak is left to try.
+Unlike ``passes.remat`` any pure forward node may be repeated, matmuls and attention
+included, through chains of values that died in the forward pass or were chosen
+before, so choosing a transformer block's internals one by one ends in recomputing the
+block from its input: activation checkpointing. The FLOPs estimate counts the nodes a
+value's recomputation repeats (its producer, and the producers of its inputs that are not
+alive in the backward pass, recursively); the peak is measured by planning again.
+
+A budget the best plan cannot meet is not an error: the pass keeps the plan with the
+lowest peak it found and logs a warning that names it and how far it is from the budget;
+``step.report()`` says the same (``recomputation``).
+
+Recomputation repeats the original nodes (``passes.remat.recompute``): the same op,
+attributes and operands, so every backend computes the same bits again. Dropout masks are
+``random_mask`` nodes, a pure function of the step's seed (an optimizer-state input that
+no effect writes before the backward pass), the salt and the element index, so a repeated
+mask is the same mask. Effects (batch norm's running statistics, parameter updates) are
+never repeated: only the pure values are.
+
+Needs: a verified training graph whose backward nodes have ``Phase.BACKWARD`` and whose
+effects come after the backward pass (run before ``reorder_updates``; ``with_budget``
+puts it there). Guarantees: the same values, bit for bit, for every output and effect;
+recomputed nodes have ``Phase.BACKWARD``, ``GRAD_PREFIX`` + the original source, and
+results named ``<original>_re<k>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pockengine.ir import GRAD_PREFIX, CompileError, Fact, Graph, Node, Phase, Value, get_op
+from pockengine.passes.remat import recompute
+from pockengine.plan.cost import cost
+from pockengine.plan.memory import MemoryPlan, plan_memory
+
+__all__ = [
+    "BUDGET_DEPTH",
+    "FitMemoryBudget",
+    "Recomputation",
+    "Segment",
+    "parse_budget",
+    "recomputation",
+    "with_budget",
+]
+
+log = logging.getLogger(__name__)
+Pass = Callable[[Graph], Graph]
+BUDGET_DEPTH = 64  # ops in one recomputed chain
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_MIB = 1 << 20
+
+
+def parse_budget(budget: str | float | None) -> int | None:
+    """Bytes from ``600MB``, ``600MiB``, ``1.5G`` (binary units, as the report prints MiB),
+    or a number of bytes; None stays None."""
+    if budget is None:
+        return None
+    if isinstance(budget, int | float) and not isinstance(budget, bool):
+        value = float(budget)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(i?b)?\s*", str(budget).lower())
+        value = float(m.group(1)) * _UNITS[m.group(2)] if m else -1.0
+    if not value > 0:
+        raise CompileError(f"memory_budget: cannot read {budget!r} as a size > 0 such as '600MB'")
+    return int(value)
+
+
+def _pure(node: Node, v: Value) -> bool:
+    return not get_op(node.op).effectful
+
+
+def _finished(graph: Graph, finish: Sequence[Pass]) -> Graph:
+    for p in finish:
+        graph = p(graph)
+    return graph
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """The saved forward values of a graph and what recomputing each would repeat."""
+
+    producers: dict[str, Node]
+    flops: dict[str, int]  # value -> FLOPs of its producer
+    saved: dict[str, Value]  # read by the backward, made by a pure forward node
+    alive: frozenset[str]  # read by the backward at all (saved, params, batch inputs)
+
+    @classmethod
+    def of(cls, graph: Graph) -> _Saved:
+        producers, flops = graph.producers(), {}
+        for node, c in zip(graph.nodes, cost(graph).nodes, strict=True):
+            flops.update(dict.fromkeys((v.name for v in node.outputs), c.flops))
+        returned = {v.name for v in graph.outputs}
+        read = {v.name: v for n in graph.nodes if n.phase is Phase.BACKWARD for v in n.inputs}
+        saved = {
+            name: v
+            for name, v in read.items()
+            if name in producers
+            and producers[name].phase is not Phase.BACKWARD
+            and _pure(producers[name], v)
+            and name not in returned
+            and v.type.nbytes > 0
+        }
+        return cls(producers, flops, saved, frozenset(read))
+
+    def estimate(self, name: str, dropped: set[str]) -> int:
+        """FLOPs of recomputing ``name`` while the ``dropped`` values are not kept."""
+        total, seen, stack = 0, set(), [name]
+        while stack:
+            node = self.producers.get(stack.pop())
+            if node is None or id(node) in seen or get_op(node.op).has(Fact.CONSTANT):
+                continue
+            seen.add(id(node))
+            total += self.flops[node.outputs[0].name]
+            stack.extend(
+                u.name for u in node.inputs if u.name in dropped or u.name not in self.alive
+            )
+        return total
+
+
+@dataclass(frozen=True)
+class FitMemoryBudget:
+    """The pass: recompute saved values until the planned peak of ``finish(graph)`` is at
+    most ``budget`` bytes (see the module doc)."""
+
+    budget: int
+    finish: tuple[Pass, ...] = ()  # the passes after this one, whose result is planned
+    __name__: ClassVar[str] = "fit_memory_budget"
+
+    def peak(self, graph: Graph) -> int:
+        return plan_memory(_finished(graph, self.finish)).planned_peak_bytes
+
+    def __call__(self, graph: Graph) -> Graph:
+        finished = _finished(graph, self.finish)
+        plan = plan_memory(finished)
+        base = plan.planned_peak_bytes
+        if base <= self.budget:
+            return graph
+        best, best_peak = graph, base
+        saved, dropped, tried = _Saved.of(graph), set[str](), set[str]()
+        while picks := self._picks(finished, plan, saved, dropped, tried):
+            tried.update(picks)
+            current, dropped = _recompute(graph, dropped, picks)
+            finished = _finished(current, self.finish)
+            plan = plan_memory(finished)
+            if plan.planned_peak_bytes < best_peak:
+                best, best_peak = current, plan.planned_peak_bytes
+            if best_peak <= self.budget:
+                return best
+        log.warning(
+            "memory budget %.1f MiB not met: the best plan found peaks at %.1f MiB (%.1f MiB "
+            "over; %.1f MiB without recomputation)", self.budget / _MIB, best_peak / _MIB,
+            (best_peak - self.budget) / _MIB, base / _MIB,
+        )  # fmt: skip
+        return best
+
+    def _picks(
+        self, graph: Graph, plan: MemoryPlan, saved: _Saved, dropped: set[str], tried: set[str]
+    ) -> list[str]:
+        """The saved values alive at the planned peak of ``graph`` (finished) and first read
+        by the backward after it, cheapest to recompute per byte first, enough of them to
+        free the excess over the budget there (at least one)."""
+        live, peak = plan.liveness, plan.planned_peak_bytes
+        first: dict[str, int] = {}  # value -> its first backward reader
+        for i, node in enumerate(graph.nodes):
+            if node.phase is Phase.BACKWARD:
+                for v in node.inputs:
+                    first.setdefault(v.name, i)
+        at_peak = [v.name for v in live.live_at(live.peak_index)]
+        options = {n for n in at_peak if n in saved.saved and n not in tried
+                   and first.get(n, -1) > live.peak_index}  # fmt: skip
+        order = {name: k for k, name in enumerate(saved.saved)}  # ties: the earliest saved
+        picks: list[str] = []
+        freed = 0
+        while options and freed < peak - self.budget:  # each costed with the picks before it
+            chosen = {*dropped, *picks}
+            best = min(options, key=lambda n: (
+                saved.estimate(n, chosen) / saved.saved[n].type.nbytes, order[n]))  # fmt: skip
+            options.remove(best)
+            picks.append(best)
+            freed += saved.saved[best].type.nbytes
+        return picks
+
+
+def _recompute(graph: Graph, dropped: set[str], picks: Sequence[str]) -> tuple[Graph, set[str]]:
+    """``graph`` with ``dropped`` and as many of ``picks`` (in order) as can join them
+    recomputed, and the values recomputed. A pick is left saved when it cannot be
+    recomputed with the others (its chain too deep: through a residual stream chosen
+    before, back to the embedding; or an operand gone)."""
+    out = recompute(graph, _pure, BUDGET_DEPTH, dropped)
+    for name in picks:
+        trial = recompute(graph, _pure, BUDGET_DEPTH, dropped | {name})
+        read = {v.name for n in trial.nodes if n.phase is Phase.BACKWARD for v in n.inputs}
+        if not (dropped | {name}) & read:
+            out, dropped = trial, dropped | {name}
+    return out, dropped
+
+
+def with_budget(passes: Sequence[Pass], budget: int | None) -> tuple[Pass, ...]:
+    """``passes`` with ``FitMemoryBudget(budget)`` before ``reorder_updates`` (or last);
+    unchanged for no budget."""
+    passes = tuple(p for p in passes if not isinstance(p, FitMemoryBudget))
+    if budget is None:
+        return passes
+    names = [getattr(p, "__name__", "") for p in passes]
+    at = names.index("reorder_updates") if "reorder_updates" in names else len(passes)
+    return (*passes[:at], FitMemoryBudget(budget, passes[at:]), *passes[at:])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Nodes recomputed together, just before the backward node that needs them first."""
+
+    layer: str  # the longest module path the recomputed nodes' sources share
+    values: tuple[str, ...]  # the forward values recomputed
+    ops: tuple[str, ...]
+    flops: int
+
+
+@dataclass(frozen=True)
+class Recomputation:
+    """What the budget made the step recompute, and what it bought."""
+
+    budget: int
+    peak_before: int  # planned peak of the same step without the budget
+    peak_after: int
+    step_flops: int  # all FLOPs of the step, the recomputation's included
+    segments: tuple[Segment, ...]
+
+    @property
+    def extra_flops(self) -> int:
+        return sum(s.flops for s in self.segments)
+
+    @property
+    def met(self) -> bool:
+        return self.peak_after <= self.budget
+
+    def lines(self) -> list[str]:
+        share = self.extra_flops / self.step_flops if self.step_flops else 0.0
+        verdict = (
+            "met" if self.met else f"NOT met, {(self.peak_after - self.budget) / _MIB:.2f} MiB over"
+        )
+        lines = [
+            f"recomputation for a memory budget of {self.budget / _MIB:.2f} MiB ({verdict}): "
+            f"planned peak {self.peak_before / _MIB:.2f} -> {self.peak_after / _MIB:.2f} MiB",
+            f"  {sum(len(s.values) for s in self.segments)} values in {len(self.segments)} "
+            f"segments, {self.extra_flops / 1e9:.3f} GFLOP extra ({share:.1%} of the step)",
+        ]
+        for s in self.segments:
+            lines.append(f"    {s.layer:<40} {len(s.ops):>3} ops {s.flops / 1e6:>10.1f} MFLOP  "
+                         + ", ".join(_counted(s.ops)))  # fmt: skip
+        return lines
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "budget_bytes": self.budget, "met": self.met, "extra_flops": self.extra_flops,
+            "peak_before_bytes": self.peak_before, "peak_after_bytes": self.peak_after,
+            "step_flops": self.step_flops,
+            "segments": [{"layer": s.layer, "values": list(s.values), "ops": list(s.ops),
+                          "flops": s.flops} for s in self.segments],
+        }  # fmt: skip
+
+
+def _counted(ops: Sequence[str]) -> list[str]:
+    counts: dict[str, int] = {}
+    for op in ops:
+        counts[op] = counts.get(op, 0) + 1
+    return [f"{op} x{n}" if n > 1 else op for op, n in counts.items()]
+
+
+def _layer(sources: Sequence[str]) -> str:
+    parts = [s.removeprefix(GRAD_PREFIX).split(".") for s in sources]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or "<several>"
+
+
+def recomputation(
+    passes: Sequence[Pass], stages: Sequence[tuple[str, Graph]]
+) -> Recomputation | None:
+    """What ``FitMemoryBudget`` among ``passes`` recomputed in the step whose pipeline
+    stages (``run_pipeline``'s, input first) are ``stages``; None without a budget."""
+    at = next((k for k, p in enumerate(passes) if isinstance(p, FitMemoryBudget)), None)
+    if at is None:
+        return None
+    fit = passes[at]
+    assert isinstance(fit, FitMemoryBudget)
+    before, final = stages[at][1], stages[-1][1]
+    made = {v.name for n in before.nodes for v in n.outputs}
+    costs = cost(final)
+    runs: list[list[int]] = []
+    for i, node in enumerate(final.nodes):
+        if node.outputs and node.outputs[0].name not in made:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+    segments = tuple(
+        Segment(
+            _layer([final.nodes[i].source for i in run]),
+            tuple(_ORIGINAL.sub("", final.nodes[i].outputs[0].name) for i in run),
+            tuple(final.nodes[i].op for i in run),
+            sum(costs.nodes[i].flops for i in run),
+        )
+        for run in runs
+    )
+    peak_after = plan_memory(final).planned_peak_bytes
+    return Recomputation(fit.budget, fit.peak(before), peak_after, costs.flops, segments)
+
+
+_ORIGINAL = re.compile(r"_re[0-9]+$")

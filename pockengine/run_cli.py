@@ -1,0 +1,211 @@
+"""``pockengine evaluate | predict | generate``: use a finished (or stopped) run's model.
+
+Each reads ``RUN/model`` (``pe.load_run``), which ``pockengine finetune`` writes when a run
+ends or stops. ``predict`` and ``generate`` need nothing else; ``evaluate`` rebuilds the
+run's validation split from its recipe and data unless ``--data`` names a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import io
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from pockengine.finetune.cli import non_negative_float, positive_int
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add ``evaluate``, ``predict`` and ``generate`` to the ``pockengine`` subcommands."""
+    for add in (_add_evaluate, _add_predict, _add_generate):
+        parser = add(sub)
+        parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
+        parser.set_defaults(run=_with_threads)
+
+
+def _add_evaluate(sub: Any) -> Any:
+    ev = sub.add_parser(
+        "evaluate",
+        help="accuracy, macro-F1, per-class scores and confusion (perplexity for a causal "
+        "LM) of a run's model; writes RUN/eval.json and RUN/confusion.png",
+    )
+    ev.add_argument("run_dir", metavar="RUN", help="a run folder of pockengine finetune")
+    ev.add_argument(
+        "--data",
+        help="a .csv/.tsv/.jsonl file or class folder in the run's "
+        "columns (a text file or folder for a causal LM); default: the run's "
+        "validation split",
+    )
+    ev.set_defaults(run_command=_evaluate)
+    return ev
+
+
+def _add_predict(sub: Any) -> Any:
+    pr = sub.add_parser(
+        "predict",
+        help="classify texts with a run's model: one JSON line per input "
+        '({"label": ..., "probs": {...}})',
+    )
+    pr.add_argument("run_dir", metavar="RUN", help="a run folder of pockengine finetune")
+    pr.add_argument(
+        "texts", nargs="*", metavar="TEXT", help="texts (image files for a vision run) to classify"
+    )
+    pr.add_argument(
+        "--input",
+        help="a file of inputs: .jsonl/.csv/.tsv (the run's text "
+        "column) or plain text, one input a line",
+    )
+    pr.add_argument("--output", help="write the JSON lines here instead of to stdout")
+    pr.add_argument("--batch-size", type=positive_int, default=32, help="inputs a forward pass")
+    pr.set_defaults(run_command=_predict)
+    return pr
+
+
+def _add_generate(sub: Any) -> Any:
+    ge = sub.add_parser(
+        "generate",
+        help="continue a prompt with a causal-LM run's model, streaming the "
+        "text; reports tokens per second",
+    )
+    ge.add_argument(
+        "run_dir", metavar="RUN", help="a run folder of pockengine finetune (a causal LM)"
+    )
+    ge.add_argument("--prompt", required=True, help="the text to continue")
+    ge.add_argument(
+        "--max-new-tokens", type=positive_int, default=100, help="stop after this many tokens"
+    )
+    ge.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.8,
+        help="softmax temperature; 0 picks the most likely token",
+    )
+    ge.add_argument("--top-k", type=positive_int, default=50, help="sample among the K likeliest")
+    ge.add_argument(
+        "--seed", type=int, default=0, help="of the sampling; the same seed, the same text"
+    )
+    ge.set_defaults(run_command=_generate)
+    return ge
+
+
+def _with_threads(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    command: Callable[[argparse.Namespace], int] = args.run_command
+    return command(args)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from pockengine.finetune.home_load import load_run
+    from pockengine.finetune.run_eval import evaluate_run, format_eval, write_eval
+
+    result = evaluate_run(load_run(args.run_dir), args.data)
+    print(format_eval(result))
+    written = write_eval(Path(args.run_dir), result)
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from pockengine.finetune.home_load import as_prediction, load_run
+
+    if bool(args.texts) == bool(args.input):
+        raise ValueError("predict takes texts or --input FILE (one of them)")
+    loaded = load_run(args.run_dir)
+    column = str(loaded.meta.get("config", {}).get("text_column") or "text")
+    inputs = _read_inputs(Path(args.input), column) if args.input else list(args.texts)
+    with _bar(len(inputs) if args.input else 0) as advance, _sink(args.output) as out:
+        for start in range(0, len(inputs), args.batch_size):
+            chunk = inputs[start : start + args.batch_size]
+            for row in loaded.predict_proba(chunk, args.batch_size):
+                out.write(json.dumps(as_prediction(row, loaded.labels)) + "\n")
+            advance(len(chunk))
+    if args.output:
+        print(f"wrote {len(inputs)} predictions to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _read_inputs(path: Path, column: str) -> list[str]:
+    """The inputs in a file: a .jsonl/.csv/.tsv text column, or one input a line."""
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        rows = [json.loads(s) for s in text.splitlines() if s.strip()]
+        return [_field(r, column, path, i) for i, r in enumerate(rows, 1)]
+    if suffix in (".csv", ".tsv"):
+        rows = list(
+            csv.DictReader(
+                io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ","
+            )
+        )
+        return [_field(r, column, path, i) for i, r in enumerate(rows, 2)]
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _field(row: Any, column: str, path: Path, line: int) -> str:
+    if not isinstance(row, dict) or column not in row:
+        raise ValueError(f"{path}:{line}: no {column!r} field (the run's text column)")
+    return str(row[column])
+
+
+@contextmanager
+def _sink(path: str | None) -> Iterator[IO[str]]:
+    if path is None:
+        yield sys.stdout
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        yield f
+
+
+@contextmanager
+def _bar(total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr for ``total`` inputs (none when 0 or tqdm is missing)."""
+    try:
+        tqdm: Any = importlib.import_module("tqdm").tqdm  # optional, untyped
+    except ImportError:
+        total = 0
+    if not total:
+        yield lambda n: None
+        return
+    with tqdm(total=total, unit="input", file=sys.stderr, dynamic_ncols=True) as bar:
+        yield bar.update
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pockengine.finetune.generation import check_generation, generate
+    from pockengine.finetune.home_load import load_run
+
+    loaded = load_run(args.run_dir)
+    check_generation(loaded, args.max_new_tokens, args.temperature, args.top_k)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    done = generate(
+        loaded,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        on_text=show,
+    )
+    print()
+    print(
+        f"{done.tokens} tokens in {done.seconds:.2f} s ({done.tokens_per_s:.1f} tokens/s)",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,66 @@
+"""Writing safetensors files tensor by tensor, without building the file in memory.
+
+``safetensors.numpy.save`` returns the whole file as one ``bytes`` object: saving a model
+then briefly holds a second copy of every weight, which on a small device is the run's
+peak. ``write_safetensors_to`` writes the header, then each array's own bytes (a view,
+never a copy), so saving costs no memory beyond the arrays already held. NumPy only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+import numpy as np
+
+__all__ = ["SAFETENSORS_DTYPES", "header_bytes", "write_safetensors_to"]
+
+Array = np.ndarray[Any, Any]
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+_NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _c_order(tensors: Mapping[str, Array]) -> dict[str, Array]:
+    arrays = {}
+    for name, array in tensors.items():
+        a = np.asarray(array)
+        if a.dtype not in _NAMES:
+            raise TypeError(f"{name}: {a.dtype} has no safetensors dtype")
+        arrays[name] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    return arrays
+
+
+def header_bytes(tensors: Mapping[str, Array], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length and the JSON header (padded to 8 bytes) of ``tensors``, laid out
+    in the given order."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, a in tensors.items():
+        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}  # fmt: skip
+        offset += a.nbytes
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_safetensors_to(
+    f: IO[bytes],
+    tensors: Mapping[str, Array],
+    metadata: Mapping[str, str] | None = None,
+    write: Callable[[IO[bytes], bytes | memoryview], None] | None = None,
+) -> None:
+    """``tensors`` as one safetensors file into ``f`` (little-endian, C order), each array
+    written from its own memory. ``write(f, data)`` does the writing (default ``f.write``)."""
+    put = write or (lambda out, data: out.write(data))
+    arrays = _c_order(tensors)
+    put(f, header_bytes(arrays, metadata))
+    for a in arrays.values():
+        if a.nbytes:
+            put(f, a.reshape(-1).view(np.uint8).data)

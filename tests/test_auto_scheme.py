@@ -1,0 +1,175 @@
+"""``--scheme auto``: gradient scores that match torch.autograd, a choice within the
+budget that the trained step's own report confirms, the cache, the notes a run prints,
+the held-out test split, and a learning rate chosen on training examples only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from pockengine.cli import main
+from pockengine.finetune import FinetuneConfig, finetune, recipes
+from pockengine.finetune import estimate as est
+from pockengine.finetune.auto_scheme import choose_auto, items_from_estimate
+from pockengine.finetune.config import FinetuneError
+from pockengine.finetune.lr_choice import choose_lr
+from pockengine.ir import SchemeError
+from pockengine.optim import AdamW
+from pockengine.sparse.names import scheme_named
+from tests.test_sensitivity import _dataset
+
+FACTORY = "tests.test_auto_scheme:wide_classifier"
+
+
+class WideClassifier(nn.Module):
+    """Embedding, mean pool, three hidden Linear layers of different widths, a head."""
+
+    def __init__(self, vocab_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, 16)
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 32)
+        self.fc3 = nn.Linear(32, 16)
+        self.head = nn.Linear(16, num_labels)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1).to(torch.float32)
+        h = (self.embed(ids) * m).sum(1) / m.sum(1).clamp(min=1.0)
+        h = torch.tanh(self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(h))))))
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def wide_classifier(vocab_size: int, num_labels: int) -> nn.Module:
+    return WideClassifier(vocab_size, num_labels)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _config(tmp_path: Path, **kw: object) -> FinetuneConfig:
+    base = FinetuneConfig(model=FACTORY, data=str(_dataset(tmp_path / "topics.csv")), recipe=None,
+                          batch_size=8, seq_len=8, max_train=72, epochs=1, backend="torch",
+                          progress="none", scheme="auto", out=str(tmp_path / "run"))  # fmt: skip
+    config = dataclasses.replace(base, **kw).validate()  # type: ignore[arg-type]
+    return config.with_defaults(recipes.defaults(config)).validate()
+
+
+def _planner(config: FinetuneConfig, task: recipes.Task) -> est.Planner:
+    from pockengine.frontend.torch import import_torch, torch_model_info
+
+    example = tuple(torch.from_numpy(a[:8]) for a in task.train)
+    return est.Planner(torch_model_info(task.model),
+                       lambda ev: import_torch(task.model, task.loss_fn, example, eval_modules=ev),
+                       est.optimizer_of(config))  # fmt: skip
+
+
+def test_scores_are_those_of_torch_autograd(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    task = recipes.build(config)
+    planner = _planner(config, task)
+    weights = est.candidate_weights(planner.info, {"head.weight", "head.bias"})
+    assert [w.name for w in weights] == ["fc1.weight", "fc2.weight", "fc3.weight"]
+    scores = est.estimate_scores(config, task, planner, weights, est.EstimateSettings(batches=3))
+    grads: dict[str, list[np.ndarray]] = {}
+    for b in range(3):  # the last 3 batches of the training split, as the estimate reads
+        batch = [torch.from_numpy(a[len(a) - (b + 1) * 8 : len(a) - b * 8]) for a in task.train]
+        task.model.zero_grad()
+        task.loss_fn(task.model, *batch).backward()
+        for w in weights:
+            grads.setdefault(w.name, []).append(task.model.get_parameter(w.name).grad.numpy())
+    for w in scores.weights:
+        g = np.stack(grads[w.param]).astype(np.float64)
+        value = task.model.get_parameter(w.param).detach().numpy()
+        np.testing.assert_allclose(w.rows["fisher"], (g**2).mean(0).sum(1), rtol=1e-4)
+        np.testing.assert_allclose(w.rows["taylor"], np.abs(g.mean(0) * value).sum(1), rtol=1e-4)
+        np.testing.assert_allclose(w.rows["grad"], np.abs(g.mean(0)).sum(1), rtol=1e-4)
+        # a ratio trains the leading rows, so its score is theirs
+        half = w.trained_rows(0.5)
+        assert w.score("fisher", 0.5) == pytest.approx(sum(w.rows["fisher"][:half]))
+    items = items_from_estimate(scores, "fisher", (0.25, 0.5, 1.0), AdamW())
+    assert sum(i.value for i in items if i.ratio == 1.0) == pytest.approx(1.0)
+    for name in ("fc1.weight", "fc2.weight", "fc3.weight"):
+        mine = sorted((i for i in items if i.group == name), key=lambda i: i.ratio)
+        assert [i.value for i in mine] == sorted(i.value for i in mine)
+        assert [i.cost["memory"] for i in mine] == sorted(i.cost["memory"] for i in mine)
+
+
+def test_auto_trains_within_the_budget_and_says_why(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    task = recipes.build(config)
+    planner = _planner(config, task)
+    bias = planner.figures(scheme_named("bias")).planned_peak_bytes
+    full = planner.figures(scheme_named("full")).planned_peak_bytes
+    budget = (bias + full) / 2
+    result = finetune(dataclasses.replace(config, memory_budget=budget))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    auto = summary["auto_scheme"]
+    assert auto["budget_source"] == "--memory-budget" and auto["budget_bytes"] == budget
+    chosen = {c["param"] for c in auto["candidates"] if c["ratio"]}
+    ratios = [c["ratio"] for c in auto["candidates"]]
+    assert chosen and ratios != [1.0, 1.0, 1.0]  # something of the weights stays frozen
+    assert all(c["share"] >= 0 and c["extra_mib"] > 0 for c in auto["candidates"])
+    # the compiled step of the run: within the budget, training the base and the choice
+    assert bias < result.planned_peak_bytes <= budget
+    trained = set(result.step.trained)
+    assert chosen <= trained and "fc1.bias" in trained and "head.weight" in trained
+    assert trained - chosen == {n for n in trained if "bias" in n} | {"head.weight"}
+    assert "auto scheme: bias +" in result.summary()
+    # the same run again reads its choice from the cache: nothing is estimated
+    again = choose_auto(dataclasses.replace(config, memory_budget=budget), recipes.build(config),
+                        recipes.RECIPES["generic"].sparse)  # fmt: skip
+    assert again.cached and again.scheme.to_dict() == auto["scheme"]
+
+
+def test_budgets_at_the_edges_are_said(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    task = recipes.build(config)
+    sparse = recipes.RECIPES["generic"].sparse
+    with pytest.raises(FinetuneError, match="below the planned peak of the bias scheme"):
+        choose_auto(dataclasses.replace(config, memory_budget=1.0), task, sparse)
+    roomy = choose_auto(dataclasses.replace(config, memory_budget=float(1 << 30)), task, sparse)
+    assert roomy.scheme.kind == "full"
+    assert any("analysis skipped: the budget allows full" in n for n in roomy.notes)
+
+
+def test_auto_is_a_name_only_the_fine_tuner_resolves() -> None:
+    with pytest.raises(SchemeError, match="chosen by pockengine finetune"):
+        scheme_named("auto")
+    assert main(["inspect", "mlp", "--scheme", "auto"]) == 2
+
+
+def test_the_test_split_is_seeded_disjoint_and_drawn_from_validation(tmp_path: Path) -> None:
+    plain = recipes.build(_config(tmp_path))
+    split = recipes.build(_config(tmp_path, test_fraction=0.5))
+    assert (
+        split.train_size == plain.train_size
+        and split.val_size + len(split.test[0]) == plain.val_size
+    )
+    rows = {tuple(r) for r in plain.val[0]}
+    val, test = {tuple(r) for r in split.val[0]}, {tuple(r) for r in split.test[0]}
+    assert not val & test and val | test == rows
+    assert len(set(split.test[-1].tolist())) == 2  # both classes, though validation is grouped
+    again = recipes.build(_config(tmp_path, test_fraction=0.5))
+    np.testing.assert_array_equal(again.test[0], split.test[0])
+    with pytest.raises(FinetuneError, match="test fraction"):
+        recipes.with_test_split(plain, 0.01, 0)
+
+
+def test_the_lr_is_the_best_on_held_out_training_examples(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    choice = choose_lr(config, "bias", (1e-3, 3e-2), steps=4, holdout=24)
+    assert [t["lr"] for t in choice.trials] == [1e-3, 3e-2]
+    best = max(choice.trials, key=lambda t: (t["val_accuracy"], -t["val_loss"]))
+    assert choice.lr == best["lr"]
+    # the held-out examples are the training split's last ones: fewer train on
+    assert choice.settings["train_examples"] == 72 - 24

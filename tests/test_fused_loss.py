@@ -1,0 +1,294 @@
+"""The fused large-vocabulary loss: ``passes.fuse_loss`` rewrites the frontends'
+``gather(log_softmax(x @ w (+ b)), target)`` into ``linear_log_softmax_gather``, and the
+result equals the unfused graph and torch.autograd (loss and every gradient), on the
+torch frontend (a classifier head with ignored targets, a LLaMA causal LM with tied and
+untied embeddings, a causal shift by slicing the logits) and the ONNX frontend's
+``causal_lm`` loss; the ``[tokens, vocab]`` logits exist nowhere in the training graph.
+The op's kernels are checked on its samples by the op table, torch and ONNX tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+import pockengine as pe
+import pockengine.runtime
+from pockengine import zoo
+from pockengine.backends import get_backend
+from pockengine.backends.c.backend import CBackend
+from pockengine.backends.numpy_backend import evaluate
+from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType, verify
+from pockengine.passes import FORWARD_PIPELINE, forward_passes, fuse_linear_cross_entropy
+from pockengine.passes.fuse_loss import MIN_VOCAB
+from pockengine.plan.report import analyze
+from pockengine.runtime import gradients_graph
+
+Array = np.ndarray[Any, Any]
+VOCAB = MIN_VOCAB  # the smallest vocabulary the default pipeline fuses
+FUSED = "linear_log_softmax_gather"
+
+
+class _Head(nn.Module):
+    def __init__(self, vocab: int = VOCAB) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))  # type: ignore[no-any-return]
+
+
+def _classify(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def _head_batch(vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    y = torch.randint(0, vocab, (6,), generator=g)
+    y[2] = -100  # an ignored target
+    return torch.randn(6, 8, generator=g), y
+
+
+class _ShiftedLM(nn.Module):
+    """A causal LM whose loss slices the logits (older transformers) instead of padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))  # type: ignore[no-any-return]
+
+
+def _shifted_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids)[:, :-1, :]
+    return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _llama(tied: bool) -> zoo.Workload:
+    return zoo.llama_lm(layers=1, hidden=16, heads=2, kv_heads=1, ffn=32, vocab=VOCAB, seq=6,
+                        batch=2, tied=tied)  # fmt: skip
+
+
+@pytest.fixture
+def unfused(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., pe.TrainStep]]:
+    """``compile`` with the forward pipeline minus the fused loss."""
+
+    def compile_unfused(*args: Any, **kwargs: Any) -> pe.TrainStep:
+        with monkeypatch.context() as m:
+            passes = tuple(p for p in FORWARD_PIPELINE if p is not fuse_linear_cross_entropy)
+            m.setattr(pockengine.runtime, "forward_passes", lambda supported: passes)
+            return pe.compile(*args, **kwargs)
+
+    yield compile_unfused
+
+
+def _ops(graph: Graph) -> set[str]:
+    return {n.op for n in graph.nodes}
+
+
+def _vocab_sized(graph: Graph, tokens: int) -> list[str]:
+    """Values shaped like the logits (``tokens`` rows of ``vocab``) anywhere in ``graph``."""
+    return [
+        v.name
+        for n in graph.nodes
+        for v in n.outputs
+        if VOCAB in v.shape and v.type.numel == tokens * VOCAB
+    ]
+
+
+def _autograd(model: nn.Module, loss_fn: Callable[..., torch.Tensor],
+              batch: tuple[torch.Tensor, ...]) -> tuple[float, dict[str, Array]]:  # fmt: skip
+    model = copy.deepcopy(model)
+    loss = loss_fn(model, *batch)
+    loss.backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads
+
+
+def _assert_grads(got: dict[str, Array], want: dict[str, Array], rtol: float = 1e-4) -> None:
+    assert set(got) == set(want)
+    for name, g in got.items():
+        scale = float(np.max(np.abs(want[name]))) or 1.0
+        np.testing.assert_allclose(g, want[name], rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+def test_classifier_head_is_fused_and_matches_autograd() -> None:
+    model, batch = _Head(), _head_batch()
+    step = pe.compile(model, _classify, batch)
+    assert FUSED in _ops(step.forward) and "log_softmax" not in _ops(step.forward)
+    assert f"{FUSED}_grad" in _ops(step.graph)
+    assert _vocab_sized(step.graph, tokens=6) == []
+    want_loss, want = _autograd(model, _classify, batch)
+    _assert_grads(step.gradients(*batch), want)
+    assert step(*batch) == pytest.approx(want_loss, rel=1e-6)
+
+
+def test_small_vocabulary_or_logits_read_twice_stay_unfused() -> None:
+    model, batch = _Head(vocab=10), _head_batch(vocab=10)
+    assert FUSED not in _ops(pe.compile(model, _classify, batch).forward)
+
+    def also_logits(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = m(x)
+        return F.cross_entropy(logits, y) + 1e-3 * logits.square().mean()
+
+    big, batch = _Head(), _head_batch()
+    step = pe.compile(big, also_logits, batch)
+    assert FUSED not in _ops(step.forward)
+    _assert_grads(step.gradients(*batch), _autograd(big, also_logits, batch)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_equals_unfused_and_autograd(
+    tied: bool, unfused: Callable[..., pe.TrainStep]
+) -> None:
+    work = _llama(tied)
+    batch = work.make_batch(0)
+    fused = pe.compile(work.model, work.loss_fn, batch)
+    plain = unfused(work.model, work.loss_fn, batch)
+    assert FUSED in _ops(fused.forward) and FUSED not in _ops(plain.forward)
+    got, base = fused.gradients(*batch), plain.gradients(*batch)
+    _assert_grads(got, base, rtol=1e-5)
+    want_loss, want = _autograd(work.model, work.loss_fn, batch)
+    _assert_grads(got, want)
+    assert fused(*batch) == pytest.approx(want_loss, rel=1e-6)
+    assert plain(*batch) == pytest.approx(want_loss, rel=1e-6)
+    assert fused(*batch) == pytest.approx(plain(*batch), rel=1e-5)  # after one update each
+    tokens = 2 * 6
+    assert _vocab_sized(fused.graph, tokens) == [] and _vocab_sized(plain.graph, tokens) != []
+    saved = [analyze(s.graph).saved_activation_bytes for s in (fused, plain)]
+    assert saved[1] - saved[0] > 0.9 * tokens * VOCAB * 4  # no saved log-probabilities
+
+
+def test_causal_shift_by_slicing_the_logits_is_fused() -> None:
+    model = _ShiftedLM()
+    ids = (torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2)),)
+    step = pe.compile(model, _shifted_loss, ids)
+    assert FUSED in _ops(step.forward) and "log_softmax" not in _ops(step.forward)
+    want_loss, want = _autograd(model, _shifted_loss, ids)
+    _assert_grads(step.gradients(*ids), want)
+    assert step(*ids) == pytest.approx(want_loss, rel=1e-6)
+
+
+def _onnx_lm(rng: np.random.Generator, width: int = 8) -> tuple[onnx.ModelProto, dict[str, Array]]:
+    """ids -> Gather(embed) -> Tanh -> MatMul(w) -> Add(b): logits [2, 5, VOCAB]."""
+    weights = {
+        "embed": rng.standard_normal((VOCAB, width)).astype(np.float32),
+        "w": (0.3 * rng.standard_normal((width, VOCAB))).astype(np.float32),
+        "b": (0.1 * rng.standard_normal(VOCAB)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Gather", ["embed", "ids"], ["e"]),
+        helper.make_node("Tanh", ["e"], ["h"]),
+        helper.make_node("MatMul", ["h", "w"], ["z"]),
+        helper.make_node("Add", ["z", "b"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "lm", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 5])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 5, VOCAB])],
+        [numpy_helper.from_array(a, k) for k, a in weights.items()],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), weights
+
+
+def test_onnx_causal_lm_is_fused_and_matches_autograd(tmp_path: Path) -> None:
+    model, weights = _onnx_lm(np.random.default_rng(0))
+    path = tmp_path / "lm.onnx"
+    onnx.save(model, str(path))
+    ids = np.random.default_rng(1).integers(0, VOCAB, (2, 5))
+    step = pe.compile(str(path), loss="causal_lm", example_batch=(ids,))
+    assert FUSED in _ops(step.forward) and "log_softmax" not in _ops(step.forward)
+    params = {k: torch.tensor(a, requires_grad=True) for k, a in weights.items()}
+    logits = torch.tanh(params["embed"][torch.tensor(ids)]) @ params["w"] + params["b"]
+    t = torch.tensor(ids)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), t[:, 1:].reshape(-1))
+    loss.backward()
+    want = {k: p.grad.numpy() for k, p in params.items() if p.grad is not None}
+    _assert_grads(step.gradients(ids), want)
+    assert step(ids) == pytest.approx(float(loss.detach()), rel=1e-6)
+
+
+def _shifted_head_graph() -> Graph:
+    """x [12, 8] -> add(matmul(x, w), b) -> [2, 6, V] -> slice(axis 1, 0:5) -> [10, V] ->
+    log_softmax -> gather at where(y != -100, y, 0) -> mean of the negated picks."""
+    b = GraphBuilder("forward")
+    x = b.input("x", TensorType((12, 8), DType.F64))
+    w = b.input("w", TensorType((8, VOCAB), DType.F64), Role.PARAM, trainable=True)
+    bias = b.input("b", TensorType((VOCAB,), DType.F64), Role.PARAM, trainable=True)
+    y = b.input("y", TensorType((10,), DType.I64))
+    z = b.call("reshape", b.call("add", b.call("matmul", x, w), bias), shape=(2, 6, VOCAB))
+    z = b.call("slice", z, axis=1, start=0, stop=5, step=1)
+    logp = b.call("log_softmax", b.call("reshape", z, shape=(10, VOCAB)), axis=1)
+    keep = b.call("ne", y, b.scalar(-100, DType.I64))
+    safe = b.call("where", keep, y, b.scalar(0, DType.I64))
+    picked = b.call("gather", logp, b.call("reshape", safe, shape=(10, 1)), axis=1)
+    loss = b.call("neg", b.call("mean", picked, axes=None, keepdims=False))
+    return b.build([loss])
+
+
+def test_the_pass_chunks_rows_and_keeps_the_numbers() -> None:
+    """Chunks of 4 rows over 10 tokens (the last one short) give the unfused loss and
+    gradients, through a bias and a sliced causal shift of the logits."""
+    plain = _shifted_head_graph()
+    fused = verify(fuse_linear_cross_entropy(plain, chunk_elements=4 * VOCAB))
+    (node,) = [n for n in fused.nodes if n.op == FUSED]
+    assert node.attrs["chunk"] == 4 and len(node.inputs) == 4  # x, w, target, bias
+    assert "log_softmax" not in _ops(fused)
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, VOCAB, 10)
+    y[3] = -100
+    feeds = {"x": rng.standard_normal((12, 8)), "w": rng.standard_normal((8, VOCAB)),
+             "b": rng.standard_normal(VOCAB), "y": y}  # fmt: skip
+    got, want = _loss_and_grads(fused, feeds), _loss_and_grads(plain, feeds)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    assert fuse_linear_cross_entropy(plain, min_vocab=VOCAB + 1) is plain
+
+
+def _loss_and_grads(forward: Graph, feeds: dict[str, Array]) -> list[Array]:
+    graph, _ = gradients_graph(forward)
+    return list(evaluate(graph, feeds))
+
+
+def test_backends_match_numpy() -> None:
+    model, batch = _Head(), _head_batch()
+    reference = pe.compile(model, _classify, batch)
+    want, want_loss = reference.gradients(*batch), reference(*batch)
+    for backend in ("torch", "onnxruntime"):
+        step = pe.compile(model, _classify, batch, backend=backend)
+        assert FUSED in _ops(step.graph), backend
+        _assert_grads(step.gradients(*batch), want, rtol=1e-5)
+        assert step(*batch) == pytest.approx(want_loss, rel=1e-6)
+
+
+def test_out_of_range_targets_are_batch_errors() -> None:
+    model, (x, y) = _Head(), _head_batch()
+    step = pe.compile(model, _classify, (x, y))
+    assert FUSED in _ops(step.forward)
+    bad = y.clone()
+    bad[4] = VOCAB
+    with pytest.raises(pe.BatchError, match=rf"class target {VOCAB} at position 4"):
+        step(x, bad)
+    bad[4] = -1
+    with pytest.raises(pe.BatchError, match="class target -1 at position 4"):
+        step(x, bad)
+    step(x, y)  # -100 is the ignore_index
+
+
+def test_backends_without_the_kernels_keep_the_unfused_loss() -> None:
+    assert fuse_linear_cross_entropy not in forward_passes(CBackend().supported_ops())
+    assert forward_passes(get_backend("torch").supported_ops()) == FORWARD_PIPELINE
