@@ -49,6 +49,8 @@ def with_marker(marker: str) -> list[int]:
 # -- the parts (no SuperLink) ---------------------------------------------------------
 
 
+# Flower's FAB builder calls pathspec's deprecated "gitwildmatch" (not ours to change)
+@pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
 def test_the_app_project_is_a_flower_app_carrying_the_config(tmp_path: Path) -> None:
     from flwr.cli.build import build_fab_from_disk
     from flwr.common.config import get_fab_config, get_project_config, validate_config

@@ -28,28 +28,36 @@ from typing import Any
 from pockengine.ir import Graph, GraphBuilder, Node, Value
 from pockengine.passes.dce import eliminate_dead_code
 
-__all__ = ["fold_channel_affine", "fuse_linear_bias"]
+__all__ = ["NodeIndex", "Rule", "fold_channel_affine", "fuse_linear_bias", "rewrite"]
 
-_Rule = Callable[[GraphBuilder, Node, "_Index", dict[str, Value]], Value | None]
+Rule = Callable[[GraphBuilder, Node, "NodeIndex", dict[str, Value]], Value | None]
 
 
 @dataclass(frozen=True)
-class _Index:
+class NodeIndex:
+    """Who makes and who reads each value of a graph, for pattern matching."""
+
     producers: dict[str, Node]
     users: dict[str, list[Node]]
     outputs: set[str]
 
+    def sole_producer(self, v: Value) -> Node | None:
+        """The node making ``v`` if ``v`` has exactly one reader and is not returned."""
+        if v.name in self.outputs or len(self.users.get(v.name, ())) != 1:
+            return None
+        return self.producers.get(v.name)
+
     def single_use(self, v: Value, op: str) -> Node | None:
         """The node making ``v`` if it is an ``op`` and ``v`` has no other reader."""
-        node = self.producers.get(v.name)
-        if node is None or node.op != op or v.name in self.outputs:
-            return None
-        return node if len(self.users.get(v.name, ())) == 1 else None
+        node = self.sole_producer(v)
+        return node if node is not None and node.op == op else None
 
 
-def _rewrite(graph: Graph, rule: _Rule) -> Graph:
-    """Copy ``graph``, letting ``rule`` replace a node by the value it emits instead."""
-    index = _Index(graph.producers(), graph.users(), {v.name for v in graph.outputs})
+def rewrite(graph: Graph, rule: Rule) -> Graph:
+    """Copy ``graph``, letting ``rule`` replace a node by the value it emits instead (the
+    node's output is then renamed to that value for every later reader); dead code goes.
+    ``graph`` itself when the rule replaced nothing."""
+    index = NodeIndex(graph.producers(), graph.users(), {v.name for v in graph.outputs})
     b = GraphBuilder(graph.name)
     for v in graph.inputs:
         b.add_input(v)
@@ -62,6 +70,8 @@ def _rewrite(graph: Graph, rule: _Rule) -> Graph:
             b.append(node)
         else:
             renamed[node.output.name] = out
+    if not renamed:
+        return graph  # nothing matched: the same graph, not a copy
     return eliminate_dead_code(b.build([renamed.get(v.name, v) for v in graph.outputs]))
 
 
@@ -87,7 +97,7 @@ def _other(node: Node, v: Value) -> Value | None:
     return None
 
 
-def _match(add: Node, index: _Index) -> _Match | None:
+def _match(add: Node, index: NodeIndex) -> _Match | None:
     """``add(mul(conv2d(...), s), h)`` (operands in either order) with single readers."""
     if add.op != "add":
         return None
@@ -125,18 +135,18 @@ def _folded(b: GraphBuilder, m: _Match, renamed: dict[str, Value]) -> Value:
 
 
 def _fold_rule(
-    b: GraphBuilder, node: Node, index: _Index, renamed: dict[str, Value]
+    b: GraphBuilder, node: Node, index: NodeIndex, renamed: dict[str, Value]
 ) -> Value | None:
     m = _match(node, index)
     return None if m is None else _folded(b, m, renamed)
 
 
 def fold_channel_affine(graph: Graph) -> Graph:
-    return _rewrite(graph, _fold_rule)
+    return rewrite(graph, _fold_rule)
 
 
 def _linear_rule(
-    b: GraphBuilder, node: Node, index: _Index, renamed: dict[str, Value]
+    b: GraphBuilder, node: Node, index: NodeIndex, renamed: dict[str, Value]
 ) -> Value | None:
     if node.op != "add":
         return None
@@ -152,4 +162,4 @@ def _linear_rule(
 
 
 def fuse_linear_bias(graph: Graph) -> Graph:
-    return _rewrite(graph, _linear_rule)
+    return rewrite(graph, _linear_rule)

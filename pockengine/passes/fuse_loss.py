@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pockengine.ir import Graph, GraphBuilder, Node, Value
-from pockengine.passes.dce import eliminate_dead_code
+from pockengine.passes.fuse import NodeIndex, rewrite
 
 __all__ = ["CHUNK_ELEMENTS", "FUSED_LOSS_OPS", "MIN_VOCAB", "fuse_linear_cross_entropy"]
 
@@ -49,19 +49,6 @@ class _Match:
     w: Value  # [k, vocab]
     bias: Value | None  # [vocab]
     views: tuple[Node, ...]  # from the product to the [tokens, vocab] logits, in order
-
-
-class _Index:
-    def __init__(self, graph: Graph) -> None:
-        self.producers = graph.producers()
-        self.users = graph.users()
-        self.outputs = {v.name for v in graph.outputs}
-
-    def sole_producer(self, v: Value) -> Node | None:
-        """The node making ``v`` if ``v`` has exactly one reader and is not returned."""
-        if v.name in self.outputs or len(self.users.get(v.name, ())) != 1:
-            return None
-        return self.producers.get(v.name)
 
 
 def _last_axis(node: Node, value: Value) -> bool:
@@ -85,7 +72,7 @@ def _vocab_axis_before(view: Node, after: int) -> int | None:
     return x.type.rank - 1 if ok else None
 
 
-def _views_to_product(logits: Value, index: _Index) -> tuple[Node, list[Node]] | None:
+def _views_to_product(logits: Value, index: NodeIndex) -> tuple[Node, list[Node]] | None:
     """The node before the row views leading to ``logits`` (vocabulary last), and the views
     in forward order."""
     views: list[Node] = []
@@ -104,7 +91,7 @@ def _views_to_product(logits: Value, index: _Index) -> tuple[Node, list[Node]] |
         value, axis = node.inputs[0], before
 
 
-def _product(node: Node, vocab: int, index: _Index) -> tuple[Value, Value, Value | None] | None:
+def _product(node: Node, vocab: int, index: NodeIndex) -> tuple[Value, Value, Value | None] | None:
     """x, w and the bias of ``matmul(x, w)`` or ``add(matmul(x, w), b)``."""
     bias = None
     if node.op == "add":
@@ -126,7 +113,7 @@ def _product(node: Node, vocab: int, index: _Index) -> tuple[Value, Value, Value
     return x, w, bias
 
 
-def _match(gather: Node, index: _Index, min_vocab: int) -> _Match | None:
+def _match(gather: Node, index: NodeIndex, min_vocab: int) -> _Match | None:
     if gather.op != "gather":
         return None
     logp, target = gather.inputs
@@ -172,7 +159,7 @@ def _vocab_major(w: Value, producers: dict[str, Node]) -> tuple[Value, bool]:
 
 
 def _fused(b: GraphBuilder, gather: Node, m: _Match, renamed: dict[str, Value],
-           index: _Index, chunk_elements: int) -> Value:  # fmt: skip
+           index: NodeIndex, chunk_elements: int) -> Value:  # fmt: skip
     # new names derive from the gather's, so none meets a later node's original name
     src, name = gather.source, f"{gather.output.name}_fused"
     x, w = renamed.get(m.x.name, m.x), renamed.get(m.w.name, m.w)
@@ -192,19 +179,11 @@ def fuse_linear_cross_entropy(
     graph: Graph, *, min_vocab: int = MIN_VOCAB, chunk_elements: int = CHUNK_ELEMENTS
 ) -> Graph:
     """The graph with each large-vocabulary ``gather(log_softmax(linear))`` fused."""
-    index = _Index(graph)
-    b = GraphBuilder(graph.name)
-    for v in graph.inputs:
-        b.add_input(v)
-    renamed: dict[str, Value] = {}
-    for node in graph.nodes:
-        if any(v.name in renamed for v in node.inputs):
-            node = node.replace(inputs=tuple(renamed.get(v.name, v) for v in node.inputs))
+
+    def rule(
+        b: GraphBuilder, node: Node, index: NodeIndex, renamed: dict[str, Value]
+    ) -> Value | None:
         m = _match(node, index, min_vocab)
-        if m is None:
-            b.append(node)
-        else:
-            renamed[node.output.name] = _fused(b, node, m, renamed, index, chunk_elements)
-    if not renamed:
-        return graph
-    return eliminate_dead_code(b.build([renamed.get(v.name, v) for v in graph.outputs]))
+        return None if m is None else _fused(b, node, m, renamed, index, chunk_elements)
+
+    return rewrite(graph, rule)
