@@ -50,7 +50,10 @@ def with_marker(marker: str) -> list[int]:
 
 
 # Flower's FAB builder calls pathspec's deprecated "gitwildmatch" (not ours to change)
-@pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
+_FAB_BUILD = pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
+
+
+@_FAB_BUILD
 def test_the_app_project_is_a_flower_app_carrying_the_config(tmp_path: Path) -> None:
     from flwr.cli.build import build_fab_from_disk
     from flwr.common.config import get_fab_config, get_project_config, validate_config
@@ -88,6 +91,7 @@ def test_flower_reads_the_connection(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert connection.address == "127.0.0.1:19093" and connection.insecure
 
 
+@_FAB_BUILD
 def test_the_clientapp_process_runs_no_other_app(tmp_path: Path) -> None:
     """A task whose app names another ClientApp gets an error reply; nothing of the
     app bundle is imported."""

@@ -186,7 +186,7 @@ class FinetuneResult:
     def _setup(self) -> str:
         c = self.config
         pct = 100 * self.trained_params / max(self.total_params, 1)
-        share = f" of {self.total_params:,} ({pct:.2g}%)" if self.total_params else ""
+        share = f" of {self.total_params:,} ({pct:.3g}%)" if self.total_params else ""
         return (
             f"  scheme {c.scheme}: {self.trained_params:,}{share} "
             f"params trained\n  {c.optimizer} lr {c.lr:g} (warmup {c.warmup:g}, then linear "

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -102,7 +103,7 @@ def _run_in(
         inputs=task.inputs,
         step=step,
         trained_params=report.ours.trained_elements,
-        total_params=report.full.trained_elements,
+        total_params=sum(math.prod(p.shape) for p in step.info.params),  # quantized too
         planned_peak_bytes=report.ours.planned_peak_bytes,
         peak_rss_bytes=peak_rss_bytes(),
         test=_test_metrics(step, task) if loop.stopped is None and stop.reason is None else {},
