@@ -121,6 +121,27 @@ def test_resume_refuses_changed_options(tmp_path: Path, task: dict[str, Any]) ->
         pe.finetune(**task, out=out)
 
 
+def test_a_checkpoint_older_than_an_option_resumes_at_its_default(
+    tmp_path: Path, task: dict[str, Any]
+) -> None:
+    """Options added after a checkpoint was written (here test_fraction and frozen_dtype)
+    count as their defaults; a changed option is still refused."""
+    from pockengine.finetune import checkpoint as ckpt_io
+
+    out = tmp_path / "run"
+    pe.finetune(**task, out=str(out), max_steps=3)
+    saved = ckpt_io.load(out / ckpt_io.CHECKPOINT)
+    for newer in ("test_fraction", "frozen_dtype"):
+        saved.config.pop(newer)
+    ckpt_io.save(out / ckpt_io.CHECKPOINT, saved)
+    with pytest.raises(
+        pe.FinetuneError, match=re.escape("test_fraction: 0.0 in the checkpoint, 0.5")
+    ):
+        pe.finetune(**task, out=str(out), resume=True, test_fraction=0.5)
+    rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
+    assert rest.steps == 5
+
+
 def _cli(task: dict[str, Any], out: Path, *extra: str) -> list[str]:
     args = [sys.executable, "-m", "pockengine", "finetune"]
     for key, value in task.items():

@@ -171,7 +171,9 @@ def _resume_point(config: FinetuneConfig, out: Path) -> ckpt_io.Checkpoint | Non
         return None
     saved = ckpt_io.load(path)
     now = json.loads(json.dumps(config.training_dict()))
-    before = {"frozen_dtype": "none", **saved.config}  # checkpoints older than the option
+    # an option newer than the checkpoint had its default then
+    defaults = json.loads(json.dumps(FinetuneConfig().training_dict()))
+    before = {**{k: v for k, v in defaults.items() if k not in saved.config}, **saved.config}
     diffs = [
         f"{k}: {before.get(k)!r} in the checkpoint, {v!r} now"
         for k, v in now.items()
