@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.ir import DType, ShapeError, TensorType
+from pockengine.ir import DType, Fact, ShapeError, TensorType
 
 __all__ = [
+    "EW_INPLACE",
     "Array",
     "broadcast_shapes",
     "norm_axes",
@@ -19,6 +20,9 @@ __all__ = [
 ]
 
 Array = np.ndarray[Any, Any]
+# Elementwise, may write its result over a dying input, cheap enough to recompute: the
+# facts of plain arithmetic and of most unary math.
+EW_INPLACE = Fact.ELEMENTWISE | Fact.INPLACE | Fact.CHEAP
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:

@@ -26,12 +26,9 @@ from pockengine.ir import (
     VJPContext,
     defop,
 )
-from pockengine.ops._common import Array, broadcast_shapes, np_dtype, same_dtype
+from pockengine.ops._common import EW_INPLACE, Array, broadcast_shapes, np_dtype, same_dtype
 
 __all__: list[str] = []
-
-# Arithmetic whose result may overwrite a dying input and that is cheap to recompute.
-_ARITHMETIC = Fact.ELEMENTWISE | Fact.INPLACE | Fact.CHEAP
 
 
 @defop("full", facts=Fact.CREATION | Fact.CONSTANT)
@@ -172,7 +169,7 @@ def _float_samples(*shapes: tuple[int, ...]) -> Any:
     return samples
 
 
-@defop("add", facts=_ARITHMETIC | Fact.COMMUTATIVE)
+@defop("add", facts=EW_INPLACE | Fact.COMMUTATIVE)
 class Add:
     """Forward: z = x + y. Backward: gx = gz, gy = gz."""
 
@@ -188,7 +185,7 @@ class Add:
         return (c.ct, c.ct)
 
 
-@defop("mul", facts=_ARITHMETIC | Fact.COMMUTATIVE)
+@defop("mul", facts=EW_INPLACE | Fact.COMMUTATIVE)
 class Mul:
     """Forward: z = x * y. Backward: gx = gz * y, gy = gz * x."""
 
@@ -208,7 +205,7 @@ class Mul:
         )
 
 
-@defop("sub", facts=_ARITHMETIC)
+@defop("sub", facts=EW_INPLACE)
 class Sub:
     """Forward: z = x - y. Backward: gx = gz, gy = -gz."""
 
@@ -224,7 +221,7 @@ class Sub:
         return (c.ct if c.needs[0] else None, c.call("neg", c.ct) if c.needs[1] else None)
 
 
-@defop("div", facts=_ARITHMETIC)
+@defop("div", facts=EW_INPLACE)
 class Div:
     """Forward: z = x / y, true division of float operands.
     Backward: gx = gz / y, gy = -gz * z / y."""
@@ -270,7 +267,7 @@ def _untied_samples(rng: np.random.Generator) -> list[Sample]:
     return [Sample((x, y))]
 
 
-@defop("maximum", facts=_ARITHMETIC | Fact.COMMUTATIVE)
+@defop("maximum", facts=EW_INPLACE | Fact.COMMUTATIVE)
 class Maximum:
     """Forward: z = max(x, y) (NaN propagates). Backward: gx = gz where x > y, gz/2 where
     x == y, else 0; gy = gz - gx (ties split evenly, as ATen)."""
@@ -287,7 +284,7 @@ class Maximum:
         return _select_vjp(c, "gt")
 
 
-@defop("minimum", facts=_ARITHMETIC | Fact.COMMUTATIVE)
+@defop("minimum", facts=EW_INPLACE | Fact.COMMUTATIVE)
 class Minimum:
     """Forward: z = min(x, y) (NaN propagates). Backward: gx = gz where x < y, gz/2 where
     x == y, else 0; gy = gz - gx (ties split evenly, as ATen)."""

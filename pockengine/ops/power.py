@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from pockengine.ir import (
-    Fact,
     Sample,
     ShapeError,
     TensorType,
@@ -23,15 +22,12 @@ from pockengine.ir import (
     VJPContext,
     defop,
 )
-from pockengine.ops._common import Array, broadcast_shapes, same_dtype
+from pockengine.ops._common import EW_INPLACE, Array, broadcast_shapes, same_dtype
 
 __all__: list[str] = []
 
-# as log and div: elementwise, written over a dying input, cheap to recompute
-_EW_INPLACE = Fact.ELEMENTWISE | Fact.INPLACE | Fact.CHEAP
 
-
-@defop("log1p", facts=_EW_INPLACE)
+@defop("log1p", facts=EW_INPLACE)
 class Log1p:
     """Forward: z = log(1 + x), accurate for small |x|. Backward: gx = gz / (1 + x)."""
 
@@ -58,7 +54,7 @@ class Log1p:
         ]
 
 
-@defop("pow", facts=_EW_INPLACE)
+@defop("pow", facts=EW_INPLACE)
 class Pow:
     """Forward: z = x ** y, float operands of one dtype, broadcast.
     Backward (as ATen): gx = gz * y * x ** (y - 1), and 0 where y == 0;

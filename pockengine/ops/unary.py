@@ -25,13 +25,11 @@ from pockengine.ir import (
     VJPContext,
     defop,
 )
-from pockengine.ops._common import Array, np_dtype
+from pockengine.ops._common import EW_INPLACE, Array, np_dtype
 
 __all__: list[str] = []
 
 _EW = Fact.ELEMENTWISE
-# Elementwise ops whose result may overwrite an input and that are cheap to recompute.
-_EW_INPLACE = Fact.ELEMENTWISE | Fact.INPLACE | Fact.CHEAP
 _ERF = np.frompyfunc(math.erf, 1, 1)  # libm's erf, element by element: slow but exact
 
 
@@ -94,7 +92,7 @@ def _uniform(low: float, high: float, kinks: Sequence[float] = ()) -> Callable[.
 
 
 # -- math functions ---------------------------------------------------------
-@defop("neg", facts=_EW_INPLACE)
+@defop("neg", facts=EW_INPLACE)
 class Neg:
     """Forward: z = -x. Backward: gx = -gz."""
 
@@ -110,7 +108,7 @@ class Neg:
         return (c.call("neg", c.ct),)
 
 
-@defop("exp", facts=_EW_INPLACE)
+@defop("exp", facts=EW_INPLACE)
 class Exp:
     """Forward: z = exp(x). Backward: gx = gz * z."""
 
@@ -126,7 +124,7 @@ class Exp:
         return (c.call("mul", c.ct, c.out),)
 
 
-@defop("log", facts=_EW_INPLACE)
+@defop("log", facts=EW_INPLACE)
 class Log:
     """Forward: z = log(x). Backward: gx = gz / x."""
 
@@ -142,7 +140,7 @@ class Log:
         return (c.call("div", c.ct, c.inputs[0]),)
 
 
-@defop("sqrt", facts=_EW_INPLACE)
+@defop("sqrt", facts=EW_INPLACE)
 class Sqrt:
     """Forward: z = sqrt(x). Backward: gx = gz * 0.5 / z."""
 
@@ -158,7 +156,7 @@ class Sqrt:
         return (c.call("div", c.call("mul", c.ct, c.const(0.5, c.ct)), c.out),)
 
 
-@defop("rsqrt", facts=_EW_INPLACE)
+@defop("rsqrt", facts=EW_INPLACE)
 class Rsqrt:
     """Forward: z = 1 / sqrt(x). Backward: gx = gz * (-0.5) * z^3."""
 
@@ -176,7 +174,7 @@ class Rsqrt:
         return (c.call("mul", c.ct, c.call("mul", y3, c.const(-0.5, y))),)
 
 
-@defop("tanh", facts=_EW_INPLACE)
+@defop("tanh", facts=EW_INPLACE)
 class Tanh:
     """Forward: z = tanh(x). Backward: gx = gz * (1 - z^2)."""
 
@@ -197,7 +195,7 @@ def _sigmoid(x: Array) -> Array:
     return _like(np.reciprocal(np.exp(-x) + 1.0), x)
 
 
-@defop("sigmoid", facts=_EW_INPLACE)
+@defop("sigmoid", facts=EW_INPLACE)
 class Sigmoid:
     """Forward: z = 1 / (1 + exp(-x)). Backward: gx = gz * z * (1 - z)."""
 
@@ -213,7 +211,7 @@ class Sigmoid:
         return (c.call("mul", c.ct, dy),)
 
 
-@defop("silu", facts=_EW_INPLACE)
+@defop("silu", facts=EW_INPLACE)
 class Silu:
     """Forward: z = x * s, s = sigmoid(x). Backward: gx = gz * s * (1 + x * (1 - s))."""
 
@@ -234,7 +232,7 @@ class Silu:
         return (c.call("mul", c.ct, c.call("mul", s, inner)),)
 
 
-@defop("sin", facts=_EW_INPLACE)
+@defop("sin", facts=EW_INPLACE)
 class Sin:
     """Forward: z = sin(x). Backward: gx = gz * cos(x)."""
 
@@ -250,7 +248,7 @@ class Sin:
         return (c.call("mul", c.ct, c.call("cos", c.inputs[0])),)
 
 
-@defop("cos", facts=_EW_INPLACE)
+@defop("cos", facts=EW_INPLACE)
 class Cos:
     """Forward: z = cos(x). Backward: gx = -gz * sin(x)."""
 
@@ -266,7 +264,7 @@ class Cos:
         return (c.call("neg", c.call("mul", c.ct, c.call("sin", c.inputs[0]))),)
 
 
-@defop("abs", facts=_EW_INPLACE)
+@defop("abs", facts=EW_INPLACE)
 class Abs:
     """Forward: z = |x|. Backward: gx = gz * sign(x), sign(0) = 0 (as ATen's sgn).
 
@@ -289,7 +287,7 @@ class Abs:
         return (c.call("mul", c.ct, c.call("sub", pos, neg)),)
 
 
-@defop("reciprocal", facts=_EW_INPLACE)
+@defop("reciprocal", facts=EW_INPLACE)
 class Reciprocal:
     """Forward: z = 1 / x. Backward: gx = -gz * z^2."""
 
@@ -306,7 +304,7 @@ class Reciprocal:
         return (c.call("neg", c.call("mul", c.ct, c.call("mul", y, y))),)
 
 
-@defop("erf", facts=_EW_INPLACE)
+@defop("erf", facts=EW_INPLACE)
 class Erf:
     """Forward: z = erf(x). Backward: gx = gz * 2/sqrt(pi) * exp(-x^2)."""
 
