@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness import ROOT, run_child, vm_mib
+
 CASES = ("c-trainer", "ort-runner", "pockengine-c", "pockengine-torch", "torch-eager")
 
 
@@ -42,13 +43,6 @@ def _workload() -> tuple[Any, Any, Any]:
 
     work = zoo.mobilenet_v2(width=0.35, batch=1, size=128, classes=10)
     return work, pe.optim.SGD(lr=0.01, momentum=0.9), pe.schemes.sparse(blocks=4)
-
-
-def _vm(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _planned_mib(graph: Any) -> float:
@@ -64,7 +58,7 @@ def _in_process(case: str, steps: int, threads: int) -> dict[str, Any]:
     import pockengine as pe
 
     torch.set_num_threads(threads)
-    idle = _vm("VmRSS")
+    idle = vm_mib("VmRSS")
     work, optimizer, scheme = _workload()
     batch = work.make_batch(0)
     planned = None
@@ -95,7 +89,7 @@ def _in_process(case: str, steps: int, threads: int) -> dict[str, Any]:
         step(*batch)
         times.append(time.perf_counter() - t)
     return {"idle_mib": idle, "step_ms": statistics.median(times[1:]) * 1e3,
-            "planned_mib": planned, "peak_mib": _vm("VmHWM")}  # fmt: skip
+            "planned_mib": planned, "peak_mib": vm_mib("VmHWM")}  # fmt: skip
 
 
 def _peak_of(
@@ -170,12 +164,8 @@ def ort_runner(steps: int, threads: int) -> dict[str, Any]:
 def python_case(case: str, steps: int, threads: int) -> dict[str, Any]:
     """A Python case in a fresh process, which reports its own peak (VmHWM): the C
     compiler that ``pe.compile(backend="c")`` may run is a process of its own."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--child", case, "--steps", str(steps),
-           "--threads", str(threads)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_child([__file__, "--child", case, "--steps", steps, "--threads", threads],
+                     threads, extra_env={"PYTHONPATH": str(ROOT)})  # fmt: skip
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -22,12 +22,12 @@ import dataclasses
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from _harness import utc_now, write_results
 from scipy.stats import spearmanr
 
 from pockengine.finetune import sensitivity as sv
@@ -43,8 +43,6 @@ from pockengine.finetune.estimate import (
     optimizer_of,
 )
 from pockengine.frontend.torch import import_torch
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def finetune_contributions(builder: sv.StepBuilder, folder: Path) -> dict[str, float]:
@@ -174,12 +172,9 @@ def main() -> None:
         "contributions": contribution,
         "rows": rows,
         "schemes": result_schemes,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": utc_now(),
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"estimator_vs_finetune-{args.recipe}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(path)
+    print(write_results(f"estimator_vs_finetune-{args.recipe}", result, indent=1))
 
 
 if __name__ == "__main__":

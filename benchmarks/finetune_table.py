@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness import (
+    ROOT,
+    SHAPES,
+    ChildFailedError,
+    add_data_options,
+    add_run_options,
+    forward,
+    run_cases,
+    run_child,
+    vm_mib,
+    write_results,
+    write_section,
+)
+
 SCHEMES = ("full", "bias", "sparse", "head")
 
 
@@ -36,13 +46,6 @@ def _markers(recipe: str, frozen_dtype: str = "none") -> tuple[str, str]:
     if frozen_dtype != "none":
         recipe = f"{recipe}:{frozen_dtype}"
     return f"<!-- finetune-table:{recipe}:start -->", f"<!-- finetune-table:{recipe}:end -->"
-
-
-def _peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -53,7 +56,7 @@ def _child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        shapes = {k: getattr(args, k) for k in _SHAPES if getattr(args, k) is not None}
+        shapes = {k: getattr(args, k) for k in SHAPES if getattr(args, k) is not None}
         result = pe.finetune(
             recipe=args.recipe,
             scheme=args.child,
@@ -80,7 +83,7 @@ def _child(args: argparse.Namespace) -> None:
         "step_s": result.step_s,
         "compile_s": result.compile_s,
         "steps": result.steps,
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": vm_mib("VmHWM"),
         "wall_s": time.perf_counter() - start,
         "train_examples": result.train_examples,
         "val_examples": result.val_examples,
@@ -88,44 +91,32 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps(row))
 
 
-_SHAPES = ("seq_len", "image_size", "epochs", "batch_size")
 _FROZEN = {"none": "float32", "int8": "int8 per channel", "int4": "int4 (groups of 32)",
            "gguf": "the shipped GGUF blocks"}  # fmt: skip
 
 
 def _run_case(scheme: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", scheme]
-    keys = ("recipe", "max_train", "max_val", *_SHAPES, "backend", "frozen_dtype", "threads",
+    keys = ("recipe", "max_train", "max_val", *SHAPES, "backend", "frozen_dtype", "threads",
             "seed")  # fmt: skip
-    for key in keys:
-        if getattr(args, key) is not None:
-            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"{scheme} failed:\n{done.stderr[-3000:]}")
-    row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return row
+    try:
+        return run_child([__file__, "--child", scheme, *forward(args, keys)], args.threads,
+                         cwd=ROOT)  # fmt: skip
+    except ChildFailedError as e:
+        raise SystemExit(f"{scheme} failed:\n{e.stderr[-3000:]}") from None
 
 
 def _command(args: argparse.Namespace) -> str:
-    opts = [f"--recipe {args.recipe}"]
-    for key in ("max_train", "max_val", *_SHAPES):
-        if getattr(args, key) is not None:
-            opts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
-    opts += [f"--backend {args.backend}", f"--threads {args.threads}"]
+    opts = forward(args, ("recipe", "max_train", "max_val", *SHAPES, "backend", "threads"))
     if args.frozen_dtype != "none":
-        opts.append(f"--frozen-dtype {args.frozen_dtype}")
-    return "python benchmarks/finetune_table.py " + " ".join(opts)
+        opts += ["--frozen-dtype", args.frozen_dtype]
+    return " ".join(["python benchmarks/finetune_table.py", *opts])
 
 
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     first = rows[0]
-    start, end = _markers(args.recipe, args.frozen_dtype)
     metric = "val accuracy" if first["metric"] == "val_accuracy" else "val perplexity"
     shape = first["shape"]
     lines = [
-        start,
         f"{args.recipe} with the `{args.backend}` backend, {args.threads} thread(s), "
         f"frozen weights {_FROZEN[args.frozen_dtype]}: "
         f"{first['train_examples']} training / {first['val_examples']} validation examples "
@@ -145,48 +136,32 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['step_s']:.2f} | {r['compile_s']:.1f} | {r['peak_rss_mib']:.0f} "
             f"| {r['wall_s']:.0f} |"
         )
-    return "\n".join([*lines, end])
+    return "\n".join(lines)
 
 
 def _write_doc(path: Path, table: str, recipe: str, frozen_dtype: str = "none") -> None:
-    start, end = _markers(recipe, frozen_dtype)
-    text = path.read_text() if path.exists() else "# Fine-tuning\n"
-    if start not in text or end not in text:
-        title = recipe if frozen_dtype == "none" else f"{recipe}, frozen weights {frozen_dtype}"
-        text = text.rstrip() + f"\n\n### {title}\n\n{start}\n{end}\n"
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    path.write_text(head + table + tail)
+    title = recipe if frozen_dtype == "none" else f"{recipe}, frozen weights {frozen_dtype}"
+    write_section(path, _markers(recipe, frozen_dtype), table, title="Fine-tuning",
+                  heading=f"### {title}")  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--recipe", default="minilm-bbc")
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES))
-    p.add_argument("--max-train", type=int, default=256)
-    p.add_argument("--max-val", type=int, default=200)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--image-size", type=int)
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--batch-size", type=int)
+    add_data_options(p, max_train=256, max_val=200)
     p.add_argument("--backend", default="torch")
     p.add_argument("--frozen-dtype", choices=tuple(_FROZEN), default="none")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_run_options(p, threads=2)
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "finetune.md")
-    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         _child(args)
         return
-    rows = []
-    for scheme in args.schemes:
-        rows.append(_run_case(scheme, args))
-        print(json.dumps(rows[-1]), file=sys.stderr)
+    rows = run_cases(args.schemes, lambda scheme: _run_case(scheme, args))
     suffix = "" if args.frozen_dtype == "none" else f"-{args.frozen_dtype}"
-    results = ROOT / "benchmarks" / "results" / f"finetune_table-{args.recipe}{suffix}.json"
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("doc", "child")}
-    results.write_text(json.dumps({"args": settings, "rows": rows}, indent=2) + "\n")
+    write_results(f"finetune_table-{args.recipe}{suffix}", {"args": settings, "rows": rows})
     _write_doc(args.doc, _table(rows, args), args.recipe, args.frozen_dtype)
 
 

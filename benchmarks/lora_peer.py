@@ -28,32 +28,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _harness import (
+    ROOT,
+    ChildFailedError,
+    add_data_options,
+    add_run_options,
+    forward,
+    reset_peak,
+    run_cases,
+    run_child,
+    vm_mib,
+    write_results,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 CASES = ("peft", "lora", "lora-int8", "sparse")
 Array = np.ndarray[Any, Any]
-
-
-def _status_mib(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_peak() -> None:
-    """Start VmHWM again from the current RSS (Linux >= 4.0: clear_refs 5)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _batches(
@@ -188,9 +184,9 @@ def _child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     config, task = _task(args)
-    idle = _status_mib("VmRSS")
-    load_peak = _status_mib("VmHWM")
-    _reset_peak()
+    idle = vm_mib("VmRSS")
+    load_peak = vm_mib("VmHWM")
+    reset_peak()
     start = time.perf_counter()
     head = task.kind != "causal-lm"
     if args.child == "peft":
@@ -199,8 +195,8 @@ def _child(args: argparse.Namespace) -> None:
         scheme, _, frozen = args.child.partition("-")
         model, train, trained = _our_trainer(task, config, scheme, frozen or None)
     setup_s = time.perf_counter() - start
-    setup_peak = _status_mib("VmHWM")  # compiling holds two copies of the weights a while
-    _reset_peak()
+    setup_peak = vm_mib("VmHWM")  # compiling holds two copies of the weights a while
+    reset_peak()
     times, losses = [], []
     warmup = round(config.warmup * args.steps)
     for t, batch in enumerate(_batches(task.train, config.batch_size, args.steps, args.seed)):
@@ -208,7 +204,7 @@ def _child(args: argparse.Namespace) -> None:
         tick = time.perf_counter()
         losses.append(train(lr, *batch))
         times.append(time.perf_counter() - tick)
-    train_peak = _status_mib("VmHWM")
+    train_peak = vm_mib("VmHWM")
     if args.child != "peft":  # evaluate in torch: the weights back, adapters merged
         state = merge_adapters(model.flat_state_dict(), model.resolution.adapters)
         for name, p in task.model.named_parameters():
@@ -242,34 +238,14 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        case,
-        "--recipe",
-        args.recipe,
-        "--steps",
-        str(args.steps),
-        "--threads",
-        str(args.threads),
-        "--seed",
-        str(args.seed),
-        "--dropout",
-        args.dropout,
-    ]
-    if args.lora_lr is not None:
-        cmd += ["--lora-lr", str(args.lora_lr)]
-    for key in ("max_train", "max_val", "batch_size", "seq_len"):
-        if getattr(args, key) is not None:
-            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        print(f"{case} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
-        return {"case": case, "error": done.stderr[-1000:]}
-    row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return row
+    keys = ("recipe", "steps", "threads", "seed", "dropout", "lora_lr", "max_train", "max_val",
+            "batch_size", "seq_len")  # fmt: skip
+    try:
+        return run_child([__file__, "--child", case, *forward(args, keys)], args.threads,
+                         cwd=ROOT)  # fmt: skip
+    except ChildFailedError as e:
+        print(f"{case} failed:\n{e.stderr[-3000:]}", file=sys.stderr)
+        return {"case": case, "error": e.stderr[-1000:]}
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -296,28 +272,19 @@ def main() -> None:
     p.add_argument("--recipe", default="minilm-bbc")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--max-train", type=int, default=1600)
-    p.add_argument("--max-val", type=int, default=200)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    add_data_options(p, max_train=1600, max_val=200, shapes=("batch_size", "seq_len"))
+    add_run_options(p, threads=1)
     p.add_argument("--dropout", choices=("model", "off"), default="model")
     p.add_argument("--lora-lr", type=float, help="peak lr of the LoRA cases (default: recipe's)")
-    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         _child(args)
         return
-    rows = []
-    for case in args.cases:
-        rows.append(_run_case(case, args))
-        print(json.dumps(rows[-1]), file=sys.stderr)
+    rows = run_cases(args.cases, lambda case: _run_case(case, args))
     suffix = "-nodropout" if args.dropout == "off" else ""
     suffix += f"-lora-lr{args.lora_lr:g}" if args.lora_lr is not None else ""
-    results = ROOT / "benchmarks" / "results" / f"lora_peer-{args.recipe}{suffix}.json"
     settings = {k: v for k, v in vars(args).items() if k != "child"}
-    results.write_text(json.dumps({"args": settings, "rows": rows}, indent=2) + "\n")
+    write_results(f"lora_peer-{args.recipe}{suffix}", {"args": settings, "rows": rows})
     print(_table(rows))
 
 

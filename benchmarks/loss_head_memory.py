@@ -12,20 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from _harness import run_child, vm_mib
+
 VOCAB, WIDTH, BATCH, SEQ = 49152, 576, 4, 128
-
-
-def _status(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _child(variant: str, trained: bool, threads: int) -> dict[str, Any]:
@@ -60,7 +52,7 @@ def _child(variant: str, trained: bool, threads: int) -> dict[str, Any]:
         "head": "trained" if trained else "frozen",
         "fused": any(n.op == "linear_log_softmax_gather" for n in step.graph.nodes),
         "planned_peak_mib": step.report().ours.planned_peak_bytes / 2**20,
-        "peak_rss_mib": _status("VmHWM"),
+        "peak_rss_mib": vm_mib("VmHWM"),
         "step_s": min(times[1:]),
     }
 
@@ -75,9 +67,8 @@ def main() -> None:
         return
     for head in ("frozen", "trained"):
         for variant in ("unfused", "fused"):
-            cmd = [sys.executable, __file__, "--threads", str(args.threads), "--child", variant]
-            done = subprocess.run([*cmd, head], capture_output=True, text=True, check=True)
-            print(done.stdout.strip().splitlines()[-1], flush=True)
+            row = run_child([__file__, "--threads", args.threads, "--child", variant, head])
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ the measured steps minus the RSS once the artifacts and the batch are loaded.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -38,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness import ROOT, reset_peak, vm_kib
+
 VENV = ROOT / ".venv-ort-training"
 # onnxruntime-training 1.19.2 is built against ONNX 1.16 (IR version 10): a newer onnx
 # would stamp the artifacts with an IR version this runtime refuses.
@@ -282,13 +282,6 @@ def _torch_adamw(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import onnxruntime as ort
@@ -309,12 +302,11 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     opt.set_learning_rate(spec["optimizer"]["lr"])
     module.train()
     session_s = time.perf_counter() - start
-    base = _rss_kib("VmRSS")
+    base = vm_kib("VmRSS")
     times, losses = [], []
     for i in range(spec["warmup"] + spec["steps"]):
         if i == spec["warmup"]:
-            with contextlib.suppress(OSError):  # reset VmHWM to the current RSS
-                Path("/proc/self/clear_refs").write_text("5")
+            reset_peak()
         t = time.perf_counter()
         loss = module(*inputs)
         opt.step()
@@ -322,7 +314,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         losses.append(float(loss.numpy()))
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
-    peak = _rss_kib("VmHWM")
+    peak = vm_kib("VmHWM")
     return {
         "step_ms": statistics.median(times) * 1e3, "session_s": session_s, "loss": losses[-1],
         "first_losses": losses[:2], "train_mem_mib": (peak - base) / 1024,

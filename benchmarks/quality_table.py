@@ -26,20 +26,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from _harness import (
+    ROOT,
+    add_data_options,
+    child_env,
+    forward,
+    utc_now,
+    write_results,
+    write_section,
+)
+
 DOC = ROOT / "docs" / "quality.md"
 RECIPES = ("minilm-bbc", "minilm-tweets", "lite0-fashion", "smollm2-pydocs")
 _MIB = float(1 << 20)
+_SHAPES = ("epochs", "seq_len", "batch_size", "image_size")
 
 
 def default_schemes() -> list[str]:
@@ -50,11 +57,7 @@ def default_schemes() -> list[str]:
 
 def _options(args: argparse.Namespace) -> list[str]:
     """The finetune options every run of this table shares."""
-    out = []
-    for flag in ("max_train", "max_val", "epochs", "seq_len", "batch_size", "image_size"):
-        value = getattr(args, flag)
-        if value is not None:
-            out += [f"--{flag.replace('_', '-')}", str(value)]
+    out = forward(args, ("max_train", "max_val", *_SHAPES))
     return [*out, "--backend", args.backend, "--test-fraction", str(args.test_fraction)]
 
 
@@ -99,9 +102,7 @@ def run_one(
         if out.exists() and (out / "checkpoint.safetensors").exists():
             command.append("--resume")
         print(" ".join(command), flush=True)
-        subprocess.run(
-            command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        )
+        subprocess.run(command, check=True, env=child_env(args.threads))
     data: dict[str, Any] = json.loads(summary.read_text())
     return data
 
@@ -152,13 +153,8 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
 
 
 def write_doc(tag: str, text: str) -> None:
-    start, end = f"<!-- quality:{tag}:start -->", f"<!-- quality:{tag}:end -->"
-    doc = DOC.read_text() if DOC.exists() else "# Quality\n"
-    if start in doc:
-        doc = doc.split(start)[0] + f"{start}\n{text}\n{end}" + doc.split(end, 1)[1]
-    else:
-        doc += f"\n{start}\n{text}\n{end}\n"
-    DOC.write_text(doc)
+    markers = f"<!-- quality:{tag}:start -->", f"<!-- quality:{tag}:end -->"
+    write_section(DOC, markers, text, title="Quality")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -168,8 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--data", help="for generic: a CSV/JSONL/class folder")
     p.add_argument("--schemes", nargs="+", default=default_schemes())
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    for flag in ("max-train", "max-val", "epochs", "seq-len", "batch-size", "image-size"):
-        p.add_argument(f"--{flag}", type=int)
+    add_data_options(p, max_train=None, max_val=None, shapes=_SHAPES)
     p.add_argument("--test-fraction", type=float, default=0.5)
     p.add_argument("--backend", default="torch")
     p.add_argument("--threads", type=int, default=2)
@@ -192,14 +187,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             runs = [run_one(recipe, scheme, lr["lr"], seed, args) for seed in args.seeds]
             rows.append(row(recipe, scheme, lr, runs))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "lr_trials"}), flush=True)
-            write_results(args.tag, command, rows)  # after each row: a cut-short run keeps them
+            save(args.tag, command, rows)  # after each row: a cut-short run keeps them
 
 
-def write_results(tag: str, command: str, rows: Sequence[dict[str, Any]]) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "rows": list(rows)}  # fmt: skip
-    (RESULTS / f"quality_table-{tag}.json").write_text(json.dumps(result, indent=1))
+def save(tag: str, command: str, rows: Sequence[dict[str, Any]]) -> None:
+    """The rows so far: the results JSON and this tag's table in docs/quality.md."""
+    result = {"command": command, "date": utc_now(), "rows": list(rows)}
+    write_results(f"quality_table-{tag}", result, indent=1)
     write_doc(tag, markdown(rows, command))
 
 

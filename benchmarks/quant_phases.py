@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _harness import vm_kib
 
 from pockengine.finetune import recipes
 from pockengine.finetune.config import FinetuneConfig
@@ -22,9 +22,7 @@ from pockengine.finetune.trainer import compile_task
 
 
 def mem(label: str) -> None:
-    lines = Path("/proc/self/status").read_text().splitlines()
-    kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in lines if ln.startswith("Vm")}
-    rss, peak = kib["VmRSS"] // 1024, kib["VmHWM"] // 1024
+    rss, peak = vm_kib("VmRSS") // 1024, vm_kib("VmHWM") // 1024
     print(f"{time.strftime('%H:%M:%S')} {label}: RSS {rss} MiB, peak {peak} MiB", flush=True)
 
 

@@ -17,21 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from _harness import run_child, vm_mib, write_results
+
 MIB = 1 << 20
-
-
-def _vm(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _workload(layers: int) -> tuple[Any, Any]:
@@ -68,7 +59,7 @@ def run_case(layers: int, fraction: float, base: tuple[int, int], steps: int) ->
         "extra_gflop": 0.0 if remat is None else remat.extra_flops / 1e9,
         "extra_share": 0.0 if remat is None else remat.extra_flops / remat.step_flops,
         "segments": 0 if remat is None else len(remat.segments),
-        "vmhwm_mib": _vm("VmHWM"),
+        "vmhwm_mib": vm_mib("VmHWM"),
         "compile_s": compile_s,
         "step_s": statistics.median(times[1:] or times),
     }
@@ -118,15 +109,12 @@ def main() -> int:
     base = _base_plan(args.layers)
     rows = []
     for fraction in args.fractions:
-        cmd = [sys.executable, __file__, "--layers", str(args.layers), "--steps", str(args.steps),
-               "--case", str(fraction), *map(str, base)]  # fmt: skip
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+        rows.append(run_child([__file__, "--layers", args.layers, "--steps", args.steps,
+                               "--case", fraction, *base]))  # fmt: skip
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     result = {"layers": args.layers, "steps": args.steps, "persistent_bytes": base[0],
               "arena_bytes": base[1], "rows": rows}  # fmt: skip
-    out_file = ROOT / "benchmarks" / "results" / "remat_budget.json"
-    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results("remat_budget", result)
     print(markdown(rows))
     return 0
 

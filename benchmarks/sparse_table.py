@@ -12,15 +12,15 @@ bytes and planned peak, read off the compiled training graphs (nothing is run).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from _harness import ROOT, write_results
+
 import pockengine as pe
 from pockengine import zoo
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("mbv2", "bert", "llama")
 
 
@@ -121,9 +121,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "sparse_backprop.md"))
     args = parser.parse_args()
     rows = [r for name in args.workloads for r in measure(name)]
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "sparse_table.json").write_text(json.dumps(rows, indent=1))
+    write_results("sparse_table", rows, indent=1)
     Path(args.out).write_text(HEADER + markdown(rows) + NOTES)
     print(markdown(rows))
     return 0

@@ -19,17 +19,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import ort_training_peer
+from _harness import ROOT, ChildFailedError, run_child
+from _harness import reset_peak as _reset_peak
+from _harness import vm_kib as _rss_kib
 
-ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = (
     "pockengine-torch",
     "pockengine-onnxruntime",
@@ -41,19 +41,6 @@ FRAMEWORKS = (
 )  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
 WORKLOADS = ("mbv2", "bert", "llama")
 SCHEMES = ("full", "bias-only", "sparse", "head")  # names: pockengine.sparse.names
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> None:
-    # Writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
 
 
 def _threads(n: int) -> None:
@@ -239,13 +226,10 @@ def _ort_training_case(workload: str, scheme_name: str, steps: int, warmup: int)
 
 
 def _subprocess(args: list[str], threads: int) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "OPENBLAS_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                         env=env, check=False)  # fmt: skip
-    if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    try:
+        return run_child([__file__, *args], threads)
+    except ChildFailedError as e:
+        return {"error": e.last_line}
 
 
 _MEDIANS = ("step_ms", "compile_s", "train_mem_mib", "step_mem_mib", "peak_rss_mib", "base_rss_mib")

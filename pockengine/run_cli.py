@@ -23,38 +23,56 @@ from pockengine.finetune.cli import non_negative_float, positive_int
 __all__ = ["register"]
 
 
+_RUN_HELP = "a run folder of pockengine finetune"
+
+
 def register(sub: Any) -> None:
     """Add ``evaluate``, ``predict`` and ``generate`` to the ``pockengine`` subcommands."""
     for add in (_add_evaluate, _add_predict, _add_generate):
         parser = add(sub)
         parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
-        parser.set_defaults(run=_with_threads)
+
+
+def _run_parser(
+    sub: Any,
+    name: str,
+    command: Callable[[argparse.Namespace], int],
+    help: str,
+    run_help: str = _RUN_HELP,
+) -> Any:
+    """The subcommand ``name`` on a run folder (its first argument, RUN), running
+    ``command`` under the ``--threads`` that ``register`` adds last."""
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument("run_dir", metavar="RUN", help=run_help)
+    parser.set_defaults(run=_with_threads, run_command=command)
+    return parser
 
 
 def _add_evaluate(sub: Any) -> Any:
-    ev = sub.add_parser(
+    ev = _run_parser(
+        sub,
         "evaluate",
+        _evaluate,
         help="accuracy, macro-F1, per-class scores and confusion (perplexity for a causal "
         "LM) of a run's model; writes RUN/eval.json and RUN/confusion.png",
     )
-    ev.add_argument("run_dir", metavar="RUN", help="a run folder of pockengine finetune")
     ev.add_argument(
         "--data",
         help="a .csv/.tsv/.jsonl file or class folder in the run's "
         "columns (a text file or folder for a causal LM); default: the run's "
         "validation split",
     )
-    ev.set_defaults(run_command=_evaluate)
     return ev
 
 
 def _add_predict(sub: Any) -> Any:
-    pr = sub.add_parser(
+    pr = _run_parser(
+        sub,
         "predict",
+        _predict,
         help="classify texts with a run's model: one JSON line per input "
         '({"label": ..., "probs": {...}})',
     )
-    pr.add_argument("run_dir", metavar="RUN", help="a run folder of pockengine finetune")
     pr.add_argument(
         "texts", nargs="*", metavar="TEXT", help="texts (image files for a vision run) to classify"
     )
@@ -65,18 +83,17 @@ def _add_predict(sub: Any) -> Any:
     )
     pr.add_argument("--output", help="write the JSON lines here instead of to stdout")
     pr.add_argument("--batch-size", type=positive_int, default=32, help="inputs a forward pass")
-    pr.set_defaults(run_command=_predict)
     return pr
 
 
 def _add_generate(sub: Any) -> Any:
-    ge = sub.add_parser(
+    ge = _run_parser(
+        sub,
         "generate",
+        _generate,
         help="continue a prompt with a causal-LM run's model, streaming the "
         "text; reports tokens per second",
-    )
-    ge.add_argument(
-        "run_dir", metavar="RUN", help="a run folder of pockengine finetune (a causal LM)"
+        run_help=f"{_RUN_HELP} (a causal LM)",
     )
     ge.add_argument("--prompt", required=True, help="the text to continue")
     ge.add_argument(
@@ -92,7 +109,6 @@ def _add_generate(sub: Any) -> Any:
     ge.add_argument(
         "--seed", type=int, default=0, help="of the sampling; the same seed, the same text"
     )
-    ge.set_defaults(run_command=_generate)
     return ge
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from pockengine.passes.remat_budget import parse_budget, recomputation, with_bud
 from pockengine.passes.slices import sink_slices
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
+
+if TYPE_CHECKING:
+    from pockengine.evaluator import Evaluator
 
 __all__ = [
     "ON_NONFINITE",
@@ -181,6 +184,7 @@ class TrainStep:
             k: backend.from_numpy(v) if k in written else backend.share_numpy(v)
             for k, v in values.items()
         }
+        self._written = frozenset(written)
         self._exec = backend.compile(self.graph)
         self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
@@ -256,6 +260,15 @@ class TrainStep:
             for name, out in zip(self._grad_names, outs[1:], strict=True)
         }
 
+    def evaluator(
+        self, model: Any, eval_fn: Callable[..., Any], example_batch: Sequence[Any]
+    ) -> Evaluator:
+        """``eval_fn(model, *batch)`` compiled forward-only, in eval mode, on this step's
+        backend and current values (``pockengine.evaluator``; torch models only)."""
+        from pockengine.evaluator import compile_evaluator
+
+        return compile_evaluator(self, model, eval_fn, example_batch)
+
     def _read(self, name: str) -> Array:
         quantized = self._quantized.get(name)
         if quantized is not None:  # the float values the step computes with
@@ -276,7 +289,9 @@ class TrainStep:
         full = apply_resolution(self.forward, Resolution(dict.fromkeys(
             (p.name for p in self.forward.params), None)))  # fmt: skip
         full_graph, _, _ = training_graph(full, self.optimizer)
-        full_graph = run_pipeline(full_graph, self.passes).graph
+        # full backprop as it is, without this step's recomputation budget (which it could
+        # miss, with a warning about a step nobody runs); ``recomputation`` says what it did
+        full_graph = run_pipeline(full_graph, with_budget(self.passes, None)).graph
         scheme = self.scheme.to_dict() if self.scheme is not None else {"scheme": "requires_grad"}
         label = ", ".join(f"{k}={v}" for k, v in scheme.items())
         mixed = self.backend if isinstance(self.backend, MixedBackend) else None
@@ -311,10 +326,27 @@ class TrainStep:
         flat = self.flat_state_dict()
         return flat if self._restructure is None else self._restructure(flat)
 
-    def flat_state_dict(self) -> dict[str, Array]:
-        """Params and persistent buffers as ``{model name: array}``."""
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Every param and persistent buffer the step holds, by model name (tied tensors
+        under their first name)."""
+        return tuple(self._state_names.values())
+
+    @property
+    def written(self) -> tuple[str, ...]:
+        """The params and persistent buffers (model names) that a step writes: the trained
+        params and the buffers it updates (running statistics). The others keep the values
+        the step was compiled with (or was given through ``load_state``)."""
+        return tuple(name for ir, name in self._state_names.items() if ir in self._written)
+
+    def flat_state_dict(self, names: Iterable[str] | None = None) -> dict[str, Array]:
+        """Params and persistent buffers as ``{model name: array}``; only ``names`` (first
+        names of tied tensors, e.g. ``written``) when given."""
+        wanted = None if names is None else set(names)
         out = {}
         for ir, name in self._state_names.items():
+            if wanted is not None and name not in wanted:
+                continue
             value = self._read(ir)
             for alias in self._aliases.get(name, (name,)):
                 out[alias] = value.copy()

@@ -9,12 +9,15 @@ never a copy), so saving costs no memory beyond the arrays already held. NumPy o
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["SAFETENSORS_DTYPES", "header_bytes", "write_safetensors_to"]
+__all__ = ["SAFETENSORS_DTYPES", "append_tensors", "header_bytes", "write_safetensors_to"]
 
 Array = np.ndarray[Any, Any]
 SAFETENSORS_DTYPES = {
@@ -34,11 +37,15 @@ def _c_order(tensors: Mapping[str, Array]) -> dict[str, Array]:
     return arrays
 
 
-def header_bytes(tensors: Mapping[str, Array], metadata: Mapping[str, str] | None = None) -> bytes:
+def header_bytes(
+    tensors: Mapping[str, Array],
+    metadata: Mapping[str, str] | None = None,
+    before: Mapping[str, Any] | None = None,
+) -> bytes:
     """The 8-byte length and the JSON header (padded to 8 bytes) of ``tensors``, laid out
-    in the given order."""
-    header: dict[str, Any] = {}
-    offset = 0
+    in the given order, after the entries ``before`` (another header's, data kept)."""
+    header: dict[str, Any] = dict(before or {})
+    offset = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
     for name, a in tensors.items():
         header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}  # fmt: skip
@@ -64,3 +71,22 @@ def write_safetensors_to(
     for a in arrays.values():
         if a.nbytes:
             put(f, a.reshape(-1).view(np.uint8).data)
+
+
+def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
+    """Rewrite the safetensors file ``path`` with ``tensors`` added after its own: its
+    data are copied through in chunks (none of its tensors is read into memory); the new
+    file replaces the old one atomically."""
+    arrays = _c_order(tensors)
+    with path.open("rb") as src:
+        size = int.from_bytes(src.read(8), "little")
+        header: dict[str, Any] = json.loads(src.read(size))
+        metadata = header.pop("__metadata__", None)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as dst:
+            dst.write(header_bytes(arrays, metadata, before=header))
+            shutil.copyfileobj(src, dst, 8 << 20)
+            for a in arrays.values():
+                if a.nbytes:
+                    dst.write(a.reshape(-1).view(np.uint8).data)
+    os.replace(tmp, path)

@@ -315,3 +315,40 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_state(finetune: Finetune
     assert [r["round"] for r in rounds_log(other)] == [1, 2]
     for name, array in whole.items():
         np.testing.assert_array_equal(resumed[name], array, err_msg=name)
+
+
+def test_batchnorm_statistics_travel_with_the_trained_params() -> None:
+    """The running statistics a step updates are averaged like its params (else the
+    server evaluates with the statistics every client started from); the integer batch
+    counter and the frozen layer stay home."""
+    import torch
+    import torch.nn.functional as F
+
+    import pockengine as pe
+    from pockengine.federated.payload import TrainedSet
+    from pockengine.optim import SGD
+    from pockengine.sparse import schemes
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+        )
+
+    x, y = torch.randn(16, 4) * 3 + 1, torch.randint(0, 3, (16,))
+    scheme = schemes.select(train=["1.*", "3.*"])
+
+    def compiled() -> pe.TrainStep:
+        loss = lambda m, a, b: F.cross_entropy(m(a), b)  # noqa: E731
+        return pe.compile(build(), loss, (x, y), SGD(lr=0.1), scheme, backend="torch")
+
+    client, server = compiled(), compiled()
+    trained = TrainedSet.of(client)
+    assert set(trained.rows) == {"1.weight", "1.bias", "1.running_mean", "1.running_var",
+                                 "3.weight", "3.bias"}  # fmt: skip
+    client(x, y)
+    sent = trained.extract(client)
+    assert np.abs(sent["1.running_mean"]).max() > 0.01  # moved from its initial zeros
+    trained.merge(server, sent, "a reply")
+    for name, value in server.flat_state_dict(list(trained.rows)).items():
+        np.testing.assert_array_equal(value, sent[name], err_msg=name)

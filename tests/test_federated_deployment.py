@@ -6,10 +6,12 @@ the ClientApp process's refusal of another app, and that stopping the federation
 every process it started. The end-to-end runs (real SuperLink, SuperNodes, ``flwr
 run``) take over a minute on a loaded 2-core machine, so they are marked slow: a
 deployed run equals the simulation with the same seed, compiles each client once, and
-leaves no process behind, also when interrupted with Ctrl-C."""
+leaves no process behind, also when interrupted with Ctrl-C; a node killed mid-run is
+dropped and the run goes on; a server stopped after a round resumes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -162,12 +164,12 @@ def _zombie(pid: int) -> bool:
 # -- real deployments (slow) ------------------------------------------------------------
 
 
-def _args(ft: FinetuneConfig, out: str) -> list[str]:
+def _args(ft: FinetuneConfig, out: str, rounds: int = 2) -> list[str]:
     return [
         "federated", "--deployment", "--model", str(ft.model), "--data", str(ft.data),
         "--text-column", "review", "--label-column", "sentiment", "--seq-len", "12",
         "--batch-size", "8", "--lr", "0.01", "--scheme", str(ft.scheme),
-        "--clients", "2", "--rounds", "2", "--out", out,
+        "--clients", "2", "--rounds", str(rounds), "--out", out,
     ]  # fmt: skip
 
 
@@ -235,6 +237,75 @@ def test_ctrl_c_stops_every_process(finetune: FinetuneConfig, tmp_path: Path) ->
         assert command.wait(60) != 0
     finally:
         command.kill()
+    end = time.monotonic() + 10
+    while with_marker(str(marker)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert with_marker(str(marker)) == []
+
+
+def _kill_node(pids: list[int], partition: int) -> None:
+    """SIGKILL the SuperNode of ``partition`` and the ClientApp process beside it (found
+    by the SuperNode's Runtime API port in their command lines)."""
+    lines = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            lines[pid] = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    node = next(pid for pid, argv in lines.items() if f"partition-id={partition}".encode()
+                in b" ".join(argv) and b"flower-supernode" in b" ".join(argv))  # fmt: skip
+    port = lines[node][lines[node].index(b"--port") + 1]
+    clientapp = next(pid for pid, argv in lines.items() if b"127.0.0.1:" + port in argv)
+    for pid in (node, clientapp):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _deploy(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as sink:
+        return subprocess.Popen([sys.executable, "-m", "pockengine", *args], env=env,
+                                stdout=sink, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_dropped_and_a_stopped_server_resumes(
+    finetune: FinetuneConfig,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """2 SuperNodes; node 1 (its SuperNode and ClientApp) is killed during round 2. Round
+    2 drops it (past --timeout, or as unavailable), later rounds go on with node 0 alone
+    (round 4 is not even sent to node 1), and the server stops after round 4. --resume
+    deploys afresh and runs round 5 with both nodes; no process is left."""
+    marker = tmp_path / "flower-tmp"
+    marker.mkdir()
+    env = {**os.environ, "TMPDIR": str(marker), "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = str(finetune.out)
+    # client 1 sleeps in round 2, so it is still training when it is killed
+    first = [*_args(finetune, out, rounds=5), "--timeout", "90", "--stop-after-round", "4",
+             "--delay", "1:2:600"]  # fmt: skip
+    command = _deploy(first, env, tmp_path / "first.log")
+    try:
+        end = time.monotonic() + 300
+        rounds = Path(out) / "rounds.jsonl"
+        while time.monotonic() < end and not (rounds.exists() and rounds.read_text()):
+            assert command.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.2)
+        _kill_node(with_marker(str(marker)), 1)
+        assert command.wait(300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        command.kill()
+    assert "node 1 is lost" in (tmp_path / "first.log").read_text()
+    before = rounds_log(finetune)
+    assert [(r["round"], r["clients"]) for r in before] == [
+        (1, [0, 1]),
+        *((r, [0]) for r in (2, 3, 4)),
+    ]
+    assert len(before[1]["dropped"]) == 1 and before[3]["dropped"] == []
+    resumed = _deploy([*_args(finetune, out, rounds=5), "--resume", "--timeout", "120"], env,
+                      tmp_path / "resumed.log")  # fmt: skip
+    try:
+        assert resumed.wait(300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    finally:
+        resumed.kill()
+    after = rounds_log(finetune)
+    assert after[:4] == before and (after[4]["round"], after[4]["clients"]) == (5, [0, 1])
     end = time.monotonic() + 10
     while with_marker(str(marker)) and time.monotonic() < end:
         time.sleep(0.2)

@@ -70,7 +70,9 @@ def test_minilm_bbc_head_beats_chance(tmp_path: Path, capsys: pytest.CaptureFixt
     assert saved.info["labels"] == ["business", "entertainment", "politics", "sports", "tech"]
     pretrained = load_file(str(zoo.minilm_path() / "model.safetensors"))
     name = "encoder.layer.5.output.dense.weight"
-    np.testing.assert_array_equal(saved.params[f"encoder.{name}"], pretrained[name])
+    assert set(saved.params) == {"head.weight", "head.bias"}  # frozen weights: the model's
+    written = load_file(str(out / "model" / "model.safetensors"))  # RUN/model: all of them
+    np.testing.assert_array_equal(written[name], pretrained[name])
     assert saved.params["head.weight"].shape == (5, 384)
 
 

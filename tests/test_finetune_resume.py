@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import pockengine as pe
 from pockengine.finetune import checkpoint, trainer
@@ -140,6 +141,30 @@ def test_a_checkpoint_older_than_an_option_resumes_at_its_default(
         pe.finetune(**task, out=str(out), resume=True, test_fraction=0.5)
     rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
     assert rest.steps == 5
+
+
+def test_checkpoint_holds_only_what_training_changes(tmp_path: Path, task: dict[str, Any]) -> None:
+    """A head-only run's checkpoint holds the head, not the frozen embedding (the model's
+    own, loaded again on resume); one holding every param (as older ones did) still
+    resumes to the same state, and one lacking a trained value is refused."""
+    sparse = {**task, "scheme": "head", "epochs": 1}
+    whole = pe.finetune(**sparse, out=str(tmp_path / "whole"))
+    out = tmp_path / "run"
+    pe.finetune(**sparse, out=str(out), max_steps=4)
+    path = out / checkpoint.CHECKPOINT
+    saved = checkpoint.load(path)
+    assert set(saved.params) == {"head.weight", "head.bias"}
+    frozen = load_file(str(out / "model" / "model.safetensors"))["emb.weight"]
+    complete = {**saved.params, "emb.weight": frozen}  # as checkpoints before session 7
+    saved.params.pop("head.bias")
+    checkpoint.save(path, saved)
+    with pytest.raises(pe.FinetuneError, match=r"1 missing \(head\.bias\)"):
+        pe.finetune(**sparse, out=str(out), resume=True)
+    saved.params = complete
+    checkpoint.save(path, saved)
+    rest = pe.finetune(**sparse, out=str(out), resume=True)
+    assert rest.finished
+    assert_same_state(whole.checkpoint, rest.checkpoint)
 
 
 def _cli(task: dict[str, Any], out: Path, *extra: str) -> list[str]:

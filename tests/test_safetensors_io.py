@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from pockengine.finetune import checkpoint
-from pockengine.safetensors_io import write_safetensors_to
+from pockengine.safetensors_io import append_tensors, write_safetensors_to
 
 
 def test_every_dtype_and_layout_round_trips(tmp_path: Path) -> None:
@@ -55,3 +55,24 @@ def test_saving_a_checkpoint_holds_no_copy_of_the_state(tmp_path: Path) -> None:
     loaded = checkpoint.load(tmp_path / "c.safetensors")
     np.testing.assert_array_equal(loaded.params["w"], big)
     assert loaded.counters == {"step": 1}
+
+
+def test_append_tensors_keeps_every_tensor_and_the_metadata(tmp_path: Path) -> None:
+    """Tensors added after a file's own (the pooler added to a written encoder): the old
+    ones are copied through byte for byte, without loading them."""
+    from safetensors import safe_open
+
+    own = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(3, dtype=np.int64)}
+    path = tmp_path / "m.safetensors"
+    with path.open("wb") as f:
+        write_safetensors_to(f, own, {"format": "pt"})
+    extra = {"pooler.w": np.ones((2, 2), np.float16), "pooler.t": np.arange(4.0).reshape(2, 2).T}
+    append_tensors(path, extra)
+    got = load_file(str(path))
+    assert got.keys() == {*own, *extra}
+    for name, want in {**own, **extra}.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+        assert got[name].dtype == want.dtype
+    with safe_open(str(path), "np") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert not path.with_name(path.name + ".tmp").exists()

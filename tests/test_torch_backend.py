@@ -382,8 +382,8 @@ def test_frozen_weights_are_shared_with_the_model_and_trained_ones_copied(backen
 
     params = dict(w.model.named_parameters())
     shared = {n for n, p in params.items() if n in store and address(store[n]) == p.data_ptr()}
-    frozen_2d = {n for n, p in params.items() if not n.startswith("fc.") and p.dim() != 4}
-    assert frozen_2d and frozen_2d <= shared  # 4-D conv weights: channels-last copies on torch
+    frozen = {n for n, p in params.items() if not n.startswith("fc.")}
+    assert frozen and frozen <= shared  # 4-D conv weights too, in the layout they arrive in
     assert not any(n.startswith("fc.") for n in shared)
     if backend == "numpy":
         assert all(not store[n].flags.writeable for n in shared)

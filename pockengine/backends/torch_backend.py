@@ -71,11 +71,12 @@ _serial = itertools.count()
 
 
 def stored_layout(tensor: torch.Tensor, channels_last: bool = True) -> torch.memory_format:
-    """The layout of params, state and batch tensors in this backend: channels-last for 4-D
-    (NHWC: images, conv weights and their optimizer state) unless turned off, so
-    convolutions, batch norm and pointwise kernels take oneDNN's fast paths and propagate
-    that layout; row-major for the rest. The IR's shapes stay logical (NCHW); only strides
-    differ."""
+    """The layout of the tensors this backend copies in (``from_numpy``: trained params,
+    buffers, optimizer state, batch tensors): channels-last for 4-D (NHWC: images, conv
+    weights and their optimizer state) unless turned off, so convolutions, batch norm and
+    pointwise kernels take oneDNN's fast paths and propagate that layout; row-major for the
+    rest. Values the step only reads are shared as they arrive (``share_numpy``). The IR's
+    shapes stay logical (NCHW); only strides differ."""
     return torch.channels_last if channels_last and tensor.dim() == 4 else torch.contiguous_format
 
 
@@ -94,10 +95,13 @@ class TorchKernelError(PockEngineError):
 class TorchExecutable(Executable):
     """One graph as a generated function; ``run`` calls it once."""
 
-    def __init__(self, graph: Graph, device: torch.device, inplace: bool = True) -> None:
+    def __init__(
+        self, graph: Graph, device: torch.device, inplace: bool = True, trim_heap: bool = False
+    ) -> None:
         check_ops(graph, KERNELS, "torch")
         self.graph = graph
         self.device = device
+        self._trim = libc_function("malloc_trim") if trim_heap else None
         generated = generate_source(graph, KERNELS, _FINDERS, device, inplace)
         self.source = generated.source
         self._first_line = generated.first_line
@@ -131,12 +135,18 @@ class TorchExecutable(Executable):
             )
         try:
             with torch.inference_mode():
-                return list(self.function(*args))
+                results = list(self.function(*args))
         except Exception as exc:
             node = self._failed_node(exc)
             if node is None:
                 raise
             raise TorchKernelError(f"{type(exc).__name__} in {node}: {exc}") from exc
+        finally:
+            if self._trim is not None:
+                # The step's intermediates are freed; give back the heap pages they held
+                # (see TorchBackend, ``trim_heap``).
+                self._trim(0)
+        return results
 
     def _failed_node(self, exc: BaseException) -> str | None:
         """The printed node whose line of the generated source raised ``exc``."""
@@ -176,7 +186,23 @@ def keep_freed_heap() -> bool:
 
 
 class TorchBackend(Backend):
-    """ATen kernels on ``device`` ("cpu" or "cuda"), called from generated code."""
+    """ATen kernels on ``device`` ("cpu" or "cuda"), called from generated code.
+
+    Layout (``channels_last``): what the step writes (trained params, buffers, optimizer
+    state) and the batch are stored channels-last when 4-D (``stored_layout``); what it only
+    reads (frozen weights, constants) keeps the layout it arrives in and is shared, not
+    copied, unless ``frozen_channels_last``. A convolution runs channels-last when its input
+    is, whatever its weight's layout, and oneDNN reorders the weight into its own blocked
+    format on every call either way, so a channels-last copy of a frozen weight costs its
+    size in memory and saves no measurable time (docs/benchmarks.md, session 7).
+
+    Heap (CPU), both opt-in: with ``trim_heap`` each run ends by handing the heap pages its
+    freed intermediates held back to the OS (glibc's ``malloc_trim``; this call only, no
+    process-wide setting), so the resident memory between steps is what stays live
+    (weights, state), not what the allocator kept, and the next step faults its pages in
+    again (measured on MobileNetV2, 2 threads: 5-15 MiB less whole-process memory, and
+    the sparse step 1.5x slower). ``keep_heap`` does the opposite, for speed
+    (``keep_freed_heap``, process-wide); it turns ``trim_heap`` off."""
 
     name = "torch"
 
@@ -186,24 +212,30 @@ class TorchBackend(Backend):
         channels_last: bool = True,
         keep_heap: bool = False,
         inplace: bool = True,
+        trim_heap: bool = False,
+        frozen_channels_last: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.channels_last = channels_last
         self.keep_heap = keep_heap
         self.inplace = inplace  # elementwise results over dying inputs (plan.inplace)
+        self.trim_heap = trim_heap and not keep_heap and self.device.type == "cpu"
+        self.frozen_channels_last = frozen_channels_last
 
     def compile(self, graph: Graph) -> TorchExecutable:
         if self.keep_heap and self.device.type == "cpu":
             keep_freed_heap()
-        return TorchExecutable(graph, self.device, self.inplace)
+        return TorchExecutable(graph, self.device, self.inplace, self.trim_heap)
 
     def from_numpy(self, array: Array) -> torch.Tensor:
         """A copy on the device, same dtype (the array is never aliased), in the stored
         layout."""
         array = np.asarray(array)
-        if not (array.flags.c_contiguous and array.flags.writeable):
-            array = np.array(array, order="C")
-        source = torch.from_numpy(array)
+        if not array.flags.c_contiguous:
+            array = np.array(array, order="C")  # (ascontiguousarray would make 0-d 1-d)
+        with warnings.catch_warnings():  # a read-only array is only read: no NumPy copy first
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            source = torch.from_numpy(array)
         layout = stored_layout(source, self.channels_last)
         out = torch.empty(
             source.shape, dtype=source.dtype, device=self.device, memory_format=layout
@@ -211,12 +243,12 @@ class TorchBackend(Backend):
         return out.copy_(source)  # the one copy
 
     def share_numpy(self, array: Array) -> torch.Tensor:
-        """A CPU tensor over ``array``'s own memory when its layout is the stored one (not a
-        4-D channels-last weight) and its dtype is torch's: the step never writes these
-        values (plan.inplace writes only over intermediates, updates only their targets)."""
+        """A CPU tensor over ``array``'s own memory when it is row-major (4-D ones too,
+        unless ``frozen_channels_last``): the step never writes these values (plan.inplace
+        writes only over intermediates, updates only their targets)."""
         array = np.asarray(array)
-        channels_last = self.channels_last and array.ndim == 4
-        if self.device.type != "cpu" or not array.flags.c_contiguous or channels_last:
+        copy_4d = self.frozen_channels_last and self.channels_last and array.ndim == 4
+        if self.device.type != "cpu" or not array.flags.c_contiguous or copy_4d:
             return self.from_numpy(array)
         with warnings.catch_warnings():  # read-only arrays: read, never written (above)
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")

@@ -36,19 +36,38 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
 
 
 def random_mask(
-    seed: torch.Tensor,
-    index: torch.Tensor,
-    salt_key: int,
-    threshold: int,
-    scale: float,
-    shape: tuple[int, ...],
+    seed: torch.Tensor, salt_key: int, threshold: int, scale: float, shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """random_mask's hash bit for bit: ``index`` is arange(n) (int64, n < 2**32, so
-    i & M = i and i >> 32 = 0), ``salt_key`` = mix(salt & M), and h / 2**32 >= p is
-    h >= ``threshold`` = ceil(p * 2**32), exact because both sides are integers."""
+    """random_mask's hash bit for bit, on ``seed``'s device: the element index i < n <
+    2**32 (so i & M = i and i >> 32 = 0), ``salt_key`` = mix(salt & M), and h / 2**32 >= p
+    is h >= ``threshold`` = ceil(p * 2**32), exact because both sides are integers."""
     key = _mix(_mix(salt_key ^ (seed & _M32)) ^ ((seed >> 32) & _M32))
-    h = _mix(_mix(index ^ key))
-    return (h >= threshold).to(torch.float32).mul_(scale).reshape(shape)
+    n = math.prod(shape)
+    out = torch.empty(n, dtype=torch.float32, device=seed.device)
+    size = max(1, min(n, _MASK_CHUNK))
+    h = torch.empty(size, dtype=torch.int64, device=seed.device)
+    scratch, kept = torch.empty_like(h), torch.empty_like(h, dtype=torch.bool)
+    for start in range(0, n, size):
+        m = min(size, n - start)
+        torch.arange(start, start + m, out=h[:m]).bitwise_xor_(key)
+        _mix_into(_mix_into(h[:m], scratch[:m]), scratch[:m])
+        torch.mul(torch.ge(h[:m], threshold, out=kept[:m]), scale, out=out[start : start + m])
+    return out.reshape(shape)
+
+
+# Elements of a mask hashed at once. The hash is ten int64 operations an element: a chunk
+# that stays in cache and is updated in place is 2.5-4x faster on an attention mask of 3M
+# elements than whole-mask temporaries, and needs 4 MiB of scratch instead of ~75 MiB (and
+# no int64 arange of the largest mask, 24 MiB on MiniLM, kept for the step's lifetime).
+_MASK_CHUNK = 1 << 18
+
+
+def _mix_into(h: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``_mix`` in place, its shifts written into ``scratch``."""
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x6A09E667)):
+        h.bitwise_xor_(torch.bitwise_right_shift(h, shift, out=scratch))
+        h.mul_(factor).bitwise_and_(_M32)
+    return h.bitwise_xor_(torch.bitwise_right_shift(h, 16, out=scratch))
 
 
 def _mix_int(h: int) -> int:
@@ -119,17 +138,12 @@ def _arange(e: Emit) -> list[str]:
 
 def _random_mask(e: Emit) -> list[str]:
     shape, p, salt = e.attr("shape"), float(e.attr("p")), int(e.attr("salt"))
-    n = math.prod(shape)
-    # One arange, as long as the largest mask of the graph, serves every mask.
-    most = max(node.outputs[0].type.numel for node in e.graph.nodes if node.op == "random_mask")
-    if most >= 2**32:
+    if math.prod(shape) >= 2**32:
         raise NotImplementedError("random_mask of 2**32 elements or more")
-    arange = e.shared_const(("arange", most), lambda: torch.arange(most, device=e.device))
-    index = f"{arange}[:{n}]"
     threshold = math.ceil(p * 2.0**32)  # p * 2**32 is exact: a power-of-two scaling
     scale = float(np.float32(1.0 / (1.0 - p) if p < 1.0 else 0.0))
     args = f"{_mix_int(salt & _M32)}, {threshold}, {literal(scale)}, {literal(tuple(shape))}"
-    return [f"{e.out} = random_mask({e.ins[0]}, {index}, {args})"]
+    return [f"{e.out} = random_mask({e.ins[0]}, {args})"]
 
 
 # -- elementwise -----------------------------------------------------------------------------

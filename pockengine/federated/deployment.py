@@ -168,6 +168,7 @@ class LocalFederation:
         self.home = folder / "flower-home"
         self.port = free_port()
         self.processes: list[_Process] = []
+        self.lost: set[str] = set()  # nodes (partition ids) whose processes died mid-run
         self.env = {
             **os.environ,
             "FLWR_HOME": str(self.home),  # runs, apps and the connection stay in the folder
@@ -213,14 +214,24 @@ class LocalFederation:
         """``flwr run APP --stream`` against this SuperLink; it ends with the run."""
         return self._spawn("flwr-run", "flwr", "run", str(app), CONNECTION, "--stream")
 
-    def check(self) -> None:
-        """A ``FederatedError`` if a SuperLink, SuperNode or ClientApp process died."""
+    def check(self, tolerate_nodes: bool = False) -> None:
+        """A ``FederatedError`` if the SuperLink, a SuperNode or a ClientApp process
+        died. With ``tolerate_nodes`` (once the rounds run) a node whose SuperNode or
+        ClientApp process died is logged once and left out (the server drops it from
+        its rounds); only the SuperLink's end, or the loss of every node, is an error."""
         for p in self.processes:
-            if p.name != "flwr-run" and p.popen.poll() is not None:
-                raise FederatedError(
-                    f"{p.name} exited with code {p.popen.returncode}; the end of its log:\n"
-                    + _tail(p.log)
-                )
+            if p.name == "flwr-run" or p.popen.poll() is None:
+                continue
+            died = f"{p.name} exited with code {p.popen.returncode}"
+            if not tolerate_nodes or p.name == "superlink":
+                raise FederatedError(f"{died}; the end of its log:\n{_tail(p.log)}")
+            node = p.name.rpartition("-")[2]
+            if node not in self.lost:
+                self.lost.add(node)
+                log.warning("node %s is lost (%s; its log: %s/%s.log); the run goes on "
+                            "without it", node, died, LOGS, p.name)  # fmt: skip
+        if len(self.lost) == self.clients:
+            raise FederatedError(f"every node has stopped; their logs are in --out's {LOGS}/")
 
     def close(self) -> None:
         """End every process this federation started (module docstring)."""
@@ -312,7 +323,7 @@ def _follow(run: _Process, federation: LocalFederation, rounds: Path, total: int
             )  # fmt: skip
         if done:
             return
-        federation.check()
+        federation.check(tolerate_nodes=bool(logged))  # a node lost mid-run is dropped
         time.sleep(0.5)
 
 

@@ -1,7 +1,8 @@
-"""What travels: the trained tensors of a compiled step, and nothing else.
+"""What travels: the tensors a compiled step's training changes, and nothing else.
 
 A ``TrainedSet`` is read once from a ``TrainStep``: the names of the params its scheme
-trains and, for partial-channel updates, how many leading rows train. ``extract``
+trains and, for partial-channel updates, how many leading rows train, plus the float
+buffers the step updates (BatchNorm running statistics). ``extract``
 gives exactly those tensors (a partial one cut to its trained rows), ``merge`` writes
 received ones back into a step (frozen rows keep the step's own values, which no
 client ever changes), and ``nbytes`` counts what a message carries. Frozen weights
@@ -31,7 +32,10 @@ def nbytes(arrays: Mapping[str, Array]) -> int:
 
 @dataclass(frozen=True)
 class TrainedSet:
-    """The trained params of a step: name -> trained leading rows (None: all)."""
+    """What a step's training changes and a message carries: the trained params (name ->
+    trained leading rows, None: all) and the float buffers the step updates (BatchNorm's
+    running statistics: averaged like the params, or the server would evaluate with the
+    statistics every client started from; integer counters stay local)."""
 
     rows: dict[str, int | None]
     shapes: dict[str, tuple[int, ...]]  # as sent: a partial param's trained rows only
@@ -39,17 +43,21 @@ class TrainedSet:
 
     @classmethod
     def of(cls, step: TrainStep) -> TrainedSet:
-        state = step.flat_state_dict()
+        trained = set(step.trained)
+        buffers = [n for n in step.written if n not in trained]
+        state = step.flat_state_dict([*step.trained, *buffers])
         rows = {name: step.resolution.rows.get(name) for name in step.trained}
+        rows.update({n: None for n in buffers if state[n].dtype.kind == "f"})
         shapes = {}
         for name, k in rows.items():
             shape = state[name].shape
             shapes[name] = shape if k is None else (k, *shape[1:])
-        return cls(rows, shapes, nbytes(state))
+        whole = sum(nbytes(step.flat_state_dict([n])) for n in step.state_names)  # one by one
+        return cls(rows, shapes, whole)
 
     def extract(self, step: TrainStep) -> dict[str, Array]:
         """The trained tensors of ``step`` (partial ones: their trained rows)."""
-        state = step.flat_state_dict()
+        state = step.flat_state_dict(self.rows)
         return {name: self._cut(name, state[name]) for name in self.rows}
 
     def _cut(self, name: str, array: Array) -> Array:
@@ -75,7 +83,7 @@ class TrainedSet:
         """Load received trained tensors into ``step``; frozen rows keep their values."""
         self.check(arrays, where)
         partial = [name for name, k in self.rows.items() if k is not None]
-        state = step.flat_state_dict() if partial else {}
+        state = step.flat_state_dict(partial) if partial else {}
         full = {}
         for name, array in arrays.items():
             k = self.rows[name]

@@ -8,7 +8,9 @@ name over those arrays only, so frozen weights are never in any message. It coun
 what each round sends (``bytes_down``) and receives (``bytes_up``), which clients
 answered, and their training time, in ``rounds[r]`` for the server's log.
 ``proximal_mu`` > 0 asks the clients for FedProx's proximal pull (see ``local``).
-``round_offset`` numbers the rounds of a resumed run after those already done.
+``round_offset`` numbers the rounds of a resumed run after those already done. The
+first round waits for all the clients to connect; later rounds sample the clients still
+connected, so a node that leaves a deployment does not stall the run.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class SparseFedAvg(FedAvg):
         server_round += self.round_offset
         config["proximal-mu"] = self.proximal_mu
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        # The first round waits for every client to connect; later rounds go on with the
+        # nodes still connected: a deployed node that died is dropped by the SuperLink,
+        # and waiting for it would stall the run.
+        self.min_available_nodes = self.min_train_nodes
         size = nbytes(to_arrays(arrays))
         self.rounds[server_round] = {"sent": len(messages), "bytes_down": size * len(messages)}
         return messages

@@ -53,9 +53,11 @@ def save_adapter(
         return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = step.flat_state_dict()
     modules = _modules_to_save(step)
-    tensors = {PEFT_PREFIX + n: state[n] for a in adapters for n in (a.a_name, a.b_name)}
+    factors = [n for a in adapters for n in (a.a_name, a.b_name)]
+    saved = [*factors, *(n for n in step.state_names if _module_of(n) in modules)]
+    state = step.flat_state_dict(saved)  # not the frozen (maybe quantized) weights
+    tensors = {PEFT_PREFIX + n: state[n] for n in factors}
     for name, value in state.items():
         if _module_of(name) in modules:
             tensors[PEFT_PREFIX + name] = value

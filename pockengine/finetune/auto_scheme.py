@@ -40,12 +40,13 @@ from pockengine.finetune.estimate import (
     estimate_scores,
     optimizer_of,
 )
+from pockengine.finetune.scheme_search import choose_within
 from pockengine.ir import SchemeError
 from pockengine.optim import Optimizer
 from pockengine.sparse import schemes
 from pockengine.sparse.names import scheme_named
 from pockengine.sparse.schemes import Scheme
-from pockengine.sparse.search import Budget, Item, choose, fit_to_budget, scheme_for
+from pockengine.sparse.search import Budget, Item, scheme_for
 
 __all__ = ["AUTO", "AutoChoice", "choose_auto", "items_from_estimate"]
 
@@ -227,15 +228,11 @@ def _search(
     estimate = estimate_scores(config, task, planner, weights, settings)
     items = items_from_estimate(estimate, settings.score, settings.ratios, planner.optimizer)
     budget = Budget({"memory": choice.budget_bytes}, {"memory": choice.base_peak_bytes})
-    selection = choose(items, budget, seed=config.seed)
-
-    def measure(chosen: Sequence[Item]) -> dict[str, float]:
-        figures = planner.figures(scheme_for(base_names, chosen))
-        return {"memory": float(figures.planned_peak_bytes)}
-
-    chosen, measured = fit_to_budget(selection, items, budget, measure, max_additions=4)
+    _, chosen, measured = choose_within(
+        items, budget, base_names, planner.figures, seed=config.seed, max_additions=4
+    )
     choice.scheme = scheme_for(base_names, chosen)
-    choice.planned_peak_bytes = measured["memory"]
+    choice.planned_peak_bytes = float(measured["memory"])
     choice.cached, choice.estimate_seconds = estimate.cached, estimate.seconds
     choice.candidates = _table(estimate, items, chosen, settings.score)
     _note_unused(choice, chosen, items)

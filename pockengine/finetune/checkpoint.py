@@ -1,7 +1,9 @@
 """Checkpoints: one safetensors file, written atomically, that resumes a run exactly.
 
-A checkpoint holds the params and buffers (``param/<name>``, names as in
-``model.state_dict()``), the optimizer state (``optim/<name>``: moments, the learning
+A checkpoint holds the params and buffers that training changes (``param/<name>``,
+names as in ``model.state_dict()``: ``TrainStep.written``; the frozen weights are the
+model's own, loaded again on resume, and a checkpoint of a quantized LLM holds no
+dequantized copy of them), the optimizer state (``optim/<name>``: moments, the learning
 rate, the step count and the dropout seed ``rng.seed``), the current epoch's data
 order (``data/order``) and, as JSON metadata, the counters, the training options,
 the scheme, the label names and the data fingerprint.

@@ -7,6 +7,7 @@ import codecs
 import math
 import re
 import signal
+from collections.abc import Callable
 
 from pockengine.cli_help import BACKEND_HELP, RECIPE_HELP, THREADS_HELP
 from pockengine.finetune.config import (
@@ -79,6 +80,11 @@ def _number(text: str) -> float:
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
+def budget_or_none(text: str) -> float:
+    """``byte_amount``, or ``none`` as 0: no recomputation budget (over a recipe's)."""
+    return 0.0 if text.strip().lower() == "none" else byte_amount(text)
+
+
 def byte_amount(text: str) -> float:
     """An argparse type: ``300MB``/``300MiB``/``300M`` in bytes (binary units, as the
     report prints MiB)."""
@@ -92,28 +98,27 @@ def byte_amount(text: str) -> float:
     return value
 
 
+def _number_where(text: str, ok: Callable[[float], bool], rule: str) -> float:
+    """``text`` as a finite number for which ``ok`` holds; else an error naming ``rule``."""
+    value = _number(text)
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (learning rates)."""
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+    return _number_where(text, lambda v: v > 0, "> 0")
 
 
 def non_negative_float(text: str) -> float:
     """An argparse type: a finite number >= 0 (weight decay)."""
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _number_where(text, lambda v: v >= 0, ">= 0")
 
 
 def fraction(text: str) -> float:
     """An argparse type: a number in [0, 1) (warmup, momentum; the config checks tighter)."""
-    value = _number(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+    return _number_where(text, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 def encoding(text: str) -> str:
@@ -151,9 +156,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the sparse scheme's planned peak) and of pockengine search",
     )  # fmt: skip
     how.add_argument(
-        "--remat-budget", type=byte_amount,
+        "--remat-budget", type=budget_or_none,
         help="planned peak the step must fit, e.g. 600MB (MiB units), by recomputing "
-        "activations (whole blocks if need be) in the backward pass; results unchanged",
+        "activations (whole blocks if need be) in the backward pass; results unchanged "
+        "(default: none, or the recipe's for its sparse step at its own batch shape: "
+        "300MB minilm-bbc, 700MB smollm2-pydocs; 'none' turns it off)",
     )  # fmt: skip
     how.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the optimizer")
     how.add_argument("--lr", type=positive_float, help="peak learning rate (default: by scheme)")

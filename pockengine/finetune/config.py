@@ -47,6 +47,7 @@ RUN_FIELDS = frozenset(
         "backend",
         "encoding",  # the data's fingerprint is checked on resume instead
         "keep",  # which weights RUN/model holds; written at the end of each invocation
+        "remat_budget",  # recomputation changes no bit of the results, only memory and time
     }
 )
 
@@ -70,7 +71,7 @@ class FinetuneConfig:
     encoding: str = "utf-8"  # of the --data text files
     scheme: str | None = None  # auto, full, bias, sparse, head, last:K or a scheme file
     memory_budget: float | None = None  # auto: planned-peak bytes (None: sparse's peak)
-    remat_budget: float | None = None  # planned-peak bytes met by recomputation (None: off)
+    remat_budget: float | None = None  # planned-peak bytes met by recomputation (0: off)
     optimizer: str = "adamw"  # adamw or sgd
     lr: float | None = None
     weight_decay: float = 0.01
@@ -138,8 +139,9 @@ class FinetuneConfig:
             raise FinetuneError(f"test_fraction must be in [0, 1), got {self.test_fraction}")
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise FinetuneError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
-        if self.remat_budget is not None and not self.remat_budget > 0:
-            raise FinetuneError(f"remat_budget must be > 0 bytes, got {self.remat_budget}")
+        if self.remat_budget is not None and not self.remat_budget >= 0:
+            raise FinetuneError(f"remat_budget must be >= 0 bytes (0: none), got "
+                                f"{self.remat_budget}")  # fmt: skip
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -299,5 +299,5 @@ def _gradients(
         for name, g in step.gradients(*(np.ascontiguousarray(a) for a in batch)).items():
             if name in names:
                 grads.setdefault(name, []).append(np.asarray(g))
-    state = step.flat_state_dict()
+    state = step.flat_state_dict(grads)
     return grads, {k: np.asarray(state[k]) for k in grads}

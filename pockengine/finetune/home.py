@@ -2,10 +2,11 @@
 
 At each validation ``BestWeights.offer`` keeps the weights of the best validation so far
 (ties: the latest): only the values training changes (the trained params and the
-model's buffers), read from the torch model that validation has just loaded, written
-atomically to ``RUN/best.safetensors`` so that ``--resume`` keeps them too. At the end of
-an invocation ``write_model`` loads the last (``--keep last``) or the best weights into the
-task's torch model and writes it where it came from, by the recipe's ``Task.home``:
+model's buffers), read from the step (``released.step_values``), written atomically to
+``RUN/best.safetensors`` so that ``--resume`` keeps them too. At the end of an invocation
+``write_model`` loads the last (``--keep last``) or the best weights into the task's torch
+model, one tensor at a time, and writes it where it came from, by the recipe's
+``Task.home``:
 
 - ``hf-classifier``: the encoder as ``save_pretrained`` writes it (config,
   ``model.safetensors``, tokenizer files), the linear head in ``head.safetensors``
@@ -17,7 +18,11 @@ task's torch model and writes it where it came from, by the recipe's ``Task.home
 
 Names need no table: ``TrainStep.flat_state_dict`` already gives the values under the
 torch model's ``state_dict`` names (the frontend's record of each param and buffer), so
-the values are loaded into the model and written from it. The folder is written beside
+the values are loaded into the model and written from it. Where the model's float copies
+of quantized weights were released (``released.release_quantized``), the same files are
+streamed from the step instead, tensor by tensor (``_STREAMED``): the config files as
+``save_pretrained`` writes them, then ``model.safetensors`` header first and each value as
+it is read (a quantized weight dequantized then). The folder is written beside
 ``RUN/model`` and renamed into place, so it is never half written.
 """
 
@@ -27,7 +32,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,8 @@ from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.data import WordTokenizer
 from pockengine.finetune.recipes import Task
-from pockengine.safetensors_io import write_safetensors_to
+from pockengine.finetune.released import is_released, write_streamed
+from pockengine.safetensors_io import append_tensors, write_safetensors_to
 
 __all__ = [
     "BEST",
@@ -71,9 +77,10 @@ class BestWeights:
         self.metric, self.higher = best_metric(kind)
         self.row: dict[str, Any] | None = None
 
-    def offer(self, row: dict[str, Any], model: nn.Module, trained: Iterable[str]) -> bool:
-        """Keep ``model``'s values that training changes (``changed_names``) if ``row`` is at
-        least as good as the best so far."""
+    def offer(self, row: dict[str, Any], state: Mapping[str, Array], names: Iterable[str]) -> bool:
+        """Keep the values ``names`` (``changed_names``: what training changes) of ``state``
+        (the step's, by model name: ``released.step_values``) if ``row`` is at least as good
+        as the best so far."""
         value = row.get(self.metric)
         if value is None:
             return False
@@ -81,10 +88,7 @@ class BestWeights:
             best = self.row[self.metric]
             if (value < best) if self.higher else (value > best):
                 return False
-        state = model.state_dict()
-        tensors = {  # views, written at once: no copy of the trained values
-            n: state[n].detach().cpu().numpy() for n in changed_names(model, trained) if n in state
-        }
+        tensors = {n: state[n] for n in names if n in state}  # the trained values only
         meta = {"format": FORMAT, "row": json.dumps(row)}
         ckpt_io.write_atomic_with(self.path, lambda f: write_safetensors_to(f, tensors, meta))
         self.row = dict(row)
@@ -130,20 +134,30 @@ def changed_names(model: nn.Module, trained: Iterable[str]) -> list[str]:
 def write_model(
     out: Path,
     task: Task,
-    state: dict[str, Array],
+    state: Mapping[str, Array],
     config: FinetuneConfig,
     best: BestWeights,
     history: list[dict[str, Any]],
     step: int,
+    changed: Iterable[str] | None = None,
 ) -> Path:
-    """Load the chosen weights (``state``: the last step's, or the best kept) into
-    ``task.model`` and write ``out/model``; its path. ``history``: the validation rows."""
-    _load(task.model, state)
+    """Write ``out/model`` from the chosen weights (``state``: the last step's, by model
+    name, read one at a time; or the best kept, over them); its path. ``history``: the
+    validation rows. The values are loaded into ``task.model`` (only ``changed`` ones when
+    given: the others are the model's own, and copying them onto themselves would turn
+    memory-mapped weights into private memory) and written from it, or,
+    where the model's float copies of quantized weights were released, streamed to the
+    files tensor by tensor (``released.write_streamed``)."""
     row = history[-1] if history and history[-1].get("step") == step else {"step": step}
-    keep = "last"
+    keep, best_names = "last", set()
     if config.keep == "best" and best.row is not None and best.path.is_file():
-        _load(task.model, best.tensors())
+        kept = best.tensors()
+        state, best_names = _Overlay(state, kept), set(kept)
         keep, row = "best", best.row
+    streamed = is_released(task.model)
+    if not streamed:
+        names = state.keys() if changed is None else {*changed, *best_names}
+        _load(task.model, {n: state[n] for n in names if n in state})
     meta = {
         "format": FORMAT,
         "kind": task.home.get("format", "factory"),
@@ -157,7 +171,10 @@ def write_model(
     target = out / MODEL_DIR
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR}.", suffix=".tmp", dir=out))
     try:
-        _WRITERS[meta["kind"]](tmp, task, meta)
+        if streamed:
+            _STREAMED[meta["kind"]](tmp, task, meta, state)
+        else:
+            _WRITERS[meta["kind"]](tmp, task, meta)
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         _as_open_would(tmp)
         _swap(tmp, target)
@@ -167,18 +184,39 @@ def write_model(
     return target
 
 
-def _load(model: nn.Module, state: dict[str, Array]) -> None:
+class _Overlay(Mapping[str, Array]):
+    """``base`` with some values replaced (the best weights kept, over the last ones)."""
+
+    def __init__(self, base: Mapping[str, Array], over: Mapping[str, Array]) -> None:
+        self.base, self.over = base, over
+
+    def __getitem__(self, name: str) -> Array:
+        return self.over[name] if name in self.over else self.base[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.base
+        yield from (k for k in self.over if k not in self.base)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _load(model: nn.Module, state: Mapping[str, Array]) -> None:
     """Copy ``state`` (``state_dict`` names; buffers the step does not hold may be left
-    out) into ``model``."""
-    tensors = {k: torch.from_numpy(np.array(v, order="C")) for k, v in state.items()}
-    try:
-        result = model.load_state_dict(tensors, strict=False)
-    except RuntimeError as exc:  # a shape that does not fit
-        raise FinetuneError(f"the trained values do not fit the model: {exc}") from exc
-    if result.unexpected_keys:
-        raise FinetuneError(
-            f"the trained values name what the model lacks: {result.unexpected_keys}"
-        )
+    out) into ``model``, one tensor at a time."""
+    targets = model.state_dict()  # detached tensors over the model's own memory
+    unexpected = sorted(k for k in state if k not in targets)
+    if unexpected:
+        raise FinetuneError(f"the trained values name what the model lacks: {unexpected}")
+    with torch.no_grad():
+        for name, target in targets.items():
+            if name not in state:
+                continue
+            value = torch.from_numpy(np.array(state[name], order="C"))  # one tensor at a time
+            if value.shape != target.shape:
+                shapes = f"{list(value.shape)}, the model's {list(target.shape)}"
+                raise FinetuneError(f"the trained values do not fit the model: {name} is {shapes}")
+            target.copy_(value)
 
 
 def _as_open_would(folder: Path) -> None:
@@ -207,12 +245,17 @@ def _hf_classifier(folder: Path, task: Task, meta: dict[str, Any]) -> None:
     encoder, head = task.model.encoder, task.model.head
     assert isinstance(encoder, nn.Module) and isinstance(head, nn.Linear)
     _quiet_save(encoder, folder)
-    _fill_from_source(folder / "model.safetensors", task.home.get("source"))
-    task.tokenizer.save_pretrained(str(folder))
     save_file(
         {k: v.detach().contiguous() for k, v in head.state_dict().items()},
         str(folder / "head.safetensors"),
     )
+    _classifier_files(folder, task, meta)
+
+
+def _classifier_files(folder: Path, task: Task, meta: dict[str, Any]) -> None:
+    """What a classifier folder holds beside its weights."""
+    _fill_from_source(folder / "model.safetensors", task.home.get("source"))
+    task.tokenizer.save_pretrained(str(folder))
     meta["head"] = "head.safetensors"
     run = folder.parent
     (folder / "README.txt").write_text(_README.format(snippet=classifier_snippet(run), run=run))
@@ -230,6 +273,10 @@ def _torch_module(folder: Path, task: Task, meta: dict[str, Any]) -> None:
 
     state = {k: v.detach().clone().contiguous() for k, v in task.model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _module_tokenizer(folder, task, meta)
+
+
+def _module_tokenizer(folder: Path, task: Task, meta: dict[str, Any]) -> None:
     if isinstance(task.tokenizer, WordTokenizer):
         meta["tokenizer"] = {"kind": "words", "vocab": list(task.tokenizer.vocab)}
     elif task.tokenizer is not None:
@@ -245,6 +292,52 @@ _WRITERS = {
 }
 
 
+# -- streamed from the step (the model's float copies of quantized weights released) ------
+
+
+def _stream_hf(folder: Path, model: nn.Module, state: Mapping[str, Array], prefix: str) -> None:
+    """What ``save_pretrained`` writes (config, generation config, ``model.safetensors``
+    with each tied tensor once), the weights read from ``state`` one at a time."""
+    config: Any = model.config  # a transformers PreTrainedModel
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(folder))
+    generation: Any = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(str(folder))
+    write_streamed(folder / "model.safetensors", model, lambda n: state.get(prefix + n),
+                   each_tensor_once=True, metadata={"format": "pt"})  # fmt: skip
+
+
+def _streamed_causal_lm(folder: Path, task: Task, meta: dict[str, Any],
+                        state: Mapping[str, Array]) -> None:  # fmt: skip
+    _stream_hf(folder, task.model, state, "")
+    task.tokenizer.save_pretrained(str(folder))
+
+
+def _streamed_classifier(folder: Path, task: Task, meta: dict[str, Any],
+                         state: Mapping[str, Array]) -> None:  # fmt: skip
+    encoder, head = task.model.encoder, task.model.head
+    assert isinstance(encoder, nn.Module) and isinstance(head, nn.Module)
+    _stream_hf(folder, encoder, state, "encoder.")
+    write_streamed(folder / "head.safetensors", head, lambda n: state.get("head." + n))
+    _classifier_files(folder, task, meta)
+
+
+def _streamed_module(folder: Path, task: Task, meta: dict[str, Any],
+                     state: Mapping[str, Array]) -> None:  # fmt: skip
+    write_streamed(folder / "model.safetensors", task.model, state.get,
+                   metadata={"format": "pt"})  # fmt: skip
+    _module_tokenizer(folder, task, meta)
+
+
+_STREAMED = {
+    "hf-classifier": _streamed_classifier,
+    "hf-causal-lm": _streamed_causal_lm,
+    "factory": _streamed_module,
+    "vision": _streamed_module,
+}
+
+
 def _quiet_save(model: nn.Module, folder: Path) -> None:
     from pockengine.finetune.models import quiet_transformers
 
@@ -256,18 +349,20 @@ def _quiet_save(model: nn.Module, folder: Path) -> None:
 def _fill_from_source(path: Path, source: str | None) -> None:
     """Add the source folder's ``pooler.*`` tensors the encoder was loaded without
     (``add_pooling_layer=False``: the classifier pools itself), unchanged, so that
-    ``AutoModel.from_pretrained`` finds every weight it builds."""
-    from safetensors.numpy import load_file, save_file
+    ``AutoModel.from_pretrained`` finds every weight it builds. Only those tensors are
+    read; the written file's data are copied through, not loaded."""
+    from safetensors import safe_open
 
-    files = sorted(Path(source).glob("*.safetensors")) if source else []
-    saved = load_file(str(path))
+    with safe_open(str(path), "np") as f:
+        have = set(f.keys())
     extra: dict[str, Array] = {}
-    for file in files:
-        for name, array in load_file(str(file)).items():
-            if name.startswith("pooler.") and name not in saved:
-                extra[name] = array
+    for file in sorted(Path(source).glob("*.safetensors")) if source else []:
+        with safe_open(str(file), "np") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle: not iterable)
+                if name.startswith("pooler.") and name not in have:
+                    extra[name] = f.get_tensor(name)
     if extra:
-        save_file({**saved, **extra}, str(path), metadata={"format": "pt"})
+        append_tensors(path, extra)
 
 
 def classifier_snippet(run: Path | str = "RUN") -> str:

@@ -1,34 +1,99 @@
-"""Evaluation in plain torch, and the metrics log (one JSON object a line).
+"""Validation metrics, and the metrics log (one JSON object a line).
 
-Evaluation copies the trained values into the torch model (``step.load_into``) and
-runs it in eval mode under ``torch.no_grad()``: the compiled step has a fixed batch
-shape, the validation split need not. Classification reports accuracy and mean
-cross-entropy; a causal LM reports the mean token loss and its perplexity.
+Evaluation runs through the compiled forward (``compile_evaluator``: the step's own
+backend and values, no float copy of the model, the chunked vocabulary loss): one graph
+compiled per run at the validation batch size (64 examples; 8 sequences for a causal LM),
+whose result per batch is the summed loss (and, for a classifier, the count of correct
+predictions), each example weighted by a row weight, so the last, short batch is padded
+with copies of its first row at weight 0. Where the frontend cannot give that graph (ONNX,
+JAX and Keras models; a model whose evaluation updates buffers) ``evaluate`` copies the
+step's values into the torch model (``step.load_into``) and runs it in eval mode under
+``torch.no_grad()``. Classification reports accuracy and mean cross-entropy; a causal LM
+reports the mean token loss and its perplexity.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from pockengine.evaluator import Evaluator
 from pockengine.finetune.checkpoint import write_json_lines
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.recipes import Task
+from pockengine.ir import CompileError
 from pockengine.runtime import TrainStep
 
-__all__ = ["MetricsLog", "evaluate"]
+__all__ = [
+    "MetricsLog",
+    "causal_lm_eval",
+    "classification_eval",
+    "compile_evaluator",
+    "evaluate",
+]
+
+log = logging.getLogger(__name__)
+Array = np.ndarray[Any, Any]
+CLASSIFY_BATCH = 64
+CAUSAL_LM_BATCH = 8  # sequences: the logits are as wide as the vocabulary
 
 
-def evaluate(step: TrainStep, task: Task, batch_size: int = 64) -> dict[str, float]:
-    """Validation metrics of the step's current weights (a causal LM in batches of at most
-    8 sequences: its logits are as wide as the vocabulary)."""
+def classification_eval(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
+    """``[sum of w * cross-entropy, sum of w * correct]`` over a batch of ``inputs...,
+    labels, w``. Correct: the label is the first largest logit (``torch.argmax``'s rule)."""
+    *inputs, labels, weights = batch
+    logits = model(*inputs)
+    logp = F.log_softmax(logits, dim=-1)
+    target = labels.unsqueeze(-1)
+    loss = -logp.gather(-1, target).squeeze(-1)
+    is_max = (logits == logits.amax(dim=-1, keepdim=True)).to(logits.dtype)
+    first_max = is_max * (is_max.cumsum(dim=-1) == 1).to(logits.dtype)
+    correct = first_max.gather(-1, target).squeeze(-1)
+    return torch.stack([(loss * weights).sum(), (correct * weights).sum()])
+
+
+def causal_lm_eval(model: nn.Module, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[sum of w * next-token loss]`` over a batch of ``[rows, seq]`` token ids (every
+    next token a target) with row weights ``w``."""
+    logits = model(input_ids=ids, use_cache=False).logits
+    rows, vocab = ids.shape[0], logits.shape[-1]
+    logp = F.log_softmax(logits[:, :-1].reshape(-1, vocab), dim=-1)
+    picked = logp.gather(-1, ids[:, 1:].reshape(-1, 1)).reshape(rows, -1)
+    return torch.stack([-(picked.sum(dim=-1) * weights).sum()])
+
+
+def compile_evaluator(step: TrainStep, task: Task) -> Evaluator | None:
+    """The task's evaluation compiled on ``step`` at the validation batch size (at most
+    the split's size), or None (logged) where it cannot be: ``evaluate`` then runs the
+    torch model eagerly."""
+    lm = task.kind == "causal-lm"
+    size = min(CAUSAL_LM_BATCH if lm else CLASSIFY_BATCH, max(task.val_size, 1))
+    example = tuple(torch.from_numpy(a) for a in _padded(task.val, 0, size))
+    try:
+        return step.evaluator(task.model, causal_lm_eval if lm else classification_eval, example)
+    except CompileError as exc:
+        log.warning("validation runs the torch model eagerly: no compiled evaluation (%s)", exc)
+        return None
+
+
+def evaluate(
+    step: TrainStep, task: Task, batch_size: int = CLASSIFY_BATCH,
+    evaluator: Evaluator | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Validation metrics of the step's current weights: through ``evaluator`` (from
+    ``compile_evaluator``) when given, else in eager torch (in batches of ``batch_size``;
+    a causal LM in batches of at most 8 sequences)."""
+    if evaluator is not None:
+        return _compiled(evaluator, task)
     # Buffers the compiled step does not hold (ones the loss never reads) keep their values.
     loaded = step.load_into(task.model, strict=False)
     if loaded.unexpected or loaded.mismatched:
@@ -38,10 +103,40 @@ def evaluate(step: TrainStep, task: Task, batch_size: int = 64) -> dict[str, flo
     try:
         with torch.no_grad():
             if task.kind == "causal-lm":
-                return _causal_lm(task, min(batch_size, 8))
+                return _causal_lm(task, min(batch_size, CAUSAL_LM_BATCH))
             return _classification(task, batch_size)
     finally:
         task.model.train(was_training)
+
+
+def _padded(split: tuple[Array, ...], start: int, size: int) -> tuple[Array, ...]:
+    """Rows ``start:start+size`` of every array, the missing ones copies of the first row,
+    and the row weights (1, padding 0) last."""
+    rows = [a[start : start + size] for a in split]
+    real = len(rows[0])
+    if real < size:
+        rows = [np.concatenate([r, np.repeat(r[:1], size - real, axis=0)]) for r in rows]
+    weights = (np.arange(size) < real).astype(np.float32)
+    return (*(np.ascontiguousarray(r) for r in rows), weights)
+
+
+def _batches(evaluator: Evaluator, split: tuple[Array, ...]) -> Iterator[Array]:
+    size = evaluator.batch_size
+    for start in range(0, len(split[0]), size):
+        yield evaluator(*_padded(split, start, size))
+
+
+def _compiled(evaluator: Evaluator, task: Task) -> dict[str, float]:
+    n = task.val_size
+    if n == 0:
+        raise FinetuneError("the validation split is empty")
+    sums = np.zeros(1 if task.kind == "causal-lm" else 2)
+    for out in _batches(evaluator, task.val):
+        sums += out
+    if task.kind == "causal-lm":
+        mean = float(sums[0]) / max(n * (task.val[0].shape[1] - 1), 1)
+        return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0))}
+    return {"val_loss": float(sums[0]) / n, "val_accuracy": round(float(sums[1])) / n}
 
 
 def _classification(task: Task, batch_size: int) -> dict[str, float]:

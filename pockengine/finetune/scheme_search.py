@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,16 +30,18 @@ from pockengine.finetune.sensitivity import (
     analysis_config,
     run_analysis,
 )
+from pockengine.plan.report import Figures
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
-from pockengine.sparse.search import Budget, Item, choose, fit_to_budget, scheme_for
+from pockengine.sparse.search import Budget, Item, Selection, choose, fit_to_budget, scheme_for
 
-__all__ = ["SearchResult", "items_from", "parse_amount", "search_scheme"]
+__all__ = ["SearchResult", "choose_within", "items_from", "parse_amount", "search_scheme"]
 
 log = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _FLOP_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_FIGURE_OF = {"memory": "planned_peak_bytes", "flops": "backward_flops"}  # budget key: figure
 
 
 def parse_amount(text: str, flops: bool = False) -> float:
@@ -136,13 +138,9 @@ def search_scheme(
         {"memory": head.costs["planned_peak_bytes"], "flops": head.costs["backward_flops"]},
     )
     items = items_from(analysis)
-    selection = choose(items, budget, seed=config.seed)
-
-    def measure(chosen: Sequence[Item]) -> dict[str, float]:
-        figures = builder.figures(scheme_for(head.params, chosen))
-        return {"memory": figures.planned_peak_bytes, "flops": figures.backward_flops}
-
-    chosen, measured = fit_to_budget(selection, items, budget, measure)
+    selection, chosen, measured = choose_within(
+        items, budget, head.params, builder.figures, seed=config.seed
+    )
     scheme = scheme_for(head.params, chosen)
     shapes = {k: getattr(config, k) for k in ("batch_size", "seq_len", "image_size")}
     result = SearchResult(
@@ -169,6 +167,29 @@ def search_scheme(
             title=f"{config.recipe}: {_budget_text(budget)}",
         )
     return result
+
+
+def choose_within(
+    items: Sequence[Item],
+    budget: Budget,
+    base: Sequence[str],
+    figures: Callable[[Scheme], Figures],
+    *,
+    seed: int,
+    max_additions: int = 16,
+) -> tuple[Selection, tuple[Item, ...], dict[str, float]]:
+    """The knapsack's pick of ``items`` within ``budget`` (estimated costs), then repaired
+    until the compiler's ``figures`` of the whole scheme (the ``base`` parameters and the
+    kept items) fit each limit of ``budget``: the pick, the kept items and their measured
+    costs, keyed as the budget's limits (memory: planned peak, flops: backward FLOPs)."""
+    selection = choose(items, budget, seed=seed)
+
+    def measure(chosen: Sequence[Item]) -> dict[str, float]:
+        measured = figures(scheme_for(base, chosen))
+        return {key: getattr(measured, _FIGURE_OF[key]) for key in budget.limits}
+
+    chosen, measured = fit_to_budget(selection, items, budget, measure, max_additions=max_additions)
+    return selection, chosen, measured
 
 
 def _budget_text(budget: Budget) -> str:

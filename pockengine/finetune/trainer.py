@@ -28,18 +28,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.finetune import adapter, home, recipes
+from pockengine.evaluator import Evaluator
+from pockengine.finetune import adapter, home, recipes, released
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune import data as ds
 from pockengine.finetune.auto_scheme import AUTO, AutoChoice, choose_auto
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.curves import CurvesWriter, RunInfo
-from pockengine.finetune.metrics import MetricsLog, evaluate
+from pockengine.finetune.metrics import MetricsLog, compile_evaluator, evaluate
 from pockengine.finetune.progress import Progress, make_progress
 from pockengine.finetune.result import FinetuneResult, peak_rss_bytes, write_report
 from pockengine.finetune.run_lock import RunLock
 from pockengine.optim import SGD, AdamW, Optimizer
-from pockengine.runtime import NonFiniteError, TrainStep
+from pockengine.runtime import NonFiniteError, TrainStep, release_free_memory
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 
@@ -70,9 +71,11 @@ def _run_in(
     scheme, choice = _scheme_of_run(config, task, given, saved)
     compile_start = time.perf_counter()
     step = _compile(config, task, scheme)
+    evaluator = _evaluator(step, task)
     compile_s = time.perf_counter() - compile_start
     report = step.report()
     loop = _Loop(config, task, step, scheme, out)
+    loop.evaluator = evaluator
     loop.info = RunInfo(out.name, _given(config.scheme), report.ours.trained_elements,
                         planned_peak_bytes=report.ours.planned_peak_bytes)  # fmt: skip
     if saved is not None:
@@ -80,9 +83,8 @@ def _run_in(
     write_report(out, str(report))
     with _stop_on_signals() as stop:
         loop.train(stop)
-    home.write_model(
-        out, task, adapter.merged_state(step), config, loop.best, loop.history, loop.global_step
-    )
+    home.write_model(out, task, released.step_values(step), config, loop.best, loop.history,
+                     loop.global_step, changed=loop.changed)  # fmt: skip
     adapter.save_adapter(step, out / adapter.ADAPTER_DIR, base_model=task.home.get("source"))
     result = FinetuneResult(
         config=config,
@@ -106,7 +108,7 @@ def _run_in(
         total_params=sum(math.prod(p.shape) for p in step.info.params),  # quantized too
         planned_peak_bytes=report.ours.planned_peak_bytes,
         peak_rss_bytes=peak_rss_bytes(),
-        test=_test_metrics(step, task) if loop.stopped is None and stop.reason is None else {},
+        test=_test_metrics(step, task, evaluator) if not (loop.stopped or stop.reason) else {},
         auto_scheme=choice.to_dict() if choice is not None else None,
         scheme_lines=choice.lines() if choice is not None else [],
     )
@@ -138,11 +140,30 @@ def _scheme_of_run(
     return choice.scheme, choice
 
 
-def _test_metrics(step: TrainStep, task: recipes.Task) -> dict[str, float]:
+def _evaluator(step: TrainStep, task: recipes.Task) -> Evaluator | None:
+    """Validation compiled on the step (once per run); where it is, the model's float
+    copies of the weights the step stores quantized, and of the params it trains (the step
+    holds its own), are released: nothing reads them (``RUN/model`` is streamed from the
+    step)."""
+    evaluator = compile_evaluator(step, task)
+    if evaluator is not None:
+        own = dict(task.model.named_parameters())  # LoRA factors are the step's only
+        trained = [n for n in step.trained if n in own]
+        freed = released.release_quantized(task.model, step, also=trained)
+        if freed:
+            log.info("released %.1f MiB of model weights the step holds (quantized or trained)",
+                     freed / 2**20)  # fmt: skip
+            release_free_memory()
+    return evaluator
+
+
+def _test_metrics(
+    step: TrainStep, task: recipes.Task, evaluator: Evaluator | None
+) -> dict[str, float]:
     """The final weights' metrics on the test split (``--test-fraction``; else none)."""
     if not task.test:
         return {}
-    metrics = evaluate(step, dataclasses.replace(task, val=task.test))
+    metrics = evaluate(step, dataclasses.replace(task, val=task.test), evaluator=evaluator)
     return {f"test_{k.removeprefix('val_')}": v for k, v in metrics.items()}
 
 
@@ -211,8 +232,13 @@ def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> Trai
         backend=config.backend,
         frozen_dtype=frozen.dtype,
         quantized=frozen.given,
-        memory_budget=None if config.remat_budget is None else int(config.remat_budget),
+        memory_budget=remat_budget(config),
     )
+
+
+def remat_budget(config: FinetuneConfig) -> int | None:
+    """The step's recomputation budget in bytes (``--remat-budget``; 0, "none": none)."""
+    return int(config.remat_budget) if config.remat_budget else None
 
 
 def compile_task(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
@@ -280,6 +306,7 @@ class _Loop:
         self.curves = CurvesWriter(out)  # curves.png, redrawn at each validation
         self.info = RunInfo(out.name)  # its legend (the trainer adds the report's figures)
         self.stopped: str | None = None
+        self.evaluator: Evaluator | None = None  # compiled validation (else eager torch)
         self._losses: list[float] = []
         self._times: list[float] = []
         self._all_times: list[float] = []
@@ -306,8 +333,8 @@ class _Loop:
             "backend": self.config.backend,
             "threads": torch.get_num_threads(),
         }
-        state = ckpt_io.Checkpoint(
-            self.step.flat_state_dict(),
+        state = ckpt_io.Checkpoint(  # frozen weights are the model's own: not written
+            self.step.flat_state_dict(self.step.written),
             self.step.optimizer_state(),
             self.order,
             counters,
@@ -335,10 +362,7 @@ class _Loop:
             )
         if len(saved.order) != self.task.train_size:
             raise FinetuneError("the checkpoint's data order does not fit the training split")
-        try:
-            self.step.load_state(saved.params, saved.optimizer)
-        except (KeyError, ValueError) as exc:
-            raise FinetuneError(f"the checkpoint does not fit this model: {exc}") from exc
+        self._load_checkpoint(saved)
         _warn_if_machine_differs(saved.info, self.config.backend)
         c = saved.counters
         self.global_step, self.epoch, self.batch = c["step"], c["epoch"], c["batch"]
@@ -356,6 +380,27 @@ class _Loop:
         )
 
     # -- the loop ------------------------------------------------------------------------
+    @property
+    def changed(self) -> list[str]:
+        """The model's names whose values training changes (``home.changed_names``)."""
+        return home.changed_names(self.task.model, adapter.changed_in_model(self.step))
+
+    def _load_checkpoint(self, saved: ckpt_io.Checkpoint) -> None:
+        """The values training changed (older checkpoints hold every param: the frozen
+        ones are the model's, loaded as they are) and the whole optimizer state."""
+        lacking = [n for n in self.step.written if n not in saved.params]
+        if lacking:
+            raise FinetuneError(f"the checkpoint does not fit this model: {len(lacking)} "
+                                f"missing ({', '.join(lacking[:5])}), values training "
+                                "changes")  # fmt: skip
+        try:
+            self.step.load_state(optimizer=saved.optimizer)
+            result = self.step.load_state(saved.params, strict=False)
+        except (KeyError, ValueError) as exc:
+            raise FinetuneError(f"the checkpoint does not fit this model: {exc}") from exc
+        if result.unexpected or result.mismatched:
+            raise FinetuneError(f"the checkpoint does not fit this model: {result.describe()}")
+
     def train(self, stop: _StopFlag) -> None:
         progress = make_progress(
             self.config.progress, self.total, self.global_step, self.batch_size
@@ -431,12 +476,11 @@ class _Loop:
 
     def _end_epoch(self, progress: Progress) -> None:
         self._log_train(self.step.lr)
-        metrics = evaluate(self.step, self.task)
+        metrics = evaluate(self.step, self.task, evaluator=self.evaluator)
         row = {"event": "eval", "step": self.global_step, "epoch": self.epoch + 1, **metrics}
         self.log.append(row)
         self.history.append(row)
-        # evaluate() has just loaded this step's values into the model: keep them if best
-        self.best.offer(row, self.task.model, adapter.changed_in_model(self.step))
+        self.best.offer(row, released.step_values(self.step), self.changed)
         self.curves.update(dataclasses.replace(self.info, peak_rss_bytes=peak_rss_bytes()))
         progress.message(
             "epoch {}: {}".format(

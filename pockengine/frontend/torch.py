@@ -123,8 +123,9 @@ def _check_supported(graph: Any) -> None:
 
 
 class _Translator:
-    def __init__(self, exported: Any, model: Any) -> None:
+    def __init__(self, exported: Any, model: Any, forward_only: bool = False) -> None:
         self.ep = exported
+        self.forward_only = forward_only  # an evaluation graph: a small float vector out
         self.model_state = set(model.state_dict().keys())
         self.canonical, self.aliases = _tensor_aliases(model)
         self.b = GraphBuilder("forward")
@@ -214,6 +215,8 @@ class _Translator:
         for spec, out in zip(self.ep.graph_signature.output_specs, outputs, strict=True):
             value = self.env[out.name] if hasattr(out, "name") else out  # a Python constant
             if spec.kind.name == "BUFFER_MUTATION":
+                if self.forward_only:
+                    raise CompileError(f"evaluation must not update buffers ({spec.target})")
                 fqn = str(spec.target)
                 target = self.b.inputs[[v.name for v in self.b.inputs].index(fqn[len(_WRAPPED) :])]
                 self.b.effect("assign", target, self.ctx.cast(value, target.dtype), source="buffer")
@@ -221,17 +224,34 @@ class _Translator:
                 losses.append(value)
             else:
                 raise CompileError(f"unsupported exported output of kind {spec.kind.name}")
-        if len(losses) != 1 or not isinstance(losses[0], Value):
-            got = f"{len(losses)} outputs" if len(losses) != 1 else repr(losses[0])
-            raise CompileError(f"loss_fn must return one scalar tensor, got {got}")
-        loss = losses[0]
-        if loss.shape != () or not loss.dtype.is_float:
-            raise CompileError(f"loss_fn must return a float scalar, got {loss.type}")
+        loss = _forward_output(losses) if self.forward_only else _loss_output(losses)
         self.ctx.finish_rng()
         self.values.update(self.ctx.rng.initial_values())
         graph = self.b.build([loss])
         aliases = {n: self.aliases[n] for n in self.state_names.values() if n in self.aliases}
         return ImportedModel(graph, self.values, tuple(self.batch), self.state_names, aliases)
+
+
+def _loss_output(outputs: list[Any]) -> Value:
+    if len(outputs) != 1 or not isinstance(outputs[0], Value):
+        got = f"{len(outputs)} outputs" if len(outputs) != 1 else repr(outputs[0])
+        raise CompileError(f"loss_fn must return one scalar tensor, got {got}")
+    loss = outputs[0]
+    if loss.shape != () or not loss.dtype.is_float:
+        raise CompileError(f"loss_fn must return a float scalar, got {loss.type}")
+    return loss
+
+
+def _forward_output(outputs: list[Any]) -> Value:
+    """An evaluation function's one result: a float scalar or vector (e.g. a loss sum and
+    a count of correct predictions, stacked)."""
+    if len(outputs) != 1 or not isinstance(outputs[0], Value):
+        got = f"{len(outputs)} outputs" if len(outputs) != 1 else repr(outputs[0])
+        raise CompileError(f"eval_fn must return one float tensor, got {got}")
+    out = outputs[0]
+    if out.type.rank > 1 or not out.dtype.is_float:
+        raise CompileError(f"eval_fn must return a float scalar or vector, got {out.type}")
+    return out
 
 
 def _tensor_aliases(model: Any) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -283,11 +303,15 @@ def import_torch(
     loss_fn: Callable[..., Any],
     example_batch: Sequence[Any],
     eval_modules: Iterable[str] = (),
+    *,
+    forward_only: bool = False,
 ) -> ImportedModel:
     """Translate ``loss_fn(model, *example_batch)`` into a forward graph.
 
     Modules named in ``eval_modules`` are exported in eval mode (frozen BatchNorm on its
-    running statistics); the model's own modes are restored afterwards.
+    running statistics); the model's own modes are restored afterwards. ``forward_only``:
+    an evaluation graph (``pockengine.evaluator``), whose one output may be a small float
+    vector rather than a scalar loss, and which must not update buffers.
     """
     torch = _require_torch()
     if not isinstance(model, torch.nn.Module):
@@ -306,4 +330,4 @@ def import_torch(
         for m in switched:
             m.train()
     _check_supported(exported.graph)
-    return _Translator(exported, model).run()
+    return _Translator(exported, model, forward_only).run()

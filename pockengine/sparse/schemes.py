@@ -12,28 +12,25 @@ takes ``channels={pattern: ratio}`` for partial-channel updates and
 ``frozen_bn="eval"`` to run BatchNorm layers with no trained parameter on their
 running statistics. ``lora(rank, alpha, targets)`` trains low-rank adapters that the
 compile inserts (``pockengine.sparse.lora``); ``a | b`` trains what either scheme trains
-(a ``union``). Schemes save to and load from small JSON/YAML files.
+(a ``union``). Schemes save to and load from small JSON/YAML files. What each kind
+selects is in ``pockengine.sparse.selectors``.
 """
 
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import json
-import logging
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pockengine.frontend.imported import ModelInfo, ParamInfo
+from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import SchemeError
+from pockengine.sparse.selectors import SELECTORS, block_params, channel_rows, matching
 
 if TYPE_CHECKING:
     from pockengine.sparse.lora import Adapter
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "Resolution",
@@ -102,19 +99,19 @@ class Scheme:
             lora = resolve_lora(info, **self.options)
             return Resolution(lora.rows, self.frozen_bn == "eval", lora.adapters)
         options = {k: v for k, v in self.options.items() if k != "channels"}
-        chosen = _SELECTORS[self.kind](info, **options)
+        chosen = SELECTORS[self.kind](info, **options)
         if not chosen:
             raise SchemeError(f"scheme {self.kind!r} trains no parameter of this model")
         rows: dict[str, int | None] = {name: None for name in chosen}
         partial = [(p, r) for pattern, r in self.channels.items() for p in
-                   _matching(info, [pattern], "channels")]  # fmt: skip
+                   matching(info, [pattern], "channels")]  # fmt: skip
         block_ratio = self.options.get("channels")
         if self.kind == "sparse" and block_ratio is not None:
-            blocks = _blocks(info, options.get("blocks", 2), options.get("container"))
+            blocks = block_params(info, options.get("blocks", 2), options.get("container"))
             partial += [(info.param(n), float(block_ratio)) for n in blocks]
         for p, ratio in partial:
             if p.name in rows and not p.is_bias and not p.is_norm and len(p.shape) >= 2:
-                rows[p.name] = _rows(p, ratio)
+                rows[p.name] = channel_rows(p, ratio)
         return Resolution(rows, self.frozen_bn == "eval")
 
 
@@ -131,133 +128,6 @@ def _resolve_union(scheme: Scheme, info: ModelInfo) -> Resolution:
     if len({a.weight for a in adapters}) != len(adapters):
         raise SchemeError("two lora parts of a union adapt the same weight")
     return Resolution(rows, scheme.frozen_bn == "eval", tuple(adapters))
-
-
-def _rows(p: ParamInfo, ratio: float) -> int | None:
-    if not 0 < ratio <= 1:
-        raise SchemeError(f"channel ratio {ratio} for {p.name} must be in (0, 1]")
-    if p.channel_axis != 0:
-        raise SchemeError(
-            f"{p.name} {list(p.shape)} has its output channels on axis {p.channel_axis}; "
-            "partial-channel updates slice axis 0, so a channel ratio cannot apply to it"
-        )
-    k = max(1, math.ceil(ratio * p.shape[0]))
-    return None if k == p.shape[0] else k
-
-
-# -- selectors -----------------------------------------------------------------------
-
-
-def _all(info: ModelInfo) -> list[str]:
-    return [p.name for p in info.params]
-
-
-def _bias_norm(info: ModelInfo) -> list[str]:
-    return [p.name for p in info.params if p.is_bias or p.is_norm]
-
-
-def _head(info: ModelInfo) -> list[str]:
-    if info.head is None:
-        raise SchemeError("the model has no linear layer to serve as the head")
-    prefix = f"{info.head}." if info.head else ""
-    names = []
-    for local in ("weight", "kernel", "bias"):
-        name = prefix + local
-        name = info.canonical.get(name, name)
-        if any(p.name == name for p in info.params):
-            names.append(name)
-    return names
-
-
-def _blocks(info: ModelInfo, k: int, container: str | None) -> list[str]:
-    """The params of the last ``k`` blocks. A model with fewer blocks (or none that repeat)
-    trains the blocks it has, with a warning; a named container must exist."""
-    if k < 0:
-        raise SchemeError(f"the number of blocks must be >= 0, got {k}")
-    if k == 0 and container is None:  # the last 0 blocks: none, whether the model has any
-        return []
-    if container is None and info.blocks is None:
-        log.warning("the model has no repeated blocks: the scheme trains no block weights "
-                    "(only what else it names: biases, norms, the head)")  # fmt: skip
-        return []
-    path = container if container is not None else info.blocks
-    if path is None or path not in info.containers:
-        near = difflib.get_close_matches(str(path), list(info.containers), n=5, cutoff=0.3)
-        raise SchemeError(
-            f"no block container {path!r} in the model; containers: {near or list(info.containers)}"
-        )
-    children = info.containers[path]
-    if k > len(children):
-        log.warning("%s has %d blocks, fewer than %d: training all %d", path, len(children), k,
-                    len(children))  # fmt: skip
-        k = len(children)
-    last = children[len(children) - k :] if k else ()
-    return [p.name for p in info.params if any(_inside(p.module, c) for c in last)]
-
-
-def _inside(module: str, prefix: str) -> bool:
-    return module == prefix or module.startswith(prefix + ".")
-
-
-def _select(
-    info: ModelInfo, train: Sequence[str] = ("*",), freeze: Sequence[str] = ()
-) -> list[str]:
-    chosen = {p.name for p in _matching(info, train, "train")}
-    frozen = {p.name for p in _matching(info, freeze, "freeze")}
-    return [p.name for p in info.params if p.name in chosen - frozen]
-
-
-def _matching(info: ModelInfo, patterns: Iterable[str], what: str) -> list[ParamInfo]:
-    found: list[ParamInfo] = []
-    for pattern in patterns:
-        hits = [p for p in info.params if _match(p, pattern, info)]
-        if not hits:
-            names = [p.name for p in info.params]
-            near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.2)
-            raise SchemeError(
-                f"{what} pattern {pattern!r} matches no parameter; nearest names: "
-                f"{near or names[:5]}"
-            )
-        found.extend(hits)
-    return found
-
-
-def _match(p: ParamInfo, pattern: str, info: ModelInfo) -> bool:
-    aliases = [a for a, c in info.canonical.items() if c == p.name]
-    return any(fnmatch.fnmatchcase(n, pattern) for n in (p.name, *aliases))
-
-
-def _sparse(
-    info: ModelInfo, bias: str = "all", blocks: int = 2, head: bool = True,
-    container: str | None = None,
-) -> list[str]:  # fmt: skip
-    # The block channel ratio ("channels" option) is applied by Scheme.resolve.
-    names: set[str] = set()
-    if bias == "all":
-        names.update(_bias_norm(info))
-    elif bias != "none":
-        raise SchemeError(f"bias must be 'all' or 'none', got {bias!r}")
-    names.update(_blocks(info, blocks, container))
-    if head:
-        names.update(_head(info))
-    return [p.name for p in info.params if p.name in names]
-
-
-def _requires_grad(info: ModelInfo) -> list[str]:
-    return [p.name for p in info.params if p.requires_grad]
-
-
-_SELECTORS: dict[str, Any] = {
-    "requires_grad": _requires_grad,
-    "full": lambda info: _all(info),
-    "bias_only": lambda info: _bias_norm(info),
-    "head": lambda info: _head(info),
-    "last_blocks": lambda info, k, container=None, head=True: sorted(
-        set(_blocks(info, k, container)) | (set(_head(info)) if head else set())
-    ),
-    "select": _select,
-    "sparse": _sparse,
-}
 
 
 # -- factories ---------------------------------------------------------------------
@@ -353,7 +223,7 @@ _OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
              "dropout": (int, float), "seed": (int,)},
     "union": {"schemes": (list,)},
 }  # fmt: skip
-_KINDS = (*_SELECTORS, "lora", "union")
+_KINDS = (*SELECTORS, "lora", "union")
 _ENTRY_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "train": ((str,), "a string"), "freeze": ((str,), "a string"),
     "targets": ((str,), "a string"), "schemes": ((dict,), "a mapping"),

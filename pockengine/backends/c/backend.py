@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.backends.c import lower_ew, lower_nn, lower_reduce
 from pockengine.backends.c.driver import build_library
@@ -79,6 +80,7 @@ class CExecutable(Executable):
         start = (-self._buffer.ctypes.data) % 64
         self.arena: Array = self._buffer[start : start + size]
         self._address = int(self.arena.ctypes.data)
+        self._trim = libc_function("malloc_trim")
         self._args = (ctypes.c_void_p * max(len(graph.inputs), 1))()
         self._inputs = tuple(graph.inputs)
         results = (v for n in graph.nodes for v in n.outputs)
@@ -124,6 +126,12 @@ class CExecutable(Executable):
     def run(self, store: Store, feeds: Mapping[str, Any] | None = None) -> list[Array]:
         bound = self.bind(store, feeds or {})
         bound.function(bound.arena, bound.args)
+        if self._trim is not None:
+            # Once, after the first step: the heap that compiling freed (traced graphs, the
+            # copies of the weights the caller dropped since) goes back to the OS. Later
+            # steps allocate only their outputs, so there is nothing more to give back.
+            self._trim(0)
+            self._trim = None
         index = {v.name: k for k, v in enumerate(self._inputs)}
         outs = []
         for v in self.graph.outputs:
@@ -165,6 +173,16 @@ class CBackend(Backend):
 
     def from_numpy(self, array: Array) -> Array:
         return np.array(array, order="C")  # a copy the state block owns
+
+    def share_numpy(self, array: Array) -> Array:
+        """``array`` itself (read-only) when C-ordered: the step only reads it (a frozen
+        weight, a constant), so the state block points at the caller's memory instead of
+        holding a second copy; ``bind`` copies it once if its dtype is not the graph's."""
+        if not array.flags.c_contiguous:
+            return self.from_numpy(array)
+        shared = array.view()
+        shared.flags.writeable = False
+        return shared
 
     def to_numpy(self, tensor: Any) -> Array:
         return np.asarray(tensor)

@@ -9,16 +9,9 @@
 #include <tgmath.h>
 #include "pe_kernels.h"
 
-#define PE_T float
-#define PE_S(name) name##_f32
-#include "elementwise.h"
-#undef PE_T
-#undef PE_S
-#define PE_T double
-#define PE_S(name) name##_f64
-#include "elementwise.h"
-#undef PE_T
-#undef PE_S
+#define PE_SELF "elementwise.h"
+#include "pe_instantiate.h"
+#undef PE_SELF
 #endif
 #else
 

@@ -1,0 +1,125 @@
+"""The torch model after compiling: float copies of quantized weights released, and the
+step as the source of every value.
+
+Once the step holds a frozen weight as low-bit codes (``--frozen-dtype``, GGUF blocks) and
+evaluation runs through the compiled forward, the torch model's float copy of that weight
+is read by nothing: ``release_quantized`` replaces it with a parameter on the ``meta``
+device (same shape and dtype, no storage; tied names keep sharing one). What still needs
+the values reads them from the step, one tensor at a time: ``StepValues`` (a lazy mapping
+by model name; a quantized weight is dequantized when it is read) and
+``write_streamed``, which writes a safetensors file header first, then each tensor as it
+is read, so writing ``RUN/model`` never holds the whole float model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pockengine.finetune.adapter import merged_state
+from pockengine.finetune.config import FinetuneError
+from pockengine.runtime import TrainStep
+from pockengine.safetensors_io import header_bytes
+
+__all__ = ["StepValues", "is_released", "release_quantized", "step_values", "write_streamed"]
+
+Array = np.ndarray[Any, Any]
+
+
+class StepValues(Mapping[str, Array]):
+    """The step's params and persistent buffers by model name (tied tensors under each of
+    their names), each read from the step when it is looked up (a fresh array)."""
+
+    def __init__(self, step: TrainStep) -> None:
+        self._step = step
+        self._ir = {
+            alias: ir
+            for ir, name in step._state_names.items()
+            for alias in step._aliases.get(name, (name,))
+        }
+
+    def __getitem__(self, name: str) -> Array:
+        return self._step._read(self._ir[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ir)
+
+    def __len__(self) -> int:
+        return len(self._ir)
+
+
+def step_values(step: TrainStep) -> Mapping[str, Array]:
+    """What ``RUN/model`` and the best weights are made of: the step's values, lazily; with
+    LoRA adapters, merged into the weights they adapt (read whole, as the merge needs)."""
+    return merged_state(step) if step.resolution.adapters else StepValues(step)
+
+
+def release_quantized(model: nn.Module, step: TrainStep, also: Iterable[str] = ()) -> int:
+    """Replace the float copies of the weights ``step`` stores quantized, and of the params
+    named in ``also`` (model names: e.g. ``step.trained``, which the step holds its own
+    copies of), with storage-less ``meta`` parameters; the bytes released."""
+    released = 0
+    quantized = [step._state_names.get(ir, ir) for ir in step._quantized]
+    for name in dict.fromkeys([*quantized, *also]):
+        names = step._aliases.get(name, (name,))
+        old = model.get_parameter(names[0])
+        if old.device.type == "meta":
+            continue
+        empty = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"),
+                             requires_grad=False)  # fmt: skip
+        for alias in names:
+            module, _, local = alias.rpartition(".")
+            setattr(model.get_submodule(module), local, empty)
+        released += old.numel() * old.element_size()
+    return released
+
+
+def is_released(model: nn.Module) -> bool:
+    """Whether some of ``model``'s params have no storage (``release_quantized``)."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def write_streamed(
+    path: Path,
+    module: nn.Module,
+    read: Callable[[str], Array | None],
+    *,
+    each_tensor_once: bool = False,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """``module``'s ``state_dict`` as a safetensors file, each value ``read(name)`` (None:
+    the module's own, which must have storage) written as soon as it is read.
+    ``each_tensor_once``: a tensor under several names (tied weights) is written under the
+    first only, as ``save_pretrained`` does."""
+    state = module.state_dict(keep_vars=True)  # tied names: one object, seen once below
+    if each_tensor_once:
+        firsts: dict[int, str] = {}
+        state = {k: v for k, v in state.items() if firsts.setdefault(id(v), k) == k}
+    specs = {k: np.broadcast_to(np.zeros((), _numpy_dtype(v.dtype)), tuple(v.shape))
+             for k, v in state.items()}  # fmt: skip
+    with path.open("wb") as f:
+        f.write(header_bytes(specs, metadata))
+        for name, tensor in state.items():
+            array = _value(name, tensor, read(name), specs[name])
+            if array.nbytes:
+                f.write(array.reshape(-1).view(np.uint8).data)
+
+
+def _value(name: str, tensor: torch.Tensor, given: Array | None, spec: Array) -> Array:
+    if given is None:
+        if tensor.device.type == "meta":
+            raise FinetuneError(f"{name}: the model's copy was released and the step has none")
+        given = tensor.detach().cpu().numpy()  # a buffer or param the step does not hold
+    if given.shape != spec.shape:
+        raise FinetuneError(f"the trained values do not fit the model: {name} is "
+                            f"{list(given.shape)}, the model's {list(spec.shape)}")  # fmt: skip
+    return np.asarray(given, dtype=spec.dtype, order="C")  # 0-d stays 0-d
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    return np.dtype(torch.empty((), dtype=dtype).numpy().dtype)
