@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from quant_phases import mem
 
 from pockengine.finetune import home, recipes, released
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.metrics import compile_evaluator, evaluate
 from pockengine.finetune.trainer import compile_task
-
-
-def _vm_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def mem(label: str) -> None:
-    rss, peak = _vm_kib("VmRSS") // 1024, _vm_kib("VmHWM") // 1024
-    print(f"{time.strftime('%H:%M:%S')} {label}: RSS {rss} MiB, peak {peak} MiB", flush=True)
 
 
 def main(frozen_dtype: str) -> None:

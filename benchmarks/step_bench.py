@@ -285,8 +285,17 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1,
                         help="processes per case; figures are their medians")  # fmt: skip
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "step_bench.json"))
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "docs" / "benchmarks.md"),
+        help="markdown file whose step_bench table section is rewritten "
+        "(default: docs/benchmarks.md; give another file for a quick run)",
+    )
+    parser.add_argument(
+        "--json",
+        default=str(ROOT / "benchmarks" / "results" / "step_bench.json"),
+        help="results JSON (default: benchmarks/results/step_bench.json)",
+    )
     parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
     parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

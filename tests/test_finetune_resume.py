@@ -20,7 +20,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import pockengine as pe
-from pockengine.finetune import checkpoint, trainer
+from pockengine.finetune import checkpoint, loop
 from pockengine.finetune.cli import exit_code
 from pockengine.finetune.progress import Progress
 
@@ -240,7 +240,7 @@ def test_signal_stops_with_checkpoint_and_resumes(
         return _SignalAt(17, sig, total, done, batch_size)
 
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "make_progress", signal_at_17)
+        patch.setattr(loop, "make_progress", signal_at_17)
         first = pe.finetune(**task, out=str(tmp_path / "stopped"))
     assert first.stopped == signal.Signals(sig).name and first.steps == 17
     assert exit_code(first.stopped) == 128 + sig

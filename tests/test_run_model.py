@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 import pockengine as pe
 from pockengine import zoo
 from pockengine.cli import main
-from pockengine.finetune import checkpoint, home, trainer
+from pockengine.finetune import checkpoint, home, loop
 from tests.test_finetune_resume import write_task
 
 TEXTS = ["The central bank raised interest rates again", "The striker scored twice in the final"]
@@ -199,7 +199,7 @@ def test_factory_model_under_its_state_dict_names(tmp_path: Path, task: dict[str
 def _scripted(monkeypatch: pytest.MonkeyPatch, accuracies: list[float]) -> list[dict[str, Any]]:
     """Validation reports the given accuracies, in turn; returns each epoch's weights."""
     seen: list[dict[str, Any]] = []
-    real = trainer.evaluate
+    real = loop.evaluate
     script = iter(accuracies)
 
     def evaluate(step: Any, task: Any, **options: Any) -> dict[str, float]:
@@ -207,7 +207,7 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, accuracies: list[float]) -> list[
         seen.append(step.flat_state_dict())  # the values validated (the step's own)
         return metrics
 
-    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    monkeypatch.setattr(loop, "evaluate", evaluate)
     return seen
 
 

@@ -39,7 +39,7 @@ _MIB = 1 << 20
 _FILES = {
     "model": "the fine-tuned model, in its own format (pe.load_run)",
     "adapter": "LoRA adapters as PEFT's files (PeftModel.from_pretrained)",
-    CHECKPOINT: "weights, optimizer state, data order: what --resume reads",
+    CHECKPOINT: "trained values, optimizer state, data order: what --resume reads",
     "best.safetensors": "the best validation's weights, kept for model/",
     "metrics.jsonl": "training loss every --log-every steps, validation each epoch",
     "summary.json": "this result",
