@@ -36,6 +36,7 @@ __all__ = [
     "FORMAT",
     "Checkpoint",
     "load",
+    "read_json_lines",
     "remove_stale_temporaries",
     "save",
     "write_atomic",
@@ -196,3 +197,17 @@ def remove_stale_temporaries(folder: Path, name: str = CHECKPOINT) -> list[Path]
 def write_json_lines(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """Replace a JSONL file atomically."""
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete object lines of a JSONL file (a line a killed run left half written,
+    or anything not a JSON object, is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pockengine.finetune.checkpoint import write_atomic
+from pockengine.finetune.checkpoint import read_json_lines, write_atomic
 from pockengine.ir import PockEngineError
 
 __all__ = [
@@ -120,19 +120,6 @@ def ema(values: Sequence[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of ``metrics.jsonl`` (a half-written last line is skipped)."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def read_curves(run: Path, info: RunInfo | None = None) -> Curves:
     """A run folder's curves; ``info`` defaults to what its ``summary.json`` says."""
     metrics = run / "metrics.jsonl"
@@ -143,7 +130,7 @@ def read_curves(run: Path, info: RunInfo | None = None) -> Curves:
         info = RunInfo(run.name)
         if summary.is_file():
             info = RunInfo.from_summary(run.name, json.loads(summary.read_text()))
-    rows = _jsonl(metrics)
+    rows = read_json_lines(metrics)
     train = [r for r in rows if r.get("event") == "train" and "loss" in r]
     evals = [r for r in rows if r.get("event") == "eval"]
     metric = next((m for m in _METRICS if evals and m in evals[-1]), "")

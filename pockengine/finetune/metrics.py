@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pockengine.evaluator import Evaluator
-from pockengine.finetune.checkpoint import write_json_lines
+from pockengine.finetune.checkpoint import read_json_lines, write_json_lines
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.recipes import Task
 from pockengine.ir import CompileError
@@ -178,17 +178,7 @@ class MetricsLog:
 
     def rows(self) -> list[dict[str, Any]]:
         """The complete lines (a line a killed run left half written is skipped)."""
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                out.append(row)
-        return out
+        return read_json_lines(self.path) if self.path.exists() else []
 
     def truncate_after(self, step: int) -> None:
         """Keep only the lines up to training step ``step`` (those a checkpoint covers)."""
