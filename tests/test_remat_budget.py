@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import logging
@@ -22,6 +23,7 @@ import pytest
 
 import pockengine as pe
 from pockengine import zoo
+from pockengine.finetune.cli import budget_or_none, byte_amount
 from pockengine.ir import CompileError, Graph, Node, Phase, verify
 from pockengine.passes.remat_budget import FitMemoryBudget, parse_budget
 from pockengine.plan import plan_memory
@@ -143,9 +145,20 @@ def test_budget_sizes() -> None:
     assert parse_budget("1.5GiB") == 3 << 29
     assert parse_budget(12345) == 12345
     assert parse_budget(None) is None
-    for bad in ("lots", "-5MB", 0):
+    assert parse_budget("2e3k") == 2000 << 10
+    for bad in ("lots", "-5MB", 0, "1e400", float("inf"), float("nan"), "1.2.3MB"):
         with pytest.raises(CompileError, match="memory_budget"):
             parse_budget(bad)
+
+
+def test_cli_sizes_follow_the_same_rule() -> None:
+    """``--memory-budget``/``--remat-budget`` read sizes as ``memory_budget`` does, and a
+    size that is not finite and positive is an argparse error, not a traceback."""
+    assert byte_amount("300MB") == 300 << 20
+    assert budget_or_none("none") == 0.0
+    for bad in ("-5", "nan", "0", "1e400", "10XB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="as a size > 0"):
+            byte_amount(bad)
 
 
 def test_finetune_flag_reaches_compile(monkeypatch: pytest.MonkeyPatch) -> None:

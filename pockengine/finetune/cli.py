@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import math
-import re
 import signal
 from collections.abc import Callable
 
@@ -16,6 +15,8 @@ from pockengine.finetune.config import (
     FROZEN_DTYPE_CHOICES,
     FinetuneConfig,
 )
+from pockengine.ir import CompileError
+from pockengine.passes.remat_budget import parse_budget
 from pockengine.sparse.names import SCHEME_HELP
 
 __all__ = [
@@ -77,9 +78,6 @@ def _number(text: str) -> float:
     return value
 
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
 def budget_or_none(text: str) -> float:
     """``byte_amount``, or ``none`` as 0: no recomputation budget (over a recipe's)."""
     return 0.0 if text.strip().lower() == "none" else byte_amount(text)
@@ -88,14 +86,12 @@ def budget_or_none(text: str) -> float:
 def byte_amount(text: str) -> float:
     """An argparse type: ``300MB``/``300MiB``/``300M`` in bytes (binary units, as the
     report prints MiB)."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmg]?)(i?b)?\s*", text.lower())
     try:
-        value = float(m.group(1)) * _UNITS[m.group(2)] if m else 0.0
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size such as 300MB")
-    return value
+        return float(parse_budget(text) or 0)
+    except CompileError:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size > 0 such as 300MB"
+        ) from None
 
 
 def _number_where(text: str, ok: Callable[[float], bool], rule: str) -> float:

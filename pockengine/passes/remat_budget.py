@@ -36,6 +36,7 @@ results named ``<original>_re<k>``.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 Pass = Callable[[Graph], Graph]
 BUDGET_DEPTH = 64  # ops in one recomputed chain
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_SIZE = re.compile(r"\s*((?:[0-9]*\.)?[0-9]+(?:e\+?[0-9]+)?)\s*([kmg]?)(i?b)?\s*")
 _MIB = 1 << 20
 
 
@@ -71,9 +73,9 @@ def parse_budget(budget: str | float | None) -> int | None:
     if isinstance(budget, int | float) and not isinstance(budget, bool):
         value = float(budget)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(i?b)?\s*", str(budget).lower())
+        m = _SIZE.fullmatch(str(budget).lower())
         value = float(m.group(1)) * _UNITS[m.group(2)] if m else -1.0
-    if not value > 0:
+    if not (value > 0 and math.isfinite(value)):
         raise CompileError(f"memory_budget: cannot read {budget!r} as a size > 0 such as '600MB'")
     return int(value)
 
