@@ -36,7 +36,7 @@ def main(frozen_dtype: str) -> None:
     step = compile_task(config, task, recipes.parse_scheme("sparse", config.recipe))
     mem("compiled")
     evaluator = compile_evaluator(step, task)
-    freed = released.release_quantized(task.model, step) if evaluator is not None else 0
+    freed = released.release_held(task.model, step) if evaluator is not None else 0
     mem(f"evaluator compiled, {freed / 2**20:.0f} MiB of float weights released")
     step(*(a[: config.batch_size] for a in task.train))
     mem("one training step")

@@ -11,6 +11,11 @@ Each run is its own process (``python -m pockengine ...``) writing into ``--runs
   ``--full-lr X`` also ``fed-full-lrX``, full-model FedAvg at that peak learning rate;
 - ``central-sparse``: ``pockengine finetune --scheme sparse --epochs ROUNDS*LOCAL_EPOCHS``,
   the same recipe trained on the pooled training split for the same number of passes.
+- ``fed-STEM`` for each ``--scheme-file STEM.json``: sparse FedAvg with that scheme
+  (a partial-channel scheme, for the byte target).
+
+``--server-lr``, ``--server-momentum`` and ``--bn-statistics`` go to every federated
+run alike (FedAvgM, and which BatchNorm statistics travel).
 
 All runs share the recipe, data subset, shapes and seed, so they hold out the same
 validation split: the federated server evaluates centrally on the recipe's validation
@@ -38,6 +43,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 _SHARED = ("recipe", "seq_len", "image_size", "max_train", "max_val", "seed", "backend")
+# federation options every federated run gets (sparse and full alike), when given
+_SERVER = ("server_lr", "server_momentum", "bn_statistics")
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ def plan(args: argparse.Namespace) -> list[Run]:
     runs.append(Run("fed-full", True, "full"))
     if args.full_lr is not None:
         runs.append(Run(f"fed-full-lr{args.full_lr:g}", True, "full", args.full_lr))
+    for path in getattr(args, "scheme_file", None) or []:  # e.g. partial-channel schemes
+        runs.append(Run(f"fed-{Path(path).stem}", True, str(Path(path).resolve())))
     return runs
 
 
@@ -71,6 +80,9 @@ def command(run: Run, args: argparse.Namespace) -> list[str]:
         cmd += ["--clients", str(args.clients), "--rounds", str(args.rounds),
                 "--local-epochs", str(args.local_epochs), "--partition", "dirichlet",
                 "--alpha", f"{args.alpha:g}", "--threads", "1"]  # fmt: skip
+        for key in _SERVER:
+            if getattr(args, key, None) is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     else:
         cmd += ["--epochs", str(args.rounds * args.local_epochs), "--threads", "1",
                 "--progress", "plain"]  # fmt: skip
@@ -226,8 +238,10 @@ def write_doc(path: Path, text: str, recipe: str) -> None:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    keys = (*_SHARED, "clients", "rounds", "local_epochs", "alpha", "full_lr")
+    keys = (*_SHARED, "clients", "rounds", "local_epochs", "alpha", "full_lr", *_SERVER)
     opts = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys if getattr(args, k)]
+    if args.scheme_file:
+        opts.append("--scheme-file " + " ".join(Path(f).name for f in args.scheme_file))
     return "nice -n 15 python benchmarks/federated_table.py " + " ".join(opts)
 
 
@@ -240,6 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     p.add_argument("--full-lr", type=float, help="also run full-model FedAvg at this lr")
+    p.add_argument("--scheme-file", nargs="*", default=[], metavar="JSON",
+                   help="also run FedAvg with these scheme files (rows fed-STEM)")  # fmt: skip
+    p.add_argument("--server-lr", type=float, help="the federated runs' --server-lr")
+    p.add_argument("--server-momentum", type=float, help="their --server-momentum (FedAvgM)")
+    p.add_argument("--bn-statistics", choices=("recompute", "running"),
+                   help="their --bn-statistics (default: pockengine federated's)")  # fmt: skip
     p.add_argument("--seq-len", type=int)
     p.add_argument("--image-size", type=int)
     p.add_argument("--max-train", type=int)

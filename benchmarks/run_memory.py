@@ -93,13 +93,15 @@ _HOOKS: tuple[tuple[str, str, str, int | None], ...] = (
     ("pockengine.finetune.data", "encode_hf", "encode", 2),
     ("pockengine.finetune.recipes", "build", "build the task", None),
     ("pockengine.finetune.trainer", "_compile", "compile", None),
+    ("pockengine.finetune.trainer", "compile_in_child", "compile in a child, load the step", None),
     ("pockengine.finetune.metrics", "compile_evaluator", "compile the evaluator", None),
-    ("pockengine.finetune.trainer", "_Loop.save", "checkpoint", 1),
+    ("pockengine.finetune.loop", "Loop.save", "checkpoint", 1),
     ("pockengine.finetune.metrics", "evaluate", "evaluate", 1),
     ("pockengine.finetune.home", "_load", "write the model: values into the module", None),
     ("pockengine.finetune.home", "_quiet_save", "write the model: save_pretrained", None),
     ("pockengine.finetune.home", "write_model", "write the model", None),
-    ("pockengine.runtime", "TrainStep.__call__", "step", None),  # limit: --steps-shown
+    ("pockengine.finetune.trainer", "write_from_skeleton", "write the model", None),
+    ("pockengine.step_base", "CompiledStep.__call__", "step", None),  # limit: --steps-shown
 )
 
 

@@ -4,14 +4,16 @@
     python benchmarks/step_bench.py --workloads mbv2 --schemes sparse \
         --frameworks pockengine-torch torch-eager --steps 10
 
-Writes benchmarks/results/step_bench.json and a Markdown table (docs/benchmarks.md by
-default). ``--repeat N`` runs every case in N separate processes and reports the median of
-each figure (all runs stay in the JSON). Per case: median step time over ``--steps`` steps
-after ``--warmup`` steps, compile time (first call for torch.compile), training memory
-(peak RSS minus the RSS once the framework is imported and the weights and batch are
-loaded), the final loss, and achieved GFLOP/s from the analytic FLOPs of the step's
-matmuls and convolutions (the same count for every framework, from PockEngine's cost model
-of that scheme). A large matmul measured in the same run gives the attainable GFLOP/s.
+Writes benchmarks/results/step_bench.json (``--json``) and prints a Markdown table
+(``--out FILE`` also writes it there). ``--repeat N`` runs every case in N separate
+processes and reports the median of each figure (all runs stay in the JSON). Per case:
+median step time over ``--steps`` steps after ``--warmup`` steps, compile time (first
+call for torch.compile; ``load_step`` for the artifact frameworks, step_artifact.py),
+training memory (peak RSS minus the RSS once the framework is imported and the weights
+and batch are loaded), the final loss, and achieved GFLOP/s from the analytic FLOPs of
+the step's matmuls and convolutions (the same count for every framework, from
+PockEngine's cost model of that scheme). A large matmul measured in the same run gives
+the attainable GFLOP/s.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import ort_training_peer
+import step_artifact
 from _harness import ROOT, ChildFailedError, run_child
 from _harness import reset_peak as _reset_peak
 from _harness import vm_kib as _rss_kib
@@ -36,6 +39,10 @@ FRAMEWORKS = (
     "pockengine-c",
     "torch-eager",
     "torch-compile",
+    # compiled and saved in one process, loaded (pockengine.load_step) and trained in
+    # another that never compiles: what a device sees (step_artifact.py)
+    "pockengine-torch" + step_artifact.SUFFIX,
+    "pockengine-c" + step_artifact.SUFFIX,
 ) + (
     ("ort-training",) if ort_training_peer.venv_possible() else ()
 )  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
@@ -76,13 +83,10 @@ def _analytic_flops(workload: str, scheme_name: str) -> int:
     """Matmul and convolution FLOPs of one step under the scheme (forward + backward), on a
     fresh copy of the workload (counted after measuring, outside the measured process state)."""
     import pockengine as pe
-    from pockengine.plan.cost import cost
 
     work, optimizer, scheme, _ = _case(workload, scheme_name)
     step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer, scheme)
-    ops = {"matmul", "linear", "conv2d", "conv2d_input_grad", "conv2d_weight_grad"}
-    return sum(c.flops for n, c in zip(step.graph.nodes, cost(step.graph).nodes, strict=True)
-               if n.op in ops)  # fmt: skip
+    return step_artifact.graph_flops(step.graph)
 
 
 def _load_framework(framework: str) -> None:
@@ -287,9 +291,8 @@ def main() -> int:
                         help="processes per case; figures are their medians")  # fmt: skip
     parser.add_argument(
         "--out",
-        default=str(ROOT / "docs" / "benchmarks.md"),
-        help="markdown file whose step_bench table section is rewritten "
-        "(default: docs/benchmarks.md; give another file for a quick run)",
+        help="also write the Markdown table to this file (replaced whole; the table is "
+        "always printed). docs/benchmarks.md is written by hand from the JSON",
     )
     parser.add_argument(
         "--json",
@@ -299,6 +302,11 @@ def main() -> int:
     parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
     parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.case and args.case[2].endswith(step_artifact.SUFFIX):  # no torch import here
+        w, scheme, framework = args.case
+        row = step_artifact.run_case(w, scheme, framework, args.steps, args.warmup, args.threads)
+        print(json.dumps(row))
+        return 0
     if args.case or args.matmul:
         _threads(args.threads)
         result = ({"gflops": _matmul_gflops()} if args.matmul
@@ -326,7 +334,8 @@ def main() -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=1))
     table = markdown(results, rate)
-    Path(args.out).write_text("# Training-step benchmark\n\n" + table + "\n")
+    if args.out:
+        Path(args.out).write_text("# Training-step benchmark\n\n" + table + "\n")
     print(table)
     return 0
 

@@ -18,6 +18,7 @@ from pockengine.sparse import schemes
 
 if TYPE_CHECKING:
     from pockengine.finetune.home_load import load_run
+    from pockengine.step_io import load_step
 
 __all__ = [
     "BatchError",
@@ -32,6 +33,7 @@ __all__ = [
     "compile",
     "finetune",
     "load_run",
+    "load_step",
     "optim",
     "schemes",
 ]
@@ -39,9 +41,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``load_run`` on first use: it needs torch, which the core never imports."""
+    """``load_run`` on first use: it needs torch, which the core never imports;
+    ``load_step`` (``pockengine.step_io``) on first use too."""
     if name == "load_run":
         from pockengine.finetune.home_load import load_run
 
         return load_run
+    if name == "load_step":
+        from pockengine.step_io import load_step
+
+        return load_step
     raise AttributeError(f"module 'pockengine' has no attribute {name!r}")

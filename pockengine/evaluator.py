@@ -42,7 +42,7 @@ from pockengine.passes import (
 )
 from pockengine.passes.pipeline import Pass
 from pockengine.passes.quantize import quantize_frozen
-from pockengine.runtime import BatchError
+from pockengine.step_base import BatchError, CompiledStep
 
 if TYPE_CHECKING:
     from pockengine.runtime import TrainStep
@@ -66,7 +66,7 @@ class Evaluator:
     the step's current values. The batch shape is fixed (``batch_types``)."""
 
     def __init__(
-        self, step: TrainStep, graph: Graph, batch: tuple[Value, ...], own: dict[str, Any]
+        self, step: CompiledStep, graph: Graph, batch: tuple[Value, ...], own: dict[str, Any]
     ) -> None:
         self.step = step
         self.graph = graph

@@ -1,5 +1,6 @@
-"""``pockengine export``: a training step as ONNX + state for ``ort_runner.py``, or as a
-stand-alone C trainer folder.
+"""``pockengine export``: a training step as ONNX + state for ``ort_runner.py``, as a
+stand-alone C trainer folder, or as a step artifact (``pockengine.load_step`` runs it
+without the compiler; ``pockengine.step_io``).
 
 What it exports, by the first argument:
 
@@ -41,8 +42,9 @@ _ALWAYS = ("source", "target", "out", "backend", "threads", "run", "defaults")
 
 
 _DESCRIPTION = """\
-Write a training step as ONNX + state for ort_runner.py (--target onnx) or as a C folder
-whose make builds a stand-alone ./train (--target c). What it exports:
+Write a training step as ONNX + state for ort_runner.py (--target onnx), as a C folder
+whose make builds a stand-alone ./train (--target c), or as a step artifact that
+pockengine.load_step runs without the compiler (--target step). What it exports:
 
   RUN                       a run folder of pockengine finetune: its step, with the run's
                             trained weights and optimizer state (the run's data must be
@@ -92,9 +94,9 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--out", help="the folder to write (default RUN/export_<target>, "
                    "train_step_<target>); for a workload or .onnx, an .onnx file (default "
                    "train_step.onnx) or, for --target c, the folder")  # fmt: skip
-    p.add_argument("--target", choices=("onnx", "c"), default="onnx",
-                   help="onnx: ONNX + state for ort_runner; c: a folder whose make builds ./train "
-                   "(default onnx)")  # fmt: skip
+    p.add_argument("--target", choices=("onnx", "c", "step"), default="onnx",
+                   help="onnx: ONNX + state for ort_runner; c: a folder whose make builds ./train; "
+                   "step: a folder pockengine.load_step runs (default onnx)")  # fmt: skip
     p.add_argument("--write-batches", type=positive_int, metavar="N",
                    help="also write the first N training batches of the fine-tune")  # fmt: skip
     p.add_argument("--frozen-bn", choices=("eval", "train"), default="eval",
@@ -252,6 +254,10 @@ def _export_model(args: argparse.Namespace, kind: str) -> int:
         step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
                           scheme=scheme)  # fmt: skip
     size = f"{len(step.graph.nodes)} nodes, {len(step.trained)} trained params"
+    if args.target == "step":
+        folder = step.save(args.out or "train_step_step")
+        print(f"wrote {folder}/ ({size}); run it with pockengine.load_step({str(folder)!r})")
+        return 0
     if args.target == "c":
         folder = step.export(args.out or "train_step_c", target="c")
         print(f"wrote {folder}/ ({size}); build it with `make -C {folder}` and run "
@@ -279,6 +285,8 @@ def write_export(prepared: _Prepared, folder: Path, target: str, batches: int | 
     step = prepared.step
     if target == "c":
         step.export(folder, target="c")
+    elif target == "step":
+        step.save(folder)
     else:
         folder.mkdir(parents=True, exist_ok=True)
         step.export(folder / "train_step.onnx")
@@ -304,7 +312,7 @@ def _write_batches(prepared: _Prepared, folder: Path, target: str, count: int) -
         v.name: np.ascontiguousarray(a[rows], dtype=v.dtype.to_numpy()).reshape(count, *v.shape)
         for v, a in zip(values, prepared.train, strict=True)
     }
-    if target == "onnx":
+    if target in ("onnx", "step"):
         np.savez(folder / "batches.npz", **stacked)  # type: ignore[arg-type]
         return ["batches.npz"]
     (folder / "batches").mkdir(exist_ok=True)
@@ -338,6 +346,13 @@ def readme(prepared: _Prepared, target: str, batch_files: list[str]) -> str:
         files = ("batches.npz: one array per input, named as above, each with a leading axis "
                  "of batches [B, *shape]; step k uses batch k modulo B")  # fmt: skip
         needs = "needs numpy and onnxruntime (safetensors to save .safetensors)"
+    elif target == "step":
+        run = ("python -c \"import numpy as np, pockengine as pe; step = pe.load_step('.'); "
+               "b = np.load('batches.npz'); "
+               "print(step(*(b[n][0] for n in b.files)))\"")  # fmt: skip
+        files = ("batches.npz: one array per input, named as above, each with a leading axis "
+                 "of batches [B, *shape]")  # fmt: skip
+        needs = "needs numpy and pockengine (and torch for a torch-backend step), no compiler"
     else:
         run = "make && ./train [--steps N] --save trained.safetensors " + " ".join(
             f"batches/{n}.npy" for n in names

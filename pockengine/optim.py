@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import CompileError, DType, GraphBuilder, Phase, Role, TensorType, Value
+from pockengine.ops.update_8bit import ZERO_BYTE
 
-__all__ = ["SGD", "AdamW", "Optimizer"]
+__all__ = ["MIN_8BIT_SIZE", "SGD", "STATE_DTYPES", "AdamW", "Optimizer"]
 
 Array = np.ndarray[Any, Any]
 
@@ -135,14 +136,26 @@ class SGD(Optimizer):
             )
 
 
+STATE_DTYPES = ("float32", "int8")
+MIN_8BIT_SIZE = 4096  # smaller moments stay float (as bitsandbytes' ``min_8bit_size``)
+
+
 @dataclass(frozen=True)
 class AdamW(Optimizer):
-    """torch.optim.AdamW (decoupled weight decay, bias-corrected moments)."""
+    """torch.optim.AdamW (decoupled weight decay, bias-corrected moments).
+
+    ``state_dtype="int8"`` stores the moments of each param with at least
+    ``MIN_8BIT_SIZE`` trained elements as bytes with one absmax per ``block`` elements
+    (after bitsandbytes' 8-bit Adam, the second moment as its square root;
+    ``pockengine.ops.update_8bit``): a quarter of float32's bytes. Smaller params (norm
+    weights, biases) keep float32 moments."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    state_dtype: str = "float32"
+    block: int = 256
 
     def __post_init__(self) -> None:
         _check("lr", self.lr, 0.0)
@@ -150,6 +163,22 @@ class AdamW(Optimizer):
         _check("beta2", self.betas[1], 0.0, 1.0)
         _check("eps", self.eps, 0.0)
         _check("weight_decay", self.weight_decay, 0.0)
+        if self.state_dtype not in STATE_DTYPES:
+            raise CompileError(
+                f"AdamW state_dtype={self.state_dtype!r}: expected one of {list(STATE_DTYPES)}"
+            )
+        if not (isinstance(self.block, int) and self.block >= 1):
+            raise CompileError(f"AdamW block={self.block!r} must be an int >= 1")
+
+    def _hyper(self, param: Value, grad: Value) -> dict[str, Any]:
+        return {
+            "beta1": self.betas[0],
+            "beta2": self.betas[1],
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "source": f"optim {param.name}",
+            **_rows(param, grad),
+        }
 
     def _emit(
         self,
@@ -161,22 +190,27 @@ class AdamW(Optimizer):
     ) -> None:
         step, t = self._step_count(b, init)
         for param, grad in pairs:
+            if self.state_dtype == "int8" and grad.type.numel >= MIN_8BIT_SIZE:
+                state = self._state_8bit(b, param, grad, init)
+                b.effect("adamw8bit_update", param, grad, *state, t, lr, *gate,
+                         block=self.block, **self._hyper(param, grad))  # fmt: skip
+                continue
             m = self._state_like(b, "exp_avg", param, grad, init)
             v = self._state_like(b, "exp_avg_sq", param, grad, init)
-            b.effect(
-                "adamw_update",
-                param,
-                grad,
-                m,
-                v,
-                t,
-                lr,
-                *gate,
-                beta1=self.betas[0],
-                beta2=self.betas[1],
-                eps=self.eps,
-                weight_decay=self.weight_decay,
-                source=f"optim {param.name}",
-                **_rows(param, grad),
-            )
+            b.effect("adamw_update", param, grad, m, v, t, lr, *gate, **self._hyper(param, grad))
         b.effect("assign", step, t, *gate, source="optim")
+
+    def _state_8bit(
+        self, b: GraphBuilder, param: Value, grad: Value, init: dict[str, Array]
+    ) -> tuple[Value, ...]:
+        """Bytes and absmax of both moments, all encoding zero (``update_8bit``)."""
+        blocks = TensorType((-(-grad.type.numel // self.block),), grad.dtype)
+        out = []
+        for kind, code in (("exp_avg", "signed"), ("exp_avg_sq", "unsigned")):
+            codes = f"optim.{kind}.{param.name}.codes"
+            init[codes] = np.full(grad.shape, ZERO_BYTE[code], dtype=np.uint8)
+            out.append(b.input(codes, TensorType(grad.shape, DType.U8), Role.STATE))
+            absmax = f"optim.{kind}.{param.name}.absmax"
+            init[absmax] = np.zeros(blocks.shape, dtype=grad.dtype.to_numpy())
+            out.append(b.input(absmax, blocks, Role.STATE))
+        return tuple(out)

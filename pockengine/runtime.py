@@ -8,10 +8,8 @@ training step; nothing is traced or differentiated at run time.
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +18,7 @@ from pockengine._libc import libc_function
 from pockengine.autodiff import append_backward
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
-from pockengine.batch_checks import IndexBound, index_bounds, out_of_range
+from pockengine.batch_checks import index_bounds
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 from pockengine.ir import (
     GRAD_PREFIX,
@@ -28,22 +26,21 @@ from pockengine.ir import (
     Graph,
     GraphBuilder,
     Phase,
-    PockEngineError,
-    Role,
     Value,
     get_op,
     verify,
 )
 from pockengine.ir.rewrite import with_inputs
-from pockengine.loading import LoadResult, StateError, load_into_module, match_arrays
+from pockengine.loading import LoadResult, StateError
 from pockengine.ops.quant import Quantized
-from pockengine.optim import LR, SGD, Optimizer
+from pockengine.optim import SGD, Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, forward_passes, run_pipeline
 from pockengine.passes.quantize import AS_GIVEN, FrozenWeights, quantize_frozen
 from pockengine.passes.remat_budget import parse_budget, recomputation, with_budget
 from pockengine.passes.slices import sink_slices
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
+from pockengine.step_base import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError, StepFacts
 
 if TYPE_CHECKING:
     from pockengine.evaluator import Evaluator
@@ -65,20 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
-
-
-class BatchError(PockEngineError):
-    """A batch that does not fit the step: shapes or dtypes other than the example batch's,
-    or class targets outside ``[0, classes)``."""
-
-
-class NonFiniteError(PockEngineError):
-    """A step whose loss was NaN or inf: it applied no update (params, optimizer state,
-    buffers and the step count are as before it)."""
-
-
-ON_NONFINITE = ("raise", "skip")
-_RESULT_FIELDS = ("missing", "unexpected", "mismatched")
 
 
 def _trained_rows(
@@ -139,8 +122,10 @@ def gradients_graph(
     return sink_slices(b.build([forward.outputs[0], *grads.values()])), tuple(grads)
 
 
-class TrainStep:
-    """A compiled training step: ``step(*batch)`` trains once and returns the loss."""
+class TrainStep(CompiledStep):
+    """A compiled training step: ``step(*batch)`` trains once and returns the loss. Beside
+    what it runs (``CompiledStep``) it keeps the compiler's facts: the forward graph and
+    the pass stages, for ``gradients``, ``report`` and ``evaluator``."""
 
     def __init__(
         self,
@@ -159,94 +144,22 @@ class TrainStep:
         given = {ir: frozen.given[name] for ir, name in imported.state_names.items()
                  if name in frozen.given}  # fmt: skip
         quant = quantize_frozen(verify(forward), imported.values, frozen.dtype, prequantized=given)
-        self._quantized = quant.params  # float params stored as codes
         fused = run_pipeline(quant.graph, forward_passes(backend.supported_ops()))
         self.forward = forward = fused.graph
         self.forward_stages = fused.stages
-        self.optimizer = optimizer
-        self.backend = backend
-        self.resolution = resolution
-        self.info = info
-        self.scheme = scheme
-        self._batch = imported.batch
-        self._state_names = dict(imported.state_names)
-        self._aliases = dict(imported.aliases)
-        self._restructure = imported.restructure
+        self.optimizer, self.resolution = optimizer, resolution
+        self.info, self.scheme = info, scheme
         graph, init, unreached = training_graph(forward, optimizer, resolution.rows)
         if unreached:
             log.warning("the loss does not depend on %s: they get no update", list(unreached))
         result = run_pipeline(verify(graph), self.passes)
-        self.graph: Graph = result.graph
         self.stages = result.stages
-        values = {**quant.values, **init}
-        written = {n.inputs[i].name for n in self.graph.nodes for i in get_op(n.op).mutates}
-        self._store = {  # each copied once, or shared when the step never writes it
-            k: backend.from_numpy(v) if k in written else backend.share_numpy(v)
-            for k, v in values.items()
-        }
-        self._written = frozenset(written)
-        self._exec = backend.compile(self.graph)
+        trained = tuple(p.name for p in forward.trainable_params)
+        facts = StepFacts(imported.batch, dict(imported.state_names), dict(imported.aliases),
+                          quant.params, tuple(bounds), trained, imported.restructure)  # fmt: skip
+        self._bind(result.graph, backend, facts, {**quant.values, **init})
         self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
-        self._index_bounds: dict[str, list[IndexBound]] = {}
-        for bound in bounds:
-            self._index_bounds.setdefault(bound.input, []).append(bound)
-        self.calls = 0  # steps run, skipped ones included: the number errors name
-        self.skipped_steps = 0  # steps whose loss was not finite (they applied no update)
-        self._on_nonfinite = "raise"
-
-    # -- running ---------------------------------------------------------------
-    def _feeds(self, batch: Sequence[Any]) -> dict[str, Any]:
-        if len(batch) != len(self._batch):
-            raise BatchError(f"expected {len(self._batch)} batch tensors, got {len(batch)}")
-        feeds = {}
-        for i, (value, item) in enumerate(zip(self._batch, batch, strict=True)):
-            array = _to_numpy(item)
-            want = value.dtype.to_numpy()
-            if array.shape != value.shape or array.dtype != want:
-                got = f"{array.dtype}{list(array.shape)}"
-                raise BatchError(
-                    f"batch entry {i}: compiled for {value.type}, got {got}; shapes and dtypes "
-                    "are fixed at compile time (compile again for another shape)"
-                )
-            for bound in self._index_bounds.get(value.name, ()):
-                problem = out_of_range(array, bound)
-                if problem is not None:
-                    raise BatchError(f"batch entry {i}: {problem}; nothing was trained")
-            feeds[value.name] = self.backend.from_numpy(array)
-        return feeds
-
-    def _run(self, executable: Executable, batch: Sequence[Any]) -> list[Any]:
-        return executable.run(self._store, self._feeds(batch))
-
-    def __call__(self, *batch: Any) -> float:
-        """Train once on ``batch``; returns the loss. A NaN or inf loss applies no update
-        (checked in the graph before any update runs): a ``NonFiniteError``, or with
-        ``on_nonfinite = "skip"`` the step counts in ``skipped_steps`` and returns it."""
-        feeds = self._feeds(batch)
-        self.calls += 1
-        loss = float(self.backend.to_numpy(self._exec.run(self._store, feeds)[0]))
-        if not math.isfinite(loss):
-            self.skipped_steps += 1
-            if self._on_nonfinite == "raise":
-                raise NonFiniteError(
-                    f"step {self.calls}: the loss is {loss}; the step applied no update "
-                    "(params, optimizer state, buffers and step count are unchanged). Look for "
-                    "NaN/inf in the batch, or lower the learning rate"
-                )
-        return loss
-
-    @property
-    def on_nonfinite(self) -> str:
-        """What a step with a NaN/inf loss does (it never updates): "raise" a
-        ``NonFiniteError`` (the default), or "skip" (counted in ``skipped_steps``)."""
-        return self._on_nonfinite
-
-    @on_nonfinite.setter
-    def on_nonfinite(self, value: str) -> None:
-        if value not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {value!r}")
-        self._on_nonfinite = value
 
     def gradients(self, *batch: Any) -> dict[str, Array]:
         """Gradients of the trained params on ``batch``; nothing is updated."""
@@ -254,7 +167,7 @@ class TrainStep:
             graph, names = gradients_graph(self.forward, self.resolution.rows)
             self._grad_exec = self.backend.compile(run_pipeline(verify(graph), self.passes).graph)
             self._grad_names = names
-        outs = self._run(self._grad_exec, batch)
+        outs = self._grad_exec.run(self._store, self._feeds(batch))
         return {
             self._state_names.get(name, name): self.backend.to_numpy(out)
             for name, out in zip(self._grad_names, outs[1:], strict=True)
@@ -268,20 +181,6 @@ class TrainStep:
         from pockengine.evaluator import compile_evaluator
 
         return compile_evaluator(self, model, eval_fn, example_batch)
-
-    def _read(self, name: str) -> Array:
-        quantized = self._quantized.get(name)
-        if quantized is not None:  # the float values the step computes with
-            return quantized.dequantized(lambda n: self.backend.to_numpy(self._store[n]))
-        return np.array(self.backend.to_numpy(self._store[name]), copy=True)
-
-    # -- compile-time facts ------------------------------------------------------
-    @property
-    def source(self) -> str | None:
-        """The generated code of the training step where the backend writes one (C for
-        ``backend="c"``, Python for ``"torch"``): one statement per node under its IR text."""
-        source = getattr(self._exec, "source", None)
-        return source if isinstance(source, str) else None
 
     def report(self, depth: int | None = None) -> Report:
         """Trained params, FLOPs, saved activations, memory: this scheme beside full
@@ -298,155 +197,6 @@ class TrainStep:
         placement = mixed.placement(self.graph) if mixed is not None else None
         ours, full_figures = analyze(self.graph, depth), analyze(full_graph, depth)
         return Report(label, ours, full_figures, placement, recomputation(self.passes, self.stages))
-
-    # -- state -----------------------------------------------------------------
-    @property
-    def lr(self) -> float:
-        return float(self._read(LR)) if LR in self._store else self.optimizer.lr
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        """A finite learning rate > 0; anything else is refused before it is stored."""
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise StateError(f"step.lr must be a number, got {value!r}") from None
-        if not (math.isfinite(number) and number > 0):
-            raise StateError(f"step.lr must be a finite number > 0, got {value!r}")
-        self._store[LR] = self.backend.from_numpy(np.asarray(number, dtype=np.float32))
-
-    @property
-    def trained(self) -> tuple[str, ...]:
-        return tuple(self._state_names.get(p.name, p.name) for p in self.forward.trainable_params)
-
-    def state_dict(self) -> Any:
-        """Params and persistent buffers, named as in ``model.state_dict()`` (tied ones
-        under each of their names); for a JAX model, the params pytree it was compiled from
-        (``flat_state_dict()`` gives the flat form for every frontend)."""
-        flat = self.flat_state_dict()
-        return flat if self._restructure is None else self._restructure(flat)
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        """Every param and persistent buffer the step holds, by model name (tied tensors
-        under their first name)."""
-        return tuple(self._state_names.values())
-
-    @property
-    def written(self) -> tuple[str, ...]:
-        """The params and persistent buffers (model names) that a step writes: the trained
-        params and the buffers it updates (running statistics). The others keep the values
-        the step was compiled with (or was given through ``load_state``)."""
-        return tuple(name for ir, name in self._state_names.items() if ir in self._written)
-
-    def flat_state_dict(self, names: Iterable[str] | None = None) -> dict[str, Array]:
-        """Params and persistent buffers as ``{model name: array}``; only ``names`` (first
-        names of tied tensors, e.g. ``written``) when given."""
-        wanted = None if names is None else set(names)
-        out = {}
-        for ir, name in self._state_names.items():
-            if wanted is not None and name not in wanted:
-                continue
-            value = self._read(ir)
-            for alias in self._aliases.get(name, (name,)):
-                out[alias] = value.copy()
-        return out
-
-    def optimizer_state(self) -> dict[str, Array]:
-        state = self.graph.inputs_with_role(Role.STATE)
-        return {v.name: self._read(v.name) for v in state}
-
-    def _spec(self, ir: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
-        quantized = self._quantized.get(ir)
-        if quantized is not None:
-            return quantized.type.shape, quantized.type.dtype.to_numpy()
-        current = self.backend.to_numpy(self._store[ir])
-        return tuple(current.shape), current.dtype
-
-    def load_state(
-        self,
-        params: Mapping[str, Any] | None = None,
-        optimizer: Mapping[str, Any] | None = None,
-        *,
-        strict: bool = True,
-    ) -> LoadResult:
-        """Set params/buffers (model names, as ``state_dict()`` gives them) and optimizer
-        state (as ``optimizer_state()`` gives it), e.g. to resume from a checkpoint.
-
-        Strict (the default): each given mapping must name every param and buffer (every
-        optimizer state value), no other name, with the same shapes and dtype kinds; a
-        ``StateError`` lists what differs and nothing is written. ``strict=False`` loads
-        what fits and returns the rest."""
-        by_model = {name: ir for ir, name in self._state_names.items()}
-        for alias, canonical in self.info.canonical.items():
-            if canonical in by_model:
-                by_model.setdefault(alias, by_model[canonical])
-        updates: dict[str, Array] = {}
-        results = []
-        if params is not None:
-            expected = {ir: self._spec(ir) for ir in self._state_names}
-            fitting, result = match_arrays(
-                params, expected, what="params and buffers", strict=strict, key=by_model.get,
-                label=lambda ir: self._state_names[ir],
-            )  # fmt: skip
-            updates.update(fitting)
-            results.append(result)
-        if optimizer is not None:
-            state = {v.name: self._spec(v.name) for v in self.graph.inputs_with_role(Role.STATE)}
-            fitting, result = match_arrays(optimizer, state, what="optimizer state",
-                                           strict=strict)  # fmt: skip
-            updates.update(fitting)
-            results.append(result)
-        for ir, array in updates.items():
-            quantized = self._quantized.get(ir)
-            if quantized is None:
-                self._store[ir] = self.backend.from_numpy(array)
-                continue
-            if np.array_equal(array, self._read(ir)):  # unchanged (a resume): codes as they are
-                continue
-            dtypes = {n: self._spec(n)[1] for n in quantized.inputs}
-            for name, codes in quantized.quantized(array, dtypes).items():  # requantized
-                self._store[name] = self.backend.from_numpy(codes)
-        return LoadResult(*(sum((getattr(r, f) for r in results), ()) for f in _RESULT_FIELDS))
-
-    def export(self, path: str | os.PathLike[str], *, target: str = "onnx") -> Path:
-        """Write this training step with its current params, buffers and optimizer state.
-        ``target="onnx"``: one ONNX model (``path``) plus ``<stem>.state.npz`` beside it, to
-        run with ``pockengine/ort_runner.py`` wherever numpy and onnxruntime are installed;
-        returns the path of the state file. ``target="c"``: a self-contained folder
-        (``path``) whose ``make`` builds a stand-alone ``./train`` needing only libc and
-        libm (see ``pockengine.backends.c.export``); returns the folder."""
-        state = {v.name: self._read(v.name) for v in self.graph.inputs if v.role is not Role.INPUT}
-        if target == "c":
-            from pockengine.backends.c.export import export_c
-
-            return export_c(path, self.graph, state, self._batch, self._state_names)
-        if target != "onnx":
-            raise CompileError(f"unknown export target {target!r}; use 'onnx' or 'c'")
-        from pockengine.backends.onnx_export import export_step
-
-        return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
-
-    def load_into(self, model: Any, *, strict: bool = True) -> LoadResult:
-        """Write the trained values back into a torch module. Strict (the default): the
-        module must have exactly this step's params and buffers, with the same shapes and
-        dtype kinds, or a ``StateError`` says what differs and nothing is written;
-        ``strict=False`` writes what fits and returns the rest. LoRA adapters are merged
-        into the weights they adapt (the module has none)."""
-        state = self.flat_state_dict()
-        if self.resolution.adapters:
-            from pockengine.sparse.lora import merge_adapters
-
-            state = merge_adapters(state, self.resolution.adapters)
-        return load_into_module(state, model, strict=strict)
-
-
-def _to_numpy(item: Any) -> Array:
-    if isinstance(item, np.ndarray):
-        return item
-    if hasattr(item, "detach"):
-        return np.asarray(item.detach().cpu().numpy())
-    return np.asarray(item)
 
 
 def compile(

@@ -352,3 +352,45 @@ def test_batchnorm_statistics_travel_with_the_trained_params() -> None:
     trained.merge(server, sent, "a reply")
     for name, value in server.flat_state_dict(list(trained.rows)).items():
         np.testing.assert_array_equal(value, sent[name], err_msg=name)
+
+
+def test_full_model_bytes_come_from_shapes_without_reading_a_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What full-model FedAvg sends, counted from the step's shapes and dtypes: the bytes
+    of ``flat_state_dict()`` (int8 frozen weights as the floats it gives, the tied
+    embedding under both names), without reading or dequantizing any tensor."""
+    import torch
+    import torch.nn.functional as F
+
+    import pockengine as pe
+    from pockengine.federated.payload import full_model_bytes
+    from pockengine.optim import SGD
+    from pockengine.sparse import schemes
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.fc = torch.nn.Linear(16, 16)
+            self.bn = torch.nn.BatchNorm1d(16)
+            self.out = torch.nn.Linear(16, 32, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.bn(self.fc(self.emb(ids).mean(1))))
+
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 32, (8, 5)), torch.randint(0, 32, (8,))
+    loss = lambda m, a, b: F.cross_entropy(m(a), b)  # noqa: E731
+    step = pe.compile(Tied(), loss, (ids, y), SGD(lr=0.1), schemes.select(train=["bn.*"]),
+                      backend="torch", frozen_dtype="int8")  # fmt: skip
+    state = step.flat_state_dict()
+    assert {"out.weight", "emb.weight"} <= set(state)  # tied: counted under both names
+    expected = sum(a.nbytes for a in state.values())
+
+    def no_read(ir: str) -> None:
+        raise AssertionError(f"read {ir}")
+
+    monkeypatch.setattr(step, "_read", no_read)
+    assert full_model_bytes(step) == expected

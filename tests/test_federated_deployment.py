@@ -154,6 +154,43 @@ def test_close_ends_every_process_group(tmp_path: Path) -> None:
         assert not Path(f"/proc/{helper}").exists() or _zombie(helper)
 
 
+def test_a_dead_clientapp_process_is_restarted_while_its_supernode_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ClientApp process that exits beside a live SuperNode is replaced (up to the
+    limit, its old log kept); beside a dead SuperNode the node is lost instead."""
+    from pockengine.federated import deployment
+
+    federation = deployment.LocalFederation(2, tmp_path)
+    federation.stop_s = 1.0
+    sleep, crash = ("sleep", "60"), ("sh", "-c", "echo crashed; exit 3")
+    started: list[int] = []
+
+    def start_clientapp(node: int) -> object:
+        started.append(node)
+        return federation._spawn(f"clientapp-{node}", *crash)
+
+    monkeypatch.setattr(federation, "_start_clientapp", start_clientapp)
+    with federation:
+        for node in (0, 1):
+            federation._spawn(f"supernode-{node}", *(sleep if node == 0 else crash))
+            start_clientapp(node)
+        for attempt in range(deployment._RESTARTS + 1):
+            for p in federation.processes:
+                if p.name != "supernode-0":
+                    p.popen.wait(30)
+            if attempt < deployment._RESTARTS:
+                federation.check(tolerate_nodes=True)
+                assert federation.lost == {"1"}  # its SuperNode is dead: no restart
+        with pytest.raises(FederatedError, match="every node has stopped"):
+            federation.check(tolerate_nodes=True)  # node 0 restarted enough: lost too
+        assert started == [0, 1] + [0] * deployment._RESTARTS
+        assert federation.restarts == {0: deployment._RESTARTS}
+        assert "crashed" in (tmp_path / "clientapp-0.0.log").read_text()
+        assert len(federation.retired) == deployment._RESTARTS
+    assert deployment.live_members(federation.process_groups) == []
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
@@ -243,9 +280,9 @@ def test_ctrl_c_stops_every_process(finetune: FinetuneConfig, tmp_path: Path) ->
     assert with_marker(str(marker)) == []
 
 
-def _kill_node(pids: list[int], partition: int) -> None:
-    """SIGKILL the SuperNode of ``partition`` and the ClientApp process beside it (found
-    by the SuperNode's Runtime API port in their command lines)."""
+def _kill_node(pids: list[int], partition: int, supernode: bool = True) -> None:
+    """SIGKILL the SuperNode of ``partition`` (unless not ``supernode``) and the ClientApp
+    process beside it (found by the SuperNode's Runtime API port in their command lines)."""
     lines = {}
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -254,7 +291,7 @@ def _kill_node(pids: list[int], partition: int) -> None:
                 in b" ".join(argv) and b"flower-supernode" in b" ".join(argv))  # fmt: skip
     port = lines[node][lines[node].index(b"--port") + 1]
     clientapp = next(pid for pid, argv in lines.items() if b"127.0.0.1:" + port in argv)
-    for pid in (node, clientapp):
+    for pid in (node, clientapp) if supernode else (clientapp,):
         os.kill(pid, signal.SIGKILL)
 
 
@@ -310,3 +347,38 @@ def test_a_lost_node_is_dropped_and_a_stopped_server_resumes(
     while with_marker(str(marker)) and time.monotonic() < end:
         time.sleep(0.2)
     assert with_marker(str(marker)) == []
+
+
+@pytest.mark.slow
+def test_a_killed_clientapp_process_is_restarted_and_its_node_comes_back(
+    finetune: FinetuneConfig,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Node 1's ClientApp process (not its SuperNode) is killed while it sleeps in round
+    2: the command starts a fresh one, round 2 goes on without node 1, and round 3 has
+    both nodes again (the fresh process compiled once)."""
+    marker = tmp_path / "flower-tmp"
+    marker.mkdir()
+    env = {**os.environ, "TMPDIR": str(marker), "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = str(finetune.out)
+    args = [*_args(finetune, out, rounds=3), "--timeout", "120", "--delay", "1:2:600"]
+    command = _deploy(args, env, tmp_path / "run.log")
+    try:
+        end = time.monotonic() + 300
+        rounds = Path(out) / "rounds.jsonl"
+        while time.monotonic() < end and not (rounds.exists() and rounds.read_text()):
+            assert command.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(10)  # node 1 has taken round 2's task and sleeps in it
+        _kill_node(with_marker(str(marker)), 1, supernode=False)
+        assert command.wait(500) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        command.kill()
+    assert (
+        "clientapp-1 exited with code -9; started a fresh one" in (tmp_path / "run.log").read_text()
+    )
+    rows = rounds_log(finetune)
+    assert [(r["round"], r["clients"]) for r in rows] == [(1, [0, 1]), (2, [0]), (3, [0, 1])]
+    logs = Path(out) / "deployment-logs"
+    assert (logs / "clientapp-1.0.log").exists()
+    assert (logs / "clientapp-1.log").read_text().count("client 1: compiled in") == 1

@@ -57,13 +57,17 @@ def test_the_central_run_has_the_same_data_options_and_as_many_passes(table: Mod
     args = argparse.Namespace(
         recipe="minilm-bbc", seq_len=32, image_size=None, max_train=640, max_val=200, seed=3,
         backend="torch", clients=10, rounds=4, local_epochs=2, alpha=0.5, full_lr=5e-4,
-        runs=Path("/r"),
+        runs=Path("/r"), server_lr=None, server_momentum=0.9, bn_statistics=None,
+        scheme_file=["/s/sparse-c50.json"],
     )  # fmt: skip
     runs = {r.name: table.command(r, args) for r in table.plan(args)}
-    assert set(runs) == {"fed-sparse", "central-sparse", "fed-full", "fed-full-lr0.0005"}
 
     def option(cmd: list[str], name: str) -> str:
         return cmd[cmd.index(name) + 1]
+
+    assert set(runs) == {"fed-sparse", "central-sparse", "fed-full", "fed-full-lr0.0005",
+                         "fed-sparse-c50"}  # fmt: skip
+    assert option(runs["fed-sparse-c50"], "--scheme") == "/s/sparse-c50.json"
 
     for name in ("--recipe", "--seq-len", "--max-train", "--max-val", "--seed", "--backend"):
         assert len({option(cmd, name) for cmd in runs.values()}) == 1, name
@@ -74,6 +78,9 @@ def test_the_central_run_has_the_same_data_options_and_as_many_passes(table: Mod
     assert option(runs["fed-full"], "--scheme") == "full" and "--lr" not in runs["fed-full"]
     assert option(runs["fed-full-lr0.0005"], "--lr") == "0.0005"
     assert option(runs["fed-sparse"], "--partition") == "dirichlet"
+    for name in ("fed-sparse", "fed-full", "fed-sparse-c50"):  # the same server step
+        assert option(runs[name], "--server-momentum") == "0.9" and "--server-lr" not in runs[name]
+    assert "--server-momentum" not in runs["central-sparse"]
 
 
 def test_reads_the_runs_and_writes_the_table_between_its_markers(

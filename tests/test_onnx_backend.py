@@ -32,8 +32,10 @@ from pockengine.ir import (
     Role,
     Sample,
     TensorType,
+    UnsupportedOpError,
     all_ops,
 )
+from tests.test_op_facts import KNOWN_ABSENT
 
 Array = np.ndarray[Any, Any]
 
@@ -45,6 +47,8 @@ def _f32(a: Array) -> Array:
 def _cases() -> list[Any]:
     cases = []
     for name, opdef in sorted(all_ops().items()):
+        if name in KNOWN_ABSENT["onnxruntime"]:
+            continue  # test_op_facts checks the list; test_known_absent_ops_are_refused
         samples = opdef.samples(np.random.default_rng(0)) if opdef.samples else []
         for i, sample in enumerate(samples):
             cases.append(pytest.param(opdef, sample, id=f"{name}-{i}"))
@@ -65,7 +69,19 @@ def _one_node(opdef: OpDef, inputs: list[Array], attrs: dict[str, Any]) -> Graph
 
 
 def test_every_op_has_an_onnx_kernel() -> None:
-    assert sorted(set(all_ops()) - set(kernel_table())) == []
+    assert sorted(set(all_ops()) - set(kernel_table())) == sorted(KNOWN_ABSENT["onnxruntime"])
+
+
+@pytest.mark.parametrize("op", sorted(KNOWN_ABSENT["onnxruntime"]))
+def test_known_absent_ops_are_refused(op: str, ort_backend: OrtBackend) -> None:
+    """A graph with an op the backend lacks is an UnsupportedOpError naming it."""
+    opdef = all_ops()[op]
+    assert opdef.samples is not None
+    sample = opdef.samples(np.random.default_rng(0))[0]
+    graph = _one_node(opdef, [_f32(a) for a in sample.inputs], sample.attrs)
+    assert not ort_backend.claims(graph.nodes[0])
+    with pytest.raises(UnsupportedOpError, match=op):
+        ort_backend.compile(graph)
 
 
 @pytest.fixture(scope="module")

@@ -50,8 +50,14 @@ from pockengine.ir import (
 
 Array = np.ndarray[Any, Any]
 
-# Ops a backend knowingly lacks (op -> why). Empty today: every backend runs every op.
-KNOWN_ABSENT: dict[str, dict[str, str]] = {"torch": {}, "onnxruntime": {}}
+# Ops a backend knowingly lacks (op -> why).
+KNOWN_ABSENT: dict[str, dict[str, str]] = {
+    "torch": {},
+    "onnxruntime": {
+        "adamw8bit_update": "8-bit optimizer state: round-to-nearest over a 256-entry code "
+        "(searchsorted) has no ONNX op; a step using it runs its updates on torch or NumPy",
+    },
+}
 
 
 def _one_node(opdef: OpDef, sample: Sample) -> Graph:

@@ -111,3 +111,20 @@ def test_the_recipe_recomputation_budget_is_not_part_of_what_trains() -> None:
     assert off.with_defaults(recipes.defaults(off)).validate().remat_budget == 0.0
     assert trainer.remat_budget(off) is None
     assert trainer.remat_budget(dataclasses.replace(off, remat_budget=1.5e6)) == 1_500_000
+
+
+def test_a_recipe_budget_applies_only_to_the_settings_it_was_measured_at() -> None:
+    """smollm2-pydocs' budgets were measured with GGUF frozen weights (700 MiB) and with
+    8-bit AdamW state too (450 MiB): its float32 weights alone (540 MiB) could meet
+    neither, so a run with them recomputes nothing by default (it used to warn that the
+    budget was not met on every default run)."""
+
+    def budget(**settings: str) -> object:
+        return recipes.defaults(FinetuneConfig(recipe="smollm2-pydocs", **settings)).get(
+            "remat_budget"
+        )
+
+    assert budget() is None
+    assert budget(frozen_dtype="gguf") == 700 << 20
+    assert budget(frozen_dtype="gguf", optimizer_state="int8") == 450 << 20
+    assert budget(frozen_dtype="int8") is None

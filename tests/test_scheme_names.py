@@ -98,3 +98,17 @@ def test_every_recipe_is_one_record() -> None:
     lm = recipes.RECIPES["smollm2-pydocs"]
     assert lm.learning_rate("bias") == 1e-4 and lm.learning_rate("last:3") == 5e-4
     assert recipes.RECIPES["minilm-bbc"].learning_rate("bias-only") == 2e-3
+
+
+def test_a_scheme_file_takes_its_kinds_learning_rate(tmp_path: Path) -> None:
+    """A file of a named kind gets that kind's rate (a partial-channel ``sparse`` file is
+    still ``sparse``); a kind without one gets 1e-3; a broken file is a SchemeError."""
+    bbc = recipes.RECIPES["minilm-bbc"]
+    channels = tmp_path / "c50.json"
+    channels.write_text('{"scheme": "sparse", "channels": 0.5}')
+    assert bbc.learning_rate(str(channels)) == bbc.learning_rate("sparse") != 1e-3
+    select = tmp_path / "select.yaml"
+    select.write_text("scheme: select\ntrain: ['*bias']\n")
+    assert bbc.learning_rate(str(select)) == 1e-3
+    with pytest.raises(SchemeError, match=r"missing\.json"):
+        bbc.learning_rate(str(tmp_path / "missing.json"))

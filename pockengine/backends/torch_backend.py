@@ -35,6 +35,7 @@ from pockengine.backends import (
     torch_kernels_attn,
     torch_kernels_loss,
     torch_kernels_nn,
+    torch_kernels_optim,
     torch_kernels_quant,
     torch_kernels_shape,
 )
@@ -54,6 +55,7 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_attn.KERNELS,
     **torch_kernels_loss.KERNELS,
     **torch_kernels_quant.KERNELS,
+    **torch_kernels_optim.KERNELS,
 }
 _FINDERS: dict[str, PairFinder] = dict(torch_kernels_nn.FINDERS)
 _NAMESPACE: dict[str, Any] = {
@@ -63,6 +65,7 @@ _NAMESPACE: dict[str, Any] = {
     **torch_kernels_attn.NAMESPACE,
     **torch_kernels_quant.NAMESPACE,
     **torch_kernels_loss.NAMESPACE,
+    **torch_kernels_optim.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
     "nan": math.nan,

@@ -7,7 +7,9 @@ Each client is a Flower ``ClientApp`` (``client``) whose local training is one
 PockEngine ``TrainStep`` compiled once per client process (``local``); it receives and
 returns only the tensors its scheme trains (``payload``; partial-channel params as
 their trained rows). The ``ServerApp`` (``server``) aggregates them with
-``SparseFedAvg`` (``strategy``: weighted FedAvg, FedProx as an option), evaluates
+``SparseFedAvg`` (``strategy``: weighted FedAvg, FedProx and FedAvgM (``server_step``)
+as options; BatchNorm statistics recomputed by the clients and pooled: ``batchnorm``),
+evaluates
 centrally on the held-out split, logs every round and saves the global state for
 ``--resume``. ``engine`` runs it all on one machine, a process per client;
 ``deployment`` runs it under Flower's deployment engine (a local SuperLink and N

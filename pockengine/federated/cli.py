@@ -36,6 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="how the training split is dealt to the clients")  # fmt: skip
     fed.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     fed.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx (0: FedAvg)")
+    fed.add_argument("--server-lr", type=float, default=1.0,
+                     help="the server's step along the averaged update (1: FedAvg)")  # fmt: skip
+    fed.add_argument("--server-momentum", type=float, default=0.0,
+                     help="FedAvgM: momentum of the server's step (0: FedAvg)")  # fmt: skip
+    fed.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute",
+                     help="BatchNorm statistics a client sends: those of its shard under its "
+                     "final weights, or the step's running ones")  # fmt: skip
     fed.add_argument("--timeout", type=float, default=600.0, help="seconds a round waits")
     fed.add_argument("--threads", type=int, default=1, help="torch threads per client")
     fed.add_argument("--resume", action="store_true", help="continue from --out's state")
@@ -81,6 +88,8 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
     return FederatedConfig(
         finetune=ft, clients=args.clients, rounds=args.rounds, local_epochs=args.local_epochs,
         partition=args.partition, alpha=args.alpha, proximal_mu=args.proximal_mu,
+        server_lr=args.server_lr, server_momentum=args.server_momentum,
+        bn_statistics=args.bn_statistics,
         timeout=args.timeout, resume=args.resume, threads=args.threads,
         stop_after_round=args.stop_after_round,
         fail=tuple(args.fail), delay=tuple(args.delay),

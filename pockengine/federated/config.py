@@ -36,6 +36,11 @@ class FederatedConfig:
     partition: str = "iid"  # iid or dirichlet (label skew)
     alpha: float = 0.5  # Dirichlet concentration: smaller is more skewed
     proximal_mu: float = 0.0  # FedProx's proximal weight; 0 is FedAvg
+    # BatchNorm statistics a client sends: "recompute" (of its shard under its final
+    # weights) or "running" (the step's running statistics); see federated.batchnorm
+    bn_statistics: str = "recompute"
+    server_lr: float = 1.0  # the server's step along the averaged update (1: FedAvg)
+    server_momentum: float = 0.0  # FedAvgM's momentum on the averaged update (0: none)
     timeout: float = 600.0  # seconds a round waits for its clients
     resume: bool = False  # continue from the global state saved in out
     stop_after_round: int | None = None  # stop the server there (as if killed), for resume
@@ -61,6 +66,14 @@ class FederatedConfig:
             raise FederatedError(f"alpha (Dirichlet concentration) must be > 0, got {self.alpha}")
         if not self.proximal_mu >= 0:
             raise FederatedError(f"proximal_mu must be >= 0, got {self.proximal_mu}")
+        if self.bn_statistics not in ("recompute", "running"):
+            raise FederatedError(
+                f"bn_statistics must be recompute or running, got {self.bn_statistics!r}"
+            )
+        if not self.server_lr > 0:
+            raise FederatedError(f"server_lr must be > 0, got {self.server_lr}")
+        if not 0 <= self.server_momentum < 1:
+            raise FederatedError(f"server_momentum must be in [0, 1), got {self.server_momentum}")
         if not self.timeout > 0:
             raise FederatedError(f"timeout must be > 0 seconds, got {self.timeout}")
         for spec in self.fail:

@@ -11,8 +11,9 @@ Flower configuration naming the SuperLink (``write_connection``) into a temporar
 folder, and submits the app with ``flwr run --stream``. It logs a line per round as
 ``rounds.jsonl`` grows, and stops every process it started when the run ends, fails,
 or is interrupted (Ctrl-C, SIGTERM): the process groups of those processes and of
-their descendants are terminated, then killed. ``--out`` receives what the simulation
-writes, and each process's log in ``deployment-logs/``.
+their descendants are terminated, then killed. A ClientApp process that dies while its
+SuperNode lives is started afresh (``LocalFederation.check``). ``--out`` receives what
+the simulation writes, and each process's log in ``deployment-logs/``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ CONNECTION = "pockengine-local"
 LOGS = "deployment-logs"  # in --out: each process's log
 _STARTUP_S = 180.0  # imports of torch and Flower on a loaded machine
 _STOP_S = 10.0
+_RESTARTS = 3  # fresh ClientApp processes a node gets while its SuperNode lives
 
 _PYPROJECT = """\
 [build-system]
@@ -169,6 +171,9 @@ class LocalFederation:
         self.port = free_port()
         self.processes: list[_Process] = []
         self.lost: set[str] = set()  # nodes (partition ids) whose processes died mid-run
+        self.node_ports: dict[int, int] = {}  # partition id -> its SuperNode's Runtime API
+        self.restarts: dict[int, int] = {}  # partition id -> ClientApp processes restarted
+        self.retired: list[_Process] = []  # dead ClientApp processes (their groups end too)
         self.env = {
             **os.environ,
             "FLWR_HOME": str(self.home),  # runs, apps and the connection stay in the folder
@@ -206,9 +211,14 @@ class LocalFederation:
         self._wait_listening(self.port, "superlink")
         for i, port in enumerate(node_ports):
             self._wait_listening(port, f"supernode-{i}")
-            self._spawn(f"clientapp-{i}", sys.executable, "-m", "pockengine.federated.node",
-                        "--insecure", "--runtime-api-address", f"127.0.0.1:{port}",
-                        "--parent-pid", str(os.getpid()))  # fmt: skip
+            self.node_ports[i] = port
+            self._start_clientapp(i)
+
+    def _start_clientapp(self, node: int) -> _Process:
+        return self._spawn(f"clientapp-{node}", sys.executable, "-m", "pockengine.federated.node",
+                           "--insecure", "--runtime-api-address",
+                           f"127.0.0.1:{self.node_ports[node]}",
+                           "--parent-pid", str(os.getpid()))  # fmt: skip
 
     def submit(self, app: Path) -> _Process:
         """``flwr run APP --stream`` against this SuperLink; it ends with the run."""
@@ -218,9 +228,11 @@ class LocalFederation:
         """A ``FederatedError`` if the SuperLink, a SuperNode or a ClientApp process
         died. With ``tolerate_nodes`` (once the rounds run) a node whose SuperNode or
         ClientApp process died is logged once and left out (the server drops it from
-        its rounds); only the SuperLink's end, or the loss of every node, is an error."""
-        for p in self.processes:
-            if p.name == "flwr-run" or p.popen.poll() is None:
+        its rounds); only the SuperLink's end, or the loss of every node, is an error.
+        A ClientApp process that died while its SuperNode lives is started afresh (it
+        compiles again on its next task), up to ``_RESTARTS`` times a node."""
+        for p in list(self.processes):
+            if p.name == "flwr-run" or p.popen.poll() is None or self._restarted(p):
                 continue
             died = f"{p.name} exited with code {p.popen.returncode}"
             if not tolerate_nodes or p.name == "superlink":
@@ -232,6 +244,24 @@ class LocalFederation:
                             "without it", node, died, LOGS, p.name)  # fmt: skip
         if len(self.lost) == self.clients:
             raise FederatedError(f"every node has stopped; their logs are in --out's {LOGS}/")
+
+    def _restarted(self, p: _Process) -> bool:
+        """Whether dead ``p`` was a ClientApp process, now replaced (its log kept as
+        ``clientapp-I.K.log``); False if its SuperNode died too or it restarted enough."""
+        kind, _, node = p.name.rpartition("-")
+        supernode = next((q for q in self.processes if q.name == f"supernode-{node}"), None)
+        alive = supernode is not None and supernode.popen.poll() is None
+        done = self.restarts.get(int(node), 0) if node.isdigit() else _RESTARTS
+        if kind != "clientapp" or not alive or done >= _RESTARTS:
+            return False
+        self.restarts[int(node)] = done + 1
+        p.log.rename(p.log.with_name(f"{p.name}.{done}.log"))
+        self.processes.remove(p)
+        self.retired.append(p)
+        log.warning("%s exited with code %s; started a fresh one (its log: %s/%s.%d.log)",
+                    p.name, p.popen.returncode, LOGS, p.name, done)  # fmt: skip
+        self._start_clientapp(int(node))
+        return True
 
     def close(self) -> None:
         """End every process this federation started (module docstring)."""
@@ -245,7 +275,7 @@ class LocalFederation:
         groups = sorted({*groups, *self.process_groups})
         for group in groups:  # what TERM left, helpers included
             _signal_group(group, signal.SIGKILL)
-        for p in self.processes:
+        for p in [*self.processes, *self.retired]:
             p.popen.wait()
         end = time.monotonic() + self.stop_s
         while live_members(groups) and time.monotonic() < end:
@@ -255,7 +285,7 @@ class LocalFederation:
     def process_groups(self) -> list[int]:
         """The process groups of the processes started and of their live descendants
         (``flower-superexec`` starts a session of its own)."""
-        leaders = [p.popen.pid for p in self.processes]
+        leaders = [p.popen.pid for p in [*self.processes, *self.retired]]
         table = _process_table()
         family, grew = set(leaders), True
         while grew:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine.federated.batchnorm import BatchNormStats
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.partition import partition
 from pockengine.federated.payload import TrainedSet, load_some
@@ -31,7 +32,6 @@ from pockengine.finetune import data as ds
 from pockengine.finetune import recipes
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.trainer import linear_schedule
-from pockengine.optim import SGD, AdamW, Optimizer
 from pockengine.runtime import TrainStep
 from pockengine.sparse.schemes import Scheme
 
@@ -54,13 +54,6 @@ def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, Tra
     return config, task, compile_task(ft, task, scheme)
 
 
-def _optimizer(ft: FinetuneConfig) -> Optimizer:
-    lr = float(ft.lr or 0.0)
-    if ft.optimizer == "sgd":
-        return SGD(lr=lr, momentum=ft.momentum, weight_decay=ft.weight_decay)
-    return AdamW(lr=lr, weight_decay=ft.weight_decay)
-
-
 def compile_task(ft: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
     """The step ``pockengine finetune`` compiles for this task (same optimizer, batch
     shape, backend; dropout on, its seed the step's ``rng.seed`` state)."""
@@ -71,7 +64,7 @@ def compile_task(ft: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> Trai
     assert ft.batch_size is not None
     example = tuple(torch.from_numpy(a[: ft.batch_size]) for a in task.train)
     task.model.train()
-    opt = _optimizer(ft)
+    opt = ft.make_optimizer()
     return compile(
         task.model, task.loss_fn, example, optimizer=opt, scheme=scheme, backend=ft.backend
     )
@@ -111,6 +104,8 @@ class LocalTrainer:
         self.total = config.rounds * self.steps_per_round
         self.warmup = round(ft.warmup * self.total)
         self.trained = TrainedSet.of(step)
+        self.model, self.kind = task.model, task.kind
+        self.batchnorm = BatchNormStats.of(task.model, list(self.trained.rows))
         self._fresh = step.optimizer_state()
 
     def train(self, arrays: dict[str, Array], server_round: int, mu: float) -> LocalResult:
@@ -132,11 +127,19 @@ class LocalTrainer:
                 if mu > 0:
                     self._proximal(arrays, lr * mu)
         return LocalResult(
-            self.trained.extract(self.step),
+            self._sent(),
             self.steps_per_round * self.batch_size,
             float(np.mean(losses)),
             time.perf_counter() - start,
         )
+
+    def _sent(self) -> dict[str, Array]:
+        """The trained tensors, BatchNorm statistics recomputed on the shard if asked."""
+        arrays = self.trained.extract(self.step)
+        if self.config.bn_statistics == "recompute" and self.batchnorm.pairs:
+            inputs = self.shard[:-1] if self.kind == "classify" else self.shard
+            arrays.update(self.batchnorm.recompute(self.step, self.model, inputs, self.batch_size))
+        return arrays
 
     def _round_start(self, server_round: int) -> dict[str, Array]:
         """Fresh optimizer moments; the dropout seed where a client that had run every
@@ -158,7 +161,9 @@ class LocalTrainer:
         return loss
 
     def _proximal(self, global_arrays: dict[str, Array], weight: float) -> None:
-        """FedProx's pull towards the round's global tensors, decoupled from the step."""
+        """FedProx's pull towards the round's global tensors, decoupled from the step;
+        statistics (BatchNorm's) are not trained and are not pulled."""
         now = self.trained.extract(self.step)
-        pulled = {k: v - weight * (v - global_arrays[k]) for k, v in now.items()}
+        stats, g = self.trained.buffers, global_arrays
+        pulled = {k: v if k in stats else v - weight * (v - g[k]) for k, v in now.items()}
         self.trained.merge(self.step, pulled, f"client {self.client} (FedProx)")

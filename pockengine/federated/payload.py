@@ -11,6 +11,7 @@ never leave the process that loaded them: every client starts from the same reci
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from pockengine.federated.config import FederatedError
 from pockengine.runtime import TrainStep
 
-__all__ = ["TrainedSet", "load_some", "nbytes"]
+__all__ = ["TrainedSet", "full_model_bytes", "load_some", "nbytes"]
 
 Array = np.ndarray[Any, Any]
 
@@ -28,6 +29,19 @@ Array = np.ndarray[Any, Any]
 def nbytes(arrays: Mapping[str, Array]) -> int:
     """Bytes of tensor data in ``arrays`` (what a message carries, headers aside)."""
     return sum(int(np.asarray(a).nbytes) for a in arrays.values())
+
+
+def full_model_bytes(step: TrainStep) -> int:
+    """Bytes of every param and buffer of ``step`` as ``flat_state_dict()`` gives them
+    (quantized weights as floats, tied ones under each name): what full-model FedAvg
+    sends. Counted from the step's shapes and dtypes; no tensor is read or dequantized."""
+    # TODO(#18): a public ``TrainStep.state_specs()`` would replace these private reads.
+    total = 0
+    for ir, name in step._state_names.items():
+        shape, dtype = step._spec(ir)
+        copies = len(step._aliases.get(name, (name,)))
+        total += copies * math.prod(shape) * dtype.itemsize
+    return total
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,7 @@ class TrainedSet:
     rows: dict[str, int | None]
     shapes: dict[str, tuple[int, ...]]  # as sent: a partial param's trained rows only
     full_model_bytes: int  # every param and buffer: what full-model FedAvg sends
+    buffers: frozenset[str] = frozenset()  # the statistics among ``rows`` (not trained)
 
     @classmethod
     def of(cls, step: TrainStep) -> TrainedSet:
@@ -52,8 +67,8 @@ class TrainedSet:
         for name, k in rows.items():
             shape = state[name].shape
             shapes[name] = shape if k is None else (k, *shape[1:])
-        whole = sum(nbytes(step.flat_state_dict([n])) for n in step.state_names)  # one by one
-        return cls(rows, shapes, whole)
+        stats = frozenset(rows) - trained
+        return cls(rows, shapes, full_model_bytes(step), stats)
 
     def extract(self, step: TrainStep) -> dict[str, Array]:
         """The trained tensors of ``step`` (partial ones: their trained rows)."""

@@ -25,10 +25,12 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from pockengine.federated.batchnorm import BatchNormStats
 from pockengine.federated.client import RUN_CONFIG_KEY, to_arrays, to_record
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local import prepare
 from pockengine.federated.payload import TrainedSet
+from pockengine.federated.server_step import ServerStep
 from pockengine.federated.strategy import SparseFedAvg
 from pockengine.finetune.checkpoint import write_atomic, write_json_lines
 from pockengine.finetune.metrics import MetricsLog, evaluate
@@ -40,6 +42,7 @@ __all__ = ["GLOBAL_STATE", "ROUNDS", "SUMMARY", "app", "out_dir", "run_server"]
 log = logging.getLogger(__name__)
 
 GLOBAL_STATE, ROUNDS, SUMMARY = "global.safetensors", "rounds.jsonl", "summary.json"
+VELOCITY = "server-velocity:"  # the prefix of the FedAvgM velocity in GLOBAL_STATE
 
 app = ServerApp()
 
@@ -61,9 +64,13 @@ def run_server(grid: Grid, config: FederatedConfig) -> dict[str, Any]:
     config, task, step = prepare(config)
     out = out_dir(config)
     trained = TrainedSet.of(step)
-    done, arrays = _start_state(config, out, trained, step)
+    server = ServerStep(trained.buffers, config.server_lr, config.server_momentum)
+    done, arrays = _start_state(config, out, trained, step, server)
     round_log = _RoundLog(config, task, step, trained, out, start)
-    strategy = SparseFedAvg(trained, config.clients, config.proximal_mu, round_offset=done)
+    recompute = config.bn_statistics == "recompute"
+    batchnorm = BatchNormStats.of(task.model, list(trained.rows)) if recompute else None
+    strategy = SparseFedAvg(trained, config.clients, config.proximal_mu, round_offset=done,
+                            server=server, batchnorm=batchnorm)  # fmt: skip
     last = min(config.rounds, config.stop_after_round or config.rounds)
     if done < last:
         strategy.start(
@@ -81,9 +88,10 @@ def run_server(grid: Grid, config: FederatedConfig) -> dict[str, Any]:
 
 
 def _start_state(
-    config: FederatedConfig, out: Path, trained: TrainedSet, step: TrainStep
+    config: FederatedConfig, out: Path, trained: TrainedSet, step: TrainStep, server: ServerStep
 ) -> tuple[int, dict[str, np.ndarray[Any, Any]]]:
-    """(rounds done, global trained tensors): from the saved state on resume."""
+    """(rounds done, global trained tensors): from the saved state on resume (which
+    also restores the server step's velocity)."""
     path = out / GLOBAL_STATE
     if not config.resume:
         if path.exists():
@@ -102,6 +110,8 @@ def _start_state(
     if saved != json.loads(json.dumps(config.training_dict())):
         raise FederatedError(f"--resume: {path} was saved by a run with other options")
     arrays = load(data)
+    server.velocity = {k[len(VELOCITY) :]: v for k, v in arrays.items() if k.startswith(VELOCITY)}
+    arrays = {k: v for k, v in arrays.items() if not k.startswith(VELOCITY)}
     trained.check(arrays, str(path))
     done = int(header["round"])
     rows = MetricsLog(out / ROUNDS).rows()
@@ -151,7 +161,7 @@ class _RoundLog:
             "train_loss": stats.get("train_loss"),
             "elapsed_s": time.perf_counter() - self.start,
         }
-        self._save(r, arrays)
+        self._save(r, arrays, strategy.server.velocity)
         self.log.append(row)
         log.info(
             "round %d/%d: accuracy %.4f, loss %.4f, up %d B (full model %d B), %d client(s)%s",
@@ -161,11 +171,16 @@ class _RoundLog:
         )  # fmt: skip
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
-    def _save(self, r: int, arrays: dict[str, np.ndarray[Any, Any]]) -> None:
+    def _save(
+        self, r: int, arrays: dict[str, np.ndarray[Any, Any]],
+        velocity: dict[str, np.ndarray[Any, Any]],
+    ) -> None:  # fmt: skip
+        """The global state and the server's velocity (FedAvgM), in one atomic file."""
         from safetensors.numpy import save
 
         meta = {"round": str(r), "config": json.dumps(self.config.training_dict())}
-        write_atomic(self.out / GLOBAL_STATE, save(arrays, metadata=meta))
+        state = {**arrays, **{VELOCITY + k: v for k, v in velocity.items()}}
+        write_atomic(self.out / GLOBAL_STATE, save(state, metadata=meta))
 
     def summary(self, resumed_at: int) -> dict[str, Any]:
         rows = self.log.rows()

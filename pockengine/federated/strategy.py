@@ -8,6 +8,9 @@ name over those arrays only, so frozen weights are never in any message. It coun
 what each round sends (``bytes_down``) and receives (``bytes_up``), which clients
 answered, and their training time, in ``rounds[r]`` for the server's log.
 ``proximal_mu`` > 0 asks the clients for FedProx's proximal pull (see ``local``).
+After averaging, ``batchnorm`` pools the BatchNorm statistics as those of the pooled
+data (``batchnorm.BatchNormStats.pool``) and ``server`` takes the server's step from the
+average (``server_step.ServerStep``: the average itself by default, FedAvgM if asked).
 ``round_offset`` numbers the rounds of a resumed run after those already done. The
 first round waits for all the clients to connect; later rounds sample the clients still
 connected, so a node that leaves a deployment does not stall the run.
@@ -19,25 +22,31 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from pockengine.federated.client import ARRAYS, METRICS, to_arrays
+from pockengine.federated.batchnorm import BatchNormStats
+from pockengine.federated.client import ARRAYS, METRICS, to_arrays, to_record
 from pockengine.federated.config import FederatedError
 from pockengine.federated.payload import TrainedSet, nbytes
+from pockengine.federated.server_step import ServerStep
 
 __all__ = ["SparseFedAvg"]
 
 log = logging.getLogger(__name__)
+
+Array = np.ndarray[Any, Any]
 
 
 class SparseFedAvg(FedAvg):
     """FedAvg over the trained tensors only; see the module docstring."""
 
     def __init__(
-        self, trained: TrainedSet, clients: int, proximal_mu: float = 0.0, round_offset: int = 0
-    ) -> None:
+        self, trained: TrainedSet, clients: int, proximal_mu: float = 0.0, round_offset: int = 0,
+        *, server: ServerStep | None = None, batchnorm: BatchNormStats | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(
             fraction_train=1.0,
             fraction_evaluate=0.0,  # evaluation is central, on the server's held-out split
@@ -48,7 +57,10 @@ class SparseFedAvg(FedAvg):
             train_metrics_aggr_fn=_train_metrics,
         )
         self.trained, self.proximal_mu, self.round_offset = trained, proximal_mu, round_offset
+        self.server = server or ServerStep(trained.buffers)
+        self.batchnorm = batchnorm or BatchNormStats({})
         self.rounds: dict[int, dict[str, Any]] = {}
+        self._global: dict[str, Array] = {}
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -61,7 +73,8 @@ class SparseFedAvg(FedAvg):
         # nodes still connected: a deployed node that died is dropped by the SuperLink,
         # and waiting for it would stall the run.
         self.min_available_nodes = self.min_train_nodes
-        size = nbytes(to_arrays(arrays))
+        self._global = to_arrays(arrays)
+        size = nbytes(self._global)
         self.rounds[server_round] = {"sent": len(messages), "bytes_down": size * len(messages)}
         return messages
 
@@ -93,7 +106,18 @@ class SparseFedAvg(FedAvg):
             return None, None
         arrays, summary = super().aggregate_train(server_round, good)
         stats["train_loss"] = summary["train-loss"] if summary is not None else None
+        if arrays is not None:
+            arrays = to_record(self._finish(to_arrays(arrays), good))
         return arrays, summary
+
+    def _finish(self, average: dict[str, Array], good: list[Message]) -> dict[str, Array]:
+        """The new global state from the clients' weighted average: BatchNorm variances
+        widened by the spread of the clients' means, then the server's step."""
+        if self.batchnorm.pairs:
+            replies = [to_arrays(m.content.array_records[ARRAYS]) for m in good]
+            weights = [_number(m.content.metric_records[METRICS], "num-examples") for m in good]
+            average = self.batchnorm.pool(average, replies, weights)
+        return self.server.apply(self._global, average)
 
     def _reject(self, msg: Message) -> str | None:
         """Why a reply cannot join the aggregate (None: it can)."""

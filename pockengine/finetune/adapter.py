@@ -21,9 +21,9 @@ import numpy as np
 
 from pockengine.finetune.checkpoint import write_atomic, write_atomic_with
 from pockengine.loading import LoadResult, StateError
-from pockengine.runtime import TrainStep
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.sparse.lora import Adapter, merge_adapters
+from pockengine.step_base import CompiledStep
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -44,7 +44,7 @@ Array = np.ndarray[Any, Any]
 
 
 def save_adapter(
-    step: TrainStep, folder: str | Path, *, base_model: str | None = None
+    step: CompiledStep, folder: str | Path, *, base_model: str | None = None
 ) -> Path | None:
     """Write ``step``'s adapters (and the modules it trains besides) into ``folder``;
     None, writing nothing, when the step has no LoRA adapter."""
@@ -67,7 +67,7 @@ def save_adapter(
     return folder
 
 
-def load_adapter(step: TrainStep, folder: str | Path) -> LoadResult:
+def load_adapter(step: CompiledStep, folder: str | Path) -> LoadResult:
     """Load a saved adapter (this module's or PEFT's files) into ``step``: every adapter of
     the step must be there with its shape; nothing is written otherwise. Returns what the
     files left out (the step's params outside the adapter keep their values)."""
@@ -90,13 +90,13 @@ def load_adapter(step: TrainStep, folder: str | Path) -> LoadResult:
     return result
 
 
-def merged_state(step: TrainStep) -> dict[str, Array]:
+def merged_state(step: CompiledStep) -> dict[str, Array]:
     """The step's params and buffers under the plain model's names, each adapter folded into
     the weight it adapts (what ``RUN/model`` holds: a model with no adapter)."""
     return merge_adapters(step.flat_state_dict(), step.resolution.adapters)
 
 
-def changed_in_model(step: TrainStep) -> tuple[str, ...]:
+def changed_in_model(step: CompiledStep) -> tuple[str, ...]:
     """The plain model's names that training changes: the trained params, with each LoRA
     pair standing for the weight it is merged into."""
     factors = {n for a in step.resolution.adapters for n in (a.a_name, a.b_name)}
@@ -104,7 +104,7 @@ def changed_in_model(step: TrainStep) -> tuple[str, ...]:
     return (*(n for n in step.trained if n not in factors), *adapted)
 
 
-def _modules_to_save(step: TrainStep) -> set[str]:
+def _modules_to_save(step: CompiledStep) -> set[str]:
     """The modules owning a trained param that is not a LoRA factor."""
     factors = {n for a in step.resolution.adapters for n in (a.a_name, a.b_name)}
     return {step.info.param(n).module for n in step.resolution.rows if n not in factors}

@@ -13,6 +13,7 @@ from pockengine.finetune.config import (
     DEFAULT_BACKEND,
     DEFAULT_RECIPE,
     FROZEN_DTYPE_CHOICES,
+    OPTIMIZER_STATE_CHOICES,
     FinetuneConfig,
 )
 from pockengine.ir import CompileError
@@ -167,6 +168,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decoupled (AdamW) or L2 (SGD)",
     )
     how.add_argument("--momentum", type=fraction, default=0.9, help="SGD momentum")
+    how.add_argument(
+        "--optimizer-state", choices=OPTIMIZER_STATE_CHOICES, default="float32",
+        help="how AdamW stores its moments: float32, or int8 (bytes with one scale per 256 "
+        "elements, bitsandbytes' 8-bit Adam: a quarter of the bytes; docs/quant.md)",
+    )  # fmt: skip
     how.add_argument("--epochs", type=positive_int, help="passes over the training split")
     how.add_argument("--batch-size", type=positive_int, help="examples a step (one compiled shape)")
     how.add_argument("--seq-len", type=positive_int, help="tokens per example (padded/truncated)")
@@ -203,6 +209,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--keep", choices=("best", "last"), default="best",
         help="the weights RUN/model holds: the best validation's (ties: the latest) or the "
         "last step's (default best)",
+    )  # fmt: skip
+    run.add_argument(
+        "--compile-in", choices=("process", "child"), default="process",
+        help="child: import and compile the model in a child process that writes the step "
+        "artifact, then train it here, in a process that never ran the compiler "
+        "(docs/finetune.md); process: all in this one (default process)",
     )  # fmt: skip
     run.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
@@ -246,6 +258,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         lr=args.lr,
         weight_decay=args.weight_decay,
         momentum=args.momentum,
+        optimizer_state=args.optimizer_state,
         epochs=args.epochs,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -266,6 +279,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         log_every=args.log_every,
         progress=args.progress,
         keep=args.keep,
+        compile_in=args.compile_in,
     )
 
 

@@ -18,11 +18,13 @@ from typing import Any
 
 from pockengine.backends import BACKENDS
 from pockengine.ir import PockEngineError
+from pockengine.optim import SGD, AdamW, Optimizer
 
 __all__ = [
     "DEFAULT_BACKEND",
     "DEFAULT_RECIPE",
     "FROZEN_DTYPE_CHOICES",
+    "OPTIMIZER_STATE_CHOICES",
     "RUN_FIELDS",
     "FinetuneConfig",
     "FinetuneError",
@@ -34,6 +36,8 @@ DEFAULT_BACKEND = "torch"
 DEFAULT_RECIPE = "minilm-bbc"
 # How frozen weights are stored in the step: float, int8, int4, or a GGUF recipe's blocks.
 FROZEN_DTYPE_CHOICES = ("none", "int8", "int4", "gguf")
+# How AdamW stores its moments: float32, or bytes with a scale per block (docs/quant.md).
+OPTIMIZER_STATE_CHOICES = ("float32", "int8")
 
 # Options that steer one invocation and may differ between a run and its resume.
 RUN_FIELDS = frozenset(
@@ -48,6 +52,7 @@ RUN_FIELDS = frozenset(
         "encoding",  # the data's fingerprint is checked on resume instead
         "keep",  # which weights RUN/model holds; written at the end of each invocation
         "remat_budget",  # recomputation changes no bit of the results, only memory and time
+        "compile_in",  # where the step is compiled: the same step either way
     }
 )
 
@@ -76,6 +81,7 @@ class FinetuneConfig:
     lr: float | None = None
     weight_decay: float = 0.01
     momentum: float = 0.9  # sgd only
+    optimizer_state: str = "float32"  # adamw's moments: float32 or int8 (block-wise)
     epochs: int | None = None
     batch_size: int | None = None
     seq_len: int | None = None  # text: tokens per example
@@ -96,6 +102,15 @@ class FinetuneConfig:
     log_every: int = 10  # steps per metrics line
     progress: str = "auto"  # auto (tqdm if installed), plain, none
     keep: str = "best"  # RUN/model: the best validation's weights (ties: latest) or the last
+    compile_in: str = "process"  # process, or child: compile in a child, train the artifact
+
+    def make_optimizer(self, lr: float | None = None) -> Optimizer:
+        """The run's optimizer at ``lr`` (default: the config's): SGD with its momentum, or
+        AdamW with its moments stored as ``optimizer_state`` says; the weight decay."""
+        rate = float(self.lr or 0.0) if lr is None else float(lr)
+        if self.optimizer == "sgd":
+            return SGD(lr=rate, momentum=self.momentum, weight_decay=self.weight_decay)
+        return AdamW(lr=rate, weight_decay=self.weight_decay, state_dtype=self.optimizer_state)
 
     def validate(self) -> FinetuneConfig:
         """``self`` if every option is in range, else a ``FinetuneError`` naming it."""
@@ -103,10 +118,15 @@ class FinetuneConfig:
         if self.recipe is None and (self.model is None or self.data is None):
             raise FinetuneError("without a recipe, give both a model and a dataset")
         _choice("optimizer", self.optimizer, ("adamw", "sgd"))
+        _choice("optimizer_state", self.optimizer_state, OPTIMIZER_STATE_CHOICES)
+        if self.optimizer_state != "float32" and self.optimizer != "adamw":
+            raise FinetuneError(f"optimizer_state={self.optimizer_state!r} needs the adamw "
+                                f"optimizer, got {self.optimizer!r}")  # fmt: skip
         _choice("backend", self.backend, (*BACKENDS, "torch-cpu"))
         _choice("frozen_dtype", self.frozen_dtype, FROZEN_DTYPE_CHOICES)
         _choice("progress", self.progress, ("auto", "plain", "none"))
         _choice("keep", self.keep, ("best", "last"))
+        _choice("compile_in", self.compile_in, ("process", "child"))
         for name in (
             "epochs",
             "batch_size",
@@ -177,7 +197,7 @@ def _numbers(config: FinetuneConfig) -> None:
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
             raise FinetuneError(f"{name} must be a number, got {value!r}")
     for name in ("recipe", "model", "data", "tokenizer", "scheme", "out", "backend", "encoding",
-                 "frozen_dtype"):  # fmt: skip
+                 "frozen_dtype", "optimizer_state"):  # fmt: skip
         value = getattr(config, name)
         if value is not None and not isinstance(value, str | os.PathLike):
             raise FinetuneError(f"{name} must be a string, got {value!r}")

@@ -43,7 +43,7 @@ from pockengine.finetune.checkpoint import write_atomic
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.ir import Graph, Role
-from pockengine.optim import SGD, AdamW, Optimizer
+from pockengine.optim import SGD, Optimizer
 from pockengine.plan.cost import cost
 from pockengine.plan.report import Figures, analyze
 from pockengine.sparse.schemes import Scheme
@@ -135,10 +135,9 @@ class Estimate:
 
 
 def optimizer_of(config: FinetuneConfig, lr: float = 1e-3) -> Optimizer:
-    """The run's optimizer (its state counts in the planned peak)."""
-    if config.optimizer == "sgd":
-        return SGD(lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    return AdamW(lr=lr, weight_decay=config.weight_decay)
+    """The run's optimizer at ``lr`` (its state counts in the planned peak; the rate does
+    not, hence a fixed default)."""
+    return config.make_optimizer(lr)
 
 
 def cache_folder() -> Path:

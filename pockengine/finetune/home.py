@@ -1,11 +1,11 @@
 """The run's model in its home format: ``RUN/model/``, and the best weights kept for it.
 
-At each validation ``BestWeights.offer`` keeps the weights of the best validation so far
-(ties: the latest): only the values training changes (the trained params and the
-model's buffers), read from the step (``released.step_values``), written atomically to
-``RUN/best.safetensors`` so that ``--resume`` keeps them too. At the end of an invocation
-``write_model`` loads the last (``--keep last``) or the best weights into the task's torch
-model, one tensor at a time, and writes it where it came from, by the recipe's
+At each validation ``BestWeights.offer`` (``finetune/best.py``) keeps the weights of the
+best validation so far (ties: the latest): only the values training changes (the trained
+params and the model's buffers), read from the step (``released.step_values``), written
+atomically to ``RUN/best.safetensors`` so that ``--resume`` keeps them too. At the end of
+an invocation ``write_model`` loads the last (``--keep last``) or the best weights into the
+task's torch model, one tensor at a time, and writes it where it came from, by the recipe's
 ``Task.home``:
 
 - ``hf-classifier``: the encoder as ``save_pretrained`` writes it (config,
@@ -19,8 +19,8 @@ model, one tensor at a time, and writes it where it came from, by the recipe's
 Names need no table: ``TrainStep.flat_state_dict`` already gives the values under the
 torch model's ``state_dict`` names (the frontend's record of each param and buffer), so
 the values are loaded into the model and written from it. Where the model's float copies
-of quantized weights were released (``released.release_quantized``), the same files are
-streamed from the step instead, tensor by tensor (``_STREAMED``): the config files as
+of quantized weights were released (``released.release_held``), the same files are
+streamed from the step instead, tensor by tensor (``STREAMED``): the config files as
 ``save_pretrained`` writes them, then ``model.safetensors`` header first and each value as
 it is read (a quantized weight dequantized then). The folder is written beside
 ``RUN/model`` and renamed into place, so it is never half written.
@@ -32,7 +32,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,92 +40,39 @@ import numpy as np
 import torch
 from torch import nn
 
-from pockengine.finetune import checkpoint as ckpt_io
+from pockengine.finetune.best import BEST, FORMAT, BestWeights
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.data import WordTokenizer
 from pockengine.finetune.recipes import Task
 from pockengine.finetune.released import is_released, write_streamed
-from pockengine.safetensors_io import append_tensors, write_safetensors_to
+from pockengine.safetensors_io import append_tensors
 
 __all__ = [
     "BEST",
     "FORMAT",
     "META",
     "MODEL_DIR",
+    "STREAMED",
+    "WRITERS",
     "BestWeights",
+    "chosen_weights",
+    "classifier_readme",
     "classifier_snippet",
+    "install",
+    "model_meta",
     "write_model",
 ]
 
-BEST = "best.safetensors"
 MODEL_DIR = "model"
 META = "pockengine.json"
-FORMAT = "pockengine-model/1"
 Array = np.ndarray[Any, Any]
 
 
-def best_metric(kind: str) -> tuple[str, bool]:
-    """The validation metric that ranks a task's weights, and whether higher is better."""
-    return ("val_loss", False) if kind == "causal-lm" else ("val_accuracy", True)
-
-
-class BestWeights:
-    """The best validation so far (``row``) and its changed values (``BEST`` on disk)."""
-
-    def __init__(self, path: Path, kind: str) -> None:
-        self.path = path
-        self.metric, self.higher = best_metric(kind)
-        self.row: dict[str, Any] | None = None
-
-    def offer(self, row: dict[str, Any], state: Mapping[str, Array], names: Iterable[str]) -> bool:
-        """Keep the values ``names`` (``changed_names``: what training changes) of ``state``
-        (the step's, by model name: ``released.step_values``) if ``row`` is at least as good
-        as the best so far."""
-        value = row.get(self.metric)
-        if value is None:
-            return False
-        if self.row is not None:
-            best = self.row[self.metric]
-            if (value < best) if self.higher else (value > best):
-                return False
-        tensors = {n: state[n] for n in names if n in state}  # the trained values only
-        meta = {"format": FORMAT, "row": json.dumps(row)}
-        ckpt_io.write_atomic_with(self.path, lambda f: write_safetensors_to(f, tensors, meta))
-        self.row = dict(row)
-        return True
-
-    def restore(self, step: int) -> None:
-        """On resume: the best kept before, unless it is from past the checkpoint's step."""
-        if not self.path.is_file():
-            return
-        row = _best_row(self.path)
-        if int(row.get("step", step + 1)) <= step:
-            self.row = row
-
-    def tensors(self) -> dict[str, Array]:
-        from safetensors.numpy import load_file
-
-        return dict(load_file(str(self.path)))
-
-
-def _best_row(path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), "np") as f:
-            meta = f.metadata() or {}
-        row = json.loads(meta["row"])
-    except Exception as exc:  # a foreign or damaged file: say which
-        raise FinetuneError(f"{path} is not the best weights of a pockengine run: {exc}") from exc
-    if not isinstance(row, dict):
-        raise FinetuneError(f"{path}: its metadata holds no validation row")
-    return row
-
-
-def changed_names(model: nn.Module, trained: Iterable[str]) -> list[str]:
-    """The values training changes: the trained params and every buffer (running stats;
-    non-persistent ones, outside ``state_dict``, are left to the caller to skip)."""
-    return sorted({*trained, *(name for name, _ in model.named_buffers())})
+def changed_names(buffers: Iterable[str], trained: Iterable[str]) -> list[str]:
+    """The values training changes: the trained params and every buffer of the model
+    (running stats; non-persistent ones, outside ``state_dict``, are left to the caller to
+    skip)."""
+    return sorted({*trained, *buffers})
 
 
 # -- writing RUN/model -------------------------------------------------------------------
@@ -148,33 +95,63 @@ def write_model(
     memory-mapped weights into private memory) and written from it, or,
     where the model's float copies of quantized weights were released, streamed to the
     files tensor by tensor (``released.write_streamed``)."""
-    row = history[-1] if history and history[-1].get("step") == step else {"step": step}
-    keep, best_names = "last", set()
-    if config.keep == "best" and best.row is not None and best.path.is_file():
-        kept = best.tensors()
-        state, best_names = _Overlay(state, kept), set(kept)
-        keep, row = "best", best.row
+    state, best_names, keep, row = chosen_weights(state, config, best, history, step)
     streamed = is_released(task.model)
     if not streamed:
         names = state.keys() if changed is None else {*changed, *best_names}
         _load(task.model, {n: state[n] for n in names if n in state})
-    meta = {
+    meta = model_meta(task.home, task.kind, task.labels, config, keep, row)
+
+    def fill(tmp: Path) -> None:
+        if streamed:
+            STREAMED[meta["kind"]](tmp, task, meta, state)
+        else:
+            WRITERS[meta["kind"]](tmp, task, meta)
+
+    return install(out, meta, fill)
+
+
+def chosen_weights(
+    state: Mapping[str, Array],
+    config: FinetuneConfig,
+    best: BestWeights,
+    history: list[dict[str, Any]],
+    step: int,
+) -> tuple[Mapping[str, Array], set[str], str, dict[str, Any]]:
+    """The weights ``RUN/model`` holds (``--keep``: the last step's ``state``, or the best
+    kept over them), the names the best weights replaced, "last"/"best", and the
+    validation row they scored."""
+    row = history[-1] if history and history[-1].get("step") == step else {"step": step}
+    if config.keep == "best" and best.row is not None and best.path.is_file():
+        kept = best.tensors()
+        return _Overlay(state, kept), set(kept), "best", best.row
+    return state, set(), "last", row
+
+
+def model_meta(
+    home: Mapping[str, Any], kind: str, labels: Iterable[str], config: FinetuneConfig,
+    keep: str, row: Mapping[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """``pockengine.json`` of ``RUN/model`` (the writers add what their format needs)."""
+    return {
         "format": FORMAT,
-        "kind": task.home.get("format", "factory"),
-        "task": task.kind,
-        "labels": list(task.labels),
+        "kind": home.get("format", "factory"),
+        "task": kind,
+        "labels": list(labels),
         "seq_len": config.seq_len,
         "weights": {"keep": keep, **{k: v for k, v in row.items() if k != "event"}},
         "config": config.to_dict(),
-        **{k: v for k, v in task.home.items() if k not in ("format", "source")},
+        **{k: v for k, v in home.items() if k not in ("format", "source")},
     }
+
+
+def install(out: Path, meta: dict[str, Any], fill: Callable[[Path], None]) -> Path:
+    """``out/model``: ``fill(folder)`` writes the files into a folder beside it, then
+    ``META`` (``meta``, as ``fill`` left it) is added and the folder renamed into place."""
     target = out / MODEL_DIR
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR}.", suffix=".tmp", dir=out))
     try:
-        if streamed:
-            _STREAMED[meta["kind"]](tmp, task, meta, state)
-        else:
-            _WRITERS[meta["kind"]](tmp, task, meta)
+        fill(tmp)
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
         _as_open_would(tmp)
         _swap(tmp, target)
@@ -257,8 +234,7 @@ def _classifier_files(folder: Path, task: Task, meta: dict[str, Any]) -> None:
     _fill_from_source(folder / "model.safetensors", task.home.get("source"))
     task.tokenizer.save_pretrained(str(folder))
     meta["head"] = "head.safetensors"
-    run = folder.parent
-    (folder / "README.txt").write_text(_README.format(snippet=classifier_snippet(run), run=run))
+    (folder / "README.txt").write_text(classifier_readme(folder.parent))
 
 
 def _hf_causal_lm(folder: Path, task: Task, meta: dict[str, Any]) -> None:
@@ -284,7 +260,7 @@ def _module_tokenizer(folder: Path, task: Task, meta: dict[str, Any]) -> None:
         meta["tokenizer"] = {"kind": "hf"}
 
 
-_WRITERS = {
+WRITERS = {
     "hf-classifier": _hf_classifier,
     "hf-causal-lm": _hf_causal_lm,
     "factory": _torch_module,
@@ -330,7 +306,7 @@ def _streamed_module(folder: Path, task: Task, meta: dict[str, Any],
     _module_tokenizer(folder, task, meta)
 
 
-_STREAMED = {
+STREAMED = {
     "hf-classifier": _streamed_classifier,
     "hf-causal-lm": _streamed_causal_lm,
     "factory": _streamed_module,
@@ -363,6 +339,11 @@ def _fill_from_source(path: Path, source: str | None) -> None:
                     extra[name] = f.get_tensor(name)
     if extra:
         append_tensors(path, extra)
+
+
+def classifier_readme(run: Path) -> str:
+    """``README.txt`` of a classifier's ``RUN/model`` (``run``: the run folder)."""
+    return _README.format(snippet=classifier_snippet(run), run=run)
 
 
 def classifier_snippet(run: Path | str = "RUN") -> str:

@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,8 +36,8 @@ from pockengine.finetune.curves import CurvesWriter, RunInfo
 from pockengine.finetune.metrics import MetricsLog, evaluate
 from pockengine.finetune.progress import Progress, make_progress
 from pockengine.finetune.result import peak_rss_bytes
-from pockengine.runtime import NonFiniteError, TrainStep
 from pockengine.sparse.schemes import Scheme
+from pockengine.step_base import CompiledStep, NonFiniteError
 
 __all__ = ["Loop", "StopFlag", "linear_schedule", "stop_on_signals"]
 
@@ -84,8 +84,16 @@ class Loop:
     """The counters, the data order and the checkpoints of one run."""
 
     def __init__(
-        self, config: FinetuneConfig, task: recipes.Task, step: TrainStep, scheme: Scheme, out: Path
+        self,
+        config: FinetuneConfig,
+        task: recipes.Task,
+        step: CompiledStep,
+        scheme: Scheme,
+        out: Path,
+        buffers: Sequence[str] | None = None,
     ) -> None:
+        """``buffers``: the model's buffer names (default: ``task.model``'s; a step
+        compiled in a child process brings them, as its task has no model)."""
         assert config.batch_size is not None and config.epochs is not None
         self.config, self.task, self.step, self.scheme = config, task, step, scheme
         self.batch_size = config.batch_size
@@ -103,6 +111,8 @@ class Loop:
         self.info = RunInfo(out.name)  # its legend (the trainer adds the report's figures)
         self.stopped: str | None = None
         self.evaluator: Evaluator | None = None  # compiled validation (else eager torch)
+        self.buffers = (tuple(buffers) if buffers is not None
+                        else tuple(n for n, _ in task.model.named_buffers()))  # fmt: skip
         self._losses: list[float] = []
         self._times: list[float] = []
         self._all_times: list[float] = []
@@ -179,7 +189,7 @@ class Loop:
     @property
     def changed(self) -> list[str]:
         """The model's names whose values training changes (``home.changed_names``)."""
-        return home.changed_names(self.task.model, adapter.changed_in_model(self.step))
+        return home.changed_names(self.buffers, adapter.changed_in_model(self.step))
 
     def _load_checkpoint(self, saved: ckpt_io.Checkpoint) -> None:
         """The values training changed (older checkpoints hold every param: the frozen

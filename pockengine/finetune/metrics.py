@@ -32,6 +32,7 @@ from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.recipes import Task
 from pockengine.ir import CompileError
 from pockengine.runtime import TrainStep
+from pockengine.step_base import CompiledStep
 
 __all__ = [
     "MetricsLog",
@@ -86,7 +87,7 @@ def compile_evaluator(step: TrainStep, task: Task) -> Evaluator | None:
 
 
 def evaluate(
-    step: TrainStep, task: Task, batch_size: int = CLASSIFY_BATCH,
+    step: CompiledStep, task: Task, batch_size: int = CLASSIFY_BATCH,
     evaluator: Evaluator | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """Validation metrics of the step's current weights: through ``evaluator`` (from

@@ -31,7 +31,7 @@ from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.model_files import check_model_folder, has_tokenizer
 from pockengine.ir import SchemeError
 from pockengine.sparse import schemes
-from pockengine.sparse.names import scheme_named
+from pockengine.sparse.names import SCHEME_FILES, scheme_named
 from pockengine.sparse.schemes import Scheme
 
 __all__ = [
@@ -106,11 +106,24 @@ class Recipe:
     lora_head: bool = True  # whether ``--scheme lora`` trains the head (a new one must)
     # The planned peak its sparse step is held to by recomputation (bit-identical results),
     # chosen for its own batch shape: another shape or scheme runs without one by default.
-    remat_budget: int | None = None
+    # Each budget is (settings, bytes): the first whose settings the run has applies, as a
+    # budget measured with 4-bit frozen weights cannot be met by float32 ones.
+    remat_budgets: tuple[tuple[Mapping[str, str], int], ...] = ()
+
+    def remat_budget(self, config: FinetuneConfig) -> int | None:
+        """The recomputation budget for ``config``'s settings (None: the first matching
+        entry of ``remat_budgets``, none matching)."""
+        for settings, budget in self.remat_budgets:
+            if all(getattr(config, k) == v for k, v in settings.items()):
+                return budget
+        return None
 
     def learning_rate(self, scheme: str) -> float:
-        """The AdamW rate of a scheme name (``last:K`` is ``last``; a file gets 1e-3)."""
-        kind = scheme.split(":")[0]
+        """The AdamW rate of a scheme name (``last:K`` is ``last``), or of a scheme file's
+        kind (a ``{"scheme": "sparse", "channels": 0.5}`` file gets the sparse rate);
+        kinds without a rate of their own (``select``, ``union``, ...) get 1e-3."""
+        is_file = Path(scheme).suffix in SCHEME_FILES
+        kind = schemes.load(scheme).kind if is_file else scheme.split(":")[0]
         return self.lr.get(kind, _ADAMW_LR.get(kind, 1e-3))
 
 
@@ -146,8 +159,9 @@ def defaults(config: FinetuneConfig) -> dict[str, Any]:
     lr = lr or recipe.learning_rate(config.scheme or out["scheme"])
     out["lr"] = lr * 10 if config.optimizer == "sgd" else lr
     own_shape = all(getattr(config, k) in (None, out.get(k)) for k in ("batch_size", "seq_len"))
-    if recipe.remat_budget is not None and own_shape and config.scheme in (None, "sparse"):
-        out["remat_budget"] = recipe.remat_budget
+    budget = recipe.remat_budget(config)
+    if budget is not None and own_shape and config.scheme in (None, "sparse"):
+        out["remat_budget"] = budget
     return out
 
 
@@ -442,17 +456,21 @@ _SEQ = {"epochs": 1, "batch_size": 16}
 # run's peak by ~250 MiB (docs/benchmarks.md, "Where the default run's memory goes"); results
 # are bit for bit the same. --remat-budget 4GB (above the plan) turns it off.
 _MINILM_BBC_REMAT = 300 << 20
-# smollm2-pydocs' sparse step (4 x 128 tokens) plans 1164 MiB, 566 of them saved
-# activations: fitting 700 MiB recomputes 16.8% of the step's FLOPs and lowers the
-# whole-process peak of the GGUF run from 2012 to 1666 MiB (docs/quant.md).
-_SMOLLM2_REMAT = 700 << 20
+# smollm2-pydocs' sparse step (4 x 128 tokens) with GGUF frozen weights plans 1164 MiB, 566
+# of them saved activations: fitting 700 MiB recomputes 16.8% of the step's FLOPs and lowers
+# the whole-process peak from 2012 to 1666 MiB; with 8-bit AdamW state (208 MiB less),
+# 450 MiB recomputes 18.7% (docs/quant.md). Float32 frozen weights (540 MiB) fit neither.
+_SMOLLM2_REMAT = (
+    ({"frozen_dtype": "gguf", "optimizer_state": "int8"}, 450 << 20),
+    ({"frozen_dtype": "gguf"}, 700 << 20),
+)
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe(
             "minilm-bbc", "all-MiniLM-L6-v2 + linear head on BBC News topics (5 classes)",
             _minilm_bbc, {**_SEQ, "epochs": 2, "seq_len": 128},
-            remat_budget=_MINILM_BBC_REMAT,
+            remat_budgets=(({}, _MINILM_BBC_REMAT),),
         ),
         # 37k tweets: a subset by default, so that a NumPy-backend run ends the same day
         Recipe(
@@ -475,7 +493,7 @@ RECIPES: dict[str, Recipe] = {
             lr={"full": 1e-4, "sparse": 5e-4, "bias": 1e-4, "head": 1e-4, "lora": 5e-4},
             sparse=schemes.select(_LM_SPARSE),
             lora_head=False,  # the head is the pretrained (tied) embedding
-            remat_budget=_SMOLLM2_REMAT,
+            remat_budgets=_SMOLLM2_REMAT,
         ),
         Recipe(
             "generic",

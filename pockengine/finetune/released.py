@@ -1,10 +1,11 @@
 """The torch model after compiling: float copies of quantized weights released, and the
 step as the source of every value.
 
-Once the step holds a frozen weight as low-bit codes (``--frozen-dtype``, GGUF blocks) and
-evaluation runs through the compiled forward, the torch model's float copy of that weight
-is read by nothing: ``release_quantized`` replaces it with a parameter on the ``meta``
-device (same shape and dtype, no storage; tied names keep sharing one). What still needs
+Once the step holds a frozen weight as low-bit codes (``--frozen-dtype``, GGUF blocks), or
+holds its own copy of a trained param, and evaluation runs through the compiled forward,
+the torch model's float copy of that weight is read by nothing: ``release_held`` replaces
+it with a parameter on the ``meta`` device (same shape and dtype, no storage; tied names
+keep sharing one). What still needs
 the values reads them from the step, one tensor at a time: ``StepValues`` (a lazy mapping
 by model name; a quantized weight is dequantized when it is read) and
 ``write_streamed``, which writes a safetensors file header first, then each tensor as it
@@ -25,8 +26,9 @@ from pockengine.finetune.adapter import merged_state
 from pockengine.finetune.config import FinetuneError
 from pockengine.runtime import TrainStep
 from pockengine.safetensors_io import header_bytes
+from pockengine.step_base import CompiledStep
 
-__all__ = ["StepValues", "is_released", "release_quantized", "step_values", "write_streamed"]
+__all__ = ["StepValues", "is_released", "release_held", "step_values", "write_streamed"]
 
 Array = np.ndarray[Any, Any]
 
@@ -35,7 +37,7 @@ class StepValues(Mapping[str, Array]):
     """The step's params and persistent buffers by model name (tied tensors under each of
     their names), each read from the step when it is looked up (a fresh array)."""
 
-    def __init__(self, step: TrainStep) -> None:
+    def __init__(self, step: CompiledStep) -> None:
         self._step = step
         self._ir = {
             alias: ir
@@ -53,13 +55,13 @@ class StepValues(Mapping[str, Array]):
         return len(self._ir)
 
 
-def step_values(step: TrainStep) -> Mapping[str, Array]:
+def step_values(step: CompiledStep) -> Mapping[str, Array]:
     """What ``RUN/model`` and the best weights are made of: the step's values, lazily; with
     LoRA adapters, merged into the weights they adapt (read whole, as the merge needs)."""
     return merged_state(step) if step.resolution.adapters else StepValues(step)
 
 
-def release_quantized(model: nn.Module, step: TrainStep, also: Iterable[str] = ()) -> int:
+def release_held(model: nn.Module, step: TrainStep, also: Iterable[str] = ()) -> int:
     """Replace the float copies of the weights ``step`` stores quantized, and of the params
     named in ``also`` (model names: e.g. ``step.trained``, which the step holds its own
     copies of), with storage-less ``meta`` parameters; the bytes released."""
@@ -80,7 +82,7 @@ def release_quantized(model: nn.Module, step: TrainStep, also: Iterable[str] = (
 
 
 def is_released(model: nn.Module) -> bool:
-    """Whether some of ``model``'s params have no storage (``release_quantized``)."""
+    """Whether some of ``model``'s params have no storage (``release_held``)."""
     return any(p.device.type == "meta" for p in model.parameters())
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from pockengine.finetune.checkpoint import CHECKPOINT, write_atomic
 from pockengine.finetune.config import FinetuneConfig
-from pockengine.runtime import TrainStep
+from pockengine.step_base import CompiledStep
 
 __all__ = [
     "REPORT",
@@ -103,7 +103,7 @@ class FinetuneResult:
     val_examples: int
     labels: tuple[str, ...]
     inputs: str  # what one example is: "128 tokens", "3x64x64 images"
-    step: TrainStep = field(repr=False)
+    step: CompiledStep = field(repr=False)
     trained_params: int = 0  # elements the scheme trains
     total_params: int = 0  # elements full backprop would train
     planned_peak_bytes: int = 0  # the step's static memory plan

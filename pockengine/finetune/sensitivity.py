@@ -48,7 +48,6 @@ from pockengine.finetune import recipes
 from pockengine.finetune.checkpoint import write_atomic
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.frontend.imported import ModelInfo
-from pockengine.optim import SGD, AdamW, Optimizer
 from pockengine.plan.report import Figures, analyze
 from pockengine.sparse import schemes
 from pockengine.sparse.names import scheme_named
@@ -220,15 +219,9 @@ class StepBuilder:
         assert self.config.batch_size is not None
         example = tuple(torch.from_numpy(a[: self.config.batch_size]) for a in self.task.train)
         self.task.model.train()
-        return pe.compile(self.task.model, self.task.loss_fn, example, self._optimizer(lr),
-                          scheme, backend=self.config.backend)  # fmt: skip
-
-    def _optimizer(self, lr: float) -> Optimizer:
-        """The run's optimizer (its state counts in the planned peak)."""
-        c = self.config
-        if c.optimizer == "sgd":
-            return SGD(lr=lr, momentum=c.momentum, weight_decay=c.weight_decay)
-        return AdamW(lr=lr, weight_decay=c.weight_decay)
+        optimizer = self.config.make_optimizer(lr)
+        return pe.compile(self.task.model, self.task.loss_fn, example, optimizer, scheme,
+                          backend=self.config.backend)  # fmt: skip
 
     def figures(self, scheme: Scheme) -> Figures:
         """The compiler's report of ``scheme`` (``TrainStep.report().ours``)."""

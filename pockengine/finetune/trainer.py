@@ -11,11 +11,14 @@ test metrics and the summary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,18 +27,20 @@ from pockengine.evaluator import Evaluator
 from pockengine.finetune import adapter, home, recipes, released
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune.auto_scheme import AUTO, AutoChoice, choose_auto
+from pockengine.finetune.compile_child import compile_in_child
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.curves import RunInfo
 from pockengine.finetune.loop import Loop, linear_schedule, stop_on_signals
 from pockengine.finetune.metrics import compile_evaluator, evaluate
+from pockengine.finetune.model_skeleton import write_from_skeleton
 from pockengine.finetune.result import FinetuneResult, peak_rss_bytes, write_report
 from pockengine.finetune.run_lock import RunLock
-from pockengine.optim import SGD, AdamW, Optimizer
 from pockengine.runtime import TrainStep, release_free_memory
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
+from pockengine.step_base import CompiledStep
 
-__all__ = ["compile_task", "linear_schedule", "run"]
+__all__ = ["compile_evaluator_releasing", "compile_task", "linear_schedule", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +58,61 @@ def run(config: FinetuneConfig) -> FinetuneResult:
         return _run_in(config, scheme, out, start)
 
 
+@dataclass
+class _Prepared:
+    """The compiled run: its task, scheme, step and evaluator; with ``--compile-in child``
+    also the model's buffer names and the skeleton ``RUN/model`` is written from."""
+
+    task: recipes.Task
+    scheme: Scheme
+    choice: AutoChoice | None
+    step: CompiledStep
+    evaluator: Evaluator | None
+    buffers: tuple[str, ...] | None = None
+    skeleton: Path | None = None
+
+
 def _run_in(
     config: FinetuneConfig, given: Scheme | None, out: Path, start: float
 ) -> FinetuneResult:
     """The run, once ``out`` is held: resume point, task, scheme, compile, train, summary."""
     saved = _resume_point(config, out)
+    if config.compile_in == "child" and given is None:
+        log.warning("--scheme auto analyses the model here: compiling here too")
+    with contextlib.ExitStack() as stack:
+        compile_start = time.perf_counter()
+        if config.compile_in == "child" and given is not None:
+            folder = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix=".compiled-", dir=out)))  # fmt: skip
+            compiled = compile_in_child(config, given, folder)
+            prepared = _Prepared(compiled.task, given, None, compiled.step, compiled.evaluator,
+                                 compiled.buffers, compiled.skeleton)  # fmt: skip
+        else:
+            prepared = _prepare_here(config, given, saved)
+        compile_s = time.perf_counter() - compile_start
+        return _train(config, prepared, out, saved, start, compile_s)
+
+
+def _prepare_here(
+    config: FinetuneConfig, given: Scheme | None, saved: ckpt_io.Checkpoint | None
+) -> _Prepared:
+    """Task, scheme, step and evaluator, compiled in this process."""
     task = recipes.build(config)
     scheme, choice = _scheme_of_run(config, task, given, saved)
-    compile_start = time.perf_counter()
     step = _compile(config, task, scheme)
-    evaluator = _evaluator(step, task)
-    compile_s = time.perf_counter() - compile_start
+    return _Prepared(task, scheme, choice, step, compile_evaluator_releasing(step, task))
+
+
+def _train(
+    config: FinetuneConfig, prepared: _Prepared, out: Path, saved: ckpt_io.Checkpoint | None,
+    start: float, compile_s: float,
+) -> FinetuneResult:  # fmt: skip
+    """Train the prepared step, write ``RUN/model``, the adapter, the test metrics and the
+    summary."""
+    task, scheme, choice, step, evaluator = (prepared.task, prepared.scheme, prepared.choice,
+                                             prepared.step, prepared.evaluator)  # fmt: skip
     report = step.report()
-    loop = Loop(config, task, step, scheme, out)
+    loop = Loop(config, task, step, scheme, out, prepared.buffers)
     loop.evaluator = evaluator
     loop.info = RunInfo(out.name, _given(config.scheme), report.ours.trained_elements,
                         planned_peak_bytes=report.ours.planned_peak_bytes)  # fmt: skip
@@ -74,8 +121,12 @@ def _run_in(
     write_report(out, str(report))
     with stop_on_signals() as stop:
         loop.train(stop)
-    home.write_model(out, task, released.step_values(step), config, loop.best, loop.history,
-                     loop.global_step, changed=loop.changed)  # fmt: skip
+    if prepared.skeleton is not None:
+        write_from_skeleton(out, prepared.skeleton, task, released.step_values(step), config,
+                            loop.best, loop.history, loop.global_step)  # fmt: skip
+    else:
+        home.write_model(out, task, released.step_values(step), config, loop.best,
+                         loop.history, loop.global_step, changed=loop.changed)  # fmt: skip
     adapter.save_adapter(step, out / adapter.ADAPTER_DIR, base_model=task.home.get("source"))
     result = FinetuneResult(
         config=config,
@@ -131,7 +182,7 @@ def _scheme_of_run(
     return choice.scheme, choice
 
 
-def _evaluator(step: TrainStep, task: recipes.Task) -> Evaluator | None:
+def compile_evaluator_releasing(step: TrainStep, task: recipes.Task) -> Evaluator | None:
     """Validation compiled on the step (once per run); where it is, the model's float
     copies of the weights the step stores quantized, and of the params it trains (the step
     holds its own), are released: nothing reads them (``RUN/model`` is streamed from the
@@ -140,7 +191,7 @@ def _evaluator(step: TrainStep, task: recipes.Task) -> Evaluator | None:
     if evaluator is not None:
         own = dict(task.model.named_parameters())  # LoRA factors are the step's only
         trained = [n for n in step.trained if n in own]
-        freed = released.release_quantized(task.model, step, also=trained)
+        freed = released.release_held(task.model, step, also=trained)
         if freed:
             log.info("released %.1f MiB of model weights the step holds (quantized or trained)",
                      freed / 2**20)  # fmt: skip
@@ -149,7 +200,7 @@ def _evaluator(step: TrainStep, task: recipes.Task) -> Evaluator | None:
 
 
 def _test_metrics(
-    step: TrainStep, task: recipes.Task, evaluator: Evaluator | None
+    step: CompiledStep, task: recipes.Task, evaluator: Evaluator | None
 ) -> dict[str, float]:
     """The final weights' metrics on the test split (``--test-fraction``; else none)."""
     if not task.test:
@@ -199,13 +250,6 @@ def _resume_point(config: FinetuneConfig, out: Path) -> ckpt_io.Checkpoint | Non
     return saved
 
 
-def _optimizer(config: FinetuneConfig) -> Optimizer:
-    lr = float(config.lr or 0.0)
-    if config.optimizer == "sgd":
-        return SGD(lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    return AdamW(lr=lr, weight_decay=config.weight_decay)
-
-
 def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
     from pockengine.finetune.gguf import frozen_weights
     from pockengine.runtime import compile
@@ -218,7 +262,7 @@ def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> Trai
         task.model,
         task.loss_fn,
         example,
-        optimizer=_optimizer(config),
+        optimizer=config.make_optimizer(),
         scheme=scheme,
         backend=config.backend,
         frozen_dtype=frozen.dtype,

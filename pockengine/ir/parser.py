@@ -23,6 +23,35 @@ def _type(dtype: str, dims: str) -> TensorType:
     return TensorType(shape, DType(dtype))
 
 
+_NON_FINITE = {"inf": float("inf"), "nan": float("nan")}  # how repr() writes them
+
+
+def _literal(node: ast.expr) -> object:
+    """A Python literal, as ``ast.literal_eval`` reads it, plus the ``inf`` and ``nan``
+    that ``repr`` writes for non-finite floats (``full(value=-inf)``, a mask's fill)."""
+    if isinstance(node, ast.Name) and node.id in _NON_FINITE:
+        return _NON_FINITE[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _literal(node.operand)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"a sign before {value!r}")
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Tuple | ast.List):
+        items = [_literal(e) for e in node.elts]
+        return tuple(items) if isinstance(node, ast.Tuple) else items
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)
+                if k is not None}  # fmt: skip
+    return ast.literal_eval(node)
+
+
+def _attr(text: str, lineno: int) -> object:
+    try:
+        return _literal(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as exc:
+        raise ParseError(f"line {lineno}: attribute value {text!r} is not a literal") from exc
+
+
 def _split_top(text: str) -> list[str]:
     """Split on commas that are not inside brackets or quotes."""
     parts: list[str] = []
@@ -76,7 +105,7 @@ def _parse_node(line: str, env: dict[str, Value], lineno: int) -> Node:
     for arg in _split_top(arglist):
         key, eq, rest = arg.partition("=")
         if eq and re.fullmatch(r"\w+", key.strip()):
-            attrs[key.strip()] = ast.literal_eval(rest.strip())
+            attrs[key.strip()] = _attr(rest.strip(), lineno)
             continue
         name = arg.lstrip("%")
         if name not in env:

@@ -18,6 +18,7 @@ from pockengine.ops import (
     shape,
     unary,
     update,
+    update_8bit,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "shape",
     "unary",
     "update",
+    "update_8bit",
 ]

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pockengine.ir import GRAD_PREFIX, Graph, Node, Phase, Role, get_op
+from pockengine.ir import GRAD_PREFIX, Graph, Node, Phase, Role, Value, get_op
 from pockengine.plan.cost import cost
-from pockengine.plan.memory import plan_memory
+from pockengine.plan.liveness import Liveness
+from pockengine.plan.memory import MemoryPlan, plan_memory
 from pockengine.plan.placement import Placement
 
 if TYPE_CHECKING:
@@ -43,7 +44,10 @@ class Figures:
     update_flops: int
     saved_activation_bytes: int
     param_bytes: int
-    gradient_bytes: int
+    gradient_bytes: int  # every trained param's gradient, summed
+    # the most gradient bytes alive at once: each gradient dies at its update, which
+    # ``reorder_updates`` moves into the backward pass, so this is one layer's, not the sum
+    gradient_live_bytes: int
     optimizer_state_bytes: int
     planned_peak_bytes: int
     layers: dict[str, LayerFigures] = field(default_factory=dict)
@@ -71,7 +75,7 @@ def analyze(graph: Graph, depth: int | None = None) -> Figures:
     forward_made: dict[str, str] = {v.name: "<batch>" for v in graph.inputs if v.role is Role.INPUT}
     saved: dict[str, int] = {}
     trained = 0
-    gradient_bytes = 0
+    gradients: list[Value] = []
     for node, c in zip(graph.nodes, costs.nodes, strict=True):
         row = layers.setdefault(_layer(node, depth), LayerFigures())
         if c.phase is Phase.FORWARD:
@@ -88,7 +92,7 @@ def analyze(graph: Graph, depth: int | None = None) -> Figures:
         elif node.op != "assign" and get_op(node.op).effectful:
             grad = node.inputs[_UPDATE_GRAD_INPUT]
             trained += grad.type.numel
-            gradient_bytes += grad.type.nbytes
+            gradients.append(grad)
             row.trained_elements += grad.type.numel
     plan = plan_memory(graph)
     phases = costs.flops_by_phase()
@@ -99,12 +103,19 @@ def analyze(graph: Graph, depth: int | None = None) -> Figures:
         update_flops=phases["update"],
         saved_activation_bytes=sum(saved.values()),
         param_bytes=plan.param_bytes,
-        gradient_bytes=gradient_bytes,
+        gradient_bytes=sum(g.type.nbytes for g in gradients),
+        gradient_live_bytes=_live_peak(plan, gradients),
         optimizer_state_bytes=plan.state_bytes,
         planned_peak_bytes=plan.planned_peak_bytes,
         layers={k: v for k, v in layers.items() if any(asdict(v).values())},
         frozen_bytes=_frozen_bytes(graph),
     )
+
+
+def _live_peak(plan: MemoryPlan, values: list[Value]) -> int:
+    """The most bytes of ``values`` (node results) alive at once in ``plan``."""
+    intervals = [plan.liveness.intervals[v.name] for v in values]
+    return Liveness(plan.liveness.num_nodes, {iv.value.name: iv for iv in intervals}).peak_bytes
 
 
 def _frozen_bytes(graph: Graph) -> dict[str, int]:
@@ -130,6 +141,7 @@ _ROWS = (
     ("saved activations", "saved_activation_bytes", _mib),
     ("params (all)", "param_bytes", _mib),
     ("gradients", "gradient_bytes", _mib),
+    ("  alive at once", "gradient_live_bytes", _mib),
     ("optimizer state", "optimizer_state_bytes", _mib),
     ("planned peak", "planned_peak_bytes", _mib),
 )

@@ -1,8 +1,9 @@
 """The C backend: the whole step as compiled C over one arena, called through ctypes.
 
 ``CExecutable`` plans the graph's memory (``plan_memory``), emits its C source
-(``.source``), compiles it (``driver.build_library``, cached by hash) and allocates the
-arena once: ``plan.arena_bytes``, 64-byte aligned. The ``Store`` holds C-contiguous NumPy
+(``.source``, emitted again when read rather than kept), compiles it
+(``driver.build_library``, cached by hash) and allocates the arena once:
+``plan.arena_bytes``, 64-byte aligned. The ``Store`` holds C-contiguous NumPy
 arrays (params, buffers, optimizer state: the state block); ``run`` copies the batch into
 the arena at its planned offsets, passes the arrays' pointers to ``pe_step`` (which
 writes the updates into them in place and allocates nothing), and copies the outputs
@@ -68,8 +69,8 @@ class CExecutable(Executable):
         check_claims(graph)
         self.graph = graph
         self.plan: MemoryPlan = plan_memory(graph)
-        self.source = emit_step(graph, self.plan, KERNELS, profile=profile)
         self.profiled = profile
+        # The source (0.5 MB for MobileNetV2) is not kept: ``source`` emits it again.
         self.library_path = build_library(self.source, portable)
         self._lib = ctypes.CDLL(str(self.library_path))
         self._fn = self._lib.pe_step
@@ -85,6 +86,11 @@ class CExecutable(Executable):
         self._inputs = tuple(graph.inputs)
         results = (v for n in graph.nodes for v in n.outputs)
         self._types = {v.name: v.type for v in (*graph.inputs, *results)}
+
+    @property
+    def source(self) -> str:
+        """The step's C source (emitted again on each read; the library is built from it)."""
+        return emit_step(self.graph, self.plan, KERNELS, profile=self.profiled)
 
     def _view(self, name: str) -> Array:
         """The arena bytes of value ``name`` as an array of its type."""

@@ -2,7 +2,8 @@
  * and weight gradients.
  *
  * A pointwise convolution (1x1, stride 1, no padding, one group) is a GEMM per image:
- * y[n] = w[O, C] x[n][C, HW]. Every other case (depthwise, grouped, strided, dilated, the
+ * y[n] = w[O, C] x[n][C, HW] (pe_gemm_images: two images share a sliver when HW is half
+ * the micro-kernel's width). Every other case (depthwise, grouped, strided, dilated, the
  * 3-channel stem) runs direct loops whose innermost loop walks one output row over the
  * range of positions whose tap lands inside the input, so it has no branch. The geometry
  * array is indexed by the PE_G_* names of pe_kernels.h. */
@@ -37,9 +38,7 @@ void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, co
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long cg = C / g[PE_G_GROUPS], og = O / g[PE_G_GROUPS];
     if (pe_is_pointwise(g)) {
-        for (long n = 0; n < N; n++)
-            PE_S(pe_gemm)(O, H * W, C, w, C, 0, x + n * C * H * W, H * W, 0, y + n * O * H * W,
-                          H * W, 0);
+        PE_S(pe_gemm_images)(N, O, H * W, C, w, C, 0, x, C * H * W, y, O * H * W);
         if (bias)
             for (long n = 0; n < N; n++)
                 for (long o = 0; o < O; o++)
@@ -78,9 +77,7 @@ void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long groups = g[PE_G_GROUPS], cg = C / groups, og = O / groups;
     if (pe_is_pointwise(g)) {
-        for (long n = 0; n < N; n++)
-            PE_S(pe_gemm)(C, H * W, O, w, C, 1, gy + n * O * H * W, H * W, 0, gx + n * C * H * W,
-                          H * W, 0);
+        PE_S(pe_gemm_images)(N, C, H * W, O, w, C, 1, gy, O * H * W, gx, C * H * W);
         return;
     }
     /* Each (image, input channel) plane gathers from the output channels of its group. */

@@ -1,4 +1,5 @@
-/* Matrix products: a cache-blocked GEMM, C = op(A) op(B) (+ C when accumulating).
+/* Matrix products: a cache-blocked GEMM, C = op(A) op(B) (+ C when accumulating), and a
+ * batch of them over images (pe_gemm_images: a pointwise convolution's per-image products).
  *
  * op(A)[i, k] is A[i*lda + k], or A[k*lda + i] when ta; op(B)[k, j] is B[k*ldb + j], or
  * B[j*ldb + k] when tb. The kernel updates PE_MR rows of C at a time from a KC x NR
@@ -43,6 +44,53 @@ static void PE_S(pe_gemm_micro)(long i0, long j0, long k0, long k1, const PE_T *
     }
     for (int r = 0; r < PE_MR; r++)
         for (int j = 0; j < PE_NR; j++) C[(i0 + r) * ldc + j0 + j] += acc[r][j];
+}
+
+/* The micro-kernel for a sliver half as wide (PE_NR / 2 columns: a pointwise convolution
+ * over a 4x4 feature map with AVX-512), over twice the rows so that it keeps as many
+ * accumulators in registers. They start from C, so each element sums its products in the
+ * order pe_gemm_edge does (bit for bit the same result). */
+#define PE_MH (2 * PE_MR)
+static void PE_S(pe_gemm_micro_half)(long i0, long j0, long k0, long k1, const PE_T *A,
+                                     long lda, int ta, const PE_T *B, PE_T *C, long ldc) {
+    PE_T acc[PE_MH][PE_NR / 2];
+    for (int r = 0; r < PE_MH; r++)
+        for (int j = 0; j < PE_NR / 2; j++) acc[r][j] = C[(i0 + r) * ldc + j0 + j];
+    for (long k = k0; k < k1; k++) {
+        PE_T a[PE_MH];
+        for (int r = 0; r < PE_MH; r++) a[r] = ta ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
+        const PE_T *restrict b = B + (k - k0) * PE_NR;
+        for (int r = 0; r < PE_MH; r++)
+            for (int j = 0; j < PE_NR / 2; j++) acc[r][j] += a[r] * b[j];
+    }
+    for (int r = 0; r < PE_MH; r++)
+        for (int j = 0; j < PE_NR / 2; j++) C[(i0 + r) * ldc + j0 + j] = acc[r][j];
+}
+
+/* The micro-kernel over a sliver that holds two images' half-width products side by side
+ * (columns [0, PE_NR/2) of C0, then of C1). Like the half-width kernel, its accumulators
+ * start from C, so each element sums in the edge loop's order. */
+static void PE_S(pe_gemm_micro_pair)(long i0, long k0, long k1, const PE_T *A, long lda,
+                                     int ta, const PE_T *B, PE_T *C0, PE_T *C1) {
+    enum { H = PE_NR / 2 };
+    PE_T acc[PE_MR][PE_NR];
+    for (int r = 0; r < PE_MR; r++)
+        for (int j = 0; j < H; j++) {
+            acc[r][j] = C0[(i0 + r) * H + j];
+            acc[r][H + j] = C1[(i0 + r) * H + j];
+        }
+    for (long k = k0; k < k1; k++) {
+        PE_T a[PE_MR];
+        for (int r = 0; r < PE_MR; r++) a[r] = ta ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
+        const PE_T *restrict b = B + (k - k0) * PE_NR;
+        for (int r = 0; r < PE_MR; r++)
+            for (int j = 0; j < PE_NR; j++) acc[r][j] += a[r] * b[j];
+    }
+    for (int r = 0; r < PE_MR; r++)
+        for (int j = 0; j < H; j++) {
+            C0[(i0 + r) * H + j] = acc[r][j];
+            C1[(i0 + r) * H + j] = acc[r][H + j];
+        }
 }
 
 /* The same product for rows [i0, i1) and the first ``width`` columns of a sliver. */
@@ -92,14 +140,57 @@ void PE_S(pe_gemm)(long M, long N, long K, const PE_T *A, long lda, int ta, cons
                 PE_S(pe_gemm_pack)(sliver, B, ldb, tb, k0, k1, j0, width);
                 for (long i0 = r0; i0 < full; i0 += PE_MR)
                     PE_S(pe_gemm_micro)(i0, j0, k0, k1, A, lda, ta, sliver, C, ldc);
+                if (width == PE_NR / 2)
+                    for (; full + PE_MH <= r1; full += PE_MH)
+                        PE_S(pe_gemm_micro_half)(full, j0, k0, k1, A, lda, ta, sliver, C, ldc);
                 PE_S(pe_gemm_edge)(full, r1, j0, width, k0, k1, A, lda, ta, sliver, C, ldc);
             }
         }
     }
 }
 
+/* C0 = op(A) B0 and C1 = op(A) B1 for two products of PE_NR/2 columns (B and C row-major,
+ * that many columns a row): both images' rows share one packed sliver, so the full-width
+ * micro-kernel serves them. */
+static void PE_S(pe_gemm_pair)(long M, long K, const PE_T *A, long lda, int ta,
+                               const PE_T *B0, const PE_T *B1, PE_T *C0, PE_T *C1) {
+    const long H = PE_NR / 2;
+    memset(C0, 0, (size_t)(M * H) * sizeof(PE_T));
+    memset(C1, 0, (size_t)(M * H) * sizeof(PE_T));
+    long row_blocks = (M + PE_MC - 1) / PE_MC;
+    PE_PARALLEL_FOR(M * 2 * H * K)
+    for (long rb = 0; rb < row_blocks; rb++) {
+        long r0 = rb * PE_MC, r1 = r0 + PE_MC < M ? r0 + PE_MC : M;
+        long r4 = r0 + (r1 - r0) / PE_MR * PE_MR;
+        PE_T sliver[PE_KC * PE_NR];
+        for (long k0 = 0; k0 < K; k0 += PE_KC) {
+            long k1 = k0 + PE_KC < K ? k0 + PE_KC : K;
+            for (long k = k0; k < k1; k++) {
+                memcpy(sliver + (k - k0) * PE_NR, B0 + k * H, sizeof(PE_T) * (size_t)H);
+                memcpy(sliver + (k - k0) * PE_NR + H, B1 + k * H, sizeof(PE_T) * (size_t)H);
+            }
+            for (long i0 = r0; i0 < r4; i0 += PE_MR)
+                PE_S(pe_gemm_micro_pair)(i0, k0, k1, A, lda, ta, sliver, C0, C1);
+            PE_S(pe_gemm_edge)(r4, r1, 0, H, k0, k1, A, lda, ta, sliver, C0, H);
+            PE_S(pe_gemm_edge)(r4, r1, 0, H, k0, k1, A, lda, ta, sliver + H, C1, H);
+        }
+    }
+}
+
+void PE_S(pe_gemm_images)(long count, long M, long N, long K, const PE_T *A, long lda, int ta,
+                          const PE_T *B, long bstride, PE_T *C, long cstride) {
+    long n = 0;
+    if (N == PE_NR / 2)
+        for (; n + 2 <= count; n += 2)
+            PE_S(pe_gemm_pair)(M, K, A, lda, ta, B + n * bstride, B + (n + 1) * bstride,
+                               C + n * cstride, C + (n + 1) * cstride);
+    for (; n < count; n++)
+        PE_S(pe_gemm)(M, N, K, A, lda, ta, B + n * bstride, N, 0, C + n * cstride, N, 0);
+}
+
 #undef PE_KC
 #undef PE_MC
+#undef PE_MH
 #undef PE_MR
 #undef PE_VEC
 #undef PE_NR

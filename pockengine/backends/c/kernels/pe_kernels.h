@@ -53,6 +53,8 @@ size_t pe_dtype_size(int dtype);
 #define PE_DECLARE(S, T)                                                                       \
     void pe_gemm_##S(long M, long N, long K, const T *A, long lda, int ta, const T *B,         \
                      long ldb, int tb, T *C, long ldc, int accumulate);                        \
+    void pe_gemm_images_##S(long count, long M, long N, long K, const T *A, long lda, int ta,  \
+                            const T *B, long bstride, T *C, long cstride);                     \
     void pe_conv2d_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);         \
     void pe_conv2d_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);           \
     void pe_conv2d_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);          \

@@ -1,0 +1,88 @@
+"""The C backend's step with the kernels of a git revision against the working tree's.
+
+    OMP_NUM_THREADS=1 python benchmarks/c_kernels_ab.py --rev HEAD --workload mbv2 \
+        --scheme sparse --rounds 8
+
+Both steps are compiled in this process (the revision's ``kernels/`` extracted with
+``git show`` to a temporary folder), then stepped in turn, ``--rounds`` times each, on the
+same batch. Prints the median and best CPU seconds a step (``time.process_time``: on a
+shared machine it moves less than wall time) and whether every loss and every trained
+value came out the same, bit for bit. One JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _harness import ROOT
+
+KERNELS = "pockengine/backends/c/kernels"
+
+
+def _extract(rev: str, folder: Path) -> None:
+    """The revision's kernel files into ``folder``."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    for name in names:
+        data = subprocess.run(["git", "show", f"{rev}:{KERNELS}/{name}"], cwd=ROOT,
+                              capture_output=True, check=True).stdout  # fmt: skip
+        (folder / name).write_bytes(data)
+
+
+def _compile(workload: str, scheme_name: str, kernels: Path) -> tuple[Any, list[Any]]:
+    import pockengine as pe
+    from pockengine import zoo
+    from pockengine.backends.c import CBackend, driver
+
+    driver.KERNEL_DIR = kernels  # read by kernel_sources() and the -I flag when building
+    work, optimizer = zoo.benchmark(workload)
+    scheme = zoo.benchmark_schemes(workload)[scheme_name]
+    batch = work.make_batch(0)
+    backend = CBackend(threads=1)
+    return pe.compile(work.model, work.loss_fn, batch, optimizer, scheme, backend=backend), batch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rev", default="HEAD")
+    parser.add_argument("--workload", default="mbv2")
+    parser.add_argument("--scheme", default="sparse")
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    from pockengine.backends.c import driver
+
+    worktree = driver.KERNEL_DIR
+    with tempfile.TemporaryDirectory(prefix="pe-kernels-") as tmp:
+        _extract(args.rev, Path(tmp))
+        steps = {args.rev: _compile(args.workload, args.scheme, Path(tmp)),
+                 "worktree": _compile(args.workload, args.scheme, worktree)}  # fmt: skip
+        seconds: dict[str, list[float]] = {k: [] for k in steps}
+        losses: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(args.rounds + 1):  # the first round is a warm-up
+            for tag, (step, batch) in steps.items():
+                start = time.process_time()
+                losses[tag].append(step(*batch))
+                seconds[tag].append(time.process_time() - start)
+    (old, _), (new, _) = steps.values()
+    same_state = all(np.array_equal(v, new.state_dict()[k]) for k, v in old.state_dict().items())
+    row = {"workload": args.workload, "scheme": args.scheme, "rev": args.rev,
+           "median_s": {k: statistics.median(v[1:]) for k, v in seconds.items()},
+           "best_s": {k: min(v[1:]) for k, v in seconds.items()},
+           "bit_identical": same_state and losses[args.rev] == losses["worktree"]}  # fmt: skip
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

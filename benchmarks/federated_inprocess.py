@@ -1,0 +1,146 @@
+"""FedAvg in one process, for diagnosis: one compiled step serves every client in turn.
+
+    OMP_NUM_THREADS=1 python benchmarks/federated_inprocess.py --recipe lite0-fashion \\
+        --image-size 32 --max-train 2000 --max-val 300 --partition dirichlet --out r.json
+
+``pockengine federated`` runs a process per client, each compiling its own step; on a
+small machine ten compiles and ten resident models cost more than the training. Here one
+``LocalTrainer`` is compiled and its shard swapped per client; every round each client
+trains from the global state exactly as ``LocalTrainer.train`` does in a client process
+(its shard, order, learning-rate schedule, fresh optimizer moments, dropout seed,
+BatchNorm statistics), and the server's side is the strategy's: the weighted average,
+``BatchNormStats.pool`` and ``ServerStep``, then ``finetune.metrics.evaluate`` on the
+held-out split. Only the order of the float sums in the average may differ from Flower's.
+``--pooled-bn`` also scores each round with BatchNorm statistics recomputed on the whole
+training split (which no real server has): the ceiling of any statistics a client sends.
+Writes one JSON line per round to stdout and all of them to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pockengine.federated import FederatedConfig
+from pockengine.federated.batchnorm import BatchNormStats
+from pockengine.federated.local import LocalTrainer
+from pockengine.federated.partition import partition
+from pockengine.federated.server_step import ServerStep
+from pockengine.finetune import FinetuneConfig, recipes
+from pockengine.finetune.metrics import evaluate
+
+Array = np.ndarray[Any, Any]
+
+
+def clients(config: FederatedConfig) -> tuple[list[LocalTrainer], recipes.Task]:
+    """One compiled trainer per client, all sharing client 0's step; the task."""
+    base = LocalTrainer(config, 0)
+    task = recipes.build(base.config.finetune)
+    ft = base.config.finetune
+    shards = partition(task.train, config.partition, config.clients, config.alpha, ft.seed,
+                       base.batch_size)  # fmt: skip
+    out = []
+    for c, rows in enumerate(shards):
+        t = copy.copy(base)
+        t.client, t.shard = c, tuple(np.ascontiguousarray(a[rows]) for a in task.train)
+        t.steps_per_epoch = len(rows) // base.batch_size
+        t.steps_per_round = config.local_epochs * t.steps_per_epoch
+        t.total = config.rounds * t.steps_per_round
+        t.warmup = round(ft.warmup * t.total)
+        out.append(t)
+    return out, task
+
+
+def aggregate(replies: list[dict[str, Array]], weights: list[float],
+              batchnorm: BatchNormStats) -> dict[str, Array]:  # fmt: skip
+    """The strategy's weighted average, BatchNorm variances pooled."""
+    w = np.asarray(weights, np.float64) / float(sum(weights))
+    average: dict[str, Array] = {
+        k: np.tensordot(w, np.stack([r[k].astype(np.float64) for r in replies]), axes=1)
+        for k in replies[0]
+    }
+    if batchnorm.pairs:
+        average = batchnorm.pool(average, replies, weights)
+    return {k: np.asarray(v, replies[0][k].dtype) for k, v in average.items()}
+
+
+def pooled_bn_accuracy(trainer: LocalTrainer, task: recipes.Task) -> float:
+    """Accuracy with BatchNorm statistics recomputed on the whole training split."""
+    every = BatchNormStats.of(trainer.model, list(trainer.trained.rows))
+    stats = every.recompute(trainer.step, trainer.model, task.train[:-1], trainer.batch_size)
+    saved = trainer.trained.extract(trainer.step)
+    trainer.trained.merge(trainer.step, {**saved, **stats}, "pooled statistics")
+    accuracy = evaluate(trainer.step, task).get("val_accuracy", float("nan"))
+    trainer.trained.merge(trainer.step, saved, "global state")
+    return accuracy
+
+
+def run(config: FederatedConfig, pooled_bn: bool) -> list[dict[str, Any]]:
+    start = time.perf_counter()
+    trainers, task = clients(config)
+    first = trainers[0]
+    recompute = config.bn_statistics == "recompute"
+    batchnorm = BatchNormStats.of(first.model, list(first.trained.rows)) if recompute else None
+    server = ServerStep(first.trained.buffers, config.server_lr, config.server_momentum)
+    state = first.trained.extract(first.step)
+    rows = []
+    for r in range(1, config.rounds + 1):
+        results = [t.train(state, r, config.proximal_mu) for t in trainers]
+        weights = [float(x.examples) for x in results]
+        average = aggregate([x.arrays for x in results], weights, batchnorm or BatchNormStats({}))
+        state = server.apply(state, average)
+        first.trained.merge(first.step, state, "global state")
+        metrics = evaluate(first.step, task)
+        row = {"round": r, "accuracy": metrics.get("val_accuracy"), "loss": metrics["val_loss"],
+               "train_loss": float(np.average([x.loss for x in results], weights=weights)),
+               "elapsed_s": time.perf_counter() - start}  # fmt: skip
+        if pooled_bn:
+            row["accuracy_pooled_bn"] = pooled_bn_accuracy(first, task)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--recipe", default="lite0-fashion")
+    p.add_argument("--image-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--max-train", type=int)
+    p.add_argument("--max-val", type=int)
+    p.add_argument("--scheme", default="sparse")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--partition", choices=("iid", "dirichlet"), default="dirichlet")
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--server-lr", type=float, default=1.0)
+    p.add_argument("--server-momentum", type=float, default=0.0)
+    p.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute")
+    p.add_argument("--pooled-bn", action="store_true", help="also score with pooled statistics")
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    ft = FinetuneConfig(recipe=a.recipe, image_size=a.image_size, seq_len=a.seq_len,
+                        max_train=a.max_train, max_val=a.max_val, scheme=a.scheme, lr=a.lr,
+                        seed=a.seed, backend="torch")  # fmt: skip
+    config = FederatedConfig(
+        finetune=ft, clients=a.clients, rounds=a.rounds, local_epochs=a.local_epochs,
+        partition=a.partition, alpha=a.alpha, server_lr=a.server_lr,
+        server_momentum=a.server_momentum, bn_statistics=a.bn_statistics,
+    )  # fmt: skip
+    rows = run(config, a.pooled_bn)
+    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                 "rounds": rows}, indent=1) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""``RUN/model`` written by a process that has no torch model (``--compile-in child``).
+
+The process that builds the model and compiles the step also writes the model folder
+once, as the run would (``home.WRITERS``: ``save_pretrained``, the tokenizer, the
+classifier's head file and README), from the model's initial values: the *skeleton*, with
+``skeleton.json`` saying which ``pockengine.json`` entries the writer added and which
+state-name prefix each weights file's tensors carry (the classifier's encoder is
+``encoder.`` in the step). At the end of the run the training process copies the
+skeleton into ``RUN/model`` and rewrites each weights file from the step's values
+(``write_from_skeleton``): the header is kept byte for byte (same names, dtypes, shapes,
+offsets), and each tensor is the step's value of that name, cast to the file's dtype,
+read and written one at a time, or, for a tensor the step does not hold (a pooler the
+classifier never reads, a buffer outside the step), the skeleton's own bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from pockengine.finetune import home
+from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.recipes import Task
+from pockengine.finetune.released import is_released
+from pockengine.safetensors_io import SAFETENSORS_DTYPES
+
+__all__ = ["SKELETON", "write_from_skeleton", "write_skeleton"]
+
+Array = np.ndarray[Any, Any]
+SKELETON = "skeleton.json"
+_PREFIXES = {"hf-classifier": {"model.safetensors": "encoder.", "head.safetensors": "head."}}
+_CHUNK = 8 << 20
+
+
+def write_skeleton(folder: Path, task: Task, state: Mapping[str, Array]) -> None:
+    """``RUN/model`` as ``home.write_model`` writes it from ``task.model`` as it is (or,
+    where its copies of the step's weights were released, streamed from ``state``, the
+    step's values), plus ``SKELETON``: the writer's additions to ``pockengine.json`` and
+    the weights files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    kind = task.home.get("format", "factory")
+    added: dict[str, Any] = {}
+    if is_released(task.model):
+        home.STREAMED[kind](folder, task, added, state)
+    else:
+        home.WRITERS[kind](folder, task, added)
+    prefixes = _PREFIXES.get(kind, {})
+    files = {p.name: prefixes.get(p.name, "") for p in sorted(folder.glob("*.safetensors"))}
+    spec = {"kind": kind, "meta": added, "files": files}
+    (folder / SKELETON).write_text(json.dumps(spec, indent=1) + "\n")
+
+
+def write_from_skeleton(
+    out: Path,
+    skeleton: Path,
+    task: Task,
+    state: Mapping[str, Array],
+    config: FinetuneConfig,
+    best: home.BestWeights,
+    history: list[dict[str, Any]],
+    step: int,
+) -> Path:
+    """``out/model`` from ``skeleton`` with the chosen weights (``home.chosen_weights``:
+    ``state``, the step's values by model name, or the best kept over them)."""
+    spec = json.loads((skeleton / SKELETON).read_text())
+    state, _, keep, row = home.chosen_weights(state, config, best, history, step)
+    meta = home.model_meta(task.home, task.kind, task.labels, config, keep, row)
+    meta.update(spec["meta"])
+    files: dict[str, str] = spec["files"]
+
+    def fill(folder: Path) -> None:
+        for path in sorted(skeleton.iterdir()):
+            if path.name == SKELETON:
+                continue
+            if path.name in files:
+                refill(path, folder / path.name, _reader(state, files[path.name]))
+            else:
+                shutil.copy(path, folder / path.name)
+        if spec["kind"] == "hf-classifier":  # it names the run folder
+            (folder / "README.txt").write_text(home.classifier_readme(out))
+
+    return home.install(out, meta, fill)
+
+
+def _reader(state: Mapping[str, Array], prefix: str) -> Callable[[str], Array | None]:
+    return lambda name: state.get(prefix + name)
+
+
+def refill(src: Path, dst: Path, read: Callable[[str], Array | None]) -> None:
+    """``src`` (a safetensors file) as ``dst``, each tensor ``read(name)`` where that is
+    not None (cast to the file's dtype, checked for shape), else ``src``'s own bytes."""
+    with src.open("rb") as f, dst.open("wb") as out:
+        size = int.from_bytes(f.read(8), "little")
+        head = f.read(size)
+        header: dict[str, Any] = json.loads(head)
+        header.pop("__metadata__", None)
+        out.write(size.to_bytes(8, "little") + head)
+        at = 0
+        for name, entry in sorted(header.items(), key=lambda e: int(e[1]["data_offsets"][0])):
+            start, stop = (int(x) for x in entry["data_offsets"])
+            if start != at:
+                raise FinetuneError(f"{src}: {name} does not follow the tensor before it")
+            value = read(name)
+            if value is None:
+                f.seek(8 + size + start)
+                _copy(f, out, stop - start)
+            else:
+                out.write(_cast(src, name, entry, value).reshape(-1).view(np.uint8).data)
+            at = stop
+
+
+def _cast(src: Path, name: str, entry: Mapping[str, Any], value: Array) -> Array:
+    shape = tuple(int(d) for d in entry["shape"])
+    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise FinetuneError(f"{src}: {name} is {entry['dtype']}, which NumPy cannot write")
+    if value.shape != shape:
+        raise FinetuneError(f"the trained values do not fit the model: {name} is "
+                            f"{list(value.shape)}, the model's {list(shape)}")  # fmt: skip
+    return np.asarray(value, dtype=dtype, order="C")
+
+
+def _copy(src: IO[bytes], dst: IO[bytes], count: int) -> None:
+    while count:
+        chunk = src.read(min(count, _CHUNK))
+        if not chunk:
+            raise FinetuneError(f"{getattr(src, 'name', 'a skeleton file')} is cut short")
+        dst.write(chunk)
+        count -= len(chunk)

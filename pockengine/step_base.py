@@ -1,0 +1,351 @@
+"""What a compiled training step is once it runs: a graph bound to a backend, and its state.
+
+``CompiledStep`` is the running half of a step, shared by the ``TrainStep`` that
+``pockengine.compile`` builds (it adds the compiler's own facts: the forward graph, the
+pass stages, ``gradients`` and the report it computes) and the ``LoadedStep`` that
+``pockengine.load_step`` reads from a step artifact (``pockengine.step_io``), which ran no
+compiler at all. Everything here needs only the final training graph, the backend, the
+store of values and ``StepFacts``: the names, batch types and checks the compiler worked
+out and the artifact writes down. NumPy only; no frontend is imported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pockengine.backends import Backend
+from pockengine.batch_checks import IndexBound, out_of_range
+from pockengine.frontend.imported import ModelInfo
+from pockengine.ir import CompileError, Graph, PockEngineError, Role, get_op
+from pockengine.loading import LoadResult, StateError, load_into_module, match_arrays
+from pockengine.optim import LR, Optimizer
+from pockengine.passes.quantize import QuantizedParam
+from pockengine.sparse.schemes import Resolution, Scheme
+
+if TYPE_CHECKING:
+    from pockengine.evaluator import Evaluator
+    from pockengine.ir import Value
+    from pockengine.plan.report import Report
+
+__all__ = ["ON_NONFINITE", "BatchError", "CompiledStep", "NonFiniteError", "StepFacts"]
+
+Array = np.ndarray[Any, Any]
+ON_NONFINITE = ("raise", "skip")
+_RESULT_FIELDS = ("missing", "unexpected", "mismatched")
+
+
+class BatchError(PockEngineError):
+    """A batch that does not fit the step: shapes or dtypes other than the example batch's,
+    or class targets outside ``[0, classes)``."""
+
+
+class NonFiniteError(PockEngineError):
+    """A step whose loss was NaN or inf: it applied no update (params, optimizer state,
+    buffers and the step count are as before it)."""
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What the compiler worked out that running the step needs, beside its graph.
+
+    ``batch``: the batch inputs in call order; ``state_names``: IR name -> model name of
+    every param and persistent buffer; ``aliases``: every name of a tied tensor under its
+    first; ``quantized``: float params stored as codes (by IR name); ``index_bounds``:
+    the range checks of class targets and token ids; ``trained``: IR names of the
+    trained params, in order; ``restructure``: the model's own state structure (JAX)."""
+
+    batch: tuple[Value, ...]
+    state_names: dict[str, str]
+    aliases: dict[str, tuple[str, ...]]
+    quantized: dict[str, QuantizedParam]
+    index_bounds: tuple[IndexBound, ...]
+    trained: tuple[str, ...]
+    restructure: Callable[[dict[str, Array]], Any] | None = field(default=None, compare=False)
+
+
+class CompiledStep(ABC):
+    """A training step bound to a backend: ``step(*batch)`` trains once and returns the
+    loss. Holds params, buffers, optimizer state and the dropout seed (``_store``)."""
+
+    graph: Graph
+    backend: Backend
+    optimizer: Optimizer
+    info: ModelInfo
+    resolution: Resolution
+    scheme: Scheme | None
+
+    def _bind(
+        self, graph: Graph, backend: Backend, facts: StepFacts, values: dict[str, Array]
+    ) -> None:
+        """Bind ``graph`` to ``backend`` with ``values`` as its state (each copied once,
+        or shared when the step never writes it; ``values`` is emptied as it goes)."""
+        self.graph, self.backend = graph, backend
+        self._batch = facts.batch
+        self._state_names = dict(facts.state_names)
+        self._aliases = dict(facts.aliases)
+        self._quantized = dict(facts.quantized)
+        self._trained_ir = facts.trained
+        self._restructure = facts.restructure
+        self._index_bounds: dict[str, list[IndexBound]] = {}
+        for bound in facts.index_bounds:
+            self._index_bounds.setdefault(bound.input, []).append(bound)
+        written = {n.inputs[i].name for n in graph.nodes for i in get_op(n.op).mutates}
+        self._written = frozenset(written)
+        self._store: dict[str, Any] = {}
+        for name in list(values):
+            value = values.pop(name)
+            self._store[name] = (
+                backend.from_numpy(value) if name in written else backend.share_numpy(value)
+            )
+        self._exec = backend.compile(graph)
+        self.calls = 0  # steps run, skipped ones included: the number errors name
+        self.skipped_steps = 0  # steps whose loss was not finite (they applied no update)
+        self._on_nonfinite = "raise"
+
+    @property
+    def facts(self) -> StepFacts:
+        bounds = tuple(b for group in self._index_bounds.values() for b in group)
+        return StepFacts(self._batch, dict(self._state_names), dict(self._aliases),
+                         dict(self._quantized), bounds, self._trained_ir,
+                         self._restructure)  # fmt: skip
+
+    @abstractmethod
+    def report(self, depth: int | None = None) -> Report:
+        """Trained params, FLOPs, saved activations, memory: this scheme beside full
+        backprop of the same model (layers cut to ``depth`` path components)."""
+
+    # -- running ---------------------------------------------------------------
+    def _feeds(self, batch: Sequence[Any]) -> dict[str, Any]:
+        if len(batch) != len(self._batch):
+            raise BatchError(f"expected {len(self._batch)} batch tensors, got {len(batch)}")
+        feeds = {}
+        for i, (value, item) in enumerate(zip(self._batch, batch, strict=True)):
+            array = _to_numpy(item)
+            want = value.dtype.to_numpy()
+            if array.shape != value.shape or array.dtype != want:
+                got = f"{array.dtype}{list(array.shape)}"
+                raise BatchError(
+                    f"batch entry {i}: compiled for {value.type}, got {got}; shapes and dtypes "
+                    "are fixed at compile time (compile again for another shape)"
+                )
+            for bound in self._index_bounds.get(value.name, ()):
+                problem = out_of_range(array, bound)
+                if problem is not None:
+                    raise BatchError(f"batch entry {i}: {problem}; nothing was trained")
+            feeds[value.name] = self.backend.from_numpy(array)
+        return feeds
+
+    def __call__(self, *batch: Any) -> float:
+        """Train once on ``batch``; returns the loss. A NaN or inf loss applies no update
+        (checked in the graph before any update runs): a ``NonFiniteError``, or with
+        ``on_nonfinite = "skip"`` the step counts in ``skipped_steps`` and returns it."""
+        feeds = self._feeds(batch)
+        self.calls += 1
+        loss = float(self.backend.to_numpy(self._exec.run(self._store, feeds)[0]))
+        if not math.isfinite(loss):
+            self.skipped_steps += 1
+            if self._on_nonfinite == "raise":
+                raise NonFiniteError(
+                    f"step {self.calls}: the loss is {loss}; the step applied no update "
+                    "(params, optimizer state, buffers and step count are unchanged). Look for "
+                    "NaN/inf in the batch, or lower the learning rate"
+                )
+        return loss
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a step with a NaN/inf loss does (it never updates): "raise" a
+        ``NonFiniteError`` (the default), or "skip" (counted in ``skipped_steps``)."""
+        return self._on_nonfinite
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, value: str) -> None:
+        if value not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {value!r}")
+        self._on_nonfinite = value
+
+    def _read(self, name: str) -> Array:
+        quantized = self._quantized.get(name)
+        if quantized is not None:  # the float values the step computes with
+            return quantized.dequantized(lambda n: self.backend.to_numpy(self._store[n]))
+        return np.array(self.backend.to_numpy(self._store[name]), copy=True)
+
+    @property
+    def source(self) -> str | None:
+        """The generated code of the training step where the backend writes one (C for
+        ``backend="c"``, Python for ``"torch"``): one statement per node under its IR text."""
+        source = getattr(self._exec, "source", None)
+        return source if isinstance(source, str) else None
+
+    # -- state -----------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        return float(self._read(LR)) if LR in self._store else self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        """A finite learning rate > 0; anything else is refused before it is stored."""
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise StateError(f"step.lr must be a number, got {value!r}") from None
+        if not (math.isfinite(number) and number > 0):
+            raise StateError(f"step.lr must be a finite number > 0, got {value!r}")
+        self._store[LR] = self.backend.from_numpy(np.asarray(number, dtype=np.float32))
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        return tuple(self._state_names.get(n, n) for n in self._trained_ir)
+
+    def state_dict(self) -> Any:
+        """Params and persistent buffers, named as in ``model.state_dict()`` (tied ones
+        under each of their names); for a JAX model, the params pytree it was compiled from
+        (``flat_state_dict()`` gives the flat form for every frontend)."""
+        flat = self.flat_state_dict()
+        return flat if self._restructure is None else self._restructure(flat)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Every param and persistent buffer the step holds, by model name (tied tensors
+        under their first name)."""
+        return tuple(self._state_names.values())
+
+    @property
+    def written(self) -> tuple[str, ...]:
+        """The params and persistent buffers (model names) that a step writes: the trained
+        params and the buffers it updates (running statistics). The others keep the values
+        the step was compiled with (or was given through ``load_state``)."""
+        return tuple(name for ir, name in self._state_names.items() if ir in self._written)
+
+    def flat_state_dict(self, names: Iterable[str] | None = None) -> dict[str, Array]:
+        """Params and persistent buffers as ``{model name: array}``; only ``names`` (first
+        names of tied tensors, e.g. ``written``) when given."""
+        wanted = None if names is None else set(names)
+        out = {}
+        for ir, name in self._state_names.items():
+            if wanted is not None and name not in wanted:
+                continue
+            value = self._read(ir)
+            for alias in self._aliases.get(name, (name,)):
+                out[alias] = value.copy()
+        return out
+
+    def optimizer_state(self) -> dict[str, Array]:
+        state = self.graph.inputs_with_role(Role.STATE)
+        return {v.name: self._read(v.name) for v in state}
+
+    def _spec(self, ir: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        quantized = self._quantized.get(ir)
+        if quantized is not None:
+            return quantized.type.shape, quantized.type.dtype.to_numpy()
+        current = self.backend.to_numpy(self._store[ir])
+        return tuple(current.shape), current.dtype
+
+    def load_state(
+        self,
+        params: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = None,
+        *,
+        strict: bool = True,
+    ) -> LoadResult:
+        """Set params/buffers (model names, as ``state_dict()`` gives them) and optimizer
+        state (as ``optimizer_state()`` gives it), e.g. to resume from a checkpoint.
+
+        Strict (the default): each given mapping must name every param and buffer (every
+        optimizer state value), no other name, with the same shapes and dtype kinds; a
+        ``StateError`` lists what differs and nothing is written. ``strict=False`` loads
+        what fits and returns the rest."""
+        by_model = {name: ir for ir, name in self._state_names.items()}
+        for alias, canonical in self.info.canonical.items():
+            if canonical in by_model:
+                by_model.setdefault(alias, by_model[canonical])
+        updates: dict[str, Array] = {}
+        results = []
+        if params is not None:
+            expected = {ir: self._spec(ir) for ir in self._state_names}
+            fitting, result = match_arrays(
+                params, expected, what="params and buffers", strict=strict, key=by_model.get,
+                label=lambda ir: self._state_names[ir],
+            )  # fmt: skip
+            updates.update(fitting)
+            results.append(result)
+        if optimizer is not None:
+            state = {v.name: self._spec(v.name) for v in self.graph.inputs_with_role(Role.STATE)}
+            fitting, result = match_arrays(optimizer, state, what="optimizer state",
+                                           strict=strict)  # fmt: skip
+            updates.update(fitting)
+            results.append(result)
+        for ir, array in updates.items():
+            self._write(ir, array)
+        return LoadResult(*(sum((getattr(r, f) for r in results), ()) for f in _RESULT_FIELDS))
+
+    def _write(self, ir: str, array: Array) -> None:
+        quantized = self._quantized.get(ir)
+        if quantized is None:
+            self._store[ir] = self.backend.from_numpy(array)
+            return
+        if np.array_equal(array, self._read(ir)):  # unchanged (a resume): codes as they are
+            return
+        dtypes = {n: self._spec(n)[1] for n in quantized.inputs}
+        for name, codes in quantized.quantized(array, dtypes).items():  # requantized
+            self._store[name] = self.backend.from_numpy(codes)
+
+    # -- writing it out ----------------------------------------------------------
+    def export(self, path: str | os.PathLike[str], *, target: str = "onnx") -> Path:
+        """Write this training step with its current params, buffers and optimizer state.
+        ``target="onnx"``: one ONNX model (``path``) plus ``<stem>.state.npz`` beside it, to
+        run with ``pockengine/ort_runner.py`` wherever numpy and onnxruntime are installed;
+        returns the path of the state file. ``target="c"``: a self-contained folder
+        (``path``) whose ``make`` builds a stand-alone ``./train`` needing only libc and
+        libm (see ``pockengine.backends.c.export``); returns the folder. ``target="step"``:
+        the step artifact (``save``)."""
+        if target == "step":
+            return self.save(path)
+        state = {v.name: self._read(v.name) for v in self.graph.inputs if v.role is not Role.INPUT}
+        if target == "c":
+            from pockengine.backends.c.export import export_c
+
+            return export_c(path, self.graph, state, self._batch, self._state_names)
+        if target != "onnx":
+            raise CompileError(f"unknown export target {target!r}; use 'onnx', 'c' or 'step'")
+        from pockengine.backends.onnx_export import export_step
+
+        return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
+
+    def save(self, folder: str | os.PathLike[str], evaluator: Evaluator | None = None) -> Path:
+        """Write the step artifact into ``folder``: the training graph as IR text, the
+        store as safetensors, everything else as JSON (``pockengine.step_io``);
+        ``pockengine.load_step(folder)`` runs it without the compiler. ``evaluator`` (a
+        compiled ``Evaluator`` of this step) is saved beside it. Returns the folder."""
+        from pockengine.step_io import save_step
+
+        return save_step(self, folder, evaluator)
+
+    def load_into(self, model: Any, *, strict: bool = True) -> LoadResult:
+        """Write the trained values back into a torch module. Strict (the default): the
+        module must have exactly this step's params and buffers, with the same shapes and
+        dtype kinds, or a ``StateError`` says what differs and nothing is written;
+        ``strict=False`` writes what fits and returns the rest. LoRA adapters are merged
+        into the weights they adapt (the module has none)."""
+        state = self.flat_state_dict()
+        if self.resolution.adapters:
+            from pockengine.sparse.lora import merge_adapters
+
+            state = merge_adapters(state, self.resolution.adapters)
+        return load_into_module(state, model, strict=strict)
+
+
+def _to_numpy(item: Any) -> Array:
+    if isinstance(item, np.ndarray):
+        return item
+    if hasattr(item, "detach"):
+        return np.asarray(item.detach().cpu().numpy())
+    return np.asarray(item)

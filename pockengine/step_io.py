@@ -1,0 +1,279 @@
+"""The step artifact: a compiled training step as files, run without the compiler.
+
+``step.save(folder)`` writes what the compiler made, and ``load_step(folder)`` runs it in
+a process that never imports a frontend, torch.export or transformers, and runs no IR
+pass: only the backend's own compile (torch code generation, NumPy's plan, C) happens at
+load. Compile on a host, ship the folder, train on the device. The folder holds:
+
+- ``step.ir``: the final training graph as IR text (``ir.printer``; ``ir.parser`` reads
+  it back and ``ir.verify`` checks it);
+- ``state.safetensors``: the store by IR name: trained params, frozen weights (quantized
+  ones as their codes, scales and offsets, as stored), buffers, optimizer state, the
+  learning rate;
+- ``step.json``: the rest (``pockengine.step_json``): batch inputs, IR -> model names and
+  aliases, the quantized params, partial-channel rows, index bounds of the batch checks,
+  the optimizer, the model's param table, the scheme and the compile-time report;
+- ``eval.ir`` and ``eval.safetensors`` when a compiled evaluator was saved with it.
+
+Nothing is pickled: JSON, safetensors and IR text only. A missing, damaged or mismatched
+file is a ``StepFileError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pockengine.backends import BackendSpec, get_backend
+from pockengine.ir import Graph, PockEngineError, Role, Value, verify
+from pockengine.ir.parser import parse_graph
+from pockengine.ir.printer import print_graph
+from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
+from pockengine.step_base import CompiledStep
+from pockengine.step_json import STEP_FORMAT, Saved, from_json, to_json
+
+if TYPE_CHECKING:
+    from pockengine.evaluator import Evaluator
+    from pockengine.plan.report import Report
+
+__all__ = ["LoadedStep", "StepFileError", "load_step", "save_step"]
+
+Array = np.ndarray[Any, Any]
+GRAPH, STATE, META = "step.ir", "state.safetensors", "step.json"
+EVAL_GRAPH, EVAL_STATE = "eval.ir", "eval.safetensors"
+
+
+class StepFileError(PockEngineError):
+    """A step artifact file that is missing, damaged, or does not match the others."""
+
+
+def save_step(
+    step: CompiledStep,
+    folder: str | os.PathLike[str],
+    evaluator: Evaluator | None = None,
+    report: Report | None = None,
+) -> Path:
+    """Write ``step`` (and ``evaluator``, compiled for it) as a step artifact in ``folder``
+    (created; files of an earlier artifact there are replaced). ``report``: the step's
+    ``report()`` when the caller has it already (it is computed otherwise). Returns the
+    folder."""
+    if evaluator is not None and evaluator.step is not step:
+        raise StepFileError("the evaluator was compiled for another step")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    text = print_graph(step.graph)
+    _check_round_trip(step.graph, text, GRAPH)
+    _write_text(out / GRAPH, text)
+    store = {k: step.backend.to_numpy(v) for k, v in step._store.items()}
+    _write_tensors(out / STATE, store)
+    del store
+    eval_meta = None
+    if evaluator is not None:
+        eval_text = print_graph(evaluator.graph)
+        _check_round_trip(evaluator.graph, eval_text, EVAL_GRAPH)
+        _write_text(out / EVAL_GRAPH, eval_text)
+        own = {k: step.backend.to_numpy(v) for k, v in evaluator._own.items()}
+        _write_tensors(out / EVAL_STATE, own)
+        eval_meta = {"batch": [v.name for v in evaluator._batch], "sha256": _digest(eval_text)}
+    meta = to_json(step, report or step.report(), _digest(text), eval_meta)
+    _write_text(out / META, json.dumps(meta, indent=1) + "\n")
+    return out
+
+
+def _check_round_trip(graph: Graph, text: str, name: str) -> None:
+    """The printed graph must parse back to a graph that prints the same (every attr a
+    literal; compared as text, where a NaN attr equals itself)."""
+    back = print_graph(parse_graph(text)).splitlines()
+    lines = text.splitlines()
+    if back != lines:
+        bad = next((a for a, b in zip(lines, back, strict=False) if a != b), "its length")
+        raise StepFileError(f"{name}: {graph.name} does not print as text that parses back "
+                            f"to it (first differing line: {bad})")  # fmt: skip
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            write_safetensors_to(f, tensors)
+    except TypeError as exc:  # a dtype safetensors has no name for
+        tmp.unlink(missing_ok=True)
+        raise StepFileError(f"{path.name}: {exc}") from None
+    os.replace(tmp, path)
+
+
+# -- reading ------------------------------------------------------------------------------
+def read_tensors(path: Path) -> dict[str, Array]:
+    """Every tensor of the safetensors file ``path``, each read into its own array (no
+    memory map, no second copy); a ``StepFileError`` if the file is missing or damaged."""
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            entries = sorted(header.items(), key=lambda e: int(e[1]["data_offsets"][0]))
+            end = max((int(e["data_offsets"][1]) for _, e in entries), default=0)
+            if path.stat().st_size != 8 + size + end:
+                raise StepFileError(f"{path}: truncated or padded (size does not match header)")
+            out = {}
+            for name, entry in entries:
+                dtype = np.dtype(SAFETENSORS_DTYPES[entry["dtype"]])
+                array = np.empty([int(d) for d in entry["shape"]], dtype=dtype)
+                start, stop = (int(x) for x in entry["data_offsets"])
+                if stop - start != array.nbytes:
+                    raise StepFileError(f"{path}: {name} holds {stop - start} bytes, its shape "
+                                        f"needs {array.nbytes}")  # fmt: skip
+                f.seek(8 + size + start)
+                raw = array.reshape(-1).view(np.uint8).data
+                if array.nbytes and f.readinto(raw) != array.nbytes:
+                    raise StepFileError(f"{path}: {name} is cut short")
+                out[name] = array
+            return out
+    except FileNotFoundError:
+        raise StepFileError(f"{path}: missing (not a step artifact folder?)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StepFileError(f"{path}: not a whole safetensors file ({exc})") from None
+
+
+def _read_graph(path: Path, digest: str) -> Graph:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StepFileError(f"{path}: missing (not a step artifact folder?)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StepFileError(f"{path}: cannot be read ({exc})") from None
+    if _digest(text) != digest:
+        raise StepFileError(f"{path}: not the graph {META} was written with (its SHA-256 "
+                            "differs): files of two artifacts, or an edited one")  # fmt: skip
+    try:
+        return verify(parse_graph(text))
+    except PockEngineError as exc:
+        raise StepFileError(f"{path}: {exc}") from None
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StepFileError(f"{path}: missing (not a step artifact folder?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StepFileError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != STEP_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else None
+        raise StepFileError(f"{path}: step artifact format {got!r}, this PockEngine reads "
+                            f"{STEP_FORMAT}")  # fmt: skip
+    return meta
+
+
+def _check_state(graph: Graph, values: Mapping[str, Array], path: Path) -> None:
+    """Each state input of ``graph`` is in ``values`` with the graph's shape and dtype."""
+    for v in graph.inputs:
+        if v.role is Role.INPUT:
+            continue
+        array = values.get(v.name)
+        if array is None:
+            raise StepFileError(f"{path}: has no {v.name}, which the graph reads")
+        if array.shape != v.shape or array.dtype != v.dtype.to_numpy():
+            raise StepFileError(f"{path}: {v.name} is {array.dtype}{list(array.shape)}, the "
+                                f"graph reads {v.type}")  # fmt: skip
+
+
+class LoadedStep(CompiledStep):
+    """A training step read from a step artifact (``load_step``): the runtime API of
+    ``TrainStep`` (``step(*batch)``, ``lr``, ``trained``, ``written``, ``state_dict``,
+    ``load_state``, ``report``, ``export``, ``save``...) without the compiler. What needs
+    the compiler (``gradients``, compiling another evaluator) is not there."""
+
+    def __init__(self, folder: Path, saved: Saved, graph: Graph, values: dict[str, Array],
+                 backend: BackendSpec) -> None:  # fmt: skip
+        self.folder = folder
+        self.optimizer, self.info = saved.optimizer, saved.info
+        self.resolution, self.scheme = saved.resolution, saved.scheme
+        self._report = saved.report
+        self._bind(graph, get_backend(backend), saved.facts, values)
+        self.on_nonfinite = saved.on_nonfinite
+        self._evaluator: Evaluator | None = None
+
+    def report(self, depth: int | None = None) -> Report:
+        """The compile-time report as the compiler wrote it (layers cut to ``depth``)."""
+        from pockengine.backends.mixed import MixedBackend
+
+        placement = None
+        if isinstance(self.backend, MixedBackend):
+            placement = self.backend.placement(self.graph)
+        return self._report.at_depth(depth, placement)
+
+    def evaluator(self) -> Evaluator:
+        """The compiled evaluator saved with the step; a ``StepFileError`` if none was."""
+        if self._evaluator is None:
+            raise StepFileError(f"{self.folder}: the artifact holds no evaluator "
+                                f"({EVAL_GRAPH} was not saved)")  # fmt: skip
+        return self._evaluator
+
+    @property
+    def has_evaluator(self) -> bool:
+        return self._evaluator is not None
+
+
+def load_step(folder: str | os.PathLike[str], backend: BackendSpec | None = None) -> LoadedStep:
+    """The step artifact in ``folder`` (``TrainStep.save``), bound to ``backend`` (default:
+    the one it was compiled for). Only the backend compiles here; no frontend is imported
+    and no IR pass runs."""
+    where = Path(folder)
+    meta = _read_meta(where / META)
+    try:
+        saved = from_json(meta)
+    except (KeyError, TypeError, ValueError, PockEngineError) as exc:
+        raise StepFileError(f"{where / META}: damaged ({type(exc).__name__}: {exc})") from None
+    graph = _read_graph(where / GRAPH, saved.graph_sha256)
+    values = read_tensors(where / STATE)
+    _check_state(graph, values, where / STATE)
+    saved = saved.with_batch(_batch_values(graph, saved.batch_names, where / META))
+    step = LoadedStep(where, saved, graph, values, backend or saved.backend)
+    if saved.evaluator is not None:
+        step._evaluator = _load_evaluator(step, where, saved.evaluator)
+    return step
+
+
+def _batch_values(graph: Graph, names: list[str], path: Path) -> tuple[Value, ...]:
+    inputs = {v.name: v for v in graph.inputs if v.role is Role.INPUT}
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        raise StepFileError(f"{path}: batch inputs {missing} are not inputs of {GRAPH}")
+    return tuple(inputs[n] for n in names)
+
+
+def _load_evaluator(step: LoadedStep, where: Path, meta: Mapping[str, Any]) -> Evaluator:
+    from pockengine.evaluator import Evaluator
+
+    graph = _read_graph(where / EVAL_GRAPH, str(meta["sha256"]))
+    own = read_tensors(where / EVAL_STATE)
+    _check_state(graph, {**own, **_store_types(step)}, where / EVAL_STATE)
+    batch = _batch_values(graph, list(meta["batch"]), where / META)
+    shared = {k: step.backend.share_numpy(v) for k, v in own.items()}
+    return Evaluator(step, graph, batch, shared)
+
+
+def _store_types(step: CompiledStep) -> dict[str, Array]:
+    """Placeholders with the shapes and dtypes of the step's store (for ``_check_state``)."""
+    out = {}
+    for name, value in step._store.items():
+        array = step.backend.to_numpy(value)
+        out[name] = np.broadcast_to(np.zeros((), array.dtype), array.shape)
+    return out

@@ -1,0 +1,114 @@
+"""``pockengine finetune --compile-in child``: the model is imported and compiled in a child
+process, which writes the step artifact; this process trains it.
+
+- a run trains bit-identically to one compiled in-process (checkpoint, metrics log,
+  validation history) and writes the same ``RUN/model`` (tensors, config files); a
+  stopped run resumes through the child route to the uninterrupted run's state;
+- the child's error (a scheme matching nothing) is raised here as the class it was, and
+  the compile folder is removed;
+- ``model_skeleton.refill`` keeps a tensor the step does not hold and refuses a value of
+  another shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import pockengine as pe
+from pockengine.finetune import checkpoint
+from pockengine.finetune.model_skeleton import refill
+from pockengine.ir import SchemeError
+from pockengine.safetensors_io import write_safetensors_to
+from tests.test_finetune_resume import metric_lines, write_task
+
+
+@pytest.fixture
+def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return {**write_task(tmp_path, rows=64, module="child_bag"), "epochs": 1}
+
+
+def _same_checkpoint(a: Path, b: Path) -> None:
+    x, y = checkpoint.load(a), checkpoint.load(b)
+    assert x.counters == y.counters
+    for got, want in ((x.params, y.params), (x.optimizer, y.optimizer)):
+        assert got.keys() == want.keys()
+        for name in got:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def _same_model(a: Path, b: Path) -> None:
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    for name in files:
+        if name.endswith(".safetensors"):
+            x, y = load_file(str(a / name)), load_file(str(b / name))
+            assert x.keys() == y.keys()
+            for key in x:
+                np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+    meta = [json.loads((f / "pockengine.json").read_text()) for f in (a, b)]
+    for m in meta:
+        m["config"] = {k: v for k, v in m["config"].items() if k not in ("out", "compile_in")}
+    assert meta[0] == meta[1]
+
+
+def test_a_child_compiled_run_trains_as_an_in_process_one(
+    tmp_path: Path, task: dict[str, Any]
+) -> None:
+    here = pe.finetune(**task, out=str(tmp_path / "here"), test_fraction=0.5)
+    child = pe.finetune(**task, out=str(tmp_path / "child"), test_fraction=0.5,
+                        compile_in="child")  # fmt: skip
+    assert child.finished and child.steps == here.steps
+    _same_checkpoint(here.checkpoint, child.checkpoint)
+    assert metric_lines(here.metrics_path) == metric_lines(child.metrics_path)
+    assert child.history == here.history and child.test == here.test
+    assert child.report == here.report and child.trained_params == here.trained_params
+    _same_model(tmp_path / "here" / "model", tmp_path / "child" / "model")
+    assert not list((tmp_path / "child").glob(".compiled-*"))  # the compile folder is gone
+    texts = ["great fun", "dull and boring"]
+    probs = [pe.load_run(tmp_path / r).predict_proba(texts) for r in ("here", "child")]
+    np.testing.assert_array_equal(probs[0], probs[1])
+
+
+@pytest.mark.slow
+def test_a_child_compiled_run_resumes(tmp_path: Path, task: dict[str, Any]) -> None:
+    whole = pe.finetune(**task, out=str(tmp_path / "whole"))
+    split = str(tmp_path / "split")
+    first = pe.finetune(**task, out=split, max_steps=3, checkpoint_every=2, compile_in="child")
+    assert first.stopped == "max_steps"
+    rest = pe.finetune(**task, out=split, resume=True, compile_in="child")
+    assert rest.finished
+    _same_checkpoint(whole.checkpoint, rest.checkpoint)
+    assert rest.history == whole.history
+
+
+def test_the_childs_error_is_raised_here(tmp_path: Path, task: dict[str, Any]) -> None:
+    scheme = tmp_path / "bad.json"
+    scheme.write_text(json.dumps({"scheme": "select", "train": ["nothing.*"]}))
+    with pytest.raises(SchemeError, match=r"train pattern 'nothing\.\*' matches no parameter"):
+        pe.finetune(**task, out=str(tmp_path / "run"), scheme=str(scheme), compile_in="child")
+    assert not list((tmp_path / "run").glob(".compiled-*"))
+
+
+def test_refill_keeps_what_the_step_lacks_and_checks_shapes(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src.safetensors", tmp_path / "dst.safetensors"
+    arrays: dict[str, Any] = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b": np.ones(4, np.int64),
+    }
+    with src.open("wb") as f:
+        write_safetensors_to(f, arrays, {"format": "pt"})
+    new = np.full((2, 3), 7.0, np.float64)  # cast to the file's float32
+    refill(src, dst, {"a": new}.get)
+    back = load_file(str(dst))
+    np.testing.assert_array_equal(back["a"], new.astype(np.float32))
+    np.testing.assert_array_equal(back["b"], arrays["b"])
+    assert dst.stat().st_size == src.stat().st_size
+    with pytest.raises(pe.FinetuneError, match=r"a is \[3, 2\], the model's \[2, 3\]"):
+        refill(src, dst, {"a": np.zeros((3, 2), np.float32)}.get)
