@@ -18,9 +18,21 @@ their difference (the training memory), the whole process's peak (compiling incl
 holds two copies of the weights a while), and the validation accuracy and loss
 (perplexity for a causal LM). ``lora-int8`` is ``lora`` with the frozen weights stored as
 int8 (``frozen_dtype="int8"``: QLoRA's idea; PEFT's 4/8-bit path needs bitsandbytes).
-``--dropout off`` sets every dropout probability of the model to 0 in all cases (the
-recipe's model keeps its own otherwise). Writes
-benchmarks/results/lora_peer-<recipe>[-nodropout].json.
+``lora-remat`` is ``lora`` compiled with ``memory_budget=--remat-budget`` (block
+recomputation chosen by the planner, ``passes.remat_budget``; the row keeps the plan
+before and after and the recomputed FLOPs). ``lora-artifact`` and ``lora-remat-artifact``
+are compiled and saved (``step.save``) by a child process; the measured process builds
+the same model and data, drops the module's weights and loads the step
+(``pockengine.load_step``): it never runs the compiler. ``--dropout off`` sets every
+dropout probability of the model to 0 in all cases (the recipe's model keeps its own
+otherwise). Writes benchmarks/results/lora_peer-<recipe>[-nodropout][-remat<budget>]
+[-<tag>].json (the budget named when it is not the default).
+
+Training memory is defined the same way for every case: the peak RSS over the training
+steps minus the idle RSS, and the idle process holds the torch module's weights in every
+case. PEFT trains those weights in place; the compiled and loaded cases free them and the
+step holds its own copy (read from the artifact in the loaded cases), so the frozen
+weights count once in idle and about zero in training for every case.
 """
 
 from __future__ import annotations
@@ -30,9 +42,11 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 from _harness import (
@@ -48,8 +62,25 @@ from _harness import (
     write_results,
 )
 
-CASES = ("peft", "lora", "lora-int8", "sparse")
+CASES = ("peft", "lora", "lora-remat", "lora-artifact", "lora-remat-artifact", "lora-int8",
+         "sparse")  # fmt: skip
+REMAT_BUDGET = "152MB"  # minilm-bbc 16 x 64: the least planned peak at <= ~20% extra FLOPs
 Array = np.ndarray[Any, Any]
+
+
+class Case(NamedTuple):
+    """What a case name asks for: ``lora-remat-artifact`` -> lora, budget, artifact."""
+
+    scheme: str  # "peft", "lora" or "sparse"
+    frozen_dtype: str | None
+    remat: bool
+    artifact: bool
+
+    @classmethod
+    def of(cls, name: str) -> Case:
+        scheme, *extras = name.split("-")
+        frozen = next((e for e in extras if e in ("int8", "int4")), None)
+        return cls(scheme, frozen, "remat" in extras, "artifact" in extras)
 
 
 def _batches(
@@ -65,10 +96,11 @@ def _task(args: argparse.Namespace) -> tuple[Any, Any]:
     from pockengine.finetune import recipes
     from pockengine.finetune.config import FinetuneConfig
 
+    ours = "sparse" if Case.of(args.child).scheme == "sparse" else "lora"
     config = FinetuneConfig(recipe=args.recipe, max_train=args.max_train, max_val=args.max_val,
                             batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                            scheme="sparse" if args.child == "sparse" else "lora")  # fmt: skip
-    if args.lora_lr is not None and args.child != "sparse":
+                            scheme=ours)  # fmt: skip
+    if args.lora_lr is not None and ours != "sparse":
         config.lr = args.lora_lr
     config = config.with_defaults(recipes.defaults(config)).validate()
     task = recipes.build(config)
@@ -118,36 +150,75 @@ def _peft_trainer(task: Any, config: Any, head: bool) -> tuple[Any, Callable[...
     return model, train, sum(p.numel() for p in params)
 
 
-def _our_trainer(
-    task: Any, config: Any, scheme_name: str, frozen_dtype: str | None
-) -> tuple[Any, Callable[..., float], Any]:
+def _compile(task: Any, config: Any, case: Case, budget: str | None) -> Any:
+    """The case's step, compiled for the torch backend on the recipe's first batch."""
     import torch
 
     import pockengine as pe
     from pockengine.finetune import recipes
 
-    scheme = recipes.parse_scheme(scheme_name, config.recipe)
+    scheme = recipes.parse_scheme(case.scheme, config.recipe)
     example = tuple(torch.from_numpy(a[: config.batch_size]) for a in task.train)
     task.model.train()
-    step = pe.compile(
+    return pe.compile(
         task.model,
         task.loss_fn,
         example,
         scheme=scheme,
         backend="torch",
-        frozen_dtype=frozen_dtype,
+        frozen_dtype=case.frozen_dtype,
+        memory_budget=budget if case.remat else None,
         optimizer=pe.optim.AdamW(lr=config.lr, weight_decay=config.weight_decay),
     )
-    trained = step.report().ours.trained_elements
-    for p in task.model.parameters():  # the step holds every weight: drop the module's copy
+
+
+def _our_trainer(
+    task: Any, config: Any, case: Case, args: argparse.Namespace
+) -> tuple[Any, Callable[..., float], Any]:
+    """The compiled step (or, with ``args.artifact``, the step loaded from the artifact)
+    and its train function; the module's weights are freed: the step holds its own."""
+    import torch
+
+    import pockengine as pe
+
+    step = None if args.artifact else _compile(task, config, case, args.remat_budget)
+    for p in task.model.parameters():
         p.data = torch.empty(0)
     pe.runtime.release_free_memory()
+    if step is None:
+        step = pe.load_step(args.artifact, backend="torch")
 
     def train(lr: float, *batch: Array) -> float:
         step.lr = lr
         return step(*batch)
 
-    return step, train, trained
+    return step, train, step.report().ours.trained_elements
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """Compile the case's step and save it to ``args.prepare`` (the artifact cases)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    config, task = _task(args)
+    _compile(task, config, Case.of(args.child), args.remat_budget).save(args.prepare)
+    print(json.dumps({"prepared": args.prepare}))
+
+
+def _plan(step: Any) -> dict[str, Any]:
+    """The compiled plan of ``step``: planned peak, saved activations, recomputation."""
+    report = step.report()
+    mib = 2**20
+    out: dict[str, Any] = {
+        "planned_peak_mib": report.ours.planned_peak_bytes / mib,
+        "planned_saved_activations_mib": report.ours.saved_activation_bytes / mib,
+        "planned_param_mib": report.ours.param_bytes / mib,
+    }
+    if report.recomputation is not None:
+        out["recomputation"] = {k: v for k, v in report.recomputation.to_dict().items()
+                                if k != "segments"}  # fmt: skip
+    return out
 
 
 def _evaluate(model: Any, task: Any) -> dict[str, float]:
@@ -175,28 +246,13 @@ def _evaluate(model: Any, task: Any) -> dict[str, float]:
     return out
 
 
-def _child(args: argparse.Namespace) -> None:
-    import torch
-
+def _train(
+    train: Callable[..., float], task: Any, config: Any, args: argparse.Namespace
+) -> tuple[list[float], list[float]]:
+    """``args.steps`` steps on the seeded batches under warmup + linear decay: the step
+    times and the losses."""
     from pockengine.finetune.trainer import linear_schedule
-    from pockengine.sparse.lora import merge_adapters
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    config, task = _task(args)
-    idle = vm_mib("VmRSS")
-    load_peak = vm_mib("VmHWM")
-    reset_peak()
-    start = time.perf_counter()
-    head = task.kind != "causal-lm"
-    if args.child == "peft":
-        model, train, trained = _peft_trainer(task, config, head)
-    else:
-        scheme, _, frozen = args.child.partition("-")
-        model, train, trained = _our_trainer(task, config, scheme, frozen or None)
-    setup_s = time.perf_counter() - start
-    setup_peak = vm_mib("VmHWM")  # compiling holds two copies of the weights a while
-    reset_peak()
     times, losses = [], []
     warmup = round(config.warmup * args.steps)
     for t, batch in enumerate(_batches(task.train, config.batch_size, args.steps, args.seed)):
@@ -204,45 +260,76 @@ def _child(args: argparse.Namespace) -> None:
         tick = time.perf_counter()
         losses.append(train(lr, *batch))
         times.append(time.perf_counter() - tick)
+    return times, losses
+
+
+def _torch_model(step: Any, task: Any) -> Any:
+    """The torch module with the step's weights back, adapters merged (for evaluation)."""
+    import torch
+
+    from pockengine.sparse.lora import merge_adapters
+
+    state = merge_adapters(step.flat_state_dict(), step.resolution.adapters)
+    for name, p in task.model.named_parameters():
+        p.data = torch.from_numpy(state[name])
+    return task.model
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    case = Case.of(args.child)
+    config, task = _task(args)
+    idle, load_peak = vm_mib("VmRSS"), vm_mib("VmHWM")
+    reset_peak()
+    start = time.perf_counter()
+    if case.scheme == "peft":
+        model, train, trained = _peft_trainer(task, config, task.kind != "causal-lm")
+    else:
+        model, train, trained = _our_trainer(task, config, case, args)
+    setup_s = time.perf_counter() - start
+    setup_peak = vm_mib("VmHWM")  # compiling holds two copies of the weights a while
+    reset_peak()
+    times, losses = _train(train, task, config, args)
     train_peak = vm_mib("VmHWM")
-    if args.child != "peft":  # evaluate in torch: the weights back, adapters merged
-        state = merge_adapters(model.flat_state_dict(), model.resolution.adapters)
-        for name, p in task.model.named_parameters():
-            p.data = torch.from_numpy(state[name])
-        model = task.model
+    plan = {} if case.scheme == "peft" else _plan(model)
+    if case.scheme != "peft":  # evaluate in torch
+        model = _torch_model(model, task)
     row = {
-        "case": args.child,
-        "recipe": args.recipe,
-        "steps": args.steps,
-        "batch_size": config.batch_size,
-        "seq_len": config.seq_len,
-        "lr": config.lr,
+        "case": args.child, "recipe": args.recipe, "steps": args.steps,
+        "batch_size": config.batch_size, "seq_len": config.seq_len, "lr": config.lr,
+        "remat_budget": args.remat_budget if case.remat else None,
         "trained_elements": int(trained),
-        "step_s_median": statistics.median(times[1:] or times),
-        "step_s_first": times[0],
-        "setup_s": setup_s,
-        "idle_rss_mib": idle,
-        "train_peak_rss_mib": train_peak,
-        "training_mib": train_peak - idle,
-        "setup_peak_rss_mib": setup_peak,
+        "step_s_median": statistics.median(times[1:] or times), "step_s_first": times[0],
+        "setup_s": setup_s, "idle_rss_mib": idle, "train_peak_rss_mib": train_peak,
+        "training_mib": train_peak - idle, "setup_peak_rss_mib": setup_peak,
         "process_peak_rss_mib": max(load_peak, setup_peak, train_peak),
-        "first_loss": losses[0],
-        "last_loss_mean10": float(np.mean(losses[-10:])),
+        **plan,
+        "first_loss": losses[0], "last_loss_mean10": float(np.mean(losses[-10:])),
         **_evaluate(model, task),
-        "train_examples": task.train_size,
-        "val_examples": task.val_size,
-        "threads": args.threads,
-        "dropout": args.dropout,
-    }
+        "train_examples": task.train_size, "val_examples": task.val_size,
+        "threads": args.threads, "dropout": args.dropout,
+    }  # fmt: skip
     print(json.dumps(row))
 
 
+_FORWARDED = ("recipe", "steps", "threads", "seed", "dropout", "lora_lr", "max_train",
+              "max_val", "batch_size", "seq_len", "remat_budget")  # fmt: skip
+
+
 def _run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("recipe", "steps", "threads", "seed", "dropout", "lora_lr", "max_train", "max_val",
-            "batch_size", "seq_len")  # fmt: skip
+    """One case in its own process; an artifact case is compiled and saved by another
+    process first, and the measured one only loads it."""
+    argv = [__file__, "--child", case, *forward(args, _FORWARDED)]
     try:
-        return run_child([__file__, "--child", case, *forward(args, keys)], args.threads,
-                         cwd=ROOT)  # fmt: skip
+        if not Case.of(case).artifact:
+            return run_child(argv, args.threads, cwd=ROOT)
+        with tempfile.TemporaryDirectory(prefix="pe-lora-peer-") as tmp:
+            folder = str(Path(tmp) / "step")
+            run_child([*argv, "--prepare", folder], args.threads, cwd=ROOT)
+            return run_child([*argv, "--artifact", folder], args.threads, cwd=ROOT)
     except ChildFailedError as e:
         print(f"{case} failed:\n{e.stderr[-3000:]}", file=sys.stderr)
         return {"case": case, "error": e.stderr[-1000:]}
@@ -252,17 +339,18 @@ def _table(rows: list[dict[str, Any]]) -> str:
     quality = "val_perplexity" if any("val_perplexity" in r for r in rows) else "val_accuracy"
     lines = [
         f"| case | trained elements | step (s, median) | idle RSS (MiB) | training (MiB) "
-        f"| process peak (MiB) | {quality.replace('_', ' ')} | val loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| process peak (MiB) | planned peak (MiB) | {quality.replace('_', ' ')} | val loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | failed: see the results JSON | | | | | | |")
+            lines.append(f"| {r['case']} | failed: see the results JSON | | | | | | | |")
             continue
         lines.append(
             f"| {r['case']} | {r['trained_elements']:,} | {r['step_s_median']:.3f} "
             f"| {r['idle_rss_mib']:.0f} | {r['training_mib']:.0f} "
-            f"| {r['process_peak_rss_mib']:.0f} | {r[quality]:.3f} | {r['val_loss']:.3f} |"
+            f"| {r['process_peak_rss_mib']:.0f} | {r.get('planned_peak_mib', math.nan):.0f} "
+            f"| {r[quality]:.3f} | {r['val_loss']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -276,14 +364,31 @@ def main() -> None:
     add_run_options(p, threads=1)
     p.add_argument("--dropout", choices=("model", "off"), default="model")
     p.add_argument("--lora-lr", type=float, help="peak lr of the LoRA cases (default: recipe's)")
+    p.add_argument(
+        "--remat-budget",
+        default=REMAT_BUDGET,
+        help=f"memory budget of the -remat cases (default {REMAT_BUDGET})",
+    )
+    p.add_argument("--tag", help="suffix of the results file (a re-run beside the first)")
+    p.add_argument("--prepare", help=argparse.SUPPRESS)  # child: compile, save the step here
+    p.add_argument("--artifact", help=argparse.SUPPRESS)  # child: load the step from here
     args = p.parse_args()
-    if args.child:
+    if args.prepare:
+        _prepare(args)
+    elif args.child:
         _child(args)
-        return
+    else:
+        _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
     rows = run_cases(args.cases, lambda case: _run_case(case, args))
     suffix = "-nodropout" if args.dropout == "off" else ""
     suffix += f"-lora-lr{args.lora_lr:g}" if args.lora_lr is not None else ""
-    settings = {k: v for k, v in vars(args).items() if k != "child"}
+    suffix += f"-remat{args.remat_budget}" if args.remat_budget != REMAT_BUDGET else ""
+    suffix += f"-{args.tag}" if args.tag else ""
+    hidden = ("child", "prepare", "artifact", "tag")
+    settings = {k: v for k, v in vars(args).items() if k not in hidden}
     write_results(f"lora_peer-{args.recipe}{suffix}", {"args": settings, "rows": rows})
     print(_table(rows))
 

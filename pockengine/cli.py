@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -95,14 +96,21 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_threads(threads: int) -> None:
+    """torch's thread count, without importing torch (the run imports it once its compile
+    child is done: the environment reaches both); set directly where it is loaded."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def _finetune(args: argparse.Namespace) -> int:
     from pockengine.finetune import finetune
     from pockengine.finetune.cli import config_from_args, exit_code
 
     if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+        _set_threads(args.threads)
     result = finetune(config_from_args(args))
     if args.report:
         print(result.report, end="\n\n")

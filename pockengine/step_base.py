@@ -172,11 +172,14 @@ class CompiledStep(ABC):
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {value!r}")
         self._on_nonfinite = value
 
-    def _read(self, name: str) -> Array:
+    def _read(self, name: str, copy: bool = True) -> Array:
+        """``name``'s value: a fresh array, or with ``copy=False`` the backend's own memory
+        where it can lend it (CPU torch, NumPy, C: valid until the next step)."""
         quantized = self._quantized.get(name)
         if quantized is not None:  # the float values the step computes with
             return quantized.dequantized(lambda n: self.backend.to_numpy(self._store[n]))
-        return np.array(self.backend.to_numpy(self._store[name]), copy=True)
+        value = self.backend.to_numpy(self._store[name])
+        return np.array(value, copy=True) if copy else value
 
     @property
     def source(self) -> str | None:
@@ -225,22 +228,27 @@ class CompiledStep(ABC):
         the step was compiled with (or was given through ``load_state``)."""
         return tuple(name for ir, name in self._state_names.items() if ir in self._written)
 
-    def flat_state_dict(self, names: Iterable[str] | None = None) -> dict[str, Array]:
+    def flat_state_dict(
+        self, names: Iterable[str] | None = None, *, copy: bool = True
+    ) -> dict[str, Array]:
         """Params and persistent buffers as ``{model name: array}``; only ``names`` (first
-        names of tied tensors, e.g. ``written``) when given."""
+        names of tied tensors, e.g. ``written``) when given. ``copy=False`` lends the step's
+        own memory where the backend can (read-only use before the next step: writing a
+        checkpoint without a second copy of everything it holds)."""
         wanted = None if names is None else set(names)
         out = {}
         for ir, name in self._state_names.items():
             if wanted is not None and name not in wanted:
                 continue
-            value = self._read(ir)
-            for alias in self._aliases.get(name, (name,)):
-                out[alias] = value.copy()
+            value = self._read(ir, copy)
+            for i, alias in enumerate(self._aliases.get(name, (name,))):
+                out[alias] = value.copy() if copy and i else value
         return out
 
-    def optimizer_state(self) -> dict[str, Array]:
+    def optimizer_state(self, *, copy: bool = True) -> dict[str, Array]:
+        """The optimizer's state by IR name (``copy=False``: as ``flat_state_dict``)."""
         state = self.graph.inputs_with_role(Role.STATE)
-        return {v.name: self._read(v.name) for v in state}
+        return {v.name: self._read(v.name, copy) for v in state}
 
     def _spec(self, ir: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
         quantized = self._quantized.get(ir)

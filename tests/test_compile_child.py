@@ -2,10 +2,12 @@
 process, which writes the step artifact; this process trains it.
 
 - a run trains bit-identically to one compiled in-process (checkpoint, metrics log,
-  validation history) and writes the same ``RUN/model`` (tensors, config files); a
-  stopped run resumes through the child route to the uninterrupted run's state;
+  validation history) and writes the same ``RUN/model`` (tensors, config files), and its
+  process has not imported torch when it launches the child; a stopped run resumes through
+  the child route to the uninterrupted run's state;
 - the child's error (a scheme matching nothing) is raised here as the class it was, and
-  the compile folder is removed;
+  the compile folder is removed; a task whose evaluation does not compile (it runs
+  eagerly, on the model) is compiled here instead;
 - ``model_skeleton.refill`` keeps a tensor the step does not hold and refuses a value of
   another shape.
 """
@@ -13,6 +15,10 @@ process, which writes the step artifact; this process trains it.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +27,13 @@ import pytest
 from safetensors.numpy import load_file
 
 import pockengine as pe
-from pockengine.finetune import checkpoint
+from pockengine.finetune import FinetuneConfig, checkpoint
 from pockengine.finetune.model_skeleton import refill
 from pockengine.ir import SchemeError
 from pockengine.safetensors_io import write_safetensors_to
 from tests.test_finetune_resume import metric_lines, write_task
+
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -58,19 +66,53 @@ def _same_model(a: Path, b: Path) -> None:
     assert meta[0] == meta[1]
 
 
+# Runs pe.finetune in a fresh interpreter (this one has torch loaded) and records, as the
+# compile child is launched, whether the parent had imported torch.
+_SPY = """
+import json, subprocess, sys
+launched = []
+real_run = subprocess.run
+
+def spy(*args, **kwargs):
+    launched.append("torch" in sys.modules)
+    return real_run(*args, **kwargs)
+
+subprocess.run = spy
+import pockengine as pe
+pe.finetune(**json.loads(sys.argv[1]))
+print(json.dumps({"torch_at_launch": launched, "torch_after": "torch" in sys.modules}))
+"""
+
+
+def _finetune_in_a_fresh_process(tmp_path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(_ROOT)])}
+    done = subprocess.run([sys.executable, "-c", _SPY, json.dumps(options)], env=env,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return seen
+
+
 def test_a_child_compiled_run_trains_as_an_in_process_one(
     tmp_path: Path, task: dict[str, Any]
 ) -> None:
-    here = pe.finetune(**task, out=str(tmp_path / "here"), test_fraction=0.5)
-    child = pe.finetune(**task, out=str(tmp_path / "child"), test_fraction=0.5,
-                        compile_in="child")  # fmt: skip
-    assert child.finished and child.steps == here.steps
-    _same_checkpoint(here.checkpoint, child.checkpoint)
-    assert metric_lines(here.metrics_path) == metric_lines(child.metrics_path)
-    assert child.history == here.history and child.test == here.test
-    assert child.report == here.report and child.trained_params == here.trained_params
-    _same_model(tmp_path / "here" / "model", tmp_path / "child" / "model")
-    assert not list((tmp_path / "child").glob(".compiled-*"))  # the compile folder is gone
+    here = pe.finetune(**task, out=str(tmp_path / "here"), test_fraction=0.5,
+                       compile_in="process")  # fmt: skip
+    out = tmp_path / "child"
+    seen = _finetune_in_a_fresh_process(
+        tmp_path, {**task, "out": str(out), "test_fraction": 0.5, "compile_in": "child"}
+    )
+    # the parent holds no torch while the child compiles, and loads it to train
+    assert seen == {"torch_at_launch": [False], "torch_after": True}
+    child = json.loads((out / "summary.json").read_text())
+    assert child["stopped"] is None and child["steps"] == here.steps
+    _same_checkpoint(here.checkpoint, out / checkpoint.CHECKPOINT)
+    assert metric_lines(here.metrics_path) == metric_lines(out / "metrics.jsonl")
+    assert child["history"] == json.loads(json.dumps(here.history))
+    assert child["test"] == here.test and child["trained_params"] == here.trained_params
+    assert (out / "report.txt").read_text() == here.report_path.read_text()
+    _same_model(tmp_path / "here" / "model", out / "model")
+    assert not list(out.glob(".compiled-*"))  # the compile folder is gone
     texts = ["great fun", "dull and boring"]
     probs = [pe.load_run(tmp_path / r).predict_proba(texts) for r in ("here", "child")]
     np.testing.assert_array_equal(probs[0], probs[1])
@@ -93,6 +135,42 @@ def test_the_childs_error_is_raised_here(tmp_path: Path, task: dict[str, Any]) -
     scheme.write_text(json.dumps({"scheme": "select", "train": ["nothing.*"]}))
     with pytest.raises(SchemeError, match=r"train pattern 'nothing\.\*' matches no parameter"):
         pe.finetune(**task, out=str(tmp_path / "run"), scheme=str(scheme), compile_in="child")
+    assert not list((tmp_path / "run").glob(".compiled-*"))
+
+
+_EAGER_EVAL = """
+import torch
+from torch import nn
+
+
+class Bag(nn.Module):
+    def __init__(self, vocab_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 8)
+        self.head = nn.Linear(8, num_labels)
+
+    def forward(self, ids, mask):
+        pooled = self.emb(ids).mean(1)
+        if not self.training:  # an op the compiler lacks, in evaluation only
+            pooled = torch.cummax(pooled, dim=1).values
+        return self.head(pooled)
+
+
+def bag(vocab_size, num_labels):
+    return Bag(vocab_size, num_labels)
+"""
+
+
+def test_a_task_evaluated_eagerly_is_compiled_here(
+    tmp_path: Path, task: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "eager_eval.py").write_text(_EAGER_EVAL)
+    assert FinetuneConfig().compile_in == "child"  # the default route, which falls back
+    options = {**task, "model": "eager_eval:bag", "epochs": 1}
+    with caplog.at_level(logging.WARNING, logger="pockengine.finetune"):
+        run = pe.finetune(**options, out=str(tmp_path / "run"))
+    assert "does not compile and runs on the model: compiling here" in caplog.text
+    assert run.finished and len(run.history) == 1  # validated eagerly, on the model
     assert not list((tmp_path / "run").glob(".compiled-*"))
 
 

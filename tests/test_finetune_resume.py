@@ -196,7 +196,9 @@ def test_sigkilled_process_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
     task.update(batch_size=4, epochs=4, checkpoint_every=25)  # 400 steps
     killed = tmp_path / "killed"
     proc = _start(_cli(task, killed), tmp_path)
-    whole = pe.finetune(**task, out=str(tmp_path / "whole"))  # meanwhile, on the other core
+    # meanwhile, on the other core: compiled here, so that it ends before the killed run's
+    # checkpoint (which compiles in a child first) on a loaded machine
+    whole = pe.finetune(**task, out=str(tmp_path / "whole"), compile_in="process")
     deadline = time.monotonic() + 120
     while not (killed / checkpoint.CHECKPOINT).exists() and proc.poll() is None:
         assert time.monotonic() < deadline

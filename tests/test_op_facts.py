@@ -32,6 +32,7 @@ import torch
 
 import pockengine.frontend
 import pockengine.ops  # registers the ops
+from pockengine.backends.c import CBackend
 from pockengine.backends.onnx_backend import OrtBackend
 from pockengine.backends.torch_backend import _FINDERS, KERNELS, TorchBackend
 from pockengine.backends.torch_codegen import generate_source
@@ -56,6 +57,11 @@ KNOWN_ABSENT: dict[str, dict[str, str]] = {
     "onnxruntime": {
         "adamw8bit_update": "8-bit optimizer state: round-to-nearest over a 256-entry code "
         "(searchsorted) has no ONNX op; a step using it runs its updates on torch or NumPy",
+    },
+    "c": {
+        "dequantize": "low-bit frozen weights (i8 codes, GGUF's f16 scales): no C kernel yet",
+        "linear_log_softmax_gather": "the chunked vocabulary loss: no C kernel yet",
+        "linear_log_softmax_gather_grad": "the chunked vocabulary loss: no C kernel yet",
     },
 }
 
@@ -181,6 +187,7 @@ def _tables() -> dict[str, frozenset[str]]:
     return {
         "torch": TorchBackend().supported_ops(),
         "onnxruntime": OrtBackend(device="cpu").supported_ops(),
+        "c": CBackend().supported_ops(),
     }
 
 

@@ -290,6 +290,7 @@ def test_vision_model_keeps_its_names_buffers_and_preprocessing(
         epochs=2,
         progress="none",
         out=str(out),
+        compile_in="process",  # the model and images patched in are in this process only
     )
     weights = _model_weights(out)
     assert weights.keys() == _TinyCNN(10).state_dict().keys()

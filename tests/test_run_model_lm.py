@@ -59,7 +59,8 @@ def test_causal_lm_loads_generates_and_evaluates(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "lm"
-    _run_lm(out, "--scheme", "full", "--lr", "0.01", "--seq-len", "16")
+    # the stand-in model is patched into this process only: compile here
+    _run_lm(out, "--scheme", "full", "--lr", "0.01", "--seq-len", "16", "--compile-in", "process")
     _check_causal_lm(out, capsys)
 
 

@@ -9,11 +9,13 @@
 ``pockengine finetune --help`` lists the same options and the recipes (minilm-bbc,
 minilm-tweets, lite0-fashion, smollm2-pydocs, or your model on your data). The
 modules: ``config`` (options, ``FinetuneError``, ``DEFAULT_BACKEND``), ``data``
-(datasets, splits, tokenisation), ``models``, ``vision``, ``causal_lm`` and ``recipes``
-(what trains on what), ``trainer`` (the loop), ``metrics`` (evaluation, the JSONL
+(datasets, splits, tokenisation), ``models``, ``vision``, ``causal_lm``, ``recipe_table``
+and ``recipes`` (what trains on what), ``launch`` (checks, lock, the compile child),
+``trainer`` (the loop), ``metrics`` (evaluation, the JSONL
 log), ``checkpoint`` (safetensors, atomic), ``progress`` (the bar), ``result`` and
 ``cli`` (the command's options). Only this module is imported by ``pockengine``
-itself; torch is imported when a run starts.
+itself; torch is imported when a run compiles (``--compile-in process``) or once
+its compile child is done (``--compile-in child``, the default).
 """
 
 from __future__ import annotations
@@ -54,6 +56,6 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     config = dataclasses.replace(config or FinetuneConfig(), **{**options, **paths})
     if ("model" in options or "data" in options) and "recipe" not in options:
         config = dataclasses.replace(config, recipe=None)
-    from pockengine.finetune import trainer
+    from pockengine.finetune import launch  # torch is imported once the compile is done
 
-    return trainer.run(config)
+    return launch.run(config)

@@ -211,10 +211,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "last step's (default best)",
     )  # fmt: skip
     run.add_argument(
-        "--compile-in", choices=("process", "child"), default="process",
+        "--compile-in", choices=("process", "child"), default="child",
         help="child: import and compile the model in a child process that writes the step "
-        "artifact, then train it here, in a process that never ran the compiler "
-        "(docs/finetune.md); process: all in this one (default process)",
+        "artifact, then train it here, in a process that never ran the compiler and had "
+        "not loaded torch meanwhile (docs/finetune.md); process: all in this one (--scheme "
+        "auto always is) (default child)",
     )  # fmt: skip
     run.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 

@@ -10,12 +10,15 @@ data encoded), compiles the step and its evaluator as the run would
 
 - ``step/``: the step artifact with its evaluator (``pockengine.step_io``);
 - ``task.safetensors`` and ``task.json``: the encoded splits, the labels, the notes, how
-  ``RUN/model`` is written, and the model's buffer names;
+  ``RUN/model`` is written, and the model's buffer names (``compiled_task``);
 - ``model/``: the skeleton of ``RUN/model`` (``model_skeleton``).
 
-Then it exits, and this process loads the step (only the backend compiles) and a ``Task``
-whose model is a stand-in that holds nothing and refuses to run. A child that fails
-writes ``error.json`` (the error's class and message), raised here again as it was.
+Then it exits, and the process that trains loads the step (``compiled_task.load_compiled``).
+This module imports no torch: the parent (``launch.run``) has not imported it while the
+child compiles, so the two processes never hold torch at once. A child that fails writes
+``error.json`` (the error's class and message), raised here again as it was. A task whose
+evaluation does not compile runs eagerly on the model, which only the process that
+compiled has: the child writes ``needs-model.txt`` instead, and the run compiles in-process.
 """
 
 from __future__ import annotations
@@ -25,31 +28,18 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import torch
-from torch import nn
-
-from pockengine.evaluator import Evaluator
-from pockengine.finetune import recipes
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.finetune.model_skeleton import write_skeleton
 from pockengine.ir import errors
-from pockengine.safetensors_io import write_safetensors_to
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
-from pockengine.step_io import LoadedStep, load_step, read_tensors
 
-__all__ = ["Compiled", "compile_in_child", "main"]
+__all__ = ["compile_in_child", "main"]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 JOB, ERROR, TASK_JSON, TASK_DATA = "job.json", "error.json", "task.json", "task.safetensors"
-STEP_DIR, MODEL_DIR = "step", "model"
-_SPLITS = ("train", "val", "test")
+STEP_DIR, MODEL_DIR, NEEDS_MODEL = "step", "model", "needs-model.txt"
 _ERRORS: dict[str, type[errors.PockEngineError]] = {  # raised here as the child raised them
     cls.__name__: cls
     for cls in (FinetuneError, errors.CompileError, errors.SchemeError, errors.ShapeError,
@@ -57,36 +47,14 @@ _ERRORS: dict[str, type[errors.PockEngineError]] = {  # raised here as the child
 }  # fmt: skip
 
 
-@dataclass
-class Compiled:
-    """What the child wrote, loaded: the step, its evaluator, the task (no model), the
-    model's buffer names and the skeleton of ``RUN/model``."""
-
-    step: LoadedStep
-    evaluator: Evaluator
-    task: recipes.Task
-    buffers: tuple[str, ...]
-    skeleton: Path
-
-
-class _CompiledElsewhere(nn.Module):
-    """The task's model in the process that trains a step compiled in a child: it holds
-    no weights, and running it is an error (evaluation runs on the compiled step)."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise FinetuneError("the model was compiled in a child process and is not here; "
-                            "run with --compile-in process to use it eagerly")  # fmt: skip
-
-
-def _no_loss(*args: Any) -> Any:
-    raise FinetuneError("the loss was compiled in a child process (--compile-in child)")
-
-
-def compile_in_child(config: FinetuneConfig, scheme: Scheme, folder: Path) -> Compiled:
-    """Compile ``config``'s task in a child process writing into ``folder``; load it."""
+def compile_in_child(config: FinetuneConfig, scheme: Scheme, folder: Path) -> bool:
+    """Compile ``config``'s task in a child process writing into ``folder``; raise its
+    error here. False: the task's evaluation does not compile, so the eager evaluation
+    needs the model in the process that trains (the caller compiles there instead)."""
     folder.mkdir(parents=True, exist_ok=True)
-    job = {"config": config.to_dict(), "scheme": scheme.to_dict(),
-           "threads": torch.get_num_threads()}  # fmt: skip
+    torch = sys.modules.get("torch")  # a caller's torch.set_num_threads holds for the child
+    threads = torch.get_num_threads() if torch is not None else None
+    job = {"config": config.to_dict(), "scheme": scheme.to_dict(), "threads": threads}
     (folder / JOB).write_text(json.dumps(job))
     command = [sys.executable, "-m", "pockengine.finetune.compile_child", str(folder)]
     # the child imports what this process can (a factory model's module on sys.path)
@@ -94,8 +62,7 @@ def compile_in_child(config: FinetuneConfig, scheme: Scheme, folder: Path) -> Co
     code = subprocess.run(command, check=False, env=env).returncode
     if code != 0:
         _raise_child_error(folder, code)
-    step = load_step(folder / STEP_DIR, config.backend)
-    return Compiled(step, step.evaluator(), *_load_task(folder), folder / MODEL_DIR)
+    return not (folder / NEEDS_MODEL).exists()
 
 
 def _raise_child_error(folder: Path, code: int) -> None:
@@ -110,45 +77,27 @@ def _raise_child_error(folder: Path, code: int) -> None:
     raise kind(str(error.get("message")))
 
 
-def _load_task(folder: Path) -> tuple[recipes.Task, tuple[str, ...]]:
-    info = json.loads((folder / TASK_JSON).read_text())
-    arrays = read_tensors(folder / TASK_DATA)
-    splits = {s: tuple(arrays.pop(f"{s}.{i}") for i in range(info["arrays"][s])) for s in _SPLITS}
-    task = recipes.Task(info["name"], _CompiledElsewhere(), _no_loss, splits["train"],
-                        splits["val"], tuple(info["labels"]), info["kind"], list(info["notes"]),
-                        info["inputs"], splits["test"], None, dict(info["home"]))  # fmt: skip
-    return task, tuple(info["buffers"])
-
-
-def _save_task(folder: Path, task: recipes.Task) -> None:
-    arrays = {f"{s}.{i}": a for s in _SPLITS for i, a in enumerate(getattr(task, s))}
-    with (folder / TASK_DATA).open("wb") as f:
-        write_safetensors_to(f, arrays)
-    info = {
-        "name": task.name, "labels": list(task.labels), "kind": task.kind,
-        "notes": list(task.notes), "inputs": task.inputs, "home": task.home,
-        "buffers": [n for n, _ in task.model.named_buffers()],
-        "arrays": {s: len(getattr(task, s)) for s in _SPLITS},
-    }  # fmt: skip
-    (folder / TASK_JSON).write_text(json.dumps(info))
-
-
 def _compile_here(folder: Path) -> None:
     """The child's work: build the task, compile the step and its evaluator, write them."""
-    from pockengine.finetune import released
+    import torch
+
+    from pockengine.finetune import recipes, released
+    from pockengine.finetune.compiled_task import save_task
+    from pockengine.finetune.model_skeleton import write_skeleton
     from pockengine.finetune.trainer import compile_evaluator_releasing, compile_task
 
     job = json.loads((folder / JOB).read_text())
-    torch.set_num_threads(int(job["threads"]))
+    if job["threads"] is not None:
+        torch.set_num_threads(int(job["threads"]))
     config = FinetuneConfig(**job["config"])
     task = recipes.build(config)
     step = compile_task(config, task, schemes.from_dict(job["scheme"]))
     evaluator = compile_evaluator_releasing(step, task)  # the model's copies released
-    if evaluator is None:
-        raise FinetuneError("this task's evaluation does not compile, and only a compiled "
-                            "one runs without the model: use --compile-in process")  # fmt: skip
+    if evaluator is None:  # only a compiled evaluation runs without the model
+        (folder / NEEDS_MODEL).write_text("the task's evaluation does not compile")
+        return
     step.save(folder / STEP_DIR, evaluator)
-    _save_task(folder, task)
+    save_task(folder, task)
     write_skeleton(folder / MODEL_DIR, task, released.step_values(step))
 
 

@@ -102,7 +102,7 @@ class FinetuneConfig:
     log_every: int = 10  # steps per metrics line
     progress: str = "auto"  # auto (tqdm if installed), plain, none
     keep: str = "best"  # RUN/model: the best validation's weights (ties: latest) or the last
-    compile_in: str = "process"  # process, or child: compile in a child, train the artifact
+    compile_in: str = "child"  # child: compile in a child, train its artifact; or process
 
     def make_optimizer(self, lr: float | None = None) -> Optimizer:
         """The run's optimizer at ``lr`` (default: the config's): SGD with its momentum, or

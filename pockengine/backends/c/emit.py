@@ -40,8 +40,9 @@ CTYPES = {
     DType.I32: "int32_t",
     DType.I64: "int64_t",
     DType.BOOL: "uint8_t",
+    DType.U8: "uint8_t",  # 8-bit optimizer state's codes
 }
-_DTYPE_CODES = {DType.F32: 0, DType.F64: 1, DType.I32: 2, DType.I64: 3, DType.BOOL: 4}
+_DTYPE_CODES = {DType.F32: 0, DType.F64: 1, DType.I32: 2, DType.I64: 3, DType.BOOL: 4, DType.U8: 5}
 _ROLE_CODES = {Role.INPUT: 0, Role.PARAM: 1, Role.BUFFER: 2, Role.CONST: 3, Role.STATE: 4}
 
 

@@ -328,6 +328,20 @@ def _adamw(ctx: EmitContext, node: Node) -> str:
     )
 
 
+def _adamw8bit(ctx: EmitContext, node: Node) -> str:
+    """One ``pe_adamw8bit`` call over the trained elements (``rows``: the first rows)."""
+    w, g, mq, ma, vq, va, t, lr = node.inputs[:8]
+    hyper = ", ".join(_num(node, k) for k in ("beta1", "beta2", "eps", "weight_decay"))
+    state = ", ".join(ctx.ref(v) for v in (w, g, mq, ma, vq, va))
+    return _guarded(
+        ctx,
+        node,
+        8,
+        f"pe_adamw8bit_{_sfx(w)}({state}, (double){ctx.ref(t)}[0], (double){ctx.ref(lr)}[0], "
+        f"{g.type.numel}, {attr_int(node, 'block')}, {hyper});",
+    )
+
+
 KERNELS: dict[str, Lowering] = {
     "matmul": _matmul,
     "linear": _linear,
@@ -351,4 +365,5 @@ KERNELS: dict[str, Lowering] = {
     "sgd_update": _sgd,
     "sgd_momentum_update": _sgd_momentum,
     "adamw_update": _adamw,
+    "adamw8bit_update": _adamw8bit,
 }

@@ -23,7 +23,7 @@
 #endif
 
 /* Element types and roles of the step's inputs, as the metadata tables name them. */
-enum pe_dtype { PE_F32 = 0, PE_F64 = 1, PE_I32 = 2, PE_I64 = 3, PE_BOOL = 4 };
+enum pe_dtype { PE_F32 = 0, PE_F64 = 1, PE_I32 = 2, PE_I64 = 3, PE_BOOL = 4, PE_U8 = 5 };
 enum pe_role { PE_INPUT = 0, PE_PARAM = 1, PE_BUFFER = 2, PE_CONST = 3, PE_STATE = 4 };
 
 /* One graph input: its IR name, the name in the state file, type, role and, for a batch
@@ -84,6 +84,9 @@ size_t pe_dtype_size(int dtype);
                              double wd, int nesterov);                                         \
     void pe_adamw_##S(T *w, const T *g, T *m, T *v, double t, double lr, long n,                \
                       double beta1, double beta2, double eps, double wd);                      \
+    void pe_adamw8bit_##S(T *w, const T *g, uint8_t *mq, T *ma, uint8_t *vq, T *va, double t,    \
+                          double lr, long n, long block, double beta1, double beta2,           \
+                          double eps, double wd);                                              \
     void pe_attention_##S(const T *q, const T *k, const T *v, const T *mask, T *out, T *lse,  \
                           const long *geom, double scale, int causal);                         \
     void pe_attention_grad_##S(const T *go, const T *q, const T *k, const T *v, const T *mask, \

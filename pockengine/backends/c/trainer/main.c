@@ -21,7 +21,7 @@ extern const pe_input_info pe_inputs[];
 extern const pe_output_info pe_outputs[];
 void pe_step(unsigned char *restrict A, void *const *in);
 
-static const char *const DTYPE_NAME[] = {"float32", "float64", "int32", "int64", "bool"};
+static const char *const DTYPE_NAME[] = {"float32", "float64", "int32", "int64", "bool", "uint8"};
 
 typedef struct {
     long steps;

@@ -13,8 +13,10 @@
 
 #include "pe_kernels.h"
 
-static const char *const NPY_DESCR[] = {"<f4", "<f8", "<i4", "<i8", "|b1"};
-static const char *const ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL"};
+/* Indexed by pe_dtype (pe_kernels.h). */
+static const char *const NPY_DESCR[] = {"<f4", "<f8", "<i4", "<i8", "|b1", "|u1"};
+static const char *const ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL", "U8"};
+#define PE_DTYPES ((int)(sizeof(NPY_DESCR) / sizeof(NPY_DESCR[0])))
 
 static int fail(char *err, size_t errlen, const char *fmt, const char *a, const char *b) {
     snprintf(err, errlen, fmt, a, b);
@@ -55,7 +57,7 @@ int pe_npy_open(const char *path, pe_npy *out, char *err, size_t errlen) {
     char *header = calloc(hlen + 1, 1);
     int bad = !header || fread(header, 1, hlen, f) != hlen;
     out->dtype = -1;
-    for (int d = 0; !bad && d < 5; d++)
+    for (int d = 0; !bad && d < PE_DTYPES; d++)
         if (strstr(header, NPY_DESCR[d])) out->dtype = d;
     bad = bad || out->dtype < 0 || strstr(header, "'fortran_order': True") || npy_shape(header, out);
     free(header);

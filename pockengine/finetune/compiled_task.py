@@ -1,0 +1,83 @@
+"""The task a compile child writes and the process that trains loads (``compile_child``).
+
+``save_task(folder, task)`` (in the child) writes the encoded splits as
+``task.safetensors`` and the rest (labels, notes, how ``RUN/model`` is written, the
+model's buffer names) as ``task.json``. ``load_compiled(folder, backend)`` (in the
+process that trains, once the child has exited) loads the step artifact, its evaluator
+and a ``Task`` whose model is a stand-in that holds nothing and refuses to run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from pockengine.evaluator import Evaluator
+from pockengine.finetune import recipes
+from pockengine.finetune.compile_child import MODEL_DIR, STEP_DIR, TASK_DATA, TASK_JSON
+from pockengine.finetune.config import FinetuneError
+from pockengine.safetensors_io import write_safetensors_to
+from pockengine.step_io import LoadedStep, load_step, read_tensors
+
+__all__ = ["Compiled", "load_compiled", "save_task"]
+
+_SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class Compiled:
+    """What the child wrote, loaded: the step, its evaluator, the task (no model), the
+    model's buffer names and the skeleton of ``RUN/model``."""
+
+    step: LoadedStep
+    evaluator: Evaluator
+    task: recipes.Task
+    buffers: tuple[str, ...]
+    skeleton: Path
+
+
+class _CompiledElsewhere(nn.Module):
+    """The task's model in the process that trains a step compiled in a child: it holds
+    no weights, and running it is an error (evaluation runs on the compiled step)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise FinetuneError("the model was compiled in a child process and is not here; "
+                            "run with --compile-in process to use it eagerly")  # fmt: skip
+
+
+def _no_loss(*args: Any) -> Any:
+    raise FinetuneError("the loss was compiled in a child process (--compile-in child)")
+
+
+def load_compiled(folder: Path, backend: str) -> Compiled:
+    """The step (only the backend compiles), its evaluator and the task in ``folder``."""
+    step = load_step(folder / STEP_DIR, backend)
+    return Compiled(step, step.evaluator(), *_load_task(folder), folder / MODEL_DIR)
+
+
+def _load_task(folder: Path) -> tuple[recipes.Task, tuple[str, ...]]:
+    info = json.loads((folder / TASK_JSON).read_text())
+    arrays = read_tensors(folder / TASK_DATA)
+    splits = {s: tuple(arrays.pop(f"{s}.{i}") for i in range(info["arrays"][s])) for s in _SPLITS}
+    task = recipes.Task(info["name"], _CompiledElsewhere(), _no_loss, splits["train"],
+                        splits["val"], tuple(info["labels"]), info["kind"], list(info["notes"]),
+                        info["inputs"], splits["test"], None, dict(info["home"]))  # fmt: skip
+    return task, tuple(info["buffers"])
+
+
+def save_task(folder: Path, task: recipes.Task) -> None:
+    """Write ``task``'s encoded splits and what else the process that trains reads."""
+    arrays = {f"{s}.{i}": a for s in _SPLITS for i, a in enumerate(getattr(task, s))}
+    with (folder / TASK_DATA).open("wb") as f:
+        write_safetensors_to(f, arrays)
+    info = {
+        "name": task.name, "labels": list(task.labels), "kind": task.kind,
+        "notes": list(task.notes), "inputs": task.inputs, "home": task.home,
+        "buffers": [n for n, _ in task.model.named_buffers()],
+        "arrays": {s: len(getattr(task, s)) for s in _SPLITS},
+    }  # fmt: skip
+    (folder / TASK_JSON).write_text(json.dumps(info))

@@ -1,0 +1,112 @@
+"""Where a fine-tune starts: the checks, the run folder's lock, the compile, then training.
+
+``run(config)`` (``pe.finetune``, ``pockengine finetune``) checks the options, fills in
+the recipe's defaults, parses the scheme, checks the model folder, takes ``RUN``'s lock
+and finds the checkpoint to resume, all without torch. With ``--compile-in child``
+(the default) the compile child then runs while this process still holds no torch, so
+the machine never holds this process's torch and the child's at once; only then does
+this process import the trainer (and torch) and train the step the child wrote. With
+``--compile-in process``, ``--scheme auto`` (whose analysis needs the model here), or
+a task whose evaluation does not compile (it runs eagerly on the model: the child says
+so, and the compile is done again here), the trainer builds and compiles the task in
+this process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pockengine.finetune import checkpoint as ckpt_io
+from pockengine.finetune import recipe_table
+from pockengine.finetune.best import BEST
+from pockengine.finetune.compile_child import compile_in_child
+from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.run_lock import RunLock
+from pockengine.sparse.schemes import Scheme
+
+if TYPE_CHECKING:
+    from pockengine.finetune.result import FinetuneResult
+
+__all__ = ["resume_point", "run"]
+
+log = logging.getLogger(__name__)
+_AUTO = "auto"  # auto_scheme.AUTO, which this module cannot import: it imports torch
+
+
+def run(config: FinetuneConfig) -> FinetuneResult:
+    """Fine-tune as ``config`` says; returns when done, stopped, or raises."""
+    start = time.perf_counter()
+    config = config.validate()
+    config = config.with_defaults(recipe_table.defaults(config)).validate()
+    assert config.scheme is not None, "filled in by the recipe's defaults"
+    given = config.scheme
+    scheme = None if given == _AUTO else recipe_table.parse_scheme(given, config.recipe)
+    recipe_table.check_model_files(config)
+    out = Path(config.out or Path("runs") / _slug(config))
+    with RunLock(out):
+        return _compile_and_train(config, scheme, out, resume_point(config, out), start)
+
+
+def _compile_and_train(
+    config: FinetuneConfig, scheme: Scheme | None, out: Path, saved: ckpt_io.Checkpoint | None,
+    start: float,
+) -> FinetuneResult:  # fmt: skip
+    """Once ``out`` is held: compile in a child and train here, or do both here."""
+    if config.compile_in == "child" and scheme is None:
+        log.warning("--scheme auto analyses the model here: compiling here too")
+    if config.compile_in != "child" or scheme is None:
+        from pockengine.finetune.trainer import train_here
+
+        return train_here(config, scheme, out, saved, start)
+    with tempfile.TemporaryDirectory(prefix=".compiled-", dir=out) as folder:
+        compile_start = time.perf_counter()
+        compiled = compile_in_child(config, scheme, Path(folder))
+        from pockengine.finetune.trainer import train_compiled, train_here
+
+        if not compiled:
+            log.warning("the task's evaluation does not compile and runs on the model: "
+                        "compiling here (--compile-in process)")  # fmt: skip
+            return train_here(config, scheme, out, saved, start)
+        return train_compiled(config, scheme, out, saved, (start, compile_start),
+                              Path(folder))  # fmt: skip
+
+
+def _slug(config: FinetuneConfig) -> str:
+    name = config.recipe or Path(str(config.model)).name or "model"
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def resume_point(config: FinetuneConfig, out: Path) -> ckpt_io.Checkpoint | None:
+    """The checkpoint to continue (``resume``), after checking it is this run's."""
+    path = out / ckpt_io.CHECKPOINT
+    ckpt_io.remove_stale_temporaries(out)
+    if not config.resume:
+        if path.exists():
+            raise FinetuneError(
+                f"{out} already holds a checkpoint: continue it with --resume, "
+                "or choose another --out"
+            )
+        for stale in ("metrics.jsonl", "summary.json", BEST):  # never checkpointed
+            (out / stale).unlink(missing_ok=True)
+        return None
+    saved = ckpt_io.load(path)
+    now = json.loads(json.dumps(config.training_dict()))
+    # an option newer than the checkpoint had its default then
+    defaults = json.loads(json.dumps(FinetuneConfig().training_dict()))
+    before = {**{k: v for k, v in defaults.items() if k not in saved.config}, **saved.config}
+    diffs = [
+        f"{k}: {before.get(k)!r} in the checkpoint, {v!r} now"
+        for k, v in now.items()
+        if before.get(k) != v
+    ]
+    if diffs:
+        raise FinetuneError(
+            "--resume continues a run with the options it started with; "
+            "these differ:\n  " + "\n  ".join(diffs)
+        )
+    return saved
