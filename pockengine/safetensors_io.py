@@ -11,13 +11,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["SAFETENSORS_DTYPES", "append_tensors", "header_bytes", "write_safetensors_to"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "LazyTensors",
+    "append_tensors",
+    "header_bytes",
+    "write_safetensors_to",
+]
 
 Array = np.ndarray[Any, Any]
 SAFETENSORS_DTYPES = {
@@ -90,3 +96,37 @@ def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
                 if a.nbytes:
                     dst.write(a.reshape(-1).view(np.uint8).data)
     os.replace(tmp, path)
+
+
+class LazyTensors(Mapping[str, Array]):
+    """The tensors of the safetensors file ``path`` by name, each read from the file when
+    it is looked up (a fresh array; nothing is held between lookups): a writer that goes
+    through them one at a time never has the whole file in memory."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        with self.path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header: dict[str, Any] = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        self._start = 8 + size
+        self._entries = header
+
+    def __getitem__(self, name: str) -> Array:
+        entry = self._entries[name]
+        array = np.empty([int(d) for d in entry["shape"]], SAFETENSORS_DTYPES[entry["dtype"]])
+        begin, end = (int(x) for x in entry["data_offsets"])
+        if end - begin != array.nbytes:
+            raise ValueError(f"{self.path}: {name} holds {end - begin} bytes, its shape needs "
+                             f"{array.nbytes}")  # fmt: skip
+        with self.path.open("rb") as f:
+            f.seek(self._start + begin)
+            if array.nbytes and f.readinto(array.reshape(-1).view(np.uint8).data) != end - begin:
+                raise ValueError(f"{self.path}: {name} is cut short")
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -76,3 +76,33 @@ def test_append_tensors_keeps_every_tensor_and_the_metadata(tmp_path: Path) -> N
     with safe_open(str(path), "np") as f:
         assert f.metadata() == {"format": "pt"}
     assert not path.with_name(path.name + ".tmp").exists()
+
+
+def test_lazy_tensors_read_one_tensor_a_lookup(tmp_path: Path) -> None:
+    """``LazyTensors`` gives what ``safetensors`` loads, each value a fresh array read
+    on lookup; a file cut short is a ValueError naming the tensor."""
+    from safetensors.numpy import load_file
+
+    from pockengine.safetensors_io import LazyTensors
+
+    path = tmp_path / "w.safetensors"
+    tensors = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array(7, np.int64),
+               "c": np.zeros((0, 2), np.float16)}  # fmt: skip
+    with path.open("wb") as f:
+        write_safetensors_to(f, tensors)
+    lazy = LazyTensors(path)
+    want = load_file(str(path))
+    assert sorted(lazy) == sorted(want) and len(lazy) == 3
+    for name, value in want.items():
+        got = lazy[name]
+        np.testing.assert_array_equal(got, value)
+        assert got.dtype == value.dtype and got.shape == value.shape
+    first = lazy["a"]
+    first[0, 0] = 99.0
+    assert lazy["a"][0, 0] == 0.0  # not a view of something kept
+    with pytest.raises(KeyError):
+        lazy["missing"]
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 8)
+    with pytest.raises(ValueError, match="b is cut short"):
+        LazyTensors(path)["b"]

@@ -17,7 +17,7 @@ import numpy as np
 
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune.config import FinetuneError
-from pockengine.safetensors_io import write_safetensors_to
+from pockengine.safetensors_io import LazyTensors, write_safetensors_to
 
 __all__ = ["BEST", "FORMAT", "BestWeights", "best_metric"]
 
@@ -64,10 +64,10 @@ class BestWeights:
         if int(row.get("step", step + 1)) <= step:
             self.row = row
 
-    def tensors(self) -> dict[str, Array]:
-        from safetensors.numpy import load_file
-
-        return dict(load_file(str(self.path)))
+    def tensors(self) -> Mapping[str, Array]:
+        """The kept weights by name, each read from the file when looked up (a full
+        fine-tune's best weights read whole were its run's peak while writing ``RUN/model``)."""
+        return LazyTensors(self.path)
 
 
 def _best_row(path: Path) -> dict[str, Any]:
