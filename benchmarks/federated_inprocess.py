@@ -31,7 +31,7 @@ from pockengine.federated import FederatedConfig
 from pockengine.federated.batchnorm import BatchNormStats
 from pockengine.federated.local import LocalTrainer
 from pockengine.federated.partition import partition
-from pockengine.federated.server_step import ServerStep
+from pockengine.federated.server_step import SERVER_OPTIMIZERS
 from pockengine.finetune import FinetuneConfig, recipes
 from pockengine.finetune.metrics import evaluate
 
@@ -87,7 +87,7 @@ def run(config: FederatedConfig, pooled_bn: bool) -> list[dict[str, Any]]:
     first = trainers[0]
     recompute = config.bn_statistics == "recompute"
     batchnorm = BatchNormStats.of(first.model, list(first.trained.rows)) if recompute else None
-    server = ServerStep(first.trained.buffers, config.server_lr, config.server_momentum)
+    server = config.server_step(first.trained.buffers)
     state = first.trained.extract(first.step)
     rows = []
     for r in range(1, config.rounds + 1):
@@ -123,8 +123,11 @@ def main() -> None:
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--partition", choices=("iid", "dirichlet"), default="dirichlet")
     p.add_argument("--alpha", type=float, default=0.5)
-    p.add_argument("--server-lr", type=float, default=1.0)
+    p.add_argument("--server-optimizer", choices=SERVER_OPTIMIZERS, default="avg")
+    p.add_argument("--server-lr", type=float)
     p.add_argument("--server-momentum", type=float, default=0.0)
+    p.add_argument("--server-betas", type=float, nargs=2, default=(0.9, 0.99))
+    p.add_argument("--server-tau", type=float, default=1e-3)
     p.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute")
     p.add_argument("--pooled-bn", action="store_true", help="also score with pooled statistics")
     p.add_argument("--out", type=Path, required=True)
@@ -134,8 +137,10 @@ def main() -> None:
                         seed=a.seed, backend="torch")  # fmt: skip
     config = FederatedConfig(
         finetune=ft, clients=a.clients, rounds=a.rounds, local_epochs=a.local_epochs,
-        partition=a.partition, alpha=a.alpha, server_lr=a.server_lr,
-        server_momentum=a.server_momentum, bn_statistics=a.bn_statistics,
+        partition=a.partition, alpha=a.alpha, server_optimizer=a.server_optimizer,
+        server_lr=a.server_lr, server_momentum=a.server_momentum,
+        server_betas=tuple(a.server_betas), server_tau=a.server_tau,
+        bn_statistics=a.bn_statistics,
     )  # fmt: skip
     rows = run(config, a.pooled_bn)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},

@@ -14,8 +14,10 @@ Each run is its own process (``python -m pockengine ...``) writing into ``--runs
 - ``fed-STEM`` for each ``--scheme-file STEM.json``: sparse FedAvg with that scheme
   (a partial-channel scheme, for the byte target).
 
-``--server-lr``, ``--server-momentum`` and ``--bn-statistics`` go to every federated
-run alike (FedAvgM, and which BatchNorm statistics travel).
+``--server-optimizer``, ``--server-lr``, ``--server-momentum``, ``--server-betas``,
+``--server-tau`` and ``--bn-statistics`` go to every federated run alike (the server's
+optimizer, and which BatchNorm statistics travel). ``--client-lr`` sets the local
+learning rate of the sparse federated runs (``fed-sparse`` and the scheme files').
 
 All runs share the recipe, data subset, shapes and seed, so they hold out the same
 validation split: the federated server evaluates centrally on the recipe's validation
@@ -44,7 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 _SHARED = ("recipe", "seq_len", "image_size", "max_train", "max_val", "seed", "backend")
 # federation options every federated run gets (sparse and full alike), when given
-_SERVER = ("server_lr", "server_momentum", "bn_statistics")
+_SERVER = ("server_optimizer", "server_lr", "server_momentum", "server_betas", "server_tau",
+           "bn_statistics")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,13 @@ class Run:
 
 def plan(args: argparse.Namespace) -> list[Run]:
     """The runs, in the order they start (the central run beside the first federated one)."""
-    runs = [Run("fed-sparse", True, "sparse"), Run("central-sparse", False, "sparse")]
+    client_lr = getattr(args, "client_lr", None)  # the sparse federated runs' lr
+    runs = [Run("fed-sparse", True, "sparse", client_lr), Run("central-sparse", False, "sparse")]
     runs.append(Run("fed-full", True, "full"))
     if args.full_lr is not None:
         runs.append(Run(f"fed-full-lr{args.full_lr:g}", True, "full", args.full_lr))
     for path in getattr(args, "scheme_file", None) or []:  # e.g. partial-channel schemes
-        runs.append(Run(f"fed-{Path(path).stem}", True, str(Path(path).resolve())))
+        runs.append(Run(f"fed-{Path(path).stem}", True, str(Path(path).resolve()), client_lr))
     return runs
 
 
@@ -80,13 +84,23 @@ def command(run: Run, args: argparse.Namespace) -> list[str]:
         cmd += ["--clients", str(args.clients), "--rounds", str(args.rounds),
                 "--local-epochs", str(args.local_epochs), "--partition", "dirichlet",
                 "--alpha", f"{args.alpha:g}", "--threads", "1"]  # fmt: skip
-        for key in _SERVER:
-            if getattr(args, key, None) is not None:
-                cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        cmd += _server_options(args)
     else:
         cmd += ["--epochs", str(args.rounds * args.local_epochs), "--threads", "1",
                 "--progress", "plain"]  # fmt: skip
     return [*cmd, "--out", str(args.runs / run.name)]
+
+
+def _server_options(args: argparse.Namespace) -> list[str]:
+    """The server options given (every federated run gets the same), as arguments."""
+    out = []
+    for key in _SERVER:
+        value = getattr(args, key, None)
+        if value is not None:
+            values = value if isinstance(value, list | tuple) else [value]
+            out += [f"--{key.replace('_', '-')}", *(f"{v:g}" if isinstance(v, float) else str(v)
+                                                    for v in values)]  # fmt: skip
+    return out
 
 
 def start(run: Run, args: argparse.Namespace) -> subprocess.Popen[bytes] | None:
@@ -238,8 +252,9 @@ def write_doc(path: Path, text: str, recipe: str) -> None:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    keys = (*_SHARED, "clients", "rounds", "local_epochs", "alpha", "full_lr", *_SERVER)
+    keys = (*_SHARED, "clients", "rounds", "local_epochs", "alpha", "client_lr", "full_lr")
     opts = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keys if getattr(args, k)]
+    opts += _server_options(args)
     if args.scheme_file:
         opts.append("--scheme-file " + " ".join(Path(f).name for f in args.scheme_file))
     return "nice -n 15 python benchmarks/federated_table.py " + " ".join(opts)
@@ -254,10 +269,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     p.add_argument("--full-lr", type=float, help="also run full-model FedAvg at this lr")
+    p.add_argument("--client-lr", type=float, help="the sparse federated runs' --lr (fed-sparse "
+                   "and the scheme files'; default: the recipe's, as central-sparse)")  # fmt: skip
     p.add_argument("--scheme-file", nargs="*", default=[], metavar="JSON",
                    help="also run FedAvg with these scheme files (rows fed-STEM)")  # fmt: skip
-    p.add_argument("--server-lr", type=float, help="the federated runs' --server-lr")
+    p.add_argument("--server-optimizer", choices=("avg", "avgm", "adam", "yogi", "adagrad"),
+                   help="the federated runs' --server-optimizer")  # fmt: skip
+    p.add_argument("--server-lr", type=float, help="their --server-lr")
     p.add_argument("--server-momentum", type=float, help="their --server-momentum (FedAvgM)")
+    p.add_argument("--server-betas", type=float, nargs=2, help="their --server-betas")
+    p.add_argument("--server-tau", type=float, help="their --server-tau")
     p.add_argument("--bn-statistics", choices=("recompute", "running"),
                    help="their --bn-statistics (default: pockengine federated's)")  # fmt: skip
     p.add_argument("--seq-len", type=int)

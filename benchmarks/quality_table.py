@@ -82,7 +82,7 @@ def choose_lr(recipe: str, scheme: str, args: argparse.Namespace, seed: int) -> 
     add_arguments(parser)
     ns = parser.parse_args([*_target(recipe, args), *_options(args), "--seed", str(seed)])
     result = choose(config_from_args(ns), scheme, args.lr_grid, steps=args.lr_steps,
-                    holdout=args.lr_holdout).to_dict()  # fmt: skip
+                    holdout=args.lr_holdout, criterion=args.lr_criterion).to_dict()  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
@@ -127,6 +127,19 @@ def row(
         "peak_rss_mib": max(r["peak_rss_bytes"] for r in runs) / _MIB,
         "wall_s": statistics.fmean(r["wall_s"] for r in runs),
         "analysis_s": statistics.fmean(a["seconds"] for a in auto) if auto else None,
+        "auto_choice": [_chosen(a) for a in auto],
+    }
+
+
+def _chosen(auto: dict[str, Any]) -> dict[str, Any]:
+    """What one run's ``--scheme auto`` trained beyond its base, and the budget it met."""
+    chosen = {c["param"]: c["ratio"] for c in auto["candidates"] if c["ratio"]}
+    return {
+        "base": auto["base"],
+        "weights": chosen,
+        "budget_mib": auto["budget_bytes"] / _MIB,
+        "planned_peak_mib": auto["planned_peak_bytes"] / _MIB,
+        "notes": auto["notes"],
     }
 
 
@@ -136,15 +149,16 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         mine = [r for r in rows if r["recipe"] == recipe]
         full = next((r for r in mine if r["scheme"] == "full"), None)
         name = mine[0]["metric"].removeprefix("test_")
-        lines += [f"**{recipe}** (test {name}, mean ± std over {len(mine[0]['values'])} seeds)", "",
-                  f"| scheme | lr (train split) | test {name} | vs full | trained params | "
+        lines += [f"**{recipe}** (test {name}, mean ± std over the seeds)", "",
+                  f"| scheme | lr (train split) | seeds | test {name} | vs full | trained params | "
                   "planned peak (MiB) | peak RSS (MiB) | wall (s) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in mine:
             scale = 100.0 if name == "accuracy" else 1.0
             vs = f"{(r['mean'] - full['mean']) * scale:+.1f}" if full and r is not full else ""
             lines.append(
-                f"| {r['scheme']} | {r['lr']:g} | {r['mean'] * scale:.1f} ± {r['std'] * scale:.1f} "
+                f"| {r['scheme']} | {r['lr']:g} | {len(r['values'])} "
+                f"| {r['mean'] * scale:.1f} ± {r['std'] * scale:.1f} "
                 f"| {vs} | {r['trained_params']:,} | {r['planned_peak_mib']:.1f} | "
                 f"{r['peak_rss_mib']:.0f} | {r['wall_s']:.0f} |"
             )
@@ -171,8 +185,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--lr-grid", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2])
     p.add_argument("--lr-steps", type=int, default=30)
     p.add_argument("--lr-holdout", type=int, default=200)
+    p.add_argument("--lr-criterion", choices=("loss", "accuracy"), default="loss")
     p.add_argument("--work", default="runs/quality", help="run folders and cached lr choices")
     p.add_argument("--tag", default="full")
+    p.add_argument("--collect", action="store_true",
+                   help="run nothing: the table of the lr choices and finished runs in --work "
+                        "(a run done in parts, or cut short)")  # fmt: skip
     args = p.parse_args(argv)
     if "generic" in args.recipes and not (args.model and args.data):
         p.error("the generic run needs --model and --data")
@@ -183,11 +201,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     for recipe in args.recipes:
         for scheme in args.schemes:
-            lr = choose_lr(recipe, scheme, args, args.seeds[0])
-            runs = [run_one(recipe, scheme, lr["lr"], seed, args) for seed in args.seeds]
-            rows.append(row(recipe, scheme, lr, runs))
+            got = collected(recipe, scheme, args) if args.collect else ran(recipe, scheme, args)
+            if got is None:
+                continue
+            rows.append(row(recipe, scheme, *got))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "lr_trials"}), flush=True)
             save(args.tag, command, rows)  # after each row: a cut-short run keeps them
+
+
+def ran(
+    recipe: str, scheme: str, args: argparse.Namespace
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The scheme's lr choice and its runs, each made unless ``--work`` holds it."""
+    lr = choose_lr(recipe, scheme, args, args.seeds[0])
+    return lr, [run_one(recipe, scheme, lr["lr"], seed, args) for seed in args.seeds]
+
+
+def collected(
+    recipe: str, scheme: str, args: argparse.Namespace
+) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The scheme's lr choice and finished runs that ``--work`` holds (None: no run); a
+    run stopped early (a signal, ``--max-steps``) has no test metrics and is left out."""
+    work, name = Path(args.work), f"{recipe}-{scheme.replace(':', '_')}"
+    summaries = [work / f"{name}-seed{seed}" / "summary.json" for seed in args.seeds]
+    runs = [json.loads(s.read_text()) for s in summaries if s.exists()]
+    runs = [r for r in runs if r.get("test") and not r.get("stopped")]
+    if not runs or not (work / f"lr-{name}.json").exists():
+        return None
+    return json.loads((work / f"lr-{name}.json").read_text()), runs
 
 
 def save(tag: str, command: str, rows: Sequence[dict[str, Any]]) -> None:

@@ -3,10 +3,11 @@
 Runs ``pockengine finetune`` (the default ``minilm-bbc`` sparse recipe unless other
 arguments are given) in a fresh child process, with hooks at the phase boundaries: the
 dataset read, the model and tokenizer loads, the encoding, the compile, each training
-step, the checkpoint and the end of the run. At each boundary the child reads its resident
-memory (``VmRSS``, split into anonymous and file-backed pages) and the peak since the
-previous boundary (``VmHWM``, which it then resets through ``/proc/self/clear_refs``), so
-each row's peak belongs to that phase alone. Linux only (``/proc``)::
+step, the checkpoint, each validation pass, the best weights kept and the end of the run.
+At each boundary the child reads its resident memory (``VmRSS``, split into anonymous and
+file-backed pages) and the peak since the previous boundary (``VmHWM``, which it then
+resets through ``/proc/self/clear_refs``), so each row's peak belongs to that phase
+alone. Linux only (``/proc``)::
 
     OMP_NUM_THREADS=1 python benchmarks/run_memory.py -- --max-steps 3 --max-val 32
     python benchmarks/run_memory.py --json out.json -- --recipe minilm-bbc --max-steps 3
@@ -98,6 +99,8 @@ _HOOKS: tuple[tuple[str, str, str, int | None], ...] = (
     ("pockengine.finetune.metrics", "compile_evaluator", "compile the evaluator", None),
     ("pockengine.finetune.loop", "Loop.save", "checkpoint", 1),
     ("pockengine.finetune.metrics", "evaluate", "evaluate", 1),
+    ("pockengine.finetune.loop", "evaluate", "evaluate", None),  # the loop's own import
+    ("pockengine.finetune.best", "BestWeights.offer", "keep the best weights", None),
     ("pockengine.finetune.home", "_load", "write the model: values into the module", None),
     ("pockengine.finetune.home", "_quiet_save", "write the model: save_pretrained", None),
     ("pockengine.finetune.home", "write_model", "write the model", None),

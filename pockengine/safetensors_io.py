@@ -8,6 +8,7 @@ never a copy), so saving costs no memory beyond the arrays already held. NumPy o
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import numpy as np
 __all__ = [
     "SAFETENSORS_DTYPES",
     "LazyTensors",
+    "SafetensorsError",
     "append_tensors",
     "header_bytes",
     "write_safetensors_to",
@@ -98,10 +100,17 @@ def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
     os.replace(tmp, path)
 
 
+class SafetensorsError(ValueError):
+    """A safetensors file whose tensor data do not match its header (the message names
+    the file and the tensor)."""
+
+
 class LazyTensors(Mapping[str, Array]):
     """The tensors of the safetensors file ``path`` by name, each read from the file when
     it is looked up (a fresh array; nothing is held between lookups): a writer that goes
-    through them one at a time never has the whole file in memory."""
+    through them one at a time never has the whole file in memory. ``file_size`` is the
+    size the header implies; ``in_file_order`` and ``read_from`` read them all through one
+    open file (``step_io.read_tensors``)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -111,19 +120,33 @@ class LazyTensors(Mapping[str, Array]):
         header.pop("__metadata__", None)
         self._start = 8 + size
         self._entries = header
+        self.file_size = self._start + max(
+            (int(e["data_offsets"][1]) for e in header.values()), default=0
+        )
 
     def __getitem__(self, name: str) -> Array:
-        entry = self._entries[name]
+        entry = self._entries[name]  # a KeyError before the file is opened
+        with self.path.open("rb") as f:
+            return self._read(f, name, entry)
+
+    def read_from(self, f: io.BufferedIOBase, name: str) -> Array:
+        """Tensor ``name`` read through ``f``, this file opened for reading."""
+        return self._read(f, name, self._entries[name])
+
+    def _read(self, f: io.BufferedIOBase, name: str, entry: Mapping[str, Any]) -> Array:
         array = np.empty([int(d) for d in entry["shape"]], SAFETENSORS_DTYPES[entry["dtype"]])
         begin, end = (int(x) for x in entry["data_offsets"])
         if end - begin != array.nbytes:
-            raise ValueError(f"{self.path}: {name} holds {end - begin} bytes, its shape needs "
-                             f"{array.nbytes}")  # fmt: skip
-        with self.path.open("rb") as f:
-            f.seek(self._start + begin)
-            if array.nbytes and f.readinto(array.reshape(-1).view(np.uint8).data) != end - begin:
-                raise ValueError(f"{self.path}: {name} is cut short")
+            raise SafetensorsError(f"{self.path}: {name} holds {end - begin} bytes, its shape "
+                                   f"needs {array.nbytes}")  # fmt: skip
+        f.seek(self._start + begin)
+        if array.nbytes and f.readinto(array.reshape(-1).view(np.uint8).data) != end - begin:
+            raise SafetensorsError(f"{self.path}: {name} is cut short")
         return array
+
+    def in_file_order(self) -> list[str]:
+        """The names by where their data start (reading them so never seeks back)."""
+        return sorted(self._entries, key=lambda n: int(self._entries[n]["data_offsets"][0]))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

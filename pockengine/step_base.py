@@ -11,10 +11,12 @@ out and the artifact writes down. NumPy only; no frontend is imported.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,10 +37,18 @@ if TYPE_CHECKING:
     from pockengine.ir import Value
     from pockengine.plan.report import Report
 
-__all__ = ["ON_NONFINITE", "BatchError", "CompiledStep", "NonFiniteError", "StepFacts"]
+__all__ = [
+    "ON_NONFINITE",
+    "BatchError",
+    "CompiledStep",
+    "NonFiniteError",
+    "StepFacts",
+    "copies_deferred",
+]
 
 Array = np.ndarray[Any, Any]
 ON_NONFINITE = ("raise", "skip")
+_DEFERRED = contextvars.ContextVar("copies_deferred", default=False)
 _RESULT_FIELDS = ("missing", "unexpected", "mismatched")
 
 
@@ -71,6 +81,19 @@ class StepFacts:
     restructure: Callable[[dict[str, Array]], Any] | None = field(default=None, compare=False)
 
 
+@contextlib.contextmanager
+def copies_deferred() -> Iterator[None]:
+    """Steps bound inside share every value they write (the torch model's trained params
+    included) until their first step: for a process that compiles a step to save it
+    (``finetune.compile_child``), which then never holds the trained params twice. The
+    caller must not change the model's params before that step."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
 class CompiledStep(ABC):
     """A training step bound to a backend: ``step(*batch)`` trains once and returns the
     loss. Holds params, buffers, optimizer state and the dropout seed (``_store``)."""
@@ -85,8 +108,13 @@ class CompiledStep(ABC):
     def _bind(
         self, graph: Graph, backend: Backend, facts: StepFacts, values: dict[str, Array]
     ) -> None:
-        """Bind ``graph`` to ``backend`` with ``values`` as its state (each copied once,
-        or shared when the step never writes it; ``values`` is emptied as it goes)."""
+        """Bind ``graph`` to ``backend`` with ``values`` as its state, shared (``values``
+        is emptied as it goes). A value the step writes is copied once: a writable array
+        (handed over: the optimizer state's zeros, values read from a file) just before
+        the first step writes anything (``_own_written``), so a step that is only saved
+        never touches the zeros; a read-only one (the caller's memory: a torch model's
+        params) here, or likewise late inside ``copies_deferred()``. 4-D values are
+        copied here: a backend may store them in another layout than the one it shares."""
         self.graph, self.backend = graph, backend
         self._batch = facts.batch
         self._state_names = dict(facts.state_names)
@@ -100,11 +128,16 @@ class CompiledStep(ABC):
         written = {n.inputs[i].name for n in graph.nodes for i in get_op(n.op).mutates}
         self._written = frozenset(written)
         self._store: dict[str, Any] = {}
+        self._lent: set[str] = set()  # written values still shared with their source
         for name in list(values):
             value = values.pop(name)
-            self._store[name] = (
-                backend.from_numpy(value) if name in written else backend.share_numpy(value)
-            )
+            late = np.ndim(value) != 4 and (_DEFERRED.get() or np.asarray(value).flags.writeable)
+            if name in written and not late:
+                self._store[name] = backend.from_numpy(value)
+                continue
+            self._store[name] = backend.share_numpy(value)
+            if name in written:
+                self._lent.add(name)
         self._exec = backend.compile(graph)
         self.calls = 0  # steps run, skipped ones included: the number errors name
         self.skipped_steps = 0  # steps whose loss was not finite (they applied no update)
@@ -140,7 +173,7 @@ class CompiledStep(ABC):
                 problem = out_of_range(array, bound)
                 if problem is not None:
                     raise BatchError(f"batch entry {i}: {problem}; nothing was trained")
-            feeds[value.name] = self.backend.from_numpy(array)
+            feeds[value.name] = self.backend.feed(array)
         return feeds
 
     def __call__(self, *batch: Any) -> float:
@@ -148,6 +181,7 @@ class CompiledStep(ABC):
         (checked in the graph before any update runs): a ``NonFiniteError``, or with
         ``on_nonfinite = "skip"`` the step counts in ``skipped_steps`` and returns it."""
         feeds = self._feeds(batch)
+        self._own_written()
         self.calls += 1
         loss = float(self.backend.to_numpy(self._exec.run(self._store, feeds)[0]))
         if not math.isfinite(loss):
@@ -159,6 +193,13 @@ class CompiledStep(ABC):
                     "NaN/inf in the batch, or lower the learning rate"
                 )
         return loss
+
+    def _own_written(self) -> None:
+        """Copy the written values the store still shares (``_bind``), one at a time: the
+        source of each (the model's memory, a zero block) is dropped as soon as it is."""
+        for name in sorted(self._lent):
+            self._store[name] = self.backend.from_numpy(self.backend.to_numpy(self._store[name]))
+        self._lent.clear()
 
     @property
     def on_nonfinite(self) -> str:
@@ -203,6 +244,7 @@ class CompiledStep(ABC):
         if not (math.isfinite(number) and number > 0):
             raise StateError(f"step.lr must be a finite number > 0, got {value!r}")
         self._store[LR] = self.backend.from_numpy(np.asarray(number, dtype=np.float32))
+        self._lent.discard(LR)
 
     @property
     def trained(self) -> tuple[str, ...]:
@@ -299,6 +341,7 @@ class CompiledStep(ABC):
         quantized = self._quantized.get(ir)
         if quantized is None:
             self._store[ir] = self.backend.from_numpy(array)
+            self._lent.discard(ir)
             return
         if np.array_equal(array, self._read(ir)):  # unchanged (a resume): codes as they are
             return

@@ -9,7 +9,9 @@ load. Compile on a host, ship the folder, train on the device. The folder holds:
   it back and ``ir.verify`` checks it);
 - ``state.safetensors``: the store by IR name: trained params, frozen weights (quantized
   ones as their codes, scales and offsets, as stored), buffers, optimizer state, the
-  learning rate;
+  learning rate; written one tensor at a time, without the tensors whose bytes are all
+  zero (the optimizer state of a step never run), which ``step.json`` lists under
+  ``zeros`` and ``load_step`` allocates;
 - ``step.json``: the rest (``pockengine.step_json``): batch inputs, IR -> model names and
   aliases, the quantized params, partial-channel rows, index bounds of the batch checks,
   the optimizer, the model's param table, the scheme and the compile-time report;
@@ -30,13 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pockengine.backends import BackendSpec, get_backend
+from pockengine.backends import Backend, BackendSpec, get_backend
 from pockengine.ir import Graph, PockEngineError, Role, Value, verify
 from pockengine.ir.parser import parse_graph
 from pockengine.ir.printer import print_graph
-from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
+from pockengine.safetensors_io import (
+    SAFETENSORS_DTYPES,
+    LazyTensors,
+    SafetensorsError,
+    header_bytes,
+)
 from pockengine.step_base import CompiledStep
-from pockengine.step_json import STEP_FORMAT, Saved, from_json, to_json
+from pockengine.step_json import READABLE_FORMATS, Saved, from_json, to_json
 
 if TYPE_CHECKING:
     from pockengine.evaluator import Evaluator
@@ -47,6 +54,7 @@ __all__ = ["LoadedStep", "StepFileError", "load_step", "save_step"]
 Array = np.ndarray[Any, Any]
 GRAPH, STATE, META = "step.ir", "state.safetensors", "step.json"
 EVAL_GRAPH, EVAL_STATE = "eval.ir", "eval.safetensors"
+_SAFETENSORS_NAMES = {np.dtype(v) for v in SAFETENSORS_DTYPES.values()}
 
 
 class StepFileError(PockEngineError):
@@ -70,18 +78,17 @@ def save_step(
     text = print_graph(step.graph)
     _check_round_trip(step.graph, text, GRAPH)
     _write_text(out / GRAPH, text)
-    store = {k: step.backend.to_numpy(v) for k, v in step._store.items()}
-    _write_tensors(out / STATE, store)
-    del store
+    zeros = _write_tensors(out / STATE, step._store, step.backend)
     eval_meta = None
     if evaluator is not None:
         eval_text = print_graph(evaluator.graph)
         _check_round_trip(evaluator.graph, eval_text, EVAL_GRAPH)
         _write_text(out / EVAL_GRAPH, eval_text)
-        own = {k: step.backend.to_numpy(v) for k, v in evaluator._own.items()}
-        _write_tensors(out / EVAL_STATE, own)
-        eval_meta = {"batch": [v.name for v in evaluator._batch], "sha256": _digest(eval_text)}
+        eval_zeros = _write_tensors(out / EVAL_STATE, evaluator._own, step.backend)
+        eval_meta = {"batch": [v.name for v in evaluator._batch], "sha256": _digest(eval_text),
+                     "zeros": eval_zeros}  # fmt: skip
     meta = to_json(step, report or step.report(), _digest(text), eval_meta)
+    meta["zeros"] = zeros
     _write_text(out / META, json.dumps(meta, indent=1) + "\n")
     return out
 
@@ -107,15 +114,30 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
+def _write_tensors(path: Path, store: Mapping[str, Any], backend: Backend) -> list[str]:
+    """``store`` (backend values) as a safetensors file, one tensor at a time, except the
+    ones whose bytes are all zero (an optimizer state never stepped; -0.0 is not zero):
+    their names are returned for
+    ``step.json``, and ``load_step`` allocates them. Nothing is copied whole, and a zero
+    block nothing has written is never touched (reading it maps no memory)."""
+    specs, zeros = {}, []
+    for name, value in store.items():
+        array = backend.to_numpy(value)
+        if array.dtype not in _SAFETENSORS_NAMES:
+            raise StepFileError(f"{path.name}: {name}: {array.dtype} has no safetensors dtype")
+        if array.size and not np.ascontiguousarray(array).reshape(-1).view(np.uint8).any():
+            zeros.append(name)
+        else:
+            specs[name] = np.broadcast_to(np.zeros((), array.dtype), array.shape)
     tmp = path.with_name(path.name + ".tmp")
-    try:
-        with tmp.open("wb") as f:
-            write_safetensors_to(f, tensors)
-    except TypeError as exc:  # a dtype safetensors has no name for
-        tmp.unlink(missing_ok=True)
-        raise StepFileError(f"{path.name}: {exc}") from None
+    with tmp.open("wb") as f:
+        f.write(header_bytes(specs))
+        for name in specs:
+            array = np.ascontiguousarray(backend.to_numpy(store[name]))
+            if array.nbytes:
+                f.write(array.reshape(-1).view(np.uint8).data)
     os.replace(tmp, path)
+    return zeros
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -123,32 +145,30 @@ def read_tensors(path: Path) -> dict[str, Array]:
     """Every tensor of the safetensors file ``path``, each read into its own array (no
     memory map, no second copy); a ``StepFileError`` if the file is missing or damaged."""
     try:
+        lazy = LazyTensors(path)
+        if path.stat().st_size != lazy.file_size:
+            raise StepFileError(f"{path}: truncated or padded (size does not match header)")
         with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
-            entries = sorted(header.items(), key=lambda e: int(e[1]["data_offsets"][0]))
-            end = max((int(e["data_offsets"][1]) for _, e in entries), default=0)
-            if path.stat().st_size != 8 + size + end:
-                raise StepFileError(f"{path}: truncated or padded (size does not match header)")
-            out = {}
-            for name, entry in entries:
-                dtype = np.dtype(SAFETENSORS_DTYPES[entry["dtype"]])
-                array = np.empty([int(d) for d in entry["shape"]], dtype=dtype)
-                start, stop = (int(x) for x in entry["data_offsets"])
-                if stop - start != array.nbytes:
-                    raise StepFileError(f"{path}: {name} holds {stop - start} bytes, its shape "
-                                        f"needs {array.nbytes}")  # fmt: skip
-                f.seek(8 + size + start)
-                raw = array.reshape(-1).view(np.uint8).data
-                if array.nbytes and f.readinto(raw) != array.nbytes:
-                    raise StepFileError(f"{path}: {name} is cut short")
-                out[name] = array
-            return out
+            return {name: lazy.read_from(f, name) for name in lazy.in_file_order()}
     except FileNotFoundError:
         raise StepFileError(f"{path}: missing (not a step artifact folder?)") from None
+    except SafetensorsError as exc:
+        raise StepFileError(str(exc)) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise StepFileError(f"{path}: not a whole safetensors file ({exc})") from None
+
+
+def _with_zeros(graph: Graph, values: dict[str, Array], zeros: Any, path: Path) -> dict[str, Array]:
+    """``values`` and the all-zero state ``step.json`` lists (``zeros``), allocated as
+    ``graph`` reads them (a name the file holds keeps the file's value)."""
+    types = {v.name: v.type for v in graph.inputs if v.role is not Role.INPUT}
+    for name in zeros:
+        kind = types.get(name)
+        if kind is None:
+            raise StepFileError(f"{path}: lists {name!r} as zeros, which the graph does not read")
+        if name not in values:
+            values[name] = np.zeros(kind.shape, kind.dtype.to_numpy())
+    return values
 
 
 def _read_graph(path: Path, digest: str) -> Graph:
@@ -174,10 +194,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise StepFileError(f"{path}: missing (not a step artifact folder?)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StepFileError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != STEP_FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         got = meta.get("format") if isinstance(meta, dict) else None
         raise StepFileError(f"{path}: step artifact format {got!r}, this PockEngine reads "
-                            f"{STEP_FORMAT}")  # fmt: skip
+                            f"{' and '.join(map(str, READABLE_FORMATS))}")  # fmt: skip
     return meta
 
 
@@ -242,7 +262,7 @@ def load_step(folder: str | os.PathLike[str], backend: BackendSpec | None = None
     except (KeyError, TypeError, ValueError, PockEngineError) as exc:
         raise StepFileError(f"{where / META}: damaged ({type(exc).__name__}: {exc})") from None
     graph = _read_graph(where / GRAPH, saved.graph_sha256)
-    values = read_tensors(where / STATE)
+    values = _with_zeros(graph, read_tensors(where / STATE), meta.get("zeros", []), where / META)
     _check_state(graph, values, where / STATE)
     saved = saved.with_batch(_batch_values(graph, saved.batch_names, where / META))
     step = LoadedStep(where, saved, graph, values, backend or saved.backend)
@@ -263,7 +283,8 @@ def _load_evaluator(step: LoadedStep, where: Path, meta: Mapping[str, Any]) -> E
     from pockengine.evaluator import Evaluator
 
     graph = _read_graph(where / EVAL_GRAPH, str(meta["sha256"]))
-    own = read_tensors(where / EVAL_STATE)
+    own = _with_zeros(graph, read_tensors(where / EVAL_STATE), meta.get("zeros", []),
+                      where / META)  # fmt: skip
     _check_state(graph, {**own, **_store_types(step)}, where / EVAL_STATE)
     batch = _batch_values(graph, list(meta["batch"]), where / META)
     shared = {k: step.backend.share_numpy(v) for k, v in own.items()}

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
     from pockengine.plan.placement import Placement
     from pockengine.step_base import CompiledStep
 
-__all__ = ["STEP_FORMAT", "Saved", "SavedReport", "from_json", "to_json"]
+__all__ = ["READABLE_FORMATS", "STEP_FORMAT", "Saved", "SavedReport", "from_json", "to_json"]
 
-STEP_FORMAT = 1
+STEP_FORMAT = 2  # 2: all-zero tensors listed in "zeros", not in the safetensors files
+READABLE_FORMATS = (1, 2)
 _OPTIMIZERS = {  # every optimizer class in pockengine.optim, by class name
     name: cls for name, cls in vars(optim).items()
     if isinstance(cls, type) and issubclass(cls, optim.Optimizer) and cls is not optim.Optimizer

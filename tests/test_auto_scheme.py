@@ -96,6 +96,11 @@ def test_scores_are_those_of_torch_autograd(tmp_path: Path) -> None:
         # a ratio trains the leading rows, so its score is theirs
         half = w.trained_rows(0.5)
         assert w.score("fisher", 0.5) == pytest.approx(sum(w.rows["fisher"][:half]))
+        # its gradient reads the layer's input (float32, batch x in); the matmul is its FLOPs
+        # (the graph reads it through a transpose: matmul(x, transpose(w)))
+        out_features, in_features = w.shape
+        assert w.saved_input_bytes == config.batch_size * in_features * 4
+        assert w.forward_flops == 2 * config.batch_size * in_features * out_features
     items = items_from_estimate(scores, "fisher", (0.25, 0.5, 1.0), AdamW())
     assert sum(i.value for i in items if i.ratio == 1.0) == pytest.approx(1.0)
     for name in ("fc1.weight", "fc2.weight", "fc3.weight"):
@@ -169,7 +174,13 @@ def test_the_lr_is_the_best_on_held_out_training_examples(tmp_path: Path) -> Non
     config = _config(tmp_path)
     choice = choose_lr(config, "bias", (1e-3, 3e-2), steps=4, holdout=24)
     assert [t["lr"] for t in choice.trials] == [1e-3, 3e-2]
-    best = max(choice.trials, key=lambda t: (t["val_accuracy"], -t["val_loss"]))
-    assert choice.lr == best["lr"]
+    assert choice.lr == min(choice.trials, key=lambda t: t["val_loss"])["lr"]
+    by_accuracy = choose_lr(config, "bias", (1e-3, 3e-2), steps=4, holdout=24,
+                            criterion="accuracy")  # fmt: skip
+    assert by_accuracy.trials == choice.trials  # the same seeded runs, another rule
+    best = max(by_accuracy.trials, key=lambda t: (t["val_accuracy"], -t["val_loss"]))
+    assert by_accuracy.lr == best["lr"]
+    with pytest.raises(FinetuneError, match="criterion"):
+        choose_lr(config, "bias", (1e-3,), criterion="f1")
     # the held-out examples are the training split's last ones: fewer train on
     assert choice.settings["train_examples"] == 72 - 24

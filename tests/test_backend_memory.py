@@ -7,7 +7,8 @@
 - torch: ``from_numpy`` copies once (a read-only array too), 0-d arrays stay 0-d;
 - torch: the heap trim after each run is opt-in, ``keep_heap`` turns it off;
 - C: frozen weights are shared read-only, trained ones copied into the state block, the
-  heap is trimmed once after the first step; the step matches the NumPy backend.
+  heap is trimmed when built and after the first step; the batch is copied only into
+  the arena; the step matches the NumPy backend.
 """
 
 from __future__ import annotations
@@ -144,6 +145,26 @@ def test_c_shares_frozen_weights_and_trims_once(monkeypatch: pytest.MonkeyPatch)
     for name in ("stem.weight", "fc.weight", "fc.bias"):
         assert store[name].flags.owndata and store[name].flags.writeable, name
     _assert_same_training(step, _compile(zoo.small_cnn(), "numpy"), w)
-    assert calls == [0, 0]  # once per executable (the gradient graph's, the step's), first run
+    # twice per executable (the gradient graph's, the step's): built, and after its first run
+    assert calls == [0, 0, 0, 0]
     for name, value in params.items():
         assert torch.equal(value.detach(), before[name]), name
+
+
+def test_c_step_copies_the_batch_only_into_its_arena() -> None:
+    """The batch goes straight into the arena: no backend copy of it per call (a
+    batch-sized temporary that the heap would keep after the first step)."""
+    import tracemalloc
+
+    w = zoo.small_cnn()
+    step = _compile(w, CBackend())
+    batch = [b.numpy() for b in w.make_batch(0)]
+    step(*batch)
+    batch_bytes = sum(b.nbytes for b in batch)
+    tracemalloc.start()
+    try:
+        step(*batch)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert batch_bytes > 8192 and peak < batch_bytes / 2, (peak, batch_bytes)

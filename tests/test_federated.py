@@ -378,7 +378,8 @@ def test_full_model_bytes_come_from_shapes_without_reading_a_tensor(
             self.out.weight = self.emb.weight
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.out(self.bn(self.fc(self.emb(ids).mean(1))))
+            out: torch.Tensor = self.out(self.bn(self.fc(self.emb(ids).mean(1))))
+            return out
 
     torch.manual_seed(0)
     ids, y = torch.randint(0, 32, (8, 5)), torch.randint(0, 32, (8,))

@@ -166,7 +166,9 @@ def test_the_server_velocity_is_saved_with_the_global_state_and_resumed(
     out.mkdir()
     arrays = trained.extract(step)
     velocity = {"fc.weight": np.full((16, 16), 0.25), "head.bias": np.arange(2.0)}
-    _RoundLog(config, task, step, trained, out, 0.0)._save(2, arrays, velocity)
+    saved = ServerStep(trained.buffers, 1.0, 0.9)
+    saved.velocity = velocity
+    _RoundLog(config, task, step, trained, out, 0.0)._save(2, arrays, saved.state())
     server = ServerStep(trained.buffers, 1.0, 0.9)
     resumed = dataclasses.replace(config, resume=True)
     done, loaded = _start_state(resumed, out, trained, step, server)

@@ -57,7 +57,8 @@ def test_the_central_run_has_the_same_data_options_and_as_many_passes(table: Mod
     args = argparse.Namespace(
         recipe="minilm-bbc", seq_len=32, image_size=None, max_train=640, max_val=200, seed=3,
         backend="torch", clients=10, rounds=4, local_epochs=2, alpha=0.5, full_lr=5e-4,
-        runs=Path("/r"), server_lr=None, server_momentum=0.9, bn_statistics=None,
+        runs=Path("/r"), server_optimizer=None, server_lr=None, server_momentum=0.9,
+        server_betas=None, server_tau=None, bn_statistics=None,
         scheme_file=["/s/sparse-c50.json"],
     )  # fmt: skip
     runs = {r.name: table.command(r, args) for r in table.plan(args)}
@@ -108,3 +109,23 @@ def test_reads_the_runs_and_writes_the_table_between_its_markers(
     assert "| fed-sparse (3 rounds) | 0.001 | 0.7500 | 0.8000 |" in text
     assert "| central-sparse (3 epochs) | 0.001 | 0.8000 | 0.9000 |" in text
     assert "ends 5.00 points below central training and 10.00 points below full-model" in text
+
+
+def test_the_server_optimizer_goes_to_every_federated_run(table: ModuleType) -> None:
+    args = argparse.Namespace(
+        recipe="lite0-fashion", seq_len=None, image_size=32, max_train=2000, max_val=300, seed=0,
+        backend="torch", clients=10, rounds=10, local_epochs=1, alpha=0.5, full_lr=None,
+        runs=Path("/r"), server_optimizer="adam", server_lr=0.003, server_momentum=None,
+        server_betas=[0.9, 0.99], server_tau=None, bn_statistics=None, client_lr=0.001,
+        scheme_file=["/s/sparse-c50.json"],
+    )  # fmt: skip
+    runs = {r.name: table.command(r, args) for r in table.plan(args)}
+    server = ["--server-optimizer", "adam", "--server-lr", "0.003", "--server-betas", "0.9", "0.99"]
+    for name in ("fed-sparse", "fed-full"):
+        cmd = " ".join(runs[name])
+        assert " ".join(server) in cmd and "--server-momentum" not in cmd, name
+    assert "--server-optimizer" not in runs["central-sparse"]
+    lr = {name: cmd[cmd.index("--lr") + 1] if "--lr" in cmd else None for name, cmd in runs.items()}
+    assert lr == {"fed-sparse": "0.001", "fed-sparse-c50": "0.001", "fed-full": None,
+                  "central-sparse": None}  # fmt: skip
+    assert " ".join(server) in table._command_line(args)

@@ -4,7 +4,8 @@ result equals the unfused graph and torch.autograd (loss and every gradient), on
 torch frontend (a classifier head with ignored targets, a LLaMA causal LM with tied and
 untied embeddings, a causal shift by slicing the logits) and the ONNX frontend's
 ``causal_lm`` loss; the ``[tokens, vocab]`` logits exist nowhere in the training graph.
-The op's kernels are checked on its samples by the op table, torch and ONNX tests."""
+The op's kernels are checked on its samples by the op table, torch, ONNX and C tests; the C
+kernels also over several row chunks and vocabulary tiles, both weight layouts."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pockengine.backends.c.backend import CBackend
 from pockengine.backends.numpy_backend import evaluate
 from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType, verify
 from pockengine.passes import FORWARD_PIPELINE, forward_passes, fuse_linear_cross_entropy
-from pockengine.passes.fuse_loss import MIN_VOCAB
+from pockengine.passes.fuse_loss import FUSED_LOSS_OPS, MIN_VOCAB
 from pockengine.plan.report import analyze
 from pockengine.runtime import gradients_graph
 
@@ -268,7 +269,7 @@ def test_backends_match_numpy() -> None:
     model, batch = _Head(), _head_batch()
     reference = pe.compile(model, _classify, batch)
     want, want_loss = reference.gradients(*batch), reference(*batch)
-    for backend in ("torch", "onnxruntime"):
+    for backend in ("torch", "onnxruntime", "c"):
         step = pe.compile(model, _classify, batch, backend=backend)
         assert FUSED in _ops(step.graph), backend
         _assert_grads(step.gradients(*batch), want, rtol=1e-5)
@@ -290,5 +291,56 @@ def test_out_of_range_targets_are_batch_errors() -> None:
 
 
 def test_backends_without_the_kernels_keep_the_unfused_loss() -> None:
-    assert fuse_linear_cross_entropy not in forward_passes(CBackend().supported_ops())
-    assert forward_passes(get_backend("torch").supported_ops()) == FORWARD_PIPELINE
+    lacking = CBackend().supported_ops() - FUSED_LOSS_OPS
+    assert fuse_linear_cross_entropy not in forward_passes(lacking)
+    for backend in ("torch", "c"):
+        assert forward_passes(get_backend(backend).supported_ops()) == FORWARD_PIPELINE
+
+
+@pytest.mark.parametrize(("dtype", "major", "bias"), [
+    (DType.F32, True, False), (DType.F32, False, True), (DType.F64, True, True),
+])  # fmt: skip
+def test_c_kernels_over_chunks_and_tiles_match_numpy(dtype: DType, major: bool, bias: bool) -> None:
+    """300 rows (three chunks of 128, the last short) over 2500 classes (20 tiles of
+    128, the last short): the forward and every gradient equal the NumPy reference."""
+    rows, k, vocab = 300, 24, 2500
+    rng = np.random.default_rng(3)
+    np_dtype = dtype.to_numpy()
+    b = GraphBuilder("loss")
+    x = b.input("x", TensorType((rows, k), dtype))
+    w = b.input("w", TensorType((vocab, k) if major else (k, vocab), dtype))
+    index = b.input("index", TensorType((rows,), DType.I32 if bias else DType.I64))
+    extra = [b.input("b", TensorType((vocab,), dtype))] if bias else []
+    gp, scale = (b.input(n, TensorType((rows,), dtype)) for n in ("gp", "scale"))
+    attrs = {"chunk": 16, "vocab_major": major}
+    picked, lse = b.call_multi(FUSED, x, w, index, *extra, **attrs)
+    grads = b.call_multi(f"{FUSED}_grad", gp, scale, x, w, index, lse, *extra, **attrs,
+                         x_grad=True, w_grad=True, b_grad=bias)  # fmt: skip
+    graph = b.build([picked, lse, *grads])
+    feeds = {"x": rng.standard_normal((rows, k)), "w": rng.standard_normal(w.shape) / 4,
+             "index": rng.integers(0, vocab, rows), "gp": rng.standard_normal(rows),
+             "scale": rng.standard_normal(rows), "b": rng.standard_normal(vocab)}  # fmt: skip
+    feeds = {n: a.astype(index.dtype.to_numpy() if n == "index" else np_dtype)
+             for n, a in feeds.items() if n != "b" or bias}  # fmt: skip
+    feeds["index"][[0, -1]] = [vocab - 1, 1280]  # the last class and a tile's first one
+    got = CBackend().compile(graph).run(dict(feeds), {})
+    want = evaluate(graph, dict(feeds))
+    tol = 2e-4 if dtype is DType.F32 else 1e-10
+    for name, g, ref in zip(("picked", "lse", "gx", "gw", "gb"), got, want, strict=False):
+        assert g.dtype == ref.dtype and g.shape == ref.shape, name
+        np.testing.assert_allclose(g, ref, rtol=tol, atol=tol, err_msg=name)
+
+
+def test_c_llama_trains_fused_as_numpy() -> None:
+    """A tied-embedding LLaMA on the C backend: the loss is fused (no [tokens, vocab]
+    value in the arena) and three steps equal the NumPy backend's."""
+    work = _llama(tied=True)
+    batches = [work.make_batch(i) for i in range(3)]
+    opt = pe.optim.SGD(lr=0.1, momentum=0.9)  # AdamW would scale float32 noise up
+    c_step = pe.compile(work.model, work.loss_fn, batches[0], opt, backend="c")
+    reference = pe.compile(work.model, work.loss_fn, batches[0], opt, backend="numpy")
+    assert FUSED in _ops(c_step.graph) and _vocab_sized(c_step.graph, 2 * 6) == []
+    for batch in batches:
+        assert c_step(*batch) == pytest.approx(reference(*batch), rel=1e-5)
+    for name, value in reference.state_dict().items():
+        np.testing.assert_allclose(c_step.state_dict()[name], value, rtol=1e-4, atol=1e-5)

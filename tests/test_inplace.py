@@ -4,7 +4,8 @@ how the memory plan counts it, and the torch backend writing them with ``out=``.
 - the rules on hand-written graphs: graph inputs, constants, broadcast views, views or
   results still read later, another view of the same buffer among the inputs, shape or
   dtype changes all keep a fresh buffer; chains share one;
-- the liveness and the plan: a reused input's lifetime ends before the node;
+- the liveness and the plan: a reused input's lifetime ends before the node, and the
+  result takes exactly its offset;
 - every op with ``Fact.INPLACE`` on the torch backend, as a node whose inputs are the step's own
   buffers: its line writes with ``out=``/``grad_input=`` and its result matches NumPy;
 - the feeds and params are never written; a whole model trains the same with and without.
@@ -22,7 +23,7 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.numpy_backend import NumpyBackend
 from pockengine.backends.torch_backend import TorchBackend
-from pockengine.ir import DType, GraphBuilder, Role, TensorType, all_ops, parse_graph
+from pockengine.ir import DType, GraphBuilder, Role, TensorType, all_ops, parse_graph, print_node
 from pockengine.plan import inplace_ops, liveness, plan_memory, reusable_inputs
 
 Array = np.ndarray[Any, Any]
@@ -171,3 +172,23 @@ def test_a_model_trains_the_same_with_and_without_reuse() -> None:
         assert ("out=" in step._exec.source) == inplace
         losses.append([step(*batch) for _ in range(3)])
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_a_reusing_result_takes_exactly_its_inputs_offset() -> None:
+    """The C backend runs the plan's offsets as they are: a result written over a dying
+    input must start where the input does (placed apart, the two could overlap at a
+    shift, and element i's write would clobber input elements not yet read)."""
+    w = zoo.small_cnn()
+    opt = pe.optim.SGD(lr=0.1, momentum=0.9)
+    graph = pe.compile(w.model, w.loss_fn, w.make_batch(0), opt, backend="c").graph
+    reuse = reusable_inputs(graph)
+    plan = plan_memory(graph)
+    taken = 0
+    for i, k in reuse.items():
+        node = graph.nodes[i]
+        src, out = node.inputs[k].name, node.outputs[0].name
+        if plan.liveness.intervals[src].end == i - 1:
+            assert plan.offsets[src] == plan.offsets[out], print_node(node)
+            taken += 1
+    assert taken >= 5
+    assert plan.arena_bytes >= plan.peak_live_bytes

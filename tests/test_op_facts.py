@@ -60,8 +60,6 @@ KNOWN_ABSENT: dict[str, dict[str, str]] = {
     },
     "c": {
         "dequantize": "low-bit frozen weights (i8 codes, GGUF's f16 scales): no C kernel yet",
-        "linear_log_softmax_gather": "the chunked vocabulary loss: no C kernel yet",
-        "linear_log_softmax_gather_grad": "the chunked vocabulary loss: no C kernel yet",
     },
 }
 

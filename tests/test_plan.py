@@ -51,8 +51,10 @@ def test_memory_plan_reuses_dead_buffers() -> None:
     assert plan.peak_live_bytes == 128
     assert plan.arena_bytes == 128
     assert set(plan.offsets) == {"x", "a", "b", "c2", "d", "unused", "s"}
-    assert plan.offsets["a"] != plan.offsets["b"]
-    assert plan.offsets["x"] == plan.offsets["b"]  # x dies at node 0, b is born at node 1
+    # tanh, mul and neg each write over their dying input: one slot for a, b, c2 and d
+    assert plan.offsets["a"] == plan.offsets["b"] == plan.offsets["c2"] == plan.offsets["d"]
+    assert plan.offsets["x"] != plan.offsets["a"]  # both are read at node 0
+    assert plan.offsets["x"] == plan.offsets["unused"]  # x died at node 0
     assert_valid(plan)
 
 
@@ -78,10 +80,11 @@ graph g(x: f32[3] input, e: f32[0] input) {
     plan = plan_memory(g)
     assert "z" not in plan.offsets and "e" not in plan.offsets
     assert all(off % ALIGNMENT == 0 for off in plan.offsets.values())
-    # x (12 bytes) lives throughout; b (4) and c (12) overlap it at node 2; a shares c's slot
+    # x (12 bytes) lives throughout; b (4) and c (12) overlap it at node 2; neg writes b
+    # over a, which dies there
     assert plan.peak_live_bytes == 12 + 4 + 12
     assert plan.arena_bytes == 3 * ALIGNMENT
-    assert plan.offsets["a"] == plan.offsets["c"]
+    assert plan.offsets["a"] == plan.offsets["b"] != plan.offsets["c"]
     assert_valid(plan)
 
 

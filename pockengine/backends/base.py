@@ -54,6 +54,12 @@ class Backend(ABC):
         compiling holds no second copy of the frozen weights. Default: ``from_numpy``."""
         return self.from_numpy(array)
 
+    def feed(self, array: Array) -> Any:
+        """``array`` as one step's batch input, read during that call only. Default:
+        ``from_numpy``; a backend that copies its inputs into its own memory when it runs
+        (the C arena) takes the caller's array as it is, so a step makes no extra copy."""
+        return self.from_numpy(array)
+
     @abstractmethod
     def to_numpy(self, tensor: Any) -> Array: ...
 

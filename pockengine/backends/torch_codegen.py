@@ -211,8 +211,9 @@ class _Generator:
         self.constants[name] = tensor
         return name
 
-    def line(self, i: int, node: Node, kernel: Emitter) -> str:
-        """Node ``i`` as one line: copies its writes need, its kernel, the deaths it causes."""
+    def line(self, i: int, node: Node, kernel: Emitter, after: str | None = None) -> str:
+        """Node ``i`` as one line: copies its writes need, its kernel, the deaths it causes,
+        then ``after``."""
         self.line_index = i
         stmts = self._copies_before_write(i, node)
         for v in node.outputs:
@@ -235,6 +236,8 @@ class _Generator:
         dead += e.temps
         if dead:
             stmts.append(f"del {', '.join(dict.fromkeys(dead))}")
+        if after is not None:
+            stmts.append(after)
         # the printed node as a comment, on this one line whatever its source string holds
         comment = " ".join(print_node(node).splitlines()).replace("\0", "")
         return f"    {'; '.join(stmts) or 'pass'}  # {comment}"
@@ -302,13 +305,17 @@ def generate_source(
     finders: Mapping[str, PairFinder],
     device: torch.device,
     inplace: bool = True,
+    after: Mapping[int, str] | None = None,
 ) -> GeneratedSource:
     """The step function's source; its globals are the kernels' and the constants.
-    ``inplace``: write elementwise results over dying inputs where ``plan.inplace`` allows."""
+    ``inplace``: write elementwise results over dying inputs where ``plan.inplace`` allows.
+    ``after``: node index -> a statement run once that node's line is done (its deaths
+    included), on the same line."""
     gen = _Generator(graph, device, finders, inplace)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
     lines = [f"def {function}({', '.join(gen.locals[n] for n in gen.inputs)}):"]
-    lines += [gen.line(i, node, kernels[node.op]) for i, node in enumerate(graph.nodes)]
+    lines += [gen.line(i, node, kernels[node.op], (after or {}).get(i))
+              for i, node in enumerate(graph.nodes)]  # fmt: skip
     results = "".join(f"{gen.returned(v.name)}, " for v in graph.outputs)
     lines.append(f"    return ({results})")
     return GeneratedSource("\n".join(lines) + "\n", function, gen.constants, 2)

@@ -15,6 +15,7 @@ from typing import Any
 
 from pockengine.cli_help import BACKEND_HELP
 from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.federated.server_step import SERVER_OPTIMIZERS
 from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
 from pockengine.sparse.names import SCHEME_HELP
 
@@ -36,10 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="how the training split is dealt to the clients")  # fmt: skip
     fed.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     fed.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx (0: FedAvg)")
-    fed.add_argument("--server-lr", type=float, default=1.0,
-                     help="the server's step along the averaged update (1: FedAvg)")  # fmt: skip
+    fed.add_argument("--server-optimizer", choices=SERVER_OPTIMIZERS, default="avg",
+                     help="the server's optimizer over the averaged update: FedAvg, FedAvgM, "
+                     "FedAdam, FedYogi, FedAdagrad (Reddi et al. 2021)")  # fmt: skip
+    fed.add_argument("--server-lr", type=float,
+                     help="the server's learning rate (default 1 for avg/avgm: FedAvg's "
+                     "step; 0.01 for adam/yogi/adagrad)")  # fmt: skip
     fed.add_argument("--server-momentum", type=float, default=0.0,
                      help="FedAvgM: momentum of the server's step (0: FedAvg)")  # fmt: skip
+    fed.add_argument("--server-betas", type=float, nargs=2, default=(0.9, 0.99),
+                     metavar=("B1", "B2"), help="adam/yogi/adagrad: moment decays")  # fmt: skip
+    fed.add_argument("--server-tau", type=float, default=1e-3,
+                     help="adam/yogi/adagrad: tau, the adaptivity (epsilon)")  # fmt: skip
     fed.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute",
                      help="BatchNorm statistics a client sends: those of its shard under its "
                      "final weights, or the step's running ones")  # fmt: skip
@@ -88,7 +97,9 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
     return FederatedConfig(
         finetune=ft, clients=args.clients, rounds=args.rounds, local_epochs=args.local_epochs,
         partition=args.partition, alpha=args.alpha, proximal_mu=args.proximal_mu,
-        server_lr=args.server_lr, server_momentum=args.server_momentum,
+        server_optimizer=args.server_optimizer, server_lr=args.server_lr,
+        server_momentum=args.server_momentum, server_betas=tuple(args.server_betas),
+        server_tau=args.server_tau,
         bn_statistics=args.bn_statistics,
         timeout=args.timeout, resume=args.resume, threads=args.threads,
         stop_after_round=args.stop_after_round,

@@ -14,6 +14,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pockengine.federated.server_step import (
+    ADAPTIVE,
+    SERVER_OPTIMIZERS,
+    ServerStep,
+    default_server_lr,
+)
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.ir import PockEngineError
 
@@ -39,8 +45,13 @@ class FederatedConfig:
     # BatchNorm statistics a client sends: "recompute" (of its shard under its final
     # weights) or "running" (the step's running statistics); see federated.batchnorm
     bn_statistics: str = "recompute"
-    server_lr: float = 1.0  # the server's step along the averaged update (1: FedAvg)
+    # the server's optimizer over the averaged update (federated.server_step): avg
+    # (FedAvg), avgm (FedAvgM; also avg with server_momentum > 0), adam, yogi, adagrad
+    server_optimizer: str = "avg"
+    server_lr: float | None = None  # its learning rate (None: 1 for avg/avgm, 0.01 else)
     server_momentum: float = 0.0  # FedAvgM's momentum on the averaged update (0: none)
+    server_betas: tuple[float, float] = (0.9, 0.99)  # adam/yogi/adagrad: beta1, beta2
+    server_tau: float = 1e-3  # adam/yogi/adagrad: the adaptivity (epsilon)
     timeout: float = 600.0  # seconds a round waits for its clients
     resume: bool = False  # continue from the global state saved in out
     stop_after_round: int | None = None  # stop the server there (as if killed), for resume
@@ -70,10 +81,7 @@ class FederatedConfig:
             raise FederatedError(
                 f"bn_statistics must be recompute or running, got {self.bn_statistics!r}"
             )
-        if not self.server_lr > 0:
-            raise FederatedError(f"server_lr must be > 0, got {self.server_lr}")
-        if not 0 <= self.server_momentum < 1:
-            raise FederatedError(f"server_momentum must be in [0, 1), got {self.server_momentum}")
+        self._validate_server()
         if not self.timeout > 0:
             raise FederatedError(f"timeout must be > 0 seconds, got {self.timeout}")
         for spec in self.fail:
@@ -81,6 +89,38 @@ class FederatedConfig:
         for spec in self.delay:
             _fault(spec, 3, "delay")
         return self
+
+    def _validate_server(self) -> None:
+        if self.server_optimizer not in SERVER_OPTIMIZERS:
+            raise FederatedError(
+                f"server_optimizer must be one of {', '.join(SERVER_OPTIMIZERS)}, "
+                f"got {self.server_optimizer!r}"
+            )
+        if self.server_lr is not None and not self.server_lr > 0:
+            raise FederatedError(f"server_lr must be > 0, got {self.server_lr}")
+        if not 0 <= self.server_momentum < 1:
+            raise FederatedError(f"server_momentum must be in [0, 1), got {self.server_momentum}")
+        if self.server_momentum and self.server_optimizer in ADAPTIVE:
+            raise FederatedError(
+                f"server_momentum is FedAvgM's; server_optimizer {self.server_optimizer} "
+                "takes its momentum from server_betas"
+            )
+        if len(self.server_betas) != 2 or not all(0 <= b < 1 for b in self.server_betas):
+            raise FederatedError(f"server_betas must be two numbers in [0, 1), got "
+                                 f"{list(self.server_betas)}")  # fmt: skip
+        if not self.server_tau > 0:
+            raise FederatedError(f"server_tau must be > 0, got {self.server_tau}")
+
+    def server_step(self, statistics: frozenset[str]) -> ServerStep:
+        """The server's optimizer these options describe (``statistics`` only averaged)."""
+        lr = (
+            self.server_lr
+            if self.server_lr is not None
+            else default_server_lr(self.server_optimizer)
+        )
+        b1, b2 = self.server_betas
+        return ServerStep(statistics, lr, self.server_momentum, optimizer=self.server_optimizer,
+                          betas=(b1, b2), tau=self.server_tau)  # fmt: skip
 
     def fails(self, client: int, server_round: int) -> bool:
         """Whether the fault options make ``client`` fail in ``server_round``."""
@@ -102,13 +142,27 @@ class FederatedConfig:
         data: dict[str, Any] = json.loads(text)
         data["finetune"] = FinetuneConfig(**data["finetune"])
         data["fail"], data["delay"] = tuple(data["fail"]), tuple(data["delay"])
+        if "server_betas" in data:
+            data["server_betas"] = tuple(data["server_betas"])
         return cls(**data)
 
     def training_dict(self) -> dict[str, Any]:
-        """The options that define the federated training (checked on ``resume``)."""
+        """The options that define the federated training (checked on ``resume``); the
+        server learning rate as it applies (its default resolved)."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in _RUN_FIELDS}
+        if self.server_lr is None:
+            out["server_lr"] = default_server_lr(self.server_optimizer)
         out["finetune"] = self.finetune.training_dict()
         return out
+
+    def trains_as_saved(self, saved: dict[str, Any]) -> bool:
+        """Whether a run saved with the options ``saved`` (``training_dict`` as JSON) trains
+        as this config does. Options its version did not have yet count at their
+        defaults, so a run saved before they existed resumes."""
+        current = json.loads(json.dumps(self.training_dict()))
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        absent = {k: defaults[k] for k in current.keys() - saved.keys() if k in defaults}
+        return {**json.loads(json.dumps(absent)), **saved} == current
 
 
 _RUN_FIELDS = frozenset({"resume", "timeout", "threads", "stop_after_round", "fail", "delay"})

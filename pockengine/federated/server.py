@@ -42,7 +42,6 @@ __all__ = ["GLOBAL_STATE", "ROUNDS", "SUMMARY", "app", "out_dir", "run_server"]
 log = logging.getLogger(__name__)
 
 GLOBAL_STATE, ROUNDS, SUMMARY = "global.safetensors", "rounds.jsonl", "summary.json"
-VELOCITY = "server-velocity:"  # the prefix of the FedAvgM velocity in GLOBAL_STATE
 
 app = ServerApp()
 
@@ -64,7 +63,7 @@ def run_server(grid: Grid, config: FederatedConfig) -> dict[str, Any]:
     config, task, step = prepare(config)
     out = out_dir(config)
     trained = TrainedSet.of(step)
-    server = ServerStep(trained.buffers, config.server_lr, config.server_momentum)
+    server = config.server_step(trained.buffers)
     done, arrays = _start_state(config, out, trained, step, server)
     round_log = _RoundLog(config, task, step, trained, out, start)
     recompute = config.bn_statistics == "recompute"
@@ -91,7 +90,7 @@ def _start_state(
     config: FederatedConfig, out: Path, trained: TrainedSet, step: TrainStep, server: ServerStep
 ) -> tuple[int, dict[str, np.ndarray[Any, Any]]]:
     """(rounds done, global trained tensors): from the saved state on resume (which
-    also restores the server step's velocity)."""
+    also restores the server step's moments)."""
     path = out / GLOBAL_STATE
     if not config.resume:
         if path.exists():
@@ -107,11 +106,9 @@ def _start_state(
         raise FederatedError(f"--resume: no saved global state at {path}") from None
     header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
     saved = json.loads(header["config"])
-    if saved != json.loads(json.dumps(config.training_dict())):
+    if not config.trains_as_saved(saved):
         raise FederatedError(f"--resume: {path} was saved by a run with other options")
-    arrays = load(data)
-    server.velocity = {k[len(VELOCITY) :]: v for k, v in arrays.items() if k.startswith(VELOCITY)}
-    arrays = {k: v for k, v in arrays.items() if not k.startswith(VELOCITY)}
+    arrays = server.load_state(load(data))
     trained.check(arrays, str(path))
     done = int(header["round"])
     rows = MetricsLog(out / ROUNDS).rows()
@@ -161,7 +158,7 @@ class _RoundLog:
             "train_loss": stats.get("train_loss"),
             "elapsed_s": time.perf_counter() - self.start,
         }
-        self._save(r, arrays, strategy.server.velocity)
+        self._save(r, arrays, strategy.server.state())
         self.log.append(row)
         log.info(
             "round %d/%d: accuracy %.4f, loss %.4f, up %d B (full model %d B), %d client(s)%s",
@@ -173,14 +170,14 @@ class _RoundLog:
 
     def _save(
         self, r: int, arrays: dict[str, np.ndarray[Any, Any]],
-        velocity: dict[str, np.ndarray[Any, Any]],
+        server_state: dict[str, np.ndarray[Any, Any]],
     ) -> None:  # fmt: skip
-        """The global state and the server's velocity (FedAvgM), in one atomic file."""
+        """The global state and the server optimizer's moments (``ServerStep.state``,
+        named apart from the trained tensors), in one atomic file."""
         from safetensors.numpy import save
 
         meta = {"round": str(r), "config": json.dumps(self.config.training_dict())}
-        state = {**arrays, **{VELOCITY + k: v for k, v in velocity.items()}}
-        write_atomic(self.out / GLOBAL_STATE, save(state, metadata=meta))
+        write_atomic(self.out / GLOBAL_STATE, save({**arrays, **server_state}, metadata=meta))
 
     def summary(self, resumed_at: int) -> dict[str, Any]:
         rows = self.log.rows()

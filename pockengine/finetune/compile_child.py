@@ -28,14 +28,22 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.ir import errors
 from pockengine.sparse import schemes
-from pockengine.sparse.schemes import Scheme
+from pockengine.sparse.schemes import Scheme, resolve_scheme
 
-__all__ = ["compile_in_child", "main"]
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pockengine.finetune.recipes import Task
+    from pockengine.runtime import TrainStep
+
+__all__ = ["compile_in_child", "compile_into", "frozen_given", "main"]
 
 log = logging.getLogger(__name__)
 JOB, ERROR, TASK_JSON, TASK_DATA = "job.json", "error.json", "task.json", "task.safetensors"
@@ -77,28 +85,74 @@ def _raise_child_error(folder: Path, code: int) -> None:
     raise kind(str(error.get("message")))
 
 
-def _compile_here(folder: Path) -> None:
-    """The child's work: build the task, compile the step and its evaluator, write them."""
+def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) -> None:
+    """The child's work: build the task (``JOB`` in ``folder``), compile the step and its
+    evaluator, write them; ``phase(label)`` is called after each phase
+    (``benchmarks/child_memory.py`` prints the memory there).
+
+    The child holds what the step needs once: the float copies of the weights the step
+    takes as GGUF blocks are replaced by stand-ins before the trace, and those it
+    quantizes (int8, int4) right after compiling; the step shares the params it trains
+    with the model (``copies_deferred``: it never runs here), and its optimizer state's
+    zeros are never written, in memory or in the artifact (``step_io``)."""
     import torch
 
     from pockengine.finetune import recipes, released
-    from pockengine.finetune.compiled_task import save_task
-    from pockengine.finetune.model_skeleton import write_skeleton
+    from pockengine.finetune.gguf import frozen_weights
     from pockengine.finetune.trainer import compile_evaluator_releasing, compile_task
+    from pockengine.step_base import copies_deferred
 
     job = json.loads((folder / JOB).read_text())
     if job["threads"] is not None:
         torch.set_num_threads(int(job["threads"]))
     config = FinetuneConfig(**job["config"])
     task = recipes.build(config)
-    step = compile_task(config, task, schemes.from_dict(job["scheme"]))
+    phase("model, tokenizer and data")
+    frozen, scheme = frozen_weights(config), schemes.from_dict(job["scheme"])
+    _stand_in(task.model, frozen_given(task.model, frozen.given, scheme))  # stored as blocks
+    phase("GGUF blocks read, the float copies of them released")
+    with copies_deferred():  # the step never runs here: it shares what it would write
+        step = compile_task(config, task, scheme, frozen)
+    _stand_in(task.model, released.quantized_names(step))  # int8, int4: quantized now
+    phase("step compiled")
     evaluator = compile_evaluator_releasing(step, task)  # the model's copies released
+    phase("evaluator compiled")
     if evaluator is None:  # only a compiled evaluation runs without the model
         (folder / NEEDS_MODEL).write_text("the task's evaluation does not compile")
         return
     step.save(folder / STEP_DIR, evaluator)
+    phase("step artifact written")
+    _write_task(folder, step, task)
+    phase("task and the RUN/model skeleton written")
+
+
+def frozen_given(model: nn.Module, given: Iterable[str], scheme: Scheme) -> list[str]:
+    """The weights in ``given`` (GGUF blocks, by model name) that ``scheme`` does not
+    train: the step stores those as the blocks (a trained one starts from the model's
+    float values, so it keeps them), under any of their tied names."""
+    from pockengine.frontend.torch import torch_model_info
+
+    info = torch_model_info(model)
+    trained = resolve_scheme(scheme, info).names
+    return [n for n in given if info.canonical.get(n, n) not in trained and n not in trained]
+
+
+def _stand_in(model: nn.Module, names: Iterable[str]) -> None:
+    from pockengine.finetune.released import stand_in
+    from pockengine.runtime import release_free_memory
+
+    if stand_in(model, names):
+        release_free_memory()
+
+
+def _write_task(folder: Path, step: TrainStep, task: Task) -> None:
+    from pockengine.finetune import released
+    from pockengine.finetune.compiled_task import save_task
+    from pockengine.finetune.model_skeleton import write_skeleton
+
     save_task(folder, task)
-    write_skeleton(folder / MODEL_DIR, task, released.step_values(step))
+    write_skeleton(folder / MODEL_DIR, task, released.step_values(step),
+                   released.quantized_stand_ins(step))  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -106,7 +160,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     folder = Path(argv[0])
     try:
-        _compile_here(folder)
+        compile_into(folder)
     except errors.PockEngineError as exc:
         (folder / ERROR).write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
         return 2

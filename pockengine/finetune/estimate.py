@@ -61,6 +61,7 @@ __all__ = [
 
 SCORES = ("fisher", "taylor", "grad")
 _SKIP_TYPES = ("embedding",)  # rows of an embedding are tokens, not output channels
+_VIEWS = frozenset({"transpose", "reshape", "cast"})  # a weight read through these is still it
 # Options that do not change what the model sees of the data (the scores' cache key).
 _NOT_IN_KEY = ("scheme", "lr", "epochs", "memory_budget", "remat_budget", "warmup", "max_val",
                "val_fraction", "test_fraction", "optimizer", "momentum",
@@ -150,7 +151,7 @@ def cache_key(
     """What the scores depend on: the model, data and shapes of the config (not its lr,
     epochs or scheme), the data's fingerprint, the number of batches, and ``more``."""
     facts = {k: v for k, v in config.training_dict().items() if k not in _NOT_IN_KEY}
-    facts |= {"data": data_fingerprint, "batches": settings.batches, "v": 1, **more}
+    facts |= {"data": data_fingerprint, "batches": settings.batches, "v": 2, **more}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -217,17 +218,25 @@ def candidate_weights(info: ModelInfo, trained_anyway: set[str]) -> list[ParamIn
 
 
 def _reads(graph: Graph, weights: set[str]) -> dict[str, tuple[int, int]]:
-    """Per weight: bytes of the activations read beside it, and the FLOPs of those nodes."""
+    """Per weight: bytes of the activations read beside it, and the FLOPs of those nodes.
+
+    A weight is often read through a layout op first (``matmul(x, transpose(w))``): the
+    outputs of ``_VIEWS`` of a weight stand for the weight, so ``x`` is what its gradient
+    reads and the matmul's FLOPs are its own."""
     roles = {v.name: v.role for v in graph.inputs}
     flops = {id(n): c.flops for n, c in zip(graph.nodes, cost(graph).nodes, strict=True)}
+    alias = {w: w for w in weights}
     out: dict[str, tuple[int, int]] = {}
     for node in graph.nodes:
-        names = {v.name for v in node.inputs} & weights
-        for w in names:
+        read = {alias[v.name] for v in node.inputs if v.name in alias}
+        if node.op in _VIEWS and len(read) == 1 and len(node.outputs) == 1:
+            alias[node.outputs[0].name] = read.pop()
+            continue
+        for w in read:
             others = [
                 v.type.nbytes
                 for v in node.inputs
-                if v.name != w and roles.get(v.name) not in (Role.PARAM, Role.CONST)
+                if v.name not in alias and roles.get(v.name) not in (Role.PARAM, Role.CONST)
             ]
             saved, f = out.get(w, (0, 0))
             out[w] = (saved + sum(others), f + flops[id(node)])

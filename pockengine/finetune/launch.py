@@ -5,11 +5,12 @@ the recipe's defaults, parses the scheme, checks the model folder, takes ``RUN``
 and finds the checkpoint to resume, all without torch. With ``--compile-in child``
 (the default) the compile child then runs while this process still holds no torch, so
 the machine never holds this process's torch and the child's at once; only then does
-this process import the trainer (and torch) and train the step the child wrote. With
-``--compile-in process``, ``--scheme auto`` (whose analysis needs the model here), or
-a task whose evaluation does not compile (it runs eagerly on the model: the child says
-so, and the compile is done again here), the trainer builds and compiles the task in
-this process.
+this process import the trainer (and torch) and train the step the child wrote.
+``--scheme auto`` chooses its scheme in a child of its own first (``auto_child``), then
+compiles the choice in the compile child. With ``--compile-in process``, ``--resume``
+of an auto run (which trains the checkpoint's scheme), or a task whose evaluation does
+not compile (it runs eagerly on the model: the child says so, and the compile is done
+again here), the trainer builds and compiles the task in this process.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import TYPE_CHECKING
 
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune import recipe_table
+from pockengine.finetune.auto_child import choose_in_child
 from pockengine.finetune.best import BEST
 from pockengine.finetune.compile_child import compile_in_child
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.run_lock import RunLock
+from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 
 if TYPE_CHECKING:
@@ -57,23 +60,24 @@ def _compile_and_train(
     start: float,
 ) -> FinetuneResult:  # fmt: skip
     """Once ``out`` is held: compile in a child and train here, or do both here."""
-    if config.compile_in == "child" and scheme is None:
-        log.warning("--scheme auto analyses the model here: compiling here too")
-    if config.compile_in != "child" or scheme is None:
+    if config.compile_in != "child" or (scheme is None and saved is not None):
         from pockengine.finetune.trainer import train_here
 
         return train_here(config, scheme, out, saved, start)
     with tempfile.TemporaryDirectory(prefix=".compiled-", dir=out) as folder:
         compile_start = time.perf_counter()
-        compiled = compile_in_child(config, scheme, Path(folder))
+        choice = None if scheme is not None else choose_in_child(config, Path(folder))
+        chosen = schemes.from_dict(choice["scheme"]) if choice is not None else scheme
+        assert chosen is not None
+        compiled = compile_in_child(config, chosen, Path(folder))
         from pockengine.finetune.trainer import train_compiled, train_here
 
-        if not compiled:
+        if not compiled:  # auto: the choice is read back from its cache, for the summary
             log.warning("the task's evaluation does not compile and runs on the model: "
                         "compiling here (--compile-in process)")  # fmt: skip
             return train_here(config, scheme, out, saved, start)
-        return train_compiled(config, scheme, out, saved, (start, compile_start),
-                              Path(folder))  # fmt: skip
+        return train_compiled(config, chosen, out, saved, (start, compile_start),
+                              Path(folder), choice)  # fmt: skip
 
 
 def _slug(config: FinetuneConfig) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,21 +37,28 @@ _PREFIXES = {"hf-classifier": {"model.safetensors": "encoder.", "head.safetensor
 _CHUNK = 8 << 20
 
 
-def write_skeleton(folder: Path, task: Task, state: Mapping[str, Array]) -> None:
+def write_skeleton(
+    folder: Path, task: Task, state: Mapping[str, Array], zeroed: Mapping[str, Array] | None = None
+) -> None:
     """``RUN/model`` as ``home.write_model`` writes it from ``task.model`` as it is (or,
     where its copies of the step's weights were released, streamed from ``state``, the
     step's values), plus ``SKELETON``: the writer's additions to ``pockengine.json`` and
-    the weights files."""
+    the weights files. The tensors in ``zeroed`` (model names -> broadcast zeros of their
+    shape: ``released.quantized_stand_ins``, the weights the step stores quantized, whose
+    values the step's own always replace) are written as zeros, never dequantized whole;
+    ``refill`` refuses to keep those bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     kind = task.home.get("format", "factory")
     added: dict[str, Any] = {}
+    zeroed = dict(zeroed or {})
     if is_released(task.model):
-        home.STREAMED[kind](folder, task, added, state)
+        home.STREAMED[kind](folder, task, added, _Zeroed(state, zeroed))
     else:
         home.WRITERS[kind](folder, task, added)
+        zeroed = {}
     prefixes = _PREFIXES.get(kind, {})
     files = {p.name: prefixes.get(p.name, "") for p in sorted(folder.glob("*.safetensors"))}
-    spec = {"kind": kind, "meta": added, "files": files}
+    spec = {"kind": kind, "meta": added, "files": files, "zeroed": sorted(zeroed)}
     (folder / SKELETON).write_text(json.dumps(spec, indent=1) + "\n")
 
 
@@ -78,7 +85,9 @@ def write_from_skeleton(
             if path.name == SKELETON:
                 continue
             if path.name in files:
-                refill(path, folder / path.name, _reader(state, files[path.name]))
+                prefix = files[path.name]
+                zeroed = {n[len(prefix) :] for n in spec.get("zeroed", []) if n.startswith(prefix)}
+                refill(path, folder / path.name, _reader(state, prefix), zeroed)
             else:
                 shutil.copy(path, folder / path.name)
         if spec["kind"] == "hf-classifier":  # it names the run folder
@@ -87,13 +96,33 @@ def write_from_skeleton(
     return home.install(out, meta, fill)
 
 
+class _Zeroed(Mapping[str, Array]):
+    """``state`` with the names in ``zeroed`` read as their (broadcast zero) stand-ins."""
+
+    def __init__(self, state: Mapping[str, Array], zeroed: Mapping[str, Array]) -> None:
+        self._state, self._zeroed = state, zeroed
+
+    def __getitem__(self, name: str) -> Array:
+        zero = self._zeroed.get(name)
+        return self._state[name] if zero is None else zero
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
 def _reader(state: Mapping[str, Array], prefix: str) -> Callable[[str], Array | None]:
     return lambda name: state.get(prefix + name)
 
 
-def refill(src: Path, dst: Path, read: Callable[[str], Array | None]) -> None:
+def refill(
+    src: Path, dst: Path, read: Callable[[str], Array | None], zeroed: Collection[str] = ()
+) -> None:
     """``src`` (a safetensors file) as ``dst``, each tensor ``read(name)`` where that is
-    not None (cast to the file's dtype, checked for shape), else ``src``'s own bytes."""
+    not None (cast to the file's dtype, checked for shape), else ``src``'s own bytes,
+    which for a name in ``zeroed`` (``write_skeleton``) are no values: an error."""
     with src.open("rb") as f, dst.open("wb") as out:
         size = int.from_bytes(f.read(8), "little")
         head = f.read(size)
@@ -106,6 +135,9 @@ def refill(src: Path, dst: Path, read: Callable[[str], Array | None]) -> None:
             if start != at:
                 raise FinetuneError(f"{src}: {name} does not follow the tensor before it")
             value = read(name)
+            if value is None and name in zeroed:
+                raise FinetuneError(f"{src}: {name} holds zeros in place of a weight the step "
+                                    "stored quantized, and the step gave no value")  # fmt: skip
             if value is None:
                 f.seek(8 + size + start)
                 _copy(f, out, stop - start)

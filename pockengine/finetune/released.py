@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -28,9 +28,20 @@ from pockengine.runtime import TrainStep
 from pockengine.safetensors_io import header_bytes
 from pockengine.step_base import CompiledStep
 
-__all__ = ["StepValues", "is_released", "release_held", "step_values", "write_streamed"]
+__all__ = [
+    "StepValues",
+    "is_released",
+    "quantized_names",
+    "quantized_stand_ins",
+    "release_held",
+    "stand_in",
+    "step_values",
+    "write_rows",
+    "write_streamed",
+]
 
 Array = np.ndarray[Any, Any]
+_BLOCK = 8 << 20
 
 
 class StepValues(Mapping[str, Array]):
@@ -61,13 +72,28 @@ def step_values(step: CompiledStep) -> Mapping[str, Array]:
     return merged_state(step) if step.resolution.adapters else StepValues(step)
 
 
+def quantized_names(step: TrainStep) -> list[str]:
+    """The model names of the weights ``step`` stores quantized."""
+    return [step._state_names.get(ir, ir) for ir in step._quantized]
+
+
+def quantized_stand_ins(step: TrainStep) -> dict[str, Array]:
+    """Broadcast zeros (no memory) of the float shape and dtype of each weight ``step``
+    stores quantized, under each of its model names."""
+    out = {}
+    for ir, q in step._quantized.items():
+        name = step._state_names.get(ir, ir)
+        zero = np.broadcast_to(np.zeros((), q.type.dtype.to_numpy()), q.type.shape)
+        out.update(dict.fromkeys(step._aliases.get(name, (name,)), zero))
+    return out
+
+
 def release_held(model: nn.Module, step: TrainStep, also: Iterable[str] = ()) -> int:
     """Replace the float copies of the weights ``step`` stores quantized, and of the params
     named in ``also`` (model names: e.g. ``step.trained``, which the step holds its own
     copies of), with storage-less ``meta`` parameters; the bytes released."""
     released = 0
-    quantized = [step._state_names.get(ir, ir) for ir in step._quantized]
-    for name in dict.fromkeys([*quantized, *also]):
+    for name in dict.fromkeys([*quantized_names(step), *also]):
         names = step._aliases.get(name, (name,))
         old = model.get_parameter(names[0])
         if old.device.type == "meta":
@@ -78,6 +104,29 @@ def release_held(model: nn.Module, step: TrainStep, also: Iterable[str] = ()) ->
             module, _, local = alias.rpartition(".")
             setattr(model.get_submodule(module), local, empty)
         released += old.numel() * old.element_size()
+    return released
+
+
+def stand_in(model: nn.Module, names: Iterable[str]) -> int:
+    """Replace the params ``names`` (model names; a tied param under all of its names)
+    with stand-ins of the same shape and dtype that hold one zero, broadcast: for weights
+    the step takes from elsewhere (the GGUF blocks of ``--frozen-dtype gguf``), so tracing
+    and compiling never hold their float values, which nothing reads (``quantize_frozen``
+    takes the blocks as given). Unlike a ``meta`` param, a stand-in is on the model's
+    device: torch.export traces it with the rest. Returns the bytes released."""
+    wanted = set(names)
+    named = list(model.named_parameters(remove_duplicate=False))
+    stand_ins: dict[int, nn.Parameter] = {}  # one per param: tied names stay tied
+    released = 0
+    for name, param in named:
+        if name in wanted and id(param) not in stand_ins:
+            zero = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+            stand_ins[id(param)] = nn.Parameter(zero, requires_grad=False)
+            released += param.numel() * param.element_size()
+    for name, param in named:
+        if id(param) in stand_ins:
+            module, _, local = name.rpartition(".")
+            setattr(model.get_submodule(module), local, stand_ins[id(param)])
     return released
 
 
@@ -107,9 +156,20 @@ def write_streamed(
     with path.open("wb") as f:
         f.write(header_bytes(specs, metadata))
         for name, tensor in state.items():
-            array = _value(name, tensor, read(name), specs[name])
-            if array.nbytes:
-                f.write(array.reshape(-1).view(np.uint8).data)
+            write_rows(f, _value(name, tensor, read(name), specs[name]))
+
+
+def write_rows(f: IO[bytes], array: Array) -> None:
+    """``array``'s bytes in C order, a block of rows at a time: a C-ordered array is
+    written from its own memory, any other (a broadcast stand-in) through copies of at
+    most ``_BLOCK`` bytes."""
+    if array.flags.c_contiguous:
+        if array.nbytes:
+            f.write(array.reshape(-1).view(np.uint8).data)
+        return
+    rows = max(1, _BLOCK // max(1, array[0].nbytes))
+    for start in range(0, len(array), rows):
+        write_rows(f, np.ascontiguousarray(array[start : start + rows]))
 
 
 def _value(name: str, tensor: torch.Tensor, given: Array | None, spec: Array) -> Array:
@@ -120,7 +180,7 @@ def _value(name: str, tensor: torch.Tensor, given: Array | None, spec: Array) ->
     if given.shape != spec.shape:
         raise FinetuneError(f"the trained values do not fit the model: {name} is "
                             f"{list(given.shape)}, the model's {list(spec.shape)}")  # fmt: skip
-    return np.asarray(given, dtype=spec.dtype, order="C")  # 0-d stays 0-d
+    return np.asarray(given, dtype=spec.dtype)  # cast if need be, not copied otherwise
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:

@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ from pockengine.finetune.loop import Loop, linear_schedule, stop_on_signals
 from pockengine.finetune.metrics import compile_evaluator, evaluate
 from pockengine.finetune.model_skeleton import write_from_skeleton
 from pockengine.finetune.result import FinetuneResult, peak_rss_bytes, write_report
+from pockengine.passes.quantize import FrozenWeights
 from pockengine.runtime import TrainStep, release_free_memory
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
@@ -79,12 +81,14 @@ def train_here(
 
 def train_compiled(
     config: FinetuneConfig, scheme: Scheme, out: Path, saved: ckpt_io.Checkpoint | None,
-    starts: tuple[float, float], folder: Path,
+    starts: tuple[float, float], folder: Path, choice: dict[str, Any] | None = None,
 ) -> FinetuneResult:  # fmt: skip
     """``launch.run`` once its compile child has written ``folder``: load it, train.
-    ``starts``: when the run and its compile started."""
+    ``starts``: when the run and its compile started; ``choice``: ``--scheme auto``'s
+    (``AutoChoice.to_dict``), made in a child too."""
     compiled = load_compiled(folder, config.backend)
-    prepared = _Prepared(compiled.task, scheme, None, compiled.step, compiled.evaluator,
+    auto = AutoChoice.from_dict(choice) if choice is not None else None
+    prepared = _Prepared(compiled.task, scheme, auto, compiled.step, compiled.evaluator,
                          compiled.buffers, compiled.skeleton)  # fmt: skip
     compile_s = time.perf_counter() - starts[1]
     return _train(config, prepared, out, saved, starts[0], compile_s)
@@ -211,14 +215,16 @@ def _given(value: str | None) -> str:
     return value
 
 
-def _compile(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
+def _compile(
+    config: FinetuneConfig, task: recipes.Task, scheme: Scheme, frozen: FrozenWeights | None = None
+) -> TrainStep:
     from pockengine.finetune.gguf import frozen_weights
     from pockengine.runtime import compile
 
     assert config.batch_size is not None
     example = tuple(torch.from_numpy(a[: config.batch_size]) for a in task.train)
     task.model.train()  # dropout on: its seed is the step's "rng.seed" state
-    frozen = frozen_weights(config)
+    frozen = frozen_weights(config) if frozen is None else frozen
     return compile(
         task.model,
         task.loss_fn,
@@ -237,8 +243,11 @@ def remat_budget(config: FinetuneConfig) -> int | None:
     return int(config.remat_budget) if config.remat_budget else None
 
 
-def compile_task(config: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
+def compile_task(
+    config: FinetuneConfig, task: recipes.Task, scheme: Scheme, frozen: FrozenWeights | None = None
+) -> TrainStep:
     """The training step a run of ``config`` (defaults filled in) compiles for ``task``:
     the same batch shape, optimizer and scheme, for tools that rebuild a run's step
-    (``pockengine export``)."""
-    return _compile(config, task, scheme)
+    (``pockengine export``). ``frozen``: ``gguf.frozen_weights(config)`` when the caller
+    has read it already."""
+    return _compile(config, task, scheme, frozen)

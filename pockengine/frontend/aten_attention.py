@@ -77,5 +77,5 @@ def _explicit(
     if dropout_p >= 1:
         p = cx.full(0.0, q.dtype, p.shape)
     elif dropout_p > 0:
-        p = cx.call("mul", p, cx.cast(cx.random_mask(p.shape, dropout_p), q.dtype))
+        p = cx.dropout(p, dropout_p)[0]
     return cx.call("matmul", p, v)

@@ -6,7 +6,7 @@ from typing import Any
 
 from pockengine.frontend.lowering import batch_norm_eval
 from pockengine.frontend.torch_ops import Ctx, aten
-from pockengine.ir import CompileError, DType, Value
+from pockengine.ir import CompileError, Value
 
 __all__: list[str] = []
 
@@ -204,5 +204,4 @@ def _dropout(cx: Ctx, x: Value, p: float, train: bool | None) -> tuple[Value, Va
         return x, None
     if p >= 1:
         return cx.full(0.0, x.dtype, x.shape), None
-    mask = cx.random_mask(x.shape, p)
-    return cx.call("mul", x, cx.cast(mask, x.dtype)), cx.call("ne", mask, cx.full(0.0, DType.F32))
+    return cx.dropout(x, p)

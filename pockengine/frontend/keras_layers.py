@@ -9,7 +9,8 @@ itself (``keras_trace`` puts an Identity marker where their call was):
   biased batch variance; in inference mode, or for a layer in ``eval_modules`` (a scheme's
   ``frozen_bn="eval"``), elementwise ops on the moving statistics;
 - ``LayerNormalization``: the ``layer_norm`` op over the trailing axes it normalises;
-- ``Dropout``: a ``random_mask``, as the other frontends draw it.
+- ``Dropout``: ``rng.dropout`` (a ``random_mask`` and a bool keep-mask), as the other
+  frontends lower it.
 
 Their TF expansions hold ``StopGradient`` (in ``tf.nn.moments``), seed-generator state and
 moving-average assignments, and the single IR ops cost the same FLOPs as the PyTorch
@@ -126,7 +127,7 @@ def _dropout(cx: KerasCtx, layer: Any, x: Value, training: bool) -> Value:
         raise CompileError(f"Dropout {layer.path}: noise_shape is not supported")
     if not training or layer.rate == 0:
         return x
-    return cx.call("mul", x, cx.cast(cx.random_mask(x.shape, float(layer.rate)), x.dtype))
+    return cx.dropout(x, float(layer.rate))[0]
 
 
 # -- ModelInfo -------------------------------------------------------------------------------

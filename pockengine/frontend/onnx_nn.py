@@ -215,5 +215,4 @@ def _dropout(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> tuple[Value,
     training = cx.opset >= 12 and mode_in is not None and bool(np.asarray(mode_in).reshape(-1)[0])
     if not training or ratio == 0.0:
         return x, None
-    mask = cx.random_mask(x.shape, ratio)
-    return cx.call("mul", x, cx.cast(mask, x.dtype)), cx.call("ne", mask, cx.full(0.0, mask.dtype))
+    return cx.dropout(x, ratio)

@@ -102,6 +102,10 @@ class Ctx(EmitContext):
     def random_mask(self, shape: tuple[int, ...], p: float) -> Value:
         return self.rng.mask(shape, p, self.source)
 
+    def dropout(self, x: Value, p: float) -> tuple[Value, Value]:
+        """Dropout of ``x`` at rate ``p`` > 0 and its bool keep-mask (``rng.dropout``)."""
+        return self.rng.dropout(x, p, self.source)
+
     def finish_rng(self) -> None:
         """Advance the dropout seed once per step, after every mask has been drawn."""
         self.rng.finish()

@@ -369,7 +369,7 @@ class LogicalNot:
         return [Sample((rng.random((3, 4)) < 0.5,)), Sample((np.asarray(True),))]
 
 
-@defop("where", facts=Fact.ELEMENTWISE)
+@defop("where", facts=Fact.ELEMENTWISE | Fact.CHEAP)
 class Where:
     """Forward: z = x where cond else y (cond bool; x, y one dtype; all three broadcast).
     Backward: gcond = none, gx = where(cond, gz, 0), gy = where(cond, 0, gz)."""

@@ -74,6 +74,33 @@ def _unchanged(*written: Array) -> tuple[Array, ...]:
     return tuple(np.array(a, copy=True) for a in written)
 
 
+def _adam_signature(
+    op: str, w: TensorType, g: TensorType, rows: int | None, t: TensorType, lr: TensorType,
+    skip: TensorType | None, *per_row: TensorType,
+) -> None:  # fmt: skip
+    """The checks every AdamW variant shares: the gradient (and ``per_row`` state) fits
+    ``w`` or its first ``rows`` rows; scalar step count and rate; the skip flag."""
+    _trained(op, w, rows, g, *per_row)
+    _scalar(op, t)
+    _scalar(op, lr)
+    _skip_flag(op, skip)
+
+
+def _adamw_math(
+    w: Array, g: Array, m: Array, v: Array, t: Array | float, lr: Array | float,
+    rows: int | None, *,
+    beta1: float, beta2: float, eps: float, weight_decay: float,
+) -> tuple[Array, Array, Array, Array]:  # fmt: skip
+    """One AdamW step on ``w`` (its first ``rows`` rows) from float moments: the new
+    trained part, ``m``, ``v`` and ``sqrt(v)`` (``adamw_update``'s docstring)."""
+    part = (w if rows is None else w[:rows]) * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    root = np.sqrt(v)
+    denom = root / np.sqrt(1 - beta2**t) + eps
+    return part - (lr / (1 - beta1**t)) * m / denom, m, v, root
+
+
 @defop("nonfinite")
 class NonFinite:
     """Forward: skip = 1.0 if any element of x is NaN or +-inf, else 0.0 (an f32 scalar,
@@ -269,10 +296,7 @@ class AdamWUpdate:
         weight_decay: float,
         rows: int | None = None,
     ) -> tuple[TensorType, ...]:
-        _trained("adamw_update", w, rows, g, m, v)
-        _scalar("adamw_update", t)
-        _scalar("adamw_update", lr)
-        _skip_flag("adamw_update", skip)
+        _adam_signature("adamw_update", w, g, rows, t, lr, skip, m, v)
         return ()
 
     @staticmethod
@@ -293,16 +317,10 @@ class AdamWUpdate:
     ) -> tuple[Array, ...]:
         if _skipped(skip):
             return _unchanged(w, m, v)
-        dtype = w.dtype
-        full = w
-        w = (w if rows is None else w[:rows]) * (1 - lr * weight_decay)
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        bc1 = 1 - beta1**t
-        bc2 = 1 - beta2**t
-        denom = np.sqrt(v) / np.sqrt(bc2) + eps
-        w = w - (lr / bc1) * m / denom
-        return _write_rows(full, rows, w), m.astype(dtype), v.astype(dtype)
+        part, m, v, _ = _adamw_math(
+            w, g, m, v, t, lr, rows, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay
+        )
+        return _write_rows(w, rows, part), m.astype(w.dtype), v.astype(w.dtype)
 
     @staticmethod
     def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 
 from pockengine.ir import DType, Sample, ShapeError, TensorType, defop
 from pockengine.ops._common import Array
-from pockengine.ops.update import _scalar, _skip_flag, _skipped, _trained, _unchanged, _write_rows
+from pockengine.ops.update import _adam_signature, _adamw_math, _skipped, _unchanged, _write_rows
 
 __all__ = [
     "SIGNED_CODE",
@@ -161,13 +161,10 @@ class AdamW8bitUpdate:
         rows: int | None = None,
     ) -> tuple[TensorType, ...]:
         op = "adamw8bit_update"
-        _trained(op, w, rows, g)
+        _adam_signature(op, w, g, rows, t, lr, skip)
         if not g.dtype.is_float:
             raise ShapeError(f"{op} needs a float gradient, got {g}")
         _state_types(op, g, block, mq, ma, vq, va)
-        _scalar(op, t)
-        _scalar(op, lr)
-        _skip_flag(op, skip)
         return ()
 
     @staticmethod
@@ -193,13 +190,10 @@ class AdamW8bitUpdate:
             return _unchanged(w, mq, ma, vq, va)
         m = dequantize_blockwise(mq, ma, SIGNED_CODE, block)
         root = dequantize_blockwise(vq, va, UNSIGNED_CODE, block)
-        steps, rate = float(t), float(lr)
-        part = (w if rows is None else w[:rows]) * (1 - rate * weight_decay)
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * (root * root) + (1 - beta2) * g * g
-        root = np.sqrt(v)
-        denom = root / math.sqrt(1 - beta2**steps) + eps
-        part = part - (rate / (1 - beta1**steps)) * m / denom
+        part, m, _, root = _adamw_math(
+            w, g, m, root * root, float(t), float(lr), rows,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        )  # fmt: skip
         return (
             _write_rows(w, rows, part),
             *quantize_blockwise(m, SIGNED_CODE, block),

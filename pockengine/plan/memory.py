@@ -11,7 +11,9 @@ for any placement; ``arena_bytes - peak_live_bytes`` is the fragmentation cost.
 
 In-place reuse is planned as the torch backend runs it: an elementwise result that
 ``plan.inplace.reusable_inputs`` lets overwrite a dying input takes that input's place
-(its lifetime ends just before the node). Otherwise conservative: a value that a backend
+(its lifetime ends just before the node) at exactly the input's offset: the chain is
+placed as one value, so the C backend, which runs the plan's offsets as they are, writes
+each element over the one it reads. Otherwise conservative: a value that a backend
 would make a view (reshape, transpose, broadcast_to, slice) still gets a buffer of its own.
 
 Persistent values (params, buffers, consts, optimizer state) live outside the arena
@@ -100,6 +102,37 @@ def _place(intervals: list[Interval]) -> dict[str, int]:
     return offsets
 
 
+def _reuse_groups(graph: Graph, reuse: Mapping[int, int], live: Liveness) -> dict[str, str]:
+    """Value -> the first value of its in-place chain, for every result that takes a dying
+    input's buffer (its lifetime ended just before the node: ``liveness``)."""
+    head: dict[str, str] = {}
+    for i, k in sorted(reuse.items()):
+        node = graph.nodes[i]
+        src, out = node.inputs[k].name, node.outputs[0].name
+        iv = live.intervals.get(src)
+        if iv is not None and iv.end == i - 1 and iv.nbytes == live.intervals[out].nbytes:
+            head[out] = head.get(src, src)
+    return head
+
+
+def _place_groups(intervals: list[Interval], head: Mapping[str, str]) -> dict[str, int]:
+    """``_place`` with each in-place chain as one interval: a result that overwrites its
+    input gets exactly the input's offset. (Placed apart, the two could overlap at a shift,
+    and a kernel writing element i would clobber input elements not yet read.)"""
+    spans: dict[str, Interval] = {}
+    for iv in intervals:
+        root = head.get(iv.value.name, iv.value.name)
+        was = spans.get(root)
+        spans[root] = (
+            iv
+            if was is None
+            else Interval(was.value, min(was.start, iv.start), max(was.end, iv.end))
+        )
+    placed = _place(list(spans.values()))
+    rep = {root: span.value.name for root, span in spans.items()}
+    return {iv.value.name: placed[rep[head.get(iv.value.name, iv.value.name)]] for iv in intervals}
+
+
 def _bytes(graph: Graph, role: Role, trained_only: bool = False) -> int:
     values = graph.inputs_with_role(role)
     return sum(v.type.nbytes for v in values if v.trainable or not trained_only)
@@ -109,9 +142,10 @@ def plan_memory(graph: Graph, reuse: Mapping[int, int] | None = None) -> MemoryP
     """Place every non-persistent value of ``graph`` in one arena; ``reuse`` (node index ->
     input position, default ``reusable_inputs(graph)``) says which results overwrite an
     input; ``{}`` plans no in-place reuse."""
-    live = liveness(graph, reusable_inputs(graph) if reuse is None else reuse)
+    reuse = reusable_inputs(graph) if reuse is None else reuse
+    live = liveness(graph, reuse)
     planned = [iv for iv in live.intervals.values() if iv.nbytes > 0]
-    offsets = _place(planned)
+    offsets = _place_groups(planned, _reuse_groups(graph, reuse, live))
     arena = max((offsets[iv.value.name] + _aligned(iv.nbytes) for iv in planned), default=0)
     return MemoryPlan(
         offsets=offsets,

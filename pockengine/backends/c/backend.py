@@ -21,7 +21,7 @@ import numpy as np
 
 from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
-from pockengine.backends.c import lower_ew, lower_nn, lower_reduce
+from pockengine.backends.c import lower_ew, lower_loss, lower_nn, lower_reduce
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, Lowering, emit_step
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
@@ -31,7 +31,12 @@ __all__ = ["KERNELS", "BoundStep", "CBackend", "CExecutable"]
 
 Array = np.ndarray[Any, Any]
 
-KERNELS: dict[str, Lowering] = {**lower_ew.KERNELS, **lower_reduce.KERNELS, **lower_nn.KERNELS}
+KERNELS: dict[str, Lowering] = {
+    **lower_ew.KERNELS,
+    **lower_reduce.KERNELS,
+    **lower_nn.KERNELS,
+    **lower_loss.KERNELS,
+}
 
 
 def claims(node: Node) -> bool:
@@ -82,6 +87,8 @@ class CExecutable(Executable):
         self.arena: Array = self._buffer[start : start + size]
         self._address = int(self.arena.ctypes.data)
         self._trim = libc_function("malloc_trim")
+        if self._trim is not None:
+            self._trim(0)  # what emitting and building the source freed, before the arena fills
         self._args = (ctypes.c_void_p * max(len(graph.inputs), 1))()
         self._inputs = tuple(graph.inputs)
         results = (v for n in graph.nodes for v in n.outputs)
@@ -179,6 +186,9 @@ class CBackend(Backend):
 
     def from_numpy(self, array: Array) -> Array:
         return np.array(array, order="C")  # a copy the state block owns
+
+    def feed(self, array: Array) -> Array:
+        return array  # ``bind`` copies it into the arena
 
     def share_numpy(self, array: Array) -> Array:
         """``array`` itself (read-only) when C-ordered: the step only reads it (a frozen

@@ -6,9 +6,10 @@ reusing result its input's offset) and ``in[k]`` points at graph input ``k`` (pa
 buffers and optimizer state in the caller's state block; a batch input at its planned
 arena offset, where the caller copies the batch). The body is one C statement per node,
 under the node's IR text as a comment, taken from the kernel tables in ``lower_ew``,
-``lower_reduce`` and ``lower_nn``, in functions of 64 nodes that ``pe_step`` calls in
-order. Metadata tables (``pe_inputs``, ``pe_outputs``, ``pe_arena_bytes``) let the
-stand-alone trainer's ``main.c`` bind the same function without Python.
+``lower_reduce``, ``lower_nn`` and ``lower_loss``, in functions of 64 nodes that
+``pe_step`` calls in order. Metadata tables (``pe_inputs``, ``pe_outputs``,
+``pe_arena_bytes``) let the stand-alone trainer's ``main.c`` bind the same function
+without Python.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 /* PockEngine C kernels: the declarations every generated step and every kernel file share.
  *
  * Kernels take raw pointers and sizes; they never allocate. Each family (linalg.c, conv.c,
- * norm.c, pool.c, softmax.c, index.c, update.c) is written once over PE_T and instantiated
- * for float (suffix _f32) and double (suffix _f64) by including itself twice. Elementwise
+ * norm.c, pool.c, softmax.c, index.c, update.c, attention.c, loss.c) is written once over
+ * PE_T and instantiated for float (suffix _f32) and double (suffix _f64) by including
+ * itself twice. Elementwise
  * math lives in elementwise.h as inline scalar functions that the generated loops call. */
 #ifndef PE_KERNELS_H
 #define PE_KERNELS_H
@@ -91,7 +92,14 @@ size_t pe_dtype_size(int dtype);
                           const long *geom, double scale, int causal);                         \
     void pe_attention_grad_##S(const T *go, const T *q, const T *k, const T *v, const T *mask, \
                                const T *out, const T *lse, T *gq, T *gk, T *gv,                \
-                               const long *geom, double scale, int causal);
+                               const long *geom, double scale, int causal);              \
+    void pe_linear_log_softmax_gather_##S(const T *x, const T *w, const void *index, int wide, \
+                                          const T *b, T *picked, T *lse, long rows, long K,    \
+                                          long V, int major);                                 \
+    void pe_linear_log_softmax_gather_grad_##S(const T *gp, const T *scale, const T *x,        \
+                                               const T *w, const void *index, int wide,       \
+                                               const T *lse, const T *b, T *gx, T *gw, T *gb, \
+                                               long rows, long K, long V, int major);
 
 PE_DECLARE(f32, float)
 PE_DECLARE(f64, double)

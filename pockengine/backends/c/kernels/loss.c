@@ -1,0 +1,156 @@
+/* The large-vocabulary loss head (ops/fused_loss.py): the final linear layer, log-softmax
+ * and target gather as one op, and its backward kernel, so the [rows, vocab] logits and
+ * their gradient never exist. Logits are made one tile at a time (PE_LOSS_ROWS rows x
+ * PE_LOSS_COLS vocabulary entries, 16 Ki elements on the stack) by the GEMM; the forward
+ * keeps a running max and sum per row (online log-sum-exp), the backward recomputes each
+ * tile's probabilities from the saved log-sum-exp. Square tiles: each packed slice of w
+ * serves 128 rows (16 x 1024 tiles re-packed all of w for every 16 rows: 1.9x slower).
+ *
+ * w is [K, V], or [V, K] when `major` (an nn.Linear weight or a tied embedding); b is
+ * [V] or NULL; index holds int64 (`wide`) or int32 targets in [0, V).
+ *
+ * Threads never share an output, so results do not depend on the thread count: the
+ * forward and the input gradient split the rows, the weight and bias gradients split the
+ * vocabulary. With both gradients the tiles' logits are recomputed once for each (one
+ * GEMM more than a single pass, which would have to sum the threads' input gradients). */
+#ifndef PE_T
+#include "pe_kernels.h"
+#include <tgmath.h>
+#define PE_SELF "loss.c"
+#include "pe_instantiate.h"
+#else
+
+#ifndef PE_LOSS_HELPERS
+#define PE_LOSS_HELPERS
+enum { PE_LOSS_ROWS = 128, PE_LOSS_COLS = 128 };
+
+static long pe_loss_target(const void *index, int wide, long r) {
+    return wide ? (long)((const int64_t *)index)[r] : (long)((const int32_t *)index)[r];
+}
+
+static long pe_loss_min(long a, long b) { return a < b ? a : b; }
+#endif
+
+/* z[r][c] = x[r0 + r] . w[:, j0 + c] (+ b[j0 + c]): one tile of logits, `cols` a row. */
+static void PE_S(pe_loss_tile)(const PE_T *x, const PE_T *w, const PE_T *b, long K, long V,
+                               int major, long r0, long rows, long j0, long cols, PE_T *z) {
+    if (major)
+        PE_S(pe_gemm)(rows, cols, K, x + r0 * K, K, 0, w + j0 * K, K, 1, z, cols, 0);
+    else
+        PE_S(pe_gemm)(rows, cols, K, x + r0 * K, K, 0, w + j0, V, 0, z, cols, 0);
+    if (b)
+        for (long r = 0; r < rows; r++)
+            for (long c = 0; c < cols; c++) z[r * cols + c] += b[j0 + c];
+}
+
+void PE_S(pe_linear_log_softmax_gather)(const PE_T *x, const PE_T *w, const void *index,
+                                        int wide, const PE_T *b, PE_T *picked, PE_T *lse,
+                                        long rows, long K, long V, int major) {
+    long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
+    PE_PARALLEL_FOR(rows * V * K)
+    for (long ch = 0; ch < chunks; ch++) {
+        PE_T z[PE_LOSS_ROWS * PE_LOSS_COLS]; /* on the stack: one tile of logits */
+        PE_T top[PE_LOSS_ROWS], total[PE_LOSS_ROWS], hit[PE_LOSS_ROWS];
+        long r0 = ch * PE_LOSS_ROWS, n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
+        for (long r = 0; r < n; r++) top[r] = -INFINITY, total[r] = 0, hit[r] = NAN;
+        for (long j0 = 0; j0 < V; j0 += PE_LOSS_COLS) {
+            long cols = pe_loss_min(PE_LOSS_COLS, V - j0);
+            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
+            for (long r = 0; r < n; r++) {
+                const PE_T *row = z + r * cols;
+                PE_T m = top[r];
+                for (long c = 0; c < cols; c++) m = row[c] > m ? row[c] : m;
+                PE_T s = total[r] * exp(top[r] - m); /* 0 on the first tile */
+                if (top[r] == -INFINITY) s = 0;
+                for (long c = 0; c < cols; c++) s += exp(row[c] - m);
+                top[r] = m, total[r] = s;
+                long t = pe_loss_target(index, wide, r0 + r) - j0;
+                if (t >= 0 && t < cols) hit[r] = row[t];
+            }
+        }
+        for (long r = 0; r < n; r++) {
+            lse[r0 + r] = top[r] + log(total[r]);
+            picked[r0 + r] = hit[r] - lse[r0 + r]; /* NaN for a target outside [0, V) */
+        }
+    }
+}
+
+/* dz = scale * exp(z - lse) + gp * onehot(target) over one tile, in place. */
+static void PE_S(pe_loss_dz)(PE_T *z, const PE_T *gp, const PE_T *scale, const PE_T *lse,
+                             const void *index, int wide, long r0, long rows, long j0,
+                             long cols) {
+    for (long r = 0; r < rows; r++) {
+        PE_T *row = z + r * cols, l = lse[r0 + r], s = scale[r0 + r];
+        for (long c = 0; c < cols; c++) row[c] = s * exp(row[c] - l);
+        long t = pe_loss_target(index, wide, r0 + r) - j0;
+        if (t >= 0 && t < cols) row[t] += gp[r0 + r];
+    }
+}
+
+/* gx = dz w^T, rows split across threads. */
+static void PE_S(pe_loss_grad_x)(const PE_T *gp, const PE_T *scale, const PE_T *x,
+                                 const PE_T *w, const void *index, int wide, const PE_T *lse,
+                                 const PE_T *b, PE_T *gx, long rows, long K, long V,
+                                 int major) {
+    long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
+    PE_PARALLEL_FOR(2 * rows * V * K)
+    for (long ch = 0; ch < chunks; ch++) {
+        PE_T z[PE_LOSS_ROWS * PE_LOSS_COLS];
+        long r0 = ch * PE_LOSS_ROWS, n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
+        memset(gx + r0 * K, 0, (size_t)(n * K) * sizeof(PE_T));
+        for (long j0 = 0; j0 < V; j0 += PE_LOSS_COLS) {
+            long cols = pe_loss_min(PE_LOSS_COLS, V - j0);
+            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
+            PE_S(pe_loss_dz)(z, gp, scale, lse, index, wide, r0, n, j0, cols);
+            if (major)
+                PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0 * K, K, 0, gx + r0 * K, K, 1);
+            else
+                PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0, V, 1, gx + r0 * K, K, 1);
+        }
+    }
+}
+
+/* gw = x^T dz (dz^T x when major) and gb = sum(dz, 0), the vocabulary split across threads;
+ * either may be NULL. */
+static void PE_S(pe_loss_grad_w)(const PE_T *gp, const PE_T *scale, const PE_T *x,
+                                 const PE_T *w, const void *index, int wide, const PE_T *lse,
+                                 const PE_T *b, PE_T *gw, PE_T *gb, long rows, long K, long V,
+                                 int major) {
+    long tiles = (V + PE_LOSS_COLS - 1) / PE_LOSS_COLS;
+    PE_PARALLEL_FOR(2 * rows * V * K)
+    for (long tile = 0; tile < tiles; tile++) {
+        PE_T z[PE_LOSS_ROWS * PE_LOSS_COLS];
+        long j0 = tile * PE_LOSS_COLS, cols = pe_loss_min(PE_LOSS_COLS, V - j0);
+        if (gw && major)
+            memset(gw + j0 * K, 0, (size_t)(cols * K) * sizeof(PE_T));
+        else if (gw)
+            for (long k = 0; k < K; k++) memset(gw + k * V + j0, 0, (size_t)cols * sizeof(PE_T));
+        if (gb)
+            memset(gb + j0, 0, (size_t)cols * sizeof(PE_T));
+        for (long r0 = 0; r0 < rows; r0 += PE_LOSS_ROWS) {
+            long n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
+            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
+            PE_S(pe_loss_dz)(z, gp, scale, lse, index, wide, r0, n, j0, cols);
+            if (gw && major)
+                PE_S(pe_gemm)(cols, K, n, z, cols, 1, x + r0 * K, K, 0, gw + j0 * K, K, 1);
+            else if (gw)
+                PE_S(pe_gemm)(K, cols, n, x + r0 * K, K, 1, z, cols, 0, gw + j0, V, 1);
+            if (gb)
+                for (long r = 0; r < n; r++)
+                    for (long c = 0; c < cols; c++) gb[j0 + c] += z[r * cols + c];
+        }
+    }
+}
+
+void PE_S(pe_linear_log_softmax_gather_grad)(const PE_T *gp, const PE_T *scale, const PE_T *x,
+                                             const PE_T *w, const void *index, int wide,
+                                             const PE_T *lse, const PE_T *b, PE_T *gx,
+                                             PE_T *gw, PE_T *gb, long rows, long K, long V,
+                                             int major) {
+    if (gx)
+        PE_S(pe_loss_grad_x)(gp, scale, x, w, index, wide, lse, b, gx, rows, K, V, major);
+    if (gw || gb)
+        PE_S(pe_loss_grad_w)(gp, scale, x, w, index, wide, lse, b, gw, gb, rows, K, V, major);
+}
+
+#endif

@@ -1,0 +1,56 @@
+"""``--scheme auto`` with ``--compile-in child`` (the default): the analysis runs in a child
+process of its own, then the compile child compiles its choice, so the process that
+trains holds no torch while either child runs; the run trains exactly what an in-process
+auto run trains, and reports the same choice; the analysis child's error is raised here
+as the class it was."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pockengine as pe
+from pockengine.finetune import checkpoint
+from pockengine.finetune.config import FinetuneError
+from tests.test_auto_scheme import FACTORY
+from tests.test_compile_child import _finetune_in_a_fresh_process, _same_checkpoint
+from tests.test_sensitivity import _dataset
+
+
+@pytest.fixture
+def options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setenv("PE_CACHE", str(tmp_path / "cache"))
+    return {"model": FACTORY, "data": str(_dataset(tmp_path / "topics.csv")), "batch_size": 8,
+            "seq_len": 8, "max_train": 72, "epochs": 1, "backend": "torch", "progress": "none",
+            "scheme": "auto", "test_fraction": 0.5}  # fmt: skip
+
+
+def test_an_auto_run_chooses_and_compiles_in_children(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    here = pe.finetune(**options, out=str(tmp_path / "here"), compile_in="process")
+    assert here.auto_scheme is not None and not here.auto_scheme["cached"]
+    shutil.rmtree(tmp_path / "cache")  # the child analyses afresh
+    out = tmp_path / "child"
+    seen = _finetune_in_a_fresh_process(
+        tmp_path, {**options, "out": str(out), "compile_in": "child"}
+    )
+    # two children (the analysis, then the compile) and no torch here while they run
+    assert seen == {"torch_at_launch": [False, False], "torch_after": True}
+    child = json.loads((out / "summary.json").read_text())
+    auto = child["auto_scheme"]
+    assert not auto["cached"] and auto["scheme"] == here.auto_scheme["scheme"]
+    assert auto["candidates"] == json.loads(json.dumps(here.auto_scheme["candidates"]))
+    _same_checkpoint(here.checkpoint, out / checkpoint.CHECKPOINT)
+    assert child["test"] == here.test and child["trained_params"] == here.trained_params
+
+
+def test_the_analysis_childs_error_is_raised_here(tmp_path: Path, options: dict[str, Any]) -> None:
+    out = tmp_path / "low"
+    with pytest.raises(FinetuneError, match="below the planned peak of the bias scheme"):
+        pe.finetune(**options, out=str(out), memory_budget=1.0, compile_in="child")
+    assert not list(out.glob(".compiled-*"))  # the children's folder is gone
