@@ -15,63 +15,32 @@ as it was.
 from __future__ import annotations
 
 import json
-import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.ir import errors
+from pockengine.finetune.child import child_main, read_job, run_child
+from pockengine.finetune.config import FinetuneConfig
 
 __all__ = ["choose_in_child", "main"]
 
 JOB, CHOICE, ERROR = "auto-job.json", "choice.json", "auto-error.json"
-_ERRORS: dict[str, type[errors.PockEngineError]] = {  # raised here as the child raised them
-    cls.__name__: cls
-    for cls in (FinetuneError, errors.CompileError, errors.SchemeError, errors.ShapeError,
-                errors.UnsupportedOpError, errors.PockEngineError)
-}  # fmt: skip
 
 
 def choose_in_child(config: FinetuneConfig, folder: Path) -> dict[str, Any]:
     """The ``AutoChoice`` (as a dict) that a child process makes for ``config``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch = sys.modules.get("torch")  # a caller's torch.set_num_threads holds for the child
-    threads = torch.get_num_threads() if torch is not None else None
-    (folder / JOB).write_text(json.dumps({"config": config.to_dict(), "threads": threads}))
-    command = [sys.executable, "-m", "pockengine.finetune.auto_child", str(folder)]
-    # the child imports what this process can (a factory model's module on sys.path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    code = subprocess.run(command, check=False, env=env).returncode
-    if code != 0:
-        _raise_child_error(folder, code)
+    run_child(__name__, folder, JOB, {"config": config.to_dict()}, ERROR,
+              "choosing the auto scheme")  # fmt: skip
     choice: dict[str, Any] = json.loads((folder / CHOICE).read_text())
     return choice
 
 
-def _raise_child_error(folder: Path, code: int) -> None:
-    try:
-        error = json.loads((folder / ERROR).read_text())
-    except (OSError, ValueError):
-        raise FinetuneError(
-            f"choosing the auto scheme in a child process failed (exit code {code}); its "
-            "output is above (--compile-in process analyses and compiles here)"
-        ) from None
-    raise _ERRORS.get(str(error.get("type")), FinetuneError)(str(error.get("message")))
-
-
 def choose_into(folder: Path) -> None:
     """The child's work: build the task of ``JOB`` in ``folder``, choose, write ``CHOICE``."""
-    import torch
-
     from pockengine.finetune import recipes
     from pockengine.finetune.auto_scheme import choose_auto
 
-    job = json.loads((folder / JOB).read_text())
-    if job["threads"] is not None:
-        torch.set_num_threads(int(job["threads"]))
+    job = read_job(folder, JOB)
     config = FinetuneConfig(**job["config"])
     task = recipes.build(config)
     choice = choose_auto(config, task, recipes.RECIPES[recipes.recipe_name(config)].sparse)
@@ -80,14 +49,7 @@ def choose_into(folder: Path) -> None:
 
 def main(argv: list[str]) -> int:
     """``python -m pockengine.finetune.auto_child FOLDER`` (``choose_in_child``)."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    folder = Path(argv[0])
-    try:
-        choose_into(folder)
-    except errors.PockEngineError as exc:
-        (folder / ERROR).write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
-        return 2
-    return 0
+    return child_main(argv, choose_into, ERROR)
 
 
 if __name__ == "__main__":

@@ -16,24 +16,22 @@ data encoded), compiles the step and its evaluator as the run would
 Then it exits, and the process that trains loads the step (``compiled_task.load_compiled``).
 This module imports no torch: the parent (``launch.run``) has not imported it while the
 child compiles, so the two processes never hold torch at once. A child that fails writes
-``error.json`` (the error's class and message), raised here again as it was. A task whose
+``error.json`` (the error's class and message), raised here again as it was
+(``finetune.child``, the protocol both helper processes share). A task whose
 evaluation does not compile runs eagerly on the model, which only the process that
 compiled has: the child writes ``needs-model.txt`` instead, and the run compiles in-process.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.ir import errors
+from pockengine.finetune.child import child_main, read_job, run_child
+from pockengine.finetune.config import FinetuneConfig
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme, resolve_scheme
 
@@ -48,41 +46,15 @@ __all__ = ["compile_in_child", "compile_into", "frozen_given", "main"]
 log = logging.getLogger(__name__)
 JOB, ERROR, TASK_JSON, TASK_DATA = "job.json", "error.json", "task.json", "task.safetensors"
 STEP_DIR, MODEL_DIR, NEEDS_MODEL = "step", "model", "needs-model.txt"
-_ERRORS: dict[str, type[errors.PockEngineError]] = {  # raised here as the child raised them
-    cls.__name__: cls
-    for cls in (FinetuneError, errors.CompileError, errors.SchemeError, errors.ShapeError,
-                errors.UnsupportedOpError, errors.PockEngineError)
-}  # fmt: skip
 
 
 def compile_in_child(config: FinetuneConfig, scheme: Scheme, folder: Path) -> bool:
     """Compile ``config``'s task in a child process writing into ``folder``; raise its
     error here. False: the task's evaluation does not compile, so the eager evaluation
     needs the model in the process that trains (the caller compiles there instead)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch = sys.modules.get("torch")  # a caller's torch.set_num_threads holds for the child
-    threads = torch.get_num_threads() if torch is not None else None
-    job = {"config": config.to_dict(), "scheme": scheme.to_dict(), "threads": threads}
-    (folder / JOB).write_text(json.dumps(job))
-    command = [sys.executable, "-m", "pockengine.finetune.compile_child", str(folder)]
-    # the child imports what this process can (a factory model's module on sys.path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    code = subprocess.run(command, check=False, env=env).returncode
-    if code != 0:
-        _raise_child_error(folder, code)
+    job = {"config": config.to_dict(), "scheme": scheme.to_dict()}
+    run_child(__name__, folder, JOB, job, ERROR, "compiling")
     return not (folder / NEEDS_MODEL).exists()
-
-
-def _raise_child_error(folder: Path, code: int) -> None:
-    try:
-        error = json.loads((folder / ERROR).read_text())
-    except (OSError, ValueError):
-        raise FinetuneError(
-            f"compiling in a child process failed (exit code {code}); its "
-            "output is above (--compile-in process compiles here)"
-        ) from None
-    kind = _ERRORS.get(str(error.get("type")), FinetuneError)
-    raise kind(str(error.get("message")))
 
 
 def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) -> None:
@@ -95,16 +67,13 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     quantizes (int8, int4) right after compiling; the step shares the params it trains
     with the model (``copies_deferred``: it never runs here), and its optimizer state's
     zeros are never written, in memory or in the artifact (``step_io``)."""
-    import torch
 
     from pockengine.finetune import recipes, released
     from pockengine.finetune.gguf import frozen_weights
     from pockengine.finetune.trainer import compile_evaluator_releasing, compile_task
     from pockengine.step_base import copies_deferred
 
-    job = json.loads((folder / JOB).read_text())
-    if job["threads"] is not None:
-        torch.set_num_threads(int(job["threads"]))
+    job = read_job(folder, JOB)
     config = FinetuneConfig(**job["config"])
     task = recipes.build(config)
     phase("model, tokenizer and data")
@@ -157,14 +126,7 @@ def _write_task(folder: Path, step: TrainStep, task: Task) -> None:
 
 def main(argv: list[str]) -> int:
     """``python -m pockengine.finetune.compile_child FOLDER`` (``compile_in_child``)."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    folder = Path(argv[0])
-    try:
-        compile_into(folder)
-    except errors.PockEngineError as exc:
-        (folder / ERROR).write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
-        return 2
-    return 0
+    return child_main(argv, compile_into, ERROR)
 
 
 if __name__ == "__main__":
