@@ -24,7 +24,9 @@ __all__ = [
     "SafetensorsError",
     "append_tensors",
     "header_bytes",
+    "write_rows",
     "write_safetensors_to",
+    "write_streamed_to",
 ]
 
 Array = np.ndarray[Any, Any]
@@ -33,6 +35,7 @@ SAFETENSORS_DTYPES = {
     "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
 _NAMES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
+_BLOCK = 8 << 20  # bytes a copy of a non-C-ordered array's rows holds at most
 
 
 def _c_order(tensors: Mapping[str, Array]) -> dict[str, Array]:
@@ -79,6 +82,33 @@ def write_safetensors_to(
     for a in arrays.values():
         if a.nbytes:
             put(f, a.reshape(-1).view(np.uint8).data)
+
+
+def write_rows(f: IO[bytes], array: Array) -> None:
+    """``array``'s bytes in C order, a block of rows at a time: a C-ordered array is
+    written from its own memory, any other (a broadcast stand-in, a channels-last tensor)
+    through copies of at most ``_BLOCK`` bytes."""
+    if array.flags.c_contiguous:
+        if array.nbytes:
+            f.write(array.reshape(-1).view(np.uint8).data)
+        return
+    rows = max(1, _BLOCK // max(1, array[0].nbytes))
+    for start in range(0, len(array), rows):
+        write_rows(f, np.ascontiguousarray(array[start : start + rows]))
+
+
+def write_streamed_to(
+    f: IO[bytes],
+    specs: Mapping[str, Array],
+    read: Callable[[str], Array],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """The tensors ``specs`` describes (shapes and dtypes; broadcast zeros serve) as one
+    safetensors file into ``f``: the header first, then each ``read(name)`` written as
+    soon as it is read (``write_rows``), so one tensor at a time is in memory."""
+    f.write(header_bytes(specs, metadata))
+    for name in specs:
+        write_rows(f, read(name))
 
 
 def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:

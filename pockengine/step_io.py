@@ -40,7 +40,7 @@ from pockengine.safetensors_io import (
     SAFETENSORS_DTYPES,
     LazyTensors,
     SafetensorsError,
-    header_bytes,
+    write_streamed_to,
 )
 from pockengine.step_base import CompiledStep
 from pockengine.step_json import READABLE_FORMATS, Saved, from_json, to_json
@@ -131,11 +131,7 @@ def _write_tensors(path: Path, store: Mapping[str, Any], backend: Backend) -> li
             specs[name] = np.broadcast_to(np.zeros((), array.dtype), array.shape)
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as f:
-        f.write(header_bytes(specs))
-        for name in specs:
-            array = np.ascontiguousarray(backend.to_numpy(store[name]))
-            if array.nbytes:
-                f.write(array.reshape(-1).view(np.uint8).data)
+        write_streamed_to(f, specs, lambda name: backend.to_numpy(store[name]))
     os.replace(tmp, path)
     return zeros
 

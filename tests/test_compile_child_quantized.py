@@ -4,7 +4,7 @@
   child exactly as in-process, though the child's skeleton holds zeros for that weight
   (``write_skeleton(zeroed=...)``) and its model never holds the float copy after compiling;
 - ``refill`` refuses to keep a zeroed tensor the step gave no value for;
-- ``released.write_rows`` writes a broadcast stand-in in blocks, the same bytes as a
+- ``safetensors_io.write_rows`` writes a broadcast stand-in in blocks, the same bytes as a
   C-ordered copy.
 """
 
@@ -21,9 +21,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import pockengine as pe
+from pockengine import safetensors_io
 from pockengine.finetune.model_skeleton import SKELETON, refill
-from pockengine.finetune.released import write_rows
-from pockengine.safetensors_io import write_safetensors_to
+from pockengine.safetensors_io import write_rows, write_safetensors_to
 from tests.test_compile_child import _same_checkpoint, _same_model
 from tests.test_finetune_resume import write_task
 
@@ -78,8 +78,7 @@ def test_refill_refuses_a_zeroed_tensor_the_step_does_not_give(tmp_path: Path) -
 def test_write_rows_writes_stand_ins_in_c_order(
     shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    released = importlib.import_module("pockengine.finetune.released")
-    monkeypatch.setattr(released, "_BLOCK", 8)  # two float32s a block: several blocks
+    monkeypatch.setattr(safetensors_io, "_BLOCK", 8)  # two float32s a block: several blocks
     values = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
     for array in (values, np.broadcast_to(np.float32(3), shape), values.T):
         out = io.BytesIO()

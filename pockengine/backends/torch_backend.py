@@ -108,12 +108,13 @@ class TorchExecutable(Executable):
         self.graph = graph
         self.device = device
         self._trim = libc_function("malloc_trim") if trim_heap else None
+        reuse = reusable_inputs(graph) if inplace else {}
         # the nodes after which the run trims the heap (``torch_heap``)
-        points = trim_points(graph, reusable_inputs(graph) if inplace else {}) if trim_peak else ()
+        points = trim_points(graph, reuse) if trim_peak else ()
         peak_trim = libc_function("malloc_trim") if points else None
         self.trim_points = points if peak_trim is not None else ()
         after = dict.fromkeys(self.trim_points, "heap_trim(0)")
-        generated = generate_source(graph, KERNELS, _FINDERS, device, inplace, after)
+        generated = generate_source(graph, KERNELS, _FINDERS, device, reuse, after)
         self.source = generated.source
         self._first_line = generated.first_line
         self._filename = f"<pockengine-torch {graph.name} #{next(_serial)}>"

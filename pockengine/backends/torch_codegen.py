@@ -182,7 +182,7 @@ class _Generator:
         graph: Graph,
         device: torch.device,
         finders: Mapping[str, PairFinder],
-        inplace: bool,
+        reuse: Mapping[int, int],
     ) -> None:
         self.graph = graph
         self.device = device
@@ -196,7 +196,7 @@ class _Generator:
         self.outputs = {v.name for v in graph.outputs}
         self.last = last_reads(graph)
         self.pairs = _pairs(graph, self.index, finders)
-        self.reuse = reusable_inputs(graph) if inplace else {}
+        self.reuse = reuse
         # value -> the stored tensors (or "<constant>") it may share memory with
         self.aliases = {v.name: frozenset({v.name}) for v in graph.inputs if v.role in _STORED}
         self._counter = 0
@@ -304,14 +304,15 @@ def generate_source(
     kernels: Mapping[str, Emitter],
     finders: Mapping[str, PairFinder],
     device: torch.device,
-    inplace: bool = True,
+    reuse: Mapping[int, int] | None = None,
     after: Mapping[int, str] | None = None,
 ) -> GeneratedSource:
     """The step function's source; its globals are the kernels' and the constants.
-    ``inplace``: write elementwise results over dying inputs where ``plan.inplace`` allows.
+    ``reuse``: node index -> the input whose buffer its elementwise result overwrites
+    (default: all that ``plan.inplace.reusable_inputs`` allows; ``{}``: none).
     ``after``: node index -> a statement run once that node's line is done (its deaths
     included), on the same line."""
-    gen = _Generator(graph, device, finders, inplace)
+    gen = _Generator(graph, device, finders, reusable_inputs(graph) if reuse is None else reuse)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
     lines = [f"def {function}({', '.join(gen.locals[n] for n in gen.inputs)}):"]
     lines += [gen.line(i, node, kernels[node.op], (after or {}).get(i))

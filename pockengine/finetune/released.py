@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from pockengine.finetune.adapter import merged_state
 from pockengine.finetune.config import FinetuneError
 from pockengine.runtime import TrainStep
-from pockengine.safetensors_io import header_bytes
+from pockengine.safetensors_io import write_streamed_to
 from pockengine.step_base import CompiledStep
 
 __all__ = [
@@ -36,12 +36,10 @@ __all__ = [
     "release_held",
     "stand_in",
     "step_values",
-    "write_rows",
     "write_streamed",
 ]
 
 Array = np.ndarray[Any, Any]
-_BLOCK = 8 << 20
 
 
 class StepValues(Mapping[str, Array]):
@@ -154,22 +152,7 @@ def write_streamed(
     specs = {k: np.broadcast_to(np.zeros((), _numpy_dtype(v.dtype)), tuple(v.shape))
              for k, v in state.items()}  # fmt: skip
     with path.open("wb") as f:
-        f.write(header_bytes(specs, metadata))
-        for name, tensor in state.items():
-            write_rows(f, _value(name, tensor, read(name), specs[name]))
-
-
-def write_rows(f: IO[bytes], array: Array) -> None:
-    """``array``'s bytes in C order, a block of rows at a time: a C-ordered array is
-    written from its own memory, any other (a broadcast stand-in) through copies of at
-    most ``_BLOCK`` bytes."""
-    if array.flags.c_contiguous:
-        if array.nbytes:
-            f.write(array.reshape(-1).view(np.uint8).data)
-        return
-    rows = max(1, _BLOCK // max(1, array[0].nbytes))
-    for start in range(0, len(array), rows):
-        write_rows(f, np.ascontiguousarray(array[start : start + rows]))
+        write_streamed_to(f, specs, lambda n: _value(n, state[n], read(n), specs[n]), metadata)
 
 
 def _value(name: str, tensor: torch.Tensor, given: Array | None, spec: Array) -> Array:

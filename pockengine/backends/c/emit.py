@@ -31,6 +31,7 @@ __all__ = [
     "attr_int",
     "c_literal",
     "emit_step",
+    "kernel_suffix",
     "merge_axes",
     "strides",
 ]
@@ -73,6 +74,14 @@ def c_literal(value: float | int | bool, dtype: DType) -> str:
     if dtype is DType.BOOL:
         return "1" if value else "0"
     return f"INT64_C({int(value)})" if dtype is DType.I64 else f"{int(value)}"
+
+
+def kernel_suffix(v: Value) -> str:
+    """The suffix of the kernel-file function instantiated for ``v``'s dtype (``_f32`` or
+    ``_f64``, without the underscore); a ``CEmitError`` for any other dtype."""
+    if v.dtype not in (DType.F32, DType.F64):
+        raise CEmitError(f"{v} is {v.dtype}; this kernel takes f32 or f64")
+    return "f32" if v.dtype is DType.F32 else "f64"
 
 
 def attr_int(node: Node, key: str, default: int | None = None) -> int:

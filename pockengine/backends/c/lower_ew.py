@@ -24,17 +24,12 @@ from pockengine.backends.c.emit import (
     merge_axes,
     strides,
 )
+from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import DType, Node, Value
 
 __all__ = ["KERNELS"]
 
 _FLOATS = (DType.F32, DType.F64)
-
-
-def _sfx(v: Value) -> str:
-    if v.dtype not in _FLOATS:
-        raise CEmitError(f"{v} is {v.dtype}; this kernel takes f32 or f64")
-    return "f32" if v.dtype is DType.F32 else "f64"
 
 
 def _bcast(v: Value, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -9,22 +9,19 @@ space. Targets may be int64 or int32 (``wide``); absent gradients are ``NULL``.
 from __future__ import annotations
 
 from pockengine.backends.c.emit import CEmitError, EmitContext, Lowering
+from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import DType, Node, Value
 
 __all__ = ["KERNELS"]
 
 
-def _head(ctx: EmitContext, node: Node, x: Value, w: Value, index: Value) -> str:
-    """The call's shared tail: rows, K, V and the layout flag; checks the dtypes."""
-    if x.dtype not in (DType.F32, DType.F64) or index.dtype not in (DType.I64, DType.I32):
-        raise CEmitError(f"{node.op} takes f32/f64 values and i64/i32 targets, got {x}, {index}")
+def _head(node: Node, x: Value, w: Value, index: Value) -> str:
+    """The call's shared tail: rows, K, V and the layout flag (``_sfx`` checks x's dtype)."""
+    if index.dtype not in (DType.I64, DType.I32):
+        raise CEmitError(f"{node.op} takes i64 or i32 targets, got {index}")
     major = bool(node.attrs["vocab_major"])
     vocab = w.shape[0] if major else w.shape[1]
     return f"{x.shape[0]}, {x.shape[1]}, {vocab}, {int(major)}"
-
-
-def _sfx(v: Value) -> str:
-    return "f32" if v.dtype is DType.F32 else "f64"
 
 
 def _wide(index: Value) -> int:
@@ -34,7 +31,7 @@ def _wide(index: Value) -> int:
 def _forward(ctx: EmitContext, node: Node) -> str:
     x, w, index, *bias = node.inputs
     picked, lse = (ctx.ref(v) for v in node.outputs)
-    tail = _head(ctx, node, x, w, index)
+    tail = _head(node, x, w, index)
     b = ctx.ref(bias[0]) if bias else "NULL"
     return (
         f"pe_linear_log_softmax_gather_{_sfx(x)}({ctx.ref(x)}, {ctx.ref(w)}, {ctx.ref(index)}, "
@@ -44,7 +41,7 @@ def _forward(ctx: EmitContext, node: Node) -> str:
 
 def _backward(ctx: EmitContext, node: Node) -> str:
     gp, scale, x, w, index, lse, *bias = node.inputs
-    tail = _head(ctx, node, x, w, index)
+    tail = _head(node, x, w, index)
     outs = iter(ctx.ref(v) for v in node.outputs)
     gx, gw, gb = (next(outs) if node.attrs[k] else "NULL" for k in ("x_grad", "w_grad", "b_grad"))
     b = ctx.ref(bias[0]) if bias else "NULL"

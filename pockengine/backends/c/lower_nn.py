@@ -18,15 +18,10 @@ from pockengine.backends.c.emit import (
     attr_int,
     strides,
 )
+from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import DType, Node, Value
 
 __all__ = ["KERNELS"]
-
-
-def _sfx(v: Value) -> str:
-    if v.dtype not in (DType.F32, DType.F64):
-        raise CEmitError(f"{v} is {v.dtype}; this kernel takes f32 or f64")
-    return "f32" if v.dtype is DType.F32 else "f64"
 
 
 def _index(v: Value) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, strides
+from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import DType, Node, Value
 
 __all__ = ["KERNELS"]
@@ -73,12 +74,6 @@ def _sum_to(ctx: EmitContext, node: Node) -> str:
         lead + i for i, d in enumerate(out.shape) if d == 1 and x.shape[lead + i] != 1
     )
     return _reduce(ctx, x, out, axes, "sum")
-
-
-def _sfx(v: Value) -> str:
-    if v.dtype not in (DType.F32, DType.F64):
-        raise CEmitError(f"{v} is {v.dtype}; this kernel takes f32 or f64")
-    return "f32" if v.dtype is DType.F32 else "f64"
 
 
 def _split(shape: tuple[int, ...], axis: object) -> tuple[int, int, int]:
