@@ -157,6 +157,8 @@ def read_tensors(path: Path) -> dict[str, Array]:
 def _with_zeros(graph: Graph, values: dict[str, Array], zeros: Any, path: Path) -> dict[str, Array]:
     """``values`` and the all-zero state ``step.json`` lists (``zeros``), allocated as
     ``graph`` reads them (a name the file holds keeps the file's value)."""
+    if not (isinstance(zeros, list) and all(isinstance(n, str) for n in zeros)):
+        raise StepFileError(f'{path}: "zeros" should be a list of value names, got {zeros!r}')
     types = {v.name: v.type for v in graph.inputs if v.role is not Role.INPUT}
     for name in zeros:
         kind = types.get(name)

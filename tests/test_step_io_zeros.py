@@ -91,6 +91,15 @@ def test_a_format_1_artifact_with_every_tensor_in_its_file_still_loads(tmp_path:
     _trains_alike(w, step, load_step(folder))
 
 
+@pytest.mark.parametrize("zeros", [5, "m", [3], ["no.such.value"]])
+def test_a_damaged_zeros_list_is_a_step_file_error(zeros: Any, tmp_path: Path) -> None:
+    folder = _compile(zoo.mlp()).save(tmp_path / "step")
+    meta_path = folder / "step.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "zeros": zeros}))
+    with pytest.raises(StepFileError, match=r"step\.json: .*zeros"):
+        load_step(folder)
+
+
 def test_negative_zeros_are_stored_with_their_sign(tmp_path: Path) -> None:
     w = zoo.mlp()
     step = _compile(w, "numpy")
