@@ -30,15 +30,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from pockengine.federated.client import RUN_CONFIG_KEY
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.node import CLIENT_APP
+from pockengine.federated.processes import (
+    live_members,
+    process_table,
+    signal_group,
+    terminate_raises,
+)
 from pockengine.federated.server import ROUNDS, SUMMARY, out_dir
 
 __all__ = [
@@ -119,7 +123,7 @@ def deploy(config: FederatedConfig) -> dict[str, Any]:
     out = out_dir(config)
     out.mkdir(parents=True, exist_ok=True)
     before = _mtime(out / SUMMARY)
-    with _terminate_raises(), tempfile.TemporaryDirectory(prefix="pockengine-flower-") as tmp:
+    with terminate_raises(), tempfile.TemporaryDirectory(prefix="pockengine-flower-") as tmp:
         try:
             with LocalFederation(config.clients, Path(tmp), config.threads) as federation:
                 federation.start()
@@ -267,14 +271,14 @@ class LocalFederation:
         """End every process this federation started (module docstring)."""
         groups = self.process_groups
         for group in groups:
-            _signal_group(group, signal.SIGTERM)
+            signal_group(group, signal.SIGTERM)
         end = time.monotonic() + self.stop_s
         for p in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(max(0.1, end - time.monotonic()))
         groups = sorted({*groups, *self.process_groups})
         for group in groups:  # what TERM left, helpers included
-            _signal_group(group, signal.SIGKILL)
+            signal_group(group, signal.SIGKILL)
         for p in [*self.processes, *self.retired]:
             p.popen.wait()
         end = time.monotonic() + self.stop_s
@@ -286,7 +290,7 @@ class LocalFederation:
         """The process groups of the processes started and of their live descendants
         (``flower-superexec`` starts a session of its own)."""
         leaders = [p.popen.pid for p in [*self.processes, *self.retired]]
-        table = _process_table()
+        table = process_table()
         family, grew = set(leaders), True
         while grew:
             more = {pid for pid, (ppid, _, _) in table.items() if ppid in family} - family
@@ -314,25 +318,6 @@ class LocalFederation:
                 return
             time.sleep(0.2)
         raise FederatedError(f"{name} did not listen on port {port} in {_STARTUP_S:.0f}s")
-
-
-def live_members(groups: list[int]) -> list[int]:
-    """The processes (not zombies) in these process groups."""
-    wanted = set(groups)
-    return [pid for pid, (_, group, state) in _process_table().items()
-            if group in wanted and state != "Z"]  # fmt: skip
-
-
-def _process_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, process group, state) of every process, from ``/proc``
-    (Linux; empty elsewhere)."""
-    table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after ")"
-            fields = stat.read_text().rpartition(")")[2].split()
-            table[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), fields[0])
-    return table
 
 
 def _follow(run: _Process, federation: LocalFederation, rounds: Path, total: int) -> None:
@@ -378,11 +363,6 @@ def _tool(program: str) -> str:
     return found
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
 def _absolute_out(config: FederatedConfig) -> FederatedConfig:
     """The config with ``out`` as an absolute path (the ServerApp runs elsewhere)."""
     ft = dataclasses.replace(config.finetune, out=str(out_dir(config).resolve()))
@@ -391,26 +371,3 @@ def _absolute_out(config: FederatedConfig) -> FederatedConfig:
 
 def _mtime(path: Path) -> int | None:
     return path.stat().st_mtime_ns if path.exists() else None
-
-
-@contextlib.contextmanager
-def _terminate_raises() -> Iterator[None]:
-    """SIGTERM raises ``KeyboardInterrupt`` in here, so the processes are stopped."""
-    if sys.platform == "win32" or not _is_main_thread():
-        yield
-        return
-
-    def interrupt(_signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _is_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
