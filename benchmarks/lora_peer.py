@@ -25,7 +25,10 @@ are compiled and saved (``step.save``) by a child process; the measured process 
 the same model and data, drops the module's weights and loads the step
 (``pockengine.load_step``): it never runs the compiler. ``--dropout off`` sets every
 dropout probability of the model to 0 in all cases (the recipe's model keeps its own
-otherwise). Writes benchmarks/results/lora_peer-<recipe>[-nodropout][-remat<budget>]
+otherwise). ``--heap keep`` runs every case, PEFT's included, with glibc's heap thresholds
+fixed (``torch_backend.keep_freed_heap``: freed memory stays in the heap for reuse, no
+page faults to map it again) and the compiled steps with ``TorchBackend(keep_heap=True)``.
+Writes benchmarks/results/lora_peer-<recipe>[-nodropout][-remat<budget>][-keepheap]
 [-<tag>].json (the budget named when it is not the default).
 
 Training memory is defined the same way for every case: the peak RSS over the training
@@ -150,7 +153,14 @@ def _peft_trainer(task: Any, config: Any, head: bool) -> tuple[Any, Callable[...
     return model, train, sum(p.numel() for p in params)
 
 
-def _compile(task: Any, config: Any, case: Case, budget: str | None) -> Any:
+def _backend(heap: str) -> Any:
+    """The torch backend; with ``heap="keep"`` one that keeps the freed heap (no trims)."""
+    from pockengine.backends.torch_backend import TorchBackend
+
+    return TorchBackend(keep_heap=heap == "keep")
+
+
+def _compile(task: Any, config: Any, case: Case, budget: str | None, heap: str) -> Any:
     """The case's step, compiled for the torch backend on the recipe's first batch."""
     import torch
 
@@ -165,7 +175,7 @@ def _compile(task: Any, config: Any, case: Case, budget: str | None) -> Any:
         task.loss_fn,
         example,
         scheme=scheme,
-        backend="torch",
+        backend=_backend(heap),
         frozen_dtype=case.frozen_dtype,
         memory_budget=budget if case.remat else None,
         optimizer=pe.optim.AdamW(lr=config.lr, weight_decay=config.weight_decay),
@@ -181,12 +191,12 @@ def _our_trainer(
 
     import pockengine as pe
 
-    step = None if args.artifact else _compile(task, config, case, args.remat_budget)
+    step = None if args.artifact else _compile(task, config, case, args.remat_budget, args.heap)
     for p in task.model.parameters():
         p.data = torch.empty(0)
     pe.runtime.release_free_memory()
     if step is None:
-        step = pe.load_step(args.artifact, backend="torch")
+        step = pe.load_step(args.artifact, backend=_backend(args.heap))
 
     def train(lr: float, *batch: Array) -> float:
         step.lr = lr
@@ -202,7 +212,7 @@ def _prepare(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     config, task = _task(args)
-    _compile(task, config, Case.of(args.child), args.remat_budget).save(args.prepare)
+    _compile(task, config, Case.of(args.child), args.remat_budget, args.heap).save(args.prepare)
     print(json.dumps({"prepared": args.prepare}))
 
 
@@ -281,6 +291,10 @@ def _child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     case = Case.of(args.child)
+    if args.heap == "keep":  # the same allocator settings in every case, PEFT's included
+        from pockengine.backends.torch_backend import keep_freed_heap
+
+        keep_freed_heap()
     config, task = _task(args)
     idle, load_peak = vm_mib("VmRSS"), vm_mib("VmHWM")
     reset_peak()
@@ -310,13 +324,13 @@ def _child(args: argparse.Namespace) -> None:
         "first_loss": losses[0], "last_loss_mean10": float(np.mean(losses[-10:])),
         **_evaluate(model, task),
         "train_examples": task.train_size, "val_examples": task.val_size,
-        "threads": args.threads, "dropout": args.dropout,
+        "threads": args.threads, "dropout": args.dropout, "heap": args.heap,
     }  # fmt: skip
     print(json.dumps(row))
 
 
 _FORWARDED = ("recipe", "steps", "threads", "seed", "dropout", "lora_lr", "max_train",
-              "max_val", "batch_size", "seq_len", "remat_budget")  # fmt: skip
+              "max_val", "batch_size", "seq_len", "remat_budget", "heap")  # fmt: skip
 
 
 def _run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -369,6 +383,13 @@ def main() -> None:
         default=REMAT_BUDGET,
         help=f"memory budget of the -remat cases (default {REMAT_BUDGET})",
     )
+    p.add_argument(
+        "--heap",
+        choices=("default", "keep"),
+        default="default",
+        help="keep: every case's process keeps its freed heap (glibc thresholds fixed, "
+        "torch_backend.keep_freed_heap) and the compiled steps run with keep_heap=True",
+    )
     p.add_argument("--tag", help="suffix of the results file (a re-run beside the first)")
     p.add_argument("--prepare", help=argparse.SUPPRESS)  # child: compile, save the step here
     p.add_argument("--artifact", help=argparse.SUPPRESS)  # child: load the step from here
@@ -386,6 +407,7 @@ def _main(args: argparse.Namespace) -> None:
     suffix = "-nodropout" if args.dropout == "off" else ""
     suffix += f"-lora-lr{args.lora_lr:g}" if args.lora_lr is not None else ""
     suffix += f"-remat{args.remat_budget}" if args.remat_budget != REMAT_BUDGET else ""
+    suffix += "-keepheap" if args.heap == "keep" else ""
     suffix += f"-{args.tag}" if args.tag else ""
     hidden = ("child", "prepare", "artifact", "tag")
     settings = {k: v for k, v in vars(args).items() if k not in hidden}

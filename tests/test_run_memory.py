@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pockengine import zoo
-from pockengine.backends import torch_kernels
+from pockengine.backends import torch_kernels_rng
 from pockengine.finetune import data as ds
 from pockengine.finetune import models, recipes
 from pockengine.finetune.config import FinetuneConfig
@@ -72,15 +72,15 @@ def test_chunked_encoding_gives_the_ids_of_one_call() -> None:
 def test_a_mask_larger_than_a_chunk_is_the_reference_mask() -> None:
     """The torch kernel hashes a mask in chunks of scratch; across chunk edges, and in the
     last partial chunk, it gives the NumPy reference's mask bit for bit."""
-    shape, p, salt = (3, torch_kernels._MASK_CHUNK // 2 + 7), 0.1, 2**33 + 5
+    shape, p, salt = (3, torch_kernels_rng.MASK_CHUNK // 2 + 7), 0.1, 2**33 + 5
     seed = np.asarray(-12345, dtype=np.int64)
     n = math.prod(shape)
-    got = torch_kernels.random_mask(
-        torch.from_numpy(seed), torch_kernels._mix_int(salt & 0xFFFFFFFF),
+    got = torch_kernels_rng.random_mask(
+        torch.from_numpy(seed), torch_kernels_rng.mix_int(salt & 0xFFFFFFFF),
         math.ceil(p * 2.0**32), float(np.float32(1 / (1 - p))), shape,
     )  # fmt: skip
     want = get_op("random_mask").kernel(seed, shape=shape, p=p, salt=salt)
-    assert n > torch_kernels._MASK_CHUNK and n % torch_kernels._MASK_CHUNK
+    assert n > torch_kernels_rng.MASK_CHUNK and n % torch_kernels_rng.MASK_CHUNK
     np.testing.assert_array_equal(got.numpy(), want)
 
 

@@ -59,7 +59,7 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_quant.KERNELS,
     **torch_kernels_optim.KERNELS,
 }
-_FINDERS: dict[str, PairFinder] = dict(torch_kernels_nn.FINDERS)
+_FINDERS: dict[str, PairFinder] = {**torch_kernels.FINDERS, **torch_kernels_nn.FINDERS}
 _NAMESPACE: dict[str, Any] = {
     **torch_kernels.NAMESPACE,
     **torch_kernels_shape.NAMESPACE,

@@ -43,6 +43,7 @@ __all__ = [
     "Emit",
     "Emitter",
     "GeneratedSource",
+    "GraphIndex",
     "PairFinder",
     "generate_source",
 ]
@@ -124,6 +125,11 @@ class Emit:
         if name is None or value.name in self._gen.input_set:
             return name  # graph inputs are never deleted
         return name if self._gen.last.get(value.name, -1) >= self._gen.line_index else None
+
+    @property
+    def index(self) -> GraphIndex:
+        """The graph's producers, readers and positions (as pair finders see them)."""
+        return self._gen.index
 
     def readers(self, i: int = 0) -> list[Node]:
         """The nodes reading result ``i``."""

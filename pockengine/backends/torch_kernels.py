@@ -15,67 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, literal
+from pockengine.backends import torch_kernels_rng
+from pockengine.backends.torch_codegen import Emit, Emitter, PairFinder, literal
 from pockengine.ir import DType, get_op
 from pockengine.ops._common import norm_axes
 
-__all__ = ["KERNELS", "NAMESPACE", "random_mask", "torch_dtype"]
+__all__ = ["FINDERS", "KERNELS", "NAMESPACE", "torch_dtype"]
 
-_M32 = 0xFFFFFFFF
 _aten = torch.ops.aten
-
-
-# -- runtime helpers (called from generated code) ------------------------------------------
-def _mix(h: torch.Tensor) -> torch.Tensor:
-    """random_mask's mix on int64 values in [0, 2**32); see ``ops.elementwise``."""
-    h = h ^ (h >> 16)
-    h = (h * 0x7FEB352D) & _M32
-    h = h ^ (h >> 15)
-    h = (h * 0x6A09E667) & _M32
-    return h ^ (h >> 16)
-
-
-def random_mask(
-    seed: torch.Tensor, salt_key: int, threshold: int, scale: float, shape: tuple[int, ...]
-) -> torch.Tensor:
-    """random_mask's hash bit for bit, on ``seed``'s device: the element index i < n <
-    2**32 (so i & M = i and i >> 32 = 0), ``salt_key`` = mix(salt & M), and h / 2**32 >= p
-    is h >= ``threshold`` = ceil(p * 2**32), exact because both sides are integers."""
-    key = _mix(_mix(salt_key ^ (seed & _M32)) ^ ((seed >> 32) & _M32))
-    n = math.prod(shape)
-    out = torch.empty(n, dtype=torch.float32, device=seed.device)
-    size = max(1, min(n, _MASK_CHUNK))
-    h = torch.empty(size, dtype=torch.int64, device=seed.device)
-    scratch, kept = torch.empty_like(h), torch.empty_like(h, dtype=torch.bool)
-    for start in range(0, n, size):
-        m = min(size, n - start)
-        torch.arange(start, start + m, out=h[:m]).bitwise_xor_(key)
-        _mix_into(_mix_into(h[:m], scratch[:m]), scratch[:m])
-        torch.mul(torch.ge(h[:m], threshold, out=kept[:m]), scale, out=out[start : start + m])
-    return out.reshape(shape)
-
-
-# Elements of a mask hashed at once. The hash is ten int64 operations an element: a chunk
-# that stays in cache and is updated in place is 2.5-4x faster on an attention mask of 3M
-# elements than whole-mask temporaries, and needs 4 MiB of scratch instead of ~75 MiB (and
-# no int64 arange of the largest mask, 24 MiB on MiniLM, kept for the step's lifetime).
-_MASK_CHUNK = 1 << 18
-
-
-def _mix_into(h: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """``_mix`` in place, its shifts written into ``scratch``."""
-    for shift, factor in ((16, 0x7FEB352D), (15, 0x6A09E667)):
-        h.bitwise_xor_(torch.bitwise_right_shift(h, shift, out=scratch))
-        h.mul_(factor).bitwise_and_(_M32)
-    return h.bitwise_xor_(torch.bitwise_right_shift(h, 16, out=scratch))
-
-
-def _mix_int(h: int) -> int:
-    h ^= h >> 16
-    h = (h * 0x7FEB352D) & _M32
-    h ^= h >> 15
-    h = (h * 0x6A09E667) & _M32
-    return h ^ (h >> 16)
 
 
 # -- emitter factories ---------------------------------------------------------------------
@@ -134,16 +81,6 @@ def _full(e: Emit) -> list[str]:
 def _arange(e: Emit) -> list[str]:
     values = get_op("arange").kernel(**e.node.attrs)
     return [f"{e.out} = {e.const(_tensor(values, e.device))}"]
-
-
-def _random_mask(e: Emit) -> list[str]:
-    shape, p, salt = e.attr("shape"), float(e.attr("p")), int(e.attr("salt"))
-    if math.prod(shape) >= 2**32:
-        raise NotImplementedError("random_mask of 2**32 elements or more")
-    threshold = math.ceil(p * 2.0**32)  # p * 2**32 is exact: a power-of-two scaling
-    scale = float(np.float32(1.0 / (1.0 - p) if p < 1.0 else 0.0))
-    args = f"{_mix_int(salt & _M32)}, {threshold}, {literal(scale)}, {literal(tuple(shape))}"
-    return [f"{e.out} = random_mask({e.ins[0]}, {args})"]
 
 
 # -- elementwise -----------------------------------------------------------------------------
@@ -307,7 +244,7 @@ _PREDICATES = ("eq", "ne", "lt", "le", "gt", "ge")
 KERNELS: dict[str, Emitter] = {
     "full": _full,
     "arange": _arange,
-    "random_mask": _random_mask,
+    **torch_kernels_rng.KERNELS,
     **{op: _call(f"aten_{op}") for op in _UNARY},
     "silu": _call("aten_silu"),
     "logical_not": _call("aten_logical_not"),
@@ -327,6 +264,7 @@ KERNELS: dict[str, Emitter] = {
     "maximum": _call("aten_maximum"),
     "minimum": _call("aten_minimum"),
     **{op: _binary(f"aten_{op}") for op in _PREDICATES},
+    "ne": torch_kernels_rng.keep_or(_binary("aten_ne")),  # a fused dropout keep-mask
     "logical_and": _call("aten_logical_and"),
     "logical_or": _call("aten_logical_or"),
     "where": _where,
@@ -377,5 +315,7 @@ NAMESPACE: dict[str, _Fn] = {
     "aten_softmax": torch.softmax,
     "aten_log_softmax": torch.log_softmax,
     "aten_cumsum": torch.cumsum,
-    "random_mask": random_mask,
+    **torch_kernels_rng.NAMESPACE,
 }
+
+FINDERS: dict[str, PairFinder] = dict(torch_kernels_rng.FINDERS)
