@@ -89,7 +89,7 @@ def _analytic_flops(workload: str, scheme_name: str) -> int:
     return step_artifact.graph_flops(step.graph)
 
 
-def _load_framework(framework: str) -> None:
+def _load_framework(framework: str, compile_in: str = "process") -> None:
     """Load all of the framework (a compiler loads torch.export or dynamo and inductor on
     first use, autograd starts its engine on the first backward) by compiling and running a
     tiny MLP step, so its code is in the base RSS."""
@@ -101,7 +101,8 @@ def _load_framework(framework: str) -> None:
     tiny = zoo.mlp()
     batch = tiny.make_batch(0)
     if framework.startswith("pockengine"):
-        pe.compile(tiny.model, tiny.loss_fn, batch, backend=framework.split("-", 1)[1])(*batch)
+        backend = framework.split("-", 1)[1]
+        pe.compile(tiny.model, tiny.loss_fn, batch, backend=backend, compile_in=compile_in)(*batch)
     else:  # eager too: autograd's engine and its thread pool start on the first backward
         _torch_step(framework, tiny, pe.optim.SGD(lr=0.1), {"0.weight"})(*batch)
     gc.collect()
@@ -148,15 +149,18 @@ def _torch_step(framework: str, work: Any, optimizer: Any, trained: set[str]) ->
 
 
 def run_case(
-    workload: str, scheme_name: str, framework: str, steps: int, warmup: int
-) -> dict[str, Any]:
+    workload: str, scheme_name: str, framework: str, steps: int, warmup: int,
+    compile_in: str = "process",
+) -> dict[str, Any]:  # fmt: skip
     """One case, as the device sees it. Training memory is the whole-process peak RSS (over
     compiling, warm-up and the measured steps: nothing is released or reset before it is
     read) minus the RSS once the framework is imported (``_load_framework``) and the
     weights and batch are loaded. PockEngine keeps its own copy of the weights, so the
     torch module is dropped after compiling: every framework trains with one copy of the
     weights. Beside it, the steady-state step memory: the peak over the measured steps
-    alone (the peak counter reset after warm-up), minus the same base."""
+    alone (the peak counter reset after warm-up), minus the same base.
+    ``compile_in="child"``: PockEngine compiles in a forked child
+    (``pockengine.compile_fork``), so this process holds nothing the compiler used."""
     import gc
 
     import torch
@@ -165,14 +169,15 @@ def run_case(
 
     if framework == "ort-training":
         return _ort_training_case(workload, scheme_name, steps, warmup)
-    _load_framework(framework)
+    _load_framework(framework, compile_in)
     work, optimizer, scheme, trained = _case(workload, scheme_name)
     batch = work.make_batch(0)
     base = _rss_kib("VmRSS")
     start = time.perf_counter()
     if framework.startswith("pockengine"):
         backend = framework.split("-", 1)[1]
-        step: Any = pe.compile(work.model, work.loss_fn, batch, optimizer, scheme, backend=backend)
+        step: Any = pe.compile(work.model, work.loss_fn, batch, optimizer, scheme,
+                               backend=backend, compile_in=compile_in)  # fmt: skip
         compile_s = time.perf_counter() - start
         planned = _planned_train_bytes(step.graph)
         model, work.model = work.model, None
@@ -209,6 +214,7 @@ def run_case(
         "step_mem_mib": (steady - base) / 1024,
         "base_rss_mib": base / 1024, "gflop": flops / 1e9, "gflops": flops / median / 1e9,
         "planned_train_mib": None if planned is None else planned / 2**20,
+        "compile_in": compile_in if framework.startswith("pockengine") else None,
     }  # fmt: skip
 
 
@@ -253,6 +259,12 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _label(row: dict[str, Any]) -> str:
+    """The framework, and where PockEngine compiled when not in the measured process."""
+    child = row.get("compile_in") == "child"
+    return f"{row['framework']} (compiled in a child)" if child else str(row["framework"])
+
+
 def markdown(results: list[dict[str, Any]], attainable: float) -> str:
     lines = [
         f"Attainable fp32 matmul rate in this run: {attainable:.0f} GFLOP/s.",
@@ -272,7 +284,7 @@ def markdown(results: list[dict[str, Any]], attainable: float) -> str:
         # ort-training rows: its first two losses against torch eager's (ort_training_peer.py)
         check = f" (vs eager: {r['loss_check']})" if "loss_check" in r else ""
         lines.append(
-            f"| {r['workload']} | {r['scheme']} | {r['framework']} | {r['step_ms']:.0f} "
+            f"| {r['workload']} | {r['scheme']} | {_label(r)} | {r['step_ms']:.0f} "
             f"| {r['gflops']:.0f} ({share:.0%}) | {mem} | {r.get('step_mem_mib', 0):.0f} "
             f"| {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} | {r['loss']:.4f}{check} |"
         )
@@ -299,6 +311,9 @@ def main() -> int:
         default=str(ROOT / "benchmarks" / "results" / "step_bench.json"),
         help="results JSON (default: benchmarks/results/step_bench.json)",
     )
+    parser.add_argument("--compile-in", choices=("process", "child"), default="process",
+                        help="where the in-process PockEngine frameworks compile: in "
+                        "the measured process, or in a forked child (compile_fork)")  # fmt: skip
     parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
     parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -310,7 +325,8 @@ def main() -> int:
     if args.case or args.matmul:
         _threads(args.threads)
         result = ({"gflops": _matmul_gflops()} if args.matmul
-                  else run_case(*args.case, steps=args.steps, warmup=args.warmup))  # fmt: skip
+                  else run_case(*args.case, steps=args.steps, warmup=args.warmup,
+                                compile_in=args.compile_in))  # fmt: skip
         print(json.dumps(result))
         return 0
     attainable = _subprocess(["--matmul", "--threads", str(args.threads)], args.threads)
@@ -324,7 +340,8 @@ def main() -> int:
                                     "error": f"venv: {venv_error}"})  # fmt: skip
                     continue
                 case = ["--case", w, s, f, "--steps", str(args.steps), "--warmup",
-                        str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+                        str(args.warmup), "--threads", str(args.threads),
+                        "--compile-in", args.compile_in]  # fmt: skip
                 runs = [_subprocess(case, args.threads) for _ in range(args.repeat)]
                 r = {"workload": w, "scheme": s, "framework": f, **_combine(runs)}
                 print(json.dumps(r), file=sys.stderr)

@@ -7,7 +7,6 @@ training step; nothing is traced or differentiated at run time.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,32 +14,29 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pockengine._libc import libc_function
-from pockengine.autodiff import append_backward
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
-from pockengine.batch_checks import index_bounds
 from pockengine.frontend.imported import ImportedModel, ModelInfo
-from pockengine.ir import (
-    GRAD_PREFIX,
-    CompileError,
-    Graph,
-    GraphBuilder,
-    Phase,
-    Value,
-    get_op,
-    verify,
-)
-from pockengine.ir.rewrite import with_inputs
+from pockengine.ir import Graph, verify
 from pockengine.loading import LoadResult, StateError
 from pockengine.ops.quant import Quantized
 from pockengine.optim import SGD, Optimizer
-from pockengine.passes import DEFAULT_PIPELINE, Pass, forward_passes, run_pipeline
-from pockengine.passes.quantize import AS_GIVEN, FrozenWeights, quantize_frozen
+from pockengine.passes import DEFAULT_PIPELINE, Pass, run_pipeline
+from pockengine.passes.quantize import AS_GIVEN, FrozenWeights
 from pockengine.passes.remat_budget import parse_budget, recomputation, with_budget
-from pockengine.passes.slices import sink_slices
 from pockengine.plan.report import Report, analyze
-from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
-from pockengine.step_base import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError, StepFacts
+from pockengine.sparse.schemes import Resolution, Scheme
+from pockengine.step_base import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError
+from pockengine.step_parts import (
+    Stages,
+    StepParts,
+    apply_resolution,
+    build_parts,
+    frozen_batchnorms,
+    gradients_graph,
+    parts_of,
+    training_graph,
+)
 
 if TYPE_CHECKING:
     from pockengine.evaluator import Evaluator
@@ -55,71 +51,13 @@ __all__ = [
     "apply_resolution",
     "compile",
     "frontend_of",
+    "frozen_batchnorms",
     "gradients_graph",
     "release_free_memory",
     "training_graph",
 ]
 
-log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
-
-
-def _trained_rows(
-    b: GraphBuilder, grads: dict[str, Value], rows: Mapping[str, int | None]
-) -> dict[str, Value]:
-    """Partial-channel params get the gradient of their first rows only (sink_slices then
-    makes the backward compute just that slice)."""
-    out = dict(grads)
-    for name, k in rows.items():
-        if k is not None and name in out:
-            out[name] = b.call("slice", out[name], axis=0, start=0, stop=k, step=1,
-                               source=f"{GRAD_PREFIX}{name}", phase=Phase.BACKWARD)  # fmt: skip
-    return out
-
-
-def training_graph(
-    forward: Graph, optimizer: Optimizer, rows: Mapping[str, int | None] | None = None
-) -> tuple[Graph, dict[str, Array], tuple[str, ...]]:
-    """Forward + backward + updates as one graph.
-
-    Node order: the pure forward, ``skip = nonfinite(loss)``, the backward of the trained
-    params, the forward's own effects (buffer statistics, the dropout seed), then the
-    optimizer's updates. Every effect takes ``skip`` as its last input, so a step whose
-    loss is NaN or inf writes nothing; it is computed right after the loss, so
-    ``reorder_updates`` can still move updates into the backward. Returns the graph, the
-    optimizer state's initial values and the params that get no gradient.
-    """
-    b = GraphBuilder("train_step")
-    for v in forward.inputs:
-        b.add_input(v)
-    pure = [n for n in forward.nodes if not get_op(n.op).effectful]
-    effects = [n for n in forward.nodes if get_op(n.op).effectful]
-    for node in pure:
-        b.append(node)
-    skip = b.call("nonfinite", forward.outputs[0], source="loss", phase=Phase.FORWARD)
-    trained = forward.trainable_params
-    grads = _trained_rows(b, append_backward(b, pure, forward.outputs[0], trained), rows or {})
-    for node in effects:
-        b.append(node.replace(inputs=(*node.inputs, skip)))
-    unreached = tuple(p.name for p in trained if p.name not in grads)
-    pairs = [(p, grads[p.name]) for p in trained if p.name in grads]
-    init = optimizer.build(b, pairs, skip) if pairs else {}
-    return sink_slices(b.build(forward.outputs)), init, unreached
-
-
-def gradients_graph(
-    forward: Graph, rows: Mapping[str, int | None] | None = None
-) -> tuple[Graph, tuple[str, ...]]:
-    """Loss and gradients of the trained params (partial ones: their rows), no effects."""
-    b = GraphBuilder("gradients")
-    for v in forward.inputs:
-        b.add_input(v)
-    pure = [n for n in forward.nodes if not get_op(n.op).effectful]
-    for node in pure:
-        b.append(node)
-    grads = append_backward(b, pure, forward.outputs[0], forward.trainable_params)
-    grads = _trained_rows(b, grads, rows or {})
-    return sink_slices(b.build([forward.outputs[0], *grads.values()])), tuple(grads)
 
 
 class TrainStep(CompiledStep):
@@ -139,27 +77,40 @@ class TrainStep(CompiledStep):
         passes: Sequence[Pass] = DEFAULT_PIPELINE,
         frozen: FrozenWeights = AS_GIVEN,
     ) -> None:
-        self.passes = tuple(passes)
-        bounds = index_bounds(forward)  # class targets, token ids (before quantizing)
-        given = {ir: frozen.given[name] for ir, name in imported.state_names.items()
-                 if name in frozen.given}  # fmt: skip
-        quant = quantize_frozen(verify(forward), imported.values, frozen.dtype, prequantized=given)
-        fused = run_pipeline(quant.graph, forward_passes(backend.supported_ops()))
-        self.forward = forward = fused.graph
-        self.forward_stages = fused.stages
-        self.optimizer, self.resolution = optimizer, resolution
-        self.info, self.scheme = info, scheme
-        graph, init, unreached = training_graph(forward, optimizer, resolution.rows)
-        if unreached:
-            log.warning("the loss does not depend on %s: they get no update", list(unreached))
-        result = run_pipeline(verify(graph), self.passes)
-        self.stages = result.stages
-        trained = tuple(p.name for p in forward.trainable_params)
-        facts = StepFacts(imported.batch, dict(imported.state_names), dict(imported.aliases),
-                          quant.params, tuple(bounds), trained, imported.restructure)  # fmt: skip
-        self._bind(result.graph, backend, facts, {**quant.values, **init})
+        parts = build_parts(imported, forward, optimizer, backend, resolution, info, scheme,
+                            passes, frozen)  # fmt: skip
+        self._adopt(parts, backend)
+
+    @classmethod
+    def bound(cls, parts: StepParts, backend: Backend) -> TrainStep:
+        """The step ``parts`` make on ``backend`` (``parts.values`` is emptied)."""
+        step = cls.__new__(cls)
+        step._adopt(parts, backend)
+        return step
+
+    def _adopt(self, parts: StepParts, backend: Backend) -> None:
+        self.passes, self.forward = parts.passes, parts.forward
+        self.optimizer, self.resolution = parts.optimizer, parts.resolution
+        self.info, self.scheme = parts.info, parts.scheme
+        self._forward_stages, self._stages = parts.forward_stages, parts.stages
+        self._bind(parts.graph, backend, parts.facts, parts.values)
         self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
+
+    @property
+    def stages(self) -> Stages:
+        """The training graph after each pass (``run_pipeline``'s, input first). A step
+        compiled in a child process did not keep them: they are made again here, once."""
+        if self._stages is None:
+            graph, _, _ = training_graph(self.forward, self.optimizer, self.resolution.rows)
+            self._stages = run_pipeline(verify(graph), self.passes).stages
+        return self._stages
+
+    @property
+    def forward_stages(self) -> Stages:
+        """The forward graph before and after each forward pass; a step compiled in a child
+        process has only the fused forward (``(("forward", graph),)``)."""
+        return self._forward_stages or (("forward", self.forward),)
 
     def gradients(self, *batch: Any) -> dict[str, Array]:
         """Gradients of the trained params on ``batch``; nothing is updated."""
@@ -214,6 +165,7 @@ def compile(
     frozen_dtype: str | None = None,
     quantized: Mapping[str, Quantized] | None = None,
     memory_budget: str | int | None = None,
+    compile_in: str | None = None,
 ) -> TrainStep:
     """Compile ``loss_fn(model, *batch)`` into one static training step.
 
@@ -244,50 +196,29 @@ def compile(
     activations, whole transformer blocks included, are recomputed in the backward pass at
     the least FLOPs until the plan fits (``pockengine.passes.remat_budget``; bit-identical
     results; a warning says how far the best plan is from a budget it cannot meet).
+    ``compile_in`` ("child" or "process"; default: ``PE_COMPILE_IN``, else "process")
+    says where the compiler runs: "child" forks, compiles torch and ONNX models in the
+    child and reads its step back, so this process keeps no memory the compiler used
+    (``pockengine.compile_fork``).
     """
     frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)
     pipeline = DEFAULT_PIPELINE if passes is None else tuple(passes)
     pipeline = with_budget(pipeline, parse_budget(memory_budget))
-    kind = frontend_of(model)
-    if kind == "onnx":
-        if loss is None:
-            raise CompileError('an ONNX model needs a named loss: loss="cross_entropy", "mse", '
-                               '"causal_lm" or "none"')  # fmt: skip
-        return _compile_onnx(model, loss, example_batch, optimizer, scheme, engine, output,
-                             params, pipeline, frozen)  # fmt: skip
-    if kind == "keras":
-        from pockengine.frontend.keras import import_keras, keras_model_info
+    kind, optim = frontend_of(model), optimizer or SGD()
 
-        if loss is None:
-            raise CompileError('a Keras model needs a named loss: loss="cross_entropy", "mse", '
-                               '"causal_lm" or "none"')  # fmt: skip
-        if example_batch is None:
-            raise CompileError("compile(keras_model, loss=..., example_batch=...) needs a batch")
-        batch = example_batch
-        return _compile_imported(
-            keras_model_info(model),
-            lambda ev: import_keras(model, loss, batch, output=output, eval_modules=ev),
-            optimizer, scheme, engine, pipeline, frozen,
-        )  # fmt: skip
-    if loss_fn is None or example_batch is None:
-        raise CompileError("compile(model, loss_fn, example_batch) needs loss_fn and example_batch")
-    fn, batch = loss_fn, example_batch
-    if kind == "jax":
-        from pockengine.frontend.jax import import_jax, jax_model_info
+    def build() -> StepParts:
+        return parts_of(kind, model, loss_fn, example_batch, optim, scheme, engine, pipeline,
+                      frozen, loss, output, params)  # fmt: skip
 
-        return _compile_imported(
-            jax_model_info(model),
-            lambda ev: import_jax(model, fn, batch, eval_modules=ev),
-            optimizer, scheme, engine, pipeline, frozen,
-        )  # fmt: skip
-    from pockengine.frontend.torch import import_torch, torch_model_info
+    from pockengine.compile_fork import compile_forked, compile_mode
 
-    return _compile_imported(
-        torch_model_info(model),
-        lambda ev: import_torch(model, fn, batch, eval_modules=ev),
-        optimizer, scheme, engine, pipeline, frozen,
-    )  # fmt: skip
+    if compile_mode(compile_in, kind) == "child":
+        module = model if kind == "torch" else None
+        return compile_forked(build, engine, module, optim, scheme, pipeline)
+    step = TrainStep.bound(build(), engine)
+    release_free_memory()
+    return step
 
 
 def frontend_of(model: Any) -> str:
@@ -304,33 +235,6 @@ def frontend_of(model: Any) -> str:
     return "jax"
 
 
-def _compile_imported(
-    info: ModelInfo,
-    import_model: Callable[[set[str]], ImportedModel],
-    optimizer: Optimizer | None,
-    scheme: Scheme | None,
-    engine: Backend,
-    passes: Sequence[Pass] = DEFAULT_PIPELINE,
-    frozen: FrozenWeights = AS_GIVEN,
-) -> TrainStep:
-    """Resolve the scheme against ``info``, import (frozen BatchNorms in eval mode when the
-    scheme asks), and build the step."""
-    resolution = resolve_scheme(scheme, info)
-    eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
-    imported = import_model(eval_modules)
-    if resolution.adapters:  # LoRA: the adapters' params join the graph before marking
-        from pockengine.sparse.lora import insert_adapters
-
-        imported = insert_adapters(imported, resolution.adapters)
-    forward = apply_resolution(imported.graph, resolution)
-    step = TrainStep(
-        imported, forward, optimizer or SGD(), engine, resolution, info, scheme, passes, frozen
-    )
-    del imported, forward
-    release_free_memory()
-    return step
-
-
 def release_free_memory() -> None:
     """Hand the heap that compiling freed (traced graphs, NumPy copies of the weights) back
     to the OS: glibc keeps freed blocks in the process, and the resident memory of a
@@ -341,44 +245,3 @@ def release_free_memory() -> None:
     trim = libc_function("malloc_trim")
     if trim is not None:
         trim(0)
-
-
-def _compile_onnx(
-    model: Any,
-    loss: str,
-    example_batch: Sequence[Any] | None,
-    optimizer: Optimizer | None,
-    scheme: Scheme | None,
-    engine: Backend,
-    output: str | int | None,
-    params: Sequence[str] | None,
-    passes: Sequence[Pass],
-    frozen: FrozenWeights,
-) -> TrainStep:
-    from pockengine.frontend.onnx import import_onnx, load_onnx, onnx_model_info
-
-    loaded = load_onnx(model, params)
-    return _compile_imported(
-        onnx_model_info(loaded),
-        lambda ev: import_onnx(loaded, loss, example_batch, output, ev),
-        optimizer, scheme, engine, passes, frozen,
-    )  # fmt: skip
-
-
-def frozen_batchnorms(info: ModelInfo, resolution: Resolution) -> set[str]:
-    """BatchNorm modules none of whose params train (they may run on running statistics)."""
-    modules: dict[str, bool] = {}
-    for p in info.params:
-        if "batchnorm" in p.module_type.lower():
-            modules[p.module] = modules.get(p.module, False) or p.name in resolution.rows
-    return {m for m, trained in modules.items() if not trained}
-
-
-def apply_resolution(forward: Graph, resolution: Resolution) -> Graph:
-    """The forward graph with params marked trainable exactly as the scheme resolved."""
-    names = {v.name for v in forward.params}
-    unused = sorted(resolution.names - names)
-    if unused:
-        log.warning("trained params %s are not used by the loss", unused)
-    params = [v.replace(trainable=v.name in resolution.rows) for v in forward.params]
-    return verify(with_inputs(forward, params))

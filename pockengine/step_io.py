@@ -49,7 +49,17 @@ if TYPE_CHECKING:
     from pockengine.evaluator import Evaluator
     from pockengine.plan.report import Report
 
-__all__ = ["LoadedStep", "StepFileError", "load_step", "save_step"]
+__all__ = [
+    "LoadedStep",
+    "StepFileError",
+    "check_state",
+    "load_step",
+    "read_graph",
+    "read_tensors",
+    "save_step",
+    "write_graph",
+    "write_values",
+]
 
 Array = np.ndarray[Any, Any]
 GRAPH, STATE, META = "step.ir", "state.safetensors", "step.json"
@@ -91,6 +101,21 @@ def save_step(
     meta["zeros"] = zeros
     _write_text(out / META, json.dumps(meta, indent=1) + "\n")
     return out
+
+
+def write_graph(path: Path, graph: Graph) -> str:
+    """``graph`` as IR text in ``path``, checked to parse back to it; returns the text's
+    SHA-256 (``read_graph`` checks it). For ``pockengine.compile_fork`` too."""
+    text = print_graph(graph)
+    _check_round_trip(graph, text, path.name)
+    _write_text(path, text)
+    return _digest(text)
+
+
+def write_values(path: Path, values: Mapping[str, Array]) -> list[str]:
+    """NumPy ``values`` as a safetensors file, the all-zero ones left out and returned (as
+    ``step.json``'s ``zeros``); ``read_tensors`` reads the others back."""
+    return _write_tensors(path, values, get_backend("numpy"))
 
 
 def _check_round_trip(graph: Graph, text: str, name: str) -> None:
@@ -169,7 +194,8 @@ def _with_zeros(graph: Graph, values: dict[str, Array], zeros: Any, path: Path) 
     return values
 
 
-def _read_graph(path: Path, digest: str) -> Graph:
+def read_graph(path: Path, digest: str) -> Graph:
+    """The graph ``write_graph`` wrote (``digest``: its SHA-256), parsed and verified."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -199,7 +225,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _check_state(graph: Graph, values: Mapping[str, Array], path: Path) -> None:
+def check_state(graph: Graph, values: Mapping[str, Array], path: Path) -> None:
     """Each state input of ``graph`` is in ``values`` with the graph's shape and dtype."""
     for v in graph.inputs:
         if v.role is Role.INPUT:
@@ -259,9 +285,9 @@ def load_step(folder: str | os.PathLike[str], backend: BackendSpec | None = None
         saved = from_json(meta)
     except (KeyError, TypeError, ValueError, PockEngineError) as exc:
         raise StepFileError(f"{where / META}: damaged ({type(exc).__name__}: {exc})") from None
-    graph = _read_graph(where / GRAPH, saved.graph_sha256)
+    graph = read_graph(where / GRAPH, saved.graph_sha256)
     values = _with_zeros(graph, read_tensors(where / STATE), meta.get("zeros", []), where / META)
-    _check_state(graph, values, where / STATE)
+    check_state(graph, values, where / STATE)
     saved = saved.with_batch(_batch_values(graph, saved.batch_names, where / META))
     step = LoadedStep(where, saved, graph, values, backend or saved.backend)
     if saved.evaluator is not None:
@@ -280,17 +306,17 @@ def _batch_values(graph: Graph, names: list[str], path: Path) -> tuple[Value, ..
 def _load_evaluator(step: LoadedStep, where: Path, meta: Mapping[str, Any]) -> Evaluator:
     from pockengine.evaluator import Evaluator
 
-    graph = _read_graph(where / EVAL_GRAPH, str(meta["sha256"]))
+    graph = read_graph(where / EVAL_GRAPH, str(meta["sha256"]))
     own = _with_zeros(graph, read_tensors(where / EVAL_STATE), meta.get("zeros", []),
                       where / META)  # fmt: skip
-    _check_state(graph, {**own, **_store_types(step)}, where / EVAL_STATE)
+    check_state(graph, {**own, **_store_types(step)}, where / EVAL_STATE)
     batch = _batch_values(graph, list(meta["batch"]), where / META)
     shared = {k: step.backend.share_numpy(v) for k, v in own.items()}
     return Evaluator(step, graph, batch, shared)
 
 
 def _store_types(step: CompiledStep) -> dict[str, Array]:
-    """Placeholders with the shapes and dtypes of the step's store (for ``_check_state``)."""
+    """Placeholders with the shapes and dtypes of the step's store (for ``check_state``)."""
     out = {}
     for name, value in step._store.items():
         array = step.backend.to_numpy(value)

@@ -34,7 +34,16 @@ if TYPE_CHECKING:
     from pockengine.plan.placement import Placement
     from pockengine.step_base import CompiledStep
 
-__all__ = ["READABLE_FORMATS", "STEP_FORMAT", "Saved", "SavedReport", "from_json", "to_json"]
+__all__ = [
+    "READABLE_FORMATS",
+    "STEP_FORMAT",
+    "Saved",
+    "SavedReport",
+    "facts_json",
+    "from_json",
+    "read_facts",
+    "to_json",
+]
 
 STEP_FORMAT = 2  # 2: all-zero tensors listed in "zeros", not in the safetensors files
 READABLE_FORMATS = (1, 2)
@@ -94,21 +103,13 @@ class Saved:
 def to_json(
     step: CompiledStep, report: Report, graph_sha256: str, evaluator: dict[str, Any] | None
 ) -> dict[str, Any]:
-    facts = step.facts
     name = step.backend.name
     return {
         "format": STEP_FORMAT,
         "graph_sha256": graph_sha256,
         "backend": name.split("+") if "+" in name else name,
-        "batch": [v.name for v in facts.batch],
-        "state_names": facts.state_names,
-        "aliases": {k: list(v) for k, v in facts.aliases.items()},
-        "trained": list(facts.trained),
-        "quantized": {k: _quantized_json(q) for k, q in facts.quantized.items()},
-        "index_bounds": [{**asdict(b), "ignored": sorted(b.ignored)} for b in facts.index_bounds],
+        **facts_json(step.facts, step.info, step.resolution),
         "optimizer": _optimizer_json(step.optimizer),
-        "info": asdict(step.info),
-        "resolution": asdict(step.resolution),
         "scheme": None if step.scheme is None else step.scheme.to_dict(),
         "report": _report_json(report),
         "on_nonfinite": step.on_nonfinite,
@@ -116,18 +117,40 @@ def to_json(
     }
 
 
-def from_json(meta: dict[str, Any]) -> Saved:
+def facts_json(facts: StepFacts, info: ModelInfo, resolution: Resolution) -> dict[str, Any]:
+    """The step's facts (the batch by name), the model's param table and the resolved
+    scheme as JSON values: the part of ``step.json`` a compile child also writes
+    (``pockengine.compile_fork``); ``read_facts`` reads it back."""
+    return {
+        "batch": [v.name for v in facts.batch],
+        "state_names": facts.state_names,
+        "aliases": {k: list(v) for k, v in facts.aliases.items()},
+        "trained": list(facts.trained),
+        "quantized": {k: _quantized_json(q) for k, q in facts.quantized.items()},
+        "index_bounds": [{**asdict(b), "ignored": sorted(b.ignored)} for b in facts.index_bounds],
+        "info": asdict(info),
+        "resolution": asdict(resolution),
+    }
+
+
+def read_facts(meta: dict[str, Any]) -> tuple[StepFacts, list[str], ModelInfo, Resolution]:
+    """``facts_json`` read back: the facts (no batch yet), the batch's names, the param
+    table and the resolution."""
     aliases = {k: tuple(v) for k, v in meta["aliases"].items()}
     quantized = {k: _quantized(q) for k, q in meta["quantized"].items()}
     bounds = tuple(IndexBound(b["input"], int(b["high"]), frozenset(b["ignored"]), b["what"])
                    for b in meta["index_bounds"])  # fmt: skip
     state_names = {str(k): str(v) for k, v in meta["state_names"].items()}
     facts = StepFacts((), state_names, aliases, quantized, bounds, tuple(meta["trained"]))
+    return facts, list(meta["batch"]), _info(meta["info"]), _resolution(meta["resolution"])
+
+
+def from_json(meta: dict[str, Any]) -> Saved:
+    facts, batch, info, resolution = read_facts(meta)
     scheme = None if meta["scheme"] is None else schemes.from_dict(meta["scheme"])
-    return Saved(facts, list(meta["batch"]), _optimizer(meta["optimizer"]), _info(meta["info"]),
-                 _resolution(meta["resolution"]), scheme, _report(meta["report"]),
-                 meta["backend"], str(meta["on_nonfinite"]), str(meta["graph_sha256"]),
-                 meta["evaluator"])  # fmt: skip
+    return Saved(facts, batch, _optimizer(meta["optimizer"]), info, resolution, scheme,
+                 _report(meta["report"]), meta["backend"], str(meta["on_nonfinite"]),
+                 str(meta["graph_sha256"]), meta["evaluator"])  # fmt: skip
 
 
 def _quantized_json(q: QuantizedParam) -> dict[str, Any]:
