@@ -41,7 +41,7 @@ def main() -> int:
     add_arguments(finetune)
     args = finetune.parse_args([a for a in options.finetune_args if a != "--"])
     config = config_from_args(args).validate()
-    config = config.with_defaults(recipe_table.defaults(config)).validate()
+    config = config.with_defaults(recipe_table.defaults(config, auto=False)).validate()
     assert config.scheme is not None, "filled in by the recipe's defaults"
     scheme = recipe_table.parse_scheme(config.scheme, config.recipe)
     job = {"config": config.to_dict(), "scheme": scheme.to_dict(), "threads": None}

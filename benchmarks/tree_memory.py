@@ -6,8 +6,10 @@ given) untouched in a child and samples, every
 ``--interval`` seconds, the resident memory (``VmRSS``) of that process and of each
 process below it (``/proc/PID/task/*/children``). It reports the peak of their sum (what
 the machine holds at once), the fine-tune process's peak while it has a child (with
-``--compile-in child``: while the child compiles) and otherwise, and the children's peak.
-A sample can miss a peak shorter than the interval. Linux only (``/proc``)::
+``--compile-in child``: while the child compiles) and otherwise, and the children's peak,
+and each child's own peak by the module it runs (``auto_child``: the analysis of
+``--scheme auto``; ``compile_child``: the compile). A sample can miss a peak shorter than the
+interval. Linux only (``/proc``)::
 
     OMP_NUM_THREADS=1 python benchmarks/tree_memory.py -- --max-steps 3 --max-val 32
     OMP_NUM_THREADS=1 python benchmarks/tree_memory.py -- --max-steps 3 --max-val 32 \\
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from _harness import ROOT, child_env
@@ -42,6 +44,7 @@ class TreePeaks:
     parent_with_child: float = 0.0
     parent_alone: float = 0.0
     children: float = 0.0
+    by_child: dict[str, float] = field(default_factory=dict)  # module name -> its peak
 
 
 def _rss(pid: int) -> int:
@@ -52,6 +55,17 @@ def _rss(pid: int) -> int:
     except OSError:  # the process ended between two reads
         pass
     return 0
+
+
+def _module(pid: int) -> str:
+    """What a child runs: the last part of ``-m MODULE``, else its program's name."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return "?"
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+    return Path(argv[0]).name
 
 
 def _descendants(pid: int) -> list[int]:
@@ -80,7 +94,12 @@ def measure(args: Sequence[str], interval: float) -> TreePeaks:
         while run.poll() is None:
             parent = _rss(run.pid) / _MIB
             kids = _descendants(run.pid)
-            children = sum(_rss(k) for k in kids) / _MIB
+            rss = {k: _rss(k) / _MIB for k in kids}
+            children = sum(rss.values())
+            for k, mib in rss.items():
+                name = _module(k) if mib else ""  # an exiting child has no cmdline
+                if name:
+                    peaks.by_child[name] = max(peaks.by_child.get(name, 0.0), mib)
             peaks.total = max(peaks.total, parent + children)
             peaks.children = max(peaks.children, children)
             if kids:
@@ -103,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tree-memory-") as folder:
         out = [] if "--out" in args else ["--out", str(Path(folder) / "run")]
         peaks = measure([*args, *out], options.interval)
-    print(json.dumps({k: round(v) for k, v in asdict(peaks).items()}))
+    by_child = {k: round(v) for k, v in peaks.by_child.items()}
+    print(json.dumps({**{k: round(v) for k, v in asdict(peaks).items() if k != "by_child"},
+                      "by_child": by_child}))  # fmt: skip
     return 0
 
 

@@ -219,7 +219,7 @@ def _prepare(config: FinetuneConfig, scheme: dict[str, Any] | None, what: str) -
     from pockengine.sparse import schemes
 
     config = config.validate()
-    config = config.with_defaults(recipes.defaults(config)).validate()
+    config = config.with_defaults(recipes.defaults(config, auto=False)).validate()
     assert config.scheme is not None, "filled in by the recipe's defaults"
     if scheme:  # a run's own scheme, as its checkpoint stored it
         parsed = schemes.from_dict(scheme)

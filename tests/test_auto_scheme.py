@@ -69,17 +69,30 @@ def _planner(config: FinetuneConfig, task: recipes.Task) -> est.Planner:
 
     example = tuple(torch.from_numpy(a[:8]) for a in task.train)
     return est.Planner(torch_model_info(task.model),
-                       lambda ev: import_torch(task.model, task.loss_fn, example, eval_modules=ev),
+                       lambda ev, rows: import_torch(task.model, task.loss_fn,
+                                                     [a[:rows] for a in example], ev),
                        est.optimizer_of(config))  # fmt: skip
 
 
-def test_scores_are_those_of_torch_autograd(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "settings",
+    [
+        est.EstimateSettings(batches=3),  # one example a backward pass, one group
+        est.EstimateSettings(batches=3, micro_batch=8),  # whole batches
+        est.EstimateSettings(batches=3, micro_batch=3, group_bytes=1),  # 2 rows; one each
+    ],
+    ids=["default", "whole-batches", "micro-2-one-weight-groups"],
+)
+def test_scores_are_those_of_torch_autograd(tmp_path: Path, settings: est.EstimateSettings) -> None:
+    """Micro-batches and weight groups change how the gradients are taken, not the scores:
+    a batch's gradient is the mean of its micro-batches' (this model has no dropout)."""
     config = _config(tmp_path)
     task = recipes.build(config)
     planner = _planner(config, task)
     weights = est.candidate_weights(planner.info, {"head.weight", "head.bias"})
     assert [w.name for w in weights] == ["fc1.weight", "fc2.weight", "fc3.weight"]
-    scores = est.estimate_scores(config, task, planner, weights, est.EstimateSettings(batches=3))
+    scores = est.estimate_scores(config, task, planner, weights, settings)
+    assert [w.param for w in scores.weights] == [w.name for w in weights]
     grads: dict[str, list[np.ndarray]] = {}
     for b in range(3):  # the last 3 batches of the training split, as the estimate reads
         batch = [torch.from_numpy(a[len(a) - (b + 1) * 8 : len(a) - b * 8]) for a in task.train]
@@ -184,3 +197,19 @@ def test_the_lr_is_the_best_on_held_out_training_examples(tmp_path: Path) -> Non
         choose_lr(config, "bias", (1e-3,), criterion="f1")
     # the held-out examples are the training split's last ones: fewer train on
     assert choice.settings["train_examples"] == 72 - 24
+
+
+def test_a_cache_that_cannot_be_written_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CI starts without a cache: a run must not depend on one, nor fail without one."""
+    config = _config(tmp_path)
+    task = recipes.build(config)
+    sparse = recipes.RECIPES["generic"].sparse
+    fresh = choose_auto(config, task, sparse)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("PE_CACHE", str(blocked))  # its "sensitivity" folder cannot exist
+    unwritable = choose_auto(config, task, sparse)
+    assert not unwritable.cached and unwritable.scheme == fresh.scheme
+    assert "could not write the analysis cache" in caplog.text

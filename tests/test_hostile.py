@@ -161,7 +161,7 @@ def test_folder_without_tokenizer_needs_one(
     out = tmp_path / "out"
     err = cli_fails([*cli_args(task, model=bare, seq_len=8), "--out", str(out)], capsys)
     assert "has no tokenizer files" in err and "--tokenizer" in err
-    # with --tokenizer, the one-block model trains under the default sparse scheme
+    # with --tokenizer, the one-block model trains under the default scheme (auto)
     args = cli_args(task, model=bare, tokenizer=words, seq_len=8, epochs=1)
     assert main([*args, "--out", str(out), "--max-steps", "2"]) == 0
     assert checkpoint.load(out / checkpoint.CHECKPOINT).counters["step"] == 2

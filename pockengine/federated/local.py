@@ -45,7 +45,7 @@ def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, Tra
     """The config with the recipe's defaults, its task, and its compiled step."""
     config = config.validate()
     ft = config.finetune
-    ft = ft.with_defaults(recipes.defaults(ft)).validate()
+    ft = ft.with_defaults(recipes.defaults(ft, auto=False)).validate()
     config = FederatedConfig(**{**vars(config), "finetune": ft})
     assert ft.scheme is not None
     scheme = recipes.parse_scheme(ft.scheme, ft.recipe)

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.finetune.checkpoint import write_atomic
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.data import fingerprint
 from pockengine.finetune.estimate import (
@@ -39,6 +38,7 @@ from pockengine.finetune.estimate import (
     candidate_weights,
     estimate_scores,
     optimizer_of,
+    save_cached,
 )
 from pockengine.finetune.scheme_search import choose_within
 from pockengine.ir import SchemeError
@@ -158,8 +158,7 @@ def choose_auto(
         choice.cached = True
     except (OSError, ValueError, KeyError, TypeError, SchemeError):
         choice = _choose(config, task, sparse, settings)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(choice.to_dict()).encode())
+        save_cached(path, choice.to_dict())
     choice.seconds = time.perf_counter() - start
     log.info("auto scheme chosen in %.1f s", choice.seconds)
     return choice
@@ -178,7 +177,7 @@ def _choose(
     model, loss_fn = task.model, task.loss_fn
     planner = Planner(
         info,
-        lambda ev: import_torch(model, loss_fn, example, eval_modules=ev),
+        lambda ev, rows: import_torch(model, loss_fn, [a[:rows] for a in example], ev),
         optimizer_of(config),
     )
     base_name = "bias-only" if task.kind == "causal-lm" else "bias"

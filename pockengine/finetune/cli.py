@@ -145,8 +145,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "without one (factory default: a word vocabulary built from the training split)",
     )
     how = p.add_argument_group("how to train (defaults: the recipe's)")
-    how.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: sparse; full for "
-                     "a module:factory model)")  # fmt: skip
+    how.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: auto for the "
+                     "text recipes and --model/--data, sparse for the others; full for a "
+                     "module:factory model)")  # fmt: skip
     how.add_argument(
         "--memory-budget", type=byte_amount,
         help="planned peak of the step, e.g. 300MB (MiB units): the budget of --scheme auto "
@@ -156,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--remat-budget", type=budget_or_none,
         help="planned peak the step must fit, e.g. 600MB (MiB units), by recomputing "
         "activations (whole blocks if need be) in the backward pass; results unchanged "
-        "(default: none, or the recipe's for its sparse step at its own batch shape: "
+        "(default: none, or the recipe's for its sparse (or auto) step at its own batch shape: "
         "300MB minilm-bbc, 700MB smollm2-pydocs; 'none' turns it off)",
     )  # fmt: skip
     how.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the optimizer")

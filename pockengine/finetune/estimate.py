@@ -1,10 +1,10 @@
 """Gradient contribution estimate: what each weight is worth, from a few backward passes.
 
 The fine-tune-based analysis (``sensitivity``) fine-tunes once per candidate; this
-estimate compiles the task's model once with every parameter trainable (``pe.compile``,
-scheme ``full``, no optimizer state) and runs ``batches`` backward passes
-(``TrainStep.gradients``) on the last examples of the training split. Per output row
-(channel) of every weight it keeps three scores, summed over the row:
+estimate takes the gradients of ``batches`` batches, the last examples of the training
+split (``TrainStep.gradients``, in micro-batches and groups of candidate weights, with
+no optimizer state: ``gradient_sums``). Per output row (channel) of every weight it
+keeps three scores, summed over the row:
 
 - ``fisher``: the empirical Fisher, the mean over batches of g_b^2 (g_b: the batch-mean
   gradient of batch b);
@@ -14,7 +14,7 @@ scheme ``full``, no optimizer state) and runs ``batches`` backward passes
 
 A weight at output-channel ratio r trains its leading ceil(r * rows) rows (the scheme's
 ``channels``), so its score is the sum over those rows. The costs of training it, over
-the bias baseline, come from the same compiled graph: its gradient and optimizer-state
+the bias baseline, come from the run's imported graph: its gradient and optimizer-state
 bytes (times r) plus the activation its weight gradient reads (the other inputs of the
 nodes that read the weight), and r times the forward FLOPs of those nodes as backward
 FLOPs. These are estimates: ``auto_scheme`` checks the chosen scheme against the
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -43,7 +44,7 @@ from pockengine.finetune.checkpoint import write_atomic
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.ir import Graph, Role
-from pockengine.optim import SGD, Optimizer
+from pockengine.optim import Optimizer
 from pockengine.plan.cost import cost
 from pockengine.plan.report import Figures, analyze
 from pockengine.sparse.schemes import Scheme
@@ -57,8 +58,10 @@ __all__ = [
     "cache_folder",
     "estimate_scores",
     "optimizer_of",
+    "save_cached",
 ]
 
+log = logging.getLogger(__name__)
 SCORES = ("fisher", "taylor", "grad")
 _SKIP_TYPES = ("embedding",)  # rows of an embedding are tokens, not output channels
 _VIEWS = frozenset({"transpose", "reshape", "cast"})  # a weight read through these is still it
@@ -75,12 +78,24 @@ class EstimateSettings:
     batches: int = 2
     score: str = "fisher"
     ratios: tuple[float, ...] = (0.25, 0.5, 1.0)
+    # examples per backward pass (a divisor of the batch size at most this): a batch's
+    # gradient is the mean of its micro-batches' (docs/search.md: the analysis process
+    # then holds less than the training one)
+    micro_batch: int = 1
+    # the candidates' gradients are taken in groups of at most this many bytes (one
+    # backward pass per group and micro-batch): the process holds three arrays the size
+    # of a group (a micro-batch's gradients, the batch's, the total), not of every weight;
+    # larger groups where it would take more than max_groups (the passes' time)
+    group_bytes: int = 8 << 20
+    max_groups: int = 6
 
     def check(self) -> EstimateSettings:
         if self.score not in SCORES:
             raise FinetuneError(f"unknown score {self.score!r}: one of {', '.join(SCORES)}")
-        if self.batches < 1 or not all(0 < r <= 1 for r in self.ratios):
-            raise FinetuneError(f"bad estimate settings {self}: batches >= 1, ratios in (0, 1]")
+        counts = (self.batches, self.micro_batch, self.group_bytes, self.max_groups)
+        if min(counts) < 1 or not all(0 < r <= 1 for r in self.ratios):
+            raise FinetuneError(f"bad estimate settings {self}: batches, micro_batch, "
+                                "group_bytes and max_groups >= 1, ratios in (0, 1]")  # fmt: skip
         return self
 
 
@@ -145,13 +160,24 @@ def cache_folder() -> Path:
     return Path(os.environ.get("PE_CACHE", "~/.cache/pockengine")).expanduser() / "sensitivity"
 
 
+def save_cached(path: Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` into the cache; a cache that cannot be written is only a warning
+    (the run does not depend on it: a fresh machine has none)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(data).encode())
+    except OSError as exc:
+        log.warning("could not write the analysis cache %s: %s", path, exc)
+
+
 def cache_key(
     config: FinetuneConfig, data_fingerprint: str, settings: EstimateSettings, **more: Any
 ) -> str:
     """What the scores depend on: the model, data and shapes of the config (not its lr,
     epochs or scheme), the data's fingerprint, the number of batches, and ``more``."""
     facts = {k: v for k, v in config.training_dict().items() if k not in _NOT_IN_KEY}
-    facts |= {"data": data_fingerprint, "batches": settings.batches, "v": 2, **more}
+    facts |= {"data": data_fingerprint, "batches": settings.batches,
+              "micro_batch": settings.micro_batch, "v": 3, **more}  # fmt: skip
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -160,32 +186,32 @@ def cache_key(
 
 class Planner:
     """The compiler's figures (planned peak, backward FLOPs) of a scheme, from one import
-    of the model (one per set of BatchNorms run on running statistics), with no backend."""
+    of the model (one per set of BatchNorms run on running statistics), with no backend.
+    ``import_model(eval_modules, rows)`` imports the model on the first ``rows`` examples
+    of the run's batch (None: all of it)."""
 
     def __init__(self, info: ModelInfo, import_model: Any, optimizer: Optimizer) -> None:
         self.info, self.optimizer = info, optimizer
         self._import = import_model
         self._imports: dict[frozenset[str], ImportedModel] = {}
+        self._micro: dict[int, ImportedModel] = {}
         self.calls = 0
 
     def imported(self, eval_modules: frozenset[str] = frozenset()) -> ImportedModel:
         if eval_modules not in self._imports:
-            self._imports[eval_modules] = self._import(set(eval_modules))
+            self._imports[eval_modules] = self._import(set(eval_modules), None)
         return self._imports[eval_modules]
 
-    def gradient_step(self, backend: str) -> Any:
-        """A step of the full scheme on ``backend`` from the same import (no second
-        export), for ``TrainStep.gradients``; SGD without momentum keeps no state."""
-        from pockengine.backends import get_backend
-        from pockengine.runtime import TrainStep, apply_resolution
-        from pockengine.sparse.schemes import full, resolve_scheme
+    def gradient_step(self, backend: str, names: Sequence[str], rows: int) -> Any:
+        """A step of a ``rows``-example micro-batch on ``backend`` that trains ``names``
+        only, for ``TrainStep.gradients`` (``gradient_sums.gradient_step``)."""
+        from pockengine.finetune.gradient_sums import gradient_step
 
-        scheme = full(frozen_bn="eval")
-        resolution = resolve_scheme(scheme, self.info)
-        imported = self.imported()
-        forward = apply_resolution(imported.graph, resolution)
-        return TrainStep(imported, forward, SGD(lr=0.0), get_backend(backend), resolution,
-                         self.info, scheme)  # fmt: skip
+        if rows not in self._micro:  # the run's own import where it is the whole batch
+            whole = self.imported()
+            same = bool(whole.batch) and whole.batch[0].type.shape[:1] == (rows,)
+            self._micro[rows] = whole if same else self._import(set(), rows)
+        return gradient_step(self._micro[rows], self.info, names, backend)
 
     def figures(self, scheme: Scheme) -> Figures:
         from pockengine.ir import verify
@@ -243,17 +269,6 @@ def _reads(graph: Graph, weights: set[str]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _row_scores(grads: Sequence[np.ndarray[Any, Any]], w: np.ndarray[Any, Any]) -> dict[str, Any]:
-    g = np.stack([x.astype(np.float64) for x in grads])
-    mean = g.mean(axis=0)
-    axes = tuple(range(1, w.ndim))
-    return {
-        "fisher": (g**2).mean(axis=0).sum(axis=axes).tolist(),
-        "taylor": np.abs(mean * w).sum(axis=axes).tolist(),
-        "grad": np.abs(mean).sum(axis=axes).tolist(),
-    }
-
-
 def estimate_scores(
     config: FinetuneConfig,
     task: Any,
@@ -261,9 +276,11 @@ def estimate_scores(
     weights: Sequence[ParamInfo],
     settings: EstimateSettings,
 ) -> Estimate:
-    """The scores of ``weights`` (cached): ``batches`` backward passes of the full scheme
-    on the last ``batches * batch_size`` training examples."""
+    """The scores of ``weights`` (cached): the gradients of ``batches`` batches, the last
+    ``batches * batch_size`` training examples, each in micro-batches
+    (``gradient_sums``)."""
     from pockengine.finetune.data import fingerprint
+    from pockengine.finetune.gradient_sums import gradient_sums, micro_rows
 
     key = cache_key(config, fingerprint(*task.train), settings)
     path = cache_folder() / f"{key}.json"
@@ -278,34 +295,45 @@ def estimate_scores(
     if n < 1:
         raise FinetuneError(f"{task.train_size} training examples: fewer than one batch")
     tail = [tuple(a[-(b + 1) * size : len(a) - b * size] for a in task.train) for b in range(n)]
-    step = planner.gradient_step(config.backend)
-    grads, values = _gradients(step, tail, {p.name for p in weights})
-    graph = step.forward
-    reads = _reads(graph, {p.name for p in weights})
-    scores = [_weight_score(p, grads[p.name], values[p.name], reads) for p in weights
-              if p.name in grads]  # fmt: skip
+    rows = micro_rows(size, settings.micro_batch)
+    reads = _reads(planner.imported().graph, {p.name for p in weights})
+    scores = []
+    total = sum(_nbytes(p) for p in weights)
+    most = max(settings.group_bytes, -(-total // settings.max_groups))
+    for group in _groups(weights, most):
+        names = [p.name for p in group]
+        step = planner.gradient_step(config.backend, names, rows)
+        sums = gradient_sums(step, tail, rows, set(names))
+        values = step.flat_state_dict(sums.total, copy=False)
+        scores += [_weight_score(p, sums.rows(p.name, np.asarray(values[p.name])), reads)
+                   for p in group if p.name in sums.total]  # fmt: skip
+        del step, sums, values  # this group's activations and sums, before the next's
     estimate = Estimate(scores, time.perf_counter() - start, n * size, key, path=str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(estimate.to_dict()).encode())
+    save_cached(path, estimate.to_dict())
     return estimate
 
 
+def _groups(weights: Sequence[ParamInfo], most: int) -> list[list[ParamInfo]]:
+    """``weights`` in model order, cut into runs of at most ``most`` bytes (a larger weight
+    alone): the later groups' backward passes stop early."""
+    groups: list[list[ParamInfo]] = []
+    size = most
+    for p in weights:
+        nbytes = _nbytes(p)
+        if size + nbytes > most:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
+def _nbytes(p: ParamInfo) -> int:
+    return 4 * int(np.prod(p.shape, dtype=np.int64))
+
+
 def _weight_score(
-    p: ParamInfo, grads: Sequence[Any], value: Any, reads: Mapping[str, tuple[int, int]]
+    p: ParamInfo, rows: dict[str, list[float]], reads: Mapping[str, tuple[int, int]]
 ) -> WeightScore:
     saved, flops = reads.get(p.name, (0, 0))
-    rows = _row_scores(grads, value)
     return WeightScore(p.name, p.module, list(p.shape), rows, saved, flops, p.channel_axis == 0)
-
-
-def _gradients(
-    step: Any, batches: Sequence[tuple[Any, ...]], names: set[str]
-) -> tuple[dict[str, list[Any]], dict[str, Any]]:
-    """Per weight in ``names``: its gradient on each batch, and its value."""
-    grads: dict[str, list[Any]] = {}
-    for batch in batches:
-        for name, g in step.gradients(*(np.ascontiguousarray(a) for a in batch)).items():
-            if name in names:
-                grads.setdefault(name, []).append(np.asarray(g))
-    state = step.flat_state_dict(grads)
-    return grads, {k: np.asarray(state[k]) for k in grads}

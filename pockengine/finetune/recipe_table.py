@@ -113,18 +113,26 @@ def recipe_name(config: FinetuneConfig) -> str:
     return config.recipe
 
 
-def defaults(config: FinetuneConfig) -> dict[str, Any]:
-    """The defaults of the config's recipe, with the learning rate for its scheme."""
+def defaults(config: FinetuneConfig, *, auto: bool = True) -> dict[str, Any]:
+    """The defaults of the config's recipe, with the learning rate for its scheme.
+    ``auto=False``: for commands that compile a scheme without the fine-tuner's analysis
+    (export, federated), whose default is ``sparse`` where the recipe's is ``auto``."""
     recipe = RECIPES[recipe_name(config)]
     out = {"scheme": "sparse", **recipe.defaults}
+    if not auto and out["scheme"] == "auto":
+        out["scheme"] = "sparse"
     lr = None
     if recipe.name == "generic" and config.model and is_factory_spec(config.model):
         out["scheme"], lr = "full", 1e-3  # a factory model trains from scratch
-    lr = lr or recipe.learning_rate(config.scheme or out["scheme"])
+    scheme = config.scheme or out["scheme"]
+    lr = lr or recipe.learning_rate(scheme)
     out["lr"] = lr * 10 if config.optimizer == "sgd" else lr
     own_shape = all(getattr(config, k) in (None, out.get(k)) for k in ("batch_size", "seq_len"))
     budget = recipe.remat_budget(config)
-    if budget is not None and own_shape and config.scheme in (None, "sparse"):
+    # auto's choice plans at most sparse's peak (its default budget): the same
+    # recomputation budget holds it, not one under a --memory-budget of the user's
+    ours = scheme == "sparse" or (scheme == "auto" and config.memory_budget is None)
+    if budget is not None and own_shape and ours:
         out["remat_budget"] = budget
     return out
 
@@ -170,6 +178,10 @@ _LM_SPARSE = ("*norm*", "*.mlp.down_proj.weight", "*.self_attn.o_proj.weight")
 
 
 _SEQ = {"epochs": 1, "batch_size": 16}
+# The text classifiers train the scheme a gradient estimate chooses under sparse's planned
+# peak (docs/quality.md, "Verdict"); the CNN and LM recipes keep sparse (docs/quality.md
+# says why).
+_AUTO = {"scheme": "auto"}
 # minilm-bbc's sparse step (16 x 128 tokens) plans 516 MiB, 366 of them saved activations:
 # recomputing to fit 300 MiB costs 17% more FLOPs, no measurable step time, and lowers the
 # run's peak by ~250 MiB (docs/benchmarks.md, "Where the default run's memory goes"); results
@@ -188,13 +200,13 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe(
             "minilm-bbc", "all-MiniLM-L6-v2 + linear head on BBC News topics (5 classes)",
-            {**_SEQ, "epochs": 2, "seq_len": 128},
+            {**_SEQ, **_AUTO, "epochs": 2, "seq_len": 128},
             remat_budgets=(({}, _MINILM_BBC_REMAT),),
         ),
         # 37k tweets: a subset by default, so that a NumPy-backend run ends the same day
         Recipe(
             "minilm-tweets", "all-MiniLM-L6-v2 + linear head on tweet sentiment (3 classes)",
-            {**_SEQ, "seq_len": 64, "max_train": 4000, "max_val": 1000},
+            {**_SEQ, **_AUTO, "seq_len": 64, "max_train": 4000, "max_val": 1000},
         ),
         Recipe(
             "lite0-fashion",
@@ -216,7 +228,7 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "generic",
             "--model (Hugging Face folder or module:factory) on --data (CSV/JSONL/folder)",
-            {"epochs": 3, "batch_size": 16, "seq_len": 128},
+            {**_AUTO, "epochs": 3, "batch_size": 16, "seq_len": 128},
         ),
     )
 }  # fmt: skip
