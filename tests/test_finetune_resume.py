@@ -143,6 +143,27 @@ def test_a_checkpoint_older_than_an_option_resumes_at_its_default(
     assert rest.steps == 5
 
 
+def test_resume_without_scheme_trains_the_runs_own(tmp_path: Path, task: dict[str, Any]) -> None:
+    """A run started under another scheme than today's default (the factory model's is
+    full) resumes without --scheme as it was: the scheme comes from the checkpoint's
+    header; a given --scheme that differs is still refused."""
+    out = tmp_path / "run"
+    pe.finetune(**task, out=str(out), scheme="head", max_steps=3)
+    assert checkpoint.saved_options(out / checkpoint.CHECKPOINT)["scheme"] == "head"
+    with pytest.raises(pe.FinetuneError, match=re.escape("scheme: 'head' in the checkpoint")):
+        pe.finetune(**task, out=str(out), resume=True, scheme="full", max_steps=5)
+    rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
+    assert rest.steps == 5
+    assert set(checkpoint.load(rest.checkpoint).params) == {"head.weight", "head.bias"}
+
+
+def test_saved_options_of_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    assert checkpoint.saved_options(tmp_path / "missing.safetensors") is None
+    for data in (b"", b"\xff" * 8 + b"{}", (2).to_bytes(8, "little") + b"{}", b"garbage!{}"):
+        (tmp_path / "bad.safetensors").write_bytes(data)
+        assert checkpoint.saved_options(tmp_path / "bad.safetensors") is None
+
+
 def test_checkpoint_holds_only_what_training_changes(tmp_path: Path, task: dict[str, Any]) -> None:
     """A head-only run's checkpoint holds the head, not the frozen embedding (the model's
     own, loaded again on resume); one holding every param (as older ones did) still

@@ -39,6 +39,7 @@ __all__ = [
     "read_json_lines",
     "remove_stale_temporaries",
     "save",
+    "saved_options",
     "write_atomic",
     "write_atomic_with",
     "write_json_lines",
@@ -49,6 +50,7 @@ CHECKPOINT = "checkpoint.safetensors"
 FORMAT = "pockengine-finetune/1"
 _CHUNK = 8 << 20
 _GROUPS = ("param", "optim", "data")
+_HEADER_LIMIT = 100 << 20  # safetensors' own limit on a header
 
 
 @dataclass
@@ -116,6 +118,21 @@ def load(path: str | Path) -> Checkpoint:
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise FinetuneError(f"{p} is an incomplete or corrupt checkpoint ({exc!r})") from exc
+
+
+def saved_options(path: str | Path) -> dict[str, Any] | None:
+    """The training options a checkpoint stored, read from its header alone; None when
+    there is no readable checkpoint there (``load`` then says why)."""
+    try:
+        with Path(path).open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= _HEADER_LIMIT:
+                return None
+            header = json.loads(f.read(size))
+        meta = header.get("__metadata__", {})
+        return _json_object(meta["config"]) if meta.get("format") == FORMAT else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ again here), the trainer builds and compiles the task in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -44,13 +45,13 @@ _AUTO = "auto"  # auto_scheme.AUTO, which this module cannot import: it imports 
 def run(config: FinetuneConfig) -> FinetuneResult:
     """Fine-tune as ``config`` says; returns when done, stopped, or raises."""
     start = time.perf_counter()
-    config = config.validate()
+    config = _scheme_when_resumed(config.validate())
     config = config.with_defaults(recipe_table.defaults(config)).validate()
     assert config.scheme is not None, "filled in by the recipe's defaults"
     given = config.scheme
     scheme = None if given == _AUTO else recipe_table.parse_scheme(given, config.recipe)
     recipe_table.check_model_files(config)
-    out = Path(config.out or Path("runs") / _slug(config))
+    out = _out(config)
     with RunLock(out):
         return _compile_and_train(config, scheme, out, resume_point(config, out), start)
 
@@ -78,6 +79,20 @@ def _compile_and_train(
             return train_here(config, scheme, out, saved, start)
         return train_compiled(config, chosen, out, saved, (start, compile_start),
                               Path(folder), choice)  # fmt: skip
+
+
+def _out(config: FinetuneConfig) -> Path:
+    return Path(config.out or Path("runs") / _slug(config))
+
+
+def _scheme_when_resumed(config: FinetuneConfig) -> FinetuneConfig:
+    """``--resume`` without ``--scheme`` trains the scheme the run started with, so a run
+    begun under another default scheme (``sparse``, before ``auto``) resumes as it was."""
+    if not config.resume or config.scheme is not None:
+        return config
+    saved = ckpt_io.saved_options(_out(config) / ckpt_io.CHECKPOINT) or {}
+    scheme = saved.get("scheme")
+    return dataclasses.replace(config, scheme=scheme) if isinstance(scheme, str) else config
 
 
 def _slug(config: FinetuneConfig) -> str:
