@@ -72,7 +72,7 @@ __all__ = ["COMPILE_IN", "DEFAULT_COMPILE_IN", "TIMEOUT_S", "compile_forked", "c
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
 COMPILE_IN = ("process", "child")
-DEFAULT_COMPILE_IN = "process"
+DEFAULT_COMPILE_IN = "child"
 TIMEOUT_S = 3600.0  # a compile that takes longer is stopped (``PE_COMPILE_TIMEOUT``: seconds)
 _FORKABLE = ("torch", "onnx")
 GRAPH, FORWARD, STATE, META = "step.ir", "forward.ir", "state.safetensors", "step.json"
@@ -109,11 +109,14 @@ def _fork_problem(kind: str) -> str | None:
 
 
 def _threaded_runtime() -> bool:
-    """Whether JAX's runtime has started or TensorFlow is loaded here: their thread pools
-    do not survive a fork (JAX warns on every fork), so only an explicit request forks."""
+    """Whether JAX's runtime or CUDA has started or TensorFlow is loaded here: their thread
+    pools and contexts do not survive a fork (JAX warns on every fork; a forked child
+    cannot use CUDA), so only an explicit request forks."""
     bridge = sys.modules.get("jax._src.xla_bridge")
     started = bridge is not None and bool(bridge.backends_are_initialized())
-    return started or "tensorflow" in sys.modules
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and bool(torch.cuda.is_initialized())  # CUDA does not fork
+    return started or cuda or "tensorflow" in sys.modules
 
 
 def compile_forked(

@@ -196,10 +196,11 @@ def compile(
     activations, whole transformer blocks included, are recomputed in the backward pass at
     the least FLOPs until the plan fits (``pockengine.passes.remat_budget``; bit-identical
     results; a warning says how far the best plan is from a budget it cannot meet).
-    ``compile_in`` ("child" or "process"; default: ``PE_COMPILE_IN``, else "process")
-    says where the compiler runs: "child" forks, compiles torch and ONNX models in the
-    child and reads its step back, so this process keeps no memory the compiler used
-    (``pockengine.compile_fork``).
+    ``compile_in`` ("child" or "process"; default: ``PE_COMPILE_IN``, else "child" for
+    torch and ONNX models on POSIX while no JAX runtime or CUDA has started and TensorFlow
+    is not loaded, else "process") says where the compiler runs: "child" forks, compiles
+    in the child and reads its step back, so this process keeps no memory the compiler
+    used (``pockengine.compile_fork``).
     """
     frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)

@@ -225,19 +225,29 @@ def test_a_child_that_hangs_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_compile_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PE_COMPILE_IN", raising=False)
-    assert compile_mode(None, "torch") == compile_fork.DEFAULT_COMPILE_IN
+    # no JAX runtime or TensorFlow here (other tests in this process may have loaded them)
+    monkeypatch.setattr(compile_fork, "_threaded_runtime", lambda: False)
+    assert compile_fork.DEFAULT_COMPILE_IN == "child"
+    assert compile_mode(None, "torch") == compile_mode(None, "onnx") == "child"
+    assert compile_mode(None, "jax") == compile_mode(None, "keras") == "process"
     assert compile_mode("child", "onnx") == "child"
     with pytest.raises(CompileError, match="jax frontend compiles in process only"):
         compile_mode("child", "jax")
     assert compile_mode("process", "jax") == "process"
     with pytest.raises(CompileError, match="compile_in must be one of"):
         compile_mode("thread", "torch")
+    monkeypatch.setenv("PE_COMPILE_IN", "process")
+    assert compile_mode(None, "torch") == "process"
     monkeypatch.setenv("PE_COMPILE_IN", "child")
-    assert compile_mode(None, "torch") == "child"
     assert compile_mode(None, "keras") == "process"  # a default that cannot fork: here
-    monkeypatch.setitem(sys.modules, "tensorflow", sys)  # stands for a loaded TensorFlow
+    monkeypatch.setattr(compile_fork, "_threaded_runtime", lambda: True)  # TF or JAX running
     assert compile_mode(None, "torch") == "process"
     assert compile_mode("child", "torch") == "child"  # asked for: forks all the same
     monkeypatch.setenv("PE_COMPILE_IN", "fork")
     with pytest.raises(CompileError, match="PE_COMPILE_IN must be one of"):
         compile_mode(None, "torch")
+
+
+def test_a_loaded_tensorflow_counts_as_a_threaded_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorflow", sys)  # stands for a loaded TensorFlow
+    assert compile_fork._threaded_runtime()

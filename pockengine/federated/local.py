@@ -66,8 +66,9 @@ def compile_task(ft: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> Trai
     task.model.train()
     opt = ft.make_optimizer()
     return compile(
-        task.model, task.loss_fn, example, optimizer=opt, scheme=scheme, backend=ft.backend
-    )
+        task.model, task.loss_fn, example, optimizer=opt, scheme=scheme, backend=ft.backend,
+        compile_in="process",  # a client process beside Flower's gRPC threads: never fork
+    )  # fmt: skip
 
 
 def seed_offset(client: int) -> int:

@@ -221,7 +221,7 @@ class StepBuilder:
         self.task.model.train()
         optimizer = self.config.make_optimizer(lr)
         return pe.compile(self.task.model, self.task.loss_fn, example, optimizer, scheme,
-                          backend=self.config.backend)  # fmt: skip
+                          backend=self.config.backend, compile_in="process")  # fmt: skip
 
     def figures(self, scheme: Scheme) -> Figures:
         """The compiler's report of ``scheme`` (``TrainStep.report().ours``)."""

@@ -235,6 +235,7 @@ def _compile(
         frozen_dtype=frozen.dtype,
         quantized=frozen.given,
         memory_budget=remat_budget(config),
+        compile_in="process",  # the fine-tune's own child, or --compile-in process: here
     )
 
 
