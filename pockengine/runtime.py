@@ -200,7 +200,8 @@ def compile(
     torch and ONNX models on POSIX while no JAX runtime or CUDA has started and TensorFlow
     is not loaded, else "process") says where the compiler runs: "child" forks, compiles
     in the child and reads its step back, so this process keeps no memory the compiler
-    used (``pockengine.compile_fork``).
+    used (``pockengine.compile_fork``); each child starts ``torch.export`` cold, so a
+    process that compiles many steps is faster with "process".
     """
     frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)
