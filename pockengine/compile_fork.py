@@ -67,7 +67,10 @@ if TYPE_CHECKING:
     from pockengine.runtime import TrainStep
     from pockengine.step_parts import StepParts
 
-__all__ = ["COMPILE_IN", "DEFAULT_COMPILE_IN", "TIMEOUT_S", "compile_forked", "compile_mode"]
+__all__ = [
+    "COMPILE_IN", "DEFAULT_COMPILE_IN", "TIMEOUT_S", "compile_forked", "compile_mode",
+    "compile_timeout",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
@@ -192,6 +195,7 @@ def _module_names(values: dict[str, Any], module: Any | None) -> dict[str, str]:
 
 def _run_forked(work: Callable[[], None]) -> Relay:
     """``work()`` in a forked child; what it reported (warnings, logs, its error)."""
+    timeout = compile_timeout()
     read_fd, write_fd = os.pipe()
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
         stream.flush()
@@ -209,7 +213,7 @@ def _run_forked(work: Callable[[], None]) -> Relay:
     os.close(write_fd)
     reaped = False
     try:
-        data = _read_until_eof(read_fd, pid)
+        data = _read_until_eof(read_fd, pid, timeout)
         _, status = os.waitpid(pid, 0)
         reaped = True
     finally:
@@ -225,8 +229,19 @@ def _run_forked(work: Callable[[], None]) -> Relay:
     return Relay.from_json(json.loads(data))
 
 
-def _read_until_eof(fd: int, pid: int) -> bytes:
-    timeout = float(os.environ.get("PE_COMPILE_TIMEOUT") or TIMEOUT_S)
+def compile_timeout() -> float:
+    """Seconds a compile child may run: ``PE_COMPILE_TIMEOUT``, else ``TIMEOUT_S``."""
+    text = os.environ.get("PE_COMPILE_TIMEOUT") or str(TIMEOUT_S)
+    try:
+        timeout = float(text)
+    except ValueError:
+        timeout = float("nan")
+    if not timeout > 0:
+        raise CompileError(f"PE_COMPILE_TIMEOUT must be a number of seconds > 0, got {text!r}")
+    return timeout
+
+
+def _read_until_eof(fd: int, pid: int, timeout: float) -> bytes:
     deadline = time.monotonic() + timeout
     chunks: list[bytes] = []
     while True:

@@ -252,3 +252,14 @@ def test_compile_mode(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_loaded_tensorflow_counts_as_a_threaded_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorflow", sys)  # stands for a loaded TensorFlow
     assert compile_fork._threaded_runtime()
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan"])
+def test_a_bad_timeout_is_a_clear_error_before_any_fork(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PE_COMPILE_TIMEOUT", value)
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked with a bad timeout"))
+    with pytest.raises(CompileError, match=f"PE_COMPILE_TIMEOUT must be .*{value!r}"):
+        pe.compile(nn.Linear(4, 3), lambda m, x: m(x).sum(), (torch.randn(2, 4),),
+                   compile_in="child")  # fmt: skip
