@@ -16,13 +16,12 @@ import numpy as np
 from pockengine._libc import libc_function
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
-from pockengine.frontend.imported import ImportedModel, ModelInfo
-from pockengine.ir import Graph, verify
+from pockengine.ir import verify
 from pockengine.loading import LoadResult, StateError
 from pockengine.ops.quant import Quantized
 from pockengine.optim import SGD, Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, run_pipeline
-from pockengine.passes.quantize import AS_GIVEN, FrozenWeights
+from pockengine.passes.quantize import FrozenWeights
 from pockengine.passes.remat_budget import parse_budget, recomputation, with_budget
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme
@@ -31,7 +30,6 @@ from pockengine.step_parts import (
     Stages,
     StepParts,
     apply_resolution,
-    build_parts,
     frozen_batchnorms,
     gradients_graph,
     parts_of,
@@ -64,22 +62,6 @@ class TrainStep(CompiledStep):
     """A compiled training step: ``step(*batch)`` trains once and returns the loss. Beside
     what it runs (``CompiledStep``) it keeps the compiler's facts: the forward graph and
     the pass stages, for ``gradients``, ``report`` and ``evaluator``."""
-
-    def __init__(
-        self,
-        imported: ImportedModel,
-        forward: Graph,
-        optimizer: Optimizer,
-        backend: Backend,
-        resolution: Resolution,
-        info: ModelInfo,
-        scheme: Scheme | None = None,
-        passes: Sequence[Pass] = DEFAULT_PIPELINE,
-        frozen: FrozenWeights = AS_GIVEN,
-    ) -> None:
-        parts = build_parts(imported, forward, optimizer, backend, resolution, info, scheme,
-                            passes, frozen)  # fmt: skip
-        self._adopt(parts, backend)
 
     @classmethod
     def bound(cls, parts: StepParts, backend: Backend) -> TrainStep:

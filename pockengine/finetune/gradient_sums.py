@@ -83,13 +83,15 @@ def gradient_step(
     from pockengine.runtime import TrainStep, apply_resolution
     from pockengine.sparse.schemes import resolve_scheme, select
     from pockengine.step_base import copies_deferred
+    from pockengine.step_parts import build_parts
 
     scheme = select([glob.escape(n) for n in names], frozen_bn="eval")
     resolution = resolve_scheme(scheme, info)
     forward = apply_resolution(imported.graph, resolution)
+    engine = get_backend(backend)
     with copies_deferred():  # gradients never write: the weights stay the model's
-        return TrainStep(imported, forward, SGD(lr=0.0), get_backend(backend), resolution,
-                         info, scheme)  # fmt: skip
+        parts = build_parts(imported, forward, SGD(lr=0.0), engine, resolution, info, scheme)
+        return TrainStep.bound(parts, engine)
 
 
 def _micro_batches(batch: tuple[Array, ...], rows: int) -> Iterator[tuple[Array, ...]]:
