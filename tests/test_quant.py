@@ -40,12 +40,7 @@ Array = np.ndarray[Any, Any]
 _LM_SPARSE = schemes.select(["*norm*", "*.o_proj.weight", "*down_proj*"])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _llama() -> zoo.Workload:

@@ -23,7 +23,6 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-import torch
 
 import pockengine as pe
 from pockengine import zoo
@@ -43,12 +42,7 @@ _SCHEME = schemes.select(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _gguf(w: zoo.Workload) -> dict[str, Any]:

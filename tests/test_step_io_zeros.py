@@ -29,30 +29,17 @@ from pockengine.optim import LR
 from pockengine.safetensors_io import LazyTensors, header_bytes, write_safetensors_to
 from pockengine.step_base import copies_deferred
 from pockengine.step_io import StepFileError, load_step, read_tensors
+from tests.test_step_io import _equal_state
 
 Array = np.ndarray[Any, Any]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _compile(w: zoo.Workload, backend: str = "torch") -> pe.TrainStep:
     return pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=pe.optim.AdamW(lr=1e-3),
                       backend=backend)  # fmt: skip
-
-
-def _equal_state(a: Any, b: Any) -> None:
-    for get in ("flat_state_dict", "optimizer_state"):
-        want, got = getattr(a, get)(), getattr(b, get)()
-        assert want.keys() == got.keys()
-        for name, value in want.items():
-            np.testing.assert_array_equal(got[name], value, err_msg=name)
-            assert got[name].dtype == value.dtype
 
 
 def _trains_alike(w: zoo.Workload, step: Any, loaded: Any) -> None:

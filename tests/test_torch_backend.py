@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import platform
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,14 +40,7 @@ from pockengine.ir import (
 Array = np.ndarray[Any, Any]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a loaded machine OpenMP's spinning threads slow these small
-    kernels down tenfold. Results do not depend on it; the backend itself sets nothing."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _type_of(a: Array) -> TensorType:
