@@ -13,7 +13,9 @@ training memory (peak RSS minus the RSS once the framework is imported and the w
 and batch are loaded), the final loss, and achieved GFLOP/s from the analytic FLOPs of
 the step's matmuls and convolutions (the same count for every framework, from
 PockEngine's cost model of that scheme). A large matmul measured in the same run gives
-the attainable GFLOP/s.
+the attainable GFLOP/s. ``--in-place``: PockEngine trains the module's own tensors, as
+eager does (``pe.compile(..., in_place=True)``; the rows say "in place"); without it the
+step copies the params it trains and the module is dropped after compiling.
 """
 
 from __future__ import annotations
@@ -150,17 +152,20 @@ def _torch_step(framework: str, work: Any, optimizer: Any, trained: set[str]) ->
 
 def run_case(
     workload: str, scheme_name: str, framework: str, steps: int, warmup: int,
-    compile_in: str = "process",
+    compile_in: str = "process", in_place: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """One case, as the device sees it. Training memory is the whole-process peak RSS (over
     compiling, warm-up and the measured steps: nothing is released or reset before it is
     read) minus the RSS once the framework is imported (``_load_framework``) and the
-    weights and batch are loaded. PockEngine keeps its own copy of the weights, so the
-    torch module is dropped after compiling: every framework trains with one copy of the
-    weights. Beside it, the steady-state step memory: the peak over the measured steps
-    alone (the peak counter reset after warm-up), minus the same base.
+    weights and batch are loaded. PockEngine copying the params it trains, the torch
+    module is dropped after compiling, so every framework trains with one copy of the
+    weights; in place it is kept, as eager keeps it. Beside it, the steady-state step
+    memory: the peak over the measured steps alone (the peak counter reset after
+    warm-up), minus the same base.
     ``compile_in="child"``: PockEngine compiles in a forked child
-    (``pockengine.compile_fork``), so this process holds nothing the compiler used."""
+    (``pockengine.compile_fork``), so this process holds nothing the compiler used.
+    ``in_place``: PockEngine trains the module's own tensors (``pe.compile(...,
+    in_place=True)``), as eager does, and the module stays alive through the steps."""
     import gc
 
     import torch
@@ -177,11 +182,13 @@ def run_case(
     if framework.startswith("pockengine"):
         backend = framework.split("-", 1)[1]
         step: Any = pe.compile(work.model, work.loss_fn, batch, optimizer, scheme,
-                               backend=backend, compile_in=compile_in)  # fmt: skip
+                               backend=backend, compile_in=compile_in,
+                               in_place=in_place)  # fmt: skip
         compile_s = time.perf_counter() - start
         planned = _planned_train_bytes(step.graph)
-        model, work.model = work.model, None
-        del model
+        if not in_place:
+            model, work.model = work.model, None
+            del model
     else:
         step = _torch_step(framework, work, optimizer, trained)
         compile_s = 0.0
@@ -215,6 +222,7 @@ def run_case(
         "base_rss_mib": base / 1024, "gflop": flops / 1e9, "gflops": flops / median / 1e9,
         "planned_train_mib": None if planned is None else planned / 2**20,
         "compile_in": compile_in if framework.startswith("pockengine") else None,
+        "in_place": in_place if framework.startswith("pockengine") else None,
     }  # fmt: skip
 
 
@@ -260,9 +268,12 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _label(row: dict[str, Any]) -> str:
-    """The framework, and where PockEngine compiled when not in the measured process."""
-    child = row.get("compile_in") == "child"
-    return f"{row['framework']} (compiled in a child)" if child else str(row["framework"])
+    """The framework, where PockEngine compiled when not in the measured process, and
+    whether it trained the module's tensors in place."""
+    notes = [text for key, value, text in (("compile_in", "child", "compiled in a child"),
+                                           ("in_place", True, "in place"))
+             if row.get(key) == value]  # fmt: skip
+    return f"{row['framework']} ({', '.join(notes)})" if notes else str(row["framework"])
 
 
 def markdown(results: list[dict[str, Any]], attainable: float) -> str:
@@ -314,6 +325,10 @@ def main() -> int:
     parser.add_argument("--compile-in", choices=("process", "child"), default="process",
                         help="where the in-process PockEngine frameworks compile: in "
                         "the measured process, or in a forked child (compile_fork)")  # fmt: skip
+    parser.add_argument("--in-place", action="store_true",
+                        help="the in-process PockEngine frameworks train the module's own "
+                        "tensors (pe.compile(..., in_place=True)), as eager does; default: "
+                        "the step copies the params it trains")  # fmt: skip
     parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
     parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -326,7 +341,7 @@ def main() -> int:
         _threads(args.threads)
         result = ({"gflops": _matmul_gflops()} if args.matmul
                   else run_case(*args.case, steps=args.steps, warmup=args.warmup,
-                                compile_in=args.compile_in))  # fmt: skip
+                                compile_in=args.compile_in, in_place=args.in_place))  # fmt: skip
         print(json.dumps(result))
         return 0
     attainable = _subprocess(["--matmul", "--threads", str(args.threads)], args.threads)
@@ -341,7 +356,8 @@ def main() -> int:
                     continue
                 case = ["--case", w, s, f, "--steps", str(args.steps), "--warmup",
                         str(args.warmup), "--threads", str(args.threads),
-                        "--compile-in", args.compile_in]  # fmt: skip
+                        "--compile-in", args.compile_in,
+                        *(["--in-place"] if args.in_place else [])]  # fmt: skip
                 runs = [_subprocess(case, args.threads) for _ in range(args.repeat)]
                 r = {"workload": w, "scheme": s, "framework": f, **_combine(runs)}
                 print(json.dumps(r), file=sys.stderr)

@@ -16,7 +16,7 @@ import numpy as np
 from pockengine._libc import libc_function
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
-from pockengine.ir import verify
+from pockengine.ir import CompileError, Graph, verify
 from pockengine.loading import LoadResult, StateError
 from pockengine.ops.quant import Quantized
 from pockengine.optim import SGD, Optimizer
@@ -64,20 +64,29 @@ class TrainStep(CompiledStep):
     the pass stages, for ``gradients``, ``report`` and ``evaluator``."""
 
     @classmethod
-    def bound(cls, parts: StepParts, backend: Backend) -> TrainStep:
-        """The step ``parts`` make on ``backend`` (``parts.values`` is emptied)."""
+    def bound(cls, parts: StepParts, backend: Backend, module: Any | None = None) -> TrainStep:
+        """The step ``parts`` make on ``backend`` (``parts.values`` is emptied); with a
+        torch ``module``, trained in its own tensors (``pockengine.in_place``)."""
         step = cls.__new__(cls)
-        step._adopt(parts, backend)
+        step._adopt(parts, backend, module)
         return step
 
-    def _adopt(self, parts: StepParts, backend: Backend) -> None:
-        self.passes, self.forward = parts.passes, parts.forward
+    def _adopt(self, parts: StepParts, backend: Backend, module: Any | None = None) -> None:
+        self.passes, self._forward = parts.passes, parts.forward
         self.optimizer, self.resolution = parts.optimizer, parts.resolution
         self.info, self.scheme = parts.info, parts.scheme
         self._forward_stages, self._stages = parts.forward_stages, parts.stages
-        self._bind(parts.graph, backend, parts.facts, parts.values)
+        self._bind(parts.graph, backend, parts.facts, parts.values, module)
         self._grad_exec: Executable | None = None
         self._grad_names: tuple[str, ...] = ()
+
+    @property
+    def forward(self) -> Graph:
+        """The fused forward graph (for ``gradients``, ``report``, ``evaluator``). A step
+        compiled in a child keeps it as compressed IR text until it is first read."""
+        if not isinstance(self._forward, Graph):
+            self._forward = self._forward()
+        return self._forward
 
     @property
     def stages(self) -> Stages:
@@ -148,6 +157,7 @@ def compile(
     quantized: Mapping[str, Quantized] | None = None,
     memory_budget: str | int | None = None,
     compile_in: str | None = None,
+    in_place: bool = False,
 ) -> TrainStep:
     """Compile ``loss_fn(model, *batch)`` into one static training step.
 
@@ -184,12 +194,22 @@ def compile(
     in the child and reads its step back, so this process keeps no memory the compiler
     used (``pockengine.compile_fork``); each child starts ``torch.export`` cold, so a
     process that compiles many steps is faster with "process".
+    ``in_place`` (torch models): the step trains the module's own param and buffer
+    tensors, as a torch optimizer does, instead of copies of them: training holds one
+    copy of them, and the module holds the trained values after every step. Values a
+    backend cannot share (a 4-D weight the torch backend stores channels-last, another
+    dtype, ONNX Runtime or CUDA) are copied and written back after each step, with a
+    warning; ``step.in_place`` says which (``pockengine.in_place``).
     """
     frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)
     pipeline = DEFAULT_PIPELINE if passes is None else tuple(passes)
     pipeline = with_budget(pipeline, parse_budget(memory_budget))
     kind, optim = frontend_of(model), optimizer or SGD()
+    if in_place and kind != "torch":
+        raise CompileError(f"in_place=True trains a torch module's own tensors; a {kind} "
+                           "model has none the step can write (leave in_place out)")  # fmt: skip
+    module = model if in_place else None
 
     def build() -> StepParts:
         return parts_of(kind, model, loss_fn, example_batch, optim, scheme, engine, pipeline,
@@ -198,9 +218,9 @@ def compile(
     from pockengine.compile_fork import compile_forked, compile_mode
 
     if compile_mode(compile_in, kind) == "child":
-        module = model if kind == "torch" else None
-        return compile_forked(build, engine, module, optim, scheme, pipeline)
-    step = TrainStep.bound(build(), engine)
+        named = model if kind == "torch" else None
+        return compile_forked(build, engine, named, optim, scheme, pipeline, in_place)
+    step = TrainStep.bound(build(), engine, module)
     release_free_memory()
     return step
 

@@ -34,6 +34,7 @@ from pockengine.sparse.schemes import Resolution, Scheme
 
 if TYPE_CHECKING:
     from pockengine.evaluator import Evaluator
+    from pockengine.in_place import InPlace, ModuleHomes
     from pockengine.ir import Value
     from pockengine.plan.report import Report
 
@@ -106,15 +107,19 @@ class CompiledStep(ABC):
     scheme: Scheme | None
 
     def _bind(
-        self, graph: Graph, backend: Backend, facts: StepFacts, values: dict[str, Array]
-    ) -> None:
+        self, graph: Graph, backend: Backend, facts: StepFacts, values: dict[str, Array],
+        module: Any | None = None,
+    ) -> None:  # fmt: skip
         """Bind ``graph`` to ``backend`` with ``values`` as its state, shared (``values``
         is emptied as it goes). A value the step writes is copied once: a writable array
         (handed over: the optimizer state's zeros, values read from a file) just before
         the first step writes anything (``_own_written``), so a step that is only saved
         never touches the zeros; a read-only one (the caller's memory: a torch model's
         params) here, or likewise late inside ``copies_deferred()``. 4-D values are
-        copied here: a backend may store them in another layout than the one it shares."""
+        copied here: a backend may store them in another layout than the one it shares.
+        With a torch ``module`` (``in_place=True``) the module's own tensors are the store
+        of the params and buffers the step writes, where the backend can share them
+        (``pockengine.in_place``)."""
         self.graph, self.backend = graph, backend
         self._batch = facts.batch
         self._state_names = dict(facts.state_names)
@@ -129,6 +134,12 @@ class CompiledStep(ABC):
         self._written = frozenset(written)
         self._store: dict[str, Any] = {}
         self._lent: set[str] = set()  # written values still shared with their source
+        self._homes: ModuleHomes | None = None
+        if module is not None:
+            from pockengine.in_place import bind_in_place
+
+            self._homes = bind_in_place(module, graph, facts.state_names, values, backend,
+                                        self._store)  # fmt: skip
         for name in list(values):
             value = values.pop(name)
             late = np.ndim(value) != 4 and (_DEFERRED.get() or np.asarray(value).flags.writeable)
@@ -184,6 +195,8 @@ class CompiledStep(ABC):
         self._own_written()
         self.calls += 1
         loss = float(self.backend.to_numpy(self._exec.run(self._store, feeds)[0]))
+        if self._homes is not None:
+            self._homes.sync(self._store, self.backend)
         if not math.isfinite(loss):
             self.skipped_steps += 1
             if self._on_nonfinite == "raise":
@@ -200,6 +213,12 @@ class CompiledStep(ABC):
         for name in sorted(self._lent):
             self._store[name] = self.backend.from_numpy(self.backend.to_numpy(self._store[name]))
         self._lent.clear()
+
+    @property
+    def in_place(self) -> InPlace | None:
+        """For a step compiled with ``in_place=True``: which of the module's values it
+        trains in the module's own memory and which it copies, and why; else None."""
+        return None if self._homes is None else self._homes.report
 
     @property
     def on_nonfinite(self) -> str:
@@ -342,6 +361,8 @@ class CompiledStep(ABC):
         if quantized is None:
             self._store[ir] = self.backend.from_numpy(array)
             self._lent.discard(ir)
+            if self._homes is not None:  # into the module's memory too
+                self._homes.sync(self._store, self.backend, (ir,))
             return
         if np.array_equal(array, self._read(ir)):  # unchanged (a resume): codes as they are
             return

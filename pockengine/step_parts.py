@@ -119,9 +119,10 @@ class StepParts:
     forward graph, the final training graph, the facts and the initial values, with the
     optimizer, resolution, param table, scheme and passes they were made with. The pass
     stages are None where they were not kept (a step compiled in a child process,
-    ``pockengine.compile_fork``)."""
+    ``pockengine.compile_fork``, which also gives the forward graph as a function that
+    parses it: ``TrainStep.forward`` calls it on first read)."""
 
-    forward: Graph
+    forward: Graph | Callable[[], Graph]  # a child's: parsed on first use (compile_fork)
     graph: Graph
     facts: StepFacts
     values: dict[str, Array]

@@ -22,10 +22,14 @@ import numpy as np
 
 from pockengine.ir import Graph, Node, UnsupportedOpError, all_ops
 
-__all__ = ["Backend", "Executable", "Store", "check_ops"]
+__all__ = ["Backend", "Executable", "NotShareableError", "Store", "check_ops"]
 
 Array = np.ndarray[Any, Any]
 Store = MutableMapping[str, Any]
+
+
+class NotShareableError(Exception):
+    """``Backend.share_written`` cannot train that array in place; the message says why."""
 
 
 class Executable(ABC):
@@ -53,6 +57,14 @@ class Backend(ABC):
         backend that can run on the caller's memory shares it instead of copying, so
         compiling holds no second copy of the frozen weights. Default: ``from_numpy``."""
         return self.from_numpy(array)
+
+    def share_written(self, array: Array) -> Any:
+        """``array``'s own memory as a value the step writes in place (a trained param of
+        the caller's model, ``pe.compile(..., in_place=True)``): the step's updates land in
+        ``array``. ``array`` is C-contiguous, writable and of the graph's dtype. A backend
+        that cannot raises ``NotShareableError`` saying why (default: it keeps its own
+        copy of what it writes)."""
+        raise NotShareableError(f"the {self.name} backend keeps its own copy of what it writes")
 
     def feed(self, array: Array) -> Any:
         """``array`` as one step's batch input, read during that call only. Default:

@@ -107,6 +107,11 @@ class NumpyBackend(Backend):
         shared.flags.writeable = False
         return shared
 
+    def share_written(self, array: Array) -> Array:
+        """``array`` itself: the kernels return new values, and the step copies them into
+        it after each run (``pockengine.in_place``)."""
+        return array
+
     def to_numpy(self, tensor: Any) -> Array:
         return np.asarray(tensor)
 

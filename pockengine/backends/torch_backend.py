@@ -39,7 +39,7 @@ from pockengine.backends import (
     torch_kernels_quant,
     torch_kernels_shape,
 )
-from pockengine.backends.base import Backend, Executable, Store, check_ops
+from pockengine.backends.base import Backend, Executable, NotShareableError, Store, check_ops
 from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_source
 from pockengine.backends.torch_heap import trim_points
 from pockengine.backends.torch_kernels import torch_dtype
@@ -272,6 +272,19 @@ class TorchBackend(Backend):
         with warnings.catch_warnings():  # read-only arrays: read, never written (above)
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             return torch.from_numpy(array)
+
+    def share_written(self, array: Array) -> torch.Tensor:
+        """A CPU tensor over ``array``'s memory, which the fused updates write in place;
+        not a 4-D one while the backend stores written 4-D values channels-last (their
+        optimizer state is, and the fused kernels index raw memory)."""
+        if self.device.type != "cpu":
+            raise NotShareableError(f"the torch backend on {self.device} keeps a device copy")
+        if self.channels_last and array.ndim == 4:
+            raise NotShareableError(
+                "the torch backend stores a written 4-D value channels-last "
+                "(TorchBackend(channels_last=False) trains it in place)"
+            )
+        return torch.from_numpy(array)
 
     def supported_ops(self) -> frozenset[str]:
         return frozenset(KERNELS)

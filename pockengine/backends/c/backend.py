@@ -200,5 +200,9 @@ class CBackend(Backend):
         shared.flags.writeable = False
         return shared
 
+    def share_written(self, array: Array) -> Array:
+        """``array`` itself: ``pe_step`` writes the updates through its pointer."""
+        return array
+
     def to_numpy(self, tensor: Any) -> Array:
         return np.asarray(tensor)
