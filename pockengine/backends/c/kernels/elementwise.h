@@ -20,7 +20,8 @@
 static inline PE_T PE_S(pe_sigmoid)(PE_T x) { return PE_C(1) / (exp(-x) + PE_C(1)); }
 static inline PE_T PE_S(pe_silu)(PE_T x) { return x * PE_S(pe_sigmoid)(x); }
 static inline PE_T PE_S(pe_rsqrt)(PE_T x) { return PE_C(1) / sqrt(x); }
-static inline PE_T PE_S(pe_relu)(PE_T x) { return x > 0 ? x : PE_C(0); }
+/* NaN passes through, as np.maximum(x, 0) and torch.relu propagate it */
+static inline PE_T PE_S(pe_relu)(PE_T x) { return (x > 0 || x != x) ? x : PE_C(0); }
 static inline PE_T PE_S(pe_relu_grad)(PE_T gz, PE_T y) { return y > 0 ? gz : PE_C(0); }
 
 static inline PE_T PE_S(pe_clip)(PE_T x, PE_T lo, PE_T hi) {
