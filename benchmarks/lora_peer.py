@@ -28,8 +28,10 @@ dropout probability of the model to 0 in all cases (the recipe's model keeps its
 otherwise). ``--heap keep`` runs every case, PEFT's included, with glibc's heap thresholds
 fixed (``torch_backend.keep_freed_heap``: freed memory stays in the heap for reuse, no
 page faults to map it again) and the compiled steps with ``TorchBackend(keep_heap=True)``.
+``--workspace on`` compiles and loads the steps with ``TorchBackend(workspace=True)`` (the
+large results written into one buffer the step keeps; PEFT's case is unchanged).
 Writes benchmarks/results/lora_peer-<recipe>[-nodropout][-remat<budget>][-keepheap]
-[-<tag>].json (the budget named when it is not the default).
+[-workspace][-<tag>].json (the budget named when it is not the default).
 
 Training memory is defined the same way for every case: the peak RSS over the training
 steps minus the idle RSS, and the idle process holds the torch module's weights in every
@@ -153,14 +155,17 @@ def _peft_trainer(task: Any, config: Any, head: bool) -> tuple[Any, Callable[...
     return model, train, sum(p.numel() for p in params)
 
 
-def _backend(heap: str) -> Any:
-    """The torch backend; with ``heap="keep"`` one that keeps the freed heap (no trims)."""
+def _backend(heap: str, workspace: str = "off") -> Any:
+    """The torch backend; with ``heap="keep"`` one that keeps the freed heap (no trims),
+    with ``workspace="on"`` one that writes the large results into a kept workspace."""
     from pockengine.backends.torch_backend import TorchBackend
 
-    return TorchBackend(keep_heap=heap == "keep")
+    return TorchBackend(keep_heap=heap == "keep", workspace=workspace == "on")
 
 
-def _compile(task: Any, config: Any, case: Case, budget: str | None, heap: str) -> Any:
+def _compile(
+    task: Any, config: Any, case: Case, budget: str | None, heap: str, workspace: str = "off"
+) -> Any:
     """The case's step, compiled for the torch backend on the recipe's first batch."""
     import torch
 
@@ -175,7 +180,7 @@ def _compile(task: Any, config: Any, case: Case, budget: str | None, heap: str) 
         task.loss_fn,
         example,
         scheme=scheme,
-        backend=_backend(heap),
+        backend=_backend(heap, workspace),
         frozen_dtype=case.frozen_dtype,
         memory_budget=budget if case.remat else None,
         optimizer=pe.optim.AdamW(lr=config.lr, weight_decay=config.weight_decay),
@@ -191,12 +196,14 @@ def _our_trainer(
 
     import pockengine as pe
 
-    step = None if args.artifact else _compile(task, config, case, args.remat_budget, args.heap)
+    step = None
+    if not args.artifact:
+        step = _compile(task, config, case, args.remat_budget, args.heap, args.workspace)
     for p in task.model.parameters():
         p.data = torch.empty(0)
     pe.runtime.release_free_memory()
     if step is None:
-        step = pe.load_step(args.artifact, backend=_backend(args.heap))
+        step = pe.load_step(args.artifact, backend=_backend(args.heap, args.workspace))
 
     def train(lr: float, *batch: Array) -> float:
         step.lr = lr
@@ -325,12 +332,13 @@ def _child(args: argparse.Namespace) -> None:
         **_evaluate(model, task),
         "train_examples": task.train_size, "val_examples": task.val_size,
         "threads": args.threads, "dropout": args.dropout, "heap": args.heap,
+        "workspace": args.workspace,
     }  # fmt: skip
     print(json.dumps(row))
 
 
 _FORWARDED = ("recipe", "steps", "threads", "seed", "dropout", "lora_lr", "max_train",
-              "max_val", "batch_size", "seq_len", "remat_budget", "heap")  # fmt: skip
+              "max_val", "batch_size", "seq_len", "remat_budget", "heap", "workspace")  # fmt: skip
 
 
 def _run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -390,6 +398,13 @@ def main() -> None:
         help="keep: every case's process keeps its freed heap (glibc thresholds fixed, "
         "torch_backend.keep_freed_heap) and the compiled steps run with keep_heap=True",
     )
+    p.add_argument(
+        "--workspace",
+        choices=("off", "on"),
+        default="off",
+        help="on: the compiled steps write their large results into a workspace they keep "
+        "between calls (TorchBackend(workspace=True)); PEFT's case is unaffected",
+    )
     p.add_argument("--tag", help="suffix of the results file (a re-run beside the first)")
     p.add_argument("--prepare", help=argparse.SUPPRESS)  # child: compile, save the step here
     p.add_argument("--artifact", help=argparse.SUPPRESS)  # child: load the step from here
@@ -408,6 +423,7 @@ def _main(args: argparse.Namespace) -> None:
     suffix += f"-lora-lr{args.lora_lr:g}" if args.lora_lr is not None else ""
     suffix += f"-remat{args.remat_budget}" if args.remat_budget != REMAT_BUDGET else ""
     suffix += "-keepheap" if args.heap == "keep" else ""
+    suffix += "-workspace" if args.workspace == "on" else ""
     suffix += f"-{args.tag}" if args.tag else ""
     hidden = ("child", "prepare", "artifact", "tag")
     settings = {k: v for k, v in vars(args).items() if k not in hidden}

@@ -41,7 +41,7 @@ from pockengine.backends import (
 )
 from pockengine.backends.base import Backend, Executable, NotShareableError, Store, check_ops
 from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_source
-from pockengine.backends.torch_heap import trim_points
+from pockengine.backends.torch_heap import WORKSPACE_OPS, Workspace, plan_workspace, trim_points
 from pockengine.backends.torch_kernels import torch_dtype
 from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
 from pockengine.plan.inplace import reusable_inputs
@@ -102,7 +102,7 @@ class TorchExecutable(Executable):
 
     def __init__(
         self, graph: Graph, device: torch.device, inplace: bool = True, trim_heap: bool = False,
-        trim_peak: bool = False,
+        trim_peak: bool = False, workspace: bool = False,
     ) -> None:  # fmt: skip
         check_ops(graph, KERNELS, "torch")
         self.graph = graph
@@ -114,7 +114,12 @@ class TorchExecutable(Executable):
         peak_trim = libc_function("malloc_trim") if points else None
         self.trim_points = points if peak_trim is not None else ()
         after = dict.fromkeys(self.trim_points, "heap_trim(0)")
-        generated = generate_source(graph, KERNELS, _FINDERS, device, reuse, after)
+        # the large results' slots in one buffer kept between calls (``torch_heap``)
+        planned = plan_workspace(graph, reuse, WORKSPACE_OPS) if workspace else None
+        self.workspace: Workspace | None = planned
+        self._arena = _arena(planned, device)
+        slots = None if self._arena is None or planned is None else (self._arena, planned.offsets)
+        generated = generate_source(graph, KERNELS, _FINDERS, device, reuse, after, slots)
         self.source = generated.source
         self._first_line = generated.first_line
         self._filename = f"<pockengine-torch {graph.name} #{next(_serial)}>"
@@ -173,6 +178,13 @@ class TorchExecutable(Executable):
         return print_node(self.graph.nodes[line - self._first_line])
 
 
+def _arena(workspace: Workspace | None, device: torch.device) -> torch.Tensor | None:
+    """The workspace's buffer (uint8; its pages are mapped at the first call's writes)."""
+    if workspace is None or not workspace.offsets:
+        return None
+    return torch.empty(workspace.nbytes, dtype=torch.uint8, device=device)
+
+
 # glibc's mallopt parameters, and the values keep_freed_heap sets
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling on 64-bit
@@ -219,7 +231,12 @@ class TorchBackend(Backend):
     after the nodes near that peak that free much (``torch_heap``), so the free blocks the
     peak does not reuse are not resident at it (minilm-bbc's sparse step: 555-559 MiB of
     process peak against 603-612, and about 13% more CPU time a step, as the trimmed pages
-    fault back in); ``keep_heap`` turns it off."""
+    fault back in); ``keep_heap`` turns it off. Opt-in, ``workspace``: the results of the
+    large matmuls, linears and elementwise nodes (``torch_heap.WORKSPACE_OPS``) are written
+    with ``out=`` into one buffer each executable allocates once and keeps, at offsets
+    planned from the graph (``torch_heap.plan_workspace``): no allocator, no page faults
+    and no fragmentation for them, bit for bit the same results; the buffer stays resident
+    between calls (so an executable is not re-entrant)."""
 
     name = "torch"
 
@@ -232,8 +249,10 @@ class TorchBackend(Backend):
         trim_heap: bool = False,
         frozen_channels_last: bool = False,
         trim_peak: bool = True,
+        workspace: bool = False,
     ) -> None:
         self.device = torch.device(device)
+        self.workspace = workspace
         self.channels_last = channels_last
         self.keep_heap = keep_heap
         self.inplace = inplace  # elementwise results over dying inputs (plan.inplace)
@@ -244,7 +263,9 @@ class TorchBackend(Backend):
     def compile(self, graph: Graph) -> TorchExecutable:
         if self.keep_heap and self.device.type == "cpu":
             keep_freed_heap()
-        return TorchExecutable(graph, self.device, self.inplace, self.trim_heap, self.trim_peak)
+        return TorchExecutable(
+            graph, self.device, self.inplace, self.trim_heap, self.trim_peak, self.workspace
+        )
 
     def from_numpy(self, array: Array) -> torch.Tensor:
         """A copy on the device, same dtype (the array is never aliased), in the stored

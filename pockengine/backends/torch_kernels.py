@@ -26,9 +26,16 @@ _aten = torch.ops.aten
 
 
 # -- emitter factories ---------------------------------------------------------------------
+def _target(e: Emit) -> str | None:
+    """Where the result is written: over a dying input (``Emit.into``), else into its
+    workspace slot (``Emit.dest``), else None (a fresh tensor)."""
+    return e.into if e.into is not None else e.dest()
+
+
 def _into(e: Emit, keyword: str = "out") -> str:
-    """``, out=<local>`` when the result may overwrite a dying input (``Emit.into``)."""
-    return "" if e.into is None else f", {keyword}={e.into}"
+    """``, out=<target>`` when the result has a buffer to go to (``_target``)."""
+    target = _target(e)
+    return "" if target is None else f", {keyword}={target}"
 
 
 def _call(fn: str, **kwargs: object) -> Emitter:
@@ -44,8 +51,8 @@ def _call(fn: str, **kwargs: object) -> Emitter:
 
 def _grad_call(fn: str, e: Emit, args: str) -> str:
     """``fn(args)``, or its ``.grad_input`` overload (bound as ``fn_into``) writing over a
-    dying input where allowed."""
-    if e.into is None:
+    dying input or into a workspace slot (``_target``)."""
+    if _target(e) is None:
         return f"{e.out} = {fn}({args})"
     return f"{e.out} = {fn}_into({args}{_into(e, 'grad_input')})"
 

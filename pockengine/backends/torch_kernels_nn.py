@@ -14,6 +14,7 @@ their storage from step to step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,10 +47,18 @@ def _matmul(e: Emit) -> list[str]:
     rank = e.node.output.type.rank
     swap = (*range(rank - 2), rank - 1, rank - 2)
     readers = e.readers()
+    matrices = rank == 2 and all(v.type.rank == 2 for v in e.node.inputs)
     if len(readers) == 1 and readers[0].op == "transpose" and readers[0].attrs["perm"] == swap:
         # Its only reader transposes it (a weight gradient): computed as (y^T x^T)^T, which
         # BLAS does as cheaply, the transpose is contiguous instead of a strided view.
+        m, n = e.node.output.shape[-2:]
+        dest = e.dest((n, m)) if matrices else None
+        if dest is not None:
+            return [f"{e.out} = aten_mm({y}.mT, {x}.mT, out={dest}).mT"]
         return [f"{e.out} = aten_matmul({y}.mT, {x}.mT).mT"]
+    dest = e.dest() if matrices else None  # mm into the slot: the kernel matmul runs
+    if dest is not None:
+        return [f"{e.out} = aten_mm({x}, {y}, out={dest})"]
     return [f"{e.out} = aten_matmul({x}, {y})"]
 
 
@@ -58,10 +67,14 @@ def _linear(e: Emit) -> list[str]:
     is viewed as a matrix."""
     x, w, b = e.ins
     xv = e.node.inputs[0]
+    rows = math.prod(e.node.output.shape[:-1])
+    dest = e.dest((rows, e.node.output.shape[-1]))  # a workspace slot, viewed as the matrix
+    out = "" if dest is None else f", out={dest}"
     if xv.type.rank == 2:
-        return [f"{e.out} = aten_addmm({b}, {x}, {w})"]
+        return [f"{e.out} = aten_addmm({b}, {x}, {w}{out})"]
     shape = literal(e.node.output.shape)
-    return [f"{e.out} = aten_addmm({b}, {x}.reshape(-1, {xv.shape[-1]}), {w}).view({shape})"]
+    flat = f"{x}.reshape(-1, {xv.shape[-1]})"
+    return [f"{e.out} = aten_addmm({b}, {flat}, {w}{out}).view({shape})"]
 
 
 def _conv2d(e: Emit) -> list[str]:
@@ -208,8 +221,15 @@ def _normalized_shape(e: Emit) -> str:
 def _layer_norm(e: Emit) -> list[str]:
     x, w, b = e.ins
     eps = literal(float(e.attr("eps")))
-    call = f"aten_native_layer_norm({x}, {_normalized_shape(e)}, {w}, {b}, {eps})"
-    return [f"{', '.join(e.outs)} = {call}"]
+    args = f"{x}, {_normalized_shape(e)}, {w}, {b}, {eps}"
+    dest = e.dest()
+    if dest is None:
+        return [f"{', '.join(e.outs)} = aten_native_layer_norm({args})"]
+    # y into its workspace slot; the statistics (a value per row) are allocated
+    stat = e.node.outputs[1]
+    fresh = f"aten_empty({literal(stat.shape)}, dtype={e.dtype(stat.dtype)}, device=dev)"
+    outs = f"out0={dest}, out1={fresh}, out2={fresh}"
+    return [f"{', '.join(e.outs)} = aten_native_layer_norm_out({args}, {outs})"]
 
 
 def _layer_norm_grad(e: Emit) -> list[str]:
@@ -350,6 +370,7 @@ FINDERS: dict[str, PairFinder] = {
 
 NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_matmul": torch.matmul,
+    "aten_mm": torch.mm,
     "aten_addmm": torch.addmm,
     "aten_conv2d": torch.conv2d,
     "aten_conv_transpose2d": torch.conv_transpose2d,
@@ -362,6 +383,8 @@ NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_native_batch_norm": torch.native_batch_norm,
     "aten_native_batch_norm_backward": _aten.native_batch_norm_backward.default,
     "aten_native_layer_norm": torch.native_layer_norm,
+    "aten_native_layer_norm_out": _aten.native_layer_norm.out,
+    "aten_empty": torch.empty,
     "aten_native_layer_norm_backward": _aten.native_layer_norm_backward.default,
     "aten_rsqrt": torch.rsqrt,
     "aten_add": torch.add,

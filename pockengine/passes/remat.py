@@ -8,7 +8,9 @@ this pass inserts that recomputation just before the reader and points every bac
 reader at the copy; ``z`` itself then dies after its last forward reader.
 
 Recomputable: ops with ``Fact.CHEAP`` (elementwise forward ops: activations, arithmetic,
-clamps; views; batch norm's ``y``, from its input, which its backward keeps anyway),
+clamps; views), and batch norm's and layer norm's ``y``, from the norm's input, which its
+backward keeps anyway (a LoRA adapter's input is a layer norm's output: its weight
+gradient reads it, so it was saved beside the layer norm's input),
 whose inputs are available at the reader or recomputable in turn (up to ``MAX_DEPTH`` ops
 deep). A recomputation repeats the original node exactly, statistics included for batch
 norm, so every backend computes the same bits again (an eval-mode formula from the saved
@@ -132,10 +134,16 @@ def _insertion_point(s: _State, readers: dict[str, list[int]], j: int) -> int:
 
 
 def _cheap(node: Node, v: Value) -> bool:
-    """Elementwise ops and views; batch norm's ``y`` (its statistics are not read)."""
-    if not get_op(node.op).has(Fact.CHEAP) or v is not node.outputs[0]:
+    """Elementwise ops and views; a normalisation's ``y`` (batch norm's, layer norm's: its
+    statistics are not read, and its input, which its own backward keeps, is the operand)."""
+    if v is not node.outputs[0]:
         return False
-    return len(node.outputs) == 1 or node.op == "batch_norm"
+    if node.op in _NORMS:
+        return True
+    return get_op(node.op).has(Fact.CHEAP) and len(node.outputs) == 1
+
+
+_NORMS = frozenset({"batch_norm", "layer_norm"})
 
 
 def rematerialize(graph: Graph) -> Graph:

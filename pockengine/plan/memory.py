@@ -31,7 +31,7 @@ from pockengine.ir import Graph, Role
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import Interval, Liveness, liveness
 
-__all__ = ["ALIGNMENT", "MemoryPlan", "plan_memory"]
+__all__ = ["ALIGNMENT", "MemoryPlan", "place_intervals", "plan_memory"]
 
 ALIGNMENT = 64  # bytes; every offset is a multiple of it
 
@@ -85,8 +85,10 @@ def _best_fit(busy: list[tuple[int, int]], size: int) -> int:
     return best if best >= 0 else cursor
 
 
-def _place(intervals: list[Interval]) -> dict[str, int]:
-    """Offsets for the intervals, largest first, each in the tightest free gap."""
+def place_intervals(intervals: list[Interval]) -> dict[str, int]:
+    """``ALIGNMENT``-aligned offsets for ``intervals``, largest first, each in the tightest
+    free gap, so that two intervals that overlap in time never overlap in memory (the plan's
+    arena; the torch backend's workspace places its own intervals with it)."""
     order = sorted(intervals, key=lambda iv: (-iv.nbytes, iv.start, iv.value.name))
     n = len(order)
     starts, ends = np.empty(n, np.int64), np.empty(n, np.int64)
@@ -128,7 +130,7 @@ def _place_groups(intervals: list[Interval], head: Mapping[str, str]) -> dict[st
             if was is None
             else Interval(was.value, min(was.start, iv.start), max(was.end, iv.end))
         )
-    placed = _place(list(spans.values()))
+    placed = place_intervals(list(spans.values()))
     rep = {root: span.value.name for root, span in spans.items()}
     return {iv.value.name: placed[rep[head.get(iv.value.name, iv.value.name)]] for iv in intervals}
 
