@@ -1,15 +1,16 @@
 """Quality of each scheme on a held-out test split, over seeds: docs/quality.md.
 
 For each recipe (and a generic ``--model/--data`` run) and each scheme (full, auto,
-sparse, bias, head; lora when the scheme vocabulary has it):
+sparse, bias, head; lora when the scheme vocabulary has it; any other name, such as
+``last:K``, with ``--schemes``):
 
 1. the learning rate is chosen on the training split (``pockengine.finetune.lr_choice``:
    short runs over ``--lr-grid``, scored on held-out *training* examples), once per
-   recipe and scheme, with the first seed's split;
+   recipe and scheme, with the first seed's split, in a child process;
 2. ``pockengine finetune`` runs once per seed in its own process (so its peak RSS is
-   its own), with ``--test-fraction``: the last part of the validation split is a test
-   split that neither the lr choice, the scheme search nor the keeping of the best
-   epoch reads;
+   its own: started from this small process, not one grown by an lr choice), with
+   ``--test-fraction``: a seeded part of the validation split is a test split that
+   neither the lr choice, the scheme search nor the keeping of the best epoch reads;
 3. the test metric of the final weights (accuracy, or perplexity for the causal LM),
    mean and standard deviation over seeds, the step's planned peak and the measured
    whole-process peak RSS are written to ``benchmarks/results/quality_table-<tag>.json``
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -68,24 +70,35 @@ def _target(recipe: str, args: argparse.Namespace) -> list[str]:
 
 
 def choose_lr(recipe: str, scheme: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """The scheme's lr on the training split (cached in ``--work``)."""
-    from pockengine.finetune.cli import config_from_args
+    """The scheme's lr on the training split (cached in ``--work``), chosen in a child
+    process: a process started by one that had grown keeps that size as its own peak RSS
+    (Linux carries ``ru_maxrss`` across fork and exec), so this one stays small."""
+    path = Path(args.work) / f"lr-{recipe}-{scheme.replace(':', '_')}.json"
+    if not path.exists():
+        spawn = multiprocessing.get_context("spawn")
+        child = spawn.Process(target=_choose_lr, args=(recipe, scheme, args, seed, path))
+        child.start()
+        child.join()
+        if child.exitcode != 0 or not path.exists():
+            raise SystemExit(f"the lr choice of {recipe} {scheme} failed ({child.exitcode})")
+    cached: dict[str, Any] = json.loads(path.read_text())
+    return cached
+
+
+def _choose_lr(recipe: str, scheme: str, args: argparse.Namespace, seed: int, path: Path) -> None:
+    import torch
+
+    from pockengine.finetune.cli import add_arguments, config_from_args
     from pockengine.finetune.lr_choice import choose_lr as choose
 
-    path = Path(args.work) / f"lr-{recipe}-{scheme.replace(':', '_')}.json"
-    if path.exists():
-        cached: dict[str, Any] = json.loads(path.read_text())
-        return cached
+    torch.set_num_threads(args.threads)
     parser = argparse.ArgumentParser()
-    from pockengine.finetune.cli import add_arguments
-
     add_arguments(parser)
     ns = parser.parse_args([*_target(recipe, args), *_options(args), "--seed", str(seed)])
     result = choose(config_from_args(ns), scheme, args.lr_grid, steps=args.lr_steps,
                     holdout=args.lr_holdout, criterion=args.lr_criterion).to_dict()  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
-    return result
 
 
 def run_one(
@@ -94,7 +107,7 @@ def run_one(
     """One fine-tune in its own process; its summary.json (cached in ``--work``)."""
     out = Path(args.work) / f"{recipe}-{scheme.replace(':', '_')}-seed{seed}"
     summary = out / "summary.json"
-    if not summary.exists():
+    if _finished(summary) is None:  # none yet, or a run stopped early: resume it
         command = [sys.executable, "-m", "pockengine", "finetune", *_target(recipe, args),
                    *_options(args), "--scheme", scheme, "--lr", f"{lr:g}", "--seed", str(seed),
                    "--out", str(out), "--progress", "none",
@@ -103,7 +116,9 @@ def run_one(
             command.append("--resume")
         print(" ".join(command), flush=True)
         subprocess.run(command, check=True, env=child_env(args.threads))
-    data: dict[str, Any] = json.loads(summary.read_text())
+    data = _finished(summary)
+    if data is None:
+        raise SystemExit(f"{out}: the run stopped before its test metrics (run it again)")
     return data
 
 
@@ -194,9 +209,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     if "generic" in args.recipes and not (args.model and args.data):
         p.error("the generic run needs --model and --data")
-    import torch
-
-    torch.set_num_threads(args.threads)
     command = "python benchmarks/quality_table.py " + " ".join(argv or sys.argv[1:])
     rows = []
     for recipe in args.recipes:
@@ -223,12 +235,19 @@ def collected(
     """The scheme's lr choice and finished runs that ``--work`` holds (None: no run); a
     run stopped early (a signal, ``--max-steps``) has no test metrics and is left out."""
     work, name = Path(args.work), f"{recipe}-{scheme.replace(':', '_')}"
-    summaries = [work / f"{name}-seed{seed}" / "summary.json" for seed in args.seeds]
-    runs = [json.loads(s.read_text()) for s in summaries if s.exists()]
-    runs = [r for r in runs if r.get("test") and not r.get("stopped")]
+    summaries = [_finished(work / f"{name}-seed{seed}" / "summary.json") for seed in args.seeds]
+    runs = [r for r in summaries if r is not None]
     if not runs or not (work / f"lr-{name}.json").exists():
         return None
     return json.loads((work / f"lr-{name}.json").read_text()), runs
+
+
+def _finished(summary: Path) -> dict[str, Any] | None:
+    """A run's summary if it finished (it has test metrics and was not stopped early)."""
+    if not summary.exists():
+        return None
+    data: dict[str, Any] = json.loads(summary.read_text())
+    return data if data.get("test") and not data.get("stopped") else None
 
 
 def save(tag: str, command: str, rows: Sequence[dict[str, Any]]) -> None:

@@ -86,3 +86,35 @@ def test_the_topics_task_is_balanced_clean_and_seeded() -> None:
     assert not any(":func:" in text or "``" in text or text[:3] == ".. " for text, _ in rows)
     assert len({text for text, _ in rows}) == len(rows)
     assert topics.build(per_class=30, seed=0) == rows != topics.build(per_class=30, seed=1)
+
+
+def test_a_run_stopped_early_is_resumed_not_read(
+    table: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``last:K`` names its folder without the colon; a stopped run (a signal) with a
+    checkpoint is run again with ``--resume``, and its finished summary is what comes back."""
+    out = tmp_path / "generic-last_4-seed1"
+    out.mkdir()
+    (out / "checkpoint.safetensors").write_bytes(b"")
+    (out / "summary.json").write_text(json.dumps({**_summary(0.5, 1), "stopped": "SIGTERM"}))
+    commands: list[list[str]] = []
+
+    def finish(command: list[str], **_: Any) -> None:
+        commands.append(command)
+        (out / "summary.json").write_text(json.dumps(_summary(0.75, 1)))
+
+    monkeypatch.setattr(table.subprocess, "run", finish)
+    args = argparse.Namespace(work=str(tmp_path), model="M", data="D.csv", max_train=8,
+                              max_val=None, epochs=1, seq_len=None, batch_size=None,
+                              image_size=None, backend="torch", test_fraction=0.5,
+                              threads=1)  # fmt: skip
+    got = table.run_one("generic", "last:4", 1e-3, 1, args)
+    assert got["test"]["test_accuracy"] == 0.75
+    [command] = commands
+    assert command[-1] == "--resume" and command[command.index("--scheme") + 1] == "last:4"
+    assert table.run_one("generic", "last:4", 1e-3, 1, args) == got  # finished: not re-run
+    assert len(commands) == 1
+    (out / "summary.json").write_text(json.dumps({**_summary(0.5, 1), "stopped": "SIGTERM"}))
+    monkeypatch.setattr(table.subprocess, "run", lambda command, **_: None)
+    with pytest.raises(SystemExit, match="stopped before its test metrics"):
+        table.run_one("generic", "last:4", 1e-3, 1, args)
