@@ -206,6 +206,8 @@ def compile(
     pipeline = DEFAULT_PIPELINE if passes is None else tuple(passes)
     pipeline = with_budget(pipeline, parse_budget(memory_budget))
     kind, optim = frontend_of(model), optimizer or SGD()
+    if not isinstance(in_place, bool):  # "no" or "false" would be truthy
+        raise CompileError(f"in_place must be True or False, got {in_place!r}")
     if in_place and kind != "torch":
         raise CompileError(f"in_place=True trains a torch module's own tensors; a {kind} "
                            "model has none the step can write (leave in_place out)")  # fmt: skip

@@ -206,3 +206,12 @@ def test_load_state_writes_into_the_module() -> None:
 def test_a_model_without_torch_tensors_is_refused() -> None:
     with pytest.raises(pe.CompileError, match="in_place=True trains a torch module"):
         pe.compile("model.onnx", loss="mse", in_place=True)
+
+
+@pytest.mark.parametrize("value", ["no", "false", 1, None])
+def test_in_place_takes_only_a_bool(value: Any) -> None:
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(pe.CompileError, match="in_place must be True or False"):
+        pe.compile(model, lambda m, x: m(x).sum(), (torch.randn(2, 3),), in_place=value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
