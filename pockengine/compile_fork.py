@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -58,10 +57,18 @@ import numpy as np
 from pockengine._libc import libc_function
 from pockengine.backends import Backend
 from pockengine.compile_relay import Relay, capture, raise_error, replay
-from pockengine.ir import CompileError, Graph, Role, parse_graph, verify
+from pockengine.ir import CompileError, Graph, Role
 from pockengine.passes import Pass
 from pockengine.sparse.schemes import Scheme
-from pockengine.step_io import check_state, read_graph, read_tensors, write_graph, write_values
+from pockengine.step_io import (
+    check_state,
+    parse_graph_text,
+    read_graph,
+    read_graph_text,
+    read_tensors,
+    write_graph,
+    write_values,
+)
 from pockengine.step_json import facts_json, read_facts
 
 if TYPE_CHECKING:
@@ -314,16 +321,14 @@ class _PackedGraph:
     of Python objects in the process that trains; as text, zlib-compressed, 13 KiB)."""
 
     packed: bytes
+    path: Path
 
     @classmethod
     def read(cls, path: Path, digest: str) -> _PackedGraph:
-        text = path.read_bytes()
-        if hashlib.sha256(text).hexdigest() != digest:
-            raise CompileError(f"{path}: not the graph the compile child wrote")
-        return cls(zlib.compress(text))
+        return cls(zlib.compress(read_graph_text(path, digest).encode("utf-8")), path)
 
     def __call__(self) -> Graph:
-        return verify(parse_graph(zlib.decompress(self.packed).decode("utf-8")))
+        return parse_graph_text(zlib.decompress(self.packed).decode("utf-8"), self.path)
 
 
 def _module_arrays(module: Any | None, names: dict[str, str]) -> dict[str, Array]:

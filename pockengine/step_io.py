@@ -54,7 +54,9 @@ __all__ = [
     "StepFileError",
     "check_state",
     "load_step",
+    "parse_graph_text",
     "read_graph",
+    "read_graph_text",
     "read_tensors",
     "save_step",
     "write_graph",
@@ -196,6 +198,11 @@ def _with_zeros(graph: Graph, values: dict[str, Array], zeros: Any, path: Path) 
 
 def read_graph(path: Path, digest: str) -> Graph:
     """The graph ``write_graph`` wrote (``digest``: its SHA-256), parsed and verified."""
+    return parse_graph_text(read_graph_text(path, digest), path)
+
+
+def read_graph_text(path: Path, digest: str) -> str:
+    """The IR text ``write_graph`` wrote, checked against ``digest`` (its SHA-256)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -205,6 +212,11 @@ def read_graph(path: Path, digest: str) -> Graph:
     if _digest(text) != digest:
         raise StepFileError(f"{path}: not the graph {META} was written with (its SHA-256 "
                             "differs): files of two artifacts, or an edited one")  # fmt: skip
+    return text
+
+
+def parse_graph_text(text: str, path: Path) -> Graph:
+    """``text`` (read from ``path``) parsed and verified."""
     try:
         return verify(parse_graph(text))
     except PockEngineError as exc:
