@@ -30,8 +30,12 @@ fixed (``torch_backend.keep_freed_heap``: freed memory stays in the heap for reu
 page faults to map it again) and the compiled steps with ``TorchBackend(keep_heap=True)``.
 ``--workspace on`` compiles and loads the steps with ``TorchBackend(workspace=True)`` (the
 large results written into one buffer the step keeps; PEFT's case is unchanged).
-Writes benchmarks/results/lora_peer-<recipe>[-nodropout][-remat<budget>][-keepheap]
-[-workspace][-<tag>].json (the budget named when it is not the default).
+``--heap-thresholds 2M,8M`` compiles and loads them with
+``TorchBackend(heap_thresholds=(2 << 20, 8 << 20))`` (glibc's mmap and trim thresholds
+fixed, process-wide, from the step's compile or load on); with ``--thresholds-all`` every
+case's process, PEFT's included, fixes them at its start. Writes
+benchmarks/results/lora_peer-<recipe>[-nodropout][-remat<budget>][-keepheap][-workspace]
+[-heap<mmap>-<trim>[-all]][-<tag>].json (the budget named when it is not the default).
 
 Training memory is defined the same way for every case: the peak RSS over the training
 steps minus the idle RSS, and the idle process holds the torch module's weights in every
@@ -155,12 +159,31 @@ def _peft_trainer(task: Any, config: Any, head: bool) -> tuple[Any, Callable[...
     return model, train, sum(p.numel() for p in params)
 
 
+_THRESHOLDS: tuple[int, int] | None = None  # --heap-thresholds, set once by main()
+
+
+def _bytes(text: str) -> int:
+    """``2M`` -> 2 << 20, ``64K`` -> 64 << 10, ``4096`` -> 4096."""
+    shift = {"K": 10, "M": 20}.get(text[-1:].upper(), 0)
+    return int(text[:-1] if shift else text) << shift
+
+
+def _thresholds(text: str | None) -> tuple[int, int] | None:
+    """``--heap-thresholds MMAP,TRIM`` as bytes."""
+    if text is None:
+        return None
+    mmap_bytes, trim_bytes = (_bytes(t) for t in text.split(","))
+    return mmap_bytes, trim_bytes
+
+
 def _backend(heap: str, workspace: str = "off") -> Any:
     """The torch backend; with ``heap="keep"`` one that keeps the freed heap (no trims),
-    with ``workspace="on"`` one that writes the large results into a kept workspace."""
+    with ``workspace="on"`` one that writes the large results into a kept workspace, with
+    ``--heap-thresholds`` one that fixes glibc's mmap and trim thresholds."""
     from pockengine.backends.torch_backend import TorchBackend
 
-    return TorchBackend(keep_heap=heap == "keep", workspace=workspace == "on")
+    return TorchBackend(keep_heap=heap == "keep", workspace=workspace == "on",
+                        heap_thresholds=_THRESHOLDS)  # fmt: skip
 
 
 def _compile(
@@ -264,19 +287,25 @@ def _evaluate(model: Any, task: Any) -> dict[str, float]:
 
 
 def _train(
-    train: Callable[..., float], task: Any, config: Any, args: argparse.Namespace
+    train: Callable[..., float],
+    task: Any,
+    config: Any,
+    args: argparse.Namespace,
+    peaks: list[float],
 ) -> tuple[list[float], list[float]]:
     """``args.steps`` steps on the seeded batches under warmup + linear decay: the step
-    times and the losses."""
+    times and the losses; ``peaks`` gets the peak RSS (MiB) after each step."""
     from pockengine.finetune.trainer import linear_schedule
 
     times, losses = [], []
+    peaks.clear()
     warmup = round(config.warmup * args.steps)
     for t, batch in enumerate(_batches(task.train, config.batch_size, args.steps, args.seed)):
         lr = linear_schedule(t, float(config.lr), warmup, args.steps)
         tick = time.perf_counter()
         losses.append(train(lr, *batch))
         times.append(time.perf_counter() - tick)
+        peaks.append(vm_mib("VmHWM"))
     return times, losses
 
 
@@ -302,6 +331,10 @@ def _child(args: argparse.Namespace) -> None:
         from pockengine.backends.torch_backend import keep_freed_heap
 
         keep_freed_heap()
+    if _THRESHOLDS is not None and args.thresholds_all:  # PEFT's process too, at its start
+        from pockengine.backends.torch_heap import fix_heap_thresholds
+
+        fix_heap_thresholds(*_THRESHOLDS)
     config, task = _task(args)
     idle, load_peak = vm_mib("VmRSS"), vm_mib("VmHWM")
     reset_peak()
@@ -313,7 +346,8 @@ def _child(args: argparse.Namespace) -> None:
     setup_s = time.perf_counter() - start
     setup_peak = vm_mib("VmHWM")  # compiling holds two copies of the weights a while
     reset_peak()
-    times, losses = _train(train, task, config, args)
+    peaks: list[float] = []
+    times, losses = _train(train, task, config, args, peaks)
     train_peak = vm_mib("VmHWM")
     plan = {} if case.scheme == "peft" else _plan(model)
     if case.scheme != "peft":  # evaluate in torch
@@ -326,25 +360,29 @@ def _child(args: argparse.Namespace) -> None:
         "step_s_median": statistics.median(times[1:] or times), "step_s_first": times[0],
         "setup_s": setup_s, "idle_rss_mib": idle, "train_peak_rss_mib": train_peak,
         "training_mib": train_peak - idle, "setup_peak_rss_mib": setup_peak,
+        "training_mib_by_step": [round(m - idle, 1) for m in peaks],
         "process_peak_rss_mib": max(load_peak, setup_peak, train_peak),
         **plan,
         "first_loss": losses[0], "last_loss_mean10": float(np.mean(losses[-10:])),
         **_evaluate(model, task),
         "train_examples": task.train_size, "val_examples": task.val_size,
         "threads": args.threads, "dropout": args.dropout, "heap": args.heap,
-        "workspace": args.workspace,
+        "workspace": args.workspace, "heap_thresholds": args.heap_thresholds,
+        "thresholds_all": args.thresholds_all,
     }  # fmt: skip
     print(json.dumps(row))
 
 
 _FORWARDED = ("recipe", "steps", "threads", "seed", "dropout", "lora_lr", "max_train",
-              "max_val", "batch_size", "seq_len", "remat_budget", "heap", "workspace")  # fmt: skip
+              "max_val", "batch_size", "seq_len", "remat_budget", "heap", "workspace",
+              "heap_thresholds")  # fmt: skip
 
 
 def _run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     """One case in its own process; an artifact case is compiled and saved by another
     process first, and the measured one only loads it."""
     argv = [__file__, "--child", case, *forward(args, _FORWARDED)]
+    argv += ["--thresholds-all"] if args.thresholds_all else []
     try:
         if not Case.of(case).artifact:
             return run_child(argv, args.threads, cwd=ROOT)
@@ -405,10 +443,26 @@ def main() -> None:
         help="on: the compiled steps write their large results into a workspace they keep "
         "between calls (TorchBackend(workspace=True)); PEFT's case is unaffected",
     )
+    p.add_argument(
+        "--heap-thresholds",
+        metavar="MMAP,TRIM",
+        help="our steps fix glibc's mmap and trim thresholds (bytes, K or M: 2M,8M; "
+        "TorchBackend(heap_thresholds=...), process-wide; PEFT's case is unaffected)",
+    )
+    p.add_argument(
+        "--thresholds-all", action="store_true", help="with --heap-thresholds: PEFT's too"
+    )
     p.add_argument("--tag", help="suffix of the results file (a re-run beside the first)")
     p.add_argument("--prepare", help=argparse.SUPPRESS)  # child: compile, save the step here
     p.add_argument("--artifact", help=argparse.SUPPRESS)  # child: load the step from here
     args = p.parse_args()
+    if args.thresholds_all and args.heap_thresholds is None:
+        p.error("--thresholds-all needs --heap-thresholds")
+    global _THRESHOLDS
+    try:
+        _THRESHOLDS = _thresholds(args.heap_thresholds)
+    except ValueError:
+        p.error(f"--heap-thresholds {args.heap_thresholds}: two sizes, as 2M,8M")
     if args.prepare:
         _prepare(args)
     elif args.child:
@@ -424,6 +478,9 @@ def _main(args: argparse.Namespace) -> None:
     suffix += f"-remat{args.remat_budget}" if args.remat_budget != REMAT_BUDGET else ""
     suffix += "-keepheap" if args.heap == "keep" else ""
     suffix += "-workspace" if args.workspace == "on" else ""
+    if args.heap_thresholds is not None:
+        suffix += "-heap" + args.heap_thresholds.replace(",", "-")
+        suffix += "-all" if args.thresholds_all else ""
     suffix += f"-{args.tag}" if args.tag else ""
     hidden = ("child", "prepare", "artifact", "tag")
     settings = {k: v for k, v in vars(args).items() if k not in hidden}

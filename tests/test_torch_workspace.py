@@ -77,22 +77,22 @@ def test_large_results_are_written_into_slots(workspace_step: pe.TrainStep) -> N
     graph, workspace = exe.graph, exe.workspace
     assert workspace is not None and workspace.offsets
     lines = exe.source.splitlines()
-    slotted = {graph.nodes[i].op for i in workspace.offsets}
+    made_at = {v.name: (i, v) for i, n in enumerate(graph.nodes) for v in n.outputs}
+    slotted = {graph.nodes[made_at[name][0]].op for name in workspace.offsets}
     assert {"linear", "matmul", "gelu", "layer_norm"} <= slotted <= torch_heap.WORKSPACE_OPS
-    for i in workspace.offsets:  # node i is on line first_line + i; slots are globals k<n>
-        line = lines[exe._first_line - 1 + i]
-        assert re.search(r"(out|out0|grad_input)=k\d+", line), line
+    for name in workspace.offsets:  # node i is on line first_line + i; slots are globals k<n>
+        line = lines[exe._first_line - 1 + made_at[name][0]]
+        assert re.search(r"((out|out0|grad_input)=k\d+)|to_slot\(k\d+", line), line
     outputs = {v.name for v in graph.outputs}
-    assert not outputs & {graph.nodes[i].outputs[0].name for i in workspace.offsets}
-    assert workspace.nbytes <= sum(graph.nodes[i].outputs[0].type.nbytes
-                                   for i in workspace.offsets)  # fmt: skip
+    assert not outputs & set(workspace.offsets)
+    assert workspace.nbytes <= sum(made_at[name][1].type.nbytes for name in workspace.offsets)
 
 
-def _buffer_end(graph: Graph, i: int, reuse: dict[int, int]) -> int:
+def _buffer_end(graph: Graph, i: int, result: int, reuse: dict[int, int]) -> int:
     """The last read of node i's result or of anything sharing its memory (test's own walk:
     views of it, in-place results over it, transitively)."""
     last = last_reads(graph)
-    shared = {graph.nodes[i].outputs[0].name}
+    shared = {graph.nodes[i].outputs[result].name}
     for j, node in enumerate(graph.nodes[i + 1 :], start=i + 1):
         view = get_op(node.op).has(Fact.VIEW) and node.inputs[0].name in shared
         over = j in reuse and node.inputs[reuse[j]].name in shared
@@ -105,10 +105,12 @@ def test_slots_never_overlap_while_alive(workspace_step: pe.TrainStep) -> None:
     graph = workspace_step._exec.graph
     reuse = reusable_inputs(graph)
     workspace = torch_heap.plan_workspace(graph, reuse, torch_heap.WORKSPACE_OPS, 1024)
+    made_at = {v.name: (i, k) for i, n in enumerate(graph.nodes) for k, v in enumerate(n.outputs)}
     spans = []
-    for i, offset in workspace.offsets.items():
-        nbytes = graph.nodes[i].outputs[0].type.nbytes
-        spans.append((i, _buffer_end(graph, i, reuse), offset, offset + nbytes))
+    for name, offset in workspace.offsets.items():
+        i, k = made_at[name]
+        nbytes = graph.nodes[i].outputs[k].type.nbytes
+        spans.append((i, _buffer_end(graph, i, k, reuse), offset, offset + nbytes))
         assert offset % 64 == 0 and offset + nbytes <= workspace.nbytes
     assert len(spans) > 10
     for a in spans:
@@ -123,8 +125,9 @@ def test_views_keep_a_slot_alive(workspace_step: pe.TrainStep) -> None:
     graph = workspace_step._exec.graph
     reuse, last = reusable_inputs(graph), last_reads(graph)
     workspace = torch_heap.plan_workspace(graph, reuse, torch_heap.WORKSPACE_OPS, 1024)
-    longer = [i for i in workspace.offsets
-              if _buffer_end(graph, i, reuse) > last[graph.nodes[i].outputs[0].name]]  # fmt: skip
+    made_at = {v.name: (i, k) for i, n in enumerate(graph.nodes) for k, v in enumerate(n.outputs)}
+    longer = [name for name in workspace.offsets
+              if _buffer_end(graph, *made_at[name], reuse) > last[name]]  # fmt: skip
     assert longer
 
 

@@ -41,7 +41,14 @@ from pockengine.backends import (
 )
 from pockengine.backends.base import Backend, Executable, NotShareableError, Store, check_ops
 from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_source
-from pockengine.backends.torch_heap import WORKSPACE_OPS, Workspace, plan_workspace, trim_points
+from pockengine.backends.torch_heap import (
+    MMAP_THRESHOLD_MAX,
+    WORKSPACE_OPS,
+    Workspace,
+    fix_heap_thresholds,
+    plan_workspace,
+    trim_points,
+)
 from pockengine.backends.torch_kernels import torch_dtype
 from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
 from pockengine.plan.inplace import reusable_inputs
@@ -109,8 +116,9 @@ class TorchExecutable(Executable):
         self.device = device
         self._trim = libc_function("malloc_trim") if trim_heap else None
         reuse = reusable_inputs(graph) if inplace else {}
-        # the nodes after which the run trims the heap (``torch_heap``)
-        points = trim_points(graph, reuse) if trim_peak else ()
+        # the nodes after which the run trims the heap (``torch_heap``); none with a
+        # workspace, which holds the large results whose pages the trims would give back
+        points = trim_points(graph, reuse) if trim_peak and not workspace else ()
         peak_trim = libc_function("malloc_trim") if points else None
         self.trim_points = points if peak_trim is not None else ()
         after = dict.fromkeys(self.trim_points, "heap_trim(0)")
@@ -209,6 +217,27 @@ def keep_freed_heap() -> bool:
     return bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and done)
 
 
+def _checked_thresholds(
+    thresholds: tuple[int, int] | None, keep_heap: bool
+) -> tuple[int, int] | None:
+    """``TorchBackend``'s ``heap_thresholds``, validated: ``(mmap_bytes, trim_bytes)``."""
+    if thresholds is None:
+        return None
+    where = f"TorchBackend(heap_thresholds={thresholds!r})"
+    if not isinstance(thresholds, tuple) or len(thresholds) != 2:
+        raise CompileError(f"{where}: a pair (mmap_bytes, trim_bytes)")
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in thresholds):
+        raise CompileError(f"{where}: both thresholds are numbers of bytes (int)")
+    mmap_bytes, trim_bytes = thresholds
+    if not 0 < mmap_bytes <= MMAP_THRESHOLD_MAX:
+        raise CompileError(f"{where}: glibc's mmap threshold is 1 to {MMAP_THRESHOLD_MAX} bytes")
+    if trim_bytes <= 0:
+        raise CompileError(f"{where}: the trim threshold must be positive")
+    if keep_heap:
+        raise CompileError(f"{where}: keep_heap=True fixes both thresholds itself; choose one")
+    return mmap_bytes, trim_bytes
+
+
 class TorchBackend(Backend):
     """ATen kernels on ``device`` ("cpu" or "cuda"), called from generated code.
 
@@ -236,7 +265,12 @@ class TorchBackend(Backend):
     with ``out=`` into one buffer each executable allocates once and keeps, at offsets
     planned from the graph (``torch_heap.plan_workspace``): no allocator, no page faults
     and no fragmentation for them, bit for bit the same results; the buffer stays resident
-    between calls (so an executable is not re-entrant)."""
+    between calls (so an executable is not re-entrant), and the run makes no trims inside
+    it (``trim_peak``: the heap then holds nothing large). Opt-in, ``heap_thresholds``:
+    glibc's mmap and trim thresholds fixed at ``(mmap_bytes, trim_bytes)`` for the whole
+    process (``torch_heap.fix_heap_thresholds``), at compile; with the workspace, the
+    resident size then follows the live bytes, and ``(2 << 20, 8 << 20)`` takes no page
+    faults in a steady LoRA step (docs/benchmarks.md, session 12)."""
 
     name = "torch"
 
@@ -250,9 +284,11 @@ class TorchBackend(Backend):
         frozen_channels_last: bool = False,
         trim_peak: bool = True,
         workspace: bool = False,
+        heap_thresholds: tuple[int, int] | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.workspace = workspace
+        self.heap_thresholds = _checked_thresholds(heap_thresholds, keep_heap)
         self.channels_last = channels_last
         self.keep_heap = keep_heap
         self.inplace = inplace  # elementwise results over dying inputs (plan.inplace)
@@ -263,6 +299,8 @@ class TorchBackend(Backend):
     def compile(self, graph: Graph) -> TorchExecutable:
         if self.keep_heap and self.device.type == "cpu":
             keep_freed_heap()
+        if self.heap_thresholds is not None and self.device.type == "cpu":
+            fix_heap_thresholds(*self.heap_thresholds)
         return TorchExecutable(
             graph, self.device, self.inplace, self.trim_heap, self.trim_peak, self.workspace
         )

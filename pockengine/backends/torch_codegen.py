@@ -24,9 +24,10 @@ module decides everything around them:
   counts it), an elementwise kernel writes its result over a dying input (``Emit.into``,
   passed as ``out=``): the chains of a layer (batch norm, relu6, residual add; the
   backward's gradient sums) run in one buffer instead of allocating one per op;
-- workspace: given a ``torch_heap.Workspace`` and its buffer, a node with a slot there may
-  write its result into it (``Emit.dest``, passed as ``out=``): a view of the buffer at
-  the slot's offset, bound as a global; a kernel that cannot ignores it and allocates.
+- workspace: given a ``torch_heap.Workspace`` and its buffer, a node result with a slot
+  there may be written into it (``Emit.dest``, passed as ``out=``, or copied there at once
+  by ``torch_kernels.to_slot``): a view of the buffer at the slot's offset, bound as a
+  global; a kernel that cannot ignores it and allocates.
 """
 
 from __future__ import annotations
@@ -115,11 +116,11 @@ class Emit:
         """The global naming a torch dtype."""
         return f"dt_{DType(dtype)}"
 
-    def dest(self, shape: tuple[int, ...] | None = None) -> str | None:
-        """A global viewing this node's workspace slot with ``shape`` (default: its result's),
-        for an ``out=`` argument, or None when the node has no slot. Only a kernel of an op
-        in the workspace's op set is given one (``TorchBackend(workspace=True)``)."""
-        return self._gen.slot(self.node, shape)
+    def dest(self, shape: tuple[int, ...] | None = None, result: int = 0) -> str | None:
+        """A global viewing the workspace slot of result ``result`` with ``shape`` (default:
+        the result's), for an ``out=`` argument, or None when it has no slot. Only results of
+        an op in the workspace's op set get one (``TorchBackend(workspace=True)``)."""
+        return self._gen.slot(self.node.outputs[result], shape)
 
     def tmp(self) -> str:
         """A fresh local, deleted at the end of this node's line."""
@@ -201,11 +202,11 @@ class _Generator:
         device: torch.device,
         finders: Mapping[str, PairFinder],
         reuse: Mapping[int, int],
-        workspace: tuple[torch.Tensor, Mapping[int, int]] | None = None,
+        workspace: tuple[torch.Tensor, Mapping[str, int]] | None = None,
     ) -> None:
         self.graph = graph
         self.arena: torch.Tensor | None = None if workspace is None else workspace[0]
-        self.slots: Mapping[int, int] = {} if workspace is None else workspace[1]
+        self.slots: Mapping[str, int] = {} if workspace is None else workspace[1]
         self.device = device
         made_at = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
         self.index = GraphIndex(graph.producers(), graph.users(), made_at)
@@ -232,14 +233,13 @@ class _Generator:
         self.constants[name] = tensor
         return name
 
-    def slot(self, node: Node, shape: tuple[int, ...] | None) -> str | None:
-        """The global viewing node ``line_index``'s workspace slot with ``shape``, if any."""
-        offset = self.slots.get(self.line_index)
+    def slot(self, out: Value, shape: tuple[int, ...] | None) -> str | None:
+        """The global viewing ``out``'s workspace slot with ``shape``, if it has one."""
+        offset = self.slots.get(out.name)
         if offset is None or self.arena is None:
             return None
-        out = node.outputs[0]
         shape = out.shape if shape is None else shape
-        key = ("slot", self.line_index, shape)
+        key = ("slot", out.name, shape)
         if key not in self.shared:
             flat = self.arena[offset : offset + out.type.nbytes].view(_SLOT_DTYPES[out.dtype])
             self.shared[key] = self.constant(flat.view(shape))
@@ -340,14 +340,14 @@ def generate_source(
     device: torch.device,
     reuse: Mapping[int, int] | None = None,
     after: Mapping[int, str] | None = None,
-    workspace: tuple[torch.Tensor, Mapping[int, int]] | None = None,
+    workspace: tuple[torch.Tensor, Mapping[str, int]] | None = None,
 ) -> GeneratedSource:
     """The step function's source; its globals are the kernels' and the constants.
     ``reuse``: node index -> the input whose buffer its elementwise result overwrites
     (default: all that ``plan.inplace.reusable_inputs`` allows; ``{}``: none).
     ``after``: node index -> a statement run once that node's line is done (its deaths
-    included), on the same line. ``workspace``: a uint8 buffer and node index -> the byte
-    offset of its result there (``torch_heap.plan_workspace``; ``Emit.dest``)."""
+    included), on the same line. ``workspace``: a uint8 buffer and value name -> the byte
+    offset of that result there (``torch_heap.plan_workspace``; ``Emit.dest``)."""
     reuse = reusable_inputs(graph) if reuse is None else reuse
     gen = _Generator(graph, device, finders, reuse, workspace)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)

@@ -27,22 +27,34 @@ plan's per-value liveness does not track (it gives a view a buffer of its own). 
 are placed as the memory plan places values (``plan.memory.place_intervals``). A buffer
 any value of which is a graph output never gets a slot: the caller keeps outputs past the
 call, and the next call would overwrite them.
+
+Where ATen has no ``out=`` form (the fused flash-attention kernels) or its ``out=`` form
+computes more than the node asks for (``native_layer_norm_backward.out`` insists on the
+weight and bias gradients), the kernel allocates its result and copies it into the slot
+at once, in the layout ATen gave it (``COPIED_OPS``, ``torch_kernels.to_slot``): the
+allocator then serves that block for one line only, and the same block again at the next
+such node, so the step's long-lived large tensors are all in the workspace and glibc's
+heap holds nothing large across a step (session 12: a copy of 1.5 MiB costs ~0.1 ms).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pockengine.ir import Fact, Graph, Node, get_op
+from pockengine._libc import libc_function
+from pockengine.ir import Fact, Graph, Node, Value, get_op
 from pockengine.plan.liveness import Interval, last_reads, liveness
 from pockengine.plan.memory import place_intervals
 
 __all__ = [
     "MIN_TRIM_BYTES",
     "MIN_WORKSPACE_BYTES",
+    "MMAP_THRESHOLD_MAX",
     "WORKSPACE_OPS",
     "Workspace",
+    "fix_heap_thresholds",
     "plan_workspace",
     "trim_points",
 ]
@@ -52,9 +64,46 @@ _FOREIGN = ""  # the root of memory the step does not own (graph inputs, constan
 _DROP_SHARE = 16  # a trim follows a death of at least 1/16 of the planned live peak ...
 _BAND = 1 / 2  # ... while the live bytes are at least half of it
 MIN_WORKSPACE_BYTES = 64 << 10  # smaller results stay with the allocator
-# the ops whose torch kernels write a result into a given tensor (``Emit.dest``)
-WORKSPACE_OPS = frozenset({"linear", "matmul", "gelu", "gelu_grad", "add", "mul", "layer_norm"})
-_FIRST_RESULT_OPS = frozenset({"layer_norm"})  # a slot for result 0 only (y, not statistics)
+# the ops whose torch kernels put a result into a given tensor (``Emit.dest``): ``out=``, or
+# a copy at once (``COPIED_OPS``)
+WORKSPACE_OPS = frozenset({
+    "linear", "matmul", "gelu", "gelu_grad", "add", "mul", "layer_norm", "layer_norm_grad",
+    "attention", "attention_grad", "embedding",
+})  # fmt: skip
+COPIED_OPS = frozenset({"layer_norm_grad", "attention", "attention_grad"})
+# ops whose ``out=`` result never casts whatever their inputs' dtypes (a row gather)
+_ANY_INPUT_DTYPE = COPIED_OPS | {"embedding"}
+# the results of a multi-result op that get slots (not statistics, nor parameter gradients)
+_SLOTTED_RESULTS = {"layer_norm": (0,), "layer_norm_grad": (0,), "attention": (0,),
+                    "attention_grad": (0, 1, 2)}  # fmt: skip
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+
+
+@functools.cache
+def fix_heap_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``mmap_bytes`` and its trim threshold at ``trim_bytes``
+    for the whole process. Blocks of at least ``mmap_bytes`` are mapped on their own and
+    unmapped at their ``free``; smaller ones come from the heap, whose free top is given
+    back to the OS once it exceeds ``trim_bytes``. glibc's default thresholds are dynamic:
+    the mmap threshold rises to the largest block freed so far (up to 32 MiB) and the trim
+    threshold to twice that, so the history of the process decides whether a large
+    short-lived tensor lands in the heap (and leaves fragments resident there) or costs
+    page faults every time. With a workspace holding every large result a step keeps,
+    what still reaches ``malloc`` is small, plus a few kernel temporaries (the results
+    ``COPIED_OPS`` copy, flash attention's buffers: ~1.5 MiB each, freed on their line):
+    an mmap threshold above those and a trim threshold above their sum keep them in the
+    top of the heap, reused call after call without page faults, and the resident size
+    follows the live bytes. True if set (False off glibc). Process-wide and not undone
+    (glibc has no getter to restore the adaptive thresholds), so opt-in:
+    ``TorchBackend(heap_thresholds=...)``."""
+    mallopt = libc_function("mallopt")
+    if mallopt is None:
+        return False
+    done = mallopt(_M_MMAP_THRESHOLD, mmap_bytes) == 1
+    return bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1 and done)
 
 
 def trim_points(graph: Graph, reuse: Mapping[int, int]) -> tuple[int, ...]:
@@ -72,9 +121,9 @@ def trim_points(graph: Graph, reuse: Mapping[int, int]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Workspace:
-    """Node index -> the byte offset of its result in one buffer of ``nbytes`` bytes."""
+    """Value name -> the byte offset of that node result in one buffer of ``nbytes`` bytes."""
 
-    offsets: Mapping[int, int]
+    offsets: Mapping[str, int]
     nbytes: int
 
 
@@ -97,15 +146,22 @@ def _buffer_ends(graph: Graph, reuse: Mapping[int, int]) -> tuple[dict[str, str]
     return root, end
 
 
-def _slot_worthy(node: Node, ops: frozenset[str], min_bytes: int) -> bool:
-    """A float result 0 of an op whose kernel writes into a given tensor, big enough, with
-    every input of the result's dtype (``out=`` then never casts); its only result, or
-    the first of an op in ``_FIRST_RESULT_OPS``."""
-    if node.op not in ops or not (len(node.outputs) == 1 or node.op in _FIRST_RESULT_OPS):
-        return False
-    out = node.outputs[0]
-    same = all(v.dtype == out.dtype for v in node.inputs)
-    return out.dtype.is_float and same and out.type.nbytes >= min_bytes
+def _slotted(node: Node, ops: frozenset[str], min_bytes: int) -> tuple[int, ...]:
+    """The results of ``node`` that get a slot: float results of an op whose kernel puts
+    them into a given tensor (its only result, or those ``_SLOTTED_RESULTS`` names), big
+    enough; with an ``out=`` that could cast (not ``_ANY_INPUT_DTYPE``) only where every
+    input has the result's dtype."""
+    if node.op not in ops:
+        return ()
+    picked = _SLOTTED_RESULTS.get(node.op, (0,) if len(node.outputs) == 1 else ())
+    dtype = node.outputs[0].dtype
+    if node.op not in _ANY_INPUT_DTYPE and any(v.dtype != dtype for v in node.inputs):
+        return ()
+    return tuple(k for k in picked if _float_and_large(node.outputs[k], min_bytes))
+
+
+def _float_and_large(value: Value, min_bytes: int) -> bool:
+    return value.dtype.is_float and value.type.nbytes >= min_bytes
 
 
 def plan_workspace(
@@ -120,14 +176,15 @@ def plan_workspace(
     min_bytes = MIN_WORKSPACE_BYTES if min_bytes is None else min_bytes
     root, end = _buffer_ends(graph, reuse)
     outputs = {root.get(v.name, _FOREIGN) for v in graph.outputs}
-    intervals: dict[int, Interval] = {}
+    intervals: list[Interval] = []
     for i, node in enumerate(graph.nodes):
-        if i in reuse or not _slot_worthy(node, ops, min_bytes):
+        if i in reuse:
             continue
-        out = node.outputs[0]
-        if root.get(out.name) == out.name and out.name not in outputs:
-            intervals[i] = Interval(out, i, end[out.name])
-    offsets = place_intervals(list(intervals.values()))
-    at = {i: offsets[iv.value.name] for i, iv in intervals.items()}
-    size = max((at[i] + iv.nbytes for i, iv in intervals.items()), default=0)
-    return Workspace(at, size)
+        for k in _slotted(node, ops, min_bytes):
+            out = node.outputs[k]
+            # (a result read by no later node needs no slot: it dies on its own line)
+            if root.get(out.name) == out.name and out.name not in outputs and end[out.name] > i:
+                intervals.append(Interval(out, i, end[out.name]))
+    offsets = place_intervals(intervals)
+    size = max((offsets[iv.value.name] + iv.nbytes for iv in intervals), default=0)
+    return Workspace(offsets, size)

@@ -20,7 +20,7 @@ from pockengine.backends.torch_codegen import Emit, Emitter, PairFinder, literal
 from pockengine.ir import DType, get_op
 from pockengine.ops._common import norm_axes
 
-__all__ = ["FINDERS", "KERNELS", "NAMESPACE", "torch_dtype"]
+__all__ = ["FINDERS", "KERNELS", "NAMESPACE", "slot_copies", "to_slot", "torch_dtype"]
 
 _aten = torch.ops.aten
 
@@ -36,6 +36,39 @@ def _into(e: Emit, keyword: str = "out") -> str:
     """``, out=<target>`` when the result has a buffer to go to (``_target``)."""
     target = _target(e)
     return "" if target is None else f", {keyword}={target}"
+
+
+def slot_copies(e: Emit) -> list[str]:
+    """``r = to_slot(slot, r)`` for each result of the node that has a workspace slot
+    (``Emit.dest``), for kernels whose ATen call allocates its results
+    (``torch_heap.COPIED_OPS``)."""
+    stmts = []
+    for k, (name, value) in enumerate(zip(e.outs, e.node.outputs, strict=True)):
+        flat = e.dest((value.type.numel,), k)
+        if flat is not None:
+            stmts.append(f"{name} = to_slot({flat}, {name})")
+    return stmts
+
+
+def to_slot(slot: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` copied into ``slot`` (a flat tensor of as many elements) with the same
+    strides, so that its views downstream stay views; ``result`` itself where its layout
+    is not dense (a permutation of a row-major one), which ``slot`` could not hold."""
+    if not _dense_layout(result):
+        return result
+    return slot.as_strided(result.shape, result.stride()).copy_(result)
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive places (row-major up to an
+    order of its axes)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)
+                               if sz != 1):  # fmt: skip
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _call(fn: str, **kwargs: object) -> Emitter:
@@ -322,6 +355,7 @@ NAMESPACE: dict[str, _Fn] = {
     "aten_softmax": torch.softmax,
     "aten_log_softmax": torch.log_softmax,
     "aten_cumsum": torch.cumsum,
+    "to_slot": to_slot,
     **torch_kernels_rng.NAMESPACE,
 }
 

@@ -5,6 +5,8 @@ On CPU both run ATen's fused flash-attention kernels
 the [B, H, L, S] probabilities: the backward recomputes them block by block from q, k
 and the log-sum-exp. Elsewhere (CUDA, or value heads of another size than the query's)
 the same math runs as matmuls and a softmax, materialising the scores for the call.
+Neither has an ``out=`` form: with a workspace, the results are copied into their slots
+at once (``torch_kernels.slot_copies``; ``torch_heap.COPIED_OPS``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from pockengine.backends.torch_codegen import Emit, Emitter, literal
+from pockengine.backends.torch_kernels import slot_copies
 
 __all__ = ["KERNELS", "NAMESPACE"]
 
@@ -51,7 +54,7 @@ def _attention(e: Emit) -> list[str]:
     kw, causal = _args(e, 3, stmts)
     fn = "flash_attention" if _fused(e) else "attention_math"
     stmts.append(f"{', '.join(e.outs)} = {fn}({q}, {k}, {v}, {causal}, {kw})")
-    return stmts
+    return stmts + slot_copies(e)
 
 
 def _attention_grad(e: Emit) -> list[str]:
@@ -60,7 +63,7 @@ def _attention_grad(e: Emit) -> list[str]:
     args = ", ".join(e.ins[:6])
     fn = "flash_attention_grad" if _fused(e) else "attention_grad_math"
     stmts.append(f"{', '.join(e.outs)} = {fn}({args}, {causal}, {kw})")
-    return stmts
+    return stmts + slot_copies(e)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from pockengine.backends.torch_codegen import Emit, Emitter, GraphIndex, PairFinder, literal
-from pockengine.backends.torch_kernels import torch_dtype
+from pockengine.backends.torch_kernels import slot_copies, torch_dtype
 from pockengine.ir import Node
 
 __all__ = ["FINDERS", "KERNELS", "NAMESPACE"]
@@ -236,7 +236,9 @@ def _layer_norm_grad(e: Emit) -> list[str]:
     gy, x, w, mean, rstd = e.ins
     # The bias argument only gives the bias gradient's shape and dtype: w's.
     args = f"{gy}, {x}, {_normalized_shape(e)}, {mean}, {rstd}, {w}, {w}, {literal(e.used)}"
-    return [f"{', '.join(e.outs)} = aten_native_layer_norm_backward({args})"]
+    # gx copied into its workspace slot, if it has one: the ``out=`` overload would insist
+    # on computing the weight and bias gradients too (2.4x the time, session 12)
+    return [f"{', '.join(e.outs)} = aten_native_layer_norm_backward({args})", *slot_copies(e)]
 
 
 # -- updates (in place) ----------------------------------------------------------------------

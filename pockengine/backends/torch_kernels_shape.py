@@ -8,6 +8,7 @@ from the end, as NumPy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -126,7 +127,14 @@ def _padding_row(padding_idx: int | None, rows: int) -> int:
 
 def _embedding(e: Emit) -> list[str]:
     rows = e.node.inputs[0].shape[0]
-    return [f"{e.out} = aten_embedding({e.ins[0]}, wrap_index({e.ins[1]}, {rows}))"]
+    ids = f"wrap_index({e.ins[1]}, {rows})"
+    out = e.node.outputs[0]
+    dest = e.dest((math.prod(out.shape[:-1]), out.shape[-1]))
+    if dest is None:
+        return [f"{e.out} = aten_embedding({e.ins[0]}, {ids})"]
+    # ATen's embedding is this row gather; here its rows go straight into the slot
+    select = f"aten_index_select({e.ins[0]}, 0, {ids}.reshape(-1), out={dest})"
+    return [f"{e.out} = {select}.view({literal(out.shape)})"]
 
 
 def _embedding_grad(e: Emit) -> list[str]:
@@ -165,6 +173,7 @@ NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_index": _aten.index.Tensor,
     "aten_index_put_": _aten.index_put_.default,
     "aten_embedding": torch.embedding,
+    "aten_index_select": torch.index_select,
     "aten_embedding_dense_backward": _aten.embedding_dense_backward.default,
     "wrap_index": wrap_index,
 }
