@@ -42,6 +42,7 @@ __all__ = [
     "Stages",
     "StepParts",
     "apply_resolution",
+    "batchnorm_modules",
     "build_parts",
     "frozen_batchnorms",
     "gradients_graph",
@@ -262,13 +263,15 @@ def _onnx_parts(
     )  # fmt: skip
 
 
+def batchnorm_modules(info: ModelInfo) -> set[str]:
+    """The BatchNorm modules of the model (those with params)."""
+    return {p.module for p in info.params if "batchnorm" in p.module_type.lower()}
+
+
 def frozen_batchnorms(info: ModelInfo, resolution: Resolution) -> set[str]:
     """BatchNorm modules none of whose params train (they may run on running statistics)."""
-    modules: dict[str, bool] = {}
-    for p in info.params:
-        if "batchnorm" in p.module_type.lower():
-            modules[p.module] = modules.get(p.module, False) or p.name in resolution.rows
-    return {m for m, trained in modules.items() if not trained}
+    trained = {p.module for p in info.params if p.name in resolution.rows}
+    return batchnorm_modules(info) - trained
 
 
 def apply_resolution(forward: Graph, resolution: Resolution) -> Graph:

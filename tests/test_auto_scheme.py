@@ -50,6 +50,32 @@ def wide_classifier(vocab_size: int, num_labels: int) -> nn.Module:
     return WideClassifier(vocab_size, num_labels)
 
 
+class NormedClassifier(nn.Module):
+    """Embedding, mean pool, Linear, BatchNorm1d (one value a channel per example: batch
+    statistics of one example are undefined), Linear, a head."""
+
+    def __init__(self, vocab_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, 16)
+        self.fc1 = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 16)
+        self.head = nn.Linear(16, num_labels)
+        with torch.no_grad():  # running statistics unlike any batch's
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1).to(torch.float32)
+        h = (self.embed(ids) * m).sum(1) / m.sum(1).clamp(min=1.0)
+        out: torch.Tensor = self.head(torch.tanh(self.fc2(torch.tanh(self.bn(self.fc1(h))))))
+        return out
+
+
+def normed_classifier(vocab_size: int, num_labels: int) -> nn.Module:
+    return NormedClassifier(vocab_size, num_labels)
+
+
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PE_CACHE", str(tmp_path / "cache"))
@@ -93,13 +119,7 @@ def test_scores_are_those_of_torch_autograd(tmp_path: Path, settings: est.Estima
     assert [w.name for w in weights] == ["fc1.weight", "fc2.weight", "fc3.weight"]
     scores = est.estimate_scores(config, task, planner, weights, settings)
     assert [w.param for w in scores.weights] == [w.name for w in weights]
-    grads: dict[str, list[np.ndarray]] = {}
-    for b in range(3):  # the last 3 batches of the training split, as the estimate reads
-        batch = [torch.from_numpy(a[len(a) - (b + 1) * 8 : len(a) - b * 8]) for a in task.train]
-        task.model.zero_grad()
-        task.loss_fn(task.model, *batch).backward()
-        for w in weights:
-            grads.setdefault(w.name, []).append(task.model.get_parameter(w.name).grad.numpy())
+    grads = _autograd_gradients(task, [w.name for w in weights])
     for w in scores.weights:
         g = np.stack(grads[w.param]).astype(np.float64)
         value = task.model.get_parameter(w.param).detach().numpy()
@@ -120,6 +140,43 @@ def test_scores_are_those_of_torch_autograd(tmp_path: Path, settings: est.Estima
         mine = sorted((i for i in items if i.group == name), key=lambda i: i.ratio)
         assert [i.value for i in mine] == sorted(i.value for i in mine)
         assert [i.cost["memory"] for i in mine] == sorted(i.cost["memory"] for i in mine)
+
+
+def _autograd_gradients(task: recipes.Task, names: list[str]) -> dict[str, list[np.ndarray]]:
+    """torch.autograd's gradients of ``names`` on the last 3 batches of 8 of the training
+    split, as the estimate reads them."""
+    grads: dict[str, list[np.ndarray]] = {}
+    for b in range(3):
+        batch = [torch.from_numpy(a[len(a) - (b + 1) * 8 : len(a) - b * 8]) for a in task.train]
+        task.model.zero_grad()
+        task.loss_fn(task.model, *batch).backward()
+        for name in names:
+            grads.setdefault(name, []).append(task.model.get_parameter(name).grad.numpy())
+    return grads
+
+
+@pytest.mark.parametrize("micro_batch", [1, 8], ids=["one-example", "whole-batches"])
+def test_the_estimate_runs_batchnorm_on_its_running_statistics(
+    tmp_path: Path, micro_batch: int
+) -> None:
+    """Batch statistics of a one-example micro-batch normalise each example by itself (a
+    BatchNorm1d, or a BatchNorm2d over a 1x1 map, cannot even be traced): the estimate runs
+    every BatchNorm on its running statistics, whole batches too, so its scores are
+    autograd's on the model with its BatchNorms in eval mode."""
+    config = _config(tmp_path, model="tests.test_auto_scheme:normed_classifier")
+    task = recipes.build(config)
+    planner = _planner(config, task)
+    weights = est.candidate_weights(planner.info, {"head.weight", "head.bias"})
+    assert [w.name for w in weights] == ["fc1.weight", "fc2.weight"]
+    settings = est.EstimateSettings(batches=3, micro_batch=micro_batch)
+    scores = est.estimate_scores(config, task, planner, weights, settings)
+    assert task.model.training and task.model.bn.training  # the model is left as it was
+    task.model.bn.eval()
+    grads = _autograd_gradients(task, [w.name for w in weights])
+    for w in scores.weights:
+        g = np.stack(grads[w.param]).astype(np.float64)
+        np.testing.assert_allclose(w.rows["fisher"], (g**2).mean(0).sum(1), rtol=1e-4)
+        np.testing.assert_allclose(w.rows["grad"], np.abs(g.mean(0)).sum(1), rtol=1e-4)
 
 
 def test_auto_trains_within_the_budget_and_says_why(tmp_path: Path) -> None:
@@ -158,6 +215,33 @@ def test_budgets_at_the_edges_are_said(tmp_path: Path) -> None:
     roomy = choose_auto(dataclasses.replace(config, memory_budget=float(1 << 30)), task, sparse)
     assert roomy.scheme.kind == "full"
     assert any("analysis skipped: the budget allows full" in n for n in roomy.notes)
+
+
+def test_the_score_that_ranks_the_weights_is_the_config_s(tmp_path: Path) -> None:
+    """``--auto-score`` picks which of the estimate's scores values the weights; the
+    gradients are taken once (every kind is kept), the choice is cached per kind."""
+    config = _config(tmp_path)
+    task = recipes.build(config)
+    planner = _planner(config, task)
+    bias = planner.figures(scheme_named("bias")).planned_peak_bytes
+    full = planner.figures(scheme_named("full")).planned_peak_bytes
+    sparse = recipes.RECIPES["generic"].sparse
+    choices = {}
+    for kind in est.SCORES:
+        run = dataclasses.replace(config, memory_budget=(bias + full) / 2, auto_score=kind)
+        choices[kind] = choose_auto(run.validate(), task, sparse)
+    first, *rest = est.SCORES
+    # the first kind took the gradients; the others read the estimate from the cache
+    assert not choices[first].cached and all(choices[k].cached for k in rest)
+    for kind, choice in choices.items():
+        assert choice.score == kind
+        values = [c["score"] for c in choice.candidates]
+        shares = [c["share"] for c in choice.candidates]
+        # each kind's shares are its own scores over their sum
+        assert shares == pytest.approx([v / sum(values) for v in values])
+    assert len({tuple(c["score"] for c in ch.candidates) for ch in choices.values()}) == 3
+    with pytest.raises(FinetuneError, match="auto_score must be one of fisher, taylor, grad"):
+        dataclasses.replace(config, auto_score="l2").validate()
 
 
 def test_auto_is_a_name_only_the_fine_tuner_resolves() -> None:

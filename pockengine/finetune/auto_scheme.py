@@ -147,7 +147,7 @@ def choose_auto(
     """The scheme to train under the budget (see the module docstring); a choice made
     before for the same model, data, shapes, optimizer and budget is read from the cache."""
     start = time.perf_counter()
-    settings = (settings or EstimateSettings()).check()
+    settings = (settings or EstimateSettings(score=config.auto_score)).check()
     facts = {"budget": config.memory_budget, "sparse": sparse.to_dict(), "kind": task.kind,
              "optimizer": [config.optimizer, config.momentum], "score": settings.score,
              "ratios": list(settings.ratios)}  # fmt: skip

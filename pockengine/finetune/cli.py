@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from pockengine.cli_help import BACKEND_HELP, RECIPE_HELP, THREADS_HELP
 from pockengine.finetune.config import (
+    AUTO_SCORES,
     DEFAULT_BACKEND,
     DEFAULT_RECIPE,
     FROZEN_DTYPE_CHOICES,
@@ -154,6 +155,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: the sparse scheme's planned peak) and of pockengine search",
     )  # fmt: skip
     how.add_argument(
+        "--auto-score", choices=AUTO_SCORES, default="fisher",
+        help="what ranks the weights --scheme auto may train, from a few backward passes: "
+        "fisher (mean squared batch gradient), taylor (|gradient x weight|, unchanged by "
+        "rescaling a weight a normalisation follows) or grad (|gradient|) (default: fisher)",
+    )  # fmt: skip
+    how.add_argument(
         "--remat-budget", type=budget_or_none,
         help="planned peak the step must fit, e.g. 600MB (MiB units), by recomputing "
         "activations (whole blocks if need be) in the backward pass; results unchanged "
@@ -255,6 +262,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         encoding=args.encoding,
         scheme=args.scheme,
         memory_budget=args.memory_budget,
+        auto_score=args.auto_score,
         remat_budget=args.remat_budget,
         optimizer=args.optimizer,
         lr=args.lr,

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.finetune.checkpoint import write_atomic
-from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.config import AUTO_SCORES, FinetuneConfig, FinetuneError
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.ir import Graph, Role
 from pockengine.optim import Optimizer
@@ -62,13 +62,13 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-SCORES = ("fisher", "taylor", "grad")
+SCORES = AUTO_SCORES  # ("fisher", "taylor", "grad")
 _SKIP_TYPES = ("embedding",)  # rows of an embedding are tokens, not output channels
 _VIEWS = frozenset({"transpose", "reshape", "cast"})  # a weight read through these is still it
 # Options that do not change what the model sees of the data (the scores' cache key).
 _NOT_IN_KEY = ("scheme", "lr", "epochs", "memory_budget", "remat_budget", "warmup", "max_val",
                "val_fraction", "test_fraction", "optimizer", "momentum",
-               "weight_decay")  # fmt: skip
+               "weight_decay", "auto_score")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def cache_key(
     epochs or scheme), the data's fingerprint, the number of batches, and ``more``."""
     facts = {k: v for k, v in config.training_dict().items() if k not in _NOT_IN_KEY}
     facts |= {"data": data_fingerprint, "batches": settings.batches,
-              "micro_batch": settings.micro_batch, "v": 3, **more}  # fmt: skip
+              "micro_batch": settings.micro_batch, "v": 4, **more}  # fmt: skip
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -206,11 +206,18 @@ class Planner:
         """A step of a ``rows``-example micro-batch on ``backend`` that trains ``names``
         only, for ``TrainStep.gradients`` (``gradient_sums.gradient_step``)."""
         from pockengine.finetune.gradient_sums import gradient_step
+        from pockengine.step_parts import batchnorm_modules
 
         if rows not in self._micro:  # the run's own import where it is the whole batch
+            # Every BatchNorm on its running statistics, so that a micro-batch's gradient
+            # is the whole batch's share: on batch statistics a one-example micro-batch
+            # normalises each example by itself (and a 1x1 feature map cannot be traced)
+            batchnorms = frozenset(batchnorm_modules(self.info))
             whole = self.imported()
             same = bool(whole.batch) and whole.batch[0].type.shape[:1] == (rows,)
-            self._micro[rows] = whole if same else self._import(set(), rows)
+            self._micro[rows] = (
+                self.imported(batchnorms) if same else self._import(set(batchnorms), rows)
+            )
         return gradient_step(self._micro[rows], self.info, names, backend)
 
     def figures(self, scheme: Scheme) -> Figures:

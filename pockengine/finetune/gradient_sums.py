@@ -74,8 +74,8 @@ def gradient_step(
 ) -> Any:
     """A step on ``backend`` of ``imported`` (a micro-batch's import) that trains only
     ``names``, with no optimizer state, sharing the model's weights, for
-    ``TrainStep.gradients``. BatchNorm layers run on their running statistics, as the
-    named schemes the fine-tuner trains."""
+    ``TrainStep.gradients``. BatchNorm layers run as ``imported`` was exported
+    (``Planner.gradient_step`` exports them all on their running statistics)."""
     import glob
 
     from pockengine.backends import get_backend
