@@ -11,8 +11,10 @@ trains from the global state exactly as ``LocalTrainer.train`` does in a client 
 BatchNorm statistics), and the server's side is the strategy's: the weighted average,
 ``BatchNormStats.pool`` and ``ServerStep``, then ``finetune.metrics.evaluate`` on the
 held-out split. Only the order of the float sums in the average may differ from Flower's.
-``--pooled-bn`` also scores each round with BatchNorm statistics recomputed on the whole
-training split (which no real server has): the ceiling of any statistics a client sends.
+``--local-loss logit-adjusted --la-tau T`` trains each client on its own logit-adjusted
+loss (its shard's prior, one more input of the shared step). ``--pooled-bn`` also scores
+each round with BatchNorm statistics recomputed on the whole training split (which no
+real server has): the ceiling of any statistics a client sends.
 Writes one JSON line per round to stdout and all of them to ``--out``.
 """
 
@@ -30,6 +32,7 @@ import numpy as np
 from pockengine.federated import FederatedConfig
 from pockengine.federated.batchnorm import BatchNormStats
 from pockengine.federated.local import LocalTrainer
+from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.partition import partition
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
 from pockengine.finetune import FinetuneConfig, recipes
@@ -48,11 +51,7 @@ def clients(config: FederatedConfig) -> tuple[list[LocalTrainer], recipes.Task]:
     out = []
     for c, rows in enumerate(shards):
         t = copy.copy(base)
-        t.client, t.shard = c, tuple(np.ascontiguousarray(a[rows]) for a in task.train)
-        t.steps_per_epoch = len(rows) // base.batch_size
-        t.steps_per_round = config.local_epochs * t.steps_per_epoch
-        t.total = config.rounds * t.steps_per_round
-        t.warmup = round(ft.warmup * t.total)
+        t.use_shard(c, tuple(a[rows] for a in task.train))  # its own prior, the shared step
         out.append(t)
     return out, task
 
@@ -129,6 +128,8 @@ def main() -> None:
     p.add_argument("--server-betas", type=float, nargs=2, default=(0.9, 0.99))
     p.add_argument("--server-tau", type=float, default=1e-3)
     p.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute")
+    p.add_argument("--local-loss", choices=LOCAL_LOSSES, default="plain")
+    p.add_argument("--la-tau", type=float, default=1.0)
     p.add_argument("--pooled-bn", action="store_true", help="also score with pooled statistics")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
@@ -140,7 +141,7 @@ def main() -> None:
         partition=a.partition, alpha=a.alpha, server_optimizer=a.server_optimizer,
         server_lr=a.server_lr, server_momentum=a.server_momentum,
         server_betas=tuple(a.server_betas), server_tau=a.server_tau,
-        bn_statistics=a.bn_statistics,
+        bn_statistics=a.bn_statistics, local_loss=a.local_loss, la_tau=a.la_tau,
     )  # fmt: skip
     rows = run(config, a.pooled_bn)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},

@@ -15,8 +15,9 @@ Each run is its own process (``python -m pockengine ...``) writing into ``--runs
   (a partial-channel scheme, for the byte target).
 
 ``--server-optimizer``, ``--server-lr``, ``--server-momentum``, ``--server-betas``,
-``--server-tau`` and ``--bn-statistics`` go to every federated run alike (the server's
-optimizer, and which BatchNorm statistics travel). ``--client-lr`` sets the local
+``--server-tau``, ``--bn-statistics``, ``--local-loss`` and ``--la-tau`` go to every
+federated run alike (the server's optimizer, which BatchNorm statistics travel, and the
+clients' loss). ``--client-lr`` sets the local
 learning rate of the sparse federated runs (``fed-sparse`` and the scheme files').
 
 All runs share the recipe, data subset, shapes and seed, so they hold out the same
@@ -47,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _SHARED = ("recipe", "seq_len", "image_size", "max_train", "max_val", "seed", "backend")
 # federation options every federated run gets (sparse and full alike), when given
 _SERVER = ("server_optimizer", "server_lr", "server_momentum", "server_betas", "server_tau",
-           "bn_statistics")  # fmt: skip
+           "bn_statistics", "local_loss", "la_tau")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-tau", type=float, help="their --server-tau")
     p.add_argument("--bn-statistics", choices=("recompute", "running"),
                    help="their --bn-statistics (default: pockengine federated's)")  # fmt: skip
+    p.add_argument("--local-loss", choices=("plain", "logit-adjusted"),
+                   help="their --local-loss (default: pockengine federated's)")  # fmt: skip
+    p.add_argument("--la-tau", type=float, help="their --la-tau")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--image-size", type=int)
     p.add_argument("--max-train", type=int)

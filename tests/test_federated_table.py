@@ -117,10 +117,11 @@ def test_the_server_optimizer_goes_to_every_federated_run(table: ModuleType) -> 
         backend="torch", clients=10, rounds=10, local_epochs=1, alpha=0.5, full_lr=None,
         runs=Path("/r"), server_optimizer="adam", server_lr=0.003, server_momentum=None,
         server_betas=[0.9, 0.99], server_tau=None, bn_statistics=None, client_lr=0.001,
-        scheme_file=["/s/sparse-c50.json"],
+        scheme_file=["/s/sparse-c50.json"], local_loss="logit-adjusted", la_tau=0.5,
     )  # fmt: skip
     runs = {r.name: table.command(r, args) for r in table.plan(args)}
-    server = ["--server-optimizer", "adam", "--server-lr", "0.003", "--server-betas", "0.9", "0.99"]
+    server = ["--server-optimizer", "adam", "--server-lr", "0.003", "--server-betas", "0.9", "0.99",
+              "--local-loss", "logit-adjusted", "--la-tau", "0.5"]  # fmt: skip
     for name in ("fed-sparse", "fed-full"):
         cmd = " ".join(runs[name])
         assert " ".join(server) in cmd and "--server-momentum" not in cmd, name

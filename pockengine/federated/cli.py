@@ -15,6 +15,7 @@ from typing import Any
 
 from pockengine.cli_help import BACKEND_HELP
 from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
 from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
 from pockengine.sparse.names import SCHEME_HELP
@@ -52,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fed.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute",
                      help="BatchNorm statistics a client sends: those of its shard under its "
                      "final weights, or the step's running ones")  # fmt: skip
+    fed.add_argument("--local-loss", choices=LOCAL_LOSSES, default="plain",
+                     help="the clients' loss: the task's, or logit-adjusted against label "
+                     "skew (logits plus tau times the client's log label prior)")  # fmt: skip
+    fed.add_argument("--la-tau", type=float, default=1.0,
+                     help="logit-adjusted: tau, the log prior's weight (0: plain)")  # fmt: skip
     fed.add_argument("--timeout", type=float, default=600.0, help="seconds a round waits")
     fed.add_argument("--threads", type=int, default=1, help="torch threads per client")
     fed.add_argument("--resume", action="store_true", help="continue from --out's state")
@@ -100,7 +106,7 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
         server_optimizer=args.server_optimizer, server_lr=args.server_lr,
         server_momentum=args.server_momentum, server_betas=tuple(args.server_betas),
         server_tau=args.server_tau,
-        bn_statistics=args.bn_statistics,
+        bn_statistics=args.bn_statistics, local_loss=args.local_loss, la_tau=args.la_tau,
         timeout=args.timeout, resume=args.resume, threads=args.threads,
         stop_after_round=args.stop_after_round,
         fail=tuple(args.fail), delay=tuple(args.delay),

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pockengine.federated.local_loss import check_local_loss
 from pockengine.federated.server_step import (
     ADAPTIVE,
     SERVER_OPTIMIZERS,
@@ -52,6 +53,10 @@ class FederatedConfig:
     server_momentum: float = 0.0  # FedAvgM's momentum on the averaged update (0: none)
     server_betas: tuple[float, float] = (0.9, 0.99)  # adam/yogi/adagrad: beta1, beta2
     server_tau: float = 1e-3  # adam/yogi/adagrad: the adaptivity (epsilon)
+    # the clients' local loss: "plain" (the task's) or "logit-adjusted" (logits + la_tau *
+    # log of the client's label prior; against label skew, see federated.local_loss)
+    local_loss: str = "plain"
+    la_tau: float = 1.0
     timeout: float = 600.0  # seconds a round waits for its clients
     resume: bool = False  # continue from the global state saved in out
     stop_after_round: int | None = None  # stop the server there (as if killed), for resume
@@ -82,6 +87,9 @@ class FederatedConfig:
                 f"bn_statistics must be recompute or running, got {self.bn_statistics!r}"
             )
         self._validate_server()
+        problem = check_local_loss(self.local_loss, self.la_tau)
+        if problem:
+            raise FederatedError(problem)
         if not self.timeout > 0:
             raise FederatedError(f"timeout must be > 0 seconds, got {self.timeout}")
         for spec in self.fail:

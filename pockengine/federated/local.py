@@ -13,6 +13,10 @@ the steps of ``pockengine finetune``, and a resumed run repeats the rounds it re
 FedProx (``proximal_mu`` > 0): a compiled step's loss is fixed, so the proximal term
 is applied decoupled, as AdamW applies weight decay: after each step, ``w -= lr * mu *
 (w - w_global)`` on the trained tensors (their trained rows).
+
+``local_loss`` "logit-adjusted" compiles ``federated.local_loss.logit_adjusted_loss``
+instead of the task's loss: the client's ``tau * log p`` (its shard's label prior) is
+one more batch input, so the one compiled step serves any shard.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 
 from pockengine.federated.batchnorm import BatchNormStats
 from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.federated.local_loss import adjusted_batch, local_loss_fn, logit_bias
 from pockengine.federated.partition import partition
 from pockengine.federated.payload import TrainedSet, load_some
 from pockengine.finetune import data as ds
@@ -51,24 +56,42 @@ def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, Tra
     scheme = recipes.parse_scheme(ft.scheme, ft.recipe)
     recipes.check_model_files(ft)
     task = recipes.build(ft)
-    return config, task, compile_task(ft, task, scheme)
+    return config, task, compile_task(ft, task, scheme, config.local_loss)
 
 
-def compile_task(ft: FinetuneConfig, task: recipes.Task, scheme: Scheme) -> TrainStep:
+def compile_task(
+    ft: FinetuneConfig, task: recipes.Task, scheme: Scheme, local_loss: str = "plain"
+) -> TrainStep:
     """The step ``pockengine finetune`` compiles for this task (same optimizer, batch
-    shape, backend; dropout on, its seed the step's ``rng.seed`` state)."""
+    shape, backend; dropout on, its seed the step's ``rng.seed`` state); with
+    ``local_loss`` "logit-adjusted", its loss takes a last ``[batch, classes]`` bias."""
     import torch
 
     from pockengine.runtime import compile
 
     assert ft.batch_size is not None
-    example = tuple(torch.from_numpy(a[: ft.batch_size]) for a in task.train)
+    batch = tuple(a[: ft.batch_size] for a in task.train)
+    if local_loss == "logit-adjusted":
+        _check_adjustable(task)
+        batch = adjusted_batch(batch, np.zeros(len(task.labels), np.float32))
     task.model.train()
     opt = ft.make_optimizer()
+    loss_fn = local_loss_fn(local_loss, task.loss_fn)
     return compile(
-        task.model, task.loss_fn, example, optimizer=opt, scheme=scheme, backend=ft.backend,
+        task.model, loss_fn, tuple(torch.from_numpy(a) for a in batch), optimizer=opt,
+        scheme=scheme, backend=ft.backend,
         compile_in="process",  # a client process beside Flower's gRPC threads: never fork
     )  # fmt: skip
+
+
+def _check_adjustable(task: recipes.Task) -> None:
+    """The logit adjustment needs a classifier whose loss is cross-entropy of its logits."""
+    if task.kind != "classify" or task.loss_fn is not recipes.classify_loss:
+        raise FederatedError(
+            f"--local-loss logit-adjusted needs a classification task whose loss is the "
+            f"cross-entropy of the model's logits; {task.name!r} is a {task.kind} task "
+            f"with the loss {getattr(task.loss_fn, '__name__', task.loss_fn)}"
+        )
 
 
 def seed_offset(client: int) -> int:
@@ -97,17 +120,28 @@ class LocalTrainer:
         shards = partition(
             task.train, config.partition, config.clients, config.alpha, ft.seed, ft.batch_size
         )
-        self.config, self.client, self.step = config, client, step
-        self.shard = tuple(np.ascontiguousarray(a[shards[client]]) for a in task.train)
-        self.batch_size = ft.batch_size
-        self.steps_per_epoch = len(self.shard[0]) // ft.batch_size
-        self.steps_per_round = config.local_epochs * self.steps_per_epoch
-        self.total = config.rounds * self.steps_per_round
-        self.warmup = round(ft.warmup * self.total)
+        self.config, self.step, self.batch_size = config, step, ft.batch_size
+        self.classes = len(task.labels)
+        self.use_shard(client, tuple(a[shards[client]] for a in task.train))
         self.trained = TrainedSet.of(step)
         self.model, self.kind = task.model, task.kind
         self.batchnorm = BatchNormStats.of(task.model, list(self.trained.rows))
         self._fresh = step.optimizer_state()
+
+    def use_shard(self, client: int, shard: tuple[Array, ...]) -> None:
+        """Train as ``client`` on ``shard`` (inputs..., labels): its step counts, its
+        schedule and, for the logit-adjusted loss, its label prior."""
+        config, ft = self.config, self.config.finetune
+        self.client, self.shard = client, tuple(np.ascontiguousarray(a) for a in shard)
+        self.steps_per_epoch = len(self.shard[0]) // self.batch_size
+        self.steps_per_round = config.local_epochs * self.steps_per_epoch
+        self.total = config.rounds * self.steps_per_round
+        self.warmup = round(ft.warmup * self.total)
+        self.logit_bias = (
+            logit_bias(self.shard[-1], self.classes, config.la_tau)
+            if config.local_loss == "logit-adjusted"
+            else None
+        )
 
     def train(self, arrays: dict[str, Array], server_round: int, mu: float) -> LocalResult:
         """E local epochs from the global ``arrays``; the trained tensors after them."""
@@ -153,7 +187,10 @@ class LocalTrainer:
 
     def _one_step(self, rows: Array, lr: float) -> float:
         self.step.lr = lr
-        loss = self.step(*(np.ascontiguousarray(a[rows]) for a in self.shard))
+        batch = tuple(np.ascontiguousarray(a[rows]) for a in self.shard)
+        if self.logit_bias is not None:
+            batch = adjusted_batch(batch, self.logit_bias)
+        loss = self.step(*batch)
         if not math.isfinite(loss):
             raise FederatedError(
                 f"client {self.client}: the loss is {loss}; try a lower --lr than "
