@@ -24,12 +24,12 @@ import pytest
 import torch
 
 import pockengine as pe
-from pockengine import schemes, zoo
 from pockengine.backends import torch_heap
 from pockengine.backends.torch_backend import TorchBackend
 from pockengine.backends.torch_kernels import to_slot
 from pockengine.ir import CompileError
 from pockengine.plan.liveness import last_reads
+from tests import test_torch_workspace
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,15 +37,11 @@ NEW_OPS = ("attention", "attention_grad", "layer_norm_grad", "embedding")
 
 
 def _compile(backend: Any) -> pe.TrainStep:
-    w = zoo.bert_classifier(layers=2, hidden=32, heads=4, ffn=64, seq=16, batch=4, vocab=64)
-    return pe.compile(w.model, w.loss_fn, w.make_batch(0), pe.optim.AdamW(lr=1e-2),
-                      schemes.lora(4, 8), backend=backend)  # fmt: skip
+    return test_torch_workspace._compile(backend, layers=2)
 
 
 def _train(step: pe.TrainStep) -> tuple[list[float], dict[str, Any]]:
-    w = zoo.bert_classifier(layers=2, hidden=32, heads=4, ffn=64, seq=16, batch=4, vocab=64)
-    losses = [step(*w.make_batch(k)) for k in range(3)]
-    return losses, step.flat_state_dict()
+    return test_torch_workspace._train(step, layers=2)
 
 
 @pytest.fixture(scope="module")
