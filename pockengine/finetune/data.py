@@ -287,11 +287,11 @@ def _byte_blocks(a: Array) -> Iterator[memoryview]:
     its rows at a time. Never a copy of the whole array (``tobytes`` was one: 98 MiB for
     lite0-fashion's training images, at the start of every run and of auto's analysis)."""
     if a.flags.c_contiguous:
-        yield memoryview(a.reshape(-1).view(np.uint8))
+        yield a.reshape(-1).view(np.uint8).data
         return
     rows = max(1, _HASH_BLOCK // max(1, a[0].nbytes))
     for start in range(0, len(a), rows):
-        yield memoryview(np.ascontiguousarray(a[start : start + rows]).reshape(-1).view(np.uint8))
+        yield np.ascontiguousarray(a[start : start + rows]).reshape(-1).view(np.uint8).data
 
 
 # -- tokenisation ----------------------------------------------------------------------
