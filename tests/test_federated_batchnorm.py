@@ -178,3 +178,46 @@ def test_the_server_velocity_is_saved_with_the_global_state_and_resumed(
     assert set(server.velocity) == set(velocity)
     for name, array in velocity.items():
         np.testing.assert_array_equal(server.velocity[name], array, err_msg=name)
+
+
+# A frozen BatchNorm (``bn0``, far-off running statistics) ahead of the trained one: a
+# scheme with frozen_bn="eval" runs it on those running statistics in every step.
+FROZEN_BN_MODEL = BN_MODEL.replace(
+    "        self.fc = nn.Linear(16, 16)\n",
+    "        self.bn0 = nn.BatchNorm1d(16)\n"
+    "        with torch.no_grad():\n"
+    "            self.bn0.running_mean.fill_(2.0)\n"
+    "            self.bn0.running_var.fill_(9.0)\n"
+    "        self.fc = nn.Linear(16, 16)\n",
+).replace("self.fc(pooled * 4 + 3)", "self.fc(self.bn0(pooled * 4 + 3))")
+
+
+def test_recomputed_statistics_keep_the_frozen_layers_on_their_running_ones(
+    finetune: FinetuneConfig, tmp_path: Path
+) -> None:
+    """The statistics pass runs the model as the step does: a BatchNorm the scheme
+    freezes on its running statistics normalises by those, not by the batch, so the
+    trained BatchNorm after it sees the inputs it saw in training."""
+    (tmp_path / "fed_bag_frozen_bn.py").write_text(FROZEN_BN_MODEL)  # a module of its own
+    (tmp_path / "scheme.json").write_text(json.dumps({**SCHEME, "frozen_bn": "eval"}))
+    frozen = dataclasses.replace(finetune, model="fed_bag_frozen_bn:bag_bn")
+    config = FederatedConfig(finetune=frozen, clients=2, rounds=1)
+    trainer = LocalTrainer(config, client=1)
+    assert set(trainer.batchnorm.pairs) == {"bn.running_var"}  # bn0's are not sent
+    sent = trainer.train(trainer.trained.extract(trainer.step), server_round=1, mu=0.0).arrays
+    model = trainer.model
+    trainer.step.load_into(model, strict=False)
+    model.bn0.eval()
+    means, variances = [], []
+    with torch.no_grad():
+        for start in range(0, trainer.steps_per_epoch * trainer.batch_size, trainer.batch_size):
+            ids, mask = (torch.from_numpy(a[start : start + trainer.batch_size])
+                         for a in trainer.shard[:2])  # fmt: skip
+            h = model.emb(ids) * mask.unsqueeze(-1).float()
+            pooled = h.sum(1) / mask.sum(1, keepdim=True).clamp(min=1).float()
+            x = model.fc(model.bn0(pooled * 4 + 3))
+            means.append(x.mean(0).numpy())
+            variances.append(x.var(0, unbiased=True).numpy())
+    np.testing.assert_allclose(sent["bn.running_mean"], np.mean(means, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sent["bn.running_var"], np.mean(variances, 0), rtol=1e-4, atol=1e-5)
+    assert model.bn0.running_mean.eq(2.0).all()  # the frozen layer's own are untouched

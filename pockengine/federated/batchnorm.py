@@ -7,11 +7,13 @@ running statistics that clients send back are still mostly those the pretrained 
 started with: the server then evaluates weights trained under one normalisation with
 another one (measured in docs/federated.md, "lite0-fashion"). So, with
 ``bn_statistics="recompute"``, a client computes after its local epochs the statistics
-of its whole shard under its final weights (one forward pass in train mode, no update),
-and sends those. ``pool`` then merges the clients' statistics as those of the pooled
-data: the weighted mean of the means, and the weighted mean of the variances plus the
-spread of the clients' means around it (without it, label-skewed clients, whose
-means differ, would give the pooled data too small a variance).
+of its whole shard under its final weights (one forward pass in train mode, no update;
+the layers the step runs on running statistics, a scheme's frozen ones under
+``frozen_bn="eval"``, stay on them), and sends those. ``pool`` then merges the
+clients' statistics as those of the pooled data: the weighted mean of the means, and
+the weighted mean of the variances plus the spread of the clients' means around it
+(without it, label-skewed clients, whose means differ, would give the pooled data too
+small a variance).
 
 The layers are found by type on the task's torch module (``nn.modules.batchnorm``), so
 their buffers are named as the step names them (``layer.running_mean``).
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pockengine.runtime import TrainStep
+from pockengine.runtime import TrainStep, frozen_batchnorms
 
 __all__ = ["BatchNormStats"]
 
@@ -68,6 +70,8 @@ class BatchNormStats:
                 layer.reset_running_stats()
                 layer.momentum = None  # a cumulative mean over the batches
             model.train()
+            for name in _eval_modules(step):  # as the step runs them: running statistics
+                model.get_submodule(name).eval()
             with torch.no_grad():
                 for start in range(0, len(inputs[0]) - batch_size + 1, batch_size):
                     model(*(torch.from_numpy(a[start : start + batch_size]) for a in inputs))
@@ -98,3 +102,12 @@ class BatchNormStats:
             )
             out[var] = (average[var] + spread / total).astype(average[var].dtype)
         return out
+
+
+def _eval_modules(step: TrainStep) -> set[str]:
+    """The BatchNorm layers ``step`` runs on their running statistics (a scheme's frozen
+    ones under ``frozen_bn="eval"``): in a train-mode pass they would normalise by the
+    batch instead, and the layers after them would see other inputs than in training."""
+    if not step.resolution.frozen_bn_eval:
+        return set()
+    return frozen_batchnorms(step.info, step.resolution)
