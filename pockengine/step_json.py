@@ -186,7 +186,12 @@ def _info(data: dict[str, Any]) -> ModelInfo:
 
 def _resolution(data: dict[str, Any]) -> Resolution:
     adapters = tuple(Adapter(**a) for a in data["adapters"])
-    return Resolution(dict(data["rows"]), bool(data["frozen_bn_eval"]), adapters)
+    return Resolution(
+        dict(data["rows"]),
+        bool(data["frozen_bn_eval"]),
+        adapters,
+        bool(data.get("running_bn", False)),
+    )  # fmt: skip (older steps: absent)
 
 
 def _report_json(report: Report) -> dict[str, Any]:

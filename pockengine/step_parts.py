@@ -44,6 +44,7 @@ __all__ = [
     "apply_resolution",
     "batchnorm_modules",
     "build_parts",
+    "eval_batchnorms",
     "frozen_batchnorms",
     "gradients_graph",
     "parts_of",
@@ -230,7 +231,7 @@ def _imported_parts(
     """Resolve the scheme against ``info``, import (frozen BatchNorms in eval mode when the
     scheme asks), and build the step's parts."""
     resolution = resolve_scheme(scheme, info)
-    eval_modules = frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
+    eval_modules = eval_batchnorms(info, resolution)
     imported = import_model(eval_modules)
     if resolution.adapters:  # LoRA: the adapters' params join the graph before marking
         from pockengine.sparse.lora import insert_adapters
@@ -266,6 +267,15 @@ def _onnx_parts(
 def batchnorm_modules(info: ModelInfo) -> set[str]:
     """The BatchNorm modules of the model (those with params)."""
     return {p.module for p in info.params if "batchnorm" in p.module_type.lower()}
+
+
+def eval_batchnorms(info: ModelInfo, resolution: Resolution) -> set[str]:
+    """The BatchNorm modules a step of ``resolution`` runs on their running statistics
+    (exported in eval mode): every one under ``batchnorm="running"``, those that train
+    nothing under ``frozen_bn="eval"``, none otherwise."""
+    if resolution.running_bn:
+        return batchnorm_modules(info)
+    return frozen_batchnorms(info, resolution) if resolution.frozen_bn_eval else set()
 
 
 def frozen_batchnorms(info: ModelInfo, resolution: Resolution) -> set[str]:

@@ -174,6 +174,8 @@ def test_scheme_files_round_trip(tmp_path: object, suffix: str) -> None:
         schemes.select(["a.*"], ["a.b"], channels={"a.w": 0.25}),
         schemes.last_blocks(2, container="features"),
         schemes.bias_only(),
+        schemes.running_statistics(schemes.bias_only()),
+        schemes.running_statistics(schemes.lora(4)) | schemes.head(),
     ]:
         schemes.save(scheme, path)
         assert schemes.load(path) == scheme
@@ -226,3 +228,51 @@ def test_frozen_batchnorms_fold_into_their_convs_and_gradients_match_torch() -> 
             np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-7, atol=1e-9,
                                        err_msg=name)  # fmt: skip
     assert step(*batch) == pytest.approx(float(loss), rel=1e-9)
+
+
+def test_running_statistics_train_every_batchnorm_s_scale_on_its_running_statistics(
+    tmp_path: object,
+) -> None:
+    """``batchnorm="running"``: every BatchNorm normalises by its running statistics,
+    trained ones too; their scale and shift still train. The gradients are autograd's on
+    the model with every BatchNorm in eval mode, the running statistics never move, and
+    the mode survives a scheme file, a union and a saved step."""
+    from pathlib import Path
+
+    from pockengine.step_parts import batchnorm_modules, eval_batchnorms
+
+    w = _mbv2()
+    batch = w.make_batch(0)
+    scheme = schemes.running_statistics(schemes.bias_only())
+    assert scheme.to_dict() == {"scheme": "bias_only", "batchnorm": "running"}
+    assert (schemes.head() | scheme).batchnorm == "running"
+    step = pe.compile(w.model, w.loss_fn, batch, scheme=scheme)
+    assert step.resolution.running_bn
+    assert eval_batchnorms(step.info, step.resolution) == batchnorm_modules(step.info)
+    model = copy.deepcopy(w.model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.eval()
+    loss = w.loss_fn(model, *batch)
+    loss.backward()
+    got = step.gradients(*batch)
+    trained = set(step.trained)
+    assert "features.18.1.weight" in trained and set(got) == trained
+    for name, p in model.named_parameters():
+        if name in trained:
+            np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-5, atol=1e-7,
+                                       err_msg=name)  # fmt: skip
+    before = step.state_dict()
+    step(*batch)
+    after = step.state_dict()
+    stats = [n for n in before if n.endswith(("running_mean", "running_var"))]
+    assert stats and all(np.array_equal(before[n], after[n]) for n in stats)
+    batch_mode = pe.compile(w.model, w.loss_fn, batch, scheme=schemes.bias_only())
+    assert not batch_mode.resolution.running_bn
+    assert not np.allclose(batch_mode.gradients(*batch)["features.18.1.weight"],
+                           got["features.18.1.weight"])  # fmt: skip
+    folder = Path(str(tmp_path)) / "step"
+    step.save(folder)
+    assert pe.load_step(folder).resolution.running_bn
+    with pytest.raises(pe.SchemeError, match="batchnorm must be 'batch' or 'running'"):
+        schemes.from_dict({"scheme": "bias_only", "batchnorm": "eval"})

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pockengine.runtime import TrainStep, frozen_batchnorms
+from pockengine.runtime import TrainStep
+from pockengine.step_parts import eval_batchnorms
 
 __all__ = ["BatchNormStats"]
 
@@ -105,9 +106,7 @@ class BatchNormStats:
 
 
 def _eval_modules(step: TrainStep) -> set[str]:
-    """The BatchNorm layers ``step`` runs on their running statistics (a scheme's frozen
-    ones under ``frozen_bn="eval"``): in a train-mode pass they would normalise by the
-    batch instead, and the layers after them would see other inputs than in training."""
-    if not step.resolution.frozen_bn_eval:
-        return set()
-    return frozen_batchnorms(step.info, step.resolution)
+    """The BatchNorm layers ``step`` runs on their running statistics (``eval_batchnorms``):
+    in a train-mode pass they would normalise by the batch instead, and the layers after
+    them would see other inputs than in training."""
+    return eval_batchnorms(step.info, step.resolution)

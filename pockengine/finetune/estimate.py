@@ -223,12 +223,13 @@ class Planner:
     def figures(self, scheme: Scheme) -> Figures:
         from pockengine.ir import verify
         from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, run_pipeline
-        from pockengine.runtime import apply_resolution, frozen_batchnorms, training_graph
+        from pockengine.runtime import apply_resolution, training_graph
         from pockengine.sparse.schemes import resolve_scheme
+        from pockengine.step_parts import eval_batchnorms
 
         self.calls += 1
         resolution = resolve_scheme(scheme, self.info)
-        frozen = frozen_batchnorms(self.info, resolution) if resolution.frozen_bn_eval else set()
+        frozen = eval_batchnorms(self.info, resolution)
         forward = apply_resolution(self.imported(frozenset(frozen)).graph, resolution)
         forward = run_pipeline(verify(forward), FORWARD_PIPELINE).graph
         graph, _, _ = training_graph(forward, self.optimizer, resolution.rows)

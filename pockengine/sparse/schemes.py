@@ -10,7 +10,10 @@ Factories: ``full()``, ``bias_only()``, ``head()``, ``last_blocks(k)``,
 ``select(train=..., freeze=...)`` and ``sparse(...)`` (the PockEngine recipe). Each
 takes ``channels={pattern: ratio}`` for partial-channel updates and
 ``frozen_bn="eval"`` to run BatchNorm layers with no trained parameter on their
-running statistics. ``lora(rank, alpha, targets)`` trains low-rank adapters that the
+running statistics, and ``batchnorm="running"`` to run every BatchNorm layer on its
+running statistics, trained ones too (they still learn their scale and shift; batch
+statistics of small, shifted batches can cost a pretrained CNN more than they give:
+docs/quality.md). ``lora(rank, alpha, targets)`` trains low-rank adapters that the
 compile inserts (``pockengine.sparse.lora``); ``a | b`` trains what either scheme trains
 (a ``union``). Schemes save to and load from small JSON/YAML files. What each kind
 selects is in ``pockengine.sparse.selectors``.
@@ -18,6 +21,7 @@ selects is in ``pockengine.sparse.selectors``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from collections.abc import Mapping, Sequence
@@ -32,7 +36,10 @@ from pockengine.sparse.selectors import SELECTORS, block_params, channel_rows, m
 if TYPE_CHECKING:
     from pockengine.sparse.lora import Adapter
 
+BATCHNORM_MODES = ("batch", "running")
+
 __all__ = [
+    "BATCHNORM_MODES",
     "Resolution",
     "Scheme",
     "bias_only",
@@ -44,6 +51,7 @@ __all__ = [
     "named",
     "requires_grad",
     "resolve_scheme",
+    "running_statistics",
     "save",
     "select",
     "sparse",
@@ -57,6 +65,7 @@ class Resolution:
     rows: dict[str, int | None]
     frozen_bn_eval: bool = False
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters the compile inserts (their factors train)
+    running_bn: bool = False  # every BatchNorm on its running statistics, trained ones too
 
     @property
     def names(self) -> set[str]:
@@ -71,6 +80,9 @@ class Scheme:
     options: dict[str, Any] = field(default_factory=dict)
     channels: dict[str, float] = field(default_factory=dict)
     frozen_bn: str = "train"  # "train": batch statistics; "eval": running statistics
+    # "batch": a BatchNorm that trains normalises by the batch; "running": every one by its
+    # running statistics (then ``frozen_bn`` changes nothing)
+    batchnorm: str = "batch"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"scheme": self.kind, **self.options}
@@ -78,17 +90,22 @@ class Scheme:
             out["channels"] = dict(self.channels)
         if self.frozen_bn != "train":
             out["frozen_bn"] = self.frozen_bn
+        if self.batchnorm != "batch":
+            out["batchnorm"] = self.batchnorm
         return out
 
     def __or__(self, other: Scheme) -> Scheme:
         """A scheme training what either trains (``lora(...) | bias_only()``); BatchNorms
-        that train nothing run on running statistics if either part asks for that."""
+        (that train nothing, or all) run on running statistics if either part asks for
+        that."""
         if not isinstance(other, Scheme):
             return NotImplemented
         parts = [p for s in (self, other) for p in (s.options["schemes"] if s.kind == "union"
                                                    else [s.to_dict()])]  # fmt: skip
         eval_bn = "eval" in (self.frozen_bn, other.frozen_bn)
-        return Scheme("union", {"schemes": parts}, {}, "eval" if eval_bn else "train")
+        running = "running" in (self.batchnorm, other.batchnorm)
+        return Scheme("union", {"schemes": parts}, {}, "eval" if eval_bn else "train",
+                      "running" if running else "batch")  # fmt: skip
 
     def resolve(self, info: ModelInfo) -> Resolution:
         if self.kind == "union":
@@ -97,7 +114,7 @@ class Scheme:
             from pockengine.sparse.lora import resolve_lora  # lora builds on this module
 
             lora = resolve_lora(info, **self.options)
-            return Resolution(lora.rows, self.frozen_bn == "eval", lora.adapters)
+            return Resolution(lora.rows, self.frozen_bn == "eval", lora.adapters, self._running)
         options = {k: v for k, v in self.options.items() if k != "channels"}
         chosen = SELECTORS[self.kind](info, **options)
         if not chosen:
@@ -112,7 +129,11 @@ class Scheme:
         for p, ratio in partial:
             if p.name in rows and not p.is_bias and not p.is_norm and len(p.shape) >= 2:
                 rows[p.name] = channel_rows(p, ratio)
-        return Resolution(rows, self.frozen_bn == "eval")
+        return Resolution(rows, self.frozen_bn == "eval", running_bn=self._running)
+
+    @property
+    def _running(self) -> bool:
+        return self.batchnorm == "running"
 
 
 def _resolve_union(scheme: Scheme, info: ModelInfo) -> Resolution:
@@ -127,19 +148,28 @@ def _resolve_union(scheme: Scheme, info: ModelInfo) -> Resolution:
         adapters += [a for a in resolved.adapters if a not in adapters]
     if len({a.weight for a in adapters}) != len(adapters):
         raise SchemeError("two lora parts of a union adapt the same weight")
-    return Resolution(rows, scheme.frozen_bn == "eval", tuple(adapters))
+    return Resolution(rows, scheme.frozen_bn == "eval", tuple(adapters),
+                      scheme.batchnorm == "running")  # fmt: skip
 
 
 # -- factories ---------------------------------------------------------------------
 
 
 def _scheme(
-    kind: str, channel_map: Mapping[str, float] | None, frozen_bn: str, **opts: Any
-) -> Scheme:
+    kind: str, channel_map: Mapping[str, float] | None, frozen_bn: str,
+    batchnorm: str = "batch", **opts: Any,
+) -> Scheme:  # fmt: skip
     if frozen_bn not in ("train", "eval"):
         raise SchemeError(f"frozen_bn must be 'train' or 'eval', got {frozen_bn!r}")
+    if batchnorm not in BATCHNORM_MODES:
+        raise SchemeError(f"batchnorm must be 'batch' or 'running', got {batchnorm!r}")
     options = {k: v for k, v in opts.items() if v is not None}
-    return Scheme(kind, options, dict(channel_map or {}), frozen_bn)
+    return Scheme(kind, options, dict(channel_map or {}), frozen_bn, batchnorm)
+
+
+def running_statistics(scheme: Scheme) -> Scheme:
+    """``scheme`` with every BatchNorm on its running statistics (``batchnorm="running"``)."""
+    return dataclasses.replace(scheme, batchnorm="running")
 
 
 def requires_grad(
@@ -208,7 +238,8 @@ def lora(
 
 
 # What a scheme file may say: each kind's options with their types (checked before use).
-_COMMON: dict[str, tuple[type, ...]] = {"scheme": (str,), "frozen_bn": (str,)}
+_COMMON: dict[str, tuple[type, ...]] = {"scheme": (str,), "frozen_bn": (str,),
+                                        "batchnorm": (str,)}  # fmt: skip
 _OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
     "requires_grad": {"channels": (dict, int, float)},
     "full": {"channels": (dict, int, float)},
@@ -273,17 +304,19 @@ def from_dict(data: Mapping[str, Any]) -> Scheme:
         if not parts:
             raise SchemeError("scheme 'union' needs a non-empty list of schemes")
         return _scheme("union", None, str(data.get("frozen_bn", "train")),
+                       str(data.get("batchnorm", "batch")),
                        schemes=[p.to_dict() for p in parts])  # fmt: skip
     for key in ("train", "freeze", "targets"):
         if isinstance(data.get(key), str):
             data[key] = [data[key]]
     channels = data.pop("channels", None)
     frozen_bn = str(data.pop("frozen_bn", "train"))
+    batchnorm = str(data.pop("batchnorm", "batch"))
     if kind == "sparse":  # its channels is the block ratio
-        return _scheme(kind, None, frozen_bn, channels=channels, **data)
+        return _scheme(kind, None, frozen_bn, batchnorm, channels=channels, **data)
     if isinstance(channels, int | float):
         channels = {"*": float(channels)}
-    return _scheme(kind, channels, frozen_bn, **data)
+    return _scheme(kind, channels, frozen_bn, batchnorm, **data)
 
 
 def save(scheme: Scheme, path: str | Path) -> None:
