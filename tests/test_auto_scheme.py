@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -297,3 +298,30 @@ def test_a_cache_that_cannot_be_written_changes_nothing(
     unwritable = choose_auto(config, task, sparse)
     assert not unwritable.cached and unwritable.scheme == fresh.scheme
     assert "could not write the analysis cache" in caplog.text
+
+
+def test_batchnorm_running_reaches_every_scheme_auto_plans_and_picks(tmp_path: Path) -> None:
+    """``--batchnorm running``: the base, the budget's sparse scheme, every candidate the
+    planner measures and the pick run every BatchNorm on its running statistics, so the
+    planned peaks are those of the steps that will train; named schemes get it too."""
+    from pockengine.finetune.recipe_table import parse_scheme
+
+    config = _config(tmp_path, model="tests.test_auto_scheme:normed_classifier",
+                     batchnorm="running")  # fmt: skip
+    task = recipes.build(config)
+    seen: list[bool] = []
+    figures = est.Planner.figures
+
+    def recording(self: est.Planner, scheme: Any) -> Any:
+        seen.append(scheme.batchnorm == "running")
+        return figures(self, scheme)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(est.Planner, "figures", recording)
+        choice = choose_auto(config, task, recipes.RECIPES["generic"].sparse)
+    assert seen and all(seen)
+    assert choice.scheme.batchnorm == "running"
+    assert parse_scheme("bias", None, "running").batchnorm == "running"
+    assert parse_scheme("bias", None).batchnorm == "batch"
+    with pytest.raises(FinetuneError, match="batchnorm must be one of batch, running"):
+        dataclasses.replace(config, batchnorm="eval").validate()

@@ -53,7 +53,7 @@ def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, Tra
     ft = ft.with_defaults(recipes.defaults(ft, auto=False)).validate()
     config = FederatedConfig(**{**vars(config), "finetune": ft})
     assert ft.scheme is not None
-    scheme = recipes.parse_scheme(ft.scheme, ft.recipe)
+    scheme = recipes.parse_scheme(ft.scheme, ft.recipe, ft.batchnorm)
     recipes.check_model_files(ft)
     task = recipes.build(ft)
     return config, task, compile_task(ft, task, scheme, config.local_loss)

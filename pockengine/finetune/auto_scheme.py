@@ -40,6 +40,7 @@ from pockengine.finetune.estimate import (
     optimizer_of,
     save_cached,
 )
+from pockengine.finetune.recipe_table import with_batchnorm
 from pockengine.finetune.scheme_search import choose_within
 from pockengine.ir import SchemeError
 from pockengine.optim import Optimizer
@@ -181,7 +182,7 @@ def _choose(
         optimizer_of(config),
     )
     base_name = "bias-only" if task.kind == "causal-lm" else "bias"
-    base = scheme_named(base_name, frozen_bn="eval")
+    base = _mode(scheme_named(base_name, frozen_bn="eval"), config)
     base_peak = float(planner.figures(base).planned_peak_bytes)
     budget, source = _budget(config, planner, sparse)
     choice = AutoChoice(base, budget, source, base_peak, base_name, base_peak, score=settings.score)
@@ -192,7 +193,7 @@ def _choose(
             "budget, or train --scheme head"
         )
     if config.memory_budget is not None:  # the default (sparse's peak) is below full's
-        full = schemes.full(frozen_bn="eval")
+        full = _mode(schemes.full(frozen_bn="eval"), config)
         full_peak = float(planner.figures(full).planned_peak_bytes)
         if budget >= full_peak:
             choice.scheme, choice.planned_peak_bytes = full, full_peak
@@ -207,8 +208,13 @@ def _choose(
 def _budget(config: FinetuneConfig, planner: Planner, sparse: Scheme) -> tuple[float, str]:
     if config.memory_budget is not None:
         return float(config.memory_budget), "--memory-budget"
-    peak = planner.figures(dataclasses.replace(sparse, frozen_bn="eval")).planned_peak_bytes
-    return float(peak), "the sparse scheme's planned peak"
+    rule = _mode(dataclasses.replace(sparse, frozen_bn="eval"), config)
+    return float(planner.figures(rule).planned_peak_bytes), "the sparse scheme's planned peak"
+
+
+def _mode(scheme: Scheme, config: FinetuneConfig) -> Scheme:
+    """``scheme`` with the run's BatchNorm mode (``--batchnorm``)."""
+    return with_batchnorm(scheme, config.batchnorm)
 
 
 def _search(
@@ -228,9 +234,10 @@ def _search(
     items = items_from_estimate(estimate, settings.score, settings.ratios, planner.optimizer)
     budget = Budget({"memory": choice.budget_bytes}, {"memory": choice.base_peak_bytes})
     _, chosen, measured = choose_within(
-        items, budget, base_names, planner.figures, seed=config.seed, max_additions=4
-    )
-    choice.scheme = scheme_for(base_names, chosen)
+        items, budget, base_names, lambda s: planner.figures(_mode(s, config)),
+        seed=config.seed, max_additions=4,
+    )  # fmt: skip
+    choice.scheme = _mode(scheme_for(base_names, chosen), config)
     choice.planned_peak_bytes = float(measured["memory"])
     choice.cached, choice.estimate_seconds = estimate.cached, estimate.seconds
     choice.candidates = _table(estimate, items, chosen, settings.score)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pockengine.cli_help import BACKEND_HELP, RECIPE_HELP, THREADS_HELP
 from pockengine.finetune.config import (
     AUTO_SCORES,
+    BATCHNORM_CHOICES,
     DEFAULT_BACKEND,
     DEFAULT_RECIPE,
     FROZEN_DTYPE_CHOICES,
@@ -161,6 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "rescaling a weight a normalisation follows) or grad (|gradient|) (default: fisher)",
     )  # fmt: skip
     how.add_argument(
+        "--batchnorm", choices=BATCHNORM_CHOICES, default="batch",
+        help="how the BatchNorm layers the scheme trains normalise: by the batch, or by "
+        "their running statistics as frozen ones do (their scale and shift still train; "
+        "docs/quality.md) (default: batch)",
+    )  # fmt: skip
+    how.add_argument(
         "--remat-budget", type=budget_or_none,
         help="planned peak the step must fit, e.g. 600MB (MiB units), by recomputing "
         "activations (whole blocks if need be) in the backward pass; results unchanged "
@@ -263,6 +270,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         scheme=args.scheme,
         memory_budget=args.memory_budget,
         auto_score=args.auto_score,
+        batchnorm=args.batchnorm,
         remat_budget=args.remat_budget,
         optimizer=args.optimizer,
         lr=args.lr,

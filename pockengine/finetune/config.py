@@ -39,6 +39,9 @@ FROZEN_DTYPE_CHOICES = ("none", "int8", "int4", "gguf")
 # How AdamW stores its moments: float32, or bytes with a scale per block (docs/quant.md).
 OPTIMIZER_STATE_CHOICES = ("float32", "int8")
 AUTO_SCORES = ("fisher", "taylor", "grad")  # estimate.SCORES (config imports no estimate)
+# How a trained BatchNorm normalises: by the batch, or by its running statistics as the
+# frozen ones do (schemes.BATCHNORM_MODES; docs/quality.md, lite0-fashion).
+BATCHNORM_CHOICES = ("batch", "running")
 
 # Options that steer one invocation and may differ between a run and its resume.
 RUN_FIELDS = frozenset(
@@ -78,6 +81,7 @@ class FinetuneConfig:
     scheme: str | None = None  # auto, full, bias, sparse, head, last:K or a scheme file
     memory_budget: float | None = None  # auto: planned-peak bytes (None: sparse's peak)
     auto_score: str = "fisher"  # auto: what ranks the weights (fisher, taylor or grad)
+    batchnorm: str = "batch"  # trained BatchNorms on batch or (running) running statistics
     remat_budget: float | None = None  # planned-peak bytes met by recomputation (0: off)
     optimizer: str = "adamw"  # adamw or sgd
     lr: float | None = None
@@ -130,6 +134,7 @@ class FinetuneConfig:
         _choice("keep", self.keep, ("best", "last"))
         _choice("compile_in", self.compile_in, ("process", "child"))
         _choice("auto_score", self.auto_score, AUTO_SCORES)
+        _choice("batchnorm", self.batchnorm, BATCHNORM_CHOICES)
         for name in (
             "epochs",
             "batch_size",
@@ -200,7 +205,7 @@ def _numbers(config: FinetuneConfig) -> None:
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
             raise FinetuneError(f"{name} must be a number, got {value!r}")
     for name in ("recipe", "model", "data", "tokenizer", "scheme", "out", "backend", "encoding",
-                 "frozen_dtype", "optimizer_state", "auto_score"):  # fmt: skip
+                 "frozen_dtype", "optimizer_state", "auto_score", "batchnorm"):  # fmt: skip
         value = getattr(config, name)
         if value is not None and not isinstance(value, str | os.PathLike):
             raise FinetuneError(f"{name} must be a string, got {value!r}")

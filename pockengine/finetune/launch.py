@@ -49,7 +49,8 @@ def run(config: FinetuneConfig) -> FinetuneResult:
     config = config.with_defaults(recipe_table.defaults(config)).validate()
     assert config.scheme is not None, "filled in by the recipe's defaults"
     given = config.scheme
-    scheme = None if given == _AUTO else recipe_table.parse_scheme(given, config.recipe)
+    scheme = (None if given == _AUTO
+              else recipe_table.parse_scheme(given, config.recipe, config.batchnorm))  # fmt: skip
     recipe_table.check_model_files(config)
     out = _out(config)
     with RunLock(out):

@@ -25,7 +25,7 @@ from pockengine.finetune.model_files import (
 from pockengine.ir import SchemeError
 from pockengine.sparse import schemes
 from pockengine.sparse.names import SCHEME_FILES, scheme_named
-from pockengine.sparse.schemes import Scheme
+from pockengine.sparse.schemes import Scheme, running_statistics
 
 if TYPE_CHECKING:
     from pockengine.finetune.recipes import Task
@@ -137,19 +137,26 @@ def defaults(config: FinetuneConfig, *, auto: bool = True) -> dict[str, Any]:
     return out
 
 
-def parse_scheme(spec: str, recipe: str | None = None) -> Scheme:
+def parse_scheme(spec: str, recipe: str | None = None, batchnorm: str = "batch") -> Scheme:
     """The scheme a name (``pockengine.sparse.names``: full, bias, bias-only, sparse, head,
     last:K) or a scheme file stands for; ``sparse`` is the recipe's own. Named schemes run
     BatchNorm layers that train nothing on their running statistics (``frozen_bn="eval"``):
     a short fine-tune barely moves those statistics, so layers trained on batch
-    statistics would meet different ones at evaluation.
-    """
+    statistics would meet different ones at evaluation. ``batchnorm="running"`` (the
+    config's ``--batchnorm``) runs the trained ones on theirs too."""
     own = RECIPES[recipe].sparse if recipe in RECIPES else None
     head = RECIPES[recipe].lora_head if recipe in RECIPES else True
     try:
-        return scheme_named(spec, sparse=own, frozen_bn="eval", lora_head=head)
+        scheme = scheme_named(spec, sparse=own, frozen_bn="eval", lora_head=head)
     except SchemeError as exc:
         raise FinetuneError(str(exc)) from exc
+    return with_batchnorm(scheme, batchnorm)
+
+
+def with_batchnorm(scheme: Scheme, batchnorm: str) -> Scheme:
+    """``scheme`` with every BatchNorm on its running statistics when ``batchnorm`` says
+    "running" (``schemes.running_statistics``); as it is otherwise."""
+    return running_statistics(scheme) if batchnorm == "running" else scheme
 
 
 def check_model_files(config: FinetuneConfig) -> None:
