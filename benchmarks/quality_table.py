@@ -60,6 +60,7 @@ def default_schemes() -> list[str]:
 def _options(args: argparse.Namespace) -> list[str]:
     """The finetune options every run of this table shares."""
     out = forward(args, ("max_train", "max_val", *_SHAPES))
+    out += ["--batchnorm", args.batchnorm] if args.batchnorm != "batch" else []
     return [*out, "--backend", args.backend, "--test-fraction", str(args.test_fraction)]
 
 
@@ -196,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_data_options(p, max_train=None, max_val=None, shapes=_SHAPES)
     p.add_argument("--test-fraction", type=float, default=0.5)
     p.add_argument("--backend", default="torch")
+    p.add_argument("--batchnorm", choices=("batch", "running"), default="batch",
+                   help="every run's --batchnorm (running: every BatchNorm on its running "
+                   "statistics)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr-grid", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2])
     p.add_argument("--lr-steps", type=int, default=30)

@@ -444,8 +444,8 @@ def test_updates_without_reordering_follow_the_backward() -> None:
 # -- fusion -------------------------------------------------------------------------------
 
 AFFINE_AFTER_CONV = """
-graph g(x: f32[2,3,6,6] input, w: f32[4,3,3,3] param, b: f32[4] param, s: f32[4] param,
-        h: f32[4] param) {
+graph g(x: f32[2,3,6,6] input, w: f32[4,3,3,3] param, b: f32[4] param,
+        s: f32[4] param(frozen), h: f32[4] param) {
   %y: f32[2,4,4,4] = conv2d(x, w, b, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
   %s3: f32[4,1,1] = reshape(s, shape=(4, 1, 1))
   %h3: f32[4,1,1] = reshape(h, shape=(4, 1, 1))
@@ -466,6 +466,15 @@ def test_fold_channel_affine_folds_a_per_channel_scale_and_shift_into_the_conv()
     assert conv.inputs[0].name == "x" and conv.inputs[1].shape == (4, 3, 3, 3)
     assert not any(n.op == "mul" and n.output.shape == (2, 4, 4, 4) for n in after.nodes)
     assert_same_results(graph, after, feeds_for(graph), _close_f32)
+
+
+def test_fold_channel_affine_leaves_a_trained_scale_unfolded() -> None:
+    """A scale computed from a trained param (a BatchNorm on running statistics whose
+    scale trains) stays a per-channel multiply: folded, its gradient would need the
+    convolution's whole weight gradient."""
+    text = AFFINE_AFTER_CONV.replace("%extra", "").replace("param(frozen)", "param")
+    graph = verify(parse_graph(text))
+    assert fold_channel_affine(graph) is graph
 
 
 @pytest.mark.parametrize("extra", [", %y", ", %t"])

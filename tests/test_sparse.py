@@ -249,6 +249,12 @@ def test_running_statistics_train_every_batchnorm_s_scale_on_its_running_statist
     step = pe.compile(w.model, w.loss_fn, batch, scheme=scheme)
     assert step.resolution.running_bn
     assert eval_batchnorms(step.info, step.resolution) == batchnorm_modules(step.info)
+    # a trained scale is not folded into its convolution (that would need the frozen
+    # convolution's whole weight gradient): every convolution reads its weight as it is
+    params = {v.name for v in step.forward.params}
+    convs = [n for n in step.forward.nodes if n.op == "conv2d"]
+    assert convs and all(n.inputs[1].name in params for n in convs)
+    assert not any(n.op == "conv2d_weight_grad" for n in step.graph.nodes)
     model = copy.deepcopy(w.model)
     for module in model.modules():
         if isinstance(module, torch.nn.BatchNorm2d):

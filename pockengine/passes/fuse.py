@@ -5,8 +5,11 @@ channel, ``conv2d(x, w, b) * s + h`` with ``s`` and ``h`` of shape [C, 1, 1] (an
 BatchNorm, as the frontends lower a frozen one), becomes ``conv2d(x, w * s, b * s + h)``.
 The scaled weight costs one pass over the weight per step instead of two over the
 activation, and the backward needs no per-channel multiply either: autodiff, which runs
-after this pass, differentiates the folded form (into ``w``, ``s`` and ``h`` where they
-train, so trained BatchNorm affine params still get their gradients).
+after this pass, differentiates the folded form (into ``w`` and ``h`` where they train).
+A scale computed from a trained param (a BatchNorm on running statistics whose scale
+trains, ``batchnorm="running"``) is not folded: its gradient through ``w * s`` would
+need the convolution's whole weight gradient (its FLOPs, and its input kept for it),
+where unfolded it is a per-channel sum over the convolution's output.
 
 ``fuse_linear_bias``: ``add(matmul(x, w), b)`` with ``w`` a matrix and ``b`` a vector over
 the last axis becomes ``linear(x, w, b)``, which the torch backend runs as one ``addmm``
@@ -115,9 +118,25 @@ def _match(add: Node, index: NodeIndex) -> _Match | None:
                 scale is not None and shift is not None
                 and _per_channel(scale, channels) and _per_channel(shift, channels)
                 and scale.dtype == shift.dtype == y.dtype and add.output.shape == y.shape
+                and not _reads_trained(scale, index)
             ):  # fmt: skip
                 return _Match(conv, mul, scale, shift)
     return None
+
+
+def _reads_trained(v: Value, index: NodeIndex) -> bool:
+    """Whether ``v`` is computed from a trained param (a BatchNorm's trained scale)."""
+    seen: set[str] = set()
+    stack = [v]
+    while stack:
+        value = stack.pop()
+        if value.trainable:
+            return True
+        node = index.producers.get(value.name)
+        if node is not None and value.name not in seen:
+            seen.add(value.name)
+            stack.extend(node.inputs)
+    return False
 
 
 def _folded(b: GraphBuilder, m: _Match, renamed: dict[str, Value]) -> Value:
