@@ -105,8 +105,8 @@ def test_a_run_stopped_early_is_resumed_not_read(
 
     monkeypatch.setattr(table.subprocess, "run", finish)
     args = argparse.Namespace(work=str(tmp_path), model="M", data="D.csv", max_train=8,
-                              max_val=None, epochs=1, seq_len=None, batch_size=None,
-                              image_size=None, backend="torch", test_fraction=0.5,
+                              batchnorm="batch", max_val=None, epochs=1, seq_len=None,
+                              batch_size=None, image_size=None, backend="torch", test_fraction=0.5,
                               threads=1)  # fmt: skip
     got = table.run_one("generic", "last:4", 1e-3, 1, args)
     assert got["test"]["test_accuracy"] == 0.75
