@@ -35,13 +35,19 @@ def _backward(node: Any) -> bool:
     return node.phase is Phase.BACKWARD
 
 
+_SCHEMES = {
+    "full": pe.schemes.full(),
+    "bias": pe.schemes.bias_only(),
+    "bias-running": pe.schemes.running_statistics(pe.schemes.bias_only()),
+}
+
+
 @functools.cache
-def _mbv2(scheme: str) -> Graph:
+def _mbv2(scheme: str, batch: int = 2, size: int = 32) -> Graph:
     """MobileNetV2's training graph as autodiff and the optimizer leave it (before passes)."""
-    work = zoo.mobilenet_v2(width=0.35, batch=2, size=32)
-    schemes = {"full": pe.schemes.full(), "bias": pe.schemes.bias_only()}
+    work = zoo.mobilenet_v2(width=0.35, batch=batch, size=size)
     step = pe.compile(work.model, work.loss_fn, work.make_batch(0),
-                      pe.optim.SGD(lr=0.05, momentum=0.9), schemes[scheme])  # fmt: skip
+                      pe.optim.SGD(lr=0.05, momentum=0.9), _SCHEMES[scheme])  # fmt: skip
     return step.stages[0][1]
 
 
@@ -65,25 +71,47 @@ def test_relu6_outputs_are_recomputed(scheme: str) -> None:
     assert saved1 < 0.6 * saved0 and arena1 < 0.8 * arena0, (saved0, saved1, arena0, arena1)
 
 
-def _train(backend: str, passes: Any = None) -> tuple[list[float], dict[str, Any], pe.TrainStep]:
+def _train(
+    backend: str, passes: Any = None, scheme: str = "bias"
+) -> tuple[list[float], dict[str, Any], pe.TrainStep]:
     work = zoo.mobilenet_v2(width=0.35, batch=2, size=32)
     step = pe.compile(work.model, work.loss_fn, work.make_batch(0),
-                      pe.optim.SGD(lr=0.05, momentum=0.9), pe.schemes.bias_only(),
+                      pe.optim.SGD(lr=0.05, momentum=0.9), _SCHEMES[scheme],
                       backend=backend, passes=passes)  # fmt: skip
     losses = [step(*work.make_batch(k)) for k in range(3)]
     return losses, step.flat_state_dict(), step
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_same_training_bit_for_bit(backend: str) -> None:
-    loss1, state1, step1 = _train(backend)
-    loss0, state0, step0 = _train(backend, passes=WITHOUT)  # compile(passes=...) honoured
+@pytest.mark.parametrize(
+    ("backend", "scheme"), [("numpy", "bias"), ("torch", "bias"), ("numpy", "bias-running")]
+)
+def test_same_training_bit_for_bit(backend: str, scheme: str) -> None:
+    loss1, state1, step1 = _train(backend, scheme=scheme)
+    loss0, state0, step0 = _train(backend, WITHOUT, scheme)  # compile(passes=...) honoured
     assert [name for name, _ in step0.stages][1:] == [p.__name__ for p in WITHOUT]
     assert len(step1.graph.nodes) > len(step0.graph.nodes)  # the pass did recompute
     assert loss1 == loss0
     assert state1.keys() == state0.keys()
     for name, value in state0.items():
         np.testing.assert_array_equal(state1[name], value, err_msg=name)
+
+
+def test_running_statistics_save_what_batch_statistics_save() -> None:
+    """A BatchNorm on its running statistics whose shift trains is ``conv * s + h``, with
+    ``s`` and ``h`` per-channel values made from its params: kept alive (a few bytes),
+    the ReLU6 output is recomputed from the conv output, as with batch statistics (where
+    the activation is at least ``KEEP_RATIO`` times larger than ``s``: 4 x 64 px)."""
+    batch = run_pipeline(_mbv2("bias", 4, 64), check=True).graph
+    running = run_pipeline(_mbv2("bias-running", 4, 64), check=True).graph
+    without = run_pipeline(_mbv2("bias-running", 4, 64), WITHOUT).graph
+    saved = {
+        k: analyze(g).saved_activation_bytes
+        for k, g in (("batch", batch), ("running", running), ("without", without))
+    }
+    assert saved["running"] <= 1.02 * saved["batch"], saved
+    assert saved["running"] < 0.6 * saved["without"], saved
+    recomputed = [n for n in running.nodes if _backward(n) and n.op == "hardtanh"]
+    assert len(recomputed) == sum(n.op == "hardtanh_grad" for n in running.nodes) > 10
 
 
 def test_conv_gradients_stay_paired_on_torch() -> None:

@@ -16,7 +16,12 @@ deep). A recomputation repeats the original node exactly, statistics included fo
 norm, so every backend computes the same bits again (an eval-mode formula from the saved
 statistics would differ in the last bit and could flip a ReLU6 mask at 0 or 6).
 Available: a value whose last reader is at or after the insertion point, a compile-time
-constant, or a param, buffer or const that no effect writes before it.
+constant, a param, buffer or const that no effect writes before it, or a forward value
+computed from those alone of at most ``KEEP_BYTES`` and a ``KEEP_RATIO``-th of the value
+recomputed, kept alive for the chain (a
+BatchNorm on running statistics is ``conv * s + h`` with ``s`` and ``h`` per-channel
+values made from its params; keeping them, its output is recomputed from the conv output
+its scale's gradient saves anyway).
 
 The typical case is a CNN's conv -> batch norm -> ReLU6: autodiff saves the conv output
 for the batch norm backward and the ReLU6 output for its own backward (and the next
@@ -44,9 +49,11 @@ from dataclasses import dataclass, field
 from pockengine.ir import GRAD_PREFIX, Fact, Graph, Node, Phase, Role, Value, get_op
 from pockengine.plan.liveness import last_reads
 
-__all__ = ["MAX_DEPTH", "Recomputable", "recompute", "rematerialize"]
+__all__ = ["KEEP_BYTES", "KEEP_RATIO", "MAX_DEPTH", "Recomputable", "recompute", "rematerialize"]
 
 MAX_DEPTH = 3  # ops in one recomputed chain
+KEEP_BYTES = 64 << 10  # a forward value this small may be kept alive for a chain ...
+KEEP_RATIO = 16  # ... when the value the chain recomputes is this many times larger
 _STORED = (Role.PARAM, Role.BUFFER, Role.CONST, Role.STATE)
 
 # May the value (an output of the node) be recomputed by repeating the node?
@@ -61,6 +68,9 @@ class _State:
     written: dict[str, int]  # stored value -> index of the first effect writing it
     names: set[str]
     recomputable: Recomputable
+    from_params: set[str]  # forward values computed from stored values alone
+    dropped: set[str] = field(default_factory=set)  # never kept: recomputed if read
+    target_bytes: int = 0  # of the value whose chain is being planned
     inserted: dict[int, list[Node]] = field(default_factory=dict)  # before node i
     # value -> its recomputed copy and the node it is made before
     copies: dict[str, tuple[Value, int]] = field(default_factory=dict)
@@ -85,7 +95,13 @@ def _available(s: _State, v: Value, at: int) -> bool:
         return s.written.get(v.name, len(s.graph.nodes)) > at
     if made is not None and get_op(made.op).has(Fact.CONSTANT):
         return True
-    return s.last.get(v.name, -1) >= at
+    if s.last.get(v.name, -1) >= at:
+        return True
+    # A small value made from params alone (a per-channel scale or shift) is kept alive
+    # for the chain (its reads at ``at`` extend its life once the chain is committed): it
+    # costs its few bytes, where the activation the chain recomputes would be saved whole.
+    small = v.type.nbytes <= min(KEEP_BYTES, s.target_bytes // KEEP_RATIO)
+    return v.name in s.from_params and v.name not in s.dropped and small
 
 
 _Chain = list[tuple[Node, str, Value]]  # recomputing nodes: the value recomputed, its copy
@@ -133,6 +149,19 @@ def _insertion_point(s: _State, readers: dict[str, list[int]], j: int) -> int:
     return at
 
 
+def _from_params(graph: Graph) -> set[str]:
+    """The forward values whose every input is a param, buffer, const or such a value: no
+    batch reaches them, so they are the same whenever they are kept."""
+    made = {v.name for v in graph.inputs if v.role in _STORED}
+    out: set[str] = set()
+    for node in graph.nodes:
+        if _backward(node) or get_op(node.op).effectful:
+            continue
+        if all(v.name in made or v.name in out for v in node.inputs):
+            out.update(v.name for v in node.outputs)
+    return out
+
+
 def _cheap(node: Node, v: Value) -> bool:
     """Elementwise ops and views; a normalisation's ``y`` (batch norm's, layer norm's: its
     statistics are not read, and its input, which its own backward keeps, is the operand)."""
@@ -160,7 +189,8 @@ def recompute(
     others' recomputations from the start, so a chain through them repeats them too)."""
     nodes = graph.nodes
     names = {v.name for v in graph.inputs}
-    s = _State(graph, graph.producers(), last_reads(graph), {}, names, recomputable)
+    s = _State(graph, graph.producers(), last_reads(graph), {}, names, recomputable,
+               _from_params(graph))  # fmt: skip
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
         s.names.update(v.name for v in node.outputs)
@@ -187,13 +217,19 @@ def recompute(
             if all(j < at for j in before) and (targets is None or z.name in targets):
                 candidates.append((at, i, z, later, before))
     if targets is not None:  # dropped from the start: chains through them repeat them
+        s.dropped.update(targets)
         for _, i, z, _, before in candidates:
             s.last[z.name] = max(before, default=i)
     for at, i, z, later, before in sorted(candidates, key=lambda c: (c[0], c[1])):
         s.last[z.name] = -1  # as if z died in the forward pass: not available at ``at``
         chain: _Chain = []
         s.planned.clear()
+        kept = z.name in s.dropped
+        s.dropped.add(z.name)
+        s.target_bytes = z.type.nbytes
         copy = _plan(s, z, at, depth, chain)
+        if not kept:
+            s.dropped.discard(z.name)
         if copy is None or copy is z:  # (a failed chain leaves nothing behind)
             s.last[z.name] = max(later)
             continue
