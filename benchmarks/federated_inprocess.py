@@ -128,6 +128,9 @@ def main() -> None:
     p.add_argument("--server-betas", type=float, nargs=2, default=(0.9, 0.99))
     p.add_argument("--server-tau", type=float, default=1e-3)
     p.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute")
+    p.add_argument("--batchnorm", choices=("batch", "running"),
+                   help="what the trained BatchNorms normalise by (finetune --batchnorm; "
+                   "default: the recipe's)")
     p.add_argument("--local-loss", choices=LOCAL_LOSSES, default="plain")
     p.add_argument("--la-tau", type=float, default=1.0)
     p.add_argument("--pooled-bn", action="store_true", help="also score with pooled statistics")
@@ -135,7 +138,7 @@ def main() -> None:
     a = p.parse_args()
     ft = FinetuneConfig(recipe=a.recipe, image_size=a.image_size, seq_len=a.seq_len,
                         max_train=a.max_train, max_val=a.max_val, scheme=a.scheme, lr=a.lr,
-                        seed=a.seed, backend="torch")  # fmt: skip
+                        seed=a.seed, backend="torch", batchnorm=a.batchnorm)  # fmt: skip
     config = FederatedConfig(
         finetune=ft, clients=a.clients, rounds=a.rounds, local_epochs=a.local_epochs,
         partition=a.partition, alpha=a.alpha, server_optimizer=a.server_optimizer,

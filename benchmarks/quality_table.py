@@ -57,10 +57,12 @@ def default_schemes() -> list[str]:
     return ["full", "auto", "sparse", "bias", "head", *(["lora"] if "lora" in SCHEME_NAMES else [])]
 
 
-def _options(args: argparse.Namespace) -> list[str]:
-    """The finetune options every run of this table shares."""
+def _options(args: argparse.Namespace, scheme: str) -> list[str]:
+    """The finetune options every run of this table shares (and auto's budget)."""
     out = forward(args, ("max_train", "max_val", *_SHAPES))
-    out += ["--batchnorm", args.batchnorm] if args.batchnorm != "batch" else []
+    out += ["--batchnorm", args.batchnorm] if args.batchnorm else []
+    budget = getattr(args, "auto_budget", None)
+    out += ["--memory-budget", budget] if budget and scheme == "auto" else []
     return [*out, "--backend", args.backend, "--test-fraction", str(args.test_fraction)]
 
 
@@ -95,7 +97,8 @@ def _choose_lr(recipe: str, scheme: str, args: argparse.Namespace, seed: int, pa
     torch.set_num_threads(args.threads)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    ns = parser.parse_args([*_target(recipe, args), *_options(args), "--seed", str(seed)])
+    ns = parser.parse_args([*_target(recipe, args), *_options(args, scheme),
+                            "--seed", str(seed)])  # fmt: skip
     result = choose(config_from_args(ns), scheme, args.lr_grid, steps=args.lr_steps,
                     holdout=args.lr_holdout, criterion=args.lr_criterion).to_dict()  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,8 +113,8 @@ def run_one(
     summary = out / "summary.json"
     if _finished(summary) is None:  # none yet, or a run stopped early: resume it
         command = [sys.executable, "-m", "pockengine", "finetune", *_target(recipe, args),
-                   *_options(args), "--scheme", scheme, "--lr", f"{lr:g}", "--seed", str(seed),
-                   "--out", str(out), "--progress", "none",
+                   *_options(args, scheme), "--scheme", scheme, "--lr", f"{lr:g}",
+                   "--seed", str(seed), "--out", str(out), "--progress", "none",
                    "--threads", str(args.threads)]  # fmt: skip
         if out.exists() and (out / "checkpoint.safetensors").exists():
             command.append("--resume")
@@ -197,9 +200,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_data_options(p, max_train=None, max_val=None, shapes=_SHAPES)
     p.add_argument("--test-fraction", type=float, default=0.5)
     p.add_argument("--backend", default="torch")
-    p.add_argument("--batchnorm", choices=("batch", "running"), default="batch",
+    p.add_argument("--auto-budget", metavar="SIZE",
+                   help="auto's --memory-budget, e.g. 46MB (default: the recipe's)")
+    p.add_argument("--batchnorm", choices=("batch", "running"),
                    help="every run's --batchnorm (running: every BatchNorm on its running "
-                   "statistics)")  # fmt: skip
+                   "statistics; default: the recipe's)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr-grid", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2])
     p.add_argument("--lr-steps", type=int, default=30)

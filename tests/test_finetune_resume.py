@@ -125,22 +125,39 @@ def test_resume_refuses_changed_options(tmp_path: Path, task: dict[str, Any]) ->
 def test_a_checkpoint_older_than_an_option_resumes_at_its_default(
     tmp_path: Path, task: dict[str, Any]
 ) -> None:
-    """Options added after a checkpoint was written (here test_fraction and frozen_dtype)
-    count as their defaults; a changed option is still refused."""
+    """Options added after a checkpoint was written (here test_fraction, frozen_dtype and
+    batchnorm, whose default is now the recipe's: "batch" then) count as their defaults;
+    a changed option is still refused."""
     from pockengine.finetune import checkpoint as ckpt_io
 
     out = tmp_path / "run"
     pe.finetune(**task, out=str(out), max_steps=3)
     saved = ckpt_io.load(out / ckpt_io.CHECKPOINT)
-    for newer in ("test_fraction", "frozen_dtype"):
+    assert saved.config["batchnorm"] == "batch"
+    for newer in ("test_fraction", "frozen_dtype", "batchnorm"):
         saved.config.pop(newer)
     ckpt_io.save(out / ckpt_io.CHECKPOINT, saved)
     with pytest.raises(
         pe.FinetuneError, match=re.escape("test_fraction: 0.0 in the checkpoint, 0.5")
     ):
         pe.finetune(**task, out=str(out), resume=True, test_fraction=0.5)
+    with pytest.raises(pe.FinetuneError, match=re.escape("batchnorm: 'batch' in the checkpoint")):
+        pe.finetune(**task, out=str(out), resume=True, batchnorm="running")
     rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
     assert rest.steps == 5
+
+
+def test_resume_without_batchnorm_trains_the_runs_own(tmp_path: Path, task: dict[str, Any]) -> None:
+    """A run started with --batchnorm running resumes without the option as it was (the
+    recipe's default may differ); a given --batchnorm that differs is refused."""
+    out = tmp_path / "run"
+    pe.finetune(**task, out=str(out), batchnorm="running", max_steps=3)
+    assert checkpoint.saved_options(out / checkpoint.CHECKPOINT)["batchnorm"] == "running"
+    with pytest.raises(pe.FinetuneError, match=re.escape("batchnorm: 'running' in the checkpoint")):
+        pe.finetune(**task, out=str(out), resume=True, batchnorm="batch", max_steps=5)
+    rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
+    assert rest.steps == 5
+    assert checkpoint.saved_options(rest.checkpoint)["batchnorm"] == "running"
 
 
 def test_resume_without_scheme_trains_the_runs_own(tmp_path: Path, task: dict[str, Any]) -> None:

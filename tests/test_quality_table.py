@@ -118,3 +118,18 @@ def test_a_run_stopped_early_is_resumed_not_read(
     monkeypatch.setattr(table.subprocess, "run", lambda command, **_: None)
     with pytest.raises(SystemExit, match="stopped before its test metrics"):
         table.run_one("generic", "last:4", 1e-3, 1, args)
+
+
+def test_auto_budget_and_batchnorm_reach_the_runs_that_take_them(table: ModuleType) -> None:
+    """``--auto-budget`` is auto's ``--memory-budget`` only; ``--batchnorm`` reaches every
+    run when given, and none otherwise (the recipe's default then)."""
+    args = argparse.Namespace(max_train=8, max_val=None, epochs=1, seq_len=None,
+                              batch_size=None, image_size=None, backend="torch",
+                              test_fraction=0.5, batchnorm="running",
+                              auto_budget="46MB")  # fmt: skip
+    auto, sparse = table._options(args, "auto"), table._options(args, "sparse")
+    assert auto[auto.index("--memory-budget") + 1] == "46MB"
+    assert "--memory-budget" not in sparse
+    assert sparse[sparse.index("--batchnorm") + 1] == "running"
+    args.batchnorm = args.auto_budget = None
+    assert not {"--batchnorm", "--memory-budget"} & set(table._options(args, "auto"))

@@ -31,6 +31,15 @@ def test_the_text_recipes_default_to_auto_the_others_to_sparse() -> None:
                    data="d.csv") == "full"  # fmt: skip  # a factory trains from scratch
     for recipe in ("lite0-fashion", "smollm2-pydocs"):
         assert _scheme(recipe=recipe) == "sparse"
+    # lite0-fashion's BatchNorms normalise by their running statistics (docs/quality.md);
+    # a given --batchnorm wins
+    for recipe in RECIPES:
+        mine = {"recipe": None, "model": "m", "data": "d.csv"}
+        config = FinetuneConfig(**(mine if recipe == "generic" else {"recipe": recipe}))
+        want = "running" if recipe == "lite0-fashion" else "batch"
+        assert recipes.defaults(config)["batchnorm"] == want, recipe
+    given = FinetuneConfig(recipe="lite0-fashion", batchnorm="batch")
+    assert given.with_defaults(recipes.defaults(given)).batchnorm == "batch"
     assert set(RECIPES) == {"minilm-bbc", "minilm-tweets", "lite0-fashion", "smollm2-pydocs",
                             "generic"}  # fmt: skip  # a new recipe decides its default here
     # the recipe's default learning rate is auto's; sparse stays selectable

@@ -162,10 +162,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "rescaling a weight a normalisation follows) or grad (|gradient|) (default: fisher)",
     )  # fmt: skip
     how.add_argument(
-        "--batchnorm", choices=BATCHNORM_CHOICES, default="batch",
+        "--batchnorm", choices=BATCHNORM_CHOICES,
         help="how the BatchNorm layers the scheme trains normalise: by the batch, or by "
         "their running statistics as frozen ones do (their scale and shift still train; "
-        "docs/quality.md) (default: batch)",
+        "docs/quality.md) (default: the recipe's: running for lite0-fashion, batch "
+        "otherwise)",
     )  # fmt: skip
     how.add_argument(
         "--remat-budget", type=budget_or_none,

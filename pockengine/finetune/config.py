@@ -81,7 +81,7 @@ class FinetuneConfig:
     scheme: str | None = None  # auto, full, bias, sparse, head, last:K or a scheme file
     memory_budget: float | None = None  # auto: planned-peak bytes (None: sparse's peak)
     auto_score: str = "fisher"  # auto: what ranks the weights (fisher, taylor or grad)
-    batchnorm: str = "batch"  # trained BatchNorms on batch or (running) running statistics
+    batchnorm: str | None = None  # trained BatchNorms on batch or running statistics
     remat_budget: float | None = None  # planned-peak bytes met by recomputation (0: off)
     optimizer: str = "adamw"  # adamw or sgd
     lr: float | None = None
@@ -134,7 +134,8 @@ class FinetuneConfig:
         _choice("keep", self.keep, ("best", "last"))
         _choice("compile_in", self.compile_in, ("process", "child"))
         _choice("auto_score", self.auto_score, AUTO_SCORES)
-        _choice("batchnorm", self.batchnorm, BATCHNORM_CHOICES)
+        if self.batchnorm is not None:
+            _choice("batchnorm", self.batchnorm, BATCHNORM_CHOICES)
         for name in (
             "epochs",
             "batch_size",

@@ -87,13 +87,21 @@ def _out(config: FinetuneConfig) -> Path:
 
 
 def _scheme_when_resumed(config: FinetuneConfig) -> FinetuneConfig:
-    """``--resume`` without ``--scheme`` trains the scheme the run started with, so a run
-    begun under another default scheme (``sparse``, before ``auto``) resumes as it was."""
-    if not config.resume or config.scheme is not None:
+    """``--resume`` without ``--scheme`` (``--batchnorm``) trains the scheme (BatchNorm
+    mode) the run started with, so a run begun under another default (``sparse``, before
+    ``auto``; batch statistics, before lite0-fashion's running ones) resumes as it was. A
+    checkpoint older than ``--batchnorm`` trained on batch statistics."""
+    if not config.resume or (config.scheme is not None and config.batchnorm is not None):
         return config
-    saved = ckpt_io.saved_options(_out(config) / ckpt_io.CHECKPOINT) or {}
-    scheme = saved.get("scheme")
-    return dataclasses.replace(config, scheme=scheme) if isinstance(scheme, str) else config
+    saved = ckpt_io.saved_options(_out(config) / ckpt_io.CHECKPOINT)
+    if saved is None:
+        return config
+    scheme, batchnorm = saved.get("scheme"), saved.get("batchnorm") or "batch"
+    if config.scheme is None and isinstance(scheme, str):
+        config = dataclasses.replace(config, scheme=scheme)
+    if config.batchnorm is None and isinstance(batchnorm, str):
+        config = dataclasses.replace(config, batchnorm=batchnorm)
+    return config
 
 
 def _slug(config: FinetuneConfig) -> str:
@@ -116,8 +124,9 @@ def resume_point(config: FinetuneConfig, out: Path) -> ckpt_io.Checkpoint | None
         return None
     saved = ckpt_io.load(path)
     now = json.loads(json.dumps(config.training_dict()))
-    # an option newer than the checkpoint had its default then
-    defaults = json.loads(json.dumps(FinetuneConfig().training_dict()))
+    # an option newer than the checkpoint had its default then (``--batchnorm``, whose
+    # default is now the recipe's, was "batch")
+    defaults = json.loads(json.dumps(FinetuneConfig(batchnorm="batch").training_dict()))
     before = {**{k: v for k, v in defaults.items() if k not in saved.config}, **saved.config}
     diffs = [
         f"{k}: {before.get(k)!r} in the checkpoint, {v!r} now"
