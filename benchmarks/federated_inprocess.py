@@ -98,6 +98,7 @@ def run(config: FederatedConfig, pooled_bn: bool) -> list[dict[str, Any]]:
         metrics = evaluate(first.step, task)
         row = {"round": r, "accuracy": metrics.get("val_accuracy"), "loss": metrics["val_loss"],
                "train_loss": float(np.average([x.loss for x in results], weights=weights)),
+               "bytes_up": sum(a.nbytes for x in results for a in x.arrays.values()),
                "elapsed_s": time.perf_counter() - start}  # fmt: skip
         if pooled_bn:
             row["accuracy_pooled_bn"] = pooled_bn_accuracy(first, task)
@@ -131,6 +132,7 @@ def main() -> None:
     p.add_argument("--batchnorm", choices=("batch", "running"),
                    help="what the trained BatchNorms normalise by (finetune --batchnorm; "
                    "default: the recipe's)")
+    p.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx (decoupled)")
     p.add_argument("--local-loss", choices=LOCAL_LOSSES, default="plain")
     p.add_argument("--la-tau", type=float, default=1.0)
     p.add_argument("--pooled-bn", action="store_true", help="also score with pooled statistics")
@@ -145,6 +147,7 @@ def main() -> None:
         server_lr=a.server_lr, server_momentum=a.server_momentum,
         server_betas=tuple(a.server_betas), server_tau=a.server_tau,
         bn_statistics=a.bn_statistics, local_loss=a.local_loss, la_tau=a.la_tau,
+        proximal_mu=a.proximal_mu,
     )  # fmt: skip
     rows = run(config, a.pooled_bn)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
