@@ -54,3 +54,28 @@ def test_the_analysis_childs_error_is_raised_here(tmp_path: Path, options: dict[
     with pytest.raises(FinetuneError, match="below the planned peak of the bias scheme"):
         pe.finetune(**options, out=str(out), memory_budget=1.0, compile_in="child")
     assert not list(out.glob(".compiled-*"))  # the children's folder is gone
+
+
+def test_a_helper_holds_a_few_batches_of_the_data() -> None:
+    """``Task.holding`` / ``for_analysis``: the helper processes keep the batches they
+    read (the first, and the last ones the estimate uses), with the whole training
+    split's fingerprint and size, so the analysis' cache keys and its gradient batches
+    are those of the whole task."""
+    import numpy as np
+
+    from pockengine.finetune.data import fingerprint
+    from pockengine.finetune.recipes import Task
+
+    x = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
+    y = np.arange(100) % 4
+    task = Task("t", None, None, (x, y), (x[:20], y[:20]), ("a", "b", "c", "d"),
+                test=(x[:5], y[:5]))  # type: ignore[arg-type]  # fmt: skip
+    slim = task.for_analysis(8, 2)
+    assert slim.train_size == 100 and slim.train_fingerprint() == fingerprint(x, y)
+    np.testing.assert_array_equal(slim.train[0], np.concatenate([x[:8], x[-16:]]))
+    np.testing.assert_array_equal(slim.train[1][-16:], y[-16:])
+    assert [len(a) for a in slim.val] == [0, 0] and [len(a) for a in slim.test] == [0, 0]
+    kept = task.holding(8, val=64)  # the compile child: a batch of each split
+    assert len(kept.train[0]) == 8 and len(kept.val[0]) == 20 and kept.train_size == 100
+    whole = task.holding(60, 50)  # overlapping: all of it, in order
+    assert whole.train[0] is x and whole.train_fingerprint() == task.train_fingerprint()

@@ -39,11 +39,18 @@ def choose_into(folder: Path) -> None:
     """The child's work: build the task of ``JOB`` in ``folder``, choose, write ``CHOICE``."""
     from pockengine.finetune import recipes
     from pockengine.finetune.auto_scheme import choose_auto
+    from pockengine.finetune.estimate import EstimateSettings
+    from pockengine.runtime import release_free_memory
 
     job = read_job(folder, JOB)
     config = FinetuneConfig(**job["config"])
-    task = recipes.build(config)
-    choice = choose_auto(config, task, recipes.RECIPES[recipes.recipe_name(config)].sparse)
+    settings = EstimateSettings(score=config.auto_score)
+    assert config.batch_size is not None
+    # the batches the analysis reads, not the whole data (freed before the first import)
+    task = recipes.build(config).for_analysis(config.batch_size, settings.batches)
+    release_free_memory()
+    sparse = recipes.RECIPES[recipes.recipe_name(config)].sparse
+    choice = choose_auto(config, task, sparse, settings)
     (folder / CHOICE).write_text(json.dumps(choice.to_dict()))
 
 

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.finetune.data import fingerprint
 from pockengine.finetune.estimate import (
     Estimate,
     EstimateSettings,
@@ -152,7 +151,7 @@ def choose_auto(
     facts = {"budget": config.memory_budget, "sparse": sparse.to_dict(), "kind": task.kind,
              "optimizer": [config.optimizer, config.momentum], "score": settings.score,
              "ratios": list(settings.ratios)}  # fmt: skip
-    key = cache_key(config, fingerprint(*task.train), settings, **facts)
+    key = cache_key(config, task.train_fingerprint(), settings, **facts)
     path = cache_folder() / f"choice-{key}.json"
     try:
         choice = AutoChoice.from_dict(json.loads(path.read_text()))

@@ -13,6 +13,8 @@ data encoded), compiles the step and its evaluator as the run would
   ``RUN/model`` is written, and the model's buffer names (``compiled_task``);
 - ``model/``: the skeleton of ``RUN/model`` (``model_skeleton``).
 
+The splits are written first; the child then keeps one training batch and one evaluation
+batch of them (``Task.holding``), so its peak does not hold the data while it compiles.
 Then it exits, and the process that trains loads the step (``compiled_task.load_compiled``).
 This module imports no torch: the parent (``launch.run``) has not imported it while the
 child compiles, so the two processes never hold torch at once. A child that fails writes
@@ -69,14 +71,24 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     zeros are never written, in memory or in the artifact (``step_io``)."""
 
     from pockengine.finetune import recipes, released
+    from pockengine.finetune.compiled_task import save_task_data
     from pockengine.finetune.gguf import frozen_weights
+    from pockengine.finetune.metrics import CAUSAL_LM_BATCH, CLASSIFY_BATCH
     from pockengine.finetune.trainer import compile_evaluator_releasing, compile_task
+    from pockengine.runtime import release_free_memory
     from pockengine.step_base import copies_deferred
 
     job = read_job(folder, JOB)
     config = FinetuneConfig(**job["config"])
+    assert config.batch_size is not None
     task = recipes.build(config)
     phase("model, tokenizer and data")
+    # The splits go to the process that trains now; the compile keeps the batches it
+    # traces on (a training batch, an evaluation batch) and frees the rest first.
+    save_task_data(folder, task)
+    task = task.holding(config.batch_size, val=max(CLASSIFY_BATCH, CAUSAL_LM_BATCH))
+    release_free_memory()
+    phase("data written, all but a batch of each split released")
     frozen, scheme = frozen_weights(config), schemes.from_dict(job["scheme"])
     _stand_in(task.model, frozen_given(task.model, frozen.given, scheme))  # stored as blocks
     phase("GGUF blocks read, the float copies of them released")
@@ -116,10 +128,10 @@ def _stand_in(model: nn.Module, names: Iterable[str]) -> None:
 
 def _write_task(folder: Path, step: TrainStep, task: Task) -> None:
     from pockengine.finetune import released
-    from pockengine.finetune.compiled_task import save_task
+    from pockengine.finetune.compiled_task import save_task_info
     from pockengine.finetune.model_skeleton import write_skeleton
 
-    save_task(folder, task)
+    save_task_info(folder, task)  # (its data was written first: compile_into)
     write_skeleton(folder / MODEL_DIR, task, released.step_values(step),
                    released.quantized_stand_ins(step))  # fmt: skip
 

@@ -23,7 +23,7 @@ from pockengine.finetune.config import FinetuneError
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.step_io import LoadedStep, load_step, read_tensors
 
-__all__ = ["Compiled", "load_compiled", "save_task"]
+__all__ = ["Compiled", "load_compiled", "save_task", "save_task_data", "save_task_info"]
 
 _SPLITS = ("train", "val", "test")
 
@@ -71,9 +71,21 @@ def _load_task(folder: Path) -> tuple[recipes.Task, tuple[str, ...]]:
 
 def save_task(folder: Path, task: recipes.Task) -> None:
     """Write ``task``'s encoded splits and what else the process that trains reads."""
+    save_task_data(folder, task)
+    save_task_info(folder, task)
+
+
+def save_task_data(folder: Path, task: recipes.Task) -> None:
+    """Write ``task``'s encoded splits (``save_task``'s data half)."""
     arrays = {f"{s}.{i}": a for s in _SPLITS for i, a in enumerate(getattr(task, s))}
     with (folder / TASK_DATA).open("wb") as f:
         write_safetensors_to(f, arrays)
+
+
+def save_task_info(folder: Path, task: recipes.Task) -> None:
+    """Write what else of ``task`` the process that trains reads (``save_task``'s other
+    half): names, labels, notes, how ``RUN/model`` is written, the buffer names, and how
+    many arrays each split has."""
     info = {
         "name": task.name, "labels": list(task.labels), "kind": task.kind,
         "notes": list(task.notes), "inputs": task.inputs, "home": task.home,

@@ -287,10 +287,9 @@ def estimate_scores(
     """The scores of ``weights`` (cached): the gradients of ``batches`` batches, the last
     ``batches * batch_size`` training examples, each in micro-batches
     (``gradient_sums``)."""
-    from pockengine.finetune.data import fingerprint
     from pockengine.finetune.gradient_sums import gradient_sums, micro_rows
 
-    key = cache_key(config, fingerprint(*task.train), settings)
+    key = cache_key(config, task.train_fingerprint(), settings)
     path = cache_folder() / f"{key}.json"
     try:
         return Estimate.from_dict(json.loads(path.read_text()), path)

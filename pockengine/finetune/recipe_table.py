@@ -137,7 +137,7 @@ def defaults(config: FinetuneConfig, *, auto: bool = True) -> dict[str, Any]:
     return out
 
 
-def parse_scheme(spec: str, recipe: str | None = None, batchnorm: str = "batch") -> Scheme:
+def parse_scheme(spec: str, recipe: str | None = None, batchnorm: str | None = "batch") -> Scheme:
     """The scheme a name (``pockengine.sparse.names``: full, bias, bias-only, sparse, head,
     last:K) or a scheme file stands for; ``sparse`` is the recipe's own. Named schemes run
     BatchNorm layers that train nothing on their running statistics (``frozen_bn="eval"``):
@@ -153,9 +153,10 @@ def parse_scheme(spec: str, recipe: str | None = None, batchnorm: str = "batch")
     return with_batchnorm(scheme, batchnorm)
 
 
-def with_batchnorm(scheme: Scheme, batchnorm: str) -> Scheme:
+def with_batchnorm(scheme: Scheme, batchnorm: str | None) -> Scheme:
     """``scheme`` with every BatchNorm on its running statistics when ``batchnorm`` says
-    "running" (``schemes.running_statistics``); as it is otherwise."""
+    "running" (``schemes.running_statistics``); as it is otherwise (None: a config whose
+    recipe defaults are not filled in, "batch" then)."""
     return running_statistics(scheme) if batchnorm == "running" else scheme
 
 
