@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import pockengine as pe
 from pockengine.finetune import FinetuneConfig, FinetuneError
@@ -128,6 +129,16 @@ def test_idx_reader_and_image_preprocessing(tmp_path: Path) -> None:
     assert x.shape == (2, 3, 56, 56) and x.dtype == np.float32
     np.testing.assert_array_equal(x[:, 0], x[:, 2])
     assert x.min() >= -1 and x.max() <= 1
+    # chunked (vision._CHUNK images at a time): the same bits as the whole batch at once
+    many = np.random.default_rng(0).integers(0, 256, (vision._CHUNK + 44, 28, 28), np.uint8)
+    t = torch.nn.functional.interpolate(
+        torch.from_numpy(many.astype(np.float32))[:, None],
+        size=(40, 40),
+        mode="bilinear",
+        align_corners=False,
+    )
+    want = ((t - 127.0) / 128.0).expand(-1, 3, -1, -1).numpy()  # fmt: skip
+    np.testing.assert_array_equal(vision.preprocess(many, 40), want)
     path.write_bytes(b"not idx")
     with pytest.raises(FinetuneError, match="not an IDX file"):
         vision.load_idx(path)
