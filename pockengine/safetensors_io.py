@@ -8,6 +8,7 @@ never a copy), so saving costs no memory beyond the arrays already held. NumPy o
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -22,8 +23,10 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "LazyTensors",
     "SafetensorsError",
+    "all_zero",
     "append_tensors",
     "header_bytes",
+    "pages_out_after_write",
     "write_rows",
     "write_safetensors_to",
     "write_streamed_to",
@@ -97,6 +100,22 @@ def write_rows(f: IO[bytes], array: Array) -> None:
         write_rows(f, np.ascontiguousarray(array[start : start + rows]))
 
 
+_PAGE_OUT = [False]  # pages_out_after_write is active
+
+
+@contextlib.contextmanager
+def pages_out_after_write() -> Iterator[None]:
+    """Within it, ``write_streamed_to`` hands each tensor's pages back to the kernel once
+    written (``_libc.page_out``). For a process about to exit that writes weights a loader
+    memory-mapped and nothing else read (the compile child writing its step): reading
+    them to write them would otherwise make every one resident at once."""
+    _PAGE_OUT[0] = True
+    try:
+        yield
+    finally:
+        _PAGE_OUT[0] = False
+
+
 def write_streamed_to(
     f: IO[bytes],
     specs: Mapping[str, Array],
@@ -106,9 +125,39 @@ def write_streamed_to(
     """The tensors ``specs`` describes (shapes and dtypes; broadcast zeros serve) as one
     safetensors file into ``f``: the header first, then each ``read(name)`` written as
     soon as it is read (``write_rows``), so one tensor at a time is in memory."""
+    from pockengine._libc import page_out
+
     f.write(header_bytes(specs, metadata))
     for name in specs:
-        write_rows(f, read(name))
+        array = read(name)
+        if not _PAGE_OUT[0] or not array.flags.c_contiguous:
+            write_rows(f, array)
+            continue
+        for block in _flat_blocks(array):  # a block resident at a time
+            f.write(block.data)
+            page_out(block)
+
+
+def _flat_blocks(array: Array) -> Iterator[Array]:
+    """A C-contiguous ``array``'s bytes as views of at most ``_BLOCK`` bytes."""
+    flat = array.reshape(-1).view(np.uint8)
+    for start in range(0, len(flat), _BLOCK):
+        yield flat[start : start + _BLOCK]
+
+
+def all_zero(array: Array) -> bool:
+    """Whether every byte of ``array`` is zero (-0.0 is not); within
+    ``pages_out_after_write`` read a block at a time, each block's pages handed back."""
+    from pockengine._libc import page_out
+
+    if not _PAGE_OUT[0] or not array.flags.c_contiguous:
+        return not np.ascontiguousarray(array).reshape(-1).view(np.uint8).any()
+    for block in _flat_blocks(array):
+        nonzero = bool(block.any())
+        page_out(block)
+        if nonzero:
+            return False
+    return True
 
 
 def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:

@@ -40,6 +40,7 @@ from pockengine.safetensors_io import (
     SAFETENSORS_DTYPES,
     LazyTensors,
     SafetensorsError,
+    all_zero,
     write_streamed_to,
 )
 from pockengine.step_base import CompiledStep
@@ -152,7 +153,7 @@ def _write_tensors(path: Path, store: Mapping[str, Any], backend: Backend) -> li
         array = backend.to_numpy(value)
         if array.dtype not in _SAFETENSORS_NAMES:
             raise StepFileError(f"{path.name}: {name}: {array.dtype} has no safetensors dtype")
-        if array.size and not np.ascontiguousarray(array).reshape(-1).view(np.uint8).any():
+        if array.size and all_zero(array):
             zeros.append(name)
         else:
             specs[name] = np.broadcast_to(np.zeros((), array.dtype), array.shape)

@@ -106,3 +106,46 @@ def test_lazy_tensors_read_one_tensor_a_lookup(tmp_path: Path) -> None:
         f.truncate(path.stat().st_size - 8)
     with pytest.raises(ValueError, match="b is cut short"):
         LazyTensors(path)["b"]
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_pages_of_a_mapped_file_are_handed_back_after_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within ``pages_out_after_write`` a memory-mapped weight read to be written (the
+    compile child's step artifact and skeleton) leaves the resident memory block by block
+    (``_libc.page_out``), and the file written is the same bytes."""
+    from pockengine import _libc, safetensors_io
+    from pockengine.safetensors_io import all_zero, pages_out_after_write, write_streamed_to
+
+    source = tmp_path / "weights.bin"
+    values = np.random.default_rng(0).standard_normal(6 << 20).astype(np.float32)  # 24 MiB
+    values.tofile(source)
+    mapped = np.memmap(source, dtype=np.float32, mode="r", shape=values.shape)
+    spec = {"w": np.broadcast_to(np.zeros((), np.float32), values.shape)}
+    plain, paged = tmp_path / "plain.safetensors", tmp_path / "paged.safetensors"
+    with plain.open("wb") as f:
+        write_streamed_to(f, spec, lambda _: values)
+    before = _rss_kib()
+    blocks: list[int] = []
+    real = _libc.page_out
+    monkeypatch.setattr(_libc, "page_out", lambda a: blocks.append(a.nbytes) or real(a))
+    with pages_out_after_write(), paged.open("wb") as f:
+        assert not all_zero(mapped)  # read (a first block is not zero), handed back
+        write_streamed_to(f, spec, lambda _: mapped)
+    assert plain.read_bytes() == paged.read_bytes()
+    assert sum(blocks[1:]) == mapped.nbytes and max(blocks) <= safetensors_io._BLOCK
+    if not real(np.zeros(1 << 16, np.uint8)):
+        pytest.skip("this kernel refuses MADV_PAGEOUT (Linux 5.4+)")
+    assert _rss_kib() - before < 8 << 10  # 24 MiB read, at most one block left resident
+    np.testing.assert_array_equal(mapped[::4096], values[::4096])  # values unchanged
+    with paged.open("wb") as f:  # outside: nothing is handed back
+        blocks.clear()
+        write_streamed_to(f, spec, lambda _: mapped)
+    assert not blocks

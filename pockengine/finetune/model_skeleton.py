@@ -51,11 +51,12 @@ def write_skeleton(
     kind = task.home.get("format", "factory")
     added: dict[str, Any] = {}
     zeroed = dict(zeroed or {})
-    if is_released(task.model):
-        home.STREAMED[kind](folder, task, added, _Zeroed(state, zeroed))
-    else:
-        home.WRITERS[kind](folder, task, added)
+    # Streamed tensor by tensor (from the step's values, else the module's own) whether or
+    # not the model's copies were released: ``save_pretrained`` would build the whole file
+    # in memory, and read every memory-mapped weight at once.
+    if not is_released(task.model):
         zeroed = {}
+    home.STREAMED[kind](folder, task, added, _Zeroed(state, zeroed))
     prefixes = _PREFIXES.get(kind, {})
     files = {p.name: prefixes.get(p.name, "") for p in sorted(folder.glob("*.safetensors"))}
     spec = {"kind": kind, "meta": added, "files": files, "zeroed": sorted(zeroed)}

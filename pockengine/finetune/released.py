@@ -44,10 +44,12 @@ Array = np.ndarray[Any, Any]
 
 class StepValues(Mapping[str, Array]):
     """The step's params and persistent buffers by model name (tied tensors under each of
-    their names), each read from the step when it is looked up (a fresh array)."""
+    their names), each read from the step when it is looked up (a fresh array; with
+    ``copy=False`` the backend's own memory where it lends it, valid until the next step:
+    for a writer, which then holds no copy)."""
 
-    def __init__(self, step: CompiledStep) -> None:
-        self._step = step
+    def __init__(self, step: CompiledStep, copy: bool = True) -> None:
+        self._step, self._copy = step, copy
         self._ir = {
             alias: ir
             for ir, name in step._state_names.items()
@@ -55,7 +57,7 @@ class StepValues(Mapping[str, Array]):
         }
 
     def __getitem__(self, name: str) -> Array:
-        return self._step._read(self._ir[name])
+        return self._step._read(self._ir[name], copy=self._copy)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._ir)
@@ -64,10 +66,11 @@ class StepValues(Mapping[str, Array]):
         return len(self._ir)
 
 
-def step_values(step: CompiledStep) -> Mapping[str, Array]:
+def step_values(step: CompiledStep, copy: bool = True) -> Mapping[str, Array]:
     """What ``RUN/model`` and the best weights are made of: the step's values, lazily; with
-    LoRA adapters, merged into the weights they adapt (read whole, as the merge needs)."""
-    return merged_state(step) if step.resolution.adapters else StepValues(step)
+    LoRA adapters, merged into the weights they adapt (read whole, as the merge needs).
+    ``copy=False``: lent where the backend can (``StepValues``), for a writer."""
+    return merged_state(step) if step.resolution.adapters else StepValues(step, copy)
 
 
 def quantized_names(step: TrainStep) -> list[str]:

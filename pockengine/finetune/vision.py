@@ -83,8 +83,7 @@ def preprocess(images: Array, size: int) -> Array:
         x = torch.from_numpy(images[start : start + _CHUNK].astype(np.float32)).unsqueeze(1)
         if x.shape[-1] != size:
             x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-        x = x.sub_(127.0).div_(128.0).numpy()
-        out[start : start + len(x)] = x  # broadcast over the 3 channels
+        out[start : start + len(x)] = x.sub_(127.0).div_(128.0).numpy()  # to 3 channels
     return out
 
 
