@@ -190,3 +190,28 @@ def test_refill_keeps_what_the_step_lacks_and_checks_shapes(tmp_path: Path) -> N
     assert dst.stat().st_size == src.stat().st_size
     with pytest.raises(pe.FinetuneError, match=r"a is \[3, 2\], the model's \[2, 3\]"):
         refill(src, dst, {"a": np.zeros((3, 2), np.float32)}.get)
+
+
+def test_broadcast_data_travels_compact(tmp_path: Path) -> None:
+    """A split's array broadcast along an axis (lite0-fashion's three identical channels,
+    ``vision.preprocess``) is written once with its shape and read back as the same
+    broadcast view, so the process that trains holds a third of the images."""
+    import numpy as np
+    from torch import nn
+
+    from pockengine.finetune import compiled_task, vision
+    from pockengine.finetune.recipes import Task
+    from pockengine.safetensors_io import LazyTensors
+
+    images = np.random.default_rng(0).integers(0, 256, (10, 28, 28), np.uint8)
+    x, y = vision.preprocess(images, 16), np.arange(10) % 3
+    assert x.shape == (10, 3, 16, 16) and x.strides[1] == 0
+    task = Task("t", nn.Linear(2, 2), None, (x, y), (x[:4], y[:4]), ("a", "b", "c"))  # type: ignore[arg-type]
+    compiled_task.save_task(tmp_path, task)
+    stored = LazyTensors(tmp_path / compiled_task.TASK_DATA)
+    assert stored["train.0"].shape == (10, 1, 16, 16)
+    loaded, _ = compiled_task._load_task(tmp_path)
+    for got, want in zip((*loaded.train, *loaded.val), (*task.train, *task.val), strict=True):
+        np.testing.assert_array_equal(got, want)
+        assert got.shape == want.shape and got.strides[1:2] == want.strides[1:2]
+    assert loaded.train[1].strides == (8,) and loaded.test == ()

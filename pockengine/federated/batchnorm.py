@@ -75,7 +75,12 @@ class BatchNormStats:
                 model.get_submodule(name).eval()
             with torch.no_grad():
                 for start in range(0, len(inputs[0]) - batch_size + 1, batch_size):
-                    model(*(torch.from_numpy(a[start : start + batch_size]) for a in inputs))
+                    model(
+                        *(
+                            torch.from_numpy(np.ascontiguousarray(a[start : start + batch_size]))
+                            for a in inputs
+                        )
+                    )
             out = {}
             for name, layer in layers.items():
                 assert layer.running_mean is not None and layer.running_var is not None

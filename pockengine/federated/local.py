@@ -70,7 +70,7 @@ def compile_task(
     from pockengine.runtime import compile
 
     assert ft.batch_size is not None
-    batch = tuple(a[: ft.batch_size] for a in task.train)
+    batch = tuple(np.ascontiguousarray(a[: ft.batch_size]) for a in task.train)
     if local_loss == "logit-adjusted":
         _check_adjustable(task)
         batch = adjusted_batch(batch, np.zeros(len(task.labels), np.float32))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from pockengine.evaluator import Evaluator
@@ -62,11 +63,19 @@ def load_compiled(folder: Path, backend: str) -> Compiled:
 def _load_task(folder: Path) -> tuple[recipes.Task, tuple[str, ...]]:
     info = json.loads((folder / TASK_JSON).read_text())
     arrays = read_tensors(folder / TASK_DATA)
-    splits = {s: tuple(arrays.pop(f"{s}.{i}") for i in range(info["arrays"][s])) for s in _SPLITS}
+    splits = {s: tuple(_expanded(arrays, f"{s}.{i}") for i in range(info["arrays"][s]))
+              for s in _SPLITS}  # fmt: skip
     task = recipes.Task(info["name"], _CompiledElsewhere(), _no_loss, splits["train"],
                         splits["val"], tuple(info["labels"]), info["kind"], list(info["notes"]),
                         info["inputs"], splits["test"], None, dict(info["home"]))  # fmt: skip
     return task, tuple(info["buffers"])
+
+
+def _expanded(arrays: dict[str, np.ndarray[Any, Any]], name: str) -> np.ndarray[Any, Any]:
+    """``arrays[name]``, broadcast back to its full shape where it was written compact (a
+    read-only view: the data order copies each batch out of it)."""
+    value, shape = arrays.pop(name), arrays.pop(name + _SHAPE, None)
+    return value if shape is None else np.broadcast_to(value, tuple(int(n) for n in shape))
 
 
 def save_task(folder: Path, task: recipes.Task) -> None:
@@ -76,10 +85,31 @@ def save_task(folder: Path, task: recipes.Task) -> None:
 
 
 def save_task_data(folder: Path, task: recipes.Task) -> None:
-    """Write ``task``'s encoded splits (``save_task``'s data half)."""
-    arrays = {f"{s}.{i}": a for s in _SPLITS for i, a in enumerate(getattr(task, s))}
+    """Write ``task``'s encoded splits (``save_task``'s data half). An array broadcast
+    along an axis (stride 0: lite0-fashion's three identical channels) is written as its
+    one copy plus its shape (``NAME.shape``), and read back as the same broadcast view, so
+    the process that trains holds it once."""
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for s in _SPLITS:
+        for i, a in enumerate(getattr(task, s)):
+            name = f"{s}.{i}"
+            compact = _compact(a)
+            arrays[name] = compact
+            if compact.shape != a.shape:
+                arrays[name + _SHAPE] = np.asarray(a.shape, dtype=np.int64)
     with (folder / TASK_DATA).open("wb") as f:
         write_safetensors_to(f, arrays)
+
+
+_SHAPE = ".shape"  # the full shape of a split's array written compact
+
+
+def _compact(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``a`` with every broadcast axis (stride 0, length > 1) cut to length 1."""
+    broadcast = [st == 0 and n > 1 for st, n in zip(a.strides, a.shape, strict=True)]
+    if not any(broadcast):
+        return a
+    return a[tuple(slice(0, 1) if b else slice(None) for b in broadcast)]
 
 
 def save_task_info(folder: Path, task: recipes.Task) -> None:

@@ -144,7 +144,9 @@ def _classification(task: Task, batch_size: int) -> dict[str, float]:
     total_loss, correct = 0.0, 0
     n = task.val_size
     for start in range(0, n, batch_size):
-        *inputs, labels = (torch.from_numpy(a[start : start + batch_size]) for a in task.val)
+        *inputs, labels = (
+            torch.from_numpy(np.ascontiguousarray(a[start : start + batch_size])) for a in task.val
+        )
         logits = task.model(*inputs)
         total_loss += float(F.cross_entropy(logits, labels, reduction="sum"))
         correct += int((logits.argmax(-1) == labels).sum())

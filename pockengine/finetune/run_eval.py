@@ -106,7 +106,9 @@ def _classification(
     n = len(labels)
     total_loss, predicted = 0.0, []
     for start in range(0, n, batch):  # as metrics.evaluate does, to the last bit
-        logits = loaded.model(*(torch.from_numpy(a[start : start + batch]) for a in inputs))
+        logits = loaded.model(
+            *(torch.from_numpy(np.ascontiguousarray(a[start : start + batch])) for a in inputs)
+        )
         target = torch.from_numpy(labels[start : start + batch])
         total_loss += float(F.cross_entropy(logits, target, reduction="sum"))
         predicted.append(logits.argmax(-1).numpy())

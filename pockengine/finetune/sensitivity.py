@@ -217,7 +217,10 @@ class StepBuilder:
         import pockengine as pe
 
         assert self.config.batch_size is not None
-        example = tuple(torch.from_numpy(a[: self.config.batch_size]) for a in self.task.train)
+        example = tuple(
+            torch.from_numpy(np.ascontiguousarray(a[: self.config.batch_size]))
+            for a in self.task.train
+        )
         self.task.model.train()
         optimizer = self.config.make_optimizer(lr)
         return pe.compile(self.task.model, self.task.loss_fn, example, optimizer, scheme,

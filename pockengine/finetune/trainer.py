@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pockengine.evaluator import Evaluator
@@ -222,7 +223,9 @@ def _compile(
     from pockengine.runtime import compile
 
     assert config.batch_size is not None
-    example = tuple(torch.from_numpy(a[: config.batch_size]) for a in task.train)
+    example = tuple(
+        torch.from_numpy(np.ascontiguousarray(a[: config.batch_size])) for a in task.train
+    )
     task.model.train()  # dropout on: its seed is the step's "rng.seed" state
     frozen = frozen_weights(config) if frozen is None else frozen
     return compile(
