@@ -19,6 +19,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from pockengine._libc import page_out
+
 __all__ = [
     "SAFETENSORS_DTYPES",
     "LazyTensors",
@@ -125,8 +127,6 @@ def write_streamed_to(
     """The tensors ``specs`` describes (shapes and dtypes; broadcast zeros serve) as one
     safetensors file into ``f``: the header first, then each ``read(name)`` written as
     soon as it is read (``write_rows``), so one tensor at a time is in memory."""
-    from pockengine._libc import page_out
-
     f.write(header_bytes(specs, metadata))
     for name in specs:
         array = read(name)
@@ -148,8 +148,6 @@ def _flat_blocks(array: Array) -> Iterator[Array]:
 def all_zero(array: Array) -> bool:
     """Whether every byte of ``array`` is zero (-0.0 is not); within
     ``pages_out_after_write`` read a block at a time, each block's pages handed back."""
-    from pockengine._libc import page_out
-
     if not _PAGE_OUT[0] or not array.flags.c_contiguous:
         return not np.ascontiguousarray(array).reshape(-1).view(np.uint8).any()
     for block in _flat_blocks(array):

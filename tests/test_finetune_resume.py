@@ -147,16 +147,27 @@ def test_a_checkpoint_older_than_an_option_resumes_at_its_default(
     assert rest.steps == 5
 
 
+def _resumed_without(
+    tmp_path: Path, task: dict[str, Any], option: str, started: str, other: str
+) -> Any:
+    """A run started with ``option=started``, resumed without the option (the run's own
+    comes from the checkpoint's header) after a resume with ``option=other`` is refused."""
+    out = tmp_path / "run"
+    pe.finetune(**task, out=str(out), **{option: started}, max_steps=3)
+    assert checkpoint.saved_options(out / checkpoint.CHECKPOINT)[option] == started
+    with pytest.raises(
+        pe.FinetuneError, match=re.escape(f"{option}: {started!r} in the checkpoint")
+    ):
+        pe.finetune(**task, out=str(out), resume=True, **{option: other}, max_steps=5)
+    rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
+    assert rest.steps == 5
+    return rest
+
+
 def test_resume_without_batchnorm_trains_the_runs_own(tmp_path: Path, task: dict[str, Any]) -> None:
     """A run started with --batchnorm running resumes without the option as it was (the
     recipe's default may differ); a given --batchnorm that differs is refused."""
-    out = tmp_path / "run"
-    pe.finetune(**task, out=str(out), batchnorm="running", max_steps=3)
-    assert checkpoint.saved_options(out / checkpoint.CHECKPOINT)["batchnorm"] == "running"
-    with pytest.raises(pe.FinetuneError, match=re.escape("batchnorm: 'running' in the checkpoint")):
-        pe.finetune(**task, out=str(out), resume=True, batchnorm="batch", max_steps=5)
-    rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
-    assert rest.steps == 5
+    rest = _resumed_without(tmp_path, task, "batchnorm", "running", "batch")
     assert checkpoint.saved_options(rest.checkpoint)["batchnorm"] == "running"
 
 
@@ -164,13 +175,7 @@ def test_resume_without_scheme_trains_the_runs_own(tmp_path: Path, task: dict[st
     """A run started under another scheme than today's default (the factory model's is
     full) resumes without --scheme as it was: the scheme comes from the checkpoint's
     header; a given --scheme that differs is still refused."""
-    out = tmp_path / "run"
-    pe.finetune(**task, out=str(out), scheme="head", max_steps=3)
-    assert checkpoint.saved_options(out / checkpoint.CHECKPOINT)["scheme"] == "head"
-    with pytest.raises(pe.FinetuneError, match=re.escape("scheme: 'head' in the checkpoint")):
-        pe.finetune(**task, out=str(out), resume=True, scheme="full", max_steps=5)
-    rest = pe.finetune(**task, out=str(out), resume=True, max_steps=5)
-    assert rest.steps == 5
+    rest = _resumed_without(tmp_path, task, "scheme", "head", "full")
     assert set(checkpoint.load(rest.checkpoint).params) == {"head.weight", "head.bias"}
 
 

@@ -135,7 +135,7 @@ def test_pages_of_a_mapped_file_are_handed_back_after_writing(
     before = _rss_kib()
     blocks: list[int] = []
     real = _libc.page_out
-    monkeypatch.setattr(_libc, "page_out", lambda a: blocks.append(a.nbytes) or real(a))
+    monkeypatch.setattr(safetensors_io, "page_out", lambda a: blocks.append(a.nbytes) or real(a))
     with pages_out_after_write(), paged.open("wb") as f:
         assert not all_zero(mapped)  # read (a first block is not zero), handed back
         write_streamed_to(f, spec, lambda _: mapped)

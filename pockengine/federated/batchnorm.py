@@ -61,6 +61,8 @@ class BatchNormStats:
         variances, as train mode computes them. ``model`` is left as it was."""
         import torch
 
+        from pockengine.finetune.recipes import tensor_rows
+
         layers = {n: m for n, m in model.named_modules() if f"{n}.running_var" in self.pairs}
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         momenta = {n: m.momentum for n, m in layers.items()}
@@ -75,12 +77,7 @@ class BatchNormStats:
                 model.get_submodule(name).eval()
             with torch.no_grad():
                 for start in range(0, len(inputs[0]) - batch_size + 1, batch_size):
-                    model(
-                        *(
-                            torch.from_numpy(np.ascontiguousarray(a[start : start + batch_size]))
-                            for a in inputs
-                        )
-                    )
+                    model(*tensor_rows(inputs, start, start + batch_size))
             out = {}
             for name, layer in layers.items():
                 assert layer.running_mean is not None and layer.running_var is not None

@@ -23,9 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.estimate import (
     Estimate,
@@ -40,6 +37,7 @@ from pockengine.finetune.estimate import (
     save_cached,
 )
 from pockengine.finetune.recipe_table import with_batchnorm
+from pockengine.finetune.recipes import tensor_rows
 from pockengine.finetune.scheme_search import choose_within
 from pockengine.ir import SchemeError
 from pockengine.optim import Optimizer
@@ -170,8 +168,7 @@ def _choose(
     from pockengine.frontend.torch import import_torch, torch_model_info
 
     assert config.batch_size is not None
-    example = tuple(torch.from_numpy(np.ascontiguousarray(a[: config.batch_size]))
-                    for a in task.train)  # fmt: skip
+    example = tensor_rows(task.train, 0, config.batch_size)
     task.model.train()
     info = torch_model_info(task.model)
     model, loss_fn = task.model, task.loss_fn

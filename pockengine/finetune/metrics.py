@@ -29,7 +29,7 @@ from torch import nn
 from pockengine.evaluator import Evaluator
 from pockengine.finetune.checkpoint import read_json_lines, write_json_lines
 from pockengine.finetune.config import FinetuneError
-from pockengine.finetune.recipes import Task
+from pockengine.finetune.recipes import Task, tensor_rows
 from pockengine.ir import CompileError
 from pockengine.runtime import TrainStep
 from pockengine.step_base import CompiledStep
@@ -144,9 +144,7 @@ def _classification(task: Task, batch_size: int) -> dict[str, float]:
     total_loss, correct = 0.0, 0
     n = task.val_size
     for start in range(0, n, batch_size):
-        *inputs, labels = (
-            torch.from_numpy(np.ascontiguousarray(a[start : start + batch_size])) for a in task.val
-        )
+        *inputs, labels = tensor_rows(task.val, start, start + batch_size)
         logits = task.model(*inputs)
         total_loss += float(F.cross_entropy(logits, labels, reduction="sum"))
         correct += int((logits.argmax(-1) == labels).sum())

@@ -111,6 +111,13 @@ class Task:
         return len(self.val[0])
 
 
+def tensor_rows(arrays: Sequence[Array], start: int, stop: int) -> tuple[torch.Tensor, ...]:
+    """Rows ``start:stop`` of each array as torch tensors on C-ordered memory of their
+    own where the array's is not: a split may be a read-only broadcast view
+    (``vision.preprocess``), whose zero strides torch would otherwise take over."""
+    return tuple(torch.from_numpy(np.ascontiguousarray(a[start:stop])) for a in arrays)
+
+
 def classify_loss(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of ``model(*inputs)`` against the last batch entry."""
     return F.cross_entropy(model(*batch[:-1]), batch[-1])

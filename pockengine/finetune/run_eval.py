@@ -106,9 +106,7 @@ def _classification(
     n = len(labels)
     total_loss, predicted = 0.0, []
     for start in range(0, n, batch):  # as metrics.evaluate does, to the last bit
-        logits = loaded.model(
-            *(torch.from_numpy(np.ascontiguousarray(a[start : start + batch])) for a in inputs)
-        )
+        logits = loaded.model(*recipes.tensor_rows(inputs, start, start + batch))
         target = torch.from_numpy(labels[start : start + batch])
         total_loss += float(F.cross_entropy(logits, target, reduction="sum"))
         predicted.append(logits.argmax(-1).numpy())

@@ -217,10 +217,7 @@ class StepBuilder:
         import pockengine as pe
 
         assert self.config.batch_size is not None
-        example = tuple(
-            torch.from_numpy(np.ascontiguousarray(a[: self.config.batch_size]))
-            for a in self.task.train
-        )
+        example = recipes.tensor_rows(self.task.train, 0, self.config.batch_size)
         self.task.model.train()
         optimizer = self.config.make_optimizer(lr)
         return pe.compile(self.task.model, self.task.loss_fn, example, optimizer, scheme,

@@ -22,9 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from pockengine.evaluator import Evaluator
 from pockengine.finetune import adapter, home, recipes, released
 from pockengine.finetune import checkpoint as ckpt_io
@@ -223,9 +220,7 @@ def _compile(
     from pockengine.runtime import compile
 
     assert config.batch_size is not None
-    example = tuple(
-        torch.from_numpy(np.ascontiguousarray(a[: config.batch_size])) for a in task.train
-    )
+    example = recipes.tensor_rows(task.train, 0, config.batch_size)
     task.model.train()  # dropout on: its seed is the step's "rng.seed" state
     frozen = frozen_weights(config) if frozen is None else frozen
     return compile(
