@@ -6,7 +6,8 @@
 Runs in this process what the child runs (``compile_child.compile_into``, on the job the
 run would give it: the options after ``--``, defaults filled in as ``launch.run`` does)
 and prints the resident memory and its peak (MiB) after each phase: imports, model +
-tokenizer + data, the float copies of GGUF-given weights released, step compiled,
+tokenizer + data, (`--scheme auto`) the scheme chosen, the float copies of GGUF-given
+weights released, step compiled,
 evaluator compiled, artifact written. ``tree_memory.py`` measures the whole run.
 """
 
@@ -41,10 +42,12 @@ def main() -> int:
     add_arguments(finetune)
     args = finetune.parse_args([a for a in options.finetune_args if a != "--"])
     config = config_from_args(args).validate()
-    config = config.with_defaults(recipe_table.defaults(config, auto=False)).validate()
+    config = config.with_defaults(recipe_table.defaults(config)).validate()
     assert config.scheme is not None, "filled in by the recipe's defaults"
-    scheme = recipe_table.parse_scheme(config.scheme, config.recipe)
-    job = {"config": config.to_dict(), "scheme": scheme.to_dict(), "threads": None}
+    scheme = None  # auto: the child chooses it, then compiles it
+    if config.scheme != "auto":
+        scheme = recipe_table.parse_scheme(config.scheme, config.recipe, config.batchnorm).to_dict()
+    job = {"config": config.to_dict(), "scheme": scheme, "threads": None}
     with tempfile.TemporaryDirectory(prefix="child-memory-") as folder:
         (Path(folder) / compile_child.JOB).write_text(json.dumps(job))
         compile_child.compile_into(Path(folder), mem)

@@ -7,8 +7,9 @@ given) untouched in a child and samples, every
 process below it (``/proc/PID/task/*/children``). It reports the peak of their sum (what
 the machine holds at once), the fine-tune process's peak while it has a child (with
 ``--compile-in child``: while the child compiles) and otherwise, and the children's peak,
-and each child's own peak by the module it runs (``auto_child``: the analysis of
-``--scheme auto``; ``compile_child``: the compile). A sample can miss a peak shorter than the
+and each child's own peak by the module it runs (``compile_child``: the compile, and
+``--scheme auto``'s analysis before it; until session 15 the analysis ran in a child of
+its own, ``auto_child``). A sample can miss a peak shorter than the
 interval. Linux only (``/proc``)::
 
     OMP_NUM_THREADS=1 python benchmarks/tree_memory.py -- --max-steps 3 --max-val 32

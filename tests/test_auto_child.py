@@ -1,8 +1,8 @@
-"""``--scheme auto`` with ``--compile-in child`` (the default): the analysis runs in a child
-process of its own, then the compile child compiles its choice, so the process that
-trains holds no torch while either child runs; the run trains exactly what an in-process
-auto run trains, and reports the same choice; the analysis child's error is raised here
-as the class it was."""
+"""``--scheme auto`` with ``--compile-in child`` (the default): the compile child chooses
+the scheme, then compiles its choice, so the process that trains holds no torch while it
+runs and the task is built once; the run trains exactly what an in-process auto run
+trains, and reports the same choice; the analysis' error is raised here as the class it
+was."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def test_an_auto_run_chooses_and_compiles_in_children(
     seen = _finetune_in_a_fresh_process(
         tmp_path, {**options, "out": str(out), "compile_in": "child"}
     )
-    # two children (the analysis, then the compile) and no torch here while they run
-    assert seen == {"torch_at_launch": [False, False], "torch_after": True}
+    # one child (the analysis, then the compile) and no torch here while it runs
+    assert seen == {"torch_at_launch": [False], "torch_after": True}
     child = json.loads((out / "summary.json").read_text())
     auto = child["auto_scheme"]
     assert not auto["cached"] and auto["scheme"] == here.auto_scheme["scheme"]
@@ -49,7 +49,9 @@ def test_an_auto_run_chooses_and_compiles_in_children(
     assert child["test"] == here.test and child["trained_params"] == here.trained_params
 
 
-def test_the_analysis_childs_error_is_raised_here(tmp_path: Path, options: dict[str, Any]) -> None:
+def test_the_analysis_error_in_the_child_is_raised_here(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
     out = tmp_path / "low"
     with pytest.raises(FinetuneError, match="below the planned peak of the bias scheme"):
         pe.finetune(**options, out=str(out), memory_budget=1.0, compile_in="child")
@@ -71,6 +73,7 @@ def test_a_helper_holds_a_few_batches_of_the_data() -> None:
     task = Task("t", None, None, (x, y), (x[:20], y[:20]), ("a", "b", "c", "d"),
                 test=(x[:5], y[:5]))  # type: ignore[arg-type]  # fmt: skip
     slim = task.for_analysis(8, 2)
+    assert task.for_analysis(8, 2, val=4).val[0].shape == (4, 3)
     assert slim.train_size == 100 and slim.train_fingerprint() == fingerprint(x, y)
     np.testing.assert_array_equal(slim.train[0], np.concatenate([x[:8], x[-16:]]))
     np.testing.assert_array_equal(slim.train[1][-16:], y[-16:])

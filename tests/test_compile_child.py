@@ -215,3 +215,40 @@ def test_broadcast_data_travels_compact(tmp_path: Path) -> None:
         np.testing.assert_array_equal(got, want)
         assert got.shape == want.shape and got.strides[1:2] == want.strides[1:2]
     assert loaded.train[1].strides == (8,) and loaded.test == ()
+
+
+def test_damaged_task_is_a_clear_error(tmp_path: Path) -> None:
+    """A task file whose stored shape does not fit its array, or that misses an array or
+    its description, is a ``FinetuneError`` naming the file and the entry, not a numpy or
+    KeyError traceback from deep inside the load."""
+    import json
+
+    import numpy as np
+    from torch import nn
+
+    from pockengine.finetune import compiled_task, vision
+    from pockengine.finetune.recipes import Task
+    from pockengine.safetensors_io import write_safetensors_to
+
+    images = np.random.default_rng(0).integers(0, 256, (6, 28, 28), np.uint8)
+    x, y = vision.preprocess(images, 8), np.arange(6) % 2
+    task = Task("t", nn.Linear(2, 2), None, (x, y), (x[:2], y[:2]), ("a", "b"))  # type: ignore[arg-type]
+    compiled_task.save_task(tmp_path, task)
+    data = tmp_path / compiled_task.TASK_DATA
+    arrays = dict(compiled_task.read_tensors(data))
+    arrays["train.0.shape"] = np.asarray([6, 3, 9, 9], np.int64)
+    with data.open("wb") as f:
+        write_safetensors_to(f, arrays)
+    with pytest.raises(pe.FinetuneError, match=r"train\.0\.shape = \[6, 3, 9, 9\] does not fit"):
+        compiled_task._load_task(tmp_path)
+    del arrays["train.0.shape"], arrays["train.0"]
+    with data.open("wb") as f:
+        write_safetensors_to(f, arrays)
+    with pytest.raises(pe.FinetuneError, match=r"has no array 'train\.0'"):
+        compiled_task._load_task(tmp_path)
+    compiled_task.save_task(tmp_path, task)
+    info = json.loads((tmp_path / compiled_task.TASK_JSON).read_text())
+    del info["labels"]
+    (tmp_path / compiled_task.TASK_JSON).write_text(json.dumps(info))
+    with pytest.raises(pe.FinetuneError, match=r"damaged or incomplete \(KeyError"):
+        compiled_task._load_task(tmp_path)

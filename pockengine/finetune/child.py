@@ -1,4 +1,4 @@
-"""The protocol of the fine-tune's helper processes (``compile_child``, ``auto_child``).
+"""The protocol of the fine-tune's helper processes (``compile_child``).
 
 The parent writes a job (JSON) into a folder and runs ``python -m MODULE FOLDER``; the
 child reads the job, does its work, writes its results into the folder and exits. A

@@ -15,6 +15,11 @@ data encoded), compiles the step and its evaluator as the run would
 
 The splits are written first; the child then keeps one training batch and one evaluation
 batch of them (``Task.holding``), so its peak does not hold the data while it compiles.
+With ``--scheme auto`` (the job's scheme is None) the child first keeps the batches the
+analysis reads (``Task.for_analysis``), chooses the scheme (``auto_scheme.choose_auto``,
+or the cached choice), writes ``choice.json`` and frees what the analysis held, then
+compiles the choice: the task is built once for both (until session 15 the analysis had
+a child of its own, which built the task, imported torch and started a process again).
 Then it exits, and the process that trains loads the step (``compiled_task.load_compiled``).
 This module imports no torch: the parent (``launch.run``) has not imported it while the
 child compiles, so the two processes never hold torch at once. A child that fails writes
@@ -26,11 +31,12 @@ compiled has: the child writes ``needs-model.txt`` instead, and the run compiles
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pockengine.finetune.child import child_main, read_job, run_child
 from pockengine.finetune.config import FinetuneConfig
@@ -40,6 +46,7 @@ from pockengine.sparse.schemes import Scheme, resolve_scheme
 if TYPE_CHECKING:
     from torch import nn
 
+    from pockengine.finetune.estimate import EstimateSettings
     from pockengine.finetune.recipes import Task
     from pockengine.runtime import TrainStep
 
@@ -47,16 +54,26 @@ __all__ = ["compile_in_child", "compile_into", "frozen_given", "main"]
 
 log = logging.getLogger(__name__)
 JOB, ERROR, TASK_JSON, TASK_DATA = "job.json", "error.json", "task.json", "task.safetensors"
+CHOICE = "choice.json"  # --scheme auto: the choice (``AutoChoice.to_dict``)
 STEP_DIR, MODEL_DIR, NEEDS_MODEL = "step", "model", "needs-model.txt"
 
 
-def compile_in_child(config: FinetuneConfig, scheme: Scheme, folder: Path) -> bool:
+def compile_in_child(
+    config: FinetuneConfig, scheme: Scheme | None, folder: Path
+) -> tuple[bool, dict[str, Any] | None]:
     """Compile ``config``'s task in a child process writing into ``folder``; raise its
-    error here. False: the task's evaluation does not compile, so the eager evaluation
-    needs the model in the process that trains (the caller compiles there instead)."""
-    job = {"config": config.to_dict(), "scheme": scheme.to_dict()}
-    run_child(__name__, folder, JOB, job, ERROR, "compiling")
-    return not (folder / NEEDS_MODEL).exists()
+    error here. ``scheme`` None: ``--scheme auto``, chosen in the child first. Returns
+    whether the step compiled (False: the task's evaluation does not compile, so the
+    eager evaluation needs the model in the process that trains; the caller compiles
+    there instead) and the auto choice (``AutoChoice.to_dict``; None for a given
+    scheme)."""
+    job = {"config": config.to_dict(), "scheme": None if scheme is None else scheme.to_dict()}
+    what = "compiling" if scheme is not None else "choosing the auto scheme and compiling"
+    run_child(__name__, folder, JOB, job, ERROR, what)
+    choice = None
+    if scheme is None:
+        choice = json.loads((folder / CHOICE).read_text())
+    return not (folder / NEEDS_MODEL).exists(), choice
 
 
 def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) -> None:
@@ -72,6 +89,7 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
 
     from pockengine.finetune import recipes, released
     from pockengine.finetune.compiled_task import save_task_data
+    from pockengine.finetune.estimate import EstimateSettings
     from pockengine.finetune.gguf import frozen_weights
     from pockengine.finetune.metrics import CAUSAL_LM_BATCH, CLASSIFY_BATCH
     from pockengine.finetune.trainer import compile_evaluator_releasing, compile_task
@@ -85,12 +103,22 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     task = recipes.build(config)
     phase("model, tokenizer and data")
     # The splits go to the process that trains now; the compile keeps the batches it
-    # traces on (a training batch, an evaluation batch) and frees the rest first.
+    # traces on (a training batch, an evaluation batch) and frees the rest first; an
+    # auto run's analysis also reads the last batches of the training split.
     save_task_data(folder, task)
-    task = task.holding(config.batch_size, val=max(CLASSIFY_BATCH, CAUSAL_LM_BATCH))
+    val = max(CLASSIFY_BATCH, CAUSAL_LM_BATCH)
+    if job["scheme"] is None:
+        settings = EstimateSettings(score=config.auto_score)
+        task = task.for_analysis(config.batch_size, settings.batches, val)
+        release_free_memory()
+        scheme = _choose(folder, config, task, settings)
+        phase("auto scheme chosen")
+    else:
+        scheme = schemes.from_dict(job["scheme"])
+    task = task.holding(config.batch_size, val=val)
     release_free_memory()
     phase("data written, all but a batch of each split released")
-    frozen, scheme = frozen_weights(config), schemes.from_dict(job["scheme"])
+    frozen = frozen_weights(config)
     _stand_in(task.model, frozen_given(task.model, frozen.given, scheme))  # stored as blocks
     phase("GGUF blocks read, the float copies of them released")
     with copies_deferred():  # the step never runs here: it shares what it would write
@@ -110,6 +138,27 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
         phase("step artifact written")
         _write_task(folder, step, task)
     phase("task and the RUN/model skeleton written")
+
+
+def _choose(folder: Path, config: FinetuneConfig, task: Task, settings: EstimateSettings) -> Scheme:
+    """``--scheme auto``'s analysis on ``task`` (the batches it reads), here before the
+    compile, so the run builds the task once: the choice goes to ``CHOICE``, and what the
+    analysis held (its imports of the model, its gradient steps) is freed before the
+    compile starts."""
+    import gc
+
+    from pockengine.finetune import recipes
+    from pockengine.finetune.auto_scheme import choose_auto
+    from pockengine.runtime import release_free_memory
+
+    sparse = recipes.RECIPES[recipes.recipe_name(config)].sparse
+    choice = choose_auto(config, task, sparse, settings)
+    (folder / CHOICE).write_text(json.dumps(choice.to_dict()))
+    scheme = choice.scheme
+    del choice
+    gc.collect()
+    release_free_memory()
+    return scheme
 
 
 def frozen_given(model: nn.Module, given: Iterable[str], scheme: Scheme) -> list[str]:

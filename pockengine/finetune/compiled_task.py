@@ -61,21 +61,40 @@ def load_compiled(folder: Path, backend: str) -> Compiled:
 
 
 def _load_task(folder: Path) -> tuple[recipes.Task, tuple[str, ...]]:
-    info = json.loads((folder / TASK_JSON).read_text())
-    arrays = read_tensors(folder / TASK_DATA)
-    splits = {s: tuple(_expanded(arrays, f"{s}.{i}") for i in range(info["arrays"][s]))
-              for s in _SPLITS}  # fmt: skip
-    task = recipes.Task(info["name"], _CompiledElsewhere(), _no_loss, splits["train"],
-                        splits["val"], tuple(info["labels"]), info["kind"], list(info["notes"]),
-                        info["inputs"], splits["test"], None, dict(info["home"]))  # fmt: skip
-    return task, tuple(info["buffers"])
+    try:
+        info = json.loads((folder / TASK_JSON).read_text())
+        arrays = read_tensors(folder / TASK_DATA)
+        splits = {s: tuple(_expanded(arrays, f"{s}.{i}") for i in range(info["arrays"][s]))
+                  for s in _SPLITS}  # fmt: skip
+        task = recipes.Task(info["name"], _CompiledElsewhere(), _no_loss, splits["train"],
+                            splits["val"], tuple(info["labels"]), info["kind"],
+                            list(info["notes"]), info["inputs"], splits["test"], None,
+                            dict(info["home"]))  # fmt: skip
+        return task, tuple(info["buffers"])
+    except FinetuneError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FinetuneError(
+            f"{folder}: the task the compile child wrote ({TASK_JSON}, {TASK_DATA}) is "
+            f"damaged or incomplete ({type(e).__name__}: {e}); compile again"
+        ) from e
 
 
 def _expanded(arrays: dict[str, np.ndarray[Any, Any]], name: str) -> np.ndarray[Any, Any]:
     """``arrays[name]``, broadcast back to its full shape where it was written compact (a
     read-only view: the data order copies each batch out of it)."""
+    if name not in arrays:
+        raise FinetuneError(f"{TASK_DATA} has no array {name!r}")
     value, shape = arrays.pop(name), arrays.pop(name + _SHAPE, None)
-    return value if shape is None else np.broadcast_to(value, tuple(int(n) for n in shape))
+    if shape is None:
+        return value
+    try:
+        return np.broadcast_to(value, tuple(int(n) for n in shape.reshape(-1)))
+    except ValueError as e:
+        raise FinetuneError(
+            f"{TASK_DATA}: {name}{_SHAPE} = {shape.tolist()} does not fit {name}'s "
+            f"shape {list(value.shape)}"
+        ) from e
 
 
 def save_task(folder: Path, task: recipes.Task) -> None:

@@ -202,6 +202,12 @@ class Planner:
             self._imports[eval_modules] = self._import(set(eval_modules), None)
         return self._imports[eval_modules]
 
+    def any_imported(self) -> ImportedModel:
+        """An import of the whole batch, whichever BatchNorm mode it was made in (an
+        import takes seconds; its shapes and what each weight reads are the same in
+        every mode): the first made, else one with every BatchNorm training."""
+        return next(iter(self._imports.values()), None) or self.imported()
+
     def gradient_step(self, backend: str, names: Sequence[str], rows: int) -> Any:
         """A step of a ``rows``-example micro-batch on ``backend`` that trains ``names``
         only, for ``TrainStep.gradients`` (``gradient_sums.gradient_step``)."""
@@ -213,7 +219,7 @@ class Planner:
             # is the whole batch's share: on batch statistics a one-example micro-batch
             # normalises each example by itself (and a 1x1 feature map cannot be traced)
             batchnorms = frozenset(batchnorm_modules(self.info))
-            whole = self.imported()
+            whole = self.any_imported()
             same = bool(whole.batch) and whole.batch[0].type.shape[:1] == (rows,)
             self._micro[rows] = (
                 self.imported(batchnorms) if same else self._import(set(batchnorms), rows)
@@ -303,7 +309,7 @@ def estimate_scores(
         raise FinetuneError(f"{task.train_size} training examples: fewer than one batch")
     tail = [tuple(a[-(b + 1) * size : len(a) - b * size] for a in task.train) for b in range(n)]
     rows = micro_rows(size, settings.micro_batch)
-    reads = _reads(planner.imported().graph, {p.name for p in weights})
+    reads = _reads(planner.any_imported().graph, {p.name for p in weights})
     scores = []
     total = sum(_nbytes(p) for p in weights)
     most = max(settings.group_bytes, -(-total // settings.max_groups))

@@ -6,8 +6,8 @@ and finds the checkpoint to resume, all without torch. With ``--compile-in child
 (the default) the compile child then runs while this process still holds no torch, so
 the machine never holds this process's torch and the child's at once; only then does
 this process import the trainer (and torch) and train the step the child wrote.
-``--scheme auto`` chooses its scheme in a child of its own first (``auto_child``), then
-compiles the choice in the compile child. With ``--compile-in process``, ``--resume``
+``--scheme auto`` chooses its scheme in the compile child, before it compiles the
+choice (the task is built once). With ``--compile-in process``, ``--resume``
 of an auto run (which trains the checkpoint's scheme), or a task whose evaluation does
 not compile (it runs eagerly on the model: the child says so, and the compile is done
 again here), the trainer builds and compiles the task in this process.
@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune import recipe_table
-from pockengine.finetune.auto_child import choose_in_child
 from pockengine.finetune.best import BEST
 from pockengine.finetune.compile_child import compile_in_child
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
@@ -68,10 +67,9 @@ def _compile_and_train(
         return train_here(config, scheme, out, saved, start)
     with tempfile.TemporaryDirectory(prefix=".compiled-", dir=out) as folder:
         compile_start = time.perf_counter()
-        choice = None if scheme is not None else choose_in_child(config, Path(folder))
+        compiled, choice = compile_in_child(config, scheme, Path(folder))
         chosen = schemes.from_dict(choice["scheme"]) if choice is not None else scheme
         assert chosen is not None
-        compiled = compile_in_child(config, chosen, Path(folder))
         from pockengine.finetune.trainer import train_compiled, train_here
 
         if not compiled:  # auto: the choice is read back from its cache, for the summary

@@ -100,11 +100,13 @@ class Task:
             train_count=self.train_size,
         )  # fmt: skip
 
-    def for_analysis(self, batch_size: int, batches: int) -> Task:
+    def for_analysis(self, batch_size: int, batches: int, val: int = 0) -> Task:
         """What ``--scheme auto``'s analysis reads of the data (``holding``): the first
         batch (what the model is imported on) and the last ``batches`` batches (whose
-        gradients are estimated: ``estimate.estimate_scores`` counts them from the end)."""
-        return self.holding(batch_size, min(batches, self.train_size // batch_size) * batch_size)
+        gradients are estimated: ``estimate.estimate_scores`` counts them from the end;
+        ``EstimateSettings.batches``), and the first ``val`` validation examples."""
+        last = min(batches, self.train_size // batch_size) * batch_size
+        return self.holding(batch_size, last, val)
 
     @property
     def val_size(self) -> int:
