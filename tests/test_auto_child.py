@@ -82,3 +82,36 @@ def test_a_helper_holds_a_few_batches_of_the_data() -> None:
     assert len(kept.train[0]) == 8 and len(kept.val[0]) == 20 and kept.train_size == 100
     whole = task.holding(60, 50)  # overlapping: all of it, in order
     assert whole.train[0] is x and whole.train_fingerprint() == task.train_fingerprint()
+
+
+def test_the_compile_reuses_the_analysis_import(
+    tmp_path: Path, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the child, the compile of the chosen scheme takes the analysis' import of the
+    run's batch (``import_memo``): one torch.export fewer than analysing and compiling
+    apart."""
+    import contextlib
+    from collections.abc import Iterator
+
+    from pockengine.finetune import FinetuneConfig, compile_child, recipe_table
+    from pockengine.frontend import import_memo
+
+    memos: list[import_memo.ImportMemo] = []
+    real = import_memo.reused_imports
+
+    @contextlib.contextmanager
+    def spied() -> Iterator[import_memo.ImportMemo]:
+        with real() as memo:
+            memos.append(memo)
+            yield memo
+
+    monkeypatch.setattr(import_memo, "reused_imports", spied)
+    config = FinetuneConfig(**options, recipe=None, out=str(tmp_path / "run")).validate()
+    config = config.with_defaults(recipe_table.defaults(config)).validate()
+    folder = tmp_path / "child"
+    folder.mkdir()
+    job = {"config": config.to_dict(), "scheme": None, "threads": None}
+    (folder / compile_child.JOB).write_text(json.dumps(job))
+    compile_child.compile_into(folder)
+    assert len(memos) == 1 and memos[0].reused >= 1
+    assert (folder / compile_child.CHOICE).exists() and (folder / compile_child.STEP_DIR).is_dir()

@@ -93,6 +93,7 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     from pockengine.finetune.gguf import frozen_weights
     from pockengine.finetune.metrics import CAUSAL_LM_BATCH, CLASSIFY_BATCH
     from pockengine.finetune.trainer import compile_evaluator_releasing, compile_task
+    from pockengine.frontend.import_memo import reused_imports
     from pockengine.runtime import release_free_memory
     from pockengine.safetensors_io import pages_out_after_write
     from pockengine.step_base import copies_deferred
@@ -107,22 +108,27 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     # auto run's analysis also reads the last batches of the training split.
     save_task_data(folder, task)
     val = max(CLASSIFY_BATCH, CAUSAL_LM_BATCH)
-    if job["scheme"] is None:
-        settings = EstimateSettings(score=config.auto_score)
-        task = task.for_analysis(config.batch_size, settings.batches, val)
+    # the analysis' import of the run's batch is the compile's (one torch.export fewer)
+    with reused_imports() as memo:
+        if job["scheme"] is None:
+            settings = EstimateSettings(score=config.auto_score)
+            task = task.for_analysis(config.batch_size, settings.batches, val)
+            release_free_memory()
+            scheme = _choose(folder, config, task, settings)
+            memo.keep(config.batch_size)  # not the micro-batches' imports
+            phase("auto scheme chosen")
+        else:
+            scheme = schemes.from_dict(job["scheme"])
+        task = task.holding(config.batch_size, val=val)
         release_free_memory()
-        scheme = _choose(folder, config, task, settings)
-        phase("auto scheme chosen")
-    else:
-        scheme = schemes.from_dict(job["scheme"])
-    task = task.holding(config.batch_size, val=val)
-    release_free_memory()
-    phase("data written, all but a batch of each split released")
-    frozen = frozen_weights(config)
-    _stand_in(task.model, frozen_given(task.model, frozen.given, scheme))  # stored as blocks
-    phase("GGUF blocks read, the float copies of them released")
-    with copies_deferred():  # the step never runs here: it shares what it would write
-        step = compile_task(config, task, scheme, frozen)
+        phase("data written, all but a batch of each split released")
+        frozen = frozen_weights(config)
+        _stand_in(task.model, frozen_given(task.model, frozen.given, scheme))  # stored as blocks
+        phase("GGUF blocks read, the float copies of them released")
+        with copies_deferred():  # the step never runs here: it shares what it would write
+            step = compile_task(config, task, scheme, frozen)
+        if memo.reused:
+            log.info("the compile reused %d import(s) of the analysis", memo.reused)
     _stand_in(task.model, released.quantized_names(step))  # int8, int4: quantized now
     phase("step compiled")
     evaluator = compile_evaluator_releasing(step, task)  # the model's copies released

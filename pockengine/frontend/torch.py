@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.frontend import (  # noqa: F401  (fill the table)
+from pockengine.frontend import (  # noqa: F401  (aten_*: fill the table)
     aten_attention,
     aten_layout,
     aten_math,
     aten_nn,
     aten_shape,
+    import_memo,
 )
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.frontend.torch_ops import CONVERTERS, IGNORED, Ctx, ir_type
@@ -321,6 +322,11 @@ def import_torch(
     if bad:
         raise CompileError(f"example_batch entries {bad} are not tensors")
     modules = dict(model.named_modules())
+    eval_modules = tuple(eval_modules)
+    key = import_memo.key_of(model, loss_fn, batch, eval_modules, forward_only)
+    made = import_memo.recall(key)  # the same import made before (``reused_imports``)
+    if made is not None:
+        return made
     switched = [modules[m] for m in eval_modules if modules[m].training]
     for m in switched:
         m.eval()
@@ -330,4 +336,6 @@ def import_torch(
         for m in switched:
             m.train()
     _check_supported(exported.graph)
-    return _Translator(exported, model, forward_only).run()
+    imported = _Translator(exported, model, forward_only).run()
+    import_memo.remember(key, imported)
+    return imported
