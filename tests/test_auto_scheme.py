@@ -143,6 +143,31 @@ def test_scores_are_those_of_torch_autograd(tmp_path: Path, settings: est.Estima
         assert [i.cost["memory"] for i in mine] == sorted(i.cost["memory"] for i in mine)
 
 
+def test_whole_batches_where_they_fit_the_budget(tmp_path: Path) -> None:
+    """The estimate takes whole batches where their gradient step, with its sums, plans
+    within the run's budget, and one-example micro-batches otherwise: the same scores
+    either way (this model has no dropout), autograd's."""
+    config = _config(tmp_path)
+    task = recipes.build(config)
+    planner = _planner(config, task)
+    weights = est.candidate_weights(planner.info, {"head.weight", "head.bias"})
+    need = planner.gradient_peak([w.name for w in weights]) + 2 * sum(
+        4 * int(np.prod(w.shape)) for w in weights
+    )
+    settings = est.EstimateSettings(batches=3)
+    by_rows = {}
+    for budget, rows in ((need, 8), (need - 1, 1), (None, 1)):
+        for f in est.cache_folder().glob("*.json"):
+            f.unlink()
+        scores = est.estimate_scores(config, task, planner, weights, settings, budget)
+        assert scores.rows == rows and not scores.cached
+        by_rows[rows] = scores
+    for whole, one in zip(by_rows[8].weights, by_rows[1].weights, strict=True):
+        np.testing.assert_allclose(whole.rows["fisher"], one.rows["fisher"], rtol=1e-4)
+    again = est.estimate_scores(config, task, planner, weights, settings, need)
+    assert again.cached and again.rows == 1  # the cache says how the scores were taken
+
+
 def _autograd_gradients(task: recipes.Task, names: list[str]) -> dict[str, list[np.ndarray]]:
     """torch.autograd's gradients of ``names`` on the last 3 batches of 8 of the training
     split, as the estimate reads them."""
@@ -325,3 +350,22 @@ def test_batchnorm_running_reaches_every_scheme_auto_plans_and_picks(tmp_path: P
     assert parse_scheme("bias", None).batchnorm == "batch"
     with pytest.raises(FinetuneError, match="batchnorm must be one of batch, running"):
         dataclasses.replace(config, batchnorm="eval").validate()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_head_is_a_candidate_and_other_embeddings_are_not(tied: bool) -> None:
+    """A causal LM's output layer is a candidate whether it is a Linear of its own or the
+    token embedding tied to it (``estimate.tied_head``); an embedding table that is only
+    an input (the classifier's) is not."""
+    from pockengine import zoo
+    from pockengine.frontend.torch import torch_model_info
+
+    lm = zoo.llama_lm(layers=1, hidden=16, heads=2, kv_heads=1, ffn=32, vocab=64, seq=6,
+                      batch=2, tied=tied)  # fmt: skip
+    info = torch_model_info(lm.model)
+    names = {p.name for p in est.candidate_weights(info, set())}
+    assert ("model.embed_tokens.weight" in names) is tied
+    assert ("lm_head.weight" in names) is not tied  # an untied head is a Linear
+    assert "model.layers.0.mlp.down_proj.weight" in names
+    classifier = torch_model_info(wide_classifier(50, 3))
+    assert "embed.weight" not in {p.name for p in est.candidate_weights(classifier, set())}

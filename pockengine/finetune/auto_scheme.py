@@ -226,7 +226,7 @@ def _search(
     if not weights:
         choice.notes.append(f"analysis skipped: no weight outside the {choice.base} scheme")
         return
-    estimate = estimate_scores(config, task, planner, weights, settings)
+    estimate = estimate_scores(config, task, planner, weights, settings, choice.budget_bytes)
     items = items_from_estimate(estimate, settings.score, settings.ratios, planner.optimizer)
     budget = Budget({"memory": choice.budget_bytes}, {"memory": choice.base_peak_bytes})
     _, chosen, measured = choose_within(

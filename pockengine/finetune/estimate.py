@@ -135,6 +135,7 @@ class Estimate:
     cached: bool = False
     path: str = ""
     notes: list[str] = field(default_factory=list)
+    rows: int = 0  # examples per backward pass (0: not recorded)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -142,12 +143,14 @@ class Estimate:
             "seconds": self.seconds,
             "examples": self.examples,
             "key": self.key,
+            "rows": self.rows,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: Path) -> Estimate:
         weights = [WeightScore(**w) for w in data["weights"]]
-        return cls(weights, data["seconds"], data["examples"], data["key"], True, str(path))
+        return cls(weights, data["seconds"], data["examples"], data["key"], True, str(path),
+                   rows=int(data.get("rows", 0)))  # fmt: skip
 
 
 def optimizer_of(config: FinetuneConfig, lr: float = 1e-3) -> Optimizer:
@@ -177,7 +180,7 @@ def cache_key(
     epochs or scheme), the data's fingerprint, the number of batches, and ``more``."""
     facts = {k: v for k, v in config.training_dict().items() if k not in _NOT_IN_KEY}
     facts |= {"data": data_fingerprint, "batches": settings.batches,
-              "micro_batch": settings.micro_batch, "v": 4, **more}  # fmt: skip
+              "micro_batch": settings.micro_batch, "v": 5, **more}  # fmt: skip
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -226,6 +229,27 @@ class Planner:
             )
         return gradient_step(self._micro[rows], self.info, names, backend)
 
+    def gradient_peak(self, names: Sequence[str]) -> int:
+        """The planned peak (bytes) of ``gradient_step(..., names, rows)`` at the whole
+        batch, from the compiler's plan (no backend)."""
+        import glob
+
+        from pockengine.ir import verify
+        from pockengine.optim import SGD
+        from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, run_pipeline
+        from pockengine.runtime import apply_resolution, training_graph
+        from pockengine.sparse.schemes import resolve_scheme, select
+        from pockengine.step_parts import batchnorm_modules
+
+        self.calls += 1
+        scheme = select([glob.escape(n) for n in names], frozen_bn="eval")
+        resolution = resolve_scheme(scheme, self.info)
+        imported = self.imported(frozenset(batchnorm_modules(self.info)))
+        forward = apply_resolution(imported.graph, resolution)
+        forward = run_pipeline(verify(forward), FORWARD_PIPELINE).graph
+        graph, _, _ = training_graph(forward, SGD(lr=0.0), resolution.rows)
+        return analyze(run_pipeline(verify(graph), DEFAULT_PIPELINE).graph).planned_peak_bytes
+
     def figures(self, scheme: Scheme) -> Figures:
         from pockengine.ir import verify
         from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, run_pipeline
@@ -246,15 +270,29 @@ class Planner:
 
 
 def candidate_weights(info: ModelInfo, trained_anyway: set[str]) -> list[ParamInfo]:
-    """Weights (2-D and up, not an embedding table) outside the always-trained set."""
+    """Weights (2-D and up) outside the always-trained set: not an embedding table, unless
+    it is also the output layer (``tied_head``)."""
     return [
         p
         for p in info.params
         if p.name not in trained_anyway
         and not (p.is_bias or p.is_norm)
         and len(p.shape) >= 2
-        and not any(t in p.module_type.lower() for t in _SKIP_TYPES)
+        and (not any(t in p.module_type.lower() for t in _SKIP_TYPES) or tied_head(info, p))
     ]
+
+
+def tied_head(info: ModelInfo, p: ParamInfo) -> bool:
+    """Whether ``p`` is an embedding table tied to the model's head (a causal LM's output
+    layer: ``lm_head.weight`` is ``embed_tokens.weight``). Its rows are then the output
+    classes, the tokens, as a linear head's rows are: a candidate like any other output
+    layer, whose partial update trains the leading rows (a BPE vocabulary's first ids,
+    its earliest merges, are its most frequent tokens)."""
+    return info.head is not None and any(
+        alias.rsplit(".", 1)[0] == info.head
+        for alias, name in info.canonical.items()
+        if name == p.name
+    )
 
 
 def _reads(graph: Graph, weights: set[str]) -> dict[str, tuple[int, int]]:
@@ -289,11 +327,13 @@ def estimate_scores(
     planner: Planner,
     weights: Sequence[ParamInfo],
     settings: EstimateSettings,
+    budget: float | None = None,
 ) -> Estimate:
     """The scores of ``weights`` (cached): the gradients of ``batches`` batches, the last
     ``batches * batch_size`` training examples, each in micro-batches
-    (``gradient_sums``)."""
-    from pockengine.finetune.gradient_sums import gradient_sums, micro_rows
+    (``gradient_sums``) of ``settings.micro_batch`` examples, or whole where the whole
+    batch fits ``budget`` (``_micro_rows``)."""
+    from pockengine.finetune.gradient_sums import gradient_sums
 
     key = cache_key(config, task.train_fingerprint(), settings)
     path = cache_folder() / f"{key}.json"
@@ -308,12 +348,13 @@ def estimate_scores(
     if n < 1:
         raise FinetuneError(f"{task.train_size} training examples: fewer than one batch")
     tail = [tuple(a[-(b + 1) * size : len(a) - b * size] for a in task.train) for b in range(n)]
-    rows = micro_rows(size, settings.micro_batch)
     reads = _reads(planner.any_imported().graph, {p.name for p in weights})
     scores = []
     total = sum(_nbytes(p) for p in weights)
     most = max(settings.group_bytes, -(-total // settings.max_groups))
-    for group in _groups(weights, most):
+    groups = _groups(weights, most)
+    rows = _micro_rows(planner, groups, size, settings, budget)
+    for group in groups:
         names = [p.name for p in group]
         step = planner.gradient_step(config.backend, names, rows)
         sums = gradient_sums(step, tail, rows, set(names))
@@ -321,9 +362,40 @@ def estimate_scores(
         scores += [_weight_score(p, sums.rows(p.name, np.asarray(values[p.name])), reads)
                    for p in group if p.name in sums.total]  # fmt: skip
         del step, sums, values  # this group's activations and sums, before the next's
-    estimate = Estimate(scores, time.perf_counter() - start, n * size, key, path=str(path))
+    estimate = Estimate(scores, time.perf_counter() - start, n * size, key, path=str(path),
+                        rows=rows)  # fmt: skip
     save_cached(path, estimate.to_dict())
     return estimate
+
+
+def _micro_rows(
+    planner: Planner,
+    groups: Sequence[Sequence[ParamInfo]],
+    size: int,
+    settings: EstimateSettings,
+    budget: float | None,
+) -> int:
+    """Examples per backward pass: the whole batch where its gradient step, plus the
+    sums kept beside it (two arrays the size of the largest group), plans within
+    ``budget`` (the run's own: the analysis then holds no more than training will);
+    else ``settings.micro_batch`` (the largest divisor of the batch at most that). The
+    first group's step is the largest (its backward reaches furthest down). A whole
+    batch is one pass where one-example micro-batches are ``size`` passes, and needs
+    no second import of the model: on lite0-fashion (16 images) and SmolLM2 (4 x 128
+    tokens) it fits, on minilm-bbc (16 x 128 tokens, 6 of 36 weights a group) it does
+    not."""
+    from pockengine.finetune.gradient_sums import micro_rows
+
+    floor = micro_rows(size, settings.micro_batch)
+    if budget is None or floor == size or not groups:
+        return floor
+    sums = 2 * max(sum(_nbytes(p) for p in g) for g in groups)
+    peak = planner.gradient_peak([p.name for p in groups[0]]) + sums
+    fits = peak <= budget
+    log.info("the estimate's whole-batch step plans %.1f MiB with its sums, %s the %.1f MiB "
+             "budget: %d example(s) a pass", peak / 2**20, "within" if fits else "over",
+             budget / 2**20, size if fits else floor)  # fmt: skip
+    return size if fits else floor
 
 
 def _groups(weights: Sequence[ParamInfo], most: int) -> list[list[ParamInfo]]:
