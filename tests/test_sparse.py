@@ -125,6 +125,34 @@ def test_partial_channels_on_linear_layers_compute_the_slice_only() -> None:
     assert producers and all(64 * 64 not in {o.type.numel for o in n.outputs} for n in producers)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch", "c", "onnxruntime"])
+@pytest.mark.parametrize("padding_idx", [None, 3, 60])
+def test_a_tied_heads_leading_rows_never_make_the_whole_tables_gradient(
+    backend: str, padding_idx: int | None
+) -> None:
+    """A causal LM whose head is its token embedding, trained on the first 16 of 64 rows:
+    the lookup's gradient scatters only the ids below 16 into 16 rows (``sink_slices``),
+    equal to torch.autograd's gradient of those rows, on every backend; no [64, dim]
+    gradient is made. A padding row inside the trained rows keeps its padding rule (its
+    lookups add nothing; the head's share still reaches it); one beyond them needs none."""
+    w = zoo.llama_lm(layers=1, hidden=16, heads=2, kv_heads=1, ffn=32, vocab=64, seq=6,
+                     batch=2, tied=True)  # fmt: skip
+    if padding_idx is not None:
+        w.model.model.embed_tokens.padding_idx = padding_idx
+    batch = w.make_batch(0)
+    batch = (torch.where(batch[0] % 5 == 0, padding_idx or 0, batch[0]), *batch[1:])
+    emb = "model.embed_tokens.weight"
+    scheme = schemes.select([emb], channels={emb: 0.25})
+    step = pe.compile(w.model, w.loss_fn, batch, scheme=scheme, backend=backend)
+    grads = [n for n in step.graph.nodes if n.op == "embedding_grad"]
+    assert grads and all(n.output.shape == (16, 16) for n in grads)
+    assert all(n.attrs["padding_idx"] == (padding_idx if padding_idx == 3 else None)
+               for n in grads)  # fmt: skip
+    _, ref = torch_gradients(w, batch)
+    got = step.gradients(*batch)[emb]
+    np.testing.assert_allclose(got, ref[emb][:16], rtol=1e-4, atol=1e-5)
+
+
 def test_partial_channel_training_leaves_frozen_rows_alone() -> None:
     w = zoo.mlp()
     model = copy.deepcopy(w.model)

@@ -3,7 +3,8 @@
 Partial-channel updates train only the first k output channels of a weight: the
 training graph asks for ``slice(g, axis=0, 0:k)`` of the weight's gradient. This
 pass rewrites such a slice of a matmul, weight-gradient convolution, transpose,
-elementwise op or ``sum_to`` into the same op on sliced operands, recursively, so
+elementwise op, ``sum_to`` or ``embedding_grad`` (the lookups of ids below k, into k
+rows) into the same op on sliced operands, recursively, so
 the backward matmul/conv runs on the slice instead of computing the whole gradient
 and then slicing it. Dead-code elimination then drops the full-size producers.
 
@@ -115,11 +116,32 @@ def _sum_to(s: _Sinker, node: Node, axis: int, k: int) -> Value | None:
     return s.emit("sum_to", s.rows(y, axis + lead, k), shape=new_shape)
 
 
+def _embedding_grad(s: _Sinker, node: Node, axis: int, k: int) -> Value | None:
+    """The first k rows of a table's gradient (a partially trained embedding, e.g. a tied
+    head's leading rows): the lookups of ids below k, scattered into k rows. A lookup of
+    another id has its gradient zeroed and its id set to 0, so the whole table's gradient
+    ([num_rows, dim]: 113 MB for SmolLM2's 49,152 tokens) is never made."""
+    if axis != 0:
+        return None
+    gz, ids = node.inputs
+    num_rows, padding = node.attrs["num_rows"], node.attrs["padding_idx"]
+    assert isinstance(num_rows, int) and (padding is None or isinstance(padding, int))
+    row = padding % num_rows if padding is not None else None  # (checked when built)
+    kind = ids.type.dtype.value
+    keep = s.emit("lt", ids, s.emit("full", shape=(), value=k, dtype=kind))
+    ids_in = s.emit("where", keep, ids, s.emit("full", shape=(), value=0, dtype=kind))
+    mask = s.emit("reshape", s.emit("cast", keep, dtype=gz.type.dtype.value),
+                  shape=(*ids.shape, 1))  # fmt: skip
+    return s.emit("embedding_grad", s.emit("mul", gz, mask), ids_in, num_rows=k,
+                  padding_idx=row if row is not None and row < k else None)  # fmt: skip
+
+
 _RULES: dict[str, Callable[[_Sinker, Node, int, int], Value | None]] = {
     "transpose": _transpose,
     "matmul": _matmul,
     "conv2d_weight_grad": _conv_weight_grad,
     "sum_to": _sum_to,
+    "embedding_grad": _embedding_grad,
 }
 
 
