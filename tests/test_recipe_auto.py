@@ -29,6 +29,12 @@ def test_the_recipes_default_to_auto() -> None:
     assert _scheme(recipe=None, model="some/folder", data="d.csv") == "auto"
     assert _scheme(recipe=None, model="tests.test_auto_scheme:wide_classifier",
                    data="d.csv") == "full"  # fmt: skip  # a factory trains from scratch
+    # low-bit frozen weights ask for the least memory: auto's analysis holds the float
+    # model, so such a run defaults to sparse (a given --scheme auto still analyses)
+    for dtype in ("gguf", "int8", "int4"):
+        assert _scheme(recipe="smollm2-pydocs", frozen_dtype=dtype) == "sparse"
+    given = FinetuneConfig(recipe="smollm2-pydocs", frozen_dtype="gguf", scheme="auto")
+    assert given.with_defaults(recipes.defaults(given)).scheme == "auto"
     # smollm2's auto rate was chosen on training examples (docs/quality.md), not sparse's
     smol = FinetuneConfig(recipe="smollm2-pydocs")
     assert recipes.defaults(smol)["lr"] == 3e-4 != RECIPES["smollm2-pydocs"].learning_rate("sparse")

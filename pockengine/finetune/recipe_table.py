@@ -119,7 +119,12 @@ def defaults(config: FinetuneConfig, *, auto: bool = True) -> dict[str, Any]:
     (export, federated), whose default is ``sparse`` where the recipe's is ``auto``."""
     recipe = RECIPES[recipe_name(config)]
     out = {"scheme": "sparse", "batchnorm": "batch", **recipe.defaults}
-    if not auto and out["scheme"] == "auto":
+    # A run with low-bit frozen weights asks for the least memory: auto's analysis holds
+    # the float model (on smollm2-pydocs with GGUF weights and 8-bit state its process
+    # peaks at about 1.9 GB against the training process's 0.9), so it defaults to
+    # sparse there; --scheme auto still analyses (docs/quality.md, "Session 15").
+    low_bit = config.frozen_dtype not in ("none", None)
+    if out["scheme"] == "auto" and (not auto or low_bit):
         out["scheme"] = "sparse"
     lr = None
     if recipe.name == "generic" and config.model and is_factory_spec(config.model):
