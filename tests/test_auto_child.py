@@ -115,3 +115,19 @@ def test_the_compile_reuses_the_analysis_import(
     compile_child.compile_into(folder)
     assert len(memos) == 1 and memos[0].reused >= 1
     assert (folder / compile_child.CHOICE).exists() and (folder / compile_child.STEP_DIR).is_dir()
+
+
+def test_a_missing_or_damaged_choice_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that exits without a readable ``choice.json`` is a ``FinetuneError`` naming
+    the file, not a JSON traceback."""
+    from pockengine.finetune import FinetuneConfig, compile_child
+
+    monkeypatch.setattr(compile_child, "run_child", lambda *args: None)
+    config = FinetuneConfig(recipe="minilm-bbc")
+    with pytest.raises(FinetuneError, match=r"choice\.json: the auto choice .* missing"):
+        compile_child.compile_in_child(config, None, tmp_path)
+    (tmp_path / compile_child.CHOICE).write_text("{not json")
+    with pytest.raises(FinetuneError, match=r"choice\.json: the auto choice .* damaged"):
+        compile_child.compile_in_child(config, None, tmp_path)

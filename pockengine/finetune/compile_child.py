@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pockengine.finetune.child import child_main, read_job, run_child
-from pockengine.finetune.config import FinetuneConfig
+from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme, resolve_scheme
 
@@ -72,7 +72,11 @@ def compile_in_child(
     run_child(__name__, folder, JOB, job, ERROR, what)
     choice = None
     if scheme is None:
-        choice = json.loads((folder / CHOICE).read_text())
+        try:
+            choice = json.loads((folder / CHOICE).read_text())
+        except (OSError, ValueError) as e:
+            raise FinetuneError(f"{folder / CHOICE}: the auto choice the compile child "
+                                f"wrote is missing or damaged ({e})") from e  # fmt: skip
     return not (folder / NEEDS_MODEL).exists(), choice
 
 

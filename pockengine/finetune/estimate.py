@@ -232,37 +232,33 @@ class Planner:
     def gradient_peak(self, names: Sequence[str]) -> int:
         """The planned peak (bytes) of ``gradient_step(..., names, rows)`` at the whole
         batch, from the compiler's plan (no backend)."""
-        import glob
-
-        from pockengine.ir import verify
+        from pockengine.finetune.gradient_sums import only
         from pockengine.optim import SGD
-        from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, run_pipeline
-        from pockengine.runtime import apply_resolution, training_graph
-        from pockengine.sparse.schemes import resolve_scheme, select
         from pockengine.step_parts import batchnorm_modules
 
-        self.calls += 1
-        scheme = select([glob.escape(n) for n in names], frozen_bn="eval")
-        resolution = resolve_scheme(scheme, self.info)
         imported = self.imported(frozenset(batchnorm_modules(self.info)))
-        forward = apply_resolution(imported.graph, resolution)
-        forward = run_pipeline(verify(forward), FORWARD_PIPELINE).graph
-        graph, _, _ = training_graph(forward, SGD(lr=0.0), resolution.rows)
-        return analyze(run_pipeline(verify(graph), DEFAULT_PIPELINE).graph).planned_peak_bytes
+        return self._plan(imported, only(names), SGD(lr=0.0)).planned_peak_bytes
 
     def figures(self, scheme: Scheme) -> Figures:
+        from pockengine.sparse.schemes import resolve_scheme
+        from pockengine.step_parts import eval_batchnorms
+
+        frozen = eval_batchnorms(self.info, resolve_scheme(scheme, self.info))
+        return self._plan(self.imported(frozenset(frozen)), scheme, self.optimizer)
+
+    def _plan(self, imported: ImportedModel, scheme: Scheme, optimizer: Optimizer) -> Figures:
+        """The figures of ``scheme``'s training graph on ``imported`` (the compiler's
+        passes and memory plan, no backend)."""
         from pockengine.ir import verify
         from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, run_pipeline
         from pockengine.runtime import apply_resolution, training_graph
         from pockengine.sparse.schemes import resolve_scheme
-        from pockengine.step_parts import eval_batchnorms
 
         self.calls += 1
         resolution = resolve_scheme(scheme, self.info)
-        frozen = eval_batchnorms(self.info, resolution)
-        forward = apply_resolution(self.imported(frozenset(frozen)).graph, resolution)
+        forward = apply_resolution(imported.graph, resolution)
         forward = run_pipeline(verify(forward), FORWARD_PIPELINE).graph
-        graph, _, _ = training_graph(forward, self.optimizer, resolution.rows)
+        graph, _, _ = training_graph(forward, optimizer, resolution.rows)
         return analyze(run_pipeline(verify(graph), DEFAULT_PIPELINE).graph)
 
 
@@ -381,9 +377,8 @@ def _micro_rows(
     else ``settings.micro_batch`` (the largest divisor of the batch at most that). The
     first group's step is the largest (its backward reaches furthest down). A whole
     batch is one pass where one-example micro-batches are ``size`` passes, and needs
-    no second import of the model: on lite0-fashion (16 images) and SmolLM2 (4 x 128
-    tokens) it fits, on minilm-bbc (16 x 128 tokens, 6 of 36 weights a group) it does
-    not."""
+    no second import of the model: on SmolLM2 (4 x 128 tokens) it fits, on minilm-bbc
+    (16 x 128 tokens) and lite0-fashion (16 images at 64 px) it does not."""
     from pockengine.finetune.gradient_sums import micro_rows
 
     floor = micro_rows(size, settings.micro_batch)

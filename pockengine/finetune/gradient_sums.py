@@ -28,7 +28,7 @@ import numpy as np
 
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 
-__all__ = ["GradientSums", "gradient_step", "gradient_sums", "micro_rows"]
+__all__ = ["GradientSums", "gradient_step", "gradient_sums", "micro_rows", "only"]
 
 Array = np.ndarray[Any, Any]
 
@@ -69,6 +69,16 @@ def micro_rows(batch_size: int, most: int) -> int:
     return max(d for d in range(1, min(batch_size, max(1, most)) + 1) if batch_size % d == 0)
 
 
+def only(names: Sequence[str]) -> Any:
+    """The scheme of an estimate's gradient step: exactly ``names``, every BatchNorm on its
+    running statistics (``Planner.gradient_step``)."""
+    import glob
+
+    from pockengine.sparse.schemes import select
+
+    return select([glob.escape(n) for n in names], frozen_bn="eval")
+
+
 def gradient_step(
     imported: ImportedModel, info: ModelInfo, names: Sequence[str], backend: str
 ) -> Any:
@@ -76,16 +86,14 @@ def gradient_step(
     ``names``, with no optimizer state, sharing the model's weights, for
     ``TrainStep.gradients``. BatchNorm layers run as ``imported`` was exported
     (``Planner.gradient_step`` exports them all on their running statistics)."""
-    import glob
-
     from pockengine.backends import get_backend
     from pockengine.optim import SGD
     from pockengine.runtime import TrainStep, apply_resolution
-    from pockengine.sparse.schemes import resolve_scheme, select
+    from pockengine.sparse.schemes import resolve_scheme
     from pockengine.step_base import copies_deferred
     from pockengine.step_parts import build_parts
 
-    scheme = select([glob.escape(n) for n in names], frozen_bn="eval")
+    scheme = only(names)
     resolution = resolve_scheme(scheme, info)
     forward = apply_resolution(imported.graph, resolution)
     engine = get_backend(backend)
