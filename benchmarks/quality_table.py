@@ -63,6 +63,8 @@ def _options(args: argparse.Namespace, scheme: str) -> list[str]:
     out += ["--batchnorm", args.batchnorm] if args.batchnorm else []
     budget = getattr(args, "auto_budget", None)
     out += ["--memory-budget", budget] if budget and scheme == "auto" else []
+    score = getattr(args, "auto_score", None)
+    out += ["--auto-score", score] if score and scheme == "auto" else []
     return [*out, "--backend", args.backend, "--test-fraction", str(args.test_fraction)]
 
 
@@ -202,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--backend", default="torch")
     p.add_argument("--auto-budget", metavar="SIZE",
                    help="auto's --memory-budget, e.g. 46MB (default: the recipe's)")
+    p.add_argument("--auto-score", choices=("fisher", "taylor", "grad"),
+                   help="auto's --auto-score (default: finetune's, fisher)")
     p.add_argument("--batchnorm", choices=("batch", "running"),
                    help="every run's --batchnorm (running: every BatchNorm on its running "
                    "statistics; default: the recipe's)")  # fmt: skip

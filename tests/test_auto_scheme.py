@@ -145,8 +145,9 @@ def test_scores_are_those_of_torch_autograd(tmp_path: Path, settings: est.Estima
 
 def test_whole_batches_where_they_fit_the_budget(tmp_path: Path) -> None:
     """The estimate takes whole batches where their gradient step, with its sums, plans
-    within the run's budget, and one-example micro-batches otherwise: the same scores
-    either way (this model has no dropout), autograd's."""
+    within the run's budget less the model's weights (which the analysing process holds
+    beside the step), and one-example micro-batches otherwise: the same scores either
+    way (this model has no dropout), autograd's."""
     config = _config(tmp_path)
     task = recipes.build(config)
     planner = _planner(config, task)
@@ -154,6 +155,7 @@ def test_whole_batches_where_they_fit_the_budget(tmp_path: Path) -> None:
     need = planner.gradient_peak([w.name for w in weights]) + 2 * sum(
         4 * int(np.prod(w.shape)) for w in weights
     )
+    need += sum(4 * int(np.prod(p.shape)) for p in planner.info.params)
     settings = est.EstimateSettings(batches=3)
     by_rows = {}
     for budget, rows in ((need, 8), (need - 1, 1), (None, 1)):

@@ -373,23 +373,32 @@ def _micro_rows(
 ) -> int:
     """Examples per backward pass: the whole batch where its gradient step, plus the
     sums kept beside it (two arrays the size of the largest group), plans within
-    ``budget`` (the run's own: the analysis then holds no more than training will);
-    else ``settings.micro_batch`` (the largest divisor of the batch at most that). The
-    first group's step is the largest (its backward reaches furthest down). A whole
-    batch is one pass where one-example micro-batches are ``size`` passes, and needs
-    no second import of the model: on SmolLM2 (4 x 128 tokens) it fits, on minilm-bbc
-    (16 x 128 tokens) and lite0-fashion (16 images at 64 px) it does not."""
+    ``budget`` less the model's own weights; else ``settings.micro_batch`` (the largest
+    divisor of the batch at most that). The first group's step is the largest (its
+    backward reaches furthest down).
+
+    Why less the weights: the analysis runs in the compile child, which holds the float
+    module it traces (and the framework, the tokenizer, the import) beside the step; the
+    process that trains holds the step alone. At the run's budget itself the child
+    would set the machine's peak: on the default minilm-bbc run (16 x 128 tokens) a
+    whole-batch step planned 395 of the 423 MiB budget and the child peaked at 901 MiB,
+    against 612 for the process that trains (docs/search.md, session 16). A whole batch
+    is one pass where one-example micro-batches are ``size`` passes, and needs no
+    second import of the model; none of the recipes fits it (SmolLM2: 1,318 MiB
+    against 1,366 - 513)."""
     from pockengine.finetune.gradient_sums import micro_rows
 
     floor = micro_rows(size, settings.micro_batch)
     if budget is None or floor == size or not groups:
         return floor
     sums = 2 * max(sum(_nbytes(p) for p in g) for g in groups)
+    weights = sum(_nbytes(p) for p in planner.info.params)
     peak = planner.gradient_peak([p.name for p in groups[0]]) + sums
-    fits = peak <= budget
+    fits = peak <= budget - weights
     log.info("the estimate's whole-batch step plans %.1f MiB with its sums, %s the %.1f MiB "
-             "budget: %d example(s) a pass", peak / 2**20, "within" if fits else "over",
-             budget / 2**20, size if fits else floor)  # fmt: skip
+             "budget less the model's %.1f MiB of weights: %d example(s) a pass",
+             peak / 2**20, "within" if fits else "over", budget / 2**20, weights / 2**20,
+             size if fits else floor)  # fmt: skip
     return size if fits else floor
 
 

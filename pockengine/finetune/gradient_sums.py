@@ -31,6 +31,7 @@ from pockengine.frontend.imported import ImportedModel, ModelInfo
 __all__ = ["GradientSums", "gradient_step", "gradient_sums", "micro_rows", "only"]
 
 Array = np.ndarray[Any, Any]
+_CHUNK_BYTES = 8 << 20  # float64 scratch of ``GradientSums.rows``
 
 
 @dataclass
@@ -45,8 +46,7 @@ class GradientSums:
         """Fold in one batch's float32 gradients (the first batch's become the totals)."""
         self.batches += 1
         for name, g in grads.items():
-            axes = tuple(range(1, g.ndim))
-            square = np.square(g, dtype=np.float64).sum(axis=axes)
+            square = _row_squares(g)
             if name in self.total:
                 self.squares[name] += square
                 self.total[name] += g
@@ -55,13 +55,33 @@ class GradientSums:
 
     def rows(self, name: str, value: Array) -> dict[str, list[float]]:
         """The three per-row scores of ``estimate.SCORES`` for weight ``name`` of ``value``."""
-        mean = self.total[name].astype(np.float64) / self.batches
+        total = self.total[name]
         axes = tuple(range(1, value.ndim))
+        taylor, grad = np.empty(len(total)), np.empty(len(total))
+        # a few MiB of rows at a time: float64 copies of a whole weight would be the
+        # analysis' peak on a large one (SmolLM2's tied head: 3 x 216 MiB)
+        step = max(1, _CHUNK_BYTES // max(1, 8 * total[0].size))
+        for start in range(0, len(total), step):
+            rows = slice(start, start + step)
+            mean = total[rows].astype(np.float64) / self.batches
+            taylor[rows] = np.abs(mean * value[rows]).sum(axis=axes)
+            grad[rows] = np.abs(mean).sum(axis=axes)
         return {
             "fisher": (self.squares[name] / self.batches).tolist(),
-            "taylor": np.abs(mean * value).sum(axis=axes).tolist(),
-            "grad": np.abs(mean).sum(axis=axes).tolist(),
+            "taylor": taylor.tolist(),
+            "grad": grad.tolist(),
         }
+
+
+def _row_squares(g: Array) -> Array:
+    """Per row of ``g``: the sum of its squares, in float64, a few MiB of rows at a time."""
+    axes = tuple(range(1, g.ndim))
+    out = np.empty(len(g))
+    step = max(1, _CHUNK_BYTES // max(1, 8 * g[0].size))
+    for start in range(0, len(g), step):
+        rows = slice(start, start + step)
+        out[rows] = np.square(g[rows], dtype=np.float64).sum(axis=axes)
+    return out
 
 
 def micro_rows(batch_size: int, most: int) -> int:
