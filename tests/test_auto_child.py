@@ -131,3 +131,30 @@ def test_a_missing_or_damaged_choice_is_a_clear_error(
     (tmp_path / compile_child.CHOICE).write_text("{not json")
     with pytest.raises(FinetuneError, match=r"choice\.json: the auto choice .* damaged"):
         compile_child.compile_in_child(config, None, tmp_path)
+
+
+def test_the_work_before_the_first_step_is_said(
+    tmp_path: Path, options: dict[str, Any], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A run says on stderr what it does before its first step (the child's lines
+    too, on the same clock), in order; ``--progress none`` says nothing."""
+    pe.finetune(**{**options, "progress": "plain", "max_steps": 1}, out=str(tmp_path / "a"),
+                compile_in="child")  # fmt: skip
+    err = capfd.readouterr().err
+    said = [line.split("] ", 1)[1] for line in err.splitlines() if line.startswith("[")]
+    expected = ["compiling in a child process", "model and data ready: 72 training examples",
+                "--scheme auto: choosing what to train", "--scheme auto: scoring",
+                "--scheme auto: bias + ", "compiling the training step",
+                "compiling the evaluation", "writing the compiled step"]  # fmt: skip
+    starts = iter(said)
+    assert all(any(s.startswith(e) for s in starts) for e in expected), said
+    seconds = [float(line[1:].split(" s]")[0]) for line in err.splitlines() if line[:1] == "["]
+    assert seconds == sorted(seconds)  # one clock, the run's
+
+    pe.finetune(**{**options, "max_steps": 1}, out=str(tmp_path / "b"), compile_in="process")
+    assert "[" not in capfd.readouterr().err  # progress none: nothing before the bar either
+    pe.finetune(**{**options, "progress": "plain", "max_steps": 1}, out=str(tmp_path / "c"),
+                compile_in="process")  # fmt: skip
+    again = capfd.readouterr().err
+    assert "--scheme auto: the choice made before" in again  # the cache, said so
+    assert "compiling the training step and its evaluation" in again

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pockengine.finetune import stages
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.estimate import (
     Estimate,
@@ -154,11 +155,19 @@ def choose_auto(
     try:
         choice = AutoChoice.from_dict(json.loads(path.read_text()))
         choice.cached = True
+        stages.say(f"--scheme auto: the choice made before for this model, data and budget "
+                   f"({path})")  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, SchemeError):
+        stages.say("--scheme auto: choosing what to train (planning the base scheme and the "
+                   "budget)")  # fmt: skip
         choice = _choose(config, task, sparse, settings)
         save_cached(path, choice.to_dict())
     choice.seconds = time.perf_counter() - start
     log.info("auto scheme chosen in %.1f s", choice.seconds)
+    if not choice.cached:
+        chosen = sum(1 for c in choice.candidates if c["ratio"])
+        stages.say(f"--scheme auto: {choice.base} + {chosen} of {len(choice.candidates)} "
+                   f"weights chosen in {choice.seconds:.1f} s")  # fmt: skip
     return choice
 
 

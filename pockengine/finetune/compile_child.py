@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pockengine.finetune import stages
 from pockengine.finetune.child import child_main, read_job, run_child
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.sparse import schemes
@@ -67,7 +68,8 @@ def compile_in_child(
     eager evaluation needs the model in the process that trains; the caller compiles
     there instead) and the auto choice (``AutoChoice.to_dict``; None for a given
     scheme)."""
-    job = {"config": config.to_dict(), "scheme": None if scheme is None else scheme.to_dict()}
+    job = {"config": config.to_dict(), "scheme": None if scheme is None else scheme.to_dict(),
+           "started": stages.started()}  # fmt: skip
     what = "compiling" if scheme is not None else "choosing the auto scheme and compiling"
     run_child(__name__, folder, JOB, job, ERROR, what)
     choice = None
@@ -104,8 +106,10 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
 
     job = read_job(folder, JOB)
     config = FinetuneConfig(**job["config"])
+    stages.configure(config.progress, job.get("started"))
     assert config.batch_size is not None
     task = recipes.build(config)
+    stages.say(f"model and data ready: {task.train_size:,} training examples")
     phase("model, tokenizer and data")
     # The splits go to the process that trains now; the compile keeps the batches it
     # traces on (a training batch, an evaluation batch) and frees the rest first; an
@@ -129,12 +133,14 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
         frozen = frozen_weights(config)
         _stand_in(task.model, frozen_given(task.model, frozen.given, scheme))  # stored as blocks
         phase("GGUF blocks read, the float copies of them released")
+        stages.say(f"compiling the training step ({config.backend} backend)")
         with copies_deferred():  # the step never runs here: it shares what it would write
             step = compile_task(config, task, scheme, frozen)
         if memo.reused:
             log.info("the compile reused %d import(s) of the analysis", memo.reused)
     _stand_in(task.model, released.quantized_names(step))  # int8, int4: quantized now
     phase("step compiled")
+    stages.say("compiling the evaluation")
     evaluator = compile_evaluator_releasing(step, task)  # the model's copies released
     phase("evaluator compiled")
     if evaluator is None:  # only a compiled evaluation runs without the model
@@ -143,6 +149,7 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     # The weights a loader memory-mapped were never read here: reading them to write
     # them would make them all resident (+84 MiB for minilm-bbc); each is paged out
     # once written instead. Nothing runs after this in the child.
+    stages.say("writing the compiled step for the process that trains")
     with pages_out_after_write():
         step.save(folder / STEP_DIR, evaluator)
         phase("step artifact written")

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine.finetune import stages
 from pockengine.finetune.checkpoint import write_atomic
 from pockengine.finetune.config import AUTO_SCORES, FinetuneConfig, FinetuneError
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
@@ -350,7 +351,12 @@ def estimate_scores(
     most = max(settings.group_bytes, -(-total // settings.max_groups))
     groups = _groups(weights, most)
     rows = _micro_rows(planner, groups, size, settings, budget)
-    for group in groups:
+    passes = len(groups) * n * (size // rows)
+    stages.say(f"--scheme auto: scoring {len(weights)} weights on {n * size:,} training "
+               f"examples: {len(groups)} group(s), {passes} backward passes")  # fmt: skip
+    for i, group in enumerate(groups, 1):
+        if i > 1:
+            stages.say(f"--scheme auto: {i - 1} of {len(groups)} groups scored")
         names = [p.name for p in group]
         step = planner.gradient_step(config.backend, names, rows)
         sums = gradient_sums(step, tail, rows, set(names))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pockengine.finetune import checkpoint as ckpt_io
-from pockengine.finetune import recipe_table
+from pockengine.finetune import recipe_table, stages
 from pockengine.finetune.best import BEST
 from pockengine.finetune.compile_child import compile_in_child
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
@@ -44,6 +44,7 @@ _AUTO = "auto"  # auto_scheme.AUTO, which this module cannot import: it imports 
 def run(config: FinetuneConfig) -> FinetuneResult:
     """Fine-tune as ``config`` says; returns when done, stopped, or raises."""
     start = time.perf_counter()
+    stages.configure(config.progress)
     config = _scheme_when_resumed(config.validate())
     config = config.with_defaults(recipe_table.defaults(config)).validate()
     assert config.scheme is not None, "filled in by the recipe's defaults"
@@ -67,6 +68,8 @@ def _compile_and_train(
         return train_here(config, scheme, out, saved, start)
     with tempfile.TemporaryDirectory(prefix=".compiled-", dir=out) as folder:
         compile_start = time.perf_counter()
+        auto = ", the scheme (--scheme auto)" if scheme is None else ""
+        stages.say(f"compiling in a child process: the model and data{auto}, the step")
         compiled, choice = compile_in_child(config, scheme, Path(folder))
         chosen = schemes.from_dict(choice["scheme"]) if choice is not None else scheme
         assert chosen is not None

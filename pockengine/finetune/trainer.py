@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pockengine.evaluator import Evaluator
-from pockengine.finetune import adapter, home, recipes, released
+from pockengine.finetune import adapter, home, recipes, released, stages
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune.auto_scheme import AutoChoice, choose_auto
 from pockengine.finetune.compiled_task import load_compiled
@@ -96,8 +96,11 @@ def _prepare_here(
     config: FinetuneConfig, given: Scheme | None, saved: ckpt_io.Checkpoint | None
 ) -> _Prepared:
     """Task, scheme, step and evaluator, compiled in this process."""
+    stages.say("loading the model and the data")
     task = recipes.build(config)
+    stages.say(f"model and data ready: {task.train_size:,} training examples")
     scheme, choice = _scheme_of_run(config, task, given, saved)
+    stages.say(f"compiling the training step and its evaluation ({config.backend} backend)")
     step = _compile(config, task, scheme)
     return _Prepared(task, scheme, choice, step, compile_evaluator_releasing(step, task))
 
