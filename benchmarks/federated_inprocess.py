@@ -14,7 +14,12 @@ held-out split. Only the order of the float sums in the average may differ from 
 ``--local-loss logit-adjusted --la-tau T`` trains each client on its own logit-adjusted
 loss (its shard's prior, one more input of the shared step). ``--pooled-bn`` also scores
 each round with BatchNorm statistics recomputed on the whole training split (which no
-real server has): the ceiling of any statistics a client sends.
+real server has): the ceiling of any statistics a client sends. ``--scaffold`` corrects
+each client's drift with SCAFFOLD's control variates (Karimireddy et al. 2020, option
+II), decoupled from the step as FedProx is here: after each local step the trained
+tensors move by ``-lr * (c - c_i)``; after the round ``c_i += (x - y_i) / sum(lr) - c``,
+and the server's ``c`` is the clients' mean. A client would send ``c_i``'s change
+besides its tensors: twice the bytes up (``bytes_up`` counts both).
 Writes one JSON line per round to stdout and all of them to ``--out``.
 """
 
@@ -80,7 +85,37 @@ def pooled_bn_accuracy(trainer: LocalTrainer, task: recipes.Task) -> float:
     return accuracy
 
 
-def run(config: FederatedConfig, pooled_bn: bool) -> list[dict[str, Any]]:
+def train_scaffold(t: LocalTrainer, state: dict[str, Array], r: int, c: dict[str, Array],
+                   c_i: dict[str, Array]) -> tuple[Any, dict[str, Array]]:  # fmt: skip
+    """``LocalTrainer.train`` with SCAFFOLD's correction after each step; the round's
+    result and the client's new control variate."""
+    from pockengine.federated import local
+
+    lrs: list[float] = []
+    stats = t.trained.buffers
+    one_step = t._one_step
+
+    def corrected(rows: Array, lr: float) -> float:
+        loss = one_step(rows, lr)
+        lrs.append(lr)
+        now = t.trained.extract(t.step)
+        moved = {k: v if k in stats or k not in c else (v - lr * (c[k] - c_i[k])).astype(v.dtype)
+                 for k, v in now.items()}  # fmt: skip
+        t.trained.merge(t.step, moved, f"client {t.client} (SCAFFOLD)")
+        return loss
+
+    t._one_step = corrected  # type: ignore[method-assign]
+    try:
+        result = local.LocalTrainer.train(t, state, r, 0.0)
+    finally:
+        del t._one_step
+    total = max(sum(lrs), 1e-12)
+    new = {k: c_i[k] - c[k] + (state[k].astype(np.float64) - result.arrays[k]) / total
+           for k in c}  # fmt: skip
+    return result, new
+
+
+def run(config: FederatedConfig, pooled_bn: bool, scaffold: bool = False) -> list[dict[str, Any]]:
     start = time.perf_counter()
     trainers, task = clients(config)
     first = trainers[0]
@@ -88,9 +123,19 @@ def run(config: FederatedConfig, pooled_bn: bool) -> list[dict[str, Any]]:
     batchnorm = BatchNormStats.of(first.model, list(first.trained.rows)) if recompute else None
     server = config.server_step(first.trained.buffers)
     state = first.trained.extract(first.step)
+    stats = first.trained.buffers
+    c = {k: np.zeros(v.shape) for k, v in state.items() if k not in stats}
+    c_i = [{k: np.zeros_like(v) for k, v in c.items()} for _ in trainers]
     rows = []
     for r in range(1, config.rounds + 1):
-        results = [t.train(state, r, config.proximal_mu) for t in trainers]
+        if scaffold:
+            pairs = [train_scaffold(t, state, r, c, c_i[i]) for i, t in enumerate(trainers)]
+            results = [p[0] for p in pairs]
+            c = {k: c[k] + np.mean([p[1][k] - c_i[i][k] for i, p in enumerate(pairs)], axis=0)
+                 for k in c}  # fmt: skip
+            c_i = [p[1] for p in pairs]
+        else:
+            results = [t.train(state, r, config.proximal_mu) for t in trainers]
         weights = [float(x.examples) for x in results]
         average = aggregate([x.arrays for x in results], weights, batchnorm or BatchNormStats({}))
         state = server.apply(state, average)
@@ -98,7 +143,8 @@ def run(config: FederatedConfig, pooled_bn: bool) -> list[dict[str, Any]]:
         metrics = evaluate(first.step, task)
         row = {"round": r, "accuracy": metrics.get("val_accuracy"), "loss": metrics["val_loss"],
                "train_loss": float(np.average([x.loss for x in results], weights=weights)),
-               "bytes_up": sum(a.nbytes for x in results for a in x.arrays.values()),
+               "bytes_up": sum(a.nbytes for x in results for a in x.arrays.values())
+               * (2 if scaffold else 1),
                "elapsed_s": time.perf_counter() - start}  # fmt: skip
         if pooled_bn:
             row["accuracy_pooled_bn"] = pooled_bn_accuracy(first, task)
@@ -136,6 +182,7 @@ def main() -> None:
     p.add_argument("--local-loss", choices=LOCAL_LOSSES, default="plain")
     p.add_argument("--la-tau", type=float, default=1.0)
     p.add_argument("--pooled-bn", action="store_true", help="also score with pooled statistics")
+    p.add_argument("--scaffold", action="store_true", help="SCAFFOLD's control variates")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     ft = FinetuneConfig(recipe=a.recipe, image_size=a.image_size, seq_len=a.seq_len,
@@ -149,7 +196,7 @@ def main() -> None:
         bn_statistics=a.bn_statistics, local_loss=a.local_loss, la_tau=a.la_tau,
         proximal_mu=a.proximal_mu,
     )  # fmt: skip
-    rows = run(config, a.pooled_bn)
+    rows = run(config, a.pooled_bn, a.scaffold)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
                                  "rounds": rows}, indent=1) + "\n")  # fmt: skip
 
