@@ -82,13 +82,17 @@ class AutoChoice:
         fields = {f.name: data[f.name] for f in dataclasses.fields(cls)}
         return cls(**{**fields, "scheme": schemes.from_dict(data["scheme"])})
 
+    def chosen(self) -> str:
+        """What was chosen, in a few words: ``"bias + 8 of 36 weights"``."""
+        trained = sum(1 for c in self.candidates if c["ratio"])
+        return f"{self.base} + {trained} of {len(self.candidates)} weights"
+
     def lines(self, top: int = 8) -> list[str]:
         """A few lines for the printed summary: the choice, the budget, the best weights."""
         if not self.budget_bytes:  # resumed: the checkpoint's scheme, nothing analysed
             return [f"  auto scheme note: {n}" for n in self.notes]
-        chosen = [c for c in self.candidates if c["ratio"]]
         lines = [
-            f"  auto scheme: {self.base} + {len(chosen)} of {len(self.candidates)} weights; "
+            f"  auto scheme: {self.chosen()}; "
             f"planned peak {self.planned_peak_bytes / _MIB:.1f} MiB of a "
             f"{self.budget_bytes / _MIB:.1f} MiB budget ({self.budget_source}); analysis "
             f"{self.seconds:.1f} s{' (cached)' if self.cached else ''}",
@@ -165,9 +169,7 @@ def choose_auto(
     choice.seconds = time.perf_counter() - start
     log.info("auto scheme chosen in %.1f s", choice.seconds)
     if not choice.cached:
-        chosen = sum(1 for c in choice.candidates if c["ratio"])
-        stages.say(f"--scheme auto: {choice.base} + {chosen} of {len(choice.candidates)} "
-                   f"weights chosen in {choice.seconds:.1f} s")  # fmt: skip
+        stages.say(f"--scheme auto: {choice.chosen()} chosen in {choice.seconds:.1f} s")
     return choice
 
 

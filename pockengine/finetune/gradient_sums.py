@@ -58,11 +58,7 @@ class GradientSums:
         total = self.total[name]
         axes = tuple(range(1, value.ndim))
         taylor, grad = np.empty(len(total)), np.empty(len(total))
-        # a few MiB of rows at a time: float64 copies of a whole weight would be the
-        # analysis' peak on a large one (SmolLM2's tied head: 3 x 216 MiB)
-        step = max(1, _CHUNK_BYTES // max(1, 8 * total[0].size))
-        for start in range(0, len(total), step):
-            rows = slice(start, start + step)
+        for rows in _row_chunks(total):
             mean = total[rows].astype(np.float64) / self.batches
             taylor[rows] = np.abs(mean * value[rows]).sum(axis=axes)
             grad[rows] = np.abs(mean).sum(axis=axes)
@@ -73,13 +69,19 @@ class GradientSums:
         }
 
 
+def _row_chunks(a: Array) -> Iterator[slice]:
+    """``a``'s rows, a few MiB of float64 scratch at a time: float64 copies of a whole
+    weight would be the analysis' peak on a large one (SmolLM2's tied head: 216 MiB
+    each)."""
+    step = max(1, _CHUNK_BYTES // max(1, 8 * a[0].size))
+    return (slice(start, start + step) for start in range(0, len(a), step))
+
+
 def _row_squares(g: Array) -> Array:
-    """Per row of ``g``: the sum of its squares, in float64, a few MiB of rows at a time."""
+    """Per row of ``g``: the sum of its squares, in float64."""
     axes = tuple(range(1, g.ndim))
     out = np.empty(len(g))
-    step = max(1, _CHUNK_BYTES // max(1, 8 * g[0].size))
-    for start in range(0, len(g), step):
-        rows = slice(start, start + step)
+    for rows in _row_chunks(g):
         out[rows] = np.square(g[rows], dtype=np.float64).sum(axis=axes)
     return out
 
