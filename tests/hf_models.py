@@ -41,8 +41,6 @@ class Arch:
     # float64: a random-init network whose float32 gradients torch itself cannot reproduce
     # to 1e-4 (ReLU6 kinks flip with rounding; see tests/test_models.py)
     double: bool = False
-    # what the frontend lacks, as its UnsupportedOpError prints it ("op  at module.path")
-    missing: str | None = None
 
 
 def _no_dropout(cfg: Any) -> Any:
@@ -216,8 +214,23 @@ ARCHITECTURES: tuple[Arch, ...] = (
                                      depths=[1, 1], groups_width=8)),
     Arch("mobilevit", "vision", _vision("MobileViTConfig", image_size=32,
                                         hidden_sizes=[16, 24, 32],
-                                        neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32]),
-         missing="aten.upsample_bilinear2d.vec  at mobilevit.encoder.layer.4"),
+                                        neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32])),
+    Arch("mobilenet-v1", "vision", _vision("MobileNetV1Config", depth_multiplier=0.25,
+                                           min_depth=4), double=True),
+    Arch("bit", "vision", _vision("BitConfig", embedding_size=8, hidden_sizes=[8, 16],
+                                  depths=[1, 1], num_groups=4, layer_type="preactivation")),
+    Arch("poolformer", "vision", _vision("PoolFormerConfig", num_encoder_blocks=2,
+                                         depths=[1, 1], hidden_sizes=[8, 16],
+                                         patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1],
+                                         num_attention_heads=[1, 1], mlp_ratio=2.0)),
+    Arch("segformer", "vision", _vision("SegformerConfig", num_encoder_blocks=2, depths=[1, 1],
+                                        hidden_sizes=[8, 16], sr_ratios=[2, 1],
+                                        num_attention_heads=[1, 2], decoder_hidden_size=16)),
+    Arch("convnextv2", "vision", _vision("ConvNextV2Config", hidden_sizes=[8, 16],
+                                         depths=[1, 1], num_stages=2)),
+    Arch("focalnet", "vision", _vision("FocalNetConfig", embed_dim=8, depths=[1, 1],
+                                       hidden_sizes=[8, 16])),
+    Arch("dinov2", "vision", _vision("Dinov2Config", image_size=32, patch_size=8, **_TEXT)),
     Arch("beit", "vision", _vision("BeitConfig", image_size=32, patch_size=8, **_TEXT)),
     Arch("vit", "vision", _vision("ViTConfig", image_size=32, patch_size=8, **_TEXT), fast=True),
     Arch("swin", "vision", _vision("SwinConfig", image_size=32, patch_size=4, embed_dim=8,

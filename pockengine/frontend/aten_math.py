@@ -221,3 +221,50 @@ def _log_softmax(cx: Ctx, a: Value, dim: int, half_to_float: bool = False) -> Va
 def _cumsum(cx: Ctx, a: Value, dim: int, dtype: Any = None) -> Value:
     a = _with_dtype(cx, a, dtype)
     return cx.cast(cx.call("cumsum", a, axis=norm_dim(dim, a.type.rank)), cx.out_type.dtype)
+
+
+@aten("clamp.Tensor")
+def _clamp_tensor(cx: Ctx, a: Value, min: Any = None, max: Any = None) -> Value:
+    dtype = cx.out_type.dtype
+    out = cx.cast(a, dtype)
+    if min is not None:
+        out = cx.call("maximum", out, cx.tensor(min, dtype))
+    if max is not None:
+        out = cx.call("minimum", out, cx.tensor(max, dtype))
+    return out
+
+
+@aten("leaky_relu.default")
+def _leaky_relu(cx: Ctx, a: Value, negative_slope: float = 0.01) -> Value:
+    """leaky_relu(x) = x where x > 0, else slope * x."""
+    zero = cx.full(0.0, a.dtype)
+    scaled = cx.call("mul", a, cx.full(float(negative_slope), a.dtype))
+    return cx.call("where", cx.call("gt", a, zero), a, scaled)
+
+
+@aten("elu.default")
+def _elu(
+    cx: Ctx, a: Value, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0
+) -> Value:
+    """elu(x) = scale * x where x > 0, else scale * alpha * (exp(input_scale * x) - 1).
+    The exponential reads min(x, 0), so a large x never makes inf (whose gradient through
+    the unselected branch would be 0 * inf = NaN)."""
+    zero = cx.full(0.0, a.dtype)
+    neg = cx.call("mul", cx.call("minimum", a, zero), cx.full(float(input_scale), a.dtype))
+    low = cx.call("sub", cx.call("exp", neg), cx.full(1.0, a.dtype))
+    low = cx.call("mul", low, cx.full(float(alpha) * float(scale), a.dtype))
+    high = a if scale == 1 else cx.call("mul", a, cx.full(float(scale), a.dtype))
+    return cx.call("where", cx.call("gt", a, zero), high, low)
+
+
+@aten("isnan.default")
+def _isnan(cx: Ctx, a: Value) -> Value:
+    """NaN is the one value not equal to itself."""
+    return cx.call("ne", a, a)
+
+
+@aten("isinf.default")
+def _isinf(cx: Ctx, a: Value) -> Value:
+    if not a.dtype.is_float:
+        return cx.full(False, DType.BOOL, a.shape)
+    return cx.call("eq", cx.call("abs", a), cx.full(float("inf"), a.dtype))

@@ -30,7 +30,7 @@ def _convolution(
     groups: int,
 ) -> Value:
     if transposed:
-        raise CompileError("transposed convolution is not supported")
+        return _transposed(cx, x, w, bias, stride, padding, dilation, groups)
     if x.type.rank == 3:  # conv1d runs as conv2d over a height of one
         y = _conv2d(
             cx,
@@ -46,6 +46,38 @@ def _convolution(
     if x.type.rank != 4:
         raise CompileError(f"{x.type.rank - 2}-d convolution is not supported")
     return _conv2d(cx, x, w, bias, _pair(stride), _pair(padding), _pair(dilation), groups)
+
+
+def _transposed(
+    cx: Ctx,
+    x: Value,
+    w: Value,
+    bias: Value | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> Value:
+    """ConvTranspose1d/2d: the input gradient of the convolution it transposes (w is
+    [C_in, C_out / groups, kh, kw], that convolution's weight), at the output's shape,
+    so output_padding is in the shape; then the bias."""
+    out = cx.out_type.shape
+    if x.type.rank == 3:  # 1-d: a height of one
+        x = cx.call("reshape", x, shape=(x.shape[0], x.shape[1], 1, x.shape[2]))
+        w = cx.call("reshape", w, shape=(w.shape[0], w.shape[1], 1, w.shape[2]))
+        geometry = ((1, stride[0]), (0, padding[0]), (1, dilation[0]))
+        shape: tuple[int, ...] = (out[0], out[1], 1, out[2])
+    elif x.type.rank == 4:
+        geometry = (_pair(stride), _pair(padding), _pair(dilation))
+        shape = tuple(out)
+    else:
+        raise CompileError(f"{x.type.rank - 2}-d transposed convolution is not supported")
+    s, p, d = geometry
+    y = cx.call("conv2d_input_grad", x, w, x_shape=shape, stride=s, padding=p, dilation=d,
+                groups=int(groups))  # fmt: skip
+    if bias is not None:
+        y = cx.call("add", y, cx.call("reshape", bias, shape=(1, shape[1], 1, 1)))
+    return cx.call("reshape", y, shape=tuple(out)) if len(out) == 3 else y
 
 
 def _conv2d(

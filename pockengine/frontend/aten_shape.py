@@ -233,3 +233,101 @@ def _addmm(cx: Ctx, bias: Value, a: Value, b: Value, beta: float = 1, alpha: flo
     if beta != 1:
         bias = cx.call("mul", bias, cx.full(beta, bias.dtype))
     return cx.call("add", out, bias) if beta != 0 else out
+
+
+@aten("index_select.default")
+def _index_select(cx: Ctx, a: Value, dim: int, index: Value) -> Value:
+    return cx.call("index", a, cx.cast(index, DType.I64), axes=(norm_dim(dim, a.type.rank),))
+
+
+@aten("flip.default")
+def _flip(cx: Ctx, a: Value, dims: list[int]) -> Value:
+    """Each listed axis read backwards: an index of n-1 .. 0 (its gradient flips back)."""
+    out = a
+    for d in dims:
+        axis = norm_dim(d, a.type.rank)
+        n = a.shape[axis]
+        if n > 1:
+            order = cx.call("arange", start=n - 1, stop=-1, step=-1, dtype="i64")
+            out = cx.call("index", out, order, axes=(axis,))
+    return out
+
+
+@aten("roll.default")
+def _roll(cx: Ctx, a: Value, shifts: list[int], dims: list[int] | None = None) -> Value:
+    """A cyclic shift: the last ``shift`` elements of an axis, then the rest."""
+    if not dims:
+        flat = cx.call("reshape", a, shape=(a.type.numel,))
+        return cx.call("reshape", _roll(cx, flat, list(shifts)[:1], [0]), shape=a.shape)
+    out = a
+    for shift, d in zip(shifts, dims, strict=True):
+        axis = norm_dim(d, a.type.rank)
+        n = a.shape[axis]
+        k = int(shift) % n if n else 0
+        if k:
+            tail = cx.call("slice", out, axis=axis, start=n - k, stop=n, step=1)
+            head = cx.call("slice", out, axis=axis, start=0, stop=n - k, step=1)
+            out = cx.call("concat", tail, head, axis=axis)
+    return out
+
+
+def _even_offsets(cx: Ctx, count: int) -> int:
+    """The bag length of an EmbeddingBag whose offsets are ``arange(0, count, L)`` (what
+    ``nn.EmbeddingBag`` makes of a 2-D input): bags of computed offsets have no static
+    shape, so any other offsets are a CompileError."""
+    node = cx.node.args[2] if cx.node is not None and len(cx.node.args) > 2 else None
+    target = str(getattr(node, "target", ""))
+    if node is None or not target.startswith("aten.arange"):
+        raise CompileError("EmbeddingBag needs a 2-D input (bags of one length); offsets "
+                           "computed at run time give bags of unknown shape")  # fmt: skip
+    args = [a for a in node.args if isinstance(a, int)]
+    start, end, step = [*args, 1][:3] if len(args) >= 2 else (0, args[0] if args else 0, 1)
+    if start != 0 or end != count or step <= 0 or count % step:
+        raise CompileError(f"EmbeddingBag offsets arange({start}, {end}, {step}) do not cut "
+                           f"{count} ids into bags of one length")  # fmt: skip
+    return int(step)
+
+
+@aten("_embedding_bag.default", "_embedding_bag_forward_only.default")
+def _embedding_bag(
+    cx: Ctx,
+    weight: Value,
+    ids: Value,
+    offsets: Value,
+    scale_grad_by_freq: bool = False,
+    mode: int = 0,
+    sparse: bool = False,
+    per_sample_weights: Value | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int = -1,
+) -> tuple[Value, None, None, None]:
+    """Bags of one length L: the lookups as [bags, L, dim], then their sum (mode 0), mean
+    (1) or max (2); ids equal to ``padding_idx`` are left out of a bag, as ATen's."""
+    if scale_grad_by_freq or include_last_offset:
+        raise CompileError("EmbeddingBag with scale_grad_by_freq or include_last_offset "
+                           "is not supported")  # fmt: skip
+    count = ids.type.numel
+    length = _even_offsets(cx, count)
+    bags = cx.call("reshape", cx.cast(ids, DType.I64), shape=(count // length, length))
+    rows = cx.call("embedding", weight, bags, padding_idx=None)
+    keep = None
+    if padding_idx is not None and padding_idx >= 0:
+        if mode == 2:
+            raise CompileError("EmbeddingBag in max mode with padding_idx is not supported")
+        kept = cx.call("ne", bags, cx.full(int(padding_idx), DType.I64))
+        keep = cx.call("reshape", cx.cast(kept, weight.dtype), shape=(*bags.shape, 1))
+        rows = cx.call("mul", rows, keep)
+    if per_sample_weights is not None:
+        if mode != 0:
+            raise CompileError("EmbeddingBag per_sample_weights needs mode='sum'")
+        scale = cx.call("reshape", per_sample_weights, shape=(*bags.shape, 1))
+        rows = cx.call("mul", rows, cx.cast(scale, weight.dtype))
+    if mode == 2:
+        return cx.call("amax", rows, axes=(1,), keepdims=False), None, None, None
+    total = cx.call("sum", rows, axes=(1,), keepdims=False)
+    if mode == 1:
+        n = cx.full(float(length), weight.dtype) if keep is None else cx.call(
+            "maximum", cx.call("sum", keep, axes=(1,), keepdims=False), cx.full(1.0, weight.dtype)
+        )  # fmt: skip
+        total = cx.call("div", total, n)
+    return total, None, None, None

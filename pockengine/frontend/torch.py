@@ -22,9 +22,11 @@ import numpy as np
 
 from pockengine.frontend import (  # noqa: F401  (aten_*: fill the table)
     aten_attention,
+    aten_image,
     aten_layout,
     aten_math,
     aten_nn,
+    aten_reduce,
     aten_shape,
     import_memo,
 )
@@ -107,8 +109,9 @@ def _torch_internal_warnings_filtered() -> Iterator[None]:
 # Scaled dot-product attention becomes one IR op (fused kernels, no stored probabilities).
 # SDPA's softmax that gives 0, not NaN, on a fully masked row (what the attention
 # converter emits with dropout): decomposed, it is four extra passes over the attention
-# matrix (eq, not, any, where) and a where in backward.
-_KEPT_WHOLE = ("scaled_dot_product_attention", "_safe_softmax")
+# matrix (eq, not, any, where) and a where in backward. roll: two slices and a concat,
+# rather than an index computed with fmod.
+_KEPT_WHOLE = ("scaled_dot_product_attention", "_safe_softmax", "roll")
 
 
 def _check_supported(graph: Any) -> None:

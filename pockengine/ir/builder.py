@@ -28,8 +28,20 @@ class GraphBuilder:
         self.inputs: list[Value] = []
         self.nodes: list[Node] = []
         self._names: set[str] = set()
+        self._later: set[str] = set()  # names a rewrite will append: fresh() skips them
         self._counter = 0
         self.phase = Phase.FORWARD  # the phase of the nodes ``call`` adds without one
+
+    @classmethod
+    def rewriting(cls, graph: Graph) -> GraphBuilder:
+        """A builder for a rewrite of ``graph``: its inputs added, and every result name of
+        its nodes kept for ``append``, so a fresh name given to a new node never collides
+        with a node of ``graph`` copied after it."""
+        b = cls(graph.name)
+        for v in graph.inputs:
+            b.add_input(v)
+        b._later = {out.name for node in graph.nodes for out in node.outputs}
+        return b
 
     @contextmanager
     def in_phase(self, phase: Phase) -> Iterator[None]:
@@ -49,7 +61,7 @@ class GraphBuilder:
         while True:
             name = f"{base}{self._counter}"
             self._counter += 1
-            if name not in self._names:
+            if name not in self._names and name not in self._later:
                 self._names.add(name)
                 return name
 
@@ -59,6 +71,7 @@ class GraphBuilder:
         if name in self._names:
             raise CompileError(f"value name {name!r} is used twice")
         self._names.add(name)
+        self._later.discard(name)
         return name
 
     # -- inputs ------------------------------------------------------------

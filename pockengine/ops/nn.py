@@ -290,7 +290,10 @@ class Conv2dInputGrad:
 
     Forward: gx[n, c, h, w] = sum over (o, i, j) with h = oh*sh - ph + i*dh and
     w = ow*sw - pw + j*dw of gy[n, o, oh, ow] * w[o, c, i, j]; input positions
-    that no window reads get zero. Backward: none (a backward kernel).
+    that no window reads get zero. It is also the forward of a transposed convolution
+    (ConvTranspose2d: gy its input, w its weight, x_shape its output's shape).
+    Backward (the adjoints of a linear map): ggy = conv2d(gx_ct, w),
+    gw = conv2d_weight_grad(gx_ct, gy), with the same geometry.
     """
 
     @staticmethod
@@ -330,6 +333,17 @@ class Conv2dInputGrad:
     @staticmethod
     def flops(ins: tuple[TensorType, ...], outs: tuple[TensorType, ...], attrs: object) -> int:
         return _conv_flops(ins[0], ins[1].shape)
+
+    @staticmethod
+    def vjp(c: VJPContext) -> Sequence[Value | None]:
+        gy, w = c.inputs
+        geometry = {k: c.attrs[k] for k in _GEOMETRY}
+        return [
+            c.call("conv2d", c.ct, w, **geometry) if c.needs[0] else None,
+            c.call("conv2d_weight_grad", c.ct, gy, w_shape=w.shape, **geometry)
+            if c.needs[1]
+            else None,
+        ]
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:

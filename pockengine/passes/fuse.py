@@ -61,9 +61,7 @@ def rewrite(graph: Graph, rule: Rule) -> Graph:
     node's output is then renamed to that value for every later reader); dead code goes.
     ``graph`` itself when the rule replaced nothing."""
     index = NodeIndex(graph.producers(), graph.users(), {v.name for v in graph.outputs})
-    b = GraphBuilder(graph.name)
-    for v in graph.inputs:
-        b.add_input(v)
+    b = GraphBuilder.rewriting(graph)
     renamed: dict[str, Value] = {}
     for node in graph.nodes:
         if any(v.name in renamed for v in node.inputs):

@@ -27,9 +27,7 @@ __all__ = ["sink_slices"]
 
 class _Sinker:
     def __init__(self, graph: Graph) -> None:
-        self.b = GraphBuilder(graph.name)
-        for v in graph.inputs:
-            self.b.add_input(v)
+        self.b = GraphBuilder.rewriting(graph)
         self.users = {k: len(v) for k, v in graph.users().items()}
         for v in graph.outputs:
             self.users[v.name] = self.users.get(v.name, 0) + 1

@@ -189,9 +189,7 @@ def insert_adapters(imported: ImportedModel, adapters: Sequence[Adapter]) -> Imp
         return imported
     graph = imported.graph
     sites = _sites(graph, adapters)
-    b = GraphBuilder(graph.name)
-    for v in graph.inputs:
-        b.add_input(v)
+    b = GraphBuilder.rewriting(graph)
     factors: dict[str, tuple[Value, Value]] = {}
     values = dict(imported.values)
     for index, a in enumerate(adapters):

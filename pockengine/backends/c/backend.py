@@ -23,7 +23,7 @@ from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.backends.c import lower_ew, lower_loss, lower_nn, lower_reduce
 from pockengine.backends.c.driver import build_library
-from pockengine.backends.c.emit import CTYPES, Lowering, emit_step
+from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
 from pockengine.plan import MemoryPlan, plan_memory
 
@@ -43,7 +43,23 @@ def claims(node: Node) -> bool:
     """Whether the C backend can run ``node``: a kernel for its op, and C types for every
     value it reads and writes (no f16/bf16)."""
     values = (*node.inputs, *node.outputs)
-    return node.op in KERNELS and all(v.dtype in CTYPES for v in values)
+    return node.op in KERNELS and all(v.dtype in CTYPES for v in values) and _emits(node)
+
+
+class _AnyNames(dict[str, str]):
+    def __missing__(self, key: str) -> str:
+        return "p"
+
+
+def _emits(node: Node) -> bool:
+    """Whether the op's lowering writes ``node`` (some kernels take f32 or f64 only, e.g.
+    ``minimum`` on i64 indices): the lowering run once, its C text dropped."""
+    ctx = EmitContext(Graph("claim", (), (), ()), MemoryPlan.__new__(MemoryPlan), _AnyNames())
+    try:
+        KERNELS[node.op](ctx, node)
+    except CEmitError:
+        return False
+    return True
 
 
 def check_claims(graph: Graph) -> None:
