@@ -1,9 +1,8 @@
 """ATen converters for image models, composed from IR ops: group norm, adaptive max
 pooling, and nearest and bilinear resizing (U-Nets, FPNs, detectors).
 
-Group norm is the IR's fused ``layer_norm`` over each group, then the per-channel affine.
-Resizing reads source rows and columns by index (``index``, whose gradient scatters
-back); a whole-number scale repeats or strides instead, which needs no index at all.
+Group norm is the IR's fused ``layer_norm`` over each group, then the per-channel affine;
+resizing is ``compose.nearest_axis`` and ``compose.linear_axis`` along H and W.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from pockengine.frontend.compose import linear_axis, nearest_axis
 from pockengine.frontend.torch_ops import Ctx, aten
-from pockengine.ir import CompileError, DType, Value
+from pockengine.ir import CompileError, Value
 
 __all__: list[str] = []
 
@@ -78,42 +76,9 @@ def _ratio(size_in: int, size_out: int, given: float | None, align: bool = False
 def _nearest(cx: Ctx, x: Value, scales: Sequence[float | None], exact: bool) -> Value:
     out = cx.out_type.shape
     for axis, given in zip((2, 3), scales, strict=True):
-        x = _nearest_axis(cx, x, axis, out[axis], _ratio(x.shape[axis], out[axis], given), exact)
+        ratio = _ratio(x.shape[axis], out[axis], given)
+        x = nearest_axis(cx, x, axis, out[axis], ratio, half=exact)
     return x
-
-
-def _nearest_axis(cx: Ctx, x: Value, axis: int, size: int, ratio: float, exact: bool) -> Value:
-    """ATen's source index floor((i [+ 0.5]) * ratio), clipped, in float32 as ATen's."""
-    n = x.shape[axis]
-    step = np.float32(ratio)
-    pos = np.arange(size, dtype=np.float32) + (np.float32(0.5) if exact else np.float32(0))
-    src = np.minimum(np.floor(pos * step).astype(np.int64), n - 1)
-    if np.array_equal(src, np.arange(n)):
-        return x
-    if size % n == 0 and np.array_equal(src, np.arange(size) // (size // n)):
-        return _repeat(cx, x, axis, size // n)
-    k = n // size if size else 0
-    if k and np.array_equal(src, np.arange(size) * k + src[0]):
-        stop = int(src[-1]) + 1
-        return cx.call("slice", x, axis=axis, start=int(src[0]), stop=stop, step=k)
-    return cx.call("index", x, _source_index(cx, size, step, exact, n), axes=(axis,))
-
-
-def _source_index(cx: Ctx, size: int, step: np.float32, exact: bool, n: int) -> Value:
-    pos = cx.call("arange", start=0, stop=size, step=1, dtype="f32")
-    if exact:
-        pos = cx.call("add", pos, cx.full(0.5, DType.F32))
-    src = cx.cast(cx.call("mul", pos, cx.full(float(step), DType.F32)), DType.I64)
-    return cx.call("minimum", src, cx.full(n - 1, DType.I64))
-
-
-def _repeat(cx: Ctx, x: Value, axis: int, k: int) -> Value:
-    """Every element of ``axis`` repeated ``k`` times in place (an integer upscale)."""
-    shape = x.shape
-    wide = (*shape[: axis + 1], k, *shape[axis + 1 :])
-    y = cx.call("reshape", x, shape=(*shape[: axis + 1], 1, *shape[axis + 1 :]))
-    y = cx.call("broadcast_to", y, shape=wide)
-    return cx.call("reshape", y, shape=(*shape[:axis], shape[axis] * k, *shape[axis + 1 :]))
 
 
 @aten("upsample_nearest2d.vec", "_upsample_nearest_exact2d.vec")
@@ -133,33 +98,9 @@ def _nearest_default(
 def _bilinear(cx: Ctx, x: Value, scales: Sequence[float | None], align: bool) -> Value:
     out = cx.out_type.shape
     for axis, given in zip((2, 3), scales, strict=True):
-        n, size = x.shape[axis], out[axis]
-        if n != size or given not in (None, 1.0):
-            x = _linear_axis(cx, x, axis, size, _ratio(n, size, given, align), align)
+        ratio = _ratio(x.shape[axis], out[axis], given, align)
+        x = linear_axis(cx, x, axis, out[axis], ratio, "align" if align else "half")
     return x
-
-
-def _linear_axis(cx: Ctx, x: Value, axis: int, size: int, ratio: float, align: bool) -> Value:
-    """Linear interpolation along ``axis``: x[i0] * (1 - t) + x[i1] * t, where the source
-    position is i * ratio (align_corners) or (i + 0.5) * ratio - 0.5 clipped at 0."""
-    n = x.shape[axis]
-    pos = cx.call("arange", start=0, stop=size, step=1, dtype="f32")
-    if align:
-        src = cx.call("mul", pos, cx.full(ratio, DType.F32))
-    else:
-        src = cx.call("add", pos, cx.full(0.5, DType.F32))
-        src = cx.call(
-            "sub", cx.call("mul", src, cx.full(ratio, DType.F32)), cx.full(0.5, DType.F32)
-        )
-        src = cx.call("maximum", src, cx.full(0.0, DType.F32))
-    lo = cx.call("minimum", cx.cast(src, DType.I64), cx.full(n - 1, DType.I64))
-    hi = cx.call("minimum", cx.call("add", lo, cx.full(1, DType.I64)), cx.full(n - 1, DType.I64))
-    frac = cx.call("sub", src, cx.cast(lo, DType.F32))
-    shape = tuple(size if i == axis else 1 for i in range(x.type.rank))
-    frac = cx.cast(cx.call("reshape", frac, shape=shape), x.dtype)
-    low = cx.call("index", x, lo, axes=(axis,))
-    high = cx.call("index", x, hi, axes=(axis,))
-    return cx.call("add", low, cx.call("mul", cx.call("sub", high, low), frac))
 
 
 @aten("upsample_bilinear2d.vec")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pockengine.frontend.compose import elu
 from pockengine.frontend.torch_ops import Ctx, aten, axes_of, norm_dim, promote
 from pockengine.ir import CompileError, DType, Value
 
@@ -246,15 +247,7 @@ def _leaky_relu(cx: Ctx, a: Value, negative_slope: float = 0.01) -> Value:
 def _elu(
     cx: Ctx, a: Value, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0
 ) -> Value:
-    """elu(x) = scale * x where x > 0, else scale * alpha * (exp(input_scale * x) - 1).
-    The exponential reads min(x, 0), so a large x never makes inf (whose gradient through
-    the unselected branch would be 0 * inf = NaN)."""
-    zero = cx.full(0.0, a.dtype)
-    neg = cx.call("mul", cx.call("minimum", a, zero), cx.full(float(input_scale), a.dtype))
-    low = cx.call("sub", cx.call("exp", neg), cx.full(1.0, a.dtype))
-    low = cx.call("mul", low, cx.full(float(alpha) * float(scale), a.dtype))
-    high = a if scale == 1 else cx.call("mul", a, cx.full(float(scale), a.dtype))
-    return cx.call("where", cx.call("gt", a, zero), high, low)
+    return elu(cx, a, alpha, scale, input_scale)
 
 
 @aten("isnan.default")

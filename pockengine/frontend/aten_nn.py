@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pockengine.frontend.compose import transposed_conv2d
 from pockengine.frontend.lowering import batch_norm_eval
 from pockengine.frontend.torch_ops import Ctx, aten
 from pockengine.ir import CompileError, Value
@@ -73,8 +74,7 @@ def _transposed(
     else:
         raise CompileError(f"{x.type.rank - 2}-d transposed convolution is not supported")
     s, p, d = geometry
-    y = cx.call("conv2d_input_grad", x, w, x_shape=shape, stride=s, padding=p, dilation=d,
-                groups=int(groups))  # fmt: skip
+    y = transposed_conv2d(cx, x, w, shape, s, (p, p), d, int(groups))
     if bias is not None:
         y = cx.call("add", y, cx.call("reshape", bias, shape=(1, shape[1], 1, 1)))
     return cx.call("reshape", y, shape=tuple(out)) if len(out) == 3 else y

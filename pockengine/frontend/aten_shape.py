@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pockengine.frontend.compose import flip_axis
 from pockengine.frontend.torch_ops import Ctx, aten, ir_dtype, norm_dim
 from pockengine.ir import CompileError, DType, Value
 
@@ -242,15 +243,9 @@ def _index_select(cx: Ctx, a: Value, dim: int, index: Value) -> Value:
 
 @aten("flip.default")
 def _flip(cx: Ctx, a: Value, dims: list[int]) -> Value:
-    """Each listed axis read backwards: an index of n-1 .. 0 (its gradient flips back)."""
-    out = a
     for d in dims:
-        axis = norm_dim(d, a.type.rank)
-        n = a.shape[axis]
-        if n > 1:
-            order = cx.call("arange", start=n - 1, stop=-1, step=-1, dtype="i64")
-            out = cx.call("index", out, order, axes=(axis,))
-    return out
+        a = flip_axis(cx, a, norm_dim(d, a.type.rank))
+    return a
 
 
 @aten("roll.default")

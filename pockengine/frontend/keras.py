@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.frontend import tf_math, tf_nn, tf_shape  # noqa: F401  (fill the table)
+from pockengine.frontend import tf_image, tf_math, tf_nn, tf_shape  # noqa: F401  (the table)
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 from pockengine.frontend.keras_layers import (
     LAYER_CONVERTERS,
@@ -107,7 +107,11 @@ def check_supported(traced: Traced, nodes: list[TfNode]) -> None:
         if node.op not in TF_CONVERTERS and node.op not in _VARIABLE_OPS:
             missing[(node.op, traced.layer_of(node.name) or "<model>")] = None
     if missing:
-        raise UnsupportedOpError("TF ops (the Keras frontend has no converter)", list(missing))
+        loops = any(op in ("While", "StatelessWhile") for op, _ in missing)
+        hint = ("A Keras recurrent layer (LSTM, GRU, SimpleRNN) traces to a While loop over "
+                "its time steps: build it with unroll=True, which traces each step.")  # fmt: skip
+        raise UnsupportedOpError("TF ops (the Keras frontend has no converter)", list(missing),
+                                 hint if loops else "")  # fmt: skip
 
 
 class _Translator:

@@ -24,9 +24,10 @@ class CompileError(PockEngineError):
 class UnsupportedOpError(CompileError):
     """One or more ops that a frontend or backend cannot handle, listed all at once."""
 
-    def __init__(self, what: str, entries: list[tuple[str, str]]):
+    def __init__(self, what: str, entries: list[tuple[str, str]], hint: str = ""):
         self.entries = entries
         lines = [f"  {op}  at {where or '<unknown>'}" for op, where in entries]
+        lines += [hint] if hint else []
         super().__init__(f"{len(entries)} unsupported {what}:\n" + "\n".join(lines))
 
 

@@ -1,0 +1,158 @@
+"""Frontend-neutral compositions of IR ops that several frontends share: resizing along
+one axis (nearest and linear), repeating, tiling, flipping and splitting an axis, ELU,
+and the transposed convolution.
+
+Each takes an ``EmitContext`` (every frontend's converter context), so the ATen, TF and
+ONNX converters of one operation emit the same nodes. Resizing reads source positions
+by index (``index``, whose gradient scatters back); a whole-number upscale repeats and a
+whole-number downscale strides, which need no index at all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pockengine.frontend.context import EmitContext
+from pockengine.ir import CompileError, DType, Value
+
+__all__ = [
+    "elu",
+    "flip_axis",
+    "linear_axis",
+    "nearest_axis",
+    "repeat_axis",
+    "split_axis",
+    "tile_axis",
+    "transposed_conv2d",
+]
+
+
+def repeat_axis(cx: EmitContext, x: Value, axis: int, k: int) -> Value:
+    """Every element along ``axis`` repeated ``k`` times in place: [a, b] -> [a, a, b, b]."""
+    shape = x.shape
+    y = cx.call("reshape", x, shape=(*shape[: axis + 1], 1, *shape[axis + 1 :]))
+    y = cx.call("broadcast_to", y, shape=(*shape[: axis + 1], k, *shape[axis + 1 :]))
+    return cx.call("reshape", y, shape=(*shape[:axis], shape[axis] * k, *shape[axis + 1 :]))
+
+
+def tile_axis(cx: EmitContext, x: Value, axis: int, k: int) -> Value:
+    """``axis`` repeated ``k`` times whole: [a, b] -> [a, b, a, b]."""
+    shape = x.shape
+    y = cx.call("reshape", x, shape=(*shape[:axis], 1, *shape[axis:]))
+    y = cx.call("broadcast_to", y, shape=(*shape[:axis], k, *shape[axis:]))
+    return cx.call("reshape", y, shape=(*shape[:axis], shape[axis] * k, *shape[axis + 1 :]))
+
+
+def nearest_axis(
+    cx: EmitContext, x: Value, axis: int, size: int, ratio: float, half: bool
+) -> Value:
+    """Nearest resizing of ``axis`` to ``size``: source floor((i [+ 0.5 if half]) * ratio),
+    clipped, computed in float32 (as ATen's and TF's kernels)."""
+    n = x.shape[axis]
+    step = np.float32(ratio)
+    pos = np.arange(size, dtype=np.float32) + np.float32(0.5 if half else 0.0)
+    src = np.minimum(np.floor(pos * step).astype(np.int64), n - 1)
+    if size == n and np.array_equal(src, np.arange(n)):
+        return x
+    if size % n == 0 and np.array_equal(src, np.arange(size) // (size // n)):
+        return repeat_axis(cx, x, axis, size // n)
+    k = n // size if size else 0
+    if k and np.array_equal(src, np.arange(size) * k + src[0]):
+        return cx.call("slice", x, axis=axis, start=int(src[0]), stop=int(src[-1]) + 1, step=k)
+    index = _positions(cx, size, 0.5 if half else 0.0)
+    index = cx.cast(cx.call("mul", index, cx.full(float(step), DType.F32)), DType.I64)
+    index = cx.call("minimum", index, cx.full(n - 1, DType.I64))
+    return cx.call("index", x, index, axes=(axis,))
+
+
+def _positions(cx: EmitContext, size: int, offset: float) -> Value:
+    pos = cx.call("arange", start=0, stop=size, step=1, dtype="f32")
+    return cx.call("add", pos, cx.full(offset, DType.F32)) if offset else pos
+
+
+def linear_axis(cx: EmitContext, x: Value, axis: int, size: int, ratio: float, mode: str) -> Value:
+    """Linear resizing of ``axis`` to ``size``: x[i0] + (x[i1] - x[i0]) * t at source
+    position s = i * ratio (``mode`` "align" or "asymmetric") or (i + 0.5) * ratio - 0.5
+    clipped at 0 ("half": ATen's align_corners=False, TF's half_pixel_centers)."""
+    n = x.shape[axis]
+    if mode not in ("align", "asymmetric", "half"):
+        raise CompileError(f"linear resizing mode {mode!r} is not supported")
+    if size == n and (mode == "align" or ratio == 1.0):
+        return x
+    src = cx.call("mul", _positions(cx, size, 0.5 if mode == "half" else 0.0),
+                  cx.full(float(ratio), DType.F32))  # fmt: skip
+    if mode == "half":
+        src = cx.call("sub", src, cx.full(0.5, DType.F32))
+        src = cx.call("maximum", src, cx.full(0.0, DType.F32))
+    last = cx.full(n - 1, DType.I64)
+    lo = cx.call("minimum", cx.cast(src, DType.I64), last)
+    hi = cx.call("minimum", cx.call("add", lo, cx.full(1, DType.I64)), last)
+    frac = cx.call("sub", src, cx.cast(lo, DType.F32))
+    shape = tuple(size if i == axis else 1 for i in range(x.type.rank))
+    frac = cx.cast(cx.call("reshape", frac, shape=shape), x.dtype)
+    low = cx.call("index", x, lo, axes=(axis,))
+    high = cx.call("index", x, hi, axes=(axis,))
+    return cx.call("add", low, cx.call("mul", cx.call("sub", high, low), frac))
+
+
+def elu(
+    cx: EmitContext, x: Value, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0
+) -> Value:
+    """scale * x where x > 0, else scale * alpha * (exp(input_scale * x) - 1). The
+    exponential reads min(x, 0), so a large x never makes inf (whose gradient through the
+    unselected branch would be 0 * inf = NaN). SELU and CELU are ELUs too."""
+    zero = cx.full(0.0, x.dtype)
+    neg = cx.call("mul", cx.call("minimum", x, zero), cx.full(float(input_scale), x.dtype))
+    low = cx.call("sub", cx.call("exp", neg), cx.full(1.0, x.dtype))
+    low = cx.call("mul", low, cx.full(float(alpha) * float(scale), x.dtype))
+    high = x if scale == 1 else cx.call("mul", x, cx.full(float(scale), x.dtype))
+    return cx.call("where", cx.call("gt", x, zero), high, low)
+
+
+Pair = tuple[int, int]
+
+
+def transposed_conv2d(
+    cx: EmitContext,
+    x: Value,
+    w: Value,
+    out_shape: tuple[int, ...],
+    stride: Pair,
+    pads: tuple[Pair, Pair],
+    dilation: Pair,
+    groups: int,
+) -> Value:
+    """A transposed convolution, NCHW: the input gradient of the convolution it
+    transposes (``w`` that convolution's OIHW weight: [C_in of x, C_out / groups, kh, kw])
+    at ``out_shape``. ``pads`` ((top, left), (bottom, right)) are that convolution's;
+    unequal sides are made on a padded shape and cut off."""
+    begin, end = pads
+    if begin == end:
+        return cx.call("conv2d_input_grad", x, w, x_shape=tuple(out_shape), stride=stride,
+                       padding=begin, dilation=dilation, groups=groups)  # fmt: skip
+    n, c, h, wd = out_shape
+    padded = (n, c, h + begin[0] + end[0], wd + begin[1] + end[1])
+    y = cx.call("conv2d_input_grad", x, w, x_shape=padded, stride=stride, padding=(0, 0),
+                dilation=dilation, groups=groups)  # fmt: skip
+    y = cx.call("slice", y, axis=2, start=begin[0], stop=begin[0] + h, step=1)
+    return cx.call("slice", y, axis=3, start=begin[1], stop=begin[1] + wd, step=1)
+
+
+def flip_axis(cx: EmitContext, x: Value, axis: int) -> Value:
+    """``axis`` read backwards: an index of n-1 .. 0 (its gradient flips back)."""
+    n = x.shape[axis]
+    if n < 2:
+        return x
+    order = cx.call("arange", start=n - 1, stop=-1, step=-1, dtype="i64")
+    return cx.call("index", x, order, axes=(axis,))
+
+
+def split_axis(cx: EmitContext, x: Value, axis: int, sizes: list[int]) -> list[Value]:
+    """Consecutive slices of ``axis`` with the given sizes."""
+    if sum(sizes) != x.shape[axis]:
+        raise CompileError(f"split sizes {sizes} do not add up to axis {axis} of {x.type}")
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(cx.call("slice", x, axis=axis, start=start, stop=start + size, step=1))
+        start += size
+    return parts
