@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.frontend import onnx_math, onnx_nn, onnx_shape  # noqa: F401  (fill the table)
+from pockengine.frontend import (  # noqa: F401  (fill the table)
+    onnx_image,
+    onnx_math,
+    onnx_nn,
+    onnx_rnn,
+    onnx_shape,
+)
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 from pockengine.frontend.onnx_info import model_info
 from pockengine.frontend.onnx_loss import apply_loss, target_types

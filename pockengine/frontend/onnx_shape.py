@@ -143,9 +143,13 @@ def _slice(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
         steps = const_ints(more[1], "Slice steps") if more[1] is not None else [1] * len(starts)
     for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
         ax = norm_axis(axis, x.type.rank)
-        if step < 1:
-            raise CompileError(f"Slice with step {step} is not supported")
         dim = x.shape[ax]
+        if step < 0:  # backwards (a flip): the positions Python's slicing gives, by index
+            picked = np.arange(dim)[slice(start, end, step)]
+            x = cx.call("index", x, cx.value(picked.astype(np.int64)), axes=(ax,))
+            continue
+        if step == 0:
+            raise CompileError("Slice with step 0")
         lo, hi = _clamp_bound(start, dim), _clamp_bound(end, dim)
         if (lo, hi, step) != (0, dim, 1):
             x = cx.call("slice", x, axis=ax, start=lo, stop=max(lo, hi), step=step)
