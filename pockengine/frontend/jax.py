@@ -27,7 +27,7 @@ import numpy as np
 
 from pockengine.frontend import jax_math, jax_nn, jax_shape  # noqa: F401  (fill the table)
 from pockengine.frontend.imported import ImportedModel, ModelInfo
-from pockengine.frontend.jax_check import check_supported, module_of
+from pockengine.frontend.jax_check import FOLD_LIMIT, check_supported, module_of
 from pockengine.frontend.jax_flax import whole_flax_modules
 from pockengine.frontend.jax_info import Leaves, flatten_params, key_names, model_info
 from pockengine.frontend.jax_ops import (
@@ -45,7 +45,6 @@ __all__ = ["import_jax", "jax_model_info"]
 
 Array = np.ndarray[Any, Any]
 _log = logging.getLogger(__name__)
-_KNOWN_LIMIT = 64  # static values (slice starts, ...) are tracked up to this many elements
 
 
 def _require_jax() -> Any:
@@ -129,7 +128,7 @@ class _Translator:
                          Role.CONST)  # fmt: skip
         self.consts += 1
         self.values[v.name] = value
-        if value.size <= _KNOWN_LIMIT:
+        if value.size <= FOLD_LIMIT:
             self.cx.known[v.name] = value
         return v
 
@@ -167,6 +166,11 @@ class _Translator:
         if name in INLINED:
             inner, consts = inner_jaxpr(eqn)
             return self.run(inner, consts, ins[len(ins) - len(inner.invars) :], path)
+        if name == "scan":
+            return self._scan(eqn, ins, path)
+        keys = any(self._is_key(v.aval.dtype) for v in eqn.outvars)
+        if name not in CONVERTERS or keys:  # from constants alone (jax_check.foldable)
+            return self._fold(eqn, ins, source)
         cx = self.cx
         cx.source, cx.params = source, dict(eqn.params)
         cx.out_types = tuple(ir_type(v.aval) for v in eqn.outvars)
@@ -181,11 +185,72 @@ class _Translator:
         self._propagate_known(eqn, ins, outs)
         return outs
 
+    def _scan(self, eqn: Any, ins: list[Value], path: str) -> list[Value]:
+        """``lax.scan`` (Flax's ``nn.RNN``, ``nn.scan``) unrolled over its static length:
+        the body once per step on that step's slices, the carry threaded through, the
+        per-step outputs stacked. Autodiff then backpropagates through the steps."""
+        p = eqn.params
+        body, n_const, n_carry = p["jaxpr"], int(p["num_consts"]), int(p["num_carry"])
+        consts, carry, xs = (
+            ins[:n_const],
+            ins[n_const : n_const + n_carry],
+            ins[n_const + n_carry :],
+        )
+        steps = range(int(p["length"]))
+        ys: dict[int, list[Value]] = {}
+        for t in reversed(steps) if p["reverse"] else steps:
+            x_t = [self.cx.call("reshape", self.cx.call("slice", x, axis=0, start=t, stop=t + 1,
+                                                        step=1), shape=x.shape[1:])
+                   for x in xs]  # fmt: skip
+            outs = self.run(body.jaxpr, body.consts, [*consts, *carry, *x_t], path)
+            carry, ys[t] = outs[:n_carry], outs[n_carry:]
+        stacked = []
+        for k, var in enumerate(eqn.outvars[n_carry:]):
+            parts = [self.cx.call("reshape", ys[t][k], shape=(1, *ys[t][k].shape)) for t in steps]
+            joined = parts[0] if len(parts) == 1 else self.cx.call("concat", *parts, axis=0)
+            stacked.append(self.cx.cast(joined, ir_type(var.aval).dtype))
+        return [*carry, *stacked]
+
+    def _fold(self, eqn: Any, ins: list[Value], source: str) -> list[Value]:
+        """An equation without a converter, on constants: JAX evaluates it now, and its
+        results become constants of the graph."""
+        known = self.cx.known
+        name = eqn.primitive.name
+        if not all(v.name in known for v in ins):
+            raise CompileError(f"{name} at {source}: no converter, and its operands are "
+                               "computed at run time")  # fmt: skip
+        results = eqn.primitive.bind(*(known[v.name] for v in ins), **eqn.params)
+        results = results if eqn.primitive.multiple_results else [results]
+        outs = []
+        for var, result in zip(eqn.outvars, results, strict=True):
+            if self._is_key(var.aval.dtype):
+                outs.append(self._key(result))  # e.g. the rngs Flax splits per scan step
+                continue
+            value = np.asarray(result, dtype=var.aval.dtype)
+            if value.ndim:
+                outs.append(self.const(value))
+            else:
+                out = self.cx.full(value.item(), ir_type(var.aval).dtype)
+                known[out.name] = value
+                outs.append(out)
+        return outs
+
+    def _is_key(self, dtype: Any) -> bool:
+        return bool(self.jax.dtypes.issubdtype(dtype, self.jax.dtypes.prng_key))
+
+    def _key(self, key: Any) -> Value:
+        """A PRNG key made from constants: its raw data as an int64 constant stands in for
+        it in the graph (nothing converted reads keys), the key itself stays known so that
+        later folds (``random_split``) can use it."""
+        value = self.const(np.asarray(self.jax.random.key_data(key), dtype=np.int64))
+        self.cx.known[value.name] = key
+        return value
+
     def _propagate_known(self, eqn: Any, ins: list[Value], outs: list[Value]) -> None:
         """Evaluate small equations on static operands with JAX itself, so that slice
         starts computed from constants are known when compiling."""
         known = self.cx.known
-        if not all(v.name in known for v in ins) or any(v.type.numel > _KNOWN_LIMIT for v in outs):
+        if not all(v.name in known for v in ins) or any(v.type.numel > FOLD_LIMIT for v in outs):
             return
         try:
             results = eqn.primitive.bind(*(known[v.name] for v in ins), **eqn.params)

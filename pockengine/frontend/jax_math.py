@@ -259,3 +259,24 @@ def _cumsum(cx: JCtx, x: Value) -> Value:
         raise CompileError("reverse cumsum is not supported")
     axis = int(cx.params["axis"]) % max(x.type.rank, 1)
     return cx.cast(cx.call("cumsum", x, axis=axis), cx.out_type.dtype)
+
+
+@primitive("reduce_prod")
+def _reduce_prod(cx: JCtx, x: Value) -> Value:
+    """A product as a chain of multiplies over the reduced elements (exact gradients where
+    an element is zero), for at most 64 of them per result."""
+    axes = _axes(cx, x)
+    if not axes:
+        return x
+    kept = [a for a in range(x.type.rank) if a not in axes]
+    count = 1
+    for a in axes:
+        count *= x.shape[a]
+    if count > 64:
+        raise CompileError(f"a product over {count} elements (more than 64)")
+    flat = cx.reshape(cx.transpose(x, (*kept, *axes)), (*(x.shape[a] for a in kept), count))
+    last = flat.type.rank - 1
+    out = cx.call("slice", flat, axis=last, start=0, stop=1, step=1)
+    for i in range(1, count):
+        out = cx.call("mul", out, cx.call("slice", flat, axis=last, start=i, stop=i + 1, step=1))
+    return cx.reshape(out, cx.out_type.shape)

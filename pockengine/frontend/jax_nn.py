@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pockengine.frontend import compose
 from pockengine.frontend.jax_ops import JCtx, primitive
 from pockengine.ir import CompileError, Value
 
@@ -35,8 +36,8 @@ def _symmetric(pads: Sequence[tuple[int, int]], what: str) -> tuple[int, int] | 
 @primitive("conv_general_dilated")
 def _conv(cx: JCtx, lhs: Value, rhs: Value) -> Value:
     p = cx.params
-    if any(int(d) != 1 for d in p["lhs_dilation"]) or int(p["batch_group_count"]) != 1:
-        raise CompileError("transposed (lhs-dilated) or batch-grouped convolution is not supported")
+    if int(p["batch_group_count"]) != 1:
+        raise CompileError("batch-grouped convolution is not supported")
     dn = p["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = (tuple(int(d) for d in s) for s in dn)
     x = cx.transpose(lhs, lhs_spec)  # N, C, spatial...
@@ -50,15 +51,61 @@ def _conv(cx: JCtx, lhs: Value, rhs: Value) -> Value:
         pads, strides, dilation = [(0, 0), *pads], (1, *strides), (1, *dilation)
     if x.type.rank != 4:
         raise CompileError(f"{x.type.rank - 2}-d convolution is not supported")
+    spatial = tuple(cx.out_type.shape[d] for d in out_spec[2:])
+    if any(int(d) != 1 for d in p["lhs_dilation"]):
+        y = _lhs_dilated(cx, x, w, pads, strides, dilation, spatial)
+        return cx.transpose(cx.reshape(y, (y.shape[0], y.shape[1], *spatial)), _inverse(out_spec))
     padding = _symmetric(pads, "convolution")
     if padding is None:
         x = cx.call("pad", x, pads=((0, 0), (0, 0), *pads), value=0.0)
         padding = (0, 0)
     y = cx.call("conv2d", x, w, stride=strides, padding=padding, dilation=dilation,
                 groups=int(p["feature_group_count"]))  # fmt: skip
-    spatial = tuple(cx.out_type.shape[d] for d in out_spec[2:])
     y = cx.reshape(y, (y.shape[0], y.shape[1], *spatial))
     return cx.transpose(y, _inverse(out_spec))
+
+
+def _lhs_dilated(
+    cx: JCtx,
+    x: Value,
+    w: Value,
+    pads: list[tuple[int, int]],
+    strides: tuple[int, ...],
+    dilation: tuple[int, ...],
+    spatial: tuple[int, ...],
+) -> Value:
+    """A convolution of the input dilated by ``lhs_dilation`` (what ``lax.conv_transpose``
+    and Flax's ConvTranspose make), NCHW and OIHW: the input gradient of the strided
+    convolution it transposes, with the kernel flipped and its feature axes swapped per
+    group, and that convolution's padding (K - 1) * d - pad on each side. Where that is
+    negative, the output has rows no input reaches: zeros, padded on."""
+    p = cx.params
+    if any(int(s) != 1 for s in strides):
+        raise CompileError("a convolution with both lhs dilation and window strides")
+    lhs = tuple(int(d) for d in p["lhs_dilation"])
+    lhs = (1, *lhs) if len(lhs) == 1 else lhs
+    groups = int(p["feature_group_count"])
+    o, i, kh, kw = w.shape
+    per_group = cx.reshape(w, (groups, o // groups, i, kh, kw))
+    w = cx.reshape(cx.transpose(per_group, (0, 2, 1, 3, 4)), (groups * i, o // groups, kh, kw))
+    w = compose.flip_axis(cx, compose.flip_axis(cx, w, 2), 3)
+    extent = [(k - 1) * d for k, d in zip((kh, kw), dilation, strict=True)]
+    begin = [e - lo for e, (lo, _) in zip(extent, pads, strict=True)]
+    end = [e - hi for e, (_, hi) in zip(extent, pads, strict=True)]
+    out = (1, *spatial) if len(spatial) == 1 else spatial
+    inner = tuple(s + min(b, 0) + min(e, 0) for s, b, e in zip(out, begin, end, strict=True))
+    shape = (x.shape[0], w.shape[1] * groups, *inner)
+    clamp = ((max(begin[0], 0), max(begin[1], 0)), (max(end[0], 0), max(end[1], 0)))
+    y = compose.transposed_conv2d(cx, x, w, shape, (lhs[0], lhs[1]), clamp,
+                                  (dilation[0], dilation[1]), groups)  # fmt: skip
+    if min(begin) < 0 or min(end) < 0:
+        grow = (
+            (0, 0),
+            (0, 0),
+            *((-min(b, 0), -min(e, 0)) for b, e in zip(begin, end, strict=True)),
+        )
+        y = cx.call("pad", y, pads=grow, value=0.0)
+    return y
 
 
 def _window_layout(cx: JCtx, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from pockengine.frontend import compose
 from pockengine.frontend.jax_ops import JCtx, primitive
 from pockengine.ir import CompileError, DType, Value
 
@@ -191,3 +192,11 @@ def _dot_general(cx: JCtx, lhs: Value, rhs: Value) -> Value:
 
 def _prod(sizes: Iterable[int]) -> int:
     return int(math.prod(sizes))
+
+
+@primitive("rev")
+def _rev(cx: JCtx, x: Value) -> Value:
+    """``jnp.flip``: each listed axis read backwards."""
+    for axis in cx.params["dimensions"]:
+        x = compose.flip_axis(cx, x, int(axis))
+    return x
