@@ -182,6 +182,29 @@ def test_bad_lora_schemes_are_scheme_errors(scheme: schemes.Scheme, message: str
         scheme.resolve(torch_model_info(_llama().model))
 
 
+@pytest.mark.parametrize(
+    ("config", "kw", "want"),
+    [
+        ("DebertaV2Config", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                             "intermediate_size": 64, "vocab_size": 50},
+         ["query_proj", "value_proj"]),
+        ("BloomConfig", {"hidden_size": 32, "n_layer": 1, "n_head": 4, "vocab_size": 50},
+         ["query_key_value"]),
+    ],
+)  # fmt: skip
+def test_default_targets_of_other_families(
+    config: str, kw: dict[str, Any], want: list[str]
+) -> None:
+    """PEFT's default modules where the family names its projections its own way."""
+    transformers = pytest.importorskip("transformers")
+    from pockengine.frontend.torch import torch_model_info
+
+    model = transformers.AutoModel.from_config(getattr(transformers, config)(**kw))
+    names = schemes.lora().resolve(torch_model_info(model)).names
+    adapted = {n.rsplit(".", 3)[-3] for n in names if "lora_A" in n}
+    assert adapted == set(want)
+
+
 def test_saved_adapter_loads_into_peft_with_the_same_logits(tmp_path: Path) -> None:
     peft = pytest.importorskip("peft")
     w = _bert()

@@ -49,13 +49,16 @@ __all__ = ["DEFAULT_TARGETS", "Adapter", "insert_adapters", "merge_adapters", "r
 Array = np.ndarray[Any, Any]
 
 # The attention query and value projections, by the module names model families give them:
-# LLaMA/Mistral/Qwen/OPT/SmolLM, BERT/RoBERTa/MiniLM, DistilBERT, T5. ``targets=None`` takes
-# the first pair the model has (PEFT's defaults for these families are the same q/v pairs).
-DEFAULT_TARGETS: tuple[tuple[str, str], ...] = (
+# LLaMA/Mistral/Qwen/OPT/SmolLM, BERT/RoBERTa/MiniLM, DistilBERT, T5, DeBERTa-v2, and the
+# fused query-key-value projection of BLOOM, GPT-NeoX and Falcon. ``targets=None`` takes the
+# first set the model has (PEFT's defaults for these families are the same modules).
+DEFAULT_TARGETS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "v_proj"),
     ("query", "value"),
     ("q_lin", "v_lin"),
     ("q", "v"),
+    ("query_proj", "value_proj"),
+    ("query_key_value",),
 )
 
 
