@@ -297,3 +297,33 @@ def test_a_rewrite_never_gives_a_new_node_a_name_it_copies_later() -> None:
         r.append(node)  # would raise "value name ... is used twice" on a collision
     names = [v.name for v in made] + [n.output.name for n in graph.nodes]
     assert len(set(names)) == len(names)
+
+
+class _StochasticDepth(nn.Module):
+    """A residual branch dropped per sample with probability 0.25 (timm's drop_path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = 0.75
+        mask = x.new_empty((x.shape[0], 1)).bernoulli_(keep) / keep
+        return x + self.branch(x) * mask if self.training else x + self.branch(x)
+
+
+def test_stochastic_depth_draws_a_new_per_sample_mask_each_step() -> None:
+    torch.manual_seed(0)
+    model = _StochasticDepth()
+    x = torch.randn(4096, 8)
+
+    def kept(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return (m(x) != x).float().mean()  # the fraction of samples whose branch was kept
+
+    step = pe.compile(model, kept, (x,), optimizer=pe.optim.SGD(lr=0.0))
+    fractions = [step(x) for _ in range(3)]
+    assert len(set(fractions)) == 3  # a new mask every step
+    assert all(abs(f - 0.75) < 0.03 for f in fractions)
+    model.eval()  # in eval mode the branch always counts: autograd's gradients
+    _check(model, lambda m, x, y: F.cross_entropy(m(x)[:, :3], y), (x[:16], torch.zeros(16,
+           dtype=torch.long)), "numpy")  # fmt: skip

@@ -7,7 +7,7 @@ from typing import Any
 from pockengine.frontend.compose import transposed_conv2d
 from pockengine.frontend.lowering import batch_norm_eval
 from pockengine.frontend.torch_ops import Ctx, aten
-from pockengine.ir import CompileError, Value
+from pockengine.ir import CompileError, DType, Value
 
 __all__: list[str] = []
 
@@ -237,3 +237,18 @@ def _dropout(cx: Ctx, x: Value, p: float, train: bool | None) -> tuple[Value, Va
     if p >= 1:
         return cx.full(0.0, x.dtype, x.shape), None
     return cx.dropout(x, p)
+
+
+@aten("bernoulli.p")
+def _bernoulli(cx: Ctx, like: Value, p: float = 0.5, generator: Any = None) -> Value:
+    """Ones with probability ``p``, else zeros, in ``like``'s shape: stochastic depth's
+    per-sample mask (timm's ``drop_path``, torchvision's ``StochasticDepth``). The step's
+    dropout randomness draws it (``random_mask`` at rate 1 - p: a new mask each step)."""
+    p = float(p)
+    dtype = cx.out_type.dtype
+    if p >= 1.0:
+        return cx.full(1.0, dtype, like.shape)
+    if p <= 0.0:
+        return cx.full(0.0, dtype, like.shape)
+    keep = cx.call("ne", cx.random_mask(like.shape, 1.0 - p), cx.full(0.0, DType.F32))
+    return cx.cast(keep, dtype)
