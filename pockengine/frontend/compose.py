@@ -1,6 +1,6 @@
 """Frontend-neutral compositions of IR ops that several frontends share: resizing along
 one axis (nearest and linear), repeating, tiling, flipping and splitting an axis, ELU,
-and the transposed convolution.
+softplus and softsign, and the transposed convolution.
 
 Each takes an ``EmitContext`` (every frontend's converter context), so the ATen, TF and
 ONNX converters of one operation emit the same nodes. Resizing reads source positions
@@ -21,6 +21,8 @@ __all__ = [
     "linear_axis",
     "nearest_axis",
     "repeat_axis",
+    "softplus",
+    "softsign",
     "split_axis",
     "tile_axis",
     "transposed_conv2d",
@@ -156,3 +158,16 @@ def split_axis(cx: EmitContext, x: Value, axis: int, sizes: list[int]) -> list[V
         parts.append(cx.call("slice", x, axis=axis, start=start, stop=start + size, step=1))
         start += size
     return parts
+
+
+def softplus(cx: EmitContext, x: Value) -> Value:
+    """log(1 + exp(x)), as ATen computes it: x itself above 20; the exponential reads
+    min(x, 20), so the unselected branch never overflows into a NaN gradient."""
+    limit = cx.full(20.0, x.dtype)
+    soft = cx.call("log1p", cx.call("exp", cx.call("minimum", x, limit)))
+    return cx.call("where", cx.call("gt", x, limit), x, soft)
+
+
+def softsign(cx: EmitContext, x: Value) -> Value:
+    """x / (1 + |x|)."""
+    return cx.call("div", x, cx.call("add", cx.call("abs", x), cx.full(1.0, x.dtype)))

@@ -1,9 +1,10 @@
 """ONNX converters for what image models and exporters add beyond plain convolutions:
 ``ConvTranspose``, ``Resize``, ``InstanceNormalization`` and ``GroupNormalization`` (how
-PyTorch's group norm exports), the ELU family (``Elu``, ``Selu``, ``Celu``), and the
-reductions ``ReduceMin``, ``ReduceL1``, ``ReduceL2``, ``ReduceSumSquare``, ``ArgMax``
-and ``ArgMin``. Each is composed from IR ops (``compose``, shared with the PyTorch and
-Keras frontends), so every backend runs it and autodiff needs nothing new.
+PyTorch's group norm exports), the ELU family (``Elu``, ``Selu``, ``Celu``), ``Softplus``,
+``Softsign``, and the reductions ``ReduceMin``, ``ReduceL1``, ``ReduceL2``,
+``ReduceSumSquare``, ``ArgMax`` and ``ArgMin``. Each is composed from IR ops (``compose``,
+shared with the PyTorch and Keras frontends), so every backend runs it and autodiff needs
+nothing new.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def _selu(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
 def _celu(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     alpha = float(attrs.get("alpha", 1.0))
     return compose.elu(cx, cx.value(ins[0]), alpha, 1.0, 1.0 / alpha)
+
+
+@onnx_op("Softplus")
+def _softplus(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
+    return compose.softplus(cx, cx.value(ins[0]))
+
+
+@onnx_op("Softsign")
+def _softsign(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
+    return compose.softsign(cx, cx.value(ins[0]))
 
 
 # -- normalisation -------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """TF converters for image and activation layers Keras models use beyond plain
 convolutions: ``Conv2DTranspose`` (``Conv2DBackpropInput``), ``UpSampling2D`` and
 ``Resizing`` (``ResizeNearestNeighbor``, ``ResizeBilinear``, and ``Tile`` for Keras'
-own repeat), the ELU family (``Elu``, ``Selu``), and what a Keras RNN built with
-``unroll=True`` traces to (``Unpack``, ``Split``, ``SplitV``, ``ReverseV2``). Each is the
-``compose`` helper the PyTorch frontend uses too (images on NHWC axes 1 and 2).
+own repeat), the ELU family (``Elu``, ``Selu``), ``Softplus``, ``Softsign``, and what a
+Keras RNN built with ``unroll=True`` traces to (``Unpack``, ``Split``, ``SplitV``,
+``ReverseV2``). Each is the ``compose`` helper the PyTorch frontend uses too (images on
+NHWC axes 1 and 2).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def _elu(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
 @tf_op("Selu")
 def _selu(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
     return compose.elu(cx, cx.value(ins[0]), _SELU_ALPHA, _SELU_SCALE)
+
+
+@tf_op("Softplus")
+def _softplus(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    return compose.softplus(cx, cx.value(ins[0]))
+
+
+@tf_op("Softsign")
+def _softsign(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
+    return compose.softsign(cx, cx.value(ins[0]))
 
 
 @tf_op("Tile")
