@@ -57,6 +57,32 @@ CASES: dict[str, tuple[Callable[[Any], Any], tuple[int, ...]]] = {
         ),
         IMAGES,
     ),
+    "every-activation": (
+        lambda x: _gap(
+            L.Concatenate()(
+                [
+                    L.Conv2D(2, 1, activation=a)(x)
+                    for a in (
+                        "softplus",
+                        "softsign",
+                        "swish",
+                        "hard_sigmoid",
+                        "mish",
+                        "gelu",
+                        "exponential",
+                        "hard_silu",
+                        "relu6",
+                        "leaky_relu",
+                        "elu",
+                        "selu",
+                        "log_softmax",
+                        "softmax",
+                    )
+                ]
+            )
+        ),
+        IMAGES,
+    ),
     "gru-unrolled": (lambda x: L.GRU(5, unroll=True)(x), STEPS),
     "bidirectional-lstm-unrolled": (lambda x: L.Bidirectional(L.LSTM(5, unroll=True))(x), STEPS),
 }

@@ -207,7 +207,8 @@ def test_conv_transpose_output_shapes(auto_pad: str) -> None:
 @pytest.mark.parametrize(
     ("op", "attrs"),
     [("ReduceMin", {"keepdims": 0}), ("ReduceL1", {}), ("ReduceL2", {"keepdims": 0}),
-     ("ReduceSumSquare", {}), ("Celu", {"alpha": 0.7}), ("Selu", {}),
+     ("ReduceSumSquare", {}), ("Celu", {"alpha": 0.7}), ("Selu", {}), ("Softplus", {}),
+     ("Softsign", {}),
      ("InstanceNormalization", {"epsilon": 1e-3})],
 )  # fmt: skip
 def test_reductions_and_activations(op: str, attrs: dict[str, Any]) -> None:
@@ -232,3 +233,22 @@ def test_argmax_first_and_last_of_equal_maxima() -> None:
         target = np.zeros(2, np.float32)
         step = pe.compile(_model(nodes, x, []), loss="mse", example_batch=(x, target))
         assert step(x, target) == pytest.approx(np.mean(np.square(want)))
+
+
+@pytest.mark.parametrize(
+    ("equation", "shapes"),
+    [
+        ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+        ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 5)]),
+        ("bhqd,bhkd->bhqk", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+        ("ij,jk", [(2, 3, 4)[1:], (4, 5)]),
+        ("ijk,ik->j", [(2, 3, 4), (2, 4)]),
+        ("ijk->kj", [(2, 3, 4)]),
+    ],
+)
+def test_einsum(equation: str, shapes: list[tuple[int, ...]]) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shapes[0]).astype(np.float32)
+    inputs = ["x", *(f"w{i}" for i in range(1, len(shapes)))]
+    inits = [_array(f"w{i}", rng.standard_normal(s)) for i, s in enumerate(shapes[1:], 1)]
+    _forward_matches_ort(helper.make_node("Einsum", inputs, ["Y"], equation=equation), x, inits)

@@ -1,6 +1,6 @@
 """Frontend-neutral compositions of IR ops that several frontends share: resizing along
 one axis (nearest and linear), repeating, tiling, flipping and splitting an axis, ELU,
-softplus and softsign, and the transposed convolution.
+softplus and softsign, einsum, and the transposed convolution.
 
 Each takes an ``EmitContext`` (every frontend's converter context), so the ATen, TF and
 ONNX converters of one operation emit the same nodes. Resizing reads source positions
@@ -16,6 +16,7 @@ from pockengine.frontend.context import EmitContext
 from pockengine.ir import CompileError, DType, Value
 
 __all__ = [
+    "einsum",
     "elu",
     "flip_axis",
     "linear_axis",
@@ -171,3 +172,76 @@ def softplus(cx: EmitContext, x: Value) -> Value:
 def softsign(cx: EmitContext, x: Value) -> Value:
     """x / (1 + |x|)."""
     return cx.call("div", x, cx.call("add", cx.call("abs", x), cx.full(1.0, x.dtype)))
+
+
+def _arrange(cx: EmitContext, v: Value, letters: str, order: str) -> Value:
+    perm = tuple(letters.index(c) for c in order)
+    return v if perm == tuple(range(len(perm))) else cx.call("transpose", v, perm=perm)
+
+
+def _reshape(cx: EmitContext, v: Value, shape: tuple[int, ...]) -> Value:
+    return v if v.shape == shape else cx.call("reshape", v, shape=shape)
+
+
+def _spelled(equation: str, operands: list[Value]) -> tuple[list[str], str]:
+    """The equation's operand and output subscripts with '...' spelled out as capital
+    letters (right-aligned: the same letters for the same trailing broadcast axes)."""
+    text = equation.replace(" ", "")
+    lhs, _, out = text.partition("->")
+    parts = lhs.split(",")
+    if len(parts) != len(operands):
+        raise CompileError(f"einsum {equation!r} names {len(parts)} operands, got {len(operands)}")
+    widest = max((v.type.rank - len(p.replace("...", "")) for p, v in zip(parts, operands,
+                  strict=True) if "..." in p), default=0)  # fmt: skip
+    fill = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[:widest]
+    spelled = []
+    for p, v in zip(parts, operands, strict=True):
+        n = v.type.rank - len(p.replace("...", ""))
+        spelled.append(p.replace("...", fill[widest - n :]) if "..." in p else p)
+    if "->" not in text:  # implicit output: the letters seen once, sorted
+        seen = "".join(spelled)
+        out = fill + "".join(sorted(c for c in set(seen) if seen.count(c) == 1 and c.islower()))
+    return spelled, out.replace("...", fill)
+
+
+def einsum(cx: EmitContext, equation: str, operands: list[Value]) -> Value:
+    """One or two operands as transposes, sums and one (batched) matmul: each operand's
+    axes that appear nowhere else are summed first; two operands are permuted to [batch,
+    free, contracted] and [batch, contracted, free], flattened, multiplied, unflattened.
+    Repeated subscripts (diagonals) and broadcasting '...' axes of size 1 are not
+    supported."""
+    subs, out = _spelled(equation, operands)
+    if len(operands) not in (1, 2) or any(len(set(s)) != len(s) for s in subs):
+        raise CompileError(f"einsum {equation!r}: one or two operands, no repeated subscripts")
+    dims: dict[str, int] = {}
+    for s, v in zip(subs, operands, strict=True):
+        for c, d in zip(s, v.shape, strict=True):
+            if dims.setdefault(c, d) != d:
+                raise CompileError(f"einsum {equation!r}: axis {c!r} is {dims[c]} and {d}")
+    values = []
+    for k, (s, v) in enumerate(zip(subs, operands, strict=True)):
+        others = out + "".join(subs[:k] + subs[k + 1 :])
+        alone = tuple(i for i, c in enumerate(s) if c not in others)
+        if alone:
+            v = cx.call("sum", v, axes=alone, keepdims=False)
+            s = "".join(c for c in s if c in others)
+        values.append((s, v))
+    if len(values) == 1:
+        return _arrange(cx, values[0][1], values[0][0], out)
+    (a_s, a), (b_s, b) = values
+    batch = "".join(c for c in a_s if c in b_s and c in out)
+    contract = "".join(c for c in a_s if c in b_s and c not in out)
+    a_free = "".join(c for c in a_s if c not in b_s)
+    b_free = "".join(c for c in b_s if c not in a_s)
+
+    def size(letters: str) -> int:
+        return int(np.prod([dims[c] for c in letters], dtype=np.int64))
+
+    lead = (size(batch),) if batch else ()
+    x = _reshape(cx, _arrange(cx, a, a_s, batch + a_free + contract),
+                 (*lead, size(a_free), size(contract)))  # fmt: skip
+    y = _reshape(cx, _arrange(cx, b, b_s, batch + contract + b_free),
+                 (*lead, size(contract), size(b_free)))  # fmt: skip
+    got = batch + a_free + b_free
+    z = _reshape(cx, cx.call("matmul", x, y), tuple(dims[c] for c in got))
+    return _arrange(cx, z, got, out)

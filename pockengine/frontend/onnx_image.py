@@ -57,6 +57,12 @@ def _softsign(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     return compose.softsign(cx, cx.value(ins[0]))
 
 
+@onnx_op("Einsum")
+def _einsum(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
+    operands = [cx.value(x) for x in ins]
+    return compose.einsum(cx, _text(attrs, "equation", ""), operands)
+
+
 # -- normalisation -------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine.frontend import compose
 from pockengine.frontend.tf_ops import (
     Attrs,
     Ctx,
@@ -211,43 +212,6 @@ def _matmul(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
     return cx.call("matmul", x, y)
 
 
-def _arrange(cx: Ctx, v: Value, letters: str, order: str) -> Value:
-    perm = tuple(letters.index(c) for c in order)
-    return v if perm == tuple(range(len(perm))) else cx.call("transpose", v, perm=perm)
-
-
-def _reshape(cx: Ctx, v: Value, shape: tuple[int, ...]) -> Value:
-    return v if v.shape == shape else cx.call("reshape", v, shape=shape)
-
-
-def _size(dims: dict[str, int], letters: str) -> int:
-    return int(np.prod([dims[c] for c in letters], dtype=np.int64))
-
-
 @tf_op("Einsum")
 def _einsum(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
-    """A two-operand einsum as one (batched) matmul: operands permuted to [batch, free,
-    contracted] and [batch, contracted, free], flattened, multiplied, unflattened."""
-    equation = str(attrs["equation"]).replace(" ", "")
-    lhs, out = equation.split("->")
-    parts = lhs.split(",")
-    if len(parts) != 2 or "." in equation or any(len(set(p)) != len(p) for p in parts):
-        raise CompileError(f"einsum {equation!r}: only two operands, no '...' or repeats")
-    a_s, b_s = parts
-    a, b = float_like(cx, ins)
-    dims = {**dict(zip(a_s, a.shape, strict=True)), **dict(zip(b_s, b.shape, strict=True))}
-    batch = "".join(c for c in a_s if c in b_s and c in out)
-    contract = "".join(c for c in a_s if c in b_s and c not in out)
-    a_free = "".join(c for c in a_s if c not in b_s)
-    b_free = "".join(c for c in b_s if c not in a_s)
-    if any(c not in out for c in a_free + b_free):
-        raise CompileError(f"einsum {equation!r}: summing an axis of one operand is not supported")
-    lead = (_size(dims, batch),) if batch else ()
-    x = _reshape(cx, _arrange(cx, a, a_s, batch + a_free + contract),
-                 (*lead, _size(dims, a_free), _size(dims, contract)))  # fmt: skip
-    y = _reshape(cx, _arrange(cx, b, b_s, batch + contract + b_free),
-                 (*lead, _size(dims, contract), _size(dims, b_free)))  # fmt: skip
-    z = cx.call("matmul", x, y)
-    got = batch + a_free + b_free
-    z = _reshape(cx, z, tuple(dims[c] for c in got))
-    return _arrange(cx, z, got, out)
+    return compose.einsum(cx, str(attrs["equation"]), float_like(cx, ins))
