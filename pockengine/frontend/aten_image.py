@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pockengine.frontend.compose import linear_axis, nearest_axis
+from pockengine.frontend.compose import group_normalise, linear_axis, nearest_axis
 from pockengine.frontend.torch_ops import Ctx, aten
 from pockengine.ir import CompileError, Value
 
@@ -31,18 +31,13 @@ def _group_norm(
 ) -> tuple[Value, Value, Value]:
     """(y, mean, rstd): each group of C / G channels normalised over its channels and
     positions, then y * w + b per channel; the statistics are [N, G], as ATen's."""
-    size = (c // group) * hw
-    grouped = cx.call("reshape", x, shape=(n, group, size))
-    ones, zeros = cx.full(1.0, x.dtype, (size,)), cx.full(0.0, x.dtype, (size,))
-    y, mean, rstd = cx.call_multi("layer_norm", grouped, ones, zeros, eps=float(eps), ndim=1)
-    y = cx.call("reshape", y, shape=x.shape)
+    y, mean, rstd = group_normalise(cx, x, group, eps)
     per_channel = (1, c, *([1] * (x.type.rank - 2)))
     if w is not None:
         y = cx.call("mul", y, cx.call("reshape", w, shape=per_channel))
     if b is not None:
         y = cx.call("add", y, cx.call("reshape", b, shape=per_channel))
-    stats = (n, group)
-    return y, cx.call("reshape", mean, shape=stats), cx.call("reshape", rstd, shape=stats)
+    return y, mean, rstd
 
 
 @aten("adaptive_max_pool2d.default")

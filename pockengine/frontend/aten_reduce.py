@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pockengine.frontend.compose import arg_extreme
 from pockengine.frontend.torch_ops import Ctx, aten, axes_of, norm_dim
-from pockengine.ir import CompileError, DType, Value
+from pockengine.ir import CompileError, Value
 
 __all__: list[str] = []
 
@@ -30,20 +31,8 @@ def _flat(cx: Ctx, a: Value) -> Value:
 
 
 def _first_index(cx: Ctx, a: Value, axis: int, keepdim: bool, lowest: bool) -> Value:
-    """The index of the first maximum (``lowest``: minimum) of ``a`` along ``axis``, as
-    ATen's argmax: where ``a`` equals its extreme, the least position; int64."""
-    n = a.shape[axis]
-    if lowest:
-        extreme = _amin(cx, a, (axis,), True)
-    else:
-        extreme = cx.call("amax", a, axes=(axis,), keepdims=True)
-    hit = cx.call("eq", a, extreme)
-    shape = tuple(n if i == axis else 1 for i in range(a.type.rank))
-    positions = cx.call(
-        "reshape", cx.call("arange", start=0, stop=n, step=1, dtype="i64"), shape=shape
-    )
-    picked = cx.call("where", hit, positions, cx.full(n, DType.I64))
-    return _amin(cx, picked, (axis,), keepdim)
+    """The index of the first maximum (``lowest``: minimum) along ``axis``, as ATen's."""
+    return arg_extreme(cx, a, axis, keepdim, lowest)
 
 
 def _arg(lowest: bool) -> Any:

@@ -1,6 +1,6 @@
 """Frontend-neutral compositions of IR ops that several frontends share: resizing along
 one axis (nearest and linear), repeating, tiling, flipping and splitting an axis, ELU,
-softplus and softsign, einsum, and the transposed convolution.
+softplus and softsign, einsum, group normalisation, and the transposed convolution.
 
 Each takes an ``EmitContext`` (every frontend's converter context), so the ATen, TF and
 ONNX converters of one operation emit the same nodes. Resizing reads source positions
@@ -16,9 +16,11 @@ from pockengine.frontend.context import EmitContext
 from pockengine.ir import CompileError, DType, Value
 
 __all__ = [
+    "arg_extreme",
     "einsum",
     "elu",
     "flip_axis",
+    "group_normalise",
     "linear_axis",
     "nearest_axis",
     "repeat_axis",
@@ -245,3 +247,37 @@ def einsum(cx: EmitContext, equation: str, operands: list[Value]) -> Value:
     got = batch + a_free + b_free
     z = _reshape(cx, cx.call("matmul", x, y), tuple(dims[c] for c in got))
     return _arrange(cx, z, got, out)
+
+
+def group_normalise(
+    cx: EmitContext, x: Value, groups: int, eps: float
+) -> tuple[Value, Value, Value]:
+    """``x`` [N, C, ...] normalised over each of ``groups`` groups of channels and their
+    positions, no affine: the IR's fused ``layer_norm`` over [N, groups, rest]. Returns
+    (y, mean, rstd), the statistics [N, groups] (group norm; instance norm is C groups)."""
+    n = x.shape[0]
+    size = x.type.numel // (n * groups)
+    grouped = cx.call("reshape", x, shape=(n, groups, size))
+    ones, zeros = cx.full(1.0, x.dtype, (size,)), cx.full(0.0, x.dtype, (size,))
+    y, mean, rstd = cx.call_multi("layer_norm", grouped, ones, zeros, eps=float(eps), ndim=1)
+    stats = (n, groups)
+    return (cx.call("reshape", y, shape=x.shape), cx.call("reshape", mean, shape=stats),
+            cx.call("reshape", rstd, shape=stats))  # fmt: skip
+
+
+def arg_extreme(
+    cx: EmitContext, x: Value, axis: int, keepdims: bool, lowest: bool, last: bool = False
+) -> Value:
+    """The position of the maximum (``lowest``: minimum) along ``axis``, int64: the first
+    of equal extremes (as ATen's argmax), or the last (ONNX's ``select_last_index``)."""
+    v = cx.call("neg", x) if lowest else x
+    hit = cx.call("eq", v, cx.call("amax", v, axes=(axis,), keepdims=True))
+    n = x.shape[axis]
+    shape = tuple(n if i == axis else 1 for i in range(x.type.rank))
+    pos = cx.call("reshape", cx.call("arange", start=0, stop=n, step=1, dtype="i64"),
+                  shape=shape)  # fmt: skip
+    if last:
+        return cx.call("amax", cx.call("where", hit, pos, cx.full(-1, DType.I64)),
+                       axes=(axis,), keepdims=keepdims)  # fmt: skip
+    far = cx.call("where", hit, cx.call("neg", pos), cx.full(-n, DType.I64))
+    return cx.call("neg", cx.call("amax", far, axes=(axis,), keepdims=keepdims))

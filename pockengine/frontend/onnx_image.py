@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from pockengine.frontend import compose
-from pockengine.frontend.onnx_math import _reduce_axes
+from pockengine.frontend.onnx_math import reduce_axes
 from pockengine.frontend.onnx_ops import Ctx, Operand, const_ints, ints_attr, norm_axis, onnx_op
-from pockengine.ir import CompileError, DType, Value
+from pockengine.ir import CompileError, Value
 
 __all__: list[str] = []
 
@@ -66,17 +66,6 @@ def _einsum(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
 # -- normalisation -------------------------------------------------------------------------
 
 
-def _normalise(cx: Ctx, x: Value, groups: int, eps: float) -> Value:
-    """``x`` [N, C, ...] normalised over each of ``groups`` groups of channels and their
-    positions (the IR's fused ``layer_norm``), no affine."""
-    n = x.shape[0]
-    size = x.type.numel // (n * groups)
-    grouped = cx.call("reshape", x, shape=(n, groups, size))
-    ones, zeros = cx.full(1.0, x.dtype, (size,)), cx.full(0.0, x.dtype, (size,))
-    y = cx.call_multi("layer_norm", grouped, ones, zeros, eps=eps, ndim=1)[0]
-    return cx.call("reshape", y, shape=x.shape)
-
-
 def _per_channel(cx: Ctx, y: Value, scale: Value, bias: Value) -> Value:
     shape = (1, y.shape[1], *([1] * (y.type.rank - 2)))
     y = cx.call("mul", y, cx.call("reshape", scale, shape=shape))
@@ -86,7 +75,7 @@ def _per_channel(cx: Ctx, y: Value, scale: Value, bias: Value) -> Value:
 @onnx_op("InstanceNormalization")
 def _instance_norm(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     x = cx.value(ins[0])
-    y = _normalise(cx, x, x.shape[1], float(attrs.get("epsilon", 1e-5)))
+    y = compose.group_normalise(cx, x, x.shape[1], float(attrs.get("epsilon", 1e-5)))[0]
     return _per_channel(cx, y, cx.like(ins[1], x), cx.like(ins[2], x))
 
 
@@ -96,7 +85,7 @@ def _group_norm(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     its group's channels)."""
     x = cx.value(ins[0])
     groups, c = int(attrs["num_groups"]), x.shape[1]
-    y = _normalise(cx, x, groups, float(attrs.get("epsilon", 1e-5)))
+    y = compose.group_normalise(cx, x, groups, float(attrs.get("epsilon", 1e-5)))[0]
     scale, bias = cx.like(ins[1], x), cx.like(ins[2], x)
     if scale.shape[0] != c:
         scale = compose.repeat_axis(cx, scale, 0, c // groups)
@@ -250,7 +239,7 @@ def _take(cx: Ctx, x: Value, axis: int, src: np.ndarray[Any, Any], ratio: float)
 def _reduce_with(kind: str) -> Any:
     def convert(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
         x = cx.value(ins[0])
-        axes = _reduce_axes(ins, attrs, x.type.rank)
+        axes = reduce_axes(ins, attrs, x.type.rank)
         if axes is None:
             return x
         keep, over = bool(attrs.get("keepdims", 1)), axes or None
@@ -278,17 +267,7 @@ def _arg(lowest: bool) -> Any:
         x = cx.value(ins[0])
         axis = norm_axis(int(attrs.get("axis", 0)), x.type.rank)
         keep, last = bool(attrs.get("keepdims", 1)), bool(attrs.get("select_last_index", 0))
-        v = cx.call("neg", x) if lowest else x
-        hit = cx.call("eq", v, cx.call("amax", v, axes=(axis,), keepdims=True))
-        n = x.shape[axis]
-        shape = tuple(n if i == axis else 1 for i in range(x.type.rank))
-        pos = cx.call("reshape", cx.call("arange", start=0, stop=n, step=1, dtype="i64"),
-                      shape=shape)  # fmt: skip
-        if last:
-            return cx.call("amax", cx.call("where", hit, pos, cx.full(-1, DType.I64)),
-                           axes=(axis,), keepdims=keep)  # fmt: skip
-        far = cx.call("where", hit, cx.call("neg", pos), cx.full(-n, DType.I64))
-        return cx.call("neg", cx.call("amax", far, axes=(axis,), keepdims=keep))
+        return compose.arg_extreme(cx, x, axis, keep, lowest, last)
 
     return convert
 

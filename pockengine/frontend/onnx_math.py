@@ -10,7 +10,7 @@ import numpy as np
 from pockengine.frontend.onnx_ops import Ctx, Operand, const_ints, ir_dtype, norm_axis, onnx_op
 from pockengine.ir import CompileError, DType, Value
 
-__all__: list[str] = []
+__all__ = ["reduce_axes"]
 
 
 def _operands(cx: Ctx, ins: list[Operand]) -> list[Value]:
@@ -218,7 +218,7 @@ onnx_op("Softmax")(_softmax("softmax"))
 onnx_op("LogSoftmax")(_softmax("log_softmax"))
 
 
-def _reduce_axes(ins: list[Operand], attrs: dict[str, Any], rank: int) -> tuple[int, ...] | None:
+def reduce_axes(ins: list[Operand], attrs: dict[str, Any], rank: int) -> tuple[int, ...] | None:
     """The axes of a Reduce* node (an input since opset 18, an attribute before); None when
     it reduces nothing (noop_with_empty_axes) and () for every axis."""
     given = ins[1] if len(ins) > 1 else None
@@ -231,7 +231,7 @@ def _reduce_axes(ins: list[Operand], attrs: dict[str, Any], rank: int) -> tuple[
 def _reduce(op: str) -> Any:
     def convert(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
         x = cx.value(ins[0])
-        axes = _reduce_axes(ins, attrs, x.type.rank)
+        axes = reduce_axes(ins, attrs, x.type.rank)
         if axes is None:
             return x
         keep = bool(attrs.get("keepdims", 1))
