@@ -252,3 +252,15 @@ def test_einsum(equation: str, shapes: list[tuple[int, ...]]) -> None:
     inputs = ["x", *(f"w{i}" for i in range(1, len(shapes)))]
     inits = [_array(f"w{i}", rng.standard_normal(s)) for i, s in enumerate(shapes[1:], 1)]
     _forward_matches_ort(helper.make_node("Einsum", inputs, ["Y"], equation=equation), x, inits)
+
+
+def test_conv_transpose_output_shape_beyond_its_input_is_named() -> None:
+    """ONNX Runtime refuses it too; the error names the shapes, not a slice inside."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
+    node = helper.make_node("ConvTranspose", ["x", "W"], ["Y"], strides=[2, 2],
+                            output_shape=[14, 12])  # fmt: skip
+    model = _model([node], x, [_array("W", rng.standard_normal((2, 3, 3, 3)))])
+    target = np.zeros((1, 3, 14, 12), np.float32)
+    with pytest.raises(pe.CompileError, match=r"output shape \[14, 12\] is larger than its"):
+        pe.compile(model, loss="mse", example_batch=(x, target))

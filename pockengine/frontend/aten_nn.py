@@ -17,6 +17,11 @@ def _pair(v: Any) -> tuple[int, int]:
     return (int(seq[0]), int(seq[-1])) if seq else (1, 1)
 
 
+def _height_one(cx: Ctx, v: Value) -> Value:
+    """A 1-d convolution's [N, C, L] input or [O, I, K] weight as 2-d, of height one."""
+    return cx.call("reshape", v, shape=(v.shape[0], v.shape[1], 1, v.shape[2]))
+
+
 @aten("convolution.default")
 def _convolution(
     cx: Ctx,
@@ -33,16 +38,8 @@ def _convolution(
     if transposed:
         return _transposed(cx, x, w, bias, stride, padding, dilation, groups)
     if x.type.rank == 3:  # conv1d runs as conv2d over a height of one
-        y = _conv2d(
-            cx,
-            cx.call("reshape", x, shape=(x.shape[0], x.shape[1], 1, x.shape[2])),
-            cx.call("reshape", w, shape=(w.shape[0], w.shape[1], 1, w.shape[2])),
-            bias,
-            (1, stride[0]),
-            (0, padding[0]),
-            (1, dilation[0]),
-            groups,
-        )
+        x, w = _height_one(cx, x), _height_one(cx, w)
+        y = _conv2d(cx, x, w, bias, (1, stride[0]), (0, padding[0]), (1, dilation[0]), groups)
         return cx.call("reshape", y, shape=cx.out_type.shape)
     if x.type.rank != 4:
         raise CompileError(f"{x.type.rank - 2}-d convolution is not supported")
@@ -64,8 +61,7 @@ def _transposed(
     so output_padding is in the shape; then the bias."""
     out = cx.out_type.shape
     if x.type.rank == 3:  # 1-d: a height of one
-        x = cx.call("reshape", x, shape=(x.shape[0], x.shape[1], 1, x.shape[2]))
-        w = cx.call("reshape", w, shape=(w.shape[0], w.shape[1], 1, w.shape[2]))
+        x, w = _height_one(cx, x), _height_one(cx, w)
         geometry = ((1, stride[0]), (0, padding[0]), (1, dilation[0]))
         shape: tuple[int, ...] = (out[0], out[1], 1, out[2])
     elif x.type.rank == 4:

@@ -9,21 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pockengine.frontend.compose import arg_extreme
+from pockengine.frontend.compose import amin, arg_extreme, l2_norm
 from pockengine.frontend.torch_ops import Ctx, aten, axes_of, norm_dim
 from pockengine.ir import CompileError, Value
 
 __all__: list[str] = []
 
 _MAX_PRODUCT = 64  # a product is unrolled into this many multiplies at most
-
-
-def _neg(cx: Ctx, a: Value) -> Value:
-    return cx.call("neg", a)
-
-
-def _amin(cx: Ctx, a: Value, axes: tuple[int, ...] | None, keepdims: bool) -> Value:
-    return _neg(cx, cx.call("amax", _neg(cx, a), axes=axes, keepdims=keepdims))
 
 
 def _flat(cx: Ctx, a: Value) -> Value:
@@ -54,7 +46,7 @@ def _along(lowest: bool) -> Any:
         """(values, indices) along ``dim``; dead-code elimination drops unread indices."""
         axis = norm_dim(dim, a.type.rank)
         if lowest:
-            values = _amin(cx, a, (axis,), keepdim)
+            values = amin(cx, a, (axis,), keepdim)
         else:
             values = cx.call("amax", a, axes=(axis,), keepdims=keepdim)
         return values, _first_index(cx, a, axis, keepdim, lowest)
@@ -73,12 +65,12 @@ def _max_all(cx: Ctx, a: Value) -> Value:
 
 @aten("min.default")
 def _min_all(cx: Ctx, a: Value) -> Value:
-    return _amin(cx, a, None, False)
+    return amin(cx, a, None, False)
 
 
 @aten("amin.default")
 def _amin_dims(cx: Ctx, a: Value, dim: Any = (), keepdim: bool = False) -> Value:
-    return _amin(cx, a, axes_of(dim, a.type.rank), keepdim)
+    return amin(cx, a, axes_of(dim, a.type.rank), keepdim)
 
 
 def _count(a: Value, axes: tuple[int, ...] | None) -> int:
@@ -175,12 +167,11 @@ def _vector_norm(
     if p == float("inf"):
         return cx.call("amax", size, axes=axes, keepdims=keepdim)
     if p == float("-inf"):
-        return _amin(cx, size, axes, keepdim)
+        return amin(cx, size, axes, keepdim)
     if p == 1:
         return cx.call("sum", size, axes=axes, keepdims=keepdim)
     if p == 2:
-        total = cx.call("sum", cx.call("mul", x, x), axes=axes, keepdims=keepdim)
-        return cx.call("sqrt", cx.call("maximum", total, cx.full(1e-30, x.dtype)))
+        return l2_norm(cx, x, axes, keepdim)
     if p <= 0:
         raise CompileError(f"vector norm of order {ord} is not supported (orders > 0 and inf)")
     total = cx.call("sum", cx.call("pow_scalar", size, exponent=p), axes=axes, keepdims=keepdim)

@@ -16,11 +16,13 @@ from pockengine.frontend.context import EmitContext
 from pockengine.ir import CompileError, DType, Value
 
 __all__ = [
+    "amin",
     "arg_extreme",
     "einsum",
     "elu",
     "flip_axis",
     "group_normalise",
+    "l2_norm",
     "linear_axis",
     "nearest_axis",
     "repeat_axis",
@@ -129,18 +131,23 @@ def transposed_conv2d(
 ) -> Value:
     """A transposed convolution, NCHW: the input gradient of the convolution it
     transposes (``w`` that convolution's OIHW weight: [C_in of x, C_out / groups, kh, kw])
-    at ``out_shape``. ``pads`` ((top, left), (bottom, right)) are that convolution's;
-    unequal sides are made on a padded shape and cut off."""
-    begin, end = pads
-    if begin == end:
+    at ``out_shape``. ``pads`` ((top, left), (bottom, right)) are that convolution's:
+    unequal sides are made on a padded shape and cut off; a negative one (an output
+    larger than any input reaches, e.g. ONNX's ``output_shape``) is zeros padded on."""
+    (bh, bw), (eh, ew) = pads
+    if (bh, bw) == (eh, ew) and min(bh, bw) >= 0:
         return cx.call("conv2d_input_grad", x, w, x_shape=tuple(out_shape), stride=stride,
-                       padding=begin, dilation=dilation, groups=groups)  # fmt: skip
+                       padding=(bh, bw), dilation=dilation, groups=groups)  # fmt: skip
     n, c, h, wd = out_shape
-    padded = (n, c, h + begin[0] + end[0], wd + begin[1] + end[1])
+    padded = (n, c, h + bh + eh, wd + bw + ew)  # the natural output of zero padding
     y = cx.call("conv2d_input_grad", x, w, x_shape=padded, stride=stride, padding=(0, 0),
                 dilation=dilation, groups=groups)  # fmt: skip
-    y = cx.call("slice", y, axis=2, start=begin[0], stop=begin[0] + h, step=1)
-    return cx.call("slice", y, axis=3, start=begin[1], stop=begin[1] + wd, step=1)
+    if min(bh, bw, eh, ew) < 0:
+        grow = ((0, 0), (0, 0), (max(-bh, 0), max(-eh, 0)), (max(-bw, 0), max(-ew, 0)))
+        y = cx.call("pad", y, pads=grow, value=0.0)
+        bh, bw = max(bh, 0), max(bw, 0)
+    y = cx.call("slice", y, axis=2, start=bh, stop=bh + h, step=1)
+    return cx.call("slice", y, axis=3, start=bw, stop=bw + wd, step=1)
 
 
 def flip_axis(cx: EmitContext, x: Value, axis: int) -> Value:
@@ -281,3 +288,15 @@ def arg_extreme(
                        axes=(axis,), keepdims=keepdims)  # fmt: skip
     far = cx.call("where", hit, cx.call("neg", pos), cx.full(-n, DType.I64))
     return cx.call("neg", cx.call("amax", far, axes=(axis,), keepdims=keepdims))
+
+
+def amin(cx: EmitContext, x: Value, axes: tuple[int, ...] | None, keepdims: bool) -> Value:
+    """The minimum over ``axes`` (None: all) as -amax(-x): the IR has one extremum op."""
+    return cx.call("neg", cx.call("amax", cx.call("neg", x), axes=axes, keepdims=keepdims))
+
+
+def l2_norm(cx: EmitContext, x: Value, axes: tuple[int, ...] | None, keepdims: bool) -> Value:
+    """sqrt(sum(x^2)) over ``axes``; the root reads max(sum, 1e-30), so a zero vector gets
+    gradient 0 (ATen's choice), not 0/0."""
+    squares = cx.call("sum", cx.call("mul", x, x), axes=axes, keepdims=keepdims)
+    return cx.call("sqrt", cx.call("maximum", squares, cx.full(1e-30, x.dtype)))

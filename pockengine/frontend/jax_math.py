@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from pockengine.frontend import compose
 from pockengine.frontend.jax_ops import JCtx, norm_axes, primitive
 from pockengine.ir import CompileError, DType, Value
 
@@ -216,7 +217,7 @@ def _reduce_min(cx: JCtx, x: Value) -> Value:
     axes = _axes(cx, x)
     if not axes:
         return x
-    return cx.call("neg", cx.call("amax", cx.call("neg", x), axes=axes, keepdims=False))
+    return compose.amin(cx, x, axes, False)
 
 
 @primitive("reduce_or")

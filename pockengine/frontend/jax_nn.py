@@ -77,8 +77,8 @@ def _lhs_dilated(
     """A convolution of the input dilated by ``lhs_dilation`` (what ``lax.conv_transpose``
     and Flax's ConvTranspose make), NCHW and OIHW: the input gradient of the strided
     convolution it transposes, with the kernel flipped and its feature axes swapped per
-    group, and that convolution's padding (K - 1) * d - pad on each side. Where that is
-    negative, the output has rows no input reaches: zeros, padded on."""
+    group, and that convolution's padding (K - 1) * d - pad on each side (negative where
+    the output has rows no input reaches: ``compose.transposed_conv2d`` pads zeros)."""
     p = cx.params
     if any(int(s) != 1 for s in strides):
         raise CompileError("a convolution with both lhs dilation and window strides")
@@ -93,19 +93,10 @@ def _lhs_dilated(
     begin = [e - lo for e, (lo, _) in zip(extent, pads, strict=True)]
     end = [e - hi for e, (_, hi) in zip(extent, pads, strict=True)]
     out = (1, *spatial) if len(spatial) == 1 else spatial
-    inner = tuple(s + min(b, 0) + min(e, 0) for s, b, e in zip(out, begin, end, strict=True))
-    shape = (x.shape[0], w.shape[1] * groups, *inner)
-    clamp = ((max(begin[0], 0), max(begin[1], 0)), (max(end[0], 0), max(end[1], 0)))
-    y = compose.transposed_conv2d(cx, x, w, shape, (lhs[0], lhs[1]), clamp,
-                                  (dilation[0], dilation[1]), groups)  # fmt: skip
-    if min(begin) < 0 or min(end) < 0:
-        grow = (
-            (0, 0),
-            (0, 0),
-            *((-min(b, 0), -min(e, 0)) for b, e in zip(begin, end, strict=True)),
-        )
-        y = cx.call("pad", y, pads=grow, value=0.0)
-    return y
+    shape = (x.shape[0], w.shape[1] * groups, *out)
+    pairs = ((begin[0], begin[1]), (end[0], end[1]))
+    return compose.transposed_conv2d(cx, x, w, shape, (lhs[0], lhs[1]), pairs,
+                                     (dilation[0], dilation[1]), groups)  # fmt: skip
 
 
 def _window_layout(cx: JCtx, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

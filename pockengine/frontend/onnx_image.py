@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.frontend import compose
-from pockengine.frontend.onnx_math import reduce_axes
+from pockengine.frontend.onnx_math import reducer
 from pockengine.frontend.onnx_ops import Ctx, Operand, const_ints, ints_attr, norm_axis, onnx_op
 from pockengine.ir import CompileError, Value
 
@@ -130,6 +130,11 @@ def _conv_transpose(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value
     same = _text(attrs, "auto_pad", "NOTSET").startswith("SAME")
     default = [i * s for i, s in zip(sizes, strides, strict=True)] if same else full
     wanted = ints_attr(attrs, "output_shape", default)[-nd:]
+    if any(o > f for o, f in zip(wanted, full, strict=True)):
+        raise CompileError(
+            f"ConvTranspose output shape {wanted} is larger than its input {sizes} can make "
+            f"({full}: by stride, kernel, output_padding)"
+        )
     begin, end = _transpose_pads(attrs, [f - o for f, o in zip(full, wanted, strict=True)],
                                  ints_attr(attrs, "pads", [0] * 2 * nd))  # fmt: skip
     out = [f - b - e for f, b, e in zip(full, begin, end, strict=True)]
@@ -236,29 +241,18 @@ def _take(cx: Ctx, x: Value, axis: int, src: np.ndarray[Any, Any], ratio: float)
 # -- reductions ----------------------------------------------------------------------------
 
 
-def _reduce_with(kind: str) -> Any:
-    def convert(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
-        x = cx.value(ins[0])
-        axes = reduce_axes(ins, attrs, x.type.rank)
-        if axes is None:
-            return x
-        keep, over = bool(attrs.get("keepdims", 1)), axes or None
-        if kind == "min":
-            return cx.call("neg", cx.call("amax", cx.call("neg", x), axes=over, keepdims=keep))
-        if kind == "l1":
-            return cx.call("sum", cx.call("abs", x), axes=over, keepdims=keep)
-        squares = cx.call("sum", cx.call("mul", x, x), axes=over, keepdims=keep)
-        if kind == "sum_square":
-            return squares
-        return cx.call("sqrt", cx.call("maximum", squares, cx.full(1e-30, x.dtype)))
-
-    return convert
+def _sum_abs(cx: Ctx, x: Value, axes: tuple[int, ...] | None, keep: bool) -> Value:
+    return cx.call("sum", cx.call("abs", x), axes=axes, keepdims=keep)
 
 
-onnx_op("ReduceMin")(_reduce_with("min"))
-onnx_op("ReduceL1")(_reduce_with("l1"))
-onnx_op("ReduceL2")(_reduce_with("l2"))
-onnx_op("ReduceSumSquare")(_reduce_with("sum_square"))
+def _sum_squares(cx: Ctx, x: Value, axes: tuple[int, ...] | None, keep: bool) -> Value:
+    return cx.call("sum", cx.call("mul", x, x), axes=axes, keepdims=keep)
+
+
+onnx_op("ReduceMin")(reducer(compose.amin))
+onnx_op("ReduceL1")(reducer(_sum_abs))
+onnx_op("ReduceL2")(reducer(compose.l2_norm))
+onnx_op("ReduceSumSquare")(reducer(_sum_squares))
 
 
 def _arg(lowest: bool) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from pockengine.frontend.onnx_ops import Ctx, Operand, const_ints, ir_dtype, norm_axis, onnx_op
 from pockengine.ir import CompileError, DType, Value
 
-__all__ = ["reduce_axes"]
+__all__ = ["Reduction", "reduce_axes", "reducer"]
 
 
 def _operands(cx: Ctx, ins: list[Operand]) -> list[Value]:
@@ -228,16 +229,25 @@ def reduce_axes(ins: list[Operand], attrs: dict[str, Any], rank: int) -> tuple[i
     return tuple(sorted(norm_axis(int(a), rank) for a in axes))
 
 
-def _reduce(op: str) -> Any:
+Reduction = Callable[[Ctx, Value, tuple[int, ...] | None, bool], Value]
+
+
+def reducer(body: Reduction) -> Any:
+    """The converter of a Reduce* node: ``body(cx, x, axes, keepdims)`` over its axes
+    (None: every axis); a node that reduces nothing passes its input through."""
+
     def convert(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
         x = cx.value(ins[0])
         axes = reduce_axes(ins, attrs, x.type.rank)
         if axes is None:
             return x
-        keep = bool(attrs.get("keepdims", 1))
-        return cx.call(op, x, axes=axes or None, keepdims=keep)
+        return body(cx, x, axes or None, bool(attrs.get("keepdims", 1)))
 
     return convert
+
+
+def _reduce(op: str) -> Any:
+    return reducer(lambda cx, x, axes, keep: cx.call(op, x, axes=axes, keepdims=keep))
 
 
 onnx_op("ReduceMean")(_reduce("mean"))
