@@ -36,7 +36,7 @@ import numpy as np
 
 from pockengine.federated import FederatedConfig
 from pockengine.federated.batchnorm import BatchNormStats
-from pockengine.federated.local import LocalTrainer
+from pockengine.federated.local import LocalTrainer, resolve_scheme
 from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.partition import partition
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
@@ -145,6 +145,7 @@ def run(config: FederatedConfig, pooled_bn: bool, scaffold: bool = False) -> lis
                "train_loss": float(np.average([x.loss for x in results], weights=weights)),
                "bytes_up": sum(a.nbytes for x in results for a in x.arrays.values())
                * (2 if scaffold else 1),
+               "bytes_full_model": first.trained.full_model_bytes * len(results),
                "elapsed_s": time.perf_counter() - start}  # fmt: skip
         if pooled_bn:
             row["accuracy_pooled_bn"] = pooled_bn_accuracy(first, task)
@@ -162,6 +163,8 @@ def main() -> None:
     p.add_argument("--max-train", type=int)
     p.add_argument("--max-val", type=int)
     p.add_argument("--scheme", default="sparse")
+    p.add_argument("--upload-budget", type=float, help="--scheme auto: of full-model bytes")
+    p.add_argument("--memory-budget", type=float, help="--scheme auto: planned peak, MiB")
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", type=int, default=10)
@@ -187,17 +190,20 @@ def main() -> None:
     a = p.parse_args()
     ft = FinetuneConfig(recipe=a.recipe, image_size=a.image_size, seq_len=a.seq_len,
                         max_train=a.max_train, max_val=a.max_val, scheme=a.scheme, lr=a.lr,
-                        seed=a.seed, backend="torch", batchnorm=a.batchnorm)  # fmt: skip
+                        seed=a.seed, backend="torch", batchnorm=a.batchnorm,
+                        memory_budget=a.memory_budget and a.memory_budget * 2**20)  # fmt: skip
     config = FederatedConfig(
         finetune=ft, clients=a.clients, rounds=a.rounds, local_epochs=a.local_epochs,
         partition=a.partition, alpha=a.alpha, server_optimizer=a.server_optimizer,
         server_lr=a.server_lr, server_momentum=a.server_momentum,
         server_betas=tuple(a.server_betas), server_tau=a.server_tau,
         bn_statistics=a.bn_statistics, local_loss=a.local_loss, la_tau=a.la_tau,
-        proximal_mu=a.proximal_mu,
+        proximal_mu=a.proximal_mu, upload_budget=a.upload_budget,
     )  # fmt: skip
+    config = resolve_scheme(config)  # --scheme auto: chosen once, on client 0's shard
     rows = run(config, a.pooled_bn, a.scaffold)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                 "scheme_choice": config.scheme_choice,
                                  "rounds": rows}, indent=1) + "\n")  # fmt: skip
 
 

@@ -5,6 +5,7 @@ in CI. Tests that run Flower skip when it is not installed (pip install
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib.util import find_spec
 from pathlib import Path
@@ -192,6 +193,34 @@ def test_messages_carry_exactly_the_trained_tensors(finetune: FinetuneConfig) ->
     assert reason is not None and "unexpected ['emb.weight']" in reason
 
 
+def test_upload_budget_limits_what_auto_trains(finetune: FinetuneConfig) -> None:
+    """--scheme auto chosen once (on client 0's shard) within the memory budget and, with
+    --upload-budget, a fraction of full-model FedAvg's bytes: the model holds 3,810 floats,
+    so 5% (190) fits the base (fc.bias, head: 50) and half of fc.weight's 16 rows (128)."""
+    from pockengine.federated.local import resolve_scheme
+    from pockengine.finetune.config import FinetuneError
+
+    ft = dataclasses.replace(finetune, scheme="auto", memory_budget=float(64 << 20))
+    chosen = {}
+    for budget in (None, 0.5, 0.05):
+        config = resolve_scheme(federated(ft, clients=2, upload_budget=budget))
+        assert config.scheme_choice is not None
+        chosen[budget] = config.scheme_choice
+        assert resolve_scheme(config) is config  # chosen once: clients do not choose again
+    assert chosen[None]["scheme"] == "full"  # the memory budget allows it, nothing else limits
+    assert sorted(chosen[0.5]["train"]) == ["fc.bias", "fc.weight", "head.bias", "head.weight"]
+    assert "channels" not in chosen[0.5]
+    assert chosen[0.05]["channels"] == {"fc.weight": 0.5}
+    trainer = LocalTrainer(federated(ft, clients=2, upload_budget=0.05), 1)
+    assert {k: list(v) for k, v in trainer.trained.shapes.items()} == SENT_SHAPES
+    with pytest.raises(FinetuneError, match=r"upload budget .* below what the bias scheme"):
+        resolve_scheme(federated(ft, clients=2, upload_budget=0.01))
+    with pytest.raises(FederatedError, match="--upload-budget limits what --scheme auto"):
+        resolve_scheme(federated(finetune, upload_budget=0.5))
+    with pytest.raises(FederatedError, match="upload_budget is a fraction"):
+        federated(ft, upload_budget=2.0).validate()
+
+
 @needs_flwr
 def test_one_client_one_round_is_the_central_run(finetune: FinetuneConfig) -> None:
     """One client, one round, IID: the global state equals, bit for bit, the weights of
@@ -225,24 +254,34 @@ def _initial(ft: FinetuneConfig) -> dict[str, Any]:
 
 @needs_flwr
 def test_three_clients_two_rounds_drop_a_failing_client_and_resume(
-    finetune: FinetuneConfig, capsys: pytest.CaptureFixture[str]
+    finetune: FinetuneConfig, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`pockengine federated`: 3 client processes, Dirichlet shards, client 1 failing in
-    round 2; the server stops after round 1 and a second command resumes it."""
+    """`pockengine federated --scheme auto --upload-budget 0.05`: the scheme chosen once
+    (fc.weight's first 8 rows fit 5% of the model's floats, SENT_SHAPES), 3 client
+    processes, Dirichlet shards, client 1 failing in round 2; the server stops after round
+    1 and a second command resumes it with the choice it saved."""
     from pockengine.cli import main
 
     args = [
         "federated", "--model", str(finetune.model), "--data", str(finetune.data),
         "--text-column", "review", "--label-column", "sentiment", "--seq-len", "12",
-        "--batch-size", "8", "--lr", "0.01", "--scheme", str(finetune.scheme),
+        "--batch-size", "8", "--lr", "0.01", "--scheme", "auto", "--upload-budget", "0.05",
+        "--memory-budget", "64MB",
         "--clients", "3", "--rounds", "2", "--partition", "dirichlet", "--alpha", "1.0",
         "--fail", "1:2", "--out", str(finetune.out),
     ]  # fmt: skip
+    caplog.set_level("INFO", logger="pockengine.federated.local")
     assert main([*args, "--stop-after-round", "1"]) == 0
     assert [r["round"] for r in rounds_log(finetune)] == [1]
+    analysed = [r.message for r in caplog.records if r.message.startswith("auto scheme:")]
+    assert analysed and "bias + 1 of 1 weights" in analysed[0]
+    caplog.clear()
+    chose = "--scheme auto chose, on client 0's shard: 4 trained tensor patterns, 1 of them"
+    assert chose in capsys.readouterr().out
     assert main([*args, "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "2 round(s) of 3 client(s)" in out and "sent up" in out
+    assert "2 round(s) of 3 client(s)" in out and "sent up" in out and chose in out
+    assert not [r for r in caplog.records if r.message.startswith("auto scheme:")]  # as saved
     rows = rounds_log(finetune)
     assert [r["round"] for r in rows] == [1, 2]
     assert rows[0]["clients"] == [0, 1, 2] and rows[0]["dropped"] == []
@@ -257,6 +296,7 @@ def test_three_clients_two_rounds_drop_a_failing_client_and_resume(
         assert 0.0 <= row["accuracy"] <= 1.0 and np.isfinite(row["loss"])
     summary = json.loads((Path(str(finetune.out)) / "summary.json").read_text())
     assert summary["resumed_at"] == 1 and summary["rounds"] == 2
+    assert summary["config"]["scheme_choice"]["channels"] == {"fc.weight": 0.5}
     assert summary["up_ratio"] == pytest.approx(SENT_BYTES / full)
     if find_spec("matplotlib") is not None:
         assert (Path(str(finetune.out)) / "rounds.png").stat().st_size > 0

@@ -17,7 +17,8 @@ from pockengine.cli_help import BACKEND_HELP
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
-from pockengine.finetune.config import DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+from pockengine.finetune.cli import byte_amount
+from pockengine.finetune.config import AUTO_SCORES, DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
 from pockengine.sparse.names import SCHEME_HELP
 
 __all__ = ["add_arguments", "config_from_args", "plot_rounds", "run", "summary_text"]
@@ -26,6 +27,7 @@ _FINETUNE_OPTIONS = (
     "recipe", "model", "data", "text_column", "label_column", "tokenizer", "scheme",
     "optimizer", "lr", "weight_decay", "momentum", "batch_size", "seq_len", "image_size",
     "warmup", "val_fraction", "max_train", "max_val", "dedupe", "seed", "backend", "out",
+    "memory_budget", "auto_score",
 )  # fmt: skip
 
 
@@ -77,6 +79,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--label-column", default="label", help="the --data column of the label")
     what.add_argument("--tokenizer", help="a Hugging Face tokenizer folder for a factory model")
     what.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: the recipe's)")
+    what.add_argument("--memory-budget", type=byte_amount,
+                      help="--scheme auto: the planned peak of a client's step, e.g. 300MB "
+                      "(default: the sparse scheme's)")  # fmt: skip
+    what.add_argument(
+        "--auto-score",
+        choices=AUTO_SCORES,
+        default="fisher",
+        help="--scheme auto: what ranks the weights (as pockengine finetune)",
+    )
+    what.add_argument("--upload-budget", type=float,
+                      help="--scheme auto: the most a client sends a round, as a fraction of "
+                      "full-model FedAvg's bytes, e.g. 0.2 (default: no limit)")  # fmt: skip
     what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer")
     what.add_argument("--lr", type=float, help="peak learning rate (default: by scheme)")
     what.add_argument("--weight-decay", type=float, default=0.01, help="AdamW or SGD decay")
@@ -103,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
     return FederatedConfig(
         finetune=ft, clients=args.clients, rounds=args.rounds, local_epochs=args.local_epochs,
         partition=args.partition, alpha=args.alpha, proximal_mu=args.proximal_mu,
+        upload_budget=args.upload_budget,
         server_optimizer=args.server_optimizer, server_lr=args.server_lr,
         server_momentum=args.server_momentum, server_betas=tuple(args.server_betas),
         server_tau=args.server_tau,
@@ -177,9 +192,22 @@ def summary_text(summary: dict[str, Any]) -> str:
         + (f" ({100 * ratio:.2f}%)" if ratio is not None else ""),
         f"trained tensors: {len(summary['trained_tensors'])}",
     ]
+    if choice := summary["config"].get("scheme_choice"):
+        lines.append(f"--scheme auto chose, on client 0's shard: {_described(choice)}")
     if summary.get("plot"):
         lines.append(f"plot: {summary['plot']}")
     return "\n".join(lines)
+
+
+def _described(choice: dict[str, Any]) -> str:
+    """A scheme ``auto`` chose, in a few words."""
+    if choice.get("scheme") != "select":
+        return f"the {choice.get('scheme')} scheme"
+    partial = choice.get("channels") or {}
+    return (
+        f"{len(choice.get('train', []))} trained tensor patterns, {len(partial)} of them in "
+        "part (summary.json: config.scheme_choice)"
+    )
 
 
 _DESCRIPTION = """\

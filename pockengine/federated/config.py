@@ -57,6 +57,12 @@ class FederatedConfig:
     # log of the client's label prior; against label skew, see federated.local_loss)
     local_loss: str = "plain"
     la_tau: float = 1.0
+    # --scheme auto: the most a client may send up a round, as a fraction of what
+    # full-model FedAvg sends (None: no limit beyond the memory budget)
+    upload_budget: float | None = None
+    # --scheme auto: the scheme chosen once for every client (``Scheme.to_dict``), filled
+    # in by ``local.resolve_scheme`` before any client starts; it travels in the JSON
+    scheme_choice: dict[str, Any] | None = None
     timeout: float = 600.0  # seconds a round waits for its clients
     resume: bool = False  # continue from the global state saved in out
     stop_after_round: int | None = None  # stop the server there (as if killed), for resume
@@ -90,6 +96,11 @@ class FederatedConfig:
         problem = check_local_loss(self.local_loss, self.la_tau)
         if problem:
             raise FederatedError(problem)
+        if self.upload_budget is not None and not 0 < self.upload_budget <= 1:
+            raise FederatedError(
+                f"upload_budget is a fraction of full-model FedAvg's bytes, in (0, 1]; got "
+                f"{self.upload_budget}"
+            )
         if not self.timeout > 0:
             raise FederatedError(f"timeout must be > 0 seconds, got {self.timeout}")
         for spec in self.fail:

@@ -36,6 +36,7 @@ from typing import Any
 
 from pockengine.federated.client import RUN_CONFIG_KEY
 from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.federated.local import resolve_scheme
 from pockengine.federated.node import CLIENT_APP
 from pockengine.federated.processes import (
     live_members,
@@ -119,7 +120,7 @@ def free_port() -> int:
 
 def deploy(config: FederatedConfig) -> dict[str, Any]:
     """Run ``config`` under a local deployment engine (module docstring); the summary."""
-    config = _absolute_out(config.validate())
+    config = resolve_scheme(_absolute_out(config.validate()))  # once, before any client
     out = out_dir(config)
     out.mkdir(parents=True, exist_ok=True)
     before = _mtime(out / SUMMARY)

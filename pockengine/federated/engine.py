@@ -37,6 +37,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from pockengine.federated.client import RUN_CONFIG_KEY
 from pockengine.federated.config import FederatedConfig
+from pockengine.federated.local import resolve_scheme
 from pockengine.federated.server import SUMMARY, out_dir
 
 __all__ = ["ProcessGrid", "simulate"]
@@ -49,7 +50,7 @@ def simulate(config: FederatedConfig) -> dict[str, Any]:
     """Run the ServerApp against ``config.clients`` client processes; the summary."""
     from pockengine.federated.server import app as server_app
 
-    config = config.validate()
+    config = resolve_scheme(config.validate())  # --scheme auto: once, before any client
     logging.getLogger("flwr").propagate = False  # Flower prints through its own handler
     text = config.to_json()
     run_id = random.getrandbits(63)

@@ -21,6 +21,9 @@ one more batch input, so the one compiled step serves any shard.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -38,25 +41,107 @@ from pockengine.finetune import recipes
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.trainer import linear_schedule
 from pockengine.runtime import TrainStep
+from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 
-__all__ = ["LocalResult", "LocalTrainer", "prepare", "seed_offset"]
+__all__ = ["LocalResult", "LocalTrainer", "prepare", "resolve_scheme", "scheme_of", "seed_offset"]
 
+log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
 RNG_SEED = "rng.seed"
+AUTO = "auto"
 
 
 def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, TrainStep]:
-    """The config with the recipe's defaults, its task, and its compiled step."""
+    """The config with the recipe's defaults (and ``--scheme auto`` resolved), its task,
+    and its compiled step."""
+    config = with_defaults(config)
+    ft = config.finetune
+    recipes.check_model_files(ft)
+    task = recipes.build(ft)
+    config = resolve_scheme(config, task)
+    return config, task, compile_task(ft, task, scheme_of(config), config.local_loss)
+
+
+def with_defaults(config: FederatedConfig) -> FederatedConfig:
+    """``config`` checked, with the recipe's defaults filled in (its scheme ``sparse``
+    where the fine-tuner's is ``auto``)."""
     config = config.validate()
     ft = config.finetune
     ft = ft.with_defaults(recipes.defaults(ft, auto=False)).validate()
-    config = FederatedConfig(**{**vars(config), "finetune": ft})
+    config = dataclasses.replace(config, finetune=ft)
+    if config.upload_budget is not None and ft.scheme != AUTO:
+        raise FederatedError(
+            f"--upload-budget limits what --scheme auto chooses; the scheme {ft.scheme!r} "
+            "sends what it trains"
+        )
+    return config
+
+
+def scheme_of(config: FederatedConfig) -> Scheme:
+    """The scheme every client trains: the one ``auto`` chose, or the one named."""
+    ft = config.finetune
     assert ft.scheme is not None
-    scheme = recipes.parse_scheme(ft.scheme, ft.recipe, ft.batchnorm)
-    recipes.check_model_files(ft)
-    task = recipes.build(ft)
-    return config, task, compile_task(ft, task, scheme, config.local_loss)
+    if ft.scheme == AUTO:
+        if config.scheme_choice is None:
+            raise FederatedError("--scheme auto: no scheme was chosen (resolve_scheme)")
+        return schemes.from_dict(config.scheme_choice)
+    return recipes.parse_scheme(ft.scheme, ft.recipe, ft.batchnorm)
+
+
+def resolve_scheme(config: FederatedConfig, task: recipes.Task | None = None) -> FederatedConfig:
+    """``--scheme auto`` chosen once for the whole federation: the fine-tuner's analysis
+    (``choose_auto``: the gradient estimate, then the budgeted search) run on client 0's
+    shard, as one device would on its own data, under the memory budget and, with
+    ``upload_budget``, at most that fraction of full-model FedAvg's bytes in trained
+    elements. The choice (parameter names and trained rows, no data) travels to every
+    client and the server in the config. A resumed run keeps the choice it saved.
+    ``config`` unchanged for any other scheme, or where the choice is made."""
+    full = with_defaults(config)
+    ft = full.finetune
+    if ft.scheme != AUTO or config.scheme_choice is not None:
+        return config
+    if config.resume and (saved := _saved_choice(full)) is not None:
+        return dataclasses.replace(config, scheme_choice=saved)
+    from pockengine.finetune.auto_scheme import choose_auto
+
+    if task is None:
+        recipes.check_model_files(ft)
+        task = recipes.build(ft)
+    assert ft.batch_size is not None
+    shards = partition(task.train, full.partition, full.clients, full.alpha, ft.seed,
+                       ft.batch_size)  # fmt: skip
+    mine = tuple(np.ascontiguousarray(a[shards[0]]) for a in task.train)
+    local = dataclasses.replace(task, train=mine, train_count=0, train_digest="")
+    limit = None
+    if full.upload_budget is not None:
+        limit = full.upload_budget * full_model_floats(task.model)
+    sparse = recipes.RECIPES[recipes.recipe_name(ft)].sparse
+    choice = choose_auto(ft, local, sparse, upload_limit=limit)
+    for line in choice.lines():
+        log.info("%s", line.strip())
+    return dataclasses.replace(config, scheme_choice=choice.scheme.to_dict())
+
+
+def full_model_floats(model: Any) -> float:
+    """What full-model FedAvg sends, counted in float32 elements: every entry of the
+    model's state (tied weights under each name), at its own width."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 4
+
+
+def _saved_choice(config: FederatedConfig) -> dict[str, Any] | None:
+    """The scheme choice in the saved global state's config, if there is one."""
+    from pockengine.federated.server import GLOBAL_STATE, out_dir
+
+    path = out_dir(config) / GLOBAL_STATE
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))["__metadata__"]
+        saved: dict[str, Any] | None = json.loads(header["config"]).get("scheme_choice")
+    except (OSError, ValueError, KeyError):
+        return None
+    return saved
 
 
 def compile_task(

@@ -71,6 +71,10 @@ class AutoChoice:
     estimate_seconds: float = 0.0
     cached: bool = False
     score: str = "fisher"
+    # the most trained elements the scheme may hold (a federated client sends each one
+    # every round: ``pockengine federated --upload-budget``); None: no limit
+    upload_limit: float | None = None
+    trained_elements: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -97,6 +101,9 @@ class AutoChoice:
             f"{self.budget_bytes / _MIB:.1f} MiB budget ({self.budget_source}); analysis "
             f"{self.seconds:.1f} s{' (cached)' if self.cached else ''}",
         ]
+        if self.upload_limit is not None:
+            lines.append(f"  auto scheme: {self.trained_elements:,.0f} trained elements of an "
+                         f"upload budget of {self.upload_limit:,.0f}")  # fmt: skip
         for c in sorted(self.candidates, key=lambda c: -c["share"])[:top]:
             mark = f"trained at ratio {c['ratio']:g}" if c["ratio"] else "frozen"
             lines.append(
@@ -138,7 +145,8 @@ def _state_slots(optimizer: Optimizer) -> int:
 def _extra(w: WeightScore, ratio: float, slots: int) -> dict[str, float]:
     trained = w.trained_rows(ratio) * (w.numel // max(1, w.shape[0]))
     memory = trained * 4 * (1 + slots) + w.saved_input_bytes
-    return {"memory": float(memory), "flops": float(w.forward_flops * trained / max(1, w.numel))}
+    flops = float(w.forward_flops * trained / max(1, w.numel))
+    return {"memory": float(memory), "flops": flops, "trained": float(trained)}
 
 
 def choose_auto(
@@ -146,14 +154,17 @@ def choose_auto(
     task: Any,
     sparse: Scheme,
     settings: EstimateSettings | None = None,
+    *,
+    upload_limit: float | None = None,
 ) -> AutoChoice:
-    """The scheme to train under the budget (see the module docstring); a choice made
-    before for the same model, data, shapes, optimizer and budget is read from the cache."""
+    """The scheme to train under the budget (see the module docstring), and with at most
+    ``upload_limit`` trained elements where that is given; a choice made before for the
+    same model, data, shapes, optimizer and budgets is read from the cache."""
     start = time.perf_counter()
     settings = (settings or EstimateSettings(score=config.auto_score)).check()
     facts = {"budget": config.memory_budget, "sparse": sparse.to_dict(), "kind": task.kind,
              "optimizer": [config.optimizer, config.momentum], "score": settings.score,
-             "ratios": list(settings.ratios)}  # fmt: skip
+             "ratios": list(settings.ratios), "upload_limit": upload_limit}  # fmt: skip
     key = cache_key(config, task.train_fingerprint(), settings, **facts)
     path = cache_folder() / f"choice-{key}.json"
     try:
@@ -164,7 +175,7 @@ def choose_auto(
     except (OSError, ValueError, KeyError, TypeError, SchemeError):
         stages.say("--scheme auto: choosing what to train (planning the base scheme and the "
                    "budget)")  # fmt: skip
-        choice = _choose(config, task, sparse, settings)
+        choice = _choose(config, task, sparse, settings, upload_limit)
         save_cached(path, choice.to_dict())
     choice.seconds = time.perf_counter() - start
     log.info("auto scheme chosen in %.1f s", choice.seconds)
@@ -174,7 +185,11 @@ def choose_auto(
 
 
 def _choose(
-    config: FinetuneConfig, task: Any, sparse: Scheme, settings: EstimateSettings
+    config: FinetuneConfig,
+    task: Any,
+    sparse: Scheme,
+    settings: EstimateSettings,
+    upload_limit: float | None = None,
 ) -> AutoChoice:
     from pockengine.frontend.torch import import_torch, torch_model_info
 
@@ -190,9 +205,19 @@ def _choose(
     )
     base_name = "bias-only" if task.kind == "causal-lm" else "bias"
     base = _mode(scheme_named(base_name, frozen_bn="eval"), config)
-    base_peak = float(planner.figures(base).planned_peak_bytes)
+    base_figures = planner.figures(base)
+    base_peak = float(base_figures.planned_peak_bytes)
     budget, source = _budget(config, planner, sparse)
-    choice = AutoChoice(base, budget, source, base_peak, base_name, base_peak, score=settings.score)
+    choice = AutoChoice(base, budget, source, base_peak, base_name, base_peak, score=settings.score,
+                        upload_limit=upload_limit,
+                        trained_elements=float(base_figures.trained_elements))  # fmt: skip
+    if upload_limit is not None and base_figures.trained_elements > upload_limit:
+        raise FinetuneError(
+            f"the upload budget ({upload_limit:,.0f} trained elements) is below what the "
+            f"{base_name} scheme that auto starts from trains "
+            f"({base_figures.trained_elements:,} elements): raise the budget, or train "
+            "--scheme head"
+        )
     if budget < base_peak:
         raise FinetuneError(
             f"--memory-budget {budget / _MIB:.1f} MiB is below the planned peak of the "
@@ -201,9 +226,12 @@ def _choose(
         )
     if config.memory_budget is not None:  # the default (sparse's peak) is below full's
         full = _mode(schemes.full(frozen_bn="eval"), config)
-        full_peak = float(planner.figures(full).planned_peak_bytes)
-        if budget >= full_peak:
+        full_figures = planner.figures(full)
+        full_peak = float(full_figures.planned_peak_bytes)
+        uploads = upload_limit is None or full_figures.trained_elements <= upload_limit
+        if budget >= full_peak and uploads:
             choice.scheme, choice.planned_peak_bytes = full, full_peak
+            choice.trained_elements = float(full_figures.trained_elements)
             choice.notes.append(f"analysis skipped: the budget allows full fine-tuning "
                                 f"({full_peak / _MIB:.1f} MiB)")  # fmt: skip
             return choice
@@ -240,12 +268,17 @@ def _search(
     estimate = estimate_scores(config, task, planner, weights, settings, choice.budget_bytes)
     items = items_from_estimate(estimate, settings.score, settings.ratios, planner.optimizer)
     budget = Budget({"memory": choice.budget_bytes}, {"memory": choice.base_peak_bytes})
+    if choice.upload_limit is not None:
+        budget = Budget({**budget.limits, "trained": choice.upload_limit},
+                        {**budget.base, "trained": choice.trained_elements})  # fmt: skip
     _, chosen, measured = choose_within(
         items, budget, base_names, lambda s: planner.figures(_mode(s, config)),
         seed=config.seed, max_additions=4,
     )  # fmt: skip
     choice.scheme = _mode(scheme_for(base_names, chosen), config)
     choice.planned_peak_bytes = float(measured["memory"])
+    if "trained" in measured:
+        choice.trained_elements = float(measured["trained"])
     choice.cached, choice.estimate_seconds = estimate.cached, estimate.seconds
     choice.candidates = _table(estimate, items, chosen, settings.score)
     _note_unused(choice, chosen, items)

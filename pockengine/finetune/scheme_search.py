@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _FLOP_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_FIGURE_OF = {"memory": "planned_peak_bytes", "flops": "backward_flops"}  # budget key: figure
+# budget key: figure (trained: elements a federated client sends, ``--upload-budget``)
+_FIGURE_OF = {"memory": "planned_peak_bytes", "flops": "backward_flops",
+              "trained": "trained_elements"}  # fmt: skip
 
 
 def parse_amount(text: str, flops: bool = False) -> float:

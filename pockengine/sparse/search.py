@@ -39,7 +39,7 @@ __all__ = [
     "scheme_for",
 ]
 
-COSTS = ("memory", "flops")  # planned peak bytes, backward FLOPs
+COSTS = ("memory", "flops", "trained")  # planned peak bytes, backward FLOPs, trained elements
 
 
 @dataclass(frozen=True)
