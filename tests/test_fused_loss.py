@@ -1,11 +1,13 @@
 """The fused large-vocabulary loss: ``passes.fuse_loss`` rewrites the frontends'
-``gather(log_softmax(x @ w (+ b)), target)`` into ``linear_log_softmax_gather``, and the
-result equals the unfused graph and torch.autograd (loss and every gradient), on the
-torch frontend (a classifier head with ignored targets, a LLaMA causal LM with tied and
-untied embeddings, a causal shift by slicing the logits) and the ONNX frontend's
-``causal_lm`` loss; the ``[tokens, vocab]`` logits exist nowhere in the training graph.
-The op's kernels are checked on its samples by the op table, torch, ONNX and C tests; the C
-kernels also over several row chunks and vocabulary tiles, both weight layouts."""
+``gather(log_softmax(x @ w (+ b)), target)`` into ``linear_log_softmax_gather`` (and, on
+the training graph, merges it with its backward kernel where the loss's gradient is
+known before the loss is: ``fuse_loss_backward``), and the result equals the unfused
+graph and torch.autograd (loss and every gradient), on the torch frontend (a classifier
+head with ignored targets, a LLaMA causal LM with tied and untied embeddings, a causal
+shift by slicing the logits) and the ONNX frontend's ``causal_lm`` loss; the ``[tokens,
+vocab]`` logits exist nowhere in the training graph. The op's kernels are checked on its
+samples by the op table, torch, ONNX and C tests; the C kernels also over several row
+chunks and vocabulary tiles, both weight layouts."""
 
 from __future__ import annotations
 
@@ -23,13 +25,18 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import pockengine as pe
-import pockengine.runtime
+import pockengine.step_parts
 from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.c.backend import CBackend
 from pockengine.backends.numpy_backend import evaluate
 from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType, verify
-from pockengine.passes import FORWARD_PIPELINE, forward_passes, fuse_linear_cross_entropy
+from pockengine.passes import (
+    FORWARD_PIPELINE,
+    forward_passes,
+    fuse_linear_cross_entropy,
+    fuse_loss_backward,
+)
 from pockengine.passes.fuse_loss import FUSED_LOSS_OPS, MIN_VOCAB
 from pockengine.plan.report import analyze
 from pockengine.runtime import gradients_graph
@@ -37,6 +44,7 @@ from pockengine.runtime import gradients_graph
 Array = np.ndarray[Any, Any]
 VOCAB = MIN_VOCAB  # the smallest vocabulary the default pipeline fuses
 FUSED = "linear_log_softmax_gather"
+WITH_GRAD = f"{FUSED}_with_grad"
 
 
 class _Head(nn.Module):
@@ -91,7 +99,7 @@ def unfused(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., pe.TrainS
     def compile_unfused(*args: Any, **kwargs: Any) -> pe.TrainStep:
         with monkeypatch.context() as m:
             passes = tuple(p for p in FORWARD_PIPELINE if p is not fuse_linear_cross_entropy)
-            m.setattr(pockengine.runtime, "forward_passes", lambda supported: passes)
+            m.setattr(pockengine.step_parts, "forward_passes", lambda supported: passes)
             return pe.compile(*args, **kwargs)
 
     yield compile_unfused
@@ -131,11 +139,53 @@ def test_classifier_head_is_fused_and_matches_autograd() -> None:
     model, batch = _Head(), _head_batch()
     step = pe.compile(model, _classify, batch)
     assert FUSED in _ops(step.forward) and "log_softmax" not in _ops(step.forward)
-    assert f"{FUSED}_grad" in _ops(step.graph)
+    # the mean's gradient is known before the loss: the op and its backward are one node
+    assert WITH_GRAD in _ops(step.graph) and not {FUSED, f"{FUSED}_grad"} & _ops(step.graph)
     assert _vocab_sized(step.graph, tokens=6) == []
     want_loss, want = _autograd(model, _classify, batch)
     _assert_grads(step.gradients(*batch), want)
     assert step(*batch) == pytest.approx(want_loss, rel=1e-6)
+
+
+def test_a_loss_whose_gradient_reads_it_keeps_the_backward_kernel() -> None:
+    """A squared per-token loss: its cotangent needs the picked log-probabilities, so the
+    forward op and its backward stay two nodes (the backward after the loss)."""
+
+    def squared(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(x), y, reduction="none").square().mean()
+
+    model, batch = _Head(), _head_batch()
+    batch[1][batch[1] < 0] = 0  # no ignored rows: their zero loss is fine squared too
+    step = pe.compile(model, squared, batch)
+    assert {FUSED, f"{FUSED}_grad"} <= _ops(step.graph) and WITH_GRAD not in _ops(step.graph)
+    want_loss, want = _autograd(model, squared, batch)
+    _assert_grads(step.gradients(*batch), want)
+    assert step(*batch) == pytest.approx(want_loss, rel=1e-6)
+
+
+def test_merging_the_backward_keeps_the_numbers_and_saves_a_matmul() -> None:
+    """fuse_loss_backward on the shifted head's gradients graph: the same loss and
+    gradients as the two nodes, one [tokens, k] x [k, vocab] product fewer, and neither
+    the rows nor the log-sum-exp saved for a backward kernel."""
+    fused = verify(fuse_linear_cross_entropy(_shifted_head_graph(), chunk_elements=4 * VOCAB))
+    pair, _ = gradients_graph(fused)
+    pair = verify(pair)
+    merged = verify(fuse_loss_backward(pair))
+    assert WITH_GRAD in _ops(merged) and not {FUSED, f"{FUSED}_grad"} & _ops(merged)
+    (node,) = [n for n in merged.nodes if n.op == WITH_GRAD]
+    assert node.attrs["chunk"] == 4 and len(node.inputs) == 6  # gp, scale, x, w, y, b
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, VOCAB, 10)
+    y[7] = -100
+    feeds = {"x": rng.standard_normal((12, 8)), "w": rng.standard_normal((8, VOCAB)),
+             "b": rng.standard_normal(VOCAB), "y": y}  # fmt: skip
+    for a, b in zip(evaluate(merged, feeds), evaluate(pair, feeds), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    before, after = analyze(pair), analyze(merged)
+    total = [f.forward_flops + f.backward_flops for f in (before, after)]
+    assert total[0] - total[1] >= 2 * 10 * 8 * VOCAB  # one matmul of 10 rows fewer
+    assert after.saved_activation_bytes < before.saved_activation_bytes
+    assert fuse_loss_backward(merged) is merged
 
 
 def test_small_vocabulary_or_logits_read_twice_stay_unfused() -> None:
@@ -171,8 +221,13 @@ def test_llama_equals_unfused_and_autograd(
     assert fused(*batch) == pytest.approx(plain(*batch), rel=1e-5)  # after one update each
     tokens = 2 * 6
     assert _vocab_sized(fused.graph, tokens) == [] and _vocab_sized(plain.graph, tokens) != []
-    saved = [analyze(s.graph).saved_activation_bytes for s in (fused, plain)]
-    assert saved[1] - saved[0] > 0.9 * tokens * VOCAB * 4  # no saved log-probabilities
+    figures = [analyze(s.graph) for s in (fused, plain)]
+    logits = tokens * VOCAB * 4
+    assert figures[1].planned_peak_bytes - figures[0].planned_peak_bytes > 0.25 * logits
+    if not tied:  # no saved log-probabilities; a tied head's gradient, made by the merged
+        # op at the forward's end, is held until the embedding's backward in both graphs
+        saved = [f.saved_activation_bytes for f in figures]
+        assert saved[1] - saved[0] > 0.9 * logits
 
 
 def test_causal_shift_by_slicing_the_logits_is_fused() -> None:
@@ -271,7 +326,7 @@ def test_backends_match_numpy() -> None:
     want, want_loss = reference.gradients(*batch), reference(*batch)
     for backend in ("torch", "onnxruntime", "c"):
         step = pe.compile(model, _classify, batch, backend=backend)
-        assert FUSED in _ops(step.graph), backend
+        assert WITH_GRAD in _ops(step.graph), backend
         _assert_grads(step.gradients(*batch), want, rtol=1e-5)
         assert step(*batch) == pytest.approx(want_loss, rel=1e-6)
 
@@ -339,7 +394,7 @@ def test_c_llama_trains_fused_as_numpy() -> None:
     opt = pe.optim.SGD(lr=0.1, momentum=0.9)  # AdamW would scale float32 noise up
     c_step = pe.compile(work.model, work.loss_fn, batches[0], opt, backend="c")
     reference = pe.compile(work.model, work.loss_fn, batches[0], opt, backend="numpy")
-    assert FUSED in _ops(c_step.graph) and _vocab_sized(c_step.graph, 2 * 6) == []
+    assert WITH_GRAD in _ops(c_step.graph) and _vocab_sized(c_step.graph, 2 * 6) == []
     for batch in batches:
         assert c_step(*batch) == pytest.approx(reference(*batch), rel=1e-5)
     for name, value in reference.state_dict().items():

@@ -30,25 +30,47 @@ def _logits(em: Emitter, x: str, w: str, bias: list[str]) -> str:
 @_k("linear_log_softmax_gather")
 def _forward(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     h, w, index, *bias = x
+    _picked_lse(em, _logits(em, h, _k_by_vocab(em, node, w), bias), index, out[:2])
+
+
+def _picked_lse(em: Emitter, z: str, index: str, out: list[str]) -> str:
+    """picked and lse of the logits ``z`` into ``out``; lse kept [rows, 1] is returned."""
     axis = em.ints([1])
-    z = _logits(em, h, _k_by_vocab(em, node, w), bias)
     top = em.op("ReduceMax", z, axis, keepdims=1)
     total = em.op("ReduceSum", em.op("Exp", em.op("Sub", z, top)), axis, keepdims=1)
     lse = em.op("Add", top, em.op("Log", total))
     picked = em.op("GatherElements", z, em.op("Unsqueeze", index, axis), axis=1)
     em.op("Squeeze", em.op("Sub", picked, lse), axis, out=out[0])
     em.op("Squeeze", lse, axis, out=out[1])
+    return lse
 
 
 @_k("linear_log_softmax_gather_grad")
 def _backward(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     gp, scale, h, w, index, lse, *bias = x
+    kv = _k_by_vocab(em, node, w)
+    z = _logits(em, h, kv, bias)
+    _grads(em, node, z, em.op("Unsqueeze", lse, em.ints([1])), (gp, scale, h, kv, index), out)
+
+
+@_k("linear_log_softmax_gather_with_grad")
+def _with_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    gp, scale, h, w, index, *bias = x
+    kv = _k_by_vocab(em, node, w)
+    z = _logits(em, h, kv, bias)
+    lse = _picked_lse(em, z, index, out[:2])
+    _grads(em, node, z, lse, (gp, scale, h, kv, index), out[2:])
+
+
+def _grads(
+    em: Emitter, node: Node, z: str, lse: str, ins: tuple[str, str, str, str, str], out: list[str]
+) -> None:
+    """The wanted gradients of dz = scale * exp(z - lse) + gp * onehot(index)."""
+    gp, scale, h, kv, index = ins
     axis = em.ints([1])
     major = bool(node.attrs["vocab_major"])
     vocab = node.inputs[3].shape[0 if major else 1]
-    kv = _k_by_vocab(em, node, w)
-    z = _logits(em, h, kv, bias)
-    p = em.op("Exp", em.op("Sub", z, em.op("Unsqueeze", lse, axis)))
+    p = em.op("Exp", em.op("Sub", z, lse))
     classes = em.const(np.arange(vocab, dtype=np.int64).reshape(1, vocab))
     target = em.op("Unsqueeze", em.op("Cast", index, to=7), axis)  # 7: int64
     onehot = em.op("Cast", em.op("Equal", classes, target), to=onnx_dtype(node.inputs[2].dtype))

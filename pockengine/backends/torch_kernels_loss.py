@@ -1,4 +1,5 @@
-"""Torch kernels of ``linear_log_softmax_gather`` and its backward, chunked over rows.
+"""Torch kernels of ``linear_log_softmax_gather``, its backward, and both at once
+(``linear_log_softmax_gather_with_grad``), chunked over rows.
 
 Each chunk's logits are one ``addmm`` (or ``mm``) into one ``[chunk, vocab]`` buffer that
 every chunk reuses, and everything else over it runs in place (the log-sum-exp as
@@ -58,25 +59,67 @@ def linear_log_softmax_gather_grad(
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The wanted ones of gx, gw, gb: dz = scale * softmax(z) + gp * onehot(index) per
     chunk, its logits recomputed; gw in w's own layout, written contiguously."""
-    x_grad, w_grad, b_grad = wanted
     rows, kv = x.shape[0], w.t() if vocab_major else w  # kv: [k, vocab]
-    gx = torch.empty_like(x) if x_grad else None
-    gw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if w_grad else None
-    gb = torch.zeros(kv.shape[1], dtype=w.dtype, device=w.device) if b_grad else None
+    grads = _Grads(x, w, kv, wanted)
     index, buffer = index.long(), _buffer(x, chunk, kv.shape[1])
     for start in range(0, rows, chunk):
         at = slice(start, min(rows, start + chunk))
         dz = _logits(x[at], kv, bias, buffer).sub_(lse[at, None]).exp_().mul_(scale[at, None])
         dz.scatter_add_(1, index[at, None], gp[at, None])
-        if gx is not None:
-            torch.mm(dz, kv.t(), out=gx[at])
-        if gw is not None and vocab_major:
-            gw.addmm_(dz.t(), x[at])
-        elif gw is not None:
-            gw.addmm_(x[at].t(), dz)
-        if gb is not None:
-            gb.add_(dz.sum(0))
-    return tuple(g for g in (gx, gw, gb) if g is not None)
+        grads.add(dz, x, kv, at, vocab_major)
+    return grads.wanted()
+
+
+def linear_log_softmax_gather_with_grad(
+    gp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+    index: torch.Tensor, bias: torch.Tensor | None, chunk: int, vocab_major: bool,
+    wanted: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """picked, lse and the wanted gradients, each chunk's logits made once: exp(z - top)
+    gives the log-sum-exp's sum and, divided by it, softmax(z) in the same buffer."""
+    rows, kv = x.shape[0], w.t() if vocab_major else w
+    picked, lse = x.new_empty(rows), x.new_empty(rows)
+    grads = _Grads(x, w, kv, wanted)
+    index, buffer = index.long(), _buffer(x, chunk, kv.shape[1])
+    for start in range(0, rows, chunk):
+        at = slice(start, min(rows, start + chunk))
+        z = _logits(x[at], kv, bias, buffer)
+        torch.gather(z, 1, index[at, None], out=picked[at, None])
+        top = z.amax(1, keepdim=True)
+        total = z.sub_(top).exp_().sum(1, keepdim=True)
+        torch.add(total.log().squeeze_(1), top.squeeze_(1), out=lse[at])
+        picked[at] -= lse[at]
+        dz = z.mul_(scale[at, None] / total)  # softmax(z) * scale
+        dz.scatter_add_(1, index[at, None], gp[at, None])
+        grads.add(dz, x, kv, at, vocab_major)
+    return (picked, lse, *grads.wanted())
+
+
+class _Grads:
+    """gx (by rows), gw and gb (accumulated over chunks), those ``wanted`` allocated."""
+
+    def __init__(
+        self, x: torch.Tensor, w: torch.Tensor, kv: torch.Tensor, wanted: tuple[bool, bool, bool]
+    ) -> None:
+        x_grad, w_grad, b_grad = wanted
+        self.gx = torch.empty_like(x) if x_grad else None
+        self.gw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if w_grad else None
+        self.gb = torch.zeros(kv.shape[1], dtype=w.dtype, device=w.device) if b_grad else None
+
+    def add(
+        self, dz: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, at: slice, vocab_major: bool
+    ) -> None:
+        if self.gx is not None:
+            torch.mm(dz, kv.t(), out=self.gx[at])
+        if self.gw is not None and vocab_major:
+            self.gw.addmm_(dz.t(), x[at])
+        elif self.gw is not None:
+            self.gw.addmm_(x[at].t(), dz)
+        if self.gb is not None:
+            self.gb.add_(dz.sum(0))
+
+    def wanted(self) -> tuple[torch.Tensor, ...]:
+        return tuple(g for g in (self.gx, self.gw, self.gb) if g is not None)
 
 
 def _forward(e: Emit) -> list[str]:
@@ -96,12 +139,23 @@ def _backward(e: Emit) -> list[str]:
     return [f"{', '.join(e.outs)}, = linear_log_softmax_gather_grad({args})"]
 
 
+def _with_grad(e: Emit) -> list[str]:
+    gp, scale, x, w, index, *bias = e.ins
+    b = bias[0] if bias else "None"
+    chunk, major = literal(int(e.attr("chunk"))), literal(bool(e.attr("vocab_major")))
+    wanted = literal(tuple(bool(e.attr(k)) for k in ("x_grad", "w_grad", "b_grad")))
+    args = f"{gp}, {scale}, {x}, {w}, {index}, {b}, {chunk}, {major}, {wanted}"
+    return [f"{', '.join(e.outs)} = linear_log_softmax_gather_with_grad({args})"]
+
+
 KERNELS: dict[str, Emitter] = {
     "linear_log_softmax_gather": _forward,
     "linear_log_softmax_gather_grad": _backward,
+    "linear_log_softmax_gather_with_grad": _with_grad,
 }
 
 NAMESPACE: dict[str, Any] = {
     "linear_log_softmax_gather": linear_log_softmax_gather,
     "linear_log_softmax_gather_grad": linear_log_softmax_gather_grad,
+    "linear_log_softmax_gather_with_grad": linear_log_softmax_gather_with_grad,
 }

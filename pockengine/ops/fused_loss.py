@@ -14,18 +14,26 @@ elements in both directions.
 
 ``passes.fuse_loss`` rewrites the frontends' pattern into these ops; the ignore-index
 guard, the negation and the mean around the gather stay as they were.
+
+``linear_log_softmax_gather_with_grad`` is both at once: each chunk's logits are made
+once, and its log-sum-exp, picked values and gradients come from them. The training
+graph uses it where the cotangents (``gp``, ``scale``) do not depend on the op's own
+outputs -- a mean or sum of the picked log-probabilities, masked or not, whose gradient
+is known before the loss is -- so the backward's recomputed matmul goes
+(``passes.fuse_loss.fuse_loss_backward``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from pockengine.ir import DType, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array
 
-__all__ = ["chunks", "vocab_of"]
+__all__ = ["chunks", "grad_outputs", "vocab_of"]
 
 _INDEX_DTYPES = (DType.I64, DType.I32)
 
@@ -58,6 +66,40 @@ def _check(
     vocab = vocab_of(w, vocab_major)
     if len(bias) > 1 or any(b != TensorType((vocab,), x.dtype) for b in bias):
         raise ShapeError(f"{op} takes at most one bias [{vocab}] of x's dtype, got {bias}")
+
+
+def grad_outputs(
+    op: str, x: TensorType, w: TensorType, bias: Sequence[TensorType], x_grad: bool,
+    w_grad: bool, b_grad: bool,
+) -> tuple[TensorType, ...]:  # fmt: skip
+    """The types of the gradients ``x_grad``, ``w_grad``, ``b_grad`` ask for, in that order."""
+    if b_grad and not bias:
+        raise ShapeError(f"{op}: b_grad without a bias")
+    wanted = ((x_grad, x), (w_grad, w), (b_grad, bias[0] if bias else x))
+    return tuple(t for want, t in wanted if want)
+
+
+def _chunk_grads(
+    z: Array, lse: Array, gp: Array, scale: Array, index: Array, x: Array, w: Array,
+    vocab_major: bool, grads: tuple[Array, Array, Array], wanted: tuple[bool, bool, bool],
+) -> None:  # fmt: skip
+    """One chunk's dz = scale * exp(z - lse) + gp * onehot(index) into ``grads`` (gx rows,
+    and gw, gb accumulated); z, lse, gp, scale, index and x are the chunk's rows."""
+    gx, gw, gb = grads
+    dz = np.exp(z - lse[:, None]) * scale[:, None]
+    dz[np.arange(dz.shape[0]), index] += gp
+    if wanted[0]:
+        gx[...] = dz @ (w if vocab_major else w.T)
+    if wanted[1]:
+        gw += dz.T @ x if vocab_major else x.T @ dz
+    if wanted[2]:
+        gb += np.sum(dz, axis=0)
+
+
+def _kept(
+    wanted: tuple[bool, bool, bool], grads: tuple[Array, Array, Array], dtype: Any
+) -> tuple[Array, ...]:
+    return tuple(np.asarray(g, dtype=dtype) for want, g in zip(wanted, grads, strict=True) if want)
 
 
 def _check_chunk(op: str, chunk: object) -> int:
@@ -172,10 +214,7 @@ class LinearLogSoftmaxGatherGrad:
         rows = TensorType((x.shape[0],), x.dtype)
         if gp != rows or scale != rows or lse != rows:
             raise ShapeError(f"{op} needs gp, scale and lse of type {rows}: {gp}, {scale}, {lse}")
-        if b_grad and not bias:
-            raise ShapeError(f"{op}: b_grad without a bias")
-        wanted = ((x_grad, x), (w_grad, w), (b_grad, bias[0] if bias else x))
-        return tuple(t for want, t in wanted if want)
+        return grad_outputs(op, x, w, bias, x_grad, w_grad, b_grad)
 
     @staticmethod
     def kernel(
@@ -184,18 +223,12 @@ class LinearLogSoftmaxGatherGrad:
     ) -> tuple[Array, ...]:  # fmt: skip
         gx, gw = np.zeros_like(x), np.zeros_like(w)
         gb = np.zeros(w.shape[0] if vocab_major else w.shape[1], dtype=x.dtype)
+        wanted = (x_grad, w_grad, b_grad)
         for rows in chunks(x.shape[0], chunk):
             z = _logits(x[rows], w, bias, vocab_major)
-            dz = np.exp(z - lse[rows, None]) * scale[rows, None]
-            dz[np.arange(dz.shape[0]), index[rows]] += gp[rows]
-            if x_grad:
-                gx[rows] = dz @ (w if vocab_major else w.T)
-            if w_grad:
-                gw += dz.T @ x[rows] if vocab_major else x[rows].T @ dz
-            if b_grad:
-                gb += np.sum(dz, axis=0)
-        wanted = ((x_grad, gx), (w_grad, gw), (b_grad, gb))
-        return tuple(np.asarray(g, dtype=x.dtype) for want, g in wanted if want)
+            _chunk_grads(z, lse[rows], gp[rows], scale[rows], index[rows], x[rows], w,
+                         vocab_major, (gx[rows], gw, gb), wanted)  # fmt: skip
+        return _kept(wanted, (gx, gw, gb), x.dtype)
 
     @staticmethod
     def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:
@@ -214,4 +247,58 @@ class LinearLogSoftmaxGatherGrad:
             _, lse = LinearLogSoftmaxGather.kernel(*sample.inputs, **sample.attrs)
             gp, scale = rng.standard_normal(x.shape[0]), rng.standard_normal(x.shape[0])
             out.append(Sample((gp, scale, x, w, index, lse, *bias), {**sample.attrs, **grads}))
+        return out
+
+
+@defop("linear_log_softmax_gather_with_grad")
+class LinearLogSoftmaxGatherWithGrad:
+    """linear_log_softmax_gather and its backward kernel in one pass over the chunks,
+    each chunk's logits made once: outputs picked, lse, then the gradients ``x_grad``,
+    ``w_grad``, ``b_grad`` ask for, of dz = scale * softmax(z) + gp * onehot(index)
+    (inputs: gp, scale, x, w, index, [b]). Only correct where gp and scale are known
+    before the loss is: ``passes.fuse_loss.fuse_loss_backward`` checks that."""
+
+    @staticmethod
+    def infer(
+        gp: TensorType, scale: TensorType, x: TensorType, w: TensorType, index: TensorType,
+        *bias: TensorType, chunk: int, vocab_major: bool, x_grad: bool, w_grad: bool,
+        b_grad: bool,
+    ) -> tuple[TensorType, ...]:  # fmt: skip
+        op = "linear_log_softmax_gather_with_grad"
+        _check(op, x, w, index, bias, vocab_major)
+        _check_chunk(op, chunk)
+        rows = TensorType((x.shape[0],), x.dtype)
+        if gp != rows or scale != rows:
+            raise ShapeError(f"{op} needs gp and scale of type {rows}: {gp}, {scale}")
+        return (rows, rows, *grad_outputs(op, x, w, bias, x_grad, w_grad, b_grad))
+
+    @staticmethod
+    def kernel(
+        gp: Array, scale: Array, x: Array, w: Array, index: Array, *bias: Array, chunk: int,
+        vocab_major: bool, x_grad: bool, w_grad: bool, b_grad: bool,
+    ) -> tuple[Array, ...]:  # fmt: skip
+        picked, lse = np.empty(x.shape[0], x.dtype), np.empty(x.shape[0], x.dtype)
+        gx, gw = np.zeros_like(x), np.zeros_like(w)
+        gb = np.zeros(w.shape[0] if vocab_major else w.shape[1], dtype=x.dtype)
+        wanted = (x_grad, w_grad, b_grad)
+        for rows in chunks(x.shape[0], chunk):
+            z = _logits(x[rows], w, bias, vocab_major)
+            lse[rows] = _logsumexp(z)
+            picked[rows] = z[np.arange(z.shape[0]), index[rows]] - lse[rows]
+            _chunk_grads(z, lse[rows], gp[rows], scale[rows], index[rows], x[rows], w,
+                         vocab_major, (gx[rows], gw, gb), wanted)  # fmt: skip
+        return (picked, lse, *_kept(wanted, (gx, gw, gb), x.dtype))
+
+    @staticmethod
+    def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:
+        x, w = ins[2], ins[3]
+        grads = sum(bool(attrs[k]) for k in ("x_grad", "w_grad"))  # type: ignore[index]
+        return (1 + grads) * _gemm_flops(x, w) + 8 * x.shape[0] * w.numel // x.shape[1]
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        out = []
+        for sample in LinearLogSoftmaxGatherGrad.samples(rng):
+            gp, scale, x, w, index, _, *bias = sample.inputs
+            out.append(Sample((gp, scale, x, w, index, *bias), sample.attrs))
         return out

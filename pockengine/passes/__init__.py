@@ -6,7 +6,7 @@ from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
 from pockengine.passes.fuse import fold_channel_affine, fuse_linear_bias
-from pockengine.passes.fuse_loss import fuse_linear_cross_entropy
+from pockengine.passes.fuse_loss import fuse_linear_cross_entropy, fuse_loss_backward
 from pockengine.passes.pipeline import (
     DEFAULT_PIPELINE,
     FORWARD_PIPELINE,
@@ -30,6 +30,7 @@ __all__ = [
     "forward_passes",
     "fuse_linear_bias",
     "fuse_linear_cross_entropy",
+    "fuse_loss_backward",
     "rematerialize",
     "reorder_updates",
     "run_pipeline",

@@ -32,14 +32,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pockengine.ir import Graph, GraphBuilder, Node, Value
+from pockengine.ir import Attrs, Graph, GraphBuilder, Node, Phase, Value, get_op
 from pockengine.passes.fuse import NodeIndex, rewrite
 
-__all__ = ["CHUNK_ELEMENTS", "FUSED_LOSS_OPS", "MIN_VOCAB", "fuse_linear_cross_entropy"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "FUSED_LOSS_OPS",
+    "MIN_VOCAB",
+    "fuse_linear_cross_entropy",
+    "fuse_loss_backward",
+]
 
 MIN_VOCAB = 8192  # smallest vocabulary fused (language models have 30k-250k entries)
 CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 32 MiB of float32
-FUSED_LOSS_OPS = frozenset({"linear_log_softmax_gather", "linear_log_softmax_gather_grad"})
+FORWARD_OP, GRAD_OP = "linear_log_softmax_gather", "linear_log_softmax_gather_grad"
+WITH_GRAD_OP = "linear_log_softmax_gather_with_grad"
+FUSED_LOSS_OPS = frozenset({FORWARD_OP, GRAD_OP, WITH_GRAD_OP})
 _ROW_VIEWS = frozenset({"reshape", "slice", "transpose"})
 
 
@@ -187,3 +195,70 @@ def fuse_linear_cross_entropy(
         return None if m is None else _fused(b, node, m, renamed, index, chunk_elements)
 
     return rewrite(graph, rule)
+
+
+def fuse_loss_backward(graph: Graph) -> Graph:
+    """The training graph with each fused loss and its backward kernel merged into one
+    ``linear_log_softmax_gather_with_grad`` where that is sound: each chunk's logits are
+    then made once instead of twice (the backward's recomputation was one more
+    ``[tokens, k] x [k, vocab]`` matmul a step: for SmolLM2 at 512 tokens, 29 GFLOP).
+
+    Sound where the backward kernel's cotangents ``gp`` and ``scale`` do not depend on the
+    forward op's outputs: a loss that is a mean or sum of the picked log-probabilities
+    (masked or not) has a gradient known before the loss is. The nodes computing them
+    (the seed, the mean's and the mask's backward) move to just before the merged node,
+    which takes the forward op's place; a cotangent that reads the loss (a loss reweighted
+    by its own log-probabilities) leaves the pair as it is, and so does any effect among
+    those nodes. Needs: a verified training graph. Guarantees: the same values; every
+    other node keeps its relative order."""
+    while (merged := _merge_one(graph)) is not None:
+        graph = merged
+    return graph
+
+
+def _merge_one(graph: Graph) -> Graph | None:
+    nodes = graph.nodes
+    at = {out.name: i for i, n in enumerate(nodes) for out in n.outputs}
+    for gi, grad in enumerate(nodes):
+        if grad.op != GRAD_OP:
+            continue
+        gp, scale, x, w, index, lse, *bias = grad.inputs
+        fi = at.get(lse.name)
+        if fi is None or nodes[fi].op != FORWARD_OP:
+            continue
+        forward = nodes[fi]
+        same = tuple(v.name for v in forward.inputs) == tuple(v.name for v in (x, w, index, *bias))
+        if not same or any(forward.attrs[k] != grad.attrs[k] for k in ("chunk", "vocab_major")):
+            continue
+        moved = _cotangent_nodes(nodes, at, fi, (gp, scale))
+        if moved is None:
+            continue
+        attrs = Attrs({**grad.attrs})
+        both = Node(WITH_GRAD_OP, (gp, scale, x, w, index, *bias),
+                    (*forward.outputs, *grad.outputs), attrs, forward.source,
+                    Phase.FORWARD)  # fmt: skip
+        get_op(WITH_GRAD_OP).infer_types([v.type for v in both.inputs], attrs)
+        rest = [n for i, n in enumerate(nodes[fi + 1 :], fi + 1) if i not in moved and i != gi]
+        order = [*nodes[:fi], *(nodes[i] for i in sorted(moved)), both, *rest]
+        return graph.replace(nodes=tuple(order))
+    return None
+
+
+def _cotangent_nodes(
+    nodes: Sequence[Node], at: dict[str, int], first: int, values: Sequence[Value]
+) -> set[int] | None:
+    """The positions after ``first`` of the nodes that ``values`` are computed from; None
+    if one of them reads node ``first``'s outputs or has an effect."""
+    made = {v.name for v in nodes[first].outputs}
+    found: set[int] = set()
+    todo = [at[v.name] for v in values if v.name in at and at[v.name] > first]
+    while todo:
+        i = todo.pop()
+        if i in found:
+            continue
+        node = nodes[i]
+        if any(v.name in made for v in node.inputs) or get_op(node.op).effectful:
+            return None
+        found.add(i)
+        todo.extend(at[v.name] for v in node.inputs if v.name in at and at[v.name] > first)
+    return found

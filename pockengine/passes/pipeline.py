@@ -15,7 +15,11 @@ from pockengine.passes.cse import eliminate_common_subexpressions
 from pockengine.passes.dce import eliminate_dead_code
 from pockengine.passes.fold import fold_constants
 from pockengine.passes.fuse import fold_channel_affine, fuse_linear_bias
-from pockengine.passes.fuse_loss import FUSED_LOSS_OPS, fuse_linear_cross_entropy
+from pockengine.passes.fuse_loss import (
+    FUSED_LOSS_OPS,
+    fuse_linear_cross_entropy,
+    fuse_loss_backward,
+)
 from pockengine.passes.remat import rematerialize
 from pockengine.passes.reorder import reorder_updates
 
@@ -31,7 +35,8 @@ __all__ = [
 Pass = Callable[[Graph], Graph]
 
 # Folding first turns constant chains into ``full`` nodes that CSE can then merge;
-# dead-code elimination drops what both left unread; fusion works on what is left;
+# dead-code elimination drops what both left unread; fusion works on what is left (a
+# fused loss and its backward kernel become one op where the cotangents allow it);
 # rematerialisation then trades saved activations for recomputation in the backward pass;
 # reordering comes last, on the final set of nodes, since it is about order alone.
 # On the forward graph, before autodiff: rewrites whose backward autodiff then derives.
@@ -43,6 +48,7 @@ DEFAULT_PIPELINE: tuple[Pass, ...] = (
     eliminate_common_subexpressions,
     eliminate_dead_code,
     fuse_linear_bias,
+    fuse_loss_backward,
     rematerialize,
     reorder_updates,
 )

@@ -41,18 +41,40 @@ def _forward(ctx: EmitContext, node: Node) -> str:
 
 def _backward(ctx: EmitContext, node: Node) -> str:
     gp, scale, x, w, index, lse, *bias = node.inputs
+    return _grad_call(ctx, node, (gp, scale, x, w, index), ctx.ref(lse), bias, node.outputs)
+
+
+def _grad_call(
+    ctx: EmitContext, node: Node, ins: tuple[Value, ...], lse: str, bias: list[Value],
+    grads: tuple[Value, ...],
+) -> str:  # fmt: skip
+    x, w, index = ins[2:]
     tail = _head(node, x, w, index)
-    outs = iter(ctx.ref(v) for v in node.outputs)
+    outs = iter(ctx.ref(v) for v in grads)
     gx, gw, gb = (next(outs) if node.attrs[k] else "NULL" for k in ("x_grad", "w_grad", "b_grad"))
     b = ctx.ref(bias[0]) if bias else "NULL"
-    ins = ", ".join(ctx.ref(v) for v in (gp, scale, x, w, index))
+    refs = ", ".join(ctx.ref(v) for v in ins)
     return (
-        f"pe_linear_log_softmax_gather_grad_{_sfx(x)}({ins}, {_wide(index)}, {ctx.ref(lse)}, "
+        f"pe_linear_log_softmax_gather_grad_{_sfx(x)}({refs}, {_wide(index)}, {lse}, "
         f"{b}, {gx}, {gw}, {gb}, {tail});"
     )
+
+
+def _with_grad(ctx: EmitContext, node: Node) -> str:
+    """Both kernels in turn (the C kernels make each chunk's logits twice, as the unfused
+    pair does: the C backend gains the op, not its saved matmul)."""
+    gp, scale, x, w, index, *bias = node.inputs
+    picked, lse, *grads = node.outputs
+    forward = node.replace(op="linear_log_softmax_gather", inputs=(x, w, index, *bias),
+                           outputs=(picked, lse))  # fmt: skip
+    return (
+        _forward(ctx, forward) + "\n"
+        + _grad_call(ctx, node, (gp, scale, x, w, index), ctx.ref(lse), bias, tuple(grads))
+    )  # fmt: skip
 
 
 KERNELS: dict[str, Lowering] = {
     "linear_log_softmax_gather": _forward,
     "linear_log_softmax_gather_grad": _backward,
+    "linear_log_softmax_gather_with_grad": _with_grad,
 }
