@@ -21,6 +21,7 @@ from pockengine.passes import (
     fold_constants,
     fuse_linear_bias,
     fuse_linear_cross_entropy,
+    fuse_loss_backward,
     rematerialize,
     reorder_updates,
     run_pipeline,
@@ -35,6 +36,7 @@ PASSES: tuple[Pass, ...] = (
     eliminate_common_subexpressions,
     eliminate_dead_code,
     fuse_linear_bias,
+    fuse_loss_backward,
     rematerialize,
     reorder_updates,
 )

@@ -195,8 +195,8 @@ def test_report_lists_frozen_weight_bytes_by_dtype(
     frozen = step.report().ours.frozen_bytes
     codes = sum(v.type.nbytes for v in step.graph.params if v.name.endswith(".codes"))
     assert frozen["u8"] == codes > 0
-    fused = [n for n in step.graph.nodes if n.op == "linear_log_softmax_gather"]
-    assert fused and fused[0].inputs[1].name.endswith("_dq_0")  # the LM head, dequantized
+    fused = [n for n in step.graph.nodes if n.op == "linear_log_softmax_gather_with_grad"]
+    assert fused and fused[0].inputs[3].name.endswith("_dq_0")  # the LM head, dequantized
     assert "frozen weights" in str(step.report())
 
 

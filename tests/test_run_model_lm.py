@@ -97,6 +97,9 @@ def _check_causal_lm(out: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["evaluate", str(out)]) == 0
     result = json.loads((out / "eval.json").read_text())
     final = json.loads((out / "summary.json").read_text())["final"]
-    assert result["loss"] == final["val_loss"] and result["perplexity"] == final["val_perplexity"]
+    # the run validated through its compiled evaluator (the fused, chunked loss), evaluate
+    # runs the model eagerly: the same weights, float32 sums in another order
+    assert result["loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+    assert result["perplexity"] == pytest.approx(final["val_perplexity"], rel=1e-5)
     with pytest.raises(pe.FinetuneError, match="causal language model"):
         loaded.predict(["a text"])
