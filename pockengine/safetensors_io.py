@@ -28,7 +28,9 @@ __all__ = [
     "all_zero",
     "append_tensors",
     "header_bytes",
+    "metadata_of",
     "pages_out_after_write",
+    "read_metadata",
     "write_rows",
     "write_safetensors_to",
     "write_streamed_to",
@@ -175,6 +177,27 @@ def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
                 if a.nbytes:
                     dst.write(a.reshape(-1).view(np.uint8).data)
     os.replace(tmp, path)
+
+
+def metadata_of(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file from its first bytes (at least the
+    8-byte size and the JSON header); a ``ValueError`` when it is not a string map."""
+    size = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + size]).get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("bad safetensors metadata")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def read_metadata(path: str | os.PathLike[str], limit: int = 100 << 20) -> dict[str, str]:
+    """The ``__metadata__`` of the safetensors file ``path``, reading its header alone;
+    a ``ValueError`` for a header size outside (0, ``limit``], an ``OSError`` unread."""
+    with Path(path).open("rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little")
+        if len(head) < 8 or not 0 < size <= limit:
+            raise ValueError(f"{path}: not a safetensors header (size {size})")
+        return metadata_of(head + f.read(size))
 
 
 class SafetensorsError(ValueError):

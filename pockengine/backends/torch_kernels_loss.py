@@ -44,12 +44,21 @@ def linear_log_softmax_gather(
     buffer = _buffer(x, chunk, w.shape[1])
     for start in range(0, rows, chunk):
         at = slice(start, min(rows, start + chunk))
-        z = _logits(x[at], w, bias, buffer)
-        torch.gather(z, 1, index[at, None], out=picked[at, None])
-        top = z.amax(1, keepdim=True)
-        torch.sum(z.sub_(top).exp_(), 1, out=lse[at]).log_().add_(top.squeeze_(1))
-        picked[at] -= lse[at]
+        _picked_lse_(_logits(x[at], w, bias, buffer), index, picked, lse, at)
     return picked, lse
+
+
+def _picked_lse_(
+    z: torch.Tensor, index: torch.Tensor, picked: torch.Tensor, lse: torch.Tensor, at: slice
+) -> torch.Tensor:
+    """picked[at] and lse[at] of the chunk's logits ``z``, which become exp(z - max) in
+    place; returns their row sums (``[rows, 1]``), softmax's denominators."""
+    torch.gather(z, 1, index[at, None], out=picked[at, None])
+    top = z.amax(1, keepdim=True)
+    total = z.sub_(top).exp_().sum(1, keepdim=True)
+    torch.add(total.log().squeeze_(1), top.squeeze_(1), out=lse[at])
+    picked[at] -= lse[at]
+    return total
 
 
 def linear_log_softmax_gather_grad(
@@ -84,11 +93,7 @@ def linear_log_softmax_gather_with_grad(
     for start in range(0, rows, chunk):
         at = slice(start, min(rows, start + chunk))
         z = _logits(x[at], kv, bias, buffer)
-        torch.gather(z, 1, index[at, None], out=picked[at, None])
-        top = z.amax(1, keepdim=True)
-        total = z.sub_(top).exp_().sum(1, keepdim=True)
-        torch.add(total.log().squeeze_(1), top.squeeze_(1), out=lse[at])
-        picked[at] -= lse[at]
+        total = _picked_lse_(z, index, picked, lse, at)
         dz = z.mul_(scale[at, None] / total)  # softmax(z) * scale
         dz.scatter_add_(1, index[at, None], gp[at, None])
         grads.add(dz, x, kv, at, vocab_major)

@@ -41,6 +41,7 @@ from pockengine.finetune import recipes
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.trainer import linear_schedule
 from pockengine.runtime import TrainStep
+from pockengine.safetensors_io import read_metadata
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 
@@ -133,11 +134,8 @@ def _saved_choice(config: FederatedConfig) -> dict[str, Any] | None:
     """The scheme choice in the saved global state's config, if there is one."""
     from pockengine.federated.server import GLOBAL_STATE, out_dir
 
-    path = out_dir(config) / GLOBAL_STATE
     try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))["__metadata__"]
+        header = read_metadata(out_dir(config) / GLOBAL_STATE)
         saved: dict[str, Any] | None = json.loads(header["config"]).get("scheme_choice")
     except (OSError, ValueError, KeyError):
         return None

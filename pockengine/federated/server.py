@@ -36,6 +36,7 @@ from pockengine.finetune.checkpoint import write_atomic, write_json_lines
 from pockengine.finetune.metrics import MetricsLog, evaluate
 from pockengine.finetune.recipes import Task
 from pockengine.runtime import TrainStep
+from pockengine.safetensors_io import metadata_of
 
 __all__ = ["GLOBAL_STATE", "ROUNDS", "SUMMARY", "app", "out_dir", "run_server"]
 
@@ -104,7 +105,7 @@ def _start_state(
         data = path.read_bytes()
     except FileNotFoundError:
         raise FederatedError(f"--resume: no saved global state at {path}") from None
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+    header = metadata_of(data)
     saved = json.loads(header["config"])
     if not config.trains_as_saved(saved):
         raise FederatedError(f"--resume: {path} was saved by a run with other options")

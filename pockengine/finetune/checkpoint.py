@@ -29,7 +29,7 @@ import numpy as np
 
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.model_files import check_safetensors
-from pockengine.safetensors_io import write_safetensors_to
+from pockengine.safetensors_io import metadata_of, read_metadata, write_safetensors_to
 
 __all__ = [
     "CHECKPOINT",
@@ -94,7 +94,7 @@ def load(path: str | Path) -> Checkpoint:
         data = p.read_bytes()
         check_safetensors(p, data)  # a truncated file fails here, before the Rust reader
         tensors = from_bytes(data)
-        meta = _metadata(data)
+        meta = metadata_of(data)
     except FileNotFoundError as exc:
         raise FinetuneError(f"no checkpoint to resume from at {p}") from exc
     except (OSError, SafetensorError, ValueError) as exc:
@@ -124,12 +124,7 @@ def saved_options(path: str | Path) -> dict[str, Any] | None:
     """The training options a checkpoint stored, read from its header alone; None when
     there is no readable checkpoint there (``load`` then says why)."""
     try:
-        with Path(path).open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= _HEADER_LIMIT:
-                return None
-            header = json.loads(f.read(size))
-        meta = header.get("__metadata__", {})
+        meta = read_metadata(path, _HEADER_LIMIT)
         return _json_object(meta["config"]) if meta.get("format") == FORMAT else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -140,16 +135,6 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {text[:40]!r}")
     return value
-
-
-def _metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (its JSON header)."""
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + size])
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict):
-        raise ValueError("bad safetensors metadata")
-    return {str(k): str(v) for k, v in meta.items()}
 
 
 # -- atomic files ----------------------------------------------------------------------

@@ -79,21 +79,42 @@ def grad_outputs(
     return tuple(t for want, t in wanted if want)
 
 
-def _chunk_grads(
-    z: Array, lse: Array, gp: Array, scale: Array, index: Array, x: Array, w: Array,
-    vocab_major: bool, grads: tuple[Array, Array, Array], wanted: tuple[bool, bool, bool],
-) -> None:  # fmt: skip
-    """One chunk's dz = scale * exp(z - lse) + gp * onehot(index) into ``grads`` (gx rows,
-    and gw, gb accumulated); z, lse, gp, scale, index and x are the chunk's rows."""
-    gx, gw, gb = grads
-    dz = np.exp(z - lse[:, None]) * scale[:, None]
-    dz[np.arange(dz.shape[0]), index] += gp
-    if wanted[0]:
-        gx[...] = dz @ (w if vocab_major else w.T)
-    if wanted[1]:
-        gw += dz.T @ x if vocab_major else x.T @ dz
-    if wanted[2]:
-        gb += np.sum(dz, axis=0)
+def _run_chunks(
+    x: Array,
+    w: Array,
+    index: Array,
+    bias: Sequence[Array],
+    chunk: int,
+    vocab_major: bool,
+    lse: Array | None = None,
+    cotangents: tuple[Array, Array] | None = None,
+    wanted: tuple[bool, bool, bool] = (False, False, False),
+) -> tuple[Array, Array, tuple[Array, ...]]:
+    """The chunk loop of all three kernels: picked and lse (lse computed unless given),
+    and with ``cotangents`` (gp, scale) the ``wanted`` ones of gx, gw, gb of dz = scale *
+    exp(z - lse) + gp * onehot(index), each chunk's logits made once."""
+    picked = np.empty(x.shape[0], dtype=x.dtype)
+    given = lse is not None
+    lse = lse if lse is not None else np.empty(x.shape[0], dtype=x.dtype)
+    gx, gw = np.zeros_like(x), np.zeros_like(w)
+    gb = np.zeros(w.shape[0] if vocab_major else w.shape[1], dtype=x.dtype)
+    for rows in chunks(x.shape[0], chunk):
+        z = _logits(x[rows], w, bias, vocab_major)
+        if not given:
+            lse[rows] = _logsumexp(z)
+            picked[rows] = z[np.arange(z.shape[0]), index[rows]] - lse[rows]
+        if cotangents is None:
+            continue
+        gp, scale = cotangents
+        dz = np.exp(z - lse[rows, None]) * scale[rows, None]
+        dz[np.arange(dz.shape[0]), index[rows]] += gp[rows]
+        if wanted[0]:
+            gx[rows] = dz @ (w if vocab_major else w.T)
+        if wanted[1]:
+            gw += dz.T @ x[rows] if vocab_major else x[rows].T @ dz
+        if wanted[2]:
+            gb += np.sum(dz, axis=0)
+    return picked, lse, _kept(wanted, (gx, gw, gb), x.dtype)
 
 
 def _kept(
@@ -122,6 +143,13 @@ def _gemm_flops(x: TensorType, w: TensorType) -> int:
     return 2 * x.numel * w.numel // x.shape[1]
 
 
+def _grad_flops(x: TensorType, w: TensorType, attrs: Any, elementwise: int) -> int:
+    """One logits product, one more per gradient product asked for, ``elementwise`` per
+    logit."""
+    grads = sum(bool(attrs[k]) for k in ("x_grad", "w_grad"))
+    return (1 + grads) * _gemm_flops(x, w) + elementwise * x.shape[0] * w.numel // x.shape[1]
+
+
 @defop("linear_log_softmax_gather")
 class LinearLogSoftmaxGather:
     """Forward: z = x @ w (+ b) (x @ w^T with ``vocab_major``, w [vocab, k] as nn.Linear
@@ -145,12 +173,7 @@ class LinearLogSoftmaxGather:
     def kernel(
         x: Array, w: Array, index: Array, *bias: Array, chunk: int, vocab_major: bool
     ) -> tuple[Array, Array]:
-        picked = np.empty(x.shape[0], dtype=x.dtype)
-        lse = np.empty(x.shape[0], dtype=x.dtype)
-        for rows in chunks(x.shape[0], chunk):
-            z = _logits(x[rows], w, bias, vocab_major)
-            lse[rows] = _logsumexp(z)
-            picked[rows] = z[np.arange(z.shape[0]), index[rows]] - lse[rows]
+        picked, lse, _ = _run_chunks(x, w, index, bias, chunk, vocab_major)
         return picked, lse
 
     @staticmethod
@@ -221,20 +244,12 @@ class LinearLogSoftmaxGatherGrad:
         gp: Array, scale: Array, x: Array, w: Array, index: Array, lse: Array, *bias: Array,
         chunk: int, vocab_major: bool, x_grad: bool, w_grad: bool, b_grad: bool,
     ) -> tuple[Array, ...]:  # fmt: skip
-        gx, gw = np.zeros_like(x), np.zeros_like(w)
-        gb = np.zeros(w.shape[0] if vocab_major else w.shape[1], dtype=x.dtype)
         wanted = (x_grad, w_grad, b_grad)
-        for rows in chunks(x.shape[0], chunk):
-            z = _logits(x[rows], w, bias, vocab_major)
-            _chunk_grads(z, lse[rows], gp[rows], scale[rows], index[rows], x[rows], w,
-                         vocab_major, (gx[rows], gw, gb), wanted)  # fmt: skip
-        return _kept(wanted, (gx, gw, gb), x.dtype)
+        return _run_chunks(x, w, index, bias, chunk, vocab_major, lse, (gp, scale), wanted)[2]
 
     @staticmethod
     def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:
-        x, w = ins[2], ins[3]
-        grads = sum(bool(attrs[k]) for k in ("x_grad", "w_grad"))  # type: ignore[index]
-        return (1 + grads) * _gemm_flops(x, w) + 4 * x.shape[0] * w.numel // x.shape[1]
+        return _grad_flops(ins[2], ins[3], attrs, elementwise=4)
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
@@ -277,23 +292,14 @@ class LinearLogSoftmaxGatherWithGrad:
         gp: Array, scale: Array, x: Array, w: Array, index: Array, *bias: Array, chunk: int,
         vocab_major: bool, x_grad: bool, w_grad: bool, b_grad: bool,
     ) -> tuple[Array, ...]:  # fmt: skip
-        picked, lse = np.empty(x.shape[0], x.dtype), np.empty(x.shape[0], x.dtype)
-        gx, gw = np.zeros_like(x), np.zeros_like(w)
-        gb = np.zeros(w.shape[0] if vocab_major else w.shape[1], dtype=x.dtype)
         wanted = (x_grad, w_grad, b_grad)
-        for rows in chunks(x.shape[0], chunk):
-            z = _logits(x[rows], w, bias, vocab_major)
-            lse[rows] = _logsumexp(z)
-            picked[rows] = z[np.arange(z.shape[0]), index[rows]] - lse[rows]
-            _chunk_grads(z, lse[rows], gp[rows], scale[rows], index[rows], x[rows], w,
-                         vocab_major, (gx[rows], gw, gb), wanted)  # fmt: skip
-        return (picked, lse, *_kept(wanted, (gx, gw, gb), x.dtype))
+        picked, lse, grads = _run_chunks(x, w, index, bias, chunk, vocab_major,
+                                         cotangents=(gp, scale), wanted=wanted)  # fmt: skip
+        return (picked, lse, *grads)
 
     @staticmethod
     def flops(ins: tuple[TensorType, ...], outs: object, attrs: object) -> int:
-        x, w = ins[2], ins[3]
-        grads = sum(bool(attrs[k]) for k in ("x_grad", "w_grad"))  # type: ignore[index]
-        return (1 + grads) * _gemm_flops(x, w) + 8 * x.shape[0] * w.numel // x.shape[1]
+        return _grad_flops(ins[2], ins[3], attrs, elementwise=8)  # the forward's 4 too
 
     @staticmethod
     def samples(rng: np.random.Generator) -> list[Sample]:
