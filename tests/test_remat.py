@@ -8,7 +8,8 @@
   NumPy and torch backends;
 - a convolution's input and weight gradients stay one paired ATen call on the torch
   backend (the recomputed input is made before the input gradient);
-- LLaMA's gated MLP: sigmoid(gate) and silu(gate) recomputed from gate;
+- LLaMA's gated MLP: sigmoid(gate) and silu(gate) recomputed from gate, sigmoid(gate)
+  once, and not saved;
 - nothing to do on a graph without a backward pass, or one whose saved values are not
   cheap to recompute.
 """
@@ -134,6 +135,13 @@ def test_gated_mlp_recomputes_sigmoid_and_silu() -> None:
                   and n.op in ("sigmoid", "mul") and not n.op.endswith("_grad")]  # fmt: skip
     ops = sorted(n.op for n in recomputed if n.outputs[0].name.endswith(("_re0", "_re1")))
     assert ops == ["mul", "sigmoid"], ops
+    # sigmoid(gate) is made once again in the backward, inside silu's chain (for the
+    # up-projection's gradient), and that copy serves silu's own gradient: the forward's
+    # sigmoid(gate) is not saved (it was, and made twice, until session 19)
+    forward = [n for n in graph.nodes if n.op == "sigmoid" and not _backward(n)]
+    read_back = {v.name for n in graph.nodes if _backward(n) for v in n.inputs}
+    assert len(forward) == 1 and forward[0].outputs[0].name not in read_back
+    assert sum(n.op == "sigmoid" and _backward(n) for n in graph.nodes) == 1
 
 
 def test_only_cheap_ops_are_recomputed() -> None:

@@ -75,6 +75,10 @@ class _State:
     # value -> its recomputed copy and the node it is made before
     copies: dict[str, tuple[Value, int]] = field(default_factory=dict)
     planned: dict[str, Value | None] = field(default_factory=dict)  # in the chain being planned
+    # May a saved value whose own turn is still to come be recomputed inside a chain
+    # rather than read (None: never; see ``_saved_only``)?
+    prefer: Recomputable | None = None
+    pending: set[str] = field(default_factory=set)  # candidates not yet tried
 
     def fresh(self, base: str) -> str:
         k = 0
@@ -107,14 +111,46 @@ def _available(s: _State, v: Value, at: int) -> bool:
 _Chain = list[tuple[Node, str, Value]]  # recomputing nodes: the value recomputed, its copy
 
 
+def _saved_only(s: _State, v: Value) -> bool:
+    """Is ``v`` a saved value whose own recomputation is still to be tried, and cheap?
+    A chain that read it would keep it saved even where its own backward readers then
+    recompute it: silu(gate) = gate * sigmoid(gate), recomputed for the up-projection's
+    gradient, read the saved sigmoid(gate), which silu's own gradient (a later reader)
+    recomputed from gate, so sigmoid(gate) stayed saved and was made twice. Recomputed
+    inside the chain instead, its copy serves its own later readers too."""
+    if s.prefer is None or v.name not in s.pending:
+        return False
+    made = s.producers[v.name]
+    return s.prefer(made, v)
+
+
+def _operands_alive(s: _State, v: Value, at: int) -> bool:
+    """Are all the operands of ``v``'s node available at ``at`` (one op makes it again, so
+    the depth limit need not stop it)?"""
+    return all(_available(s, u, at) for u in s.producers[v.name].inputs)
+
+
 def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None:
     """``v`` recomputed at node ``at`` (its nodes appended to ``out``), or None."""
+    if _saved_only(s, v) and (depth > 0 or _operands_alive(s, v, at)):
+        mark, planned = len(out), dict(s.planned)
+        made = _plan_node(s, v, at, max(depth, 1), out)
+        if made is not None:
+            return made
+        del out[mark:]  # not recomputable here after all: read the saved value
+        s.planned = planned
+        return v
     if _available(s, v, at):
         return v
     copy = s.copies.get(v.name)
     if copy is not None and copy[1] <= at:  # recomputed already, for an earlier reader
         s.last[copy[0].name] = max(s.last[copy[0].name], at)
         return copy[0]
+    return _plan_node(s, v, at, depth, out)
+
+
+def _plan_node(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None:
+    """``v`` recomputed at node ``at`` by repeating its node, or None."""
     if v.name in s.planned:  # shared by two operands of the chain: planned once
         return s.planned[v.name]
     s.planned[v.name] = None
@@ -177,20 +213,26 @@ _NORMS = frozenset({"batch_norm", "layer_norm"})
 
 def rematerialize(graph: Graph) -> Graph:
     """Recompute the saved activations that are cheap to recompute; see the module doc."""
-    return recompute(graph, _cheap, MAX_DEPTH)
+    return recompute(graph, _cheap, MAX_DEPTH, prefer=_cheap)
 
 
 def recompute(
-    graph: Graph, recomputable: Recomputable, depth: int, targets: Collection[str] | None = None
+    graph: Graph,
+    recomputable: Recomputable,
+    depth: int,
+    targets: Collection[str] | None = None,
+    prefer: Recomputable | None = None,
 ) -> Graph:
     """Recompute saved forward values at their first backward reader, by repeating nodes that
     ``recomputable`` admits, up to ``depth`` ops deep. ``targets=None``: every saved value
     that can be; otherwise only the values named (checkpointing: each is unavailable to the
-    others' recomputations from the start, so a chain through them repeats them too)."""
+    others' recomputations from the start, so a chain through them repeats them too).
+    ``prefer``: the saved values that a chain recomputes rather than reads while their own
+    turn is still to come (``_saved_only``)."""
     nodes = graph.nodes
     names = {v.name for v in graph.inputs}
     s = _State(graph, graph.producers(), last_reads(graph), {}, names, recomputable,
-               _from_params(graph))  # fmt: skip
+               _from_params(graph), prefer=prefer)  # fmt: skip
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
         s.names.update(v.name for v in node.outputs)
@@ -220,7 +262,9 @@ def recompute(
         s.dropped.update(targets)
         for _, i, z, _, before in candidates:
             s.last[z.name] = max(before, default=i)
+    s.pending.update(z.name for _, _, z, _, _ in candidates)
     for at, i, z, later, before in sorted(candidates, key=lambda c: (c[0], c[1])):
+        s.pending.discard(z.name)
         s.last[z.name] = -1  # as if z died in the forward pass: not available at ``at``
         chain: _Chain = []
         s.planned.clear()
