@@ -386,6 +386,49 @@ def test_c_kernels_over_chunks_and_tiles_match_numpy(dtype: DType, major: bool, 
         np.testing.assert_allclose(g, ref, rtol=tol, atol=tol, err_msg=name)
 
 
+@pytest.mark.parametrize(("dtype", "major", "bias", "grads"), [
+    (DType.F32, True, False, ("x",)), (DType.F32, False, True, ("x", "w", "b")),
+    (DType.F64, True, True, ("w",)), (DType.F64, False, False, ("x", "w")),
+])  # fmt: skip
+def test_c_merged_kernel_over_chunks_and_tiles_matches_numpy(
+    dtype: DType, major: bool, bias: bool, grads: tuple[str, ...]
+) -> None:
+    """The merged op's one C kernel (the input gradient accumulated as the tiles go, the
+    running max rescaling it) over 300 rows and 2500 classes, with any set of gradients:
+    the forward and every gradient equal the NumPy reference, masked rows (scale and gp
+    0) included."""
+    rows, k, vocab = 300, 24, 2500
+    rng = np.random.default_rng(4)
+    np_dtype = dtype.to_numpy()
+    b = GraphBuilder("loss")
+    gp, scale = (b.input(n, TensorType((rows,), dtype)) for n in ("gp", "scale"))
+    x = b.input("x", TensorType((rows, k), dtype))
+    w = b.input("w", TensorType((vocab, k) if major else (k, vocab), dtype))
+    index = b.input("index", TensorType((rows,), DType.I64 if major else DType.I32))
+    extra = [b.input("b", TensorType((vocab,), dtype))] if bias else []
+    outs = b.call_multi(WITH_GRAD, gp, scale, x, w, index, *extra, chunk=16, vocab_major=major,
+                        x_grad="x" in grads, w_grad="w" in grads, b_grad="b" in grads)  # fmt: skip
+    graph = b.build(list(outs))
+    feeds = {"x": rng.standard_normal((rows, k)) * 2, "w": rng.standard_normal(w.shape) / 2,
+             "index": rng.integers(0, vocab, rows), "gp": rng.standard_normal(rows),
+             "scale": rng.standard_normal(rows), "b": rng.standard_normal(vocab)}  # fmt: skip
+    feeds = {n: a.astype(index.dtype.to_numpy() if n == "index" else np_dtype)
+             for n, a in feeds.items() if n != "b" or bias}  # fmt: skip
+    feeds["index"][[0, -1]] = [vocab - 1, 1280]  # the last class and a tile's first one
+    feeds["gp"][5] = feeds["scale"][5] = 0  # a masked row
+    executable = CBackend().compile(graph)
+    source = executable.source
+    assert source.count("pe_linear_log_softmax_gather_with_grad_") == 1  # one kernel call
+    assert "pe_linear_log_softmax_gather_f" not in source  # not the forward, then the grad
+    got = executable.run(dict(feeds), {})
+    want = evaluate(graph, dict(feeds))
+    assert len(got) == len(want) == 2 + len(grads)
+    tol = 2e-4 if dtype is DType.F32 else 1e-10
+    for name, g, ref in zip(("picked", "lse", *grads), got, want, strict=True):
+        assert g.dtype == ref.dtype and g.shape == ref.shape, name
+        np.testing.assert_allclose(g, ref, rtol=tol, atol=tol, err_msg=name)
+
+
 def test_c_llama_trains_fused_as_numpy() -> None:
     """A tied-embedding LLaMA on the C backend: the loss is fused (no [tokens, vocab]
     value in the arena) and three steps equal the NumPy backend's."""

@@ -1,5 +1,6 @@
 """C lowerings of the large-vocabulary loss head (``ops.fused_loss``):
-``linear_log_softmax_gather`` and its backward kernel, each one call of ``kernels/loss.c``.
+``linear_log_softmax_gather``, its backward kernel and the two merged
+(``..._with_grad``), each one call of ``kernels/loss.c``.
 
 With these the C backend claims the fused ops, so the forward pipeline fuses the loss for
 it as for torch (``passes.pipeline``) and the ``[tokens, vocab]`` logits never take arena
@@ -31,46 +32,46 @@ def _wide(index: Value) -> int:
 def _forward(ctx: EmitContext, node: Node) -> str:
     x, w, index, *bias = node.inputs
     picked, lse = (ctx.ref(v) for v in node.outputs)
-    tail = _head(node, x, w, index)
-    b = ctx.ref(bias[0]) if bias else "NULL"
     return (
         f"pe_linear_log_softmax_gather_{_sfx(x)}({ctx.ref(x)}, {ctx.ref(w)}, {ctx.ref(index)}, "
-        f"{_wide(index)}, {b}, {picked}, {lse}, {tail});"
+        f"{_wide(index)}, {_bias(ctx, bias)}, {picked}, {lse}, {_head(node, x, w, index)});"
     )
 
 
 def _backward(ctx: EmitContext, node: Node) -> str:
     gp, scale, x, w, index, lse, *bias = node.inputs
-    return _grad_call(ctx, node, (gp, scale, x, w, index), ctx.ref(lse), bias, node.outputs)
-
-
-def _grad_call(
-    ctx: EmitContext, node: Node, ins: tuple[Value, ...], lse: str, bias: list[Value],
-    grads: tuple[Value, ...],
-) -> str:  # fmt: skip
-    x, w, index = ins[2:]
-    tail = _head(node, x, w, index)
-    outs = iter(ctx.ref(v) for v in grads)
-    gx, gw, gb = (next(outs) if node.attrs[k] else "NULL" for k in ("x_grad", "w_grad", "b_grad"))
-    b = ctx.ref(bias[0]) if bias else "NULL"
-    refs = ", ".join(ctx.ref(v) for v in ins)
+    refs = ", ".join(ctx.ref(v) for v in (gp, scale, x, w, index))
     return (
-        f"pe_linear_log_softmax_gather_grad_{_sfx(x)}({refs}, {_wide(index)}, {lse}, "
-        f"{b}, {gx}, {gw}, {gb}, {tail});"
+        f"pe_linear_log_softmax_gather_grad_{_sfx(x)}({refs}, {_wide(index)}, {ctx.ref(lse)}, "
+        f"{_bias(ctx, bias)}, {_grads(ctx, node, node.outputs)}, {_head(node, x, w, index)});"
     )
 
 
 def _with_grad(ctx: EmitContext, node: Node) -> str:
-    """Both kernels in turn (the C kernels make each chunk's logits twice, as the unfused
-    pair does: the C backend gains the op, not its saved matmul)."""
+    """One kernel: each row chunk's logits made once for the forward and the input
+    gradient (``kernels/loss.c``); the weight and bias gradients, where asked, take a
+    second pass."""
     gp, scale, x, w, index, *bias = node.inputs
     picked, lse, *grads = node.outputs
-    forward = node.replace(op="linear_log_softmax_gather", inputs=(x, w, index, *bias),
-                           outputs=(picked, lse))  # fmt: skip
+    refs = ", ".join(ctx.ref(v) for v in (gp, scale, x, w, index))
     return (
-        _forward(ctx, forward) + "\n"
-        + _grad_call(ctx, node, (gp, scale, x, w, index), ctx.ref(lse), bias, tuple(grads))
-    )  # fmt: skip
+        f"pe_linear_log_softmax_gather_with_grad_{_sfx(x)}({refs}, {_wide(index)}, "
+        f"{_bias(ctx, bias)}, {ctx.ref(picked)}, {ctx.ref(lse)}, "
+        f"{_grads(ctx, node, tuple(grads))}, {_head(node, x, w, index)});"
+    )
+
+
+def _bias(ctx: EmitContext, bias: list[Value]) -> str:
+    return ctx.ref(bias[0]) if bias else "NULL"
+
+
+def _grads(ctx: EmitContext, node: Node, grads: tuple[Value, ...]) -> str:
+    """The gx, gw and gb pointers, in that order: the node's gradient outputs where its
+    attributes ask for them, NULL where not."""
+    outs = iter(ctx.ref(v) for v in grads)
+    return ", ".join(
+        next(outs) if node.attrs[k] else "NULL" for k in ("x_grad", "w_grad", "b_grad")
+    )
 
 
 KERNELS: dict[str, Lowering] = {

@@ -12,7 +12,9 @@
  * Threads never share an output, so results do not depend on the thread count: the
  * forward and the input gradient split the rows, the weight and bias gradients split the
  * vocabulary. With both gradients the tiles' logits are recomputed once for each (one
- * GEMM more than a single pass, which would have to sum the threads' input gradients). */
+ * GEMM more than a single pass, which would have to sum the threads' input gradients).
+ * The merged op (forward and gradients together) makes each row chunk's logits once for
+ * the forward and the input gradient (pe_linear_log_softmax_gather_with_grad). */
 #ifndef PE_T
 #include "pe_kernels.h"
 #include <tgmath.h>
@@ -149,6 +151,68 @@ void PE_S(pe_linear_log_softmax_gather_grad)(const PE_T *gp, const PE_T *scale, 
                                              int major) {
     if (gx)
         PE_S(pe_loss_grad_x)(gp, scale, x, w, index, wide, lse, b, gx, rows, K, V, major);
+    if (gw || gb)
+        PE_S(pe_loss_grad_w)(gp, scale, x, w, index, wide, lse, b, gw, gb, rows, K, V, major);
+}
+
+/* The forward and the gradients in one op (``linear_log_softmax_gather_with_grad``: the
+ * cotangents gp and scale are known before the loss). Each row chunk's logits are made
+ * once: the input gradient gx = scale * softmax(z) w + gp * w[target] is accumulated as the
+ * tiles go, as FlashAttention accumulates its output, with the running max m and sum s:
+ * acc = sum_j exp(z_j - m) w_j, rescaled by exp(m_old - m) when a tile raises m, and
+ * gx = scale / s * acc at the end. One GEMM for the logits and one for gx, where the pair
+ * of kernels takes three. The weight and bias gradients need each row's final log-sum-exp
+ * first, so they take a second pass over the vocabulary (pe_loss_grad_w). Rows split
+ * across threads; gx is the accumulator, so no scratch. */
+void PE_S(pe_linear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *scale,
+                                                  const PE_T *x, const PE_T *w,
+                                                  const void *index, int wide, const PE_T *b,
+                                                  PE_T *picked, PE_T *lse, PE_T *gx, PE_T *gw,
+                                                  PE_T *gb, long rows, long K, long V,
+                                                  int major) {
+    long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
+    PE_PARALLEL_FOR((gx ? 2 : 1) * rows * V * K)
+    for (long ch = 0; ch < chunks; ch++) {
+        PE_T z[PE_LOSS_ROWS * PE_LOSS_COLS]; /* on the stack: one tile of logits */
+        PE_T top[PE_LOSS_ROWS], total[PE_LOSS_ROWS], hit[PE_LOSS_ROWS];
+        long r0 = ch * PE_LOSS_ROWS, n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
+        PE_T *acc = gx ? gx + r0 * K : NULL;
+        if (acc)
+            memset(acc, 0, (size_t)(n * K) * sizeof(PE_T));
+        for (long r = 0; r < n; r++) top[r] = -INFINITY, total[r] = 0, hit[r] = NAN;
+        for (long j0 = 0; j0 < V; j0 += PE_LOSS_COLS) {
+            long cols = pe_loss_min(PE_LOSS_COLS, V - j0);
+            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
+            for (long r = 0; r < n; r++) {
+                PE_T *row = z + r * cols;
+                long t = pe_loss_target(index, wide, r0 + r) - j0;
+                if (t >= 0 && t < cols) hit[r] = row[t];
+                PE_T m = top[r];
+                for (long c = 0; c < cols; c++) m = row[c] > m ? row[c] : m;
+                PE_T alpha = top[r] == -INFINITY ? 0 : exp(top[r] - m); /* 0 on the first tile */
+                PE_T s = total[r] * alpha;
+                for (long c = 0; c < cols; c++) s += row[c] = exp(row[c] - m);
+                if (acc && alpha != 1)
+                    for (long k = 0; k < K; k++) acc[r * K + k] *= alpha;
+                top[r] = m, total[r] = s;
+            }
+            if (acc && major)
+                PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0 * K, K, 0, acc, K, 1);
+            else if (acc)
+                PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0, V, 1, acc, K, 1);
+        }
+        for (long r = 0; r < n; r++) {
+            lse[r0 + r] = top[r] + log(total[r]);
+            picked[r0 + r] = hit[r] - lse[r0 + r]; /* NaN for a target outside [0, V) */
+            if (!acc)
+                continue;
+            PE_T f = scale[r0 + r] / total[r], g = gp[r0 + r];
+            long t = pe_loss_target(index, wide, r0 + r);
+            for (long k = 0; k < K; k++) acc[r * K + k] *= f;
+            if (t >= 0 && t < V)
+                for (long k = 0; k < K; k++) acc[r * K + k] += g * (major ? w[t * K + k] : w[k * V + t]);
+        }
+    }
     if (gw || gb)
         PE_S(pe_loss_grad_w)(gp, scale, x, w, index, wide, lse, b, gw, gb, rows, K, V, major);
 }

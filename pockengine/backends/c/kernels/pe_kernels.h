@@ -99,7 +99,11 @@ size_t pe_dtype_size(int dtype);
     void pe_linear_log_softmax_gather_grad_##S(const T *gp, const T *scale, const T *x,        \
                                                const T *w, const void *index, int wide,       \
                                                const T *lse, const T *b, T *gx, T *gw, T *gb, \
-                                               long rows, long K, long V, int major);
+                                               long rows, long K, long V, int major);  \
+    void pe_linear_log_softmax_gather_with_grad_##S(                                           \
+        const T *gp, const T *scale, const T *x, const T *w, const void *index, int wide,      \
+        const T *b, T *picked, T *lse, T *gx, T *gw, T *gb, long rows, long K, long V,         \
+        int major);
 
 PE_DECLARE(f32, float)
 PE_DECLARE(f64, double)
