@@ -19,7 +19,9 @@ each client's drift with SCAFFOLD's control variates (Karimireddy et al. 2020, o
 II), decoupled from the step as FedProx is here: after each local step the trained
 tensors move by ``-lr * (c - c_i)``; after the round ``c_i += (x - y_i) / sum(lr) - c``,
 and the server's ``c`` is the clients' mean. A client would send ``c_i``'s change
-besides its tensors: twice the bytes up (``bytes_up`` counts both).
+besides its tensors: twice the bytes up (``bytes_up`` counts both). ``--auto-on pooled``
+makes ``--scheme auto``'s choice on the whole training split rather than client 0's
+shard (no real server has it): the most that aggregating every client's scores could do.
 Writes one JSON line per round to stdout and all of them to ``--out``.
 """
 
@@ -165,6 +167,9 @@ def main() -> None:
     p.add_argument("--scheme", default="sparse")
     p.add_argument("--upload-budget", type=float, help="--scheme auto: of full-model bytes")
     p.add_argument("--memory-budget", type=float, help="--scheme auto: planned peak, MiB")
+    p.add_argument("--auto-on", choices=("client0", "pooled"), default="client0",
+                   help="--scheme auto: analyse client 0's shard (as the command does) or "
+                   "the whole training split (diagnosis: no real server has it)")
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", type=int, default=10)
@@ -200,7 +205,7 @@ def main() -> None:
         bn_statistics=a.bn_statistics, local_loss=a.local_loss, la_tau=a.la_tau,
         proximal_mu=a.proximal_mu, upload_budget=a.upload_budget,
     )  # fmt: skip
-    config = resolve_scheme(config)  # --scheme auto: chosen once, on client 0's shard
+    config = resolve_scheme(config, pooled=a.auto_on == "pooled")  # --scheme auto: once
     rows = run(config, a.pooled_bn, a.scaffold)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
                                  "scheme_choice": config.scheme_choice,

@@ -221,6 +221,30 @@ def test_upload_budget_limits_what_auto_trains(finetune: FinetuneConfig) -> None
         federated(ft, upload_budget=2.0).validate()
 
 
+def test_auto_analyses_client_0s_shard_or_the_pooled_split(
+    finetune: FinetuneConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The analysis sees client 0's shard; ``pooled=True`` (the benchmark's diagnosis)
+    the whole training split."""
+    from pockengine.federated import local
+    from pockengine.finetune import auto_scheme, recipes
+
+    seen: list[int] = []
+    real = auto_scheme.choose_auto
+
+    def spy(config: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(task.train[0]))
+        return real(config, task, *args, **kwargs)
+
+    monkeypatch.setattr(auto_scheme, "choose_auto", spy)
+    ft = dataclasses.replace(finetune, scheme="auto", memory_budget=float(64 << 20))
+    config = federated(ft, clients=2)
+    whole = len(recipes.build(local.with_defaults(config).finetune).train[0])
+    local.resolve_scheme(config)
+    local.resolve_scheme(config, pooled=True)
+    assert seen[1] == whole and 0 < seen[0] < whole
+
+
 @needs_flwr
 def test_one_client_one_round_is_the_central_run(finetune: FinetuneConfig) -> None:
     """One client, one round, IID: the global state equals, bit for bit, the weights of

@@ -90,14 +90,19 @@ def scheme_of(config: FederatedConfig) -> Scheme:
     return recipes.parse_scheme(ft.scheme, ft.recipe, ft.batchnorm)
 
 
-def resolve_scheme(config: FederatedConfig, task: recipes.Task | None = None) -> FederatedConfig:
+def resolve_scheme(
+    config: FederatedConfig, task: recipes.Task | None = None, *, pooled: bool = False
+) -> FederatedConfig:
     """``--scheme auto`` chosen once for the whole federation: the fine-tuner's analysis
     (``choose_auto``: the gradient estimate, then the budgeted search) run on client 0's
     shard, as one device would on its own data, under the memory budget and, with
     ``upload_budget``, at most that fraction of full-model FedAvg's bytes in trained
     elements. The choice (parameter names and trained rows, no data) travels to every
     client and the server in the config. A resumed run keeps the choice it saved.
-    ``config`` unchanged for any other scheme, or where the choice is made."""
+    ``config`` unchanged for any other scheme, or where the choice is made. ``pooled``
+    (diagnosis only, ``benchmarks/federated_inprocess.py --auto-on pooled``): the whole
+    training split instead, which no real server has: the most that aggregating every
+    client's scores could reach."""
     full = with_defaults(config)
     ft = full.finetune
     if ft.scheme != AUTO or config.scheme_choice is not None:
@@ -110,10 +115,12 @@ def resolve_scheme(config: FederatedConfig, task: recipes.Task | None = None) ->
         recipes.check_model_files(ft)
         task = recipes.build(ft)
     assert ft.batch_size is not None
-    shards = partition(task.train, full.partition, full.clients, full.alpha, ft.seed,
-                       ft.batch_size)  # fmt: skip
-    mine = tuple(np.ascontiguousarray(a[shards[0]]) for a in task.train)
-    local = dataclasses.replace(task, train=mine, train_count=0, train_digest="")
+    local = task
+    if not pooled:
+        shards = partition(task.train, full.partition, full.clients, full.alpha, ft.seed,
+                           ft.batch_size)  # fmt: skip
+        mine = tuple(np.ascontiguousarray(a[shards[0]]) for a in task.train)
+        local = dataclasses.replace(task, train=mine, train_count=0, train_digest="")
     limit = None
     if full.upload_budget is not None:
         limit = full.upload_budget * full_model_floats(task.model)
