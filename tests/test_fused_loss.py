@@ -386,18 +386,20 @@ def test_c_kernels_over_chunks_and_tiles_match_numpy(dtype: DType, major: bool, 
         np.testing.assert_allclose(g, ref, rtol=tol, atol=tol, err_msg=name)
 
 
-@pytest.mark.parametrize(("dtype", "major", "bias", "grads"), [
-    (DType.F32, True, False, ("x",)), (DType.F32, False, True, ("x", "w", "b")),
-    (DType.F64, True, True, ("w",)), (DType.F64, False, False, ("x", "w")),
+@pytest.mark.parametrize(("dtype", "major", "bias", "grads", "k"), [
+    (DType.F32, True, False, ("x",), 24), (DType.F32, False, True, ("x", "w", "b"), 24),
+    (DType.F64, True, True, ("w",), 24), (DType.F64, False, False, ("x", "w"), 24),
+    (DType.F32, True, False, ("x", "w"), 300), (DType.F32, False, False, ("x", "w"), 300),
 ])  # fmt: skip
 def test_c_merged_kernel_over_chunks_and_tiles_matches_numpy(
-    dtype: DType, major: bool, bias: bool, grads: tuple[str, ...]
+    dtype: DType, major: bool, bias: bool, grads: tuple[str, ...], k: int
 ) -> None:
     """The merged op's one C kernel (the input gradient accumulated as the tiles go, the
     running max rescaling it) over 300 rows and 2500 classes, with any set of gradients:
     the forward and every gradient equal the NumPy reference, masked rows (scale and gp
-    0) included."""
-    rows, k, vocab = 300, 24, 2500
+    0) included. At 300 features each tile's products are large enough for the GEMM's
+    packed path (``linalg.c``: PE_PACK_MIN), with A and B transposed or not."""
+    rows, vocab = 300, 2500
     rng = np.random.default_rng(4)
     np_dtype = dtype.to_numpy()
     b = GraphBuilder("loss")
@@ -423,7 +425,7 @@ def test_c_merged_kernel_over_chunks_and_tiles_matches_numpy(
     got = executable.run(dict(feeds), {})
     want = evaluate(graph, dict(feeds))
     assert len(got) == len(want) == 2 + len(grads)
-    tol = 2e-4 if dtype is DType.F32 else 1e-10
+    tol = (2e-4 if k < 100 else 1e-3) if dtype is DType.F32 else 1e-10
     for name, g, ref in zip(("picked", "lse", *grads), got, want, strict=True):
         assert g.dtype == ref.dtype and g.shape == ref.shape, name
         np.testing.assert_allclose(g, ref, rtol=tol, atol=tol, err_msg=name)
