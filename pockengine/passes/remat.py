@@ -132,7 +132,13 @@ def _operands_alive(s: _State, v: Value, at: int) -> bool:
 
 def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None:
     """``v`` recomputed at node ``at`` (its nodes appended to ``out``), or None."""
-    if _saved_only(s, v) and (depth > 0 or _operands_alive(s, v, at)):
+    preferred = _saved_only(s, v)
+    copy = s.copies.get(v.name)
+    # recomputed already, for an earlier reader (a preferred value: by an earlier chain)
+    if copy is not None and copy[1] <= at and (preferred or not _available(s, v, at)):
+        s.last[copy[0].name] = max(s.last[copy[0].name], at)
+        return copy[0]
+    if preferred and (depth > 0 or _operands_alive(s, v, at)):
         mark, planned = len(out), dict(s.planned)
         made = _plan_node(s, v, at, max(depth, 1), out)
         if made is not None:
@@ -142,10 +148,6 @@ def _plan(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value | None
         return v
     if _available(s, v, at):
         return v
-    copy = s.copies.get(v.name)
-    if copy is not None and copy[1] <= at:  # recomputed already, for an earlier reader
-        s.last[copy[0].name] = max(s.last[copy[0].name], at)
-        return copy[0]
     return _plan_node(s, v, at, depth, out)
 
 
