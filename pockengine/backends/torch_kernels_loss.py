@@ -129,28 +129,30 @@ class _Grads:
 
 def _forward(e: Emit) -> list[str]:
     x, w, index, *bias = e.ins
-    b = bias[0] if bias else "None"
-    chunk, major = literal(int(e.attr("chunk"))), literal(bool(e.attr("vocab_major")))
-    args = f"{x}, {w}, {index}, {b}, {chunk}, {major}"
+    args = f"{x}, {w}, {index}, {_attrs(e, bias)}"
     return [f"{', '.join(e.outs)} = linear_log_softmax_gather({args})"]
 
 
 def _backward(e: Emit) -> list[str]:
     gp, scale, x, w, index, lse, *bias = e.ins
-    b = bias[0] if bias else "None"
-    chunk, major = literal(int(e.attr("chunk"))), literal(bool(e.attr("vocab_major")))
-    wanted = literal(tuple(bool(e.attr(k)) for k in ("x_grad", "w_grad", "b_grad")))
-    args = f"{gp}, {scale}, {x}, {w}, {index}, {lse}, {b}, {chunk}, {major}, {wanted}"
+    args = f"{gp}, {scale}, {x}, {w}, {index}, {lse}, {_attrs(e, bias, grads=True)}"
     return [f"{', '.join(e.outs)}, = linear_log_softmax_gather_grad({args})"]
 
 
 def _with_grad(e: Emit) -> list[str]:
     gp, scale, x, w, index, *bias = e.ins
-    b = bias[0] if bias else "None"
-    chunk, major = literal(int(e.attr("chunk"))), literal(bool(e.attr("vocab_major")))
-    wanted = literal(tuple(bool(e.attr(k)) for k in ("x_grad", "w_grad", "b_grad")))
-    args = f"{gp}, {scale}, {x}, {w}, {index}, {b}, {chunk}, {major}, {wanted}"
+    args = f"{gp}, {scale}, {x}, {w}, {index}, {_attrs(e, bias, grads=True)}"
     return [f"{', '.join(e.outs)} = linear_log_softmax_gather_with_grad({args})"]
+
+
+def _attrs(e: Emit, bias: list[str], grads: bool = False) -> str:
+    """The call's tail: the bias (or None), chunk, vocab_major and, for the gradient
+    kernels, which of gx, gw, gb are wanted."""
+    tail = [bias[0] if bias else "None", literal(int(e.attr("chunk"))),
+            literal(bool(e.attr("vocab_major")))]  # fmt: skip
+    if grads:
+        tail.append(literal(tuple(bool(e.attr(k)) for k in ("x_grad", "w_grad", "b_grad"))))
+    return ", ".join(tail)
 
 
 KERNELS: dict[str, Emitter] = {

@@ -35,37 +35,20 @@
 #endif
 #define PE_NR (PE_VEC / (int)sizeof(PE_T) * 2)
 
-/* C[i0..i0+PE_MR) [j0..j0+PE_NR) += op(A)[.., k0..k1) B: the micro-kernel, B a packed
- * sliver. The PE_MR x PE_NR accumulators are a fixed-size local block that the compiler keeps in vector
- * registers; each k loads one row sliver of B and four scalars of A. */
-static void PE_S(pe_gemm_micro)(long i0, long j0, long k0, long k1, const PE_T *A, long lda,
-                                int ta, const PE_T *B, PE_T *C, long ldc) {
+/* C[i0..i0+PE_MR) [j0..j0+PE_NR) += op(A)[.., k0..k0+len) B: the micro-kernel, B a packed
+ * sliver. op(A)[i0 + r, k0 + k] is a[r * rs + k * ks]: A in place (rs, ks = lda, 1, or 1,
+ * lda when ta), or a packed panel (1, PE_MR: one short run a k, where rows in place cost
+ * PE_MR scalar loads a row apart). The PE_MR x PE_NR accumulators are a fixed-size local
+ * block that the compiler keeps in vector registers; each k loads one row sliver of B and
+ * PE_MR scalars of A. */
+static void PE_S(pe_gemm_micro)(long i0, long j0, long len, const PE_T *a, long rs, long ks,
+                                const PE_T *B, PE_T *C, long ldc) {
     PE_T acc[PE_MR][PE_NR];
     memset(acc, 0, sizeof(acc));
-    for (long k = k0; k < k1; k++) {
-        PE_T a[PE_MR];
-        for (int r = 0; r < PE_MR; r++) a[r] = ta ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
-        const PE_T *restrict b = B + (k - k0) * PE_NR;
+    for (long k = 0; k < len; k++) {
+        const PE_T *restrict b = B + k * PE_NR;
         for (int r = 0; r < PE_MR; r++)
-            for (int j = 0; j < PE_NR; j++) acc[r][j] += a[r] * b[j];
-    }
-    for (int r = 0; r < PE_MR; r++)
-        for (int j = 0; j < PE_NR; j++) C[(i0 + r) * ldc + j0 + j] += acc[r][j];
-}
-
-/* pe_gemm_micro over a packed A panel: ap holds op(A)'s rows [i0, i0+PE_MR) k-major
- * (PE_MR values a k, contiguous: one short run a k, where unpacked rows cost PE_MR scalar
- * loads a row apart). The same sums in the same order. */
-static void PE_S(pe_gemm_micro_packed)(long i0, long j0, long k0, long k1,
-                                       const PE_T *restrict ap, const PE_T *B, PE_T *C,
-                                       long ldc) {
-    PE_T acc[PE_MR][PE_NR];
-    memset(acc, 0, sizeof(acc));
-    for (long k = k0; k < k1; k++) {
-        const PE_T *restrict a = ap + (k - k0) * PE_MR;
-        const PE_T *restrict b = B + (k - k0) * PE_NR;
-        for (int r = 0; r < PE_MR; r++)
-            for (int j = 0; j < PE_NR; j++) acc[r][j] += a[r] * b[j];
+            for (int j = 0; j < PE_NR; j++) acc[r][j] += a[r * rs + k * ks] * b[j];
     }
     for (int r = 0; r < PE_MR; r++)
         for (int j = 0; j < PE_NR; j++) C[(i0 + r) * ldc + j0 + j] += acc[r][j];
@@ -153,6 +136,39 @@ static void PE_S(pe_gemm_pack)(PE_T *restrict sliver, const PE_T *B, long ldb, i
     }
 }
 
+/* Rows [r0, r1) of C += op(A) op(B), k blocks of kc rows of op(B): each B sliver of
+ * kc x PE_NR (in L1) serves every PE_MR rows. With ``panels`` (PE_MC x kc), op(A)'s block
+ * is packed first, once per k block (pe_gemm_packed); without, A is read in place. */
+static inline void PE_S(pe_gemm_rows)(long r0, long r1, long N, long K, long kc,
+                                      const PE_T *A, long lda, int ta, const PE_T *B, long ldb,
+                                      int tb, PE_T *C, long ldc, PE_T *sliver, PE_T *panels) {
+    long r4 = r0 + (r1 - r0) / PE_MR * PE_MR;
+    long rs = ta ? 1 : lda, ks = ta ? lda : 1;
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        long k1 = k0 + kc < K ? k0 + kc : K;
+        if (panels)
+            for (long i0 = r0; i0 < r4; i0 += PE_MR)
+                PE_S(pe_gemm_pack_a)(panels + (i0 - r0) * kc, A, lda, ta, i0, k0, k1);
+        for (long j0 = 0; j0 < N; j0 += PE_NR) {
+            long width = N - j0 < PE_NR ? N - j0 : PE_NR;
+            long full = width == PE_NR ? r4 : r0;
+            PE_S(pe_gemm_pack)(sliver, B, ldb, tb, k0, k1, j0, width);
+            for (long i0 = r0; i0 < full; i0 += PE_MR) {
+                if (panels)
+                    PE_S(pe_gemm_micro)(i0, j0, k1 - k0, panels + (i0 - r0) * kc, 1, PE_MR,
+                                        sliver, C, ldc);
+                else
+                    PE_S(pe_gemm_micro)(i0, j0, k1 - k0, A + i0 * rs + k0 * ks, rs, ks, sliver,
+                                        C, ldc);
+            }
+            if (width == PE_NR / 2)
+                for (; full + PE_MH <= r1; full += PE_MH)
+                    PE_S(pe_gemm_micro_half)(full, j0, k0, k1, A, lda, ta, sliver, C, ldc);
+            PE_S(pe_gemm_edge)(full, r1, j0, width, k0, k1, A, lda, ta, sliver, C, ldc);
+        }
+    }
+}
+
 /* pe_gemm for large products: op(A)'s PE_MC x PE_PKC block packed once per k block (its
  * own frame, so that small products never reserve the panels' stack). */
 static __attribute__((noinline)) void PE_S(pe_gemm_packed)(long M, long N, long K,
@@ -163,23 +179,8 @@ static __attribute__((noinline)) void PE_S(pe_gemm_packed)(long M, long N, long 
     PE_PARALLEL_FOR(M * N * K)
     for (long rb = 0; rb < row_blocks; rb++) {
         long r0 = rb * PE_MC, r1 = r0 + PE_MC < M ? r0 + PE_MC : M;
-        long r4 = r0 + (r1 - r0) / PE_MR * PE_MR;
-        PE_T sliver[PE_PKC * PE_NR];
-        PE_T panels[PE_MC * PE_PKC];
-        for (long k0 = 0; k0 < K; k0 += PE_PKC) {
-            long k1 = k0 + PE_PKC < K ? k0 + PE_PKC : K;
-            for (long i0 = r0; i0 < r4; i0 += PE_MR)
-                PE_S(pe_gemm_pack_a)(panels + (i0 - r0) * PE_PKC, A, lda, ta, i0, k0, k1);
-            for (long j0 = 0; j0 < N; j0 += PE_NR) {
-                long width = N - j0 < PE_NR ? N - j0 : PE_NR;
-                long full = width == PE_NR ? r4 : r0;
-                PE_S(pe_gemm_pack)(sliver, B, ldb, tb, k0, k1, j0, width);
-                for (long i0 = r0; i0 < full; i0 += PE_MR)
-                    PE_S(pe_gemm_micro_packed)(i0, j0, k0, k1, panels + (i0 - r0) * PE_PKC,
-                                               sliver, C, ldc);
-                PE_S(pe_gemm_edge)(full, r1, j0, width, k0, k1, A, lda, ta, sliver, C, ldc);
-            }
-        }
+        PE_T sliver[PE_PKC * PE_NR], panels[PE_MC * PE_PKC];
+        PE_S(pe_gemm_rows)(r0, r1, N, K, PE_PKC, A, lda, ta, B, ldb, tb, C, ldc, sliver, panels);
     }
 }
 
@@ -191,28 +192,13 @@ void PE_S(pe_gemm)(long M, long N, long K, const PE_T *A, long lda, int ta, cons
         PE_S(pe_gemm_packed)(M, N, K, A, lda, ta, B, ldb, tb, C, ldc);
         return;
     }
-    /* Row blocks of PE_MC (an A block of PE_MC x PE_KC stays in L2) split across threads;
-     * within one, each B sliver of PE_KC x PE_NR (in L1) serves every row quadruple. */
+    /* Row blocks of PE_MC (an A block of PE_MC x PE_KC stays in L2) split across threads. */
     long row_blocks = (M + PE_MC - 1) / PE_MC;
     PE_PARALLEL_FOR(M * N * K)
     for (long rb = 0; rb < row_blocks; rb++) {
         long r0 = rb * PE_MC, r1 = r0 + PE_MC < M ? r0 + PE_MC : M;
-        long r4 = r0 + (r1 - r0) / PE_MR * PE_MR;
         PE_T sliver[PE_KC * PE_NR]; /* on the stack: B rows 4 KiB apart would alias in L1 */
-        for (long k0 = 0; k0 < K; k0 += PE_KC) {
-            long k1 = k0 + PE_KC < K ? k0 + PE_KC : K;
-            for (long j0 = 0; j0 < N; j0 += PE_NR) {
-                long width = N - j0 < PE_NR ? N - j0 : PE_NR;
-                long full = width == PE_NR ? r4 : r0;
-                PE_S(pe_gemm_pack)(sliver, B, ldb, tb, k0, k1, j0, width);
-                for (long i0 = r0; i0 < full; i0 += PE_MR)
-                    PE_S(pe_gemm_micro)(i0, j0, k0, k1, A, lda, ta, sliver, C, ldc);
-                if (width == PE_NR / 2)
-                    for (; full + PE_MH <= r1; full += PE_MH)
-                        PE_S(pe_gemm_micro_half)(full, j0, k0, k1, A, lda, ta, sliver, C, ldc);
-                PE_S(pe_gemm_edge)(full, r1, j0, width, k0, k1, A, lda, ta, sliver, C, ldc);
-            }
-        }
+        PE_S(pe_gemm_rows)(r0, r1, N, K, PE_KC, A, lda, ta, B, ldb, tb, C, ldc, sliver, NULL);
     }
 }
 

@@ -45,38 +45,6 @@ static void PE_S(pe_loss_tile)(const PE_T *x, const PE_T *w, const PE_T *b, long
             for (long c = 0; c < cols; c++) z[r * cols + c] += b[j0 + c];
 }
 
-void PE_S(pe_linear_log_softmax_gather)(const PE_T *x, const PE_T *w, const void *index,
-                                        int wide, const PE_T *b, PE_T *picked, PE_T *lse,
-                                        long rows, long K, long V, int major) {
-    long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
-    PE_PARALLEL_FOR(rows * V * K)
-    for (long ch = 0; ch < chunks; ch++) {
-        PE_T z[PE_LOSS_ROWS * PE_LOSS_COLS]; /* on the stack: one tile of logits */
-        PE_T top[PE_LOSS_ROWS], total[PE_LOSS_ROWS], hit[PE_LOSS_ROWS];
-        long r0 = ch * PE_LOSS_ROWS, n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
-        for (long r = 0; r < n; r++) top[r] = -INFINITY, total[r] = 0, hit[r] = NAN;
-        for (long j0 = 0; j0 < V; j0 += PE_LOSS_COLS) {
-            long cols = pe_loss_min(PE_LOSS_COLS, V - j0);
-            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
-            for (long r = 0; r < n; r++) {
-                const PE_T *row = z + r * cols;
-                PE_T m = top[r];
-                for (long c = 0; c < cols; c++) m = row[c] > m ? row[c] : m;
-                PE_T s = total[r] * exp(top[r] - m); /* 0 on the first tile */
-                if (top[r] == -INFINITY) s = 0;
-                for (long c = 0; c < cols; c++) s += exp(row[c] - m);
-                top[r] = m, total[r] = s;
-                long t = pe_loss_target(index, wide, r0 + r) - j0;
-                if (t >= 0 && t < cols) hit[r] = row[t];
-            }
-        }
-        for (long r = 0; r < n; r++) {
-            lse[r0 + r] = top[r] + log(total[r]);
-            picked[r0 + r] = hit[r] - lse[r0 + r]; /* NaN for a target outside [0, V) */
-        }
-    }
-}
-
 /* dz = scale * exp(z - lse) + gp * onehot(target) over one tile, in place. */
 static void PE_S(pe_loss_dz)(PE_T *z, const PE_T *gp, const PE_T *scale, const PE_T *lse,
                              const void *index, int wide, long r0, long rows, long j0,
@@ -156,9 +124,11 @@ void PE_S(pe_linear_log_softmax_gather_grad)(const PE_T *gp, const PE_T *scale, 
 }
 
 /* The forward and the gradients in one op (``linear_log_softmax_gather_with_grad``: the
- * cotangents gp and scale are known before the loss). Each row chunk's logits are made
- * once: the input gradient gx = scale * softmax(z) w + gp * w[target] is accumulated as the
- * tiles go, as FlashAttention accumulates its output, with the running max m and sum s:
+ * cotangents gp and scale are known before the loss), and the forward alone (no gx, gw,
+ * gb; gp and scale unread). Each row chunk's logits are made once, its row maxima and
+ * sums kept as the tiles go (online log-sum-exp); the input gradient
+ * gx = scale * softmax(z) w + gp * w[target] is accumulated as the tiles go too, as
+ * FlashAttention accumulates its output, with the running max m and sum s:
  * acc = sum_j exp(z_j - m) w_j, rescaled by exp(m_old - m) when a tile raises m, and
  * gx = scale / s * acc at the end. One GEMM for the logits and one for gx, where the pair
  * of kernels takes three. The weight and bias gradients need each row's final log-sum-exp
@@ -215,6 +185,14 @@ void PE_S(pe_linear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *sc
     }
     if (gw || gb)
         PE_S(pe_loss_grad_w)(gp, scale, x, w, index, wide, lse, b, gw, gb, rows, K, V, major);
+}
+
+/* The forward alone: the merged kernel with no cotangents and no gradient. */
+void PE_S(pe_linear_log_softmax_gather)(const PE_T *x, const PE_T *w, const void *index,
+                                        int wide, const PE_T *b, PE_T *picked, PE_T *lse,
+                                        long rows, long K, long V, int major) {
+    PE_S(pe_linear_log_softmax_gather_with_grad)(NULL, NULL, x, w, index, wide, b, picked, lse,
+                                                 NULL, NULL, NULL, rows, K, V, major);
 }
 
 #endif
