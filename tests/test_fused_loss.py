@@ -30,7 +30,7 @@ from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.c.backend import CBackend
 from pockengine.backends.numpy_backend import evaluate
-from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType, verify
+from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType, Value, verify
 from pockengine.passes import (
     FORWARD_PIPELINE,
     forward_passes,
@@ -352,32 +352,53 @@ def test_backends_without_the_kernels_keep_the_unfused_loss() -> None:
         assert forward_passes(get_backend(backend).supported_ops()) == FORWARD_PIPELINE
 
 
+_C_ROWS, _C_VOCAB = 300, 2500  # three row chunks of 128 (the last short), 20 vocab tiles
+
+
+def _head_inputs(
+    b: GraphBuilder, k: int, dtype: DType, major: bool, bias: bool, index_dtype: DType
+) -> list[Value]:
+    """gp, scale, x, w, index and (with ``bias``) b of a loss head of ``_C_ROWS`` rows,
+    ``k`` features and ``_C_VOCAB`` classes, as graph inputs."""
+    rows, vocab = _C_ROWS, _C_VOCAB
+    gp, scale = (b.input(n, TensorType((rows,), dtype)) for n in ("gp", "scale"))
+    x = b.input("x", TensorType((rows, k), dtype))
+    w = b.input("w", TensorType((vocab, k) if major else (k, vocab), dtype))
+    index = b.input("index", TensorType((rows,), index_dtype))
+    extra = [b.input("b", TensorType((vocab,), dtype))] if bias else []
+    return [gp, scale, x, w, index, *extra]
+
+
+def _head_feeds(
+    rng: np.random.Generator, graph: Graph, x_scale: float, w_scale: float
+) -> dict[str, Array]:
+    """Random values of ``_head_inputs``' inputs of ``graph``, in their dtypes; the targets
+    include the last class and a tile's first one."""
+    types = {v.name: v.type for v in graph.inputs}
+    draws = {"x": rng.standard_normal(types["x"].shape) * x_scale,
+             "w": rng.standard_normal(types["w"].shape) * w_scale,
+             "index": rng.integers(0, _C_VOCAB, _C_ROWS), "gp": rng.standard_normal(_C_ROWS),
+             "scale": rng.standard_normal(_C_ROWS), "b": rng.standard_normal(_C_VOCAB)}  # fmt: skip
+    feeds = {n: a.astype(types[n].dtype.to_numpy()) for n, a in draws.items() if n in types}
+    feeds["index"][[0, -1]] = [_C_VOCAB - 1, 1280]
+    return feeds
+
+
 @pytest.mark.parametrize(("dtype", "major", "bias"), [
     (DType.F32, True, False), (DType.F32, False, True), (DType.F64, True, True),
 ])  # fmt: skip
 def test_c_kernels_over_chunks_and_tiles_match_numpy(dtype: DType, major: bool, bias: bool) -> None:
     """300 rows (three chunks of 128, the last short) over 2500 classes (20 tiles of
     128, the last short): the forward and every gradient equal the NumPy reference."""
-    rows, k, vocab = 300, 24, 2500
-    rng = np.random.default_rng(3)
-    np_dtype = dtype.to_numpy()
     b = GraphBuilder("loss")
-    x = b.input("x", TensorType((rows, k), dtype))
-    w = b.input("w", TensorType((vocab, k) if major else (k, vocab), dtype))
-    index = b.input("index", TensorType((rows,), DType.I32 if bias else DType.I64))
-    extra = [b.input("b", TensorType((vocab,), dtype))] if bias else []
-    gp, scale = (b.input(n, TensorType((rows,), dtype)) for n in ("gp", "scale"))
+    gp, scale, x, w, index, *extra = _head_inputs(b, 24, dtype, major, bias,
+                                                  DType.I32 if bias else DType.I64)  # fmt: skip
     attrs = {"chunk": 16, "vocab_major": major}
     picked, lse = b.call_multi(FUSED, x, w, index, *extra, **attrs)
     grads = b.call_multi(f"{FUSED}_grad", gp, scale, x, w, index, lse, *extra, **attrs,
                          x_grad=True, w_grad=True, b_grad=bias)  # fmt: skip
     graph = b.build([picked, lse, *grads])
-    feeds = {"x": rng.standard_normal((rows, k)), "w": rng.standard_normal(w.shape) / 4,
-             "index": rng.integers(0, vocab, rows), "gp": rng.standard_normal(rows),
-             "scale": rng.standard_normal(rows), "b": rng.standard_normal(vocab)}  # fmt: skip
-    feeds = {n: a.astype(index.dtype.to_numpy() if n == "index" else np_dtype)
-             for n, a in feeds.items() if n != "b" or bias}  # fmt: skip
-    feeds["index"][[0, -1]] = [vocab - 1, 1280]  # the last class and a tile's first one
+    feeds = _head_feeds(np.random.default_rng(3), graph, x_scale=1, w_scale=1 / 4)
     got = CBackend().compile(graph).run(dict(feeds), {})
     want = evaluate(graph, dict(feeds))
     tol = 2e-4 if dtype is DType.F32 else 1e-10
@@ -399,24 +420,12 @@ def test_c_merged_kernel_over_chunks_and_tiles_matches_numpy(
     the forward and every gradient equal the NumPy reference, masked rows (scale and gp
     0) included. At 300 features each tile's products are large enough for the GEMM's
     packed path (``linalg.c``: PE_PACK_MIN), with A and B transposed or not."""
-    rows, vocab = 300, 2500
-    rng = np.random.default_rng(4)
-    np_dtype = dtype.to_numpy()
     b = GraphBuilder("loss")
-    gp, scale = (b.input(n, TensorType((rows,), dtype)) for n in ("gp", "scale"))
-    x = b.input("x", TensorType((rows, k), dtype))
-    w = b.input("w", TensorType((vocab, k) if major else (k, vocab), dtype))
-    index = b.input("index", TensorType((rows,), DType.I64 if major else DType.I32))
-    extra = [b.input("b", TensorType((vocab,), dtype))] if bias else []
-    outs = b.call_multi(WITH_GRAD, gp, scale, x, w, index, *extra, chunk=16, vocab_major=major,
-                        x_grad="x" in grads, w_grad="w" in grads, b_grad="b" in grads)  # fmt: skip
+    ins = _head_inputs(b, k, dtype, major, bias, DType.I64 if major else DType.I32)
+    outs = b.call_multi(WITH_GRAD, *ins, chunk=16, vocab_major=major, x_grad="x" in grads,
+                        w_grad="w" in grads, b_grad="b" in grads)  # fmt: skip
     graph = b.build(list(outs))
-    feeds = {"x": rng.standard_normal((rows, k)) * 2, "w": rng.standard_normal(w.shape) / 2,
-             "index": rng.integers(0, vocab, rows), "gp": rng.standard_normal(rows),
-             "scale": rng.standard_normal(rows), "b": rng.standard_normal(vocab)}  # fmt: skip
-    feeds = {n: a.astype(index.dtype.to_numpy() if n == "index" else np_dtype)
-             for n, a in feeds.items() if n != "b" or bias}  # fmt: skip
-    feeds["index"][[0, -1]] = [vocab - 1, 1280]  # the last class and a tile's first one
+    feeds = _head_feeds(np.random.default_rng(4), graph, x_scale=2, w_scale=1 / 2)
     feeds["gp"][5] = feeds["scale"][5] = 0  # a masked row
     executable = CBackend().compile(graph)
     source = executable.source
