@@ -296,6 +296,16 @@ def _shifted_head_graph() -> Graph:
     return b.build([loss])
 
 
+def test_chunks_are_balanced_over_the_rows() -> None:
+    """As few chunks as the element limit allows, of equal size: 10 tokens at up to 6 rows
+    a chunk are two chunks of 5, not 6 and 4; at up to 4 rows, 4, 4 and 2; at up to 10
+    or more, one chunk."""
+    for most, chunk in ((6, 5), (4, 4), (3, 3), (10, 10), (64, 10), (1, 1)):
+        fused = fuse_linear_cross_entropy(_shifted_head_graph(), chunk_elements=most * VOCAB)
+        (node,) = [n for n in fused.nodes if n.op == FUSED]
+        assert node.attrs["chunk"] == chunk, most
+
+
 def test_the_pass_chunks_rows_and_keeps_the_numbers() -> None:
     """Chunks of 4 rows over 10 tokens (the last one short) give the unfused loss and
     gradients, through a bias and a sliced causal shift of the logits."""
