@@ -32,6 +32,8 @@ from pockengine.plan.report import analyze
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+# a line writing into a slot: an ``out=`` argument, a copy, or a fill the input is copied into
+SLOT_WRITE = r"((out|out0|grad_input)=k\d+)|to_slot\(k\d+|= k\d+\.(fill|zero)_\("
 WITHOUT_REMAT = tuple(p for p in DEFAULT_PIPELINE if p is not rematerialize)
 
 
@@ -82,7 +84,7 @@ def test_large_results_are_written_into_slots(workspace_step: pe.TrainStep) -> N
     assert {"linear", "matmul", "gelu", "layer_norm"} <= slotted <= torch_heap.WORKSPACE_OPS
     for name in workspace.offsets:  # node i is on line first_line + i; slots are globals k<n>
         line = lines[exe._first_line - 1 + made_at[name][0]]
-        assert re.search(r"((out|out0|grad_input)=k\d+)|to_slot\(k\d+", line), line
+        assert re.search(SLOT_WRITE, line), line
     outputs = {v.name for v in graph.outputs}
     assert not outputs & set(workspace.offsets)
     assert workspace.nbytes <= sum(made_at[name][1].type.nbytes for name in workspace.offsets)
@@ -151,3 +153,31 @@ def test_layer_norm_output_recomputed_for_lora() -> None:
     assert losses == losses0
     for name, value in state0.items():
         np.testing.assert_array_equal(state[name], value, err_msg=name)
+
+
+def _llama_step(backend: Any) -> tuple[pe.TrainStep, zoo.Workload]:
+    w = zoo.llama_lm(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64, seq=8,
+                     batch=2)  # fmt: skip
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), pe.optim.AdamW(lr=1e-2),
+                      schemes.lora(4, 8), backend=backend)  # fmt: skip
+    return step, w
+
+
+def test_llama_elementwise_pads_and_concats_write_into_slots() -> None:
+    """A LoRA LLaMA step (gated MLP, rotary embeddings, grouped-query attention): the
+    sigmoid, subtract, concat (rotate-half) and slice-gradient (its backward) results take
+    slots too, and the step trains bit for bit as without the workspace."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_heap, "MIN_WORKSPACE_BYTES", 256)
+        step, w = _llama_step(TorchBackend(workspace=True))
+    exe = step._exec
+    assert exe.workspace is not None
+    made_at = {v.name: n.op for n in exe.graph.nodes for v in n.outputs}
+    slotted = {made_at[name] for name in exe.workspace.offsets}
+    assert {"sigmoid", "concat", "slice_grad", "neg"} <= slotted <= torch_heap.WORKSPACE_OPS
+    plain, _ = _llama_step(TorchBackend())
+    for k in range(3):
+        assert step(*w.make_batch(k)) == plain(*w.make_batch(k))
+    ours, theirs = step.flat_state_dict(), plain.flat_state_dict()
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)

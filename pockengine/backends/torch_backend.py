@@ -260,11 +260,12 @@ class TorchBackend(Backend):
     after the nodes near that peak that free much (``torch_heap``), so the free blocks the
     peak does not reuse are not resident at it (minilm-bbc's sparse step: 555-559 MiB of
     process peak against 603-612, and about 13% more CPU time a step, as the trimmed pages
-    fault back in); ``keep_heap`` turns it off. Opt-in, ``workspace``: the results of the
-    large matmuls, linears and elementwise nodes (``torch_heap.WORKSPACE_OPS``) are written
-    with ``out=`` into one buffer each executable allocates once and keeps, at offsets
-    planned from the graph (``torch_heap.plan_workspace``): no allocator, no page faults
-    and no fragmentation for them, bit for bit the same results; the buffer stays resident
+    fault back in); ``keep_heap`` turns it off. Opt-in, ``workspace``: the large results
+    of matmuls, linears, elementwise, concat, pad and sum nodes
+    (``torch_heap.WORKSPACE_OPS``) are written with ``out=`` into one buffer each
+    executable allocates once and keeps, at offsets planned from the graph
+    (``torch_heap.plan_workspace``): no allocator, no page faults and no fragmentation for
+    them, bit for bit the same results; the buffer stays resident
     between calls (so an executable is not re-entrant), and the run makes no trims inside
     it (``trim_peak``: the heap then holds nothing large). Opt-in, ``heap_thresholds``:
     glibc's mmap and trim thresholds fixed at ``(mmap_bytes, trim_bytes)`` for the whole

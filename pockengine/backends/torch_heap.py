@@ -67,8 +67,12 @@ MIN_WORKSPACE_BYTES = 64 << 10  # smaller results stay with the allocator
 # the ops whose torch kernels put a result into a given tensor (``Emit.dest``): ``out=``, or
 # a copy at once (``COPIED_OPS``)
 WORKSPACE_OPS = frozenset({
-    "linear", "matmul", "gelu", "gelu_grad", "add", "mul", "layer_norm", "layer_norm_grad",
-    "attention", "attention_grad", "embedding",
+    "linear", "matmul", "gelu", "gelu_grad", "add", "sub", "mul", "div", "layer_norm",
+    "layer_norm_grad", "attention", "attention_grad", "embedding", "concat", "pad",
+    "slice_grad", "sum",
+    # the unary elementwise ops (``torch_kernels._UNARY``) and silu
+    "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs",
+    "reciprocal", "erf", "log1p", "silu",
 })  # fmt: skip
 COPIED_OPS = frozenset({"layer_norm_grad", "attention", "attention_grad"})
 # ops whose ``out=`` result never casts whatever their inputs' dtypes (a row gather)

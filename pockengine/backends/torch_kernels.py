@@ -104,6 +104,8 @@ def _binary(fn: str, *, swap: bool = False, reverse: str | None = None) -> Emitt
         if sx is not None and sy is None and swap:
             return [f"{e.out} = {fn}({y}, {sx}{out})"]
         if sx is not None and sy is None and reverse:
+            if out:  # ``reverse`` takes no ``out=``; fn's tensor overload does (x is 0-d)
+                return [f"{e.out} = {fn}({x}, {y}{out})"]
             return [f"{e.out} = {reverse}({y}, {sx})"]
         return [f"{e.out} = {fn}({x}, {y}{out})"]
 
@@ -204,7 +206,9 @@ def _reduction(fn: str, *, typed: bool = False) -> Emitter:
         dtype = f", dtype={e.dtype(e.node.output.dtype)}" if typed else ""
         if len(axes) == x.type.rank and not keep:
             return [f"{e.out} = {fn}({e.ins[0]}{dtype})"]
-        return [f"{e.out} = {fn}({e.ins[0]}, {literal(axes)}, {keep}{dtype})"]
+        dest = e.dest()  # a workspace slot (only sum is among ``WORKSPACE_OPS``)
+        out = "" if dest is None else f", out={dest}"
+        return [f"{e.out} = {fn}({e.ins[0]}, {literal(axes)}, {keep}{dtype}{out})"]
 
     return emit
 

@@ -59,7 +59,11 @@ def _slice_grad(e: Emit) -> list[str]:
     if step == 1:  # one pass: pad with zeros around the slice
         pairs = [(0, 0)] * len(shape)
         pairs[axis] = (start, shape[axis] - stop)
-        return [f"{e.out} = aten_constant_pad_nd({e.ins[0]}, {_flat_pads(pairs)}, 0)"]
+        return _padded(e, pairs, "0")
+    dest = e.dest()
+    if dest is not None:  # zeros with the slice's elements copied in, in its slot
+        window = f"aten_slice({e.out}, {axis}, {start}, {stop}, {step})"
+        return [f"{e.out} = {dest}.zero_()", f"{window}.copy_({e.ins[0]})"]
     args = f"{literal(shape)}, {axis}, {start}, {stop}, {step}"
     return [f"{e.out} = aten_slice_backward({e.ins[0]}, {args})"]
 
@@ -70,15 +74,28 @@ def _flat_pads(pairs: list[tuple[int, int]]) -> str:
 
 
 def _concat(e: Emit) -> list[str]:
-    return [f"{e.out} = aten_cat([{', '.join(e.ins)}], {e.attr('axis')})"]
+    dest = e.dest()
+    out = "" if dest is None else f", out={dest}"
+    return [f"{e.out} = aten_cat([{', '.join(e.ins)}], {e.attr('axis')}{out})"]
 
 
 def _pad(e: Emit) -> list[str]:
     pairs = [tuple(p) for p in e.attr("pads")]
     if not any(a or b for a, b in pairs):
         return [f"{e.out} = {e.ins[0]}.clone()"]
-    value = literal(e.attr("value"))
-    return [f"{e.out} = aten_constant_pad_nd({e.ins[0]}, {_flat_pads(pairs)}, {value})"]
+    return _padded(e, pairs, literal(e.attr("value")))
+
+
+def _padded(e: Emit, pairs: list[tuple[int, int]], value: str) -> list[str]:
+    """The input with ``pairs`` (before, after) of ``value`` around it on each axis: filled
+    and copied into the result's workspace slot where it has one and no pad is negative
+    (a crop), else ``constant_pad_nd`` (which allocates)."""
+    dest = e.dest()
+    if dest is None or any(a < 0 or b < 0 for a, b in pairs):
+        return [f"{e.out} = aten_constant_pad_nd({e.ins[0]}, {_flat_pads(pairs)}, {value})"]
+    x = e.node.inputs[0]
+    inner = ", ".join(f"{a}:{a + d}" for (a, _), d in zip(pairs, x.shape, strict=True))
+    return [f"{e.out} = {dest}.fill_({value})", f"{e.out}[{inner}].copy_({e.ins[0]})"]
 
 
 # -- indexing --------------------------------------------------------------------------------
