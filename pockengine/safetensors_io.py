@@ -30,6 +30,7 @@ __all__ = [
     "header_bytes",
     "metadata_of",
     "pages_out_after_write",
+    "read_header",
     "read_metadata",
     "write_rows",
     "write_safetensors_to",
@@ -166,8 +167,7 @@ def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
     file replaces the old one atomically."""
     arrays = _c_order(tensors)
     with path.open("rb") as src:
-        size = int.from_bytes(src.read(8), "little")
-        header: dict[str, Any] = json.loads(src.read(size))
+        header = read_header(src)[1]
         metadata = header.pop("__metadata__", None)
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as dst:
@@ -183,21 +183,41 @@ def metadata_of(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors file from its first bytes (at least the
     8-byte size and the JSON header); a ``ValueError`` when it is not a string map."""
     size = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8 : 8 + size]).get("__metadata__", {})
+    return _metadata(json.loads(data[8 : 8 + size]))
+
+
+def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
+    meta = header.get("__metadata__", {})
     if not isinstance(meta, dict):
         raise ValueError("bad safetensors metadata")
     return {str(k): str(v) for k, v in meta.items()}
+
+
+def read_header(f: IO[bytes], limit: int | None = None) -> tuple[bytes, dict[str, Any]]:
+    """The JSON header of the safetensors file open as ``f`` (at its start), as its bytes
+    and parsed (``__metadata__`` included); ``f`` is left where the tensor data begin, at
+    ``8 + len(bytes)``. A ``ValueError`` for a file shorter than the size field, or, with
+    ``limit``, a header size outside (0, ``limit``]."""
+    head = f.read(8)
+    size = int.from_bytes(head, "little")
+    if len(head) < 8 or (limit is not None and not 0 < size <= limit):
+        raise ValueError(f"not a safetensors header (size {size})")
+    raw = f.read(size)
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors header (not a JSON object)")
+    return raw, header
 
 
 def read_metadata(path: str | os.PathLike[str], limit: int = 100 << 20) -> dict[str, str]:
     """The ``__metadata__`` of the safetensors file ``path``, reading its header alone;
     a ``ValueError`` for a header size outside (0, ``limit``], an ``OSError`` unread."""
     with Path(path).open("rb") as f:
-        head = f.read(8)
-        size = int.from_bytes(head, "little")
-        if len(head) < 8 or not 0 < size <= limit:
-            raise ValueError(f"{path}: not a safetensors header (size {size})")
-        return metadata_of(head + f.read(size))
+        try:
+            header = read_header(f, limit)[1]
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return _metadata(header)
 
 
 class SafetensorsError(ValueError):
@@ -215,10 +235,9 @@ class LazyTensors(Mapping[str, Array]):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         with self.path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header: dict[str, Any] = json.loads(f.read(size))
+            raw, header = read_header(f)
         header.pop("__metadata__", None)
-        self._start = 8 + size
+        self._start = 8 + len(raw)
         self._entries = header
         self.file_size = self._start + max(
             (int(e["data_offsets"][1]) for e in header.values()), default=0

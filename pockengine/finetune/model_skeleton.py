@@ -27,7 +27,7 @@ from pockengine.finetune import home
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.recipes import Task
 from pockengine.finetune.released import is_released
-from pockengine.safetensors_io import SAFETENSORS_DTYPES
+from pockengine.safetensors_io import SAFETENSORS_DTYPES, read_header
 
 __all__ = ["SKELETON", "write_from_skeleton", "write_skeleton"]
 
@@ -125,9 +125,8 @@ def refill(
     not None (cast to the file's dtype, checked for shape), else ``src``'s own bytes,
     which for a name in ``zeroed`` (``write_skeleton``) are no values: an error."""
     with src.open("rb") as f, dst.open("wb") as out:
-        size = int.from_bytes(f.read(8), "little")
-        head = f.read(size)
-        header: dict[str, Any] = json.loads(head)
+        head, header = read_header(f)
+        size = len(head)
         header.pop("__metadata__", None)
         out.write(size.to_bytes(8, "little") + head)
         at = 0
