@@ -9,7 +9,10 @@ layer norm's output recomputed in the backward (``passes.remat``).
   read of any view of it or any result written over it in place;
 - layer norm's ``y`` that a LoRA weight gradient reads is recomputed from the layer norm's
   input (saved for its own backward anyway): fewer saved bytes, the same training bit for
-  bit.
+  bit;
+- session 20's wider op set: a LoRA LLaMA step's sigmoid, neg, concat and slice_grad
+  results, and a pad and strided and plain slice gradients, take slots and train bit for
+  bit as without the workspace.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import pockengine as pe
 from pockengine import schemes, zoo
@@ -181,3 +185,51 @@ def test_llama_elementwise_pads_and_concats_write_into_slots() -> None:
     ours, theirs = step.flat_state_dict(), plain.flat_state_dict()
     for name, value in theirs.items():
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
+
+
+class _PadsAndStrides(torch.nn.Module):
+    """A pad in the forward pass, and slices with and without a step (their gradients are
+    slice_grad nodes: a pad, and a strided scatter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        padded = torch.nn.functional.pad(h[:, ::2], (3, 1), value=0.5)
+        return ((padded[:, 2:18] - y) ** 2).mean()
+
+
+def test_pad_and_slice_gradients_write_into_slots() -> None:
+    """pad (filled, the input copied in) and slice_grad with and without a step take slots,
+    and train bit for bit as without the workspace, close to NumPy."""
+    rng = np.random.default_rng(0)
+    batches = [(torch.from_numpy(rng.standard_normal((64, 16), dtype=np.float32)),
+                torch.from_numpy(rng.standard_normal((64, 16), dtype=np.float32)))
+               for _ in range(3)]  # fmt: skip
+
+    def trained(backend: Any) -> tuple[pe.TrainStep, list[float]]:
+        torch.manual_seed(0)
+        step = pe.compile(_PadsAndStrides(), lambda m, x, y: m(x, y), batches[0],
+                          pe.optim.SGD(lr=0.1), schemes.full(), backend=backend)  # fmt: skip
+        return step, [float(step(*b)) for b in batches]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_heap, "MIN_WORKSPACE_BYTES", 256)
+        step, losses = trained(TorchBackend(workspace=True))
+    exe = step._exec
+    assert exe.workspace is not None
+    made_at = {v.name: n for n in exe.graph.nodes for v in n.outputs}
+    slotted = [made_at[name] for name in exe.workspace.offsets]
+    assert "pad" in {n.op for n in slotted}
+    steps = {n.attrs["step"] for n in slotted if n.op == "slice_grad"}
+    assert steps == {1, 2}, steps
+    plain, plain_losses = trained(TorchBackend())
+    reference, ref_losses = trained("numpy")
+    assert losses == plain_losses
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    ours, ref = step.flat_state_dict(), reference.flat_state_dict()
+    for name, value in plain.flat_state_dict().items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+        np.testing.assert_allclose(ours[name], ref[name], rtol=1e-4, atol=1e-6, err_msg=name)
