@@ -26,6 +26,7 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.ir import Graph, Phase, verify
 from pockengine.passes import DEFAULT_PIPELINE, rematerialize, run_pipeline
+from pockengine.passes.remat import MAX_DEPTH, _cheap, recompute
 from pockengine.plan import plan_memory
 from pockengine.plan.report import analyze
 
@@ -142,6 +143,41 @@ def test_gated_mlp_recomputes_sigmoid_and_silu() -> None:
     read_back = {v.name for n in graph.nodes if _backward(n) for v in n.inputs}
     assert len(forward) == 1 and forward[0].outputs[0].name not in read_back
     assert sum(n.op == "sigmoid" and _backward(n) for n in graph.nodes) == 1
+
+
+def test_grouped_query_keys_and_values_are_saved_narrow() -> None:
+    """Grouped-query attention: the keys and values expanded to every query head are not
+    saved; the narrow ones are kept and expanded again at the attention's backward (a
+    chain may keep a forward value at most half the size of what it recomputes), for
+    fewer saved bytes and the same training, bit for bit."""
+    work = zoo.llama_lm(layers=2, hidden=32, heads=4, kv_heads=1, ffn=48, vocab=64, seq=8,
+                        batch=2)  # fmt: skip
+
+    def trained(passes: Any) -> tuple[pe.TrainStep, list[float]]:
+        step = pe.compile(work.model, work.loss_fn, work.make_batch(0), pe.optim.AdamW(),
+                          passes=passes)  # fmt: skip
+        return step, [step(*work.make_batch(k)) for k in range(3)]
+
+    step, losses = trained(None)
+    graph = verify(step.graph)
+    producers = graph.producers()
+    grads = [n for n in graph.nodes if n.op == "attention_grad"]
+    assert len(grads) == 2
+    for n in grads:  # k and v: expanded to 4 heads by backward nodes, from 1-head values
+        for kv in n.inputs[2:4]:
+            made = producers[kv.name]
+            assert _backward(made) and kv.shape[1] == 4, (made.op, kv.shape)
+
+    def wide(g: Graph) -> Graph:  # rematerialize as before: no narrow value kept
+        return recompute(g, _cheap, MAX_DEPTH, prefer=_cheap)
+
+    widened = tuple(wide if p is rematerialize else p for p in DEFAULT_PIPELINE)
+    saved = [analyze(g).saved_activation_bytes for g in (
+        graph, *(run_pipeline(step.stages[0][1], passes).graph for passes in (widened, WITHOUT))
+    )]  # fmt: skip
+    assert saved[0] < saved[1] < saved[2], saved
+    _, plain_losses = trained(WITHOUT)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
 
 
 def test_only_cheap_ops_are_recomputed() -> None:

@@ -7,7 +7,10 @@ alive from the forward pass, greedily: the saved values alive at the planned pea
 one the one whose recomputation costs the fewest FLOPs per byte it frees there (its own
 size), costed with the values chosen before it, enough to cover the excess over the
 budget, each kept only if it and the earlier choices can all still be recomputed; then it
-plans again, until the plan fits or nothing alive at the peak is left to try.
+plans again, until the plan fits or nothing alive at the peak is left to try. Choices that
+lower no peak are not kept: the pass tries the first half of them, down to one, and goes
+on from the lowest plan found (recomputing many values at once can raise the peak where
+their chains' operands are kept alive, and a budget far below reach asks for them all).
 Unlike ``passes.remat`` any pure forward node may be repeated, matmuls and attention
 included, through chains of values that died in the forward pass or were chosen
 before, so choosing a transformer block's internals one by one ends in recomputing the
@@ -153,12 +156,17 @@ class FitMemoryBudget:
         best, best_peak = graph, base
         saved, dropped, tried = _Saved.of(graph), set[str](), set[str]()
         while picks := self._picks(finished, plan, saved, dropped, tried):
+            while True:  # fewer picks while they lower nothing: half of them, down to one
+                current, now_dropped = _recompute(graph, dropped, picks)
+                now_finished = _finished(current, self.finish)
+                now_plan = plan_memory(now_finished)
+                if now_plan.planned_peak_bytes < best_peak or len(picks) == 1:
+                    break
+                picks = picks[: len(picks) // 2]
             tried.update(picks)
-            current, dropped = _recompute(graph, dropped, picks)
-            finished = _finished(current, self.finish)
-            plan = plan_memory(finished)
-            if plan.planned_peak_bytes < best_peak:
-                best, best_peak = current, plan.planned_peak_bytes
+            if now_plan.planned_peak_bytes < best_peak:  # go on from the lower plan only
+                best, best_peak = current, now_plan.planned_peak_bytes
+                dropped, finished, plan = now_dropped, now_finished, now_plan
             if best_peak <= self.budget:
                 return best
         log.warning(
