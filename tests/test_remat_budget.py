@@ -30,8 +30,8 @@ from pockengine.plan import plan_memory
 
 STEPS = 3
 # The LLaMA tests' budget, a fraction of the plan without one: low enough that matmuls are
-# recomputed, high enough to be met (about 0.84 is the least the pass reaches here)
-LLAMA_FRACTION = 0.88
+# recomputed, high enough to be met (about 0.72 is the least the pass reaches here)
+LLAMA_FRACTION = 0.75
 
 
 def _llama() -> zoo.Workload:

@@ -23,8 +23,9 @@ BatchNorm on running statistics is ``conv * s + h`` with ``s`` and ``h`` per-cha
 values made from its params; keeping them, its output is recomputed from the conv output
 its scale's gradient saves anyway). And, for ``rematerialize`` only, a forward value
 at most a ``NARROW_RATIO``-th the size of the value recomputed (all such values of the
-chain together): grouped-query attention's keys and values are saved expanded to every
-query head; keeping the narrow ones instead, the expand (a copy) is repeated at the
+chain together, and at least ``NARROW_MIN_SAVING`` bytes smaller): grouped-query
+attention's keys and values are saved expanded to every query head; keeping the narrow
+ones instead, the expand (a copy) is repeated at the
 attention's backward, and (g - 1) / g of those bytes are not saved (session 20: SmolLM2's
 LoRA step saves 341 MiB instead of 387).
 
@@ -54,12 +55,22 @@ from dataclasses import dataclass, field
 from pockengine.ir import GRAD_PREFIX, Fact, Graph, Node, Phase, Role, Value, get_op
 from pockengine.plan.liveness import last_reads
 
-__all__ = ["KEEP_BYTES", "KEEP_RATIO", "MAX_DEPTH", "Recomputable", "recompute", "rematerialize"]
+__all__ = [
+    "KEEP_BYTES",
+    "KEEP_RATIO",
+    "MAX_DEPTH",
+    "NARROW_MIN_SAVING",
+    "NARROW_RATIO",
+    "Recomputable",
+    "recompute",
+    "rematerialize",
+]
 
 MAX_DEPTH = 3  # ops in one recomputed chain
 KEEP_BYTES = 64 << 10  # a forward value this small may be kept alive for a chain ...
 KEEP_RATIO = 16  # ... when the value the chain recomputes is this many times larger
-NARROW_RATIO = 2  # forward values kept for a chain: at most this share of what it makes
+NARROW_RATIO = 2  # forward values kept for a chain: at most this share of what it makes,
+NARROW_MIN_SAVING = 64 << 10  # ... and at least this many bytes fewer (no churn for masks)
 _STORED = (Role.PARAM, Role.BUFFER, Role.CONST, Role.STATE)
 
 # May the value (an output of the node) be recomputed by repeating the node?
@@ -120,7 +131,8 @@ def _available(s: _State, v: Value, at: int) -> bool:
 
 def _narrower(s: _State, v: Value, made: Node | None) -> bool:
     """May the forward value ``v`` be kept alive for the chain because the chain makes a
-    value at least ``NARROW_RATIO`` times larger from it (with the other values it keeps)?
+    value at least ``NARROW_RATIO`` times larger from it (with the other values it keeps),
+    and ``NARROW_MIN_SAVING`` bytes larger?
     Grouped-query attention's keys and values are saved *expanded* to every query head
     ([B, H, T, D] from [B, H/g, T, D], the expand materialised by a reshape); keeping the
     narrow ones and expanding them again in the backward saves (g - 1) / g of them."""
@@ -128,9 +140,10 @@ def _narrower(s: _State, v: Value, made: Node | None) -> bool:
         return False
     if v.name in s.dropped:
         return False
-    if (s.kept + v.type.nbytes) * NARROW_RATIO > s.target_bytes:
+    kept = s.kept + v.type.nbytes
+    if kept * NARROW_RATIO > s.target_bytes or s.target_bytes - kept < NARROW_MIN_SAVING:
         return False
-    s.kept += v.type.nbytes
+    s.kept = kept
     return True
 
 
