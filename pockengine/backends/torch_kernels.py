@@ -20,7 +20,7 @@ from pockengine.backends.torch_codegen import Emit, Emitter, PairFinder, literal
 from pockengine.ir import DType, get_op
 from pockengine.ops._common import norm_axes
 
-__all__ = ["FINDERS", "KERNELS", "NAMESPACE", "slot_copies", "to_slot", "torch_dtype"]
+__all__ = ["FINDERS", "KERNELS", "NAMESPACE", "out_arg", "slot_copies", "to_slot", "torch_dtype"]
 
 _aten = torch.ops.aten
 
@@ -32,7 +32,7 @@ def _target(e: Emit) -> str | None:
     return e.into if e.into is not None else e.dest()
 
 
-def _into(e: Emit, keyword: str = "out") -> str:
+def out_arg(e: Emit, keyword: str = "out") -> str:
     """``, out=<target>`` when the result has a buffer to go to (``_target``)."""
     target = _target(e)
     return "" if target is None else f", {keyword}={target}"
@@ -77,7 +77,7 @@ def _call(fn: str, **kwargs: object) -> Emitter:
     extra = "".join(f", {k}={literal(v)}" for k, v in kwargs.items())
 
     def emit(e: Emit) -> list[str]:
-        return [f"{e.out} = {fn}({', '.join(e.ins)}{extra}{_into(e)})"]
+        return [f"{e.out} = {fn}({', '.join(e.ins)}{extra}{out_arg(e)})"]
 
     return emit
 
@@ -87,7 +87,7 @@ def _grad_call(fn: str, e: Emit, args: str) -> str:
     dying input or into a workspace slot (``_target``)."""
     if _target(e) is None:
         return f"{e.out} = {fn}({args})"
-    return f"{e.out} = {fn}_into({args}{_into(e, 'grad_input')})"
+    return f"{e.out} = {fn}_into({args}{out_arg(e, 'grad_input')})"
 
 
 def _binary(fn: str, *, swap: bool = False, reverse: str | None = None) -> Emitter:
@@ -98,14 +98,13 @@ def _binary(fn: str, *, swap: bool = False, reverse: str | None = None) -> Emitt
     def emit(e: Emit) -> list[str]:
         x, y = e.ins
         sx, sy = e.scalar(0), e.scalar(1)
-        out = _into(e)
+        out = out_arg(e)
         if sy is not None and sx is None:
             return [f"{e.out} = {fn}({x}, {sy}{out})"]
         if sx is not None and sy is None and swap:
             return [f"{e.out} = {fn}({y}, {sx}{out})"]
-        if sx is not None and sy is None and reverse:
-            if out:  # ``reverse`` takes no ``out=``; fn's tensor overload does (x is 0-d)
-                return [f"{e.out} = {fn}({x}, {y}{out})"]
+        if sx is not None and sy is None and reverse and not out:
+            # (``reverse`` takes no ``out=``; with one, fn's tensor overload below: x is 0-d)
             return [f"{e.out} = {reverse}({y}, {sx})"]
         return [f"{e.out} = {fn}({x}, {y}{out})"]
 
@@ -149,14 +148,14 @@ def _clamp(low_key: str, high_key: str) -> Emitter:
         if not dtype.is_float and any(isinstance(b, float) for b in (low, high)):
             # float bounds promote; NumPy casts back
             return [f"{e.out} = aten_clamp({x}, {bounds}).to({e.dtype(dtype)})"]
-        return [f"{e.out} = aten_clamp({x}, {bounds}{_into(e)})"]
+        return [f"{e.out} = aten_clamp({x}, {bounds}{out_arg(e)})"]
 
     return emit
 
 
 def _gelu(e: Emit) -> list[str]:
     approximate = literal(e.attr("approximate"))
-    return [f"{e.out} = aten_gelu({e.ins[0]}, approximate={approximate}{_into(e)})"]
+    return [f"{e.out} = aten_gelu({e.ins[0]}, approximate={approximate}{out_arg(e)})"]
 
 
 def _expanded(e: Emit) -> list[str]:
@@ -206,8 +205,7 @@ def _reduction(fn: str, *, typed: bool = False) -> Emitter:
         dtype = f", dtype={e.dtype(e.node.output.dtype)}" if typed else ""
         if len(axes) == x.type.rank and not keep:
             return [f"{e.out} = {fn}({e.ins[0]}{dtype})"]
-        dest = e.dest()  # a workspace slot (only sum is among ``WORKSPACE_OPS``)
-        out = "" if dest is None else f", out={dest}"
+        out = out_arg(e)  # a workspace slot (only sum is among ``WORKSPACE_OPS``)
         return [f"{e.out} = {fn}({e.ins[0]}, {literal(axes)}, {keep}{dtype}{out})"]
 
     return emit

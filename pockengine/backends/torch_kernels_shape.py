@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pockengine.backends.torch_codegen import Emit, Emitter, literal
+from pockengine.backends.torch_kernels import out_arg
 from pockengine.ops._common import norm_axis
 
 __all__ = ["KERNELS", "NAMESPACE", "wrap_index"]
@@ -74,9 +75,7 @@ def _flat_pads(pairs: list[tuple[int, int]]) -> str:
 
 
 def _concat(e: Emit) -> list[str]:
-    dest = e.dest()
-    out = "" if dest is None else f", out={dest}"
-    return [f"{e.out} = aten_cat([{', '.join(e.ins)}], {e.attr('axis')}{out})"]
+    return [f"{e.out} = aten_cat([{', '.join(e.ins)}], {e.attr('axis')}{out_arg(e)})"]
 
 
 def _pad(e: Emit) -> list[str]:
