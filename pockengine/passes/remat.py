@@ -96,7 +96,7 @@ class _State:
     # rather than read (None: never; see ``_saved_only``)?
     prefer: Recomputable | None = None
     pending: set[str] = field(default_factory=set)  # candidates not yet tried
-    kept: int = 0  # bytes of the narrower forward values the chain being planned keeps
+    kept: dict[str, int] = field(default_factory=dict)  # narrow values the chain keeps: bytes
     narrow: bool = False  # may a chain keep narrower forward values alive (``_narrower``)?
 
     def fresh(self, base: str) -> str:
@@ -140,10 +140,10 @@ def _narrower(s: _State, v: Value, made: Node | None) -> bool:
         return False
     if v.name in s.dropped:
         return False
-    kept = s.kept + v.type.nbytes
+    kept = sum({**s.kept, v.name: v.type.nbytes}.values())  # asked twice, counted once
     if kept * NARROW_RATIO > s.target_bytes or s.target_bytes - kept < NARROW_MIN_SAVING:
         return False
-    s.kept = kept
+    s.kept[v.name] = v.type.nbytes
     return True
 
 
@@ -311,7 +311,7 @@ def recompute(
         s.last[z.name] = -1  # as if z died in the forward pass: not available at ``at``
         chain: _Chain = []
         s.planned.clear()
-        s.kept = 0
+        s.kept.clear()
         kept = z.name in s.dropped
         s.dropped.add(z.name)
         s.target_bytes = z.type.nbytes
