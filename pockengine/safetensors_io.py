@@ -182,8 +182,7 @@ def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
 def metadata_of(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors file from its first bytes (at least the
     8-byte size and the JSON header); a ``ValueError`` when it is not a string map."""
-    size = int.from_bytes(data[:8], "little")
-    return _metadata(json.loads(data[8 : 8 + size]))
+    return _metadata(read_header(io.BytesIO(data))[1])
 
 
 def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
@@ -196,13 +195,18 @@ def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
 def read_header(f: IO[bytes], limit: int | None = None) -> tuple[bytes, dict[str, Any]]:
     """The JSON header of the safetensors file open as ``f`` (at its start), as its bytes
     and parsed (``__metadata__`` included); ``f`` is left where the tensor data begin, at
-    ``8 + len(bytes)``. A ``ValueError`` for a file shorter than the size field, or, with
-    ``limit``, a header size outside (0, ``limit``]."""
+    ``8 + len(bytes)``. A ``ValueError`` for a file shorter than the size field or than the
+    header it announces, a header that is not a JSON object, or, with ``limit``, a header
+    size outside (0, ``limit``]."""
     head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"not a safetensors file ({len(head)} bytes, short of its size field)")
     size = int.from_bytes(head, "little")
-    if len(head) < 8 or (limit is not None and not 0 < size <= limit):
+    if limit is not None and not 0 < size <= limit:
         raise ValueError(f"not a safetensors header (size {size})")
     raw = f.read(size)
+    if len(raw) < size:
+        raise ValueError(f"truncated safetensors header ({len(raw)} of {size} bytes)")
     header = json.loads(raw)
     if not isinstance(header, dict):
         raise ValueError("not a safetensors header (not a JSON object)")

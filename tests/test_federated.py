@@ -344,6 +344,17 @@ def test_saved_state_is_not_overwritten_and_resume_checks_the_options(
         run_server(None, federated(finetune))  # type: ignore[arg-type]
     with pytest.raises(FederatedError, match="saved by a run with other options"):
         run_server(None, federated(finetune, rounds=3, resume=True))  # type: ignore[arg-type]
+    whole = (out / GLOBAL_STATE).read_bytes()
+    damaged = {"truncated": whole[:20], "no round": None, "not safetensors": b"PK\x03\x04zip"}
+    for what, data in damaged.items():
+        if data is None:  # a safetensors file without the run's metadata
+            save_file({"head.bias": np.zeros(2, np.float32)}, str(out / GLOBAL_STATE))
+        else:
+            (out / GLOBAL_STATE).write_bytes(data)
+        before = (out / GLOBAL_STATE).read_bytes()
+        with pytest.raises(FederatedError, match="is not a saved global state"):
+            run_server(None, federated(finetune, rounds=5, resume=True))  # type: ignore[arg-type]
+        assert (out / GLOBAL_STATE).read_bytes() == before, what
 
 
 @needs_flwr

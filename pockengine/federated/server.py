@@ -99,19 +99,22 @@ def _start_state(
         for stale in (ROUNDS, SUMMARY):
             (out / stale).unlink(missing_ok=True)
         return 0, trained.extract(step)
+    from safetensors import SafetensorError
     from safetensors.numpy import load
 
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise FederatedError(f"--resume: no saved global state at {path}") from None
-    header = metadata_of(data)
-    saved = json.loads(header["config"])
+    try:
+        header = metadata_of(data)
+        saved, done, tensors = json.loads(header["config"]), int(header["round"]), load(data)
+    except (ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise FederatedError(f"--resume: {path} is not a saved global state ({exc})") from None
     if not config.trains_as_saved(saved):
         raise FederatedError(f"--resume: {path} was saved by a run with other options")
-    arrays = server.load_state(load(data))
+    arrays = server.load_state(tensors)
     trained.check(arrays, str(path))
-    done = int(header["round"])
     rows = MetricsLog(out / ROUNDS).rows()
     write_json_lines(out / ROUNDS, [row for row in rows if int(row["round"]) <= done])
     return done, arrays
