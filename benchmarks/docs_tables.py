@@ -375,6 +375,7 @@ TABLES: tuple[Table, ...] = (
             "minilm-bbc",
             "minilm-tweets",
             "lite0-fashion-running",
+            "lite0-fashion-running-auto",
             "smollm2-pydocs-s15",
             "generic-lora-s19",
             "minilm-bbc-lora-s16",
