@@ -2,7 +2,7 @@
 
 Compiling leaves memory in the process that compiled: ``torch.export``'s graph module and
 FakeTensor metadata (held from C++, never collected), the IR and the pass stages, Python
-objects and the malloc arenas they pin (docs/benchmarks.md, sessions 7-10). A process
+objects and the malloc arenas they pin. A process
 that trains keeps none of it when another process compiled. With ``compile_in="child"``
 ``compile_forked``:
 

@@ -247,7 +247,7 @@ class TorchBackend(Backend):
     copied, unless ``frozen_channels_last``. A convolution runs channels-last when its input
     is, whatever its weight's layout, and oneDNN reorders the weight into its own blocked
     format on every call either way, so a channels-last copy of a frozen weight costs its
-    size in memory and saves no measurable time (docs/benchmarks.md, session 7).
+    size in memory and saves no measurable time.
 
     Heap (CPU), both opt-in: with ``trim_heap`` each run ends by handing the heap pages its
     freed intermediates held back to the OS (glibc's ``malloc_trim``; this call only, no
@@ -271,7 +271,7 @@ class TorchBackend(Backend):
     glibc's mmap and trim thresholds fixed at ``(mmap_bytes, trim_bytes)`` for the whole
     process (``torch_heap.fix_heap_thresholds``), at compile; with the workspace, the
     resident size then follows the live bytes, and ``(2 << 20, 8 << 20)`` takes no page
-    faults in a steady LoRA step (docs/benchmarks.md, session 12)."""
+    faults in a steady LoRA step (docs/benchmarks.md)."""
 
     name = "torch"
 

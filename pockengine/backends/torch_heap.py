@@ -34,7 +34,7 @@ weight and bias gradients), the kernel allocates its result and copies it into t
 at once, in the layout ATen gave it (``COPIED_OPS``, ``torch_kernels.to_slot``): the
 allocator then serves that block for one line only, and the same block again at the next
 such node, so the step's long-lived large tensors are all in the workspace and glibc's
-heap holds nothing large across a step (session 12: a copy of 1.5 MiB costs ~0.1 ms).
+heap holds nothing large across a step (a copy of 1.5 MiB costs about 0.1 ms).
 """
 
 from __future__ import annotations

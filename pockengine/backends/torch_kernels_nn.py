@@ -237,7 +237,7 @@ def _layer_norm_grad(e: Emit) -> list[str]:
     # The bias argument only gives the bias gradient's shape and dtype: w's.
     args = f"{gy}, {x}, {_normalized_shape(e)}, {mean}, {rstd}, {w}, {w}, {literal(e.used)}"
     # gx copied into its workspace slot, if it has one: the ``out=`` overload would insist
-    # on computing the weight and bias gradients too (2.4x the time, session 12)
+    # on computing the weight and bias gradients too (2.4x the time)
     return [f"{', '.join(e.outs)} = aten_native_layer_norm_backward({args})", *slot_copies(e)]
 
 

@@ -18,8 +18,7 @@ batch of them (``Task.holding``), so its peak does not hold the data while it co
 With ``--scheme auto`` (the job's scheme is None) the child first keeps the batches the
 analysis reads (``Task.for_analysis``), chooses the scheme (``auto_scheme.choose_auto``,
 or the cached choice), writes ``choice.json`` and frees what the analysis held, then
-compiles the choice: the task is built once for both (until session 15 the analysis had
-a child of its own, which built the task, imported torch and started a process again).
+compiles the choice: the task is built once for both, in one process.
 Then it exits, and the process that trains loads the step (``compiled_task.load_compiled``).
 This module imports no torch: the parent (``launch.run``) has not imported it while the
 child compiles, so the two processes never hold torch at once. A child that fails writes

@@ -388,7 +388,7 @@ def _micro_rows(
     process that trains holds the step alone. At the run's budget itself the child
     would set the machine's peak: on the default minilm-bbc run (16 x 128 tokens) a
     whole-batch step planned 395 of the 423 MiB budget and the child peaked at 901 MiB,
-    against 612 for the process that trains (docs/search.md, session 16). A whole batch
+    against 612 for the process that trains (docs/search.md). A whole batch
     is one pass where one-example micro-batches are ``size`` passes, and needs no
     second import of the model; none of the recipes fits it (SmolLM2: 1,318 MiB
     against 1,366 - 513)."""

@@ -122,7 +122,7 @@ def defaults(config: FinetuneConfig, *, auto: bool = True) -> dict[str, Any]:
     # A run with low-bit frozen weights asks for the least memory: auto's analysis holds
     # the float model (on smollm2-pydocs with GGUF weights and 8-bit state its process
     # peaks at about 1.9 GB against the training process's 0.9), so it defaults to
-    # sparse there; --scheme auto still analyses (docs/quality.md, "Session 15").
+    # sparse there; --scheme auto still analyses (docs/quality.md).
     low_bit = config.frozen_dtype not in ("none", None)
     if out["scheme"] == "auto" and (not auto or low_bit):
         out["scheme"] = "sparse"
@@ -222,8 +222,8 @@ RECIPES: dict[str, Recipe] = {
         ),
         # Every BatchNorm on its running statistics: at these defaults sparse's validation
         # accuracy is 0.824 / 0.812 (seeds 0, 1) against 0.608 / 0.708 on batch
-        # statistics, at the same planned peak (docs/quality.md, lite0-fashion). auto
-        # since session 15: on held-out test images it ties sparse at these defaults
+        # statistics, at the same planned peak (docs/quality.md, lite0-fashion). auto:
+        # on held-out test images it ties sparse at these defaults
         # (82.0 against 81.8, three seeds) and leads by 1.7 points over 5 epochs at 32 px
         Recipe(
             "lite0-fashion",
@@ -234,7 +234,7 @@ RECIPES: dict[str, Recipe] = {
         # 135M params: a few steps of a few chunks by default (about 20 s a step on NumPy).
         # Learning rates from 100-step sweeps (docs/finetune.md); auto's chosen on
         # training examples (docs/quality.md, smollm2-pydocs); the head is the tied
-        # embedding, which auto may train in part. auto since session 15: test perplexity
+        # embedding, which auto may train in part. auto: test perplexity
         # 18.91 against sparse's 20.36 and full's 19.42 (three seeds), at sparse's peak
         Recipe(
             "smollm2-pydocs",

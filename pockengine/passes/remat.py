@@ -26,8 +26,8 @@ at most a ``NARROW_RATIO``-th the size of the value recomputed (all such values 
 chain together, and at least ``NARROW_MIN_SAVING`` bytes smaller): grouped-query
 attention's keys and values are saved expanded to every query head; keeping the narrow
 ones instead, the expand (a copy) is repeated at the
-attention's backward, and (g - 1) / g of those bytes are not saved (session 20: SmolLM2's
-LoRA step saves 341 MiB instead of 387).
+attention's backward, and (g - 1) / g of those bytes are not saved (SmolLM2's LoRA step
+saves 341 MiB instead of 387).
 
 The typical case is a CNN's conv -> batch norm -> ReLU6: autodiff saves the conv output
 for the batch norm backward and the ReLU6 output for its own backward (and the next
