@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import federated_table
 import finetune_table
 import quality_table
+import sparse_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -48,6 +49,7 @@ _COMMANDS = {
         "--in-place --compile-in child --threads 1 --steps 5 --warmup 2 "
         "--json benchmarks/results/step_bench-s11-llama-torch-inplace-kept.json"
     ),
+    "sparse_table.json": "python benchmarks/sparse_table.py",
     "device_footprint-1thread.json": (
         "python benchmarks/device_footprint.py --threads 1 "
         "--out benchmarks/results/device_footprint-1thread.json"
@@ -104,7 +106,9 @@ def generated_by(*names: str) -> str:
     )
 
 
-def _markdown_table(header: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+def _markdown_table(
+    header: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[str]]
+) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -151,6 +155,12 @@ _STEP_MEMORY = (
     "step_bench-s11-torch-inplace-kept.json",
     "step_bench-s11-llama-torch-inplace-kept.json",
 )
+
+
+def sparse() -> str:
+    """The compile-time cost of each scheme on the benchmark workloads."""
+    name = "sparse_table.json"
+    return "\n".join([generated_by(name), "", sparse_table.markdown(load(name))])
 
 
 def step_memory() -> str:
@@ -387,6 +397,7 @@ TABLES: tuple[Table, ...] = (
         _tagged("docs/federated.md", "federated-table", r, federated(r))
         for r in ("minilm-bbc", "lite0-fashion")
     ),
+    _ours("docs/sparse_backprop.md", "sparse", sparse),
     _ours("docs/benchmarks.md", "step-memory", step_memory),
     _ours("docs/benchmarks.md", "step-c", step_c),
     _ours("docs/benchmarks.md", "lora-memory", lora_memory),

@@ -1,7 +1,7 @@
 """Compile-time cost of the sparse schemes, as ratios to full backprop.
 
-    python benchmarks/sparse_table.py            # writes docs/sparse_backprop.md and
-                                                 # benchmarks/results/sparse_table.json
+    python benchmarks/sparse_table.py            # writes benchmarks/results/sparse_table.json
+                                                 # and its table in docs/sparse_backprop.md
 
 For MobileNetV2 (width 1.0, 3x128x128, batch 8), a 6-layer BERT encoder (hidden 384,
 seq 128, batch 8) and a LLaMA decoder (8 layers, hidden 512, seq 256, batch 1), under
@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, write_results
-
-import pockengine as pe
-from pockengine import zoo
+from _harness import write_results
 
 WORKLOADS = ("mbv2", "bert", "llama")
 
 
 def measure(name: str) -> list[dict[str, Any]]:
+    import pockengine as pe
+    from pockengine import zoo
+
     work, optimizer = zoo.benchmark(name)
     batch = work.make_batch(0)
     rows = []
@@ -58,71 +57,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-HEADER = """# Sparse backpropagation: compile-time cost
-
-Produced by `python benchmarks/sparse_table.py` (nothing is executed: the figures are
-read off the compiled training graphs by `TrainStep.report()`). Each cell: the value,
-and in parentheses its ratio to full backprop of the same workload. Schemes: *full*
-trains every parameter; *bias-only* every bias and normalisation parameter; *sparse* is
-the PockEngine recipe (biases and norms everywhere, all weights of the last blocks —
-4 for MobileNetV2, 2 for the transformers — and the head); *head* the last linear
-layer only. Optimizers: SGD with momentum for MobileNetV2, AdamW for the
-transformers (its two moments count in the planned peak).
-
-Workloads: MobileNetV2 width 1.0, 3x128x128, batch 8; BERT encoder 6 layers, hidden
-384, 12 heads, FFN 1536, seq 128, batch 8, with a 4-class head; LLaMA decoder 8
-layers, hidden 512, 8 heads, FFN 1376, vocab 32000, seq 256, batch 1.
-
-"""
-
-NOTES = """
-
-Reading the table:
-- Bias and norm updates need the activation gradient everywhere, so the backward
-  still reaches the first layer, but no weight gradient is computed and the inputs
-  of convolutions and matmuls are no longer saved for them.
-- Head-only stops the backward at the head: its backward is one small matmul and
-  almost nothing is saved.
-- The planned peak is the static memory plan (arena of temporaries + params +
-  buffers + optimizer state); for the LLaMA decoder the 32000-token embedding and
-  head dominate it.
-## Scheme names
-
-One vocabulary (`pockengine/sparse/names.py`) serves `pockengine inspect`, `finetune`,
-`search`, `export` and the API (`pockengine.sparse.names.scheme_named(name)`); each name
-trains the same parameters everywhere:
-
-| name | trains | as a factory of `pe.schemes` |
-|---|---|---|
-| `full` | every parameter | `full()` |
-| `bias` | every bias and normalisation parameter, and the head (1) | `sparse(blocks=0)` |
-| `bias-only` | every bias and normalisation parameter (the tables above) | `bias_only()` |
-| `sparse` | biases and norms, the last blocks' weights, the head (2) | `sparse()` (2) |
-| `head` | the last linear layer | `head()` |
-| `last:K` | every parameter of the last K repeated blocks, and the head | `last_blocks(K)` |
-| `*.json`, `*.yaml`, `*.yml` | what the scheme file says | `schemes.load(path)` |
-
-(1) BitFit, with the head that a new task must train. (2) The model's sparse recipe: the
-last 2 blocks unless the workload or recipe declares its own: `zoo.RECIPE_BLOCKS` (mbv2 4,
-bert 2, llama 2), `Recipe.sparse` (smollm2-pydocs: the norms and every block's output
-projections).
-
-Under a name, BatchNorm layers that train nothing run on their running statistics
-(`frozen_bn="eval"`, what `finetune` and `search` always do, and the default of `inspect
---frozen-bn` and `export --frozen-bn`): a short fine-tune barely moves them. The tables
-above were measured with `frozen_bn="train"` (`zoo.benchmark_schemes`), as `--frozen-bn
-train` reproduces.
-"""
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    parser.add_argument("--out", default=str(ROOT / "docs" / "sparse_backprop.md"))
     args = parser.parse_args()
     rows = [r for name in args.workloads for r in measure(name)]
     write_results("sparse_table", rows, indent=1)
-    Path(args.out).write_text(HEADER + markdown(rows) + NOTES)
+    import docs_tables  # the table between its markers, as every docs table is written
+
+    for path, text in docs_tables.generated().items():
+        path.write_text(text, encoding="utf-8")
     print(markdown(rows))
     return 0
 
