@@ -315,7 +315,7 @@ def main() -> int:
     parser.add_argument(
         "--out",
         help="also write the Markdown table to this file (replaced whole; the table is "
-        "always printed). docs/benchmarks.md is written by hand from the JSON",
+        "always printed). The docs' tables come from the JSON: benchmarks/docs_tables.py",
     )
     parser.add_argument(
         "--json",
