@@ -16,8 +16,8 @@ sparse, bias, head; lora when the scheme vocabulary has it; any other name, such
    whole-process peak RSS are written to ``benchmarks/results/quality_table-<tag>.json``
    and, as a table, between this tag's markers in ``docs/quality.md``.
 
-The full run (every recipe at its defaults, three seeds) is the default; the shared
-2-core machine ran the reduced configuration that docs/quality.md names.
+The full run (every recipe at its defaults, three seeds) is the default; docs/quality.md
+names the configurations its tables ran.
 
     python benchmarks/quality_table.py --recipes minilm-bbc --seeds 0 1 --max-train 480 \\
         --seq-len 64 --epochs 1 --tag reduced

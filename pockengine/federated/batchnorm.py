@@ -5,7 +5,7 @@ ones for evaluation, updated by ``momentum`` a step. With few local steps a roun
 shard of 200 images is 12 steps of 16) and a small momentum (EfficientNet's 0.01), the
 running statistics that clients send back are still mostly those the pretrained model
 started with: the server then evaluates weights trained under one normalisation with
-another one (measured in docs/federated.md, "lite0-fashion"). So, with
+another one (docs/federated.md, lite0-fashion). So, with
 ``bn_statistics="recompute"``, a client computes after its local epochs the statistics
 of its whole shard under its final weights (one forward pass in train mode, no update;
 the layers the step runs on running statistics, a scheme's frozen ones under

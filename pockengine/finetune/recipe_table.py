@@ -51,7 +51,7 @@ _ADAMW_LR = {
     "bias": 2e-3,
     "bias-only": 2e-3,
     "head": 1e-2,
-    "lora": 5e-3,  # beat 1e-3 on minilm-bbc (docs/benchmarks.md, the PEFT peer); no sweep
+    "lora": 5e-3,  # beat 1e-3 on minilm-bbc (benchmarks/lora_peer.py); no sweep
 }
 
 
@@ -192,11 +192,11 @@ _LM_SPARSE = ("*norm*", "*.mlp.down_proj.weight", "*.self_attn.o_proj.weight")
 
 _SEQ = {"epochs": 1, "batch_size": 16}
 # Every recipe trains the scheme a gradient estimate chooses under sparse's planned peak
-# (docs/quality.md, "Verdict"); ``--scheme sparse`` trains the fixed rule.
+# (docs/quality.md); ``--scheme sparse`` trains the fixed rule.
 _AUTO = {"scheme": "auto"}
 # minilm-bbc's sparse step (16 x 128 tokens) plans 516 MiB, 366 of them saved activations:
 # recomputing to fit 300 MiB costs 17% more FLOPs, no measurable step time, and lowers the
-# run's peak by ~250 MiB (docs/benchmarks.md, "Where the default run's memory goes"); results
+# run's peak by ~250 MiB (benchmarks/run_memory.py measures it); results
 # are bit for bit the same. --remat-budget 4GB (above the plan) turns it off.
 _MINILM_BBC_REMAT = 300 << 20
 # smollm2-pydocs' sparse step (4 x 128 tokens) with GGUF frozen weights plans 1164 MiB, 566
