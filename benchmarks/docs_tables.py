@@ -163,6 +163,21 @@ def sparse() -> str:
     return "\n".join([generated_by(name), "", sparse_table.markdown(load(name))])
 
 
+def estimator() -> str:
+    """How well the gradient estimate ranks the weights against short fine-tunes of each."""
+    name = "estimator_vs_finetune-minilm-bbc.json"
+    data = load(name)
+    rows = [
+        [r["score"], str(r["batches"]), f"{r['spearman']:.3f}",
+         f"{r['spearman_per_byte']:.3f}", f"{r['seconds']:.1f}"]
+        for r in sorted(data["rows"], key=lambda r: (r["score"], r["batches"]))
+    ]  # fmt: skip
+    rows.append(["fine-tune analysis", "", "1", "1", f"{data['finetune_seconds']:.0f}"])
+    header = ("estimate", "backward passes", "Spearman with the fine-tune contributions",
+              "per byte of extra memory", "seconds")  # fmt: skip
+    return "\n".join([generated_by(name), "", _markdown_table(header, _align(1, 4), rows)])
+
+
 def step_memory() -> str:
     """Training memory of the torch backend against eager, per workload and scheme."""
     results = [r for name in _STEP_MEMORY for r in load(name)["results"]]
@@ -398,6 +413,7 @@ TABLES: tuple[Table, ...] = (
         for r in ("minilm-bbc", "lite0-fashion")
     ),
     _ours("docs/sparse_backprop.md", "sparse", sparse),
+    _ours("docs/search.md", "estimator", estimator),
     _ours("docs/benchmarks.md", "step-memory", step_memory),
     _ours("docs/benchmarks.md", "step-c", step_c),
     _ours("docs/benchmarks.md", "lora-memory", lora_memory),
