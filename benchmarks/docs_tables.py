@@ -50,6 +50,10 @@ _COMMANDS = {
         "--json benchmarks/results/step_bench-s11-llama-torch-inplace-kept.json"
     ),
     "sparse_table.json": "python benchmarks/sparse_table.py",
+    "remat_budget.json": (
+        "OMP_NUM_THREADS=1 python benchmarks/remat_budget.py --layers 8 --steps 5 "
+        "--fractions 1 0.75 0.5 0.25"
+    ),
     "device_footprint-1thread.json": (
         "python benchmarks/device_footprint.py --threads 1 "
         "--out benchmarks/results/device_footprint-1thread.json"
@@ -69,6 +73,8 @@ def command_of(name: str) -> str:
     if name in _COMMANDS:
         return _COMMANDS[name]
     data = load(name)
+    if name.startswith("finetune_table-"):
+        return finetune_table._command(_finetune_args(data))
     if isinstance(data, dict) and isinstance(data.get("command"), str):
         return str(data["command"])
     if isinstance(data, dict) and isinstance(data.get("args"), dict):
@@ -121,14 +127,17 @@ def _align(n_text: int, n_num: int) -> list[str]:
 # --- fine-tuning, quality, federated: the benchmark scripts' own table code -------------
 
 
+def _finetune_args(data: dict[str, Any]) -> argparse.Namespace:
+    """The options a finetune_table results file stores: each as text ("None" where it was
+    not given); results from before --frozen-dtype existed ran with float32 frozen weights."""
+    stored = {k: None if v == "None" else v for k, v in data["args"].items()}
+    return argparse.Namespace(**{"frozen_dtype": "none", **stored})
+
+
 def finetune(recipe: str) -> Callable[[], str]:
     def render() -> str:
         data = load(f"finetune_table-{recipe}.json")
-        # The results store each option as text ("None" where it was not given); results
-        # from before --frozen-dtype existed ran with float32 frozen weights.
-        stored = {k: None if v == "None" else v for k, v in data["args"].items()}
-        args = argparse.Namespace(**{"frozen_dtype": "none", **stored})
-        return finetune_table._table(data["rows"], args)
+        return finetune_table._table(data["rows"], _finetune_args(data))
 
     return render
 
@@ -176,6 +185,38 @@ def estimator() -> str:
     header = ("estimate", "backward passes", "Spearman with the fine-tune contributions",
               "per byte of extra memory", "seconds")  # fmt: skip
     return "\n".join([generated_by(name), "", _markdown_table(header, _align(1, 4), rows)])
+
+
+def remat_budget() -> str:
+    """Planned and measured peak, recomputation and step time per memory budget."""
+    name = "remat_budget.json"
+    rows = []
+    for r in load(name)["rows"]:
+        budget = "none" if r["budget_mib"] is None else f"{r['budget_mib']:.0f} MiB"
+        met = "yes" if r["met"] else "no"
+        extra = f"{r['extra_gflop']:.1f} GFLOP ({r['extra_share']:.1%})" if r["segments"] else "0"
+        rows.append([budget, f"{r['planned_peak_mib']:.1f}", met, extra, str(r["segments"]),
+                     f"{r['vmhwm_mib']:.0f}", f"{r['step_s']:.2f}"])  # fmt: skip
+    header = ("budget", "planned peak (MiB)", "met", "recomputed (share of step FLOPs)",
+              "segments", "peak RSS (MiB)", "step (s)")  # fmt: skip
+    return "\n".join([generated_by(name), "", _markdown_table(header, _align(1, 6), rows)])
+
+
+def finetune_summary() -> str:
+    """Each recipe's validation metric under every scheme, and sparse's step against full's."""
+    names = {"minilm-bbc": "accuracy", "minilm-tweets": "accuracy",
+             "lite0-fashion": "accuracy", "smollm2-pydocs": "perplexity"}  # fmt: skip
+    rows = []
+    for recipe, metric in names.items():
+        by = {r["scheme"]: r for r in load(f"finetune_table-{recipe}.json")["rows"]}
+        fmt = ".3f" if metric == "accuracy" else ".2f"
+        cells = [format(by[s]["value"], fmt) for s in ("full", "bias", "sparse", "head")]
+        ratio = by["sparse"]["step_s"] / by["full"]["step_s"]
+        rows.append([recipe, metric, *cells, f"{ratio:.2f}"])
+    header = ("recipe", "metric", "full", "bias", "sparse (recipe)", "head",
+              "sparse step / full step")  # fmt: skip
+    files = [f"finetune_table-{r}.json" for r in names]
+    return "\n".join([generated_by(*files), "", _markdown_table(header, _align(2, 5), rows)])
 
 
 def step_memory() -> str:
@@ -389,6 +430,8 @@ def _tagged(path: str, kind: str, tag: str, render: Callable[[], str]) -> Table:
 
 TABLES: tuple[Table, ...] = (
     _ours("README.md", "headline", headline),
+    _ours("docs/finetune.md", "finetune-summary", finetune_summary),
+    _ours("docs/passes.md", "remat-budget", remat_budget),
     *(
         _tagged("docs/finetune.md", "finetune-table", r, finetune(r))
         for r in ("minilm-bbc", "lite0-fashion", "minilm-tweets", "smollm2-pydocs")
