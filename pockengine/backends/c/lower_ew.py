@@ -310,7 +310,8 @@ def _index_grad(ctx: EmitContext, node: Node) -> str:
 
 
 def _gather(ctx: EmitContext, node: Node) -> str:
-    """torch.gather along ``axis``: z[o] = x[o with o[axis] replaced by index[o]], any dtype."""
+    """torch.gather along ``axis``: z[o] = x[o with o[axis] replaced by index[o]], any dtype
+    (0 for an index outside the axis: never a read outside ``x``)."""
     x, index = node.inputs
     if index.dtype is not DType.I64:
         raise CEmitError(f"index {index} is {index.dtype}; the C kernels take i64 indices")
@@ -318,10 +319,12 @@ def _gather(ctx: EmitContext, node: Node) -> str:
     axis = attr_int(node, "axis") % index.type.rank
     own = strides(x.shape)
     flat = " + ".join(f"o{a} * {st}" for a, st in enumerate(strides(out.shape))) or "0"
+    at = f"{ctx.ref(index)}[{flat}]"
     terms = [f"o{a} * {own[a]}" for a in range(x.type.rank) if a != axis]
-    terms.append(f"{ctx.ref(index)}[{flat}] * {own[axis]}")
+    terms.append(f"{at} * {own[axis]}")
     header = "".join(f"for (long o{a} = 0; o{a} < {d}; o{a}++) " for a, d in enumerate(out.shape))
-    return f"{header}{ctx.ref(out)}[{flat}] = {ctx.ref(x)}[{' + '.join(terms)}];"
+    read = f"((uint64_t){at} < {x.shape[axis]}u ? {ctx.ref(x)}[{' + '.join(terms)}] : 0)"
+    return f"{header}{ctx.ref(out)}[{flat}] = {read};"
 
 
 def _broadcast_to(ctx: EmitContext, node: Node) -> str:
