@@ -35,7 +35,9 @@ import torch
 
 import pockengine as pe
 from pockengine.backends.c import CBackend
-from pockengine.backends.c.export import read_safetensors
+from pockengine.backends.c.driver import KERNEL_DIR
+from pockengine.backends.c.export import TRAINER_DIR, bounds_source, read_safetensors
+from pockengine.batch_checks import IndexBound
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
 from pockengine.runtime import BatchError
 
@@ -301,12 +303,60 @@ def test_a_failed_save_keeps_the_previous_state(trainer: Any) -> None:
     assert previous.stat().st_size == size and not list(folder.glob("*.tmp"))
 
 
+_PROBE = r"""#include <stdio.h>
+#include "pe_check.h"
+int main(void) {
+    for (int i = 0; i < pe_num_index_bounds; i++) {
+        const pe_index_bound *b = &pe_index_bounds[i];
+        printf("%d|%s|%lld|%s", b->input, b->name, (long long)b->high, b->what);
+        for (int k = 0; k < b->num_ignored; k++) printf("|%lld", (long long)b->ignored[k]);
+        printf("\n");
+    }
+    return 0;
+}
+"""
+
+
+def test_bounds_table_compiles_for_any_input_names(tmp_path: Path) -> None:
+    """``bounds.c`` for no bounds, and for non-ASCII names and extreme ignore_index
+    values (int64's most negative; one past int64, which no batch value can equal): it
+    compiles and holds the names byte for byte."""
+    b = GraphBuilder("g")
+    names = ["y", "ids\u00e9\u4e2d"]
+    for name in names:
+        b.input(name, TensorType((4,), DType.I64), Role.INPUT)
+    graph = b.build([])
+    bounds = [IndexBound(names[0], 3, frozenset({-100, -(2**63), 2**70}), "class target"),
+              IndexBound(names[1], 7, frozenset(), "token id")]  # fmt: skip
+    (tmp_path / "probe.c").write_text(_PROBE)
+    for label, table in (("none", []), ("some", bounds)):
+        source = tmp_path / f"bounds_{label}.c"
+        source.write_text(bounds_source(graph, table))
+        exe = tmp_path / f"probe_{label}"
+        subprocess.run([os.environ.get("CC") or "cc", "-std=c11", "-Wall", "-Werror",
+                        f"-I{TRAINER_DIR}", f"-I{KERNEL_DIR}", str(source),
+                        str(tmp_path / "probe.c"), "-o", str(exe)], check=True)  # fmt: skip
+        out = subprocess.run([str(exe)], capture_output=True, check=True).stdout.decode()
+        want = [] if label == "none" else [
+            f"0|{names[0]}|3|class target|{-(2**63)}|-100", f"1|{names[1]}|7|token id"
+        ]  # fmt: skip
+        assert out.splitlines() == want
+
+
+def test_readme_lists_the_index_ranges(trainer: Any) -> None:
+    text = (trainer[0] / "README.md").read_text()
+    assert "- `batch.0` (token ids): in [0, 10)" in text
+    assert "- `batch.1` (class targets): in [0, 3), or the ignore_index -100" in text
+    assert "Exit status: 0 done; 2 refused" in text
+
+
 # -- the kernels themselves, called directly --------------------------------------------
 
 
 def test_c_kernels_never_index_outside_a_tensor() -> None:
     """Out-of-range ids and gather indices (as a caller bypassing the step's batch check
-    could pass): a lookup gives zeros, a scatter-add skips them."""
+    could pass, or a batch input used as an ``x[ids]`` index, which no batch check
+    covers): a lookup gives zeros, a scatter-add skips them."""
     b = GraphBuilder("g")
     table = b.input("table", TensorType((4, 3), DType.F32), Role.PARAM)
     ids = b.input("ids", TensorType((5,), DType.I64), Role.INPUT)
@@ -319,17 +369,25 @@ def test_c_kernels_never_index_outside_a_tensor() -> None:
         b.call("embedding_grad", gz, ids, num_rows=4, padding_idx=None),
         b.call("gather", x, index, axis=1),
         b.call("gather_grad", gg, index, axis=1, shape=(5, 4)),
+        b.call("index", table, ids, axes=(0,)),
+        b.call("index_grad", gz, ids, axes=(0,), shape=(4, 3)),
     ]
     executable = CBackend().compile(b.build(outputs))
     tables = np.arange(12, dtype=np.float32).reshape(4, 3) + 1
     bad = np.array([1, 4, -1, 10**6, 3], np.int64)
     feeds = {"ids": bad, "gz": np.ones((5, 3), np.float32), "x": np.ones((5, 4), np.float32),
              "index": bad[:, None], "gg": np.ones((5, 1), np.float32)}  # fmt: skip
-    looked, grad, gathered, scattered = executable.run({"table": tables}, feeds)
+    looked, grad, gathered, scattered, indexed, index_grad = executable.run(
+        {"table": tables}, feeds
+    )
     ok = np.array([True, False, False, False, True])
     np.testing.assert_array_equal(looked[ok], tables[[1, 3]])
     assert not looked[~ok].any()
     np.testing.assert_array_equal(grad.sum(axis=1), [0, 3, 0, 3])
+    wraps = np.array([True, False, True, False, True])  # x[-1] is the last row, as in NumPy
+    np.testing.assert_array_equal(indexed[wraps], tables[[1, 3, 3]])
+    assert not indexed[~wraps].any()
+    np.testing.assert_array_equal(index_grad.sum(axis=1), [0, 3, 0, 6])
     np.testing.assert_array_equal(gathered[:, 0], np.where(ok, 1, 0))
     np.testing.assert_array_equal(scattered.sum(axis=1), ok.astype(np.float32))
 
