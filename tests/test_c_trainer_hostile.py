@@ -272,6 +272,14 @@ def test_options_are_parsed_strictly(trainer: Any, args: list[str], message: str
     assert run.stdout == "" and _snapshot(folder) == before
 
 
+def test_help_prints_the_usage(trainer: Any) -> None:
+    folder, _, _ = trainer
+    before = _snapshot(folder)
+    run = _train(folder, "--steps", "1", "--help", "ids.npy")
+    assert run.returncode == 0 and run.stdout.startswith("usage: ./train [--steps N]")
+    assert run.stderr == "" and _snapshot(folder) == before
+
+
 def test_save_into_a_folder_it_cannot_write_fails_before_the_first_step(trainer: Any) -> None:
     folder, _, _ = trainer
     before = _snapshot(folder)

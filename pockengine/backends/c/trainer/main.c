@@ -8,9 +8,10 @@
  * buffers, optimizer state, read from the state file), one arena of the planned size,
  * and the .npy files; the step itself allocates nothing.
  *
- * Everything the trainer is given is checked before the first step: the options, each
- * file's format, type and shape, every index batch file's values against the range the
- * step indexes (pe_check.h), and that the --save target can be written. Exit status:
+ * --help prints the usage. Everything the trainer is given is checked before the first
+ * step: the options, each file's format, type and shape, every index batch file's values
+ * against the range the step indexes (pe_check.h), and that the --save target can be
+ * written. Exit status:
  * 0 done; 2 refused (bad options or input: nothing ran, nothing was written); 1 failed
  * while running or saving (the previous --save file, if any, is unchanged). */
 #include <errno.h>
@@ -45,8 +46,8 @@ typedef struct {
     int nfiles;
 } options;
 
-static int usage(const char *argv0) {
-    fprintf(stderr, "usage: %s [--steps N] [--save out.safetensors] [--state in.safetensors] "
+static int usage(FILE *out, const char *argv0) {
+    fprintf(out, "usage: %s [--steps N] [--save out.safetensors] [--state in.safetensors] "
             "[--threads T] BATCH.npy ...\n", argv0);
     return PE_REFUSED;
 }
@@ -87,9 +88,10 @@ static int parse_option(int argc, char **argv, int *i, options *o) {
     return 0;
 }
 
-/* 0, or 1 after printing the error (the caller prints the usage). */
+/* 0; 1 after printing the error (the caller prints the usage); -1 for --help. */
 static int parse(int argc, char **argv, options *o) {
     for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return -1;
         if (argv[i][0] == '-' && argv[i][1] != '\0') {
             if (parse_option(argc, argv, &i, o)) return 1;
         } else if (o->nfiles < PE_MAX_FILES) {
@@ -317,7 +319,12 @@ int main(int argc, char **argv) {
      * the signal ending the process. */
     signal(SIGXFSZ, SIG_IGN);
     options o = {-1, NULL, "state.safetensors", 0, {0}, 0};
-    if (parse(argc, argv, &o)) return usage(argv[0]);
+    int parsed = parse(argc, argv, &o);
+    if (parsed < 0) {
+        usage(stdout, argv[0]);
+        return 0;
+    }
+    if (parsed) return usage(stderr, argv[0]);
     trainer t = {0};
     size_t state_bytes = 0;
     for (int k = 0; k < pe_num_inputs; k++) {
@@ -327,7 +334,7 @@ int main(int argc, char **argv) {
     if (o.nfiles != t.nbatch) {
         fprintf(stderr, "error: the step takes %d batch inputs (.npy files), got %d\n", t.nbatch,
                 o.nfiles);
-        return usage(argv[0]);
+        return usage(stderr, argv[0]);
     }
     t.save.fd = -1;
     int status = train(&o, &t, state_bytes);
