@@ -389,8 +389,8 @@ def _losses(stdout: str) -> list[float]:
 def test_exported_trainer_matches_in_process(tmp_path: Path) -> None:
     folder, losses, state = _export_cnn(tmp_path)
     assert {p.name for p in folder.iterdir()} >= {
-        "step.c", "bounds.c", "main.c", "pe_io.c", "pe_check.c", "Makefile", "README.md",
-        "state.safetensors", "kernels",
+        "step.c", "bounds.c", "main.c", "pe_io.c", "pe_save.c", "pe_check.c", "Makefile",
+        "README.md", "state.safetensors", "kernels",
     }  # fmt: skip
     subprocess.run(["make", "-s", "-C", str(folder)], check=True)
     libs = subprocess.run(["ldd", str(folder / "train")], capture_output=True, text=True).stdout

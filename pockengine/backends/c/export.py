@@ -3,8 +3,8 @@
 ``export_c`` writes ``step.c`` (the emitted step, state names as the model gives them),
 ``bounds.c`` (the range each index batch input must lie in, which ``./train`` checks every
 batch file against before the first step), ``kernels/`` (the kernel files), ``main.c``,
-``pe_io.[ch]`` and ``pe_check.[ch]`` (the command line, .npy and safetensors I/O, the
-index check), a ``Makefile``, the initial state as ``state.safetensors`` and a
+``pe_io.[ch]``, ``pe_save.c`` and ``pe_check.[ch]`` (the command line, .npy and
+safetensors I/O, the index check), a ``Makefile``, the initial state as ``state.safetensors`` and a
 ``README.md``. ``make`` builds ``./train`` with libc and libm only; the README gives its
 interface. ``write_safetensors``/``read_safetensors`` are the Python side of the format.
 """
@@ -189,7 +189,15 @@ def export_c(
     for src in KERNEL_DIR.iterdir():
         if src.suffix in (".c", ".h"):
             shutil.copy(src, out / "kernels" / src.name)
-    for name in ("main.c", "pe_io.c", "pe_io.h", "pe_check.c", "pe_check.h", "Makefile"):
+    for name in (
+        "main.c",
+        "pe_io.c",
+        "pe_io.h",
+        "pe_save.c",
+        "pe_check.c",
+        "pe_check.h",
+        "Makefile",
+    ):
         shutil.copy(TRAINER_DIR / name, out / name)
     persistent = [v for v in graph.inputs if v.role not in (None, Role.INPUT)]
     write_safetensors(

@@ -1,4 +1,4 @@
-/* .npy reading, safetensors reading and the atomic safetensors save of the trainer.
+/* .npy and safetensors reading for the trainer.
  *
  * The .npy reader takes format versions 1-3 of one little-endian float32/float64/int32/
  * int64/bool/uint8 array in C order; its header is parsed as the Python dict literal it
@@ -6,7 +6,7 @@
  * the bytes the header promises. The safetensors reader finds a tensor's entry in the flat
  * JSON header by its quoted key and checks its dtype, shape and data offsets against the
  * step and the file's size. Nothing read from a file sizes an allocation or a read
- * without such a check. */
+ * without such a check. The atomic save is pe_save.c. */
 #define _FILE_OFFSET_BITS 64
 #include "pe_io.h"
 
@@ -22,11 +22,11 @@
 
 /* Indexed by pe_dtype (pe_kernels.h). */
 static const char *const NPY_DESCR[] = {"<f4", "<f8", "<i4", "<i8", "|b1", "|u1"};
-static const char *const ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL", "U8"};
+const char *const PE_ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL", "U8"};
 #define PE_DTYPES ((int)(sizeof(NPY_DESCR) / sizeof(NPY_DESCR[0])))
 #define PE_ST_MAX_HEADER ((uint64_t)1 << 28)
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
+int pe_fail(char *err, size_t errlen, const char *fmt, ...) {
     va_list args;
     va_start(args, fmt);
     vsnprintf(err, errlen, fmt, args);
@@ -109,8 +109,7 @@ static int take_shape(cursor *c, char open, char close, int max_rank, long *shap
     return 1;
 }
 
-/* The bytes of ``rank`` axes of ``shape`` of ``dtype``, or -1 past ``limit``. */
-static int64_t array_bytes(int dtype, int rank, const long *shape, int64_t limit) {
+int64_t pe_array_bytes(int dtype, int rank, const long *shape, int64_t limit) {
     int64_t n = (int64_t)pe_dtype_size(dtype);
     for (int d = 0; d < rank; d++) {
         if (shape[d] == 0) return 0;
@@ -176,23 +175,23 @@ static int npy_preamble(FILE *f, const char *path, int64_t size, uint32_t *hlen,
                         char *err, size_t errlen) {
     unsigned char head[12];
     if (size < 10 || fread(head, 1, 10, f) != 10 || memcmp(head, "\x93NUMPY", 6) != 0)
-        return fail(err, errlen, "%s: not a .npy file (it does not start with \\x93NUMPY)", path);
+        return pe_fail(err, errlen, "%s: not a .npy file (it does not start with \\x93NUMPY)", path);
     if (head[6] < 1 || head[6] > 3 || head[7] != 0)
-        return fail(err, errlen, "%s: .npy format version %d.%d is not one the trainer reads "
+        return pe_fail(err, errlen, "%s: .npy format version %d.%d is not one the trainer reads "
                     "(1.0, 2.0 or 3.0)", path, head[6], head[7]);
     *hlen = (uint32_t)head[8] | (uint32_t)head[9] << 8;
     *start = 10;
     if (head[6] >= 2) { /* versions 2 and 3: a 4-byte header length */
         if (size < 12 || fread(head + 10, 1, 2, f) != 2)
-            return fail(err, errlen, "%s: the file ends inside its .npy preamble", path);
+            return pe_fail(err, errlen, "%s: the file ends inside its .npy preamble", path);
         *hlen |= (uint32_t)head[10] << 16 | (uint32_t)head[11] << 24;
         *start = 12;
     }
     if (*hlen > PE_NPY_MAX_HEADER)
-        return fail(err, errlen, "%s: the .npy header length %lu is over the limit of %d bytes",
+        return pe_fail(err, errlen, "%s: the .npy header length %lu is over the limit of %d bytes",
                     path, (unsigned long)*hlen, PE_NPY_MAX_HEADER);
     if ((int64_t)*start + *hlen > size)
-        return fail(err, errlen, "%s: the file (%lld bytes) ends inside its .npy header "
+        return pe_fail(err, errlen, "%s: the file (%lld bytes) ends inside its .npy header "
                     "(%lu bytes)", path, (long long)size, (unsigned long)*hlen);
     return 0;
 }
@@ -200,7 +199,7 @@ static int npy_preamble(FILE *f, const char *path, int64_t size, uint32_t *hlen,
 int pe_npy_open(const char *path, pe_npy *out, char *err, size_t errlen) {
     memset(out, 0, sizeof(*out));
     FILE *f = fopen(path, "rb");
-    if (!f) return fail(err, errlen, "%s: cannot open (%s)", path, strerror(errno));
+    if (!f) return pe_fail(err, errlen, "%s: cannot open (%s)", path, strerror(errno));
     int64_t size = file_size(f);
     if (size < 0) return npy_fail(f, err, errlen, "%s: not a regular file", path);
     uint32_t hlen;
@@ -222,7 +221,7 @@ int pe_npy_open(const char *path, pe_npy *out, char *err, size_t errlen) {
     if (problem)
         return npy_fail(f, err, errlen, "%s: not a valid .npy header (expected %s)", path, problem);
     int64_t data = size - start - hlen;
-    int64_t want = array_bytes(out->dtype, out->rank, out->shape, INT64_MAX / 2);
+    int64_t want = pe_array_bytes(out->dtype, out->rank, out->shape, INT64_MAX / 2);
     if (want < 0)
         return npy_fail(f, err, errlen, "%s: its header's shape is too large", path);
     if (want != data)
@@ -230,7 +229,7 @@ int pe_npy_open(const char *path, pe_npy *out, char *err, size_t errlen) {
                         "and shape need %lld (truncated, or not one array)", path,
                         (long long)data, (long long)want);
     out->file = f;
-    out->data_offset = start + hlen;
+    out->data_offset = (int64_t)start + (int64_t)hlen;
     setvbuf(f, NULL, _IONBF, 0); /* whole items are read at once: no stdio buffer */
     return 0;
 }
@@ -251,17 +250,17 @@ int pe_safetensors_open(const char *path, pe_safetensors *st, char *err, size_t 
     memset(st, 0, sizeof(*st));
     st->path = path;
     st->file = fopen(path, "rb");
-    if (!st->file) return fail(err, errlen, "%s: cannot open (%s)", path, strerror(errno));
+    if (!st->file) return pe_fail(err, errlen, "%s: cannot open (%s)", path, strerror(errno));
     int64_t size = file_size(st->file);
     unsigned char raw[8];
     if (size < 8 || fread(raw, 1, 8, st->file) != 8) {
         pe_safetensors_close(st);
-        return fail(err, errlen, "%s: not a safetensors file (no 8-byte header length)", path);
+        return pe_fail(err, errlen, "%s: not a safetensors file (no 8-byte header length)", path);
     }
     for (int i = 7; i >= 0; i--) st->header_len = st->header_len << 8 | raw[i];
     if (st->header_len > PE_ST_MAX_HEADER || (int64_t)st->header_len > size - 8) {
         pe_safetensors_close(st);
-        return fail(err, errlen, "%s: not a safetensors file (header length %llu, file %lld "
+        return pe_fail(err, errlen, "%s: not a safetensors file (header length %llu, file %lld "
                     "bytes)", path, (unsigned long long)st->header_len, (long long)size);
     }
     st->data_bytes = size - 8 - (int64_t)st->header_len;
@@ -269,7 +268,7 @@ int pe_safetensors_open(const char *path, pe_safetensors *st, char *err, size_t 
     if (!st->header || fread(st->header, 1, st->header_len, st->file) != st->header_len ||
         memchr(st->header, '\0', st->header_len)) {
         pe_safetensors_close(st);
-        return fail(err, errlen, "%s: unreadable safetensors header", path);
+        return pe_fail(err, errlen, "%s: unreadable safetensors header", path);
     }
     st->header[st->header_len] = '\0';
     return 0;
@@ -310,7 +309,7 @@ int pe_safetensors_read(pe_safetensors *st, const char *name, int dtype, int ran
                         const long *shape, size_t nbytes, void *dst, char *err, size_t errlen) {
     cursor entry, c;
     if (!find_entry(st, name, &entry))
-        return fail(err, errlen, "%s: no tensor \"%s\"", st->path, name);
+        return pe_fail(err, errlen, "%s: no tensor \"%s\"", st->path, name);
     char got[16] = "";
     long dims[8];
     int got_rank = -1;
@@ -322,18 +321,18 @@ int pe_safetensors_read(pe_safetensors *st, const char *name, int dtype, int ran
         !(take(&c, '[') && take_count(&c, INT64_MAX / 2, &lo) && take(&c, ',') &&
           take_count(&c, INT64_MAX / 2, &hi) && take(&c, ']')))
         lo = hi = -1;
-    int same = strcmp(got, ST_DTYPE[dtype]) == 0 && got_rank == rank;
+    int same = strcmp(got, PE_ST_DTYPE[dtype]) == 0 && got_rank == rank;
     for (int d = 0; same && d < rank; d++) same = dims[d] == shape[d];
     if (!same)
-        return fail(err, errlen, "%s: tensor \"%s\" is not %s of the step's shape (rank %d, "
-                    "%zu bytes)", st->path, name, ST_DTYPE[dtype], rank, nbytes);
+        return pe_fail(err, errlen, "%s: tensor \"%s\" is not %s of the step's shape (rank %d, "
+                    "%zu bytes)", st->path, name, PE_ST_DTYPE[dtype], rank, nbytes);
     if (lo < 0 || hi < lo || hi - lo != (int64_t)nbytes || hi > st->data_bytes)
-        return fail(err, errlen, "%s: tensor \"%s\" has data offsets [%lld, %lld]: not its %zu "
+        return pe_fail(err, errlen, "%s: tensor \"%s\" has data offsets [%lld, %lld]: not its %zu "
                     "bytes inside the file's %lld bytes of data", st->path, name, (long long)lo,
                     (long long)hi, nbytes, (long long)st->data_bytes);
     off_t at = (off_t)(8 + st->header_len) + (off_t)lo;
     if (fseeko(st->file, at, SEEK_SET) != 0 || fread(dst, 1, nbytes, st->file) != nbytes)
-        return fail(err, errlen, "%s: read failed in the data of \"%s\"", st->path, name);
+        return pe_fail(err, errlen, "%s: read failed in the data of \"%s\"", st->path, name);
     return 0;
 }
 
@@ -342,127 +341,4 @@ void pe_safetensors_close(pe_safetensors *st) {
     free(st->header);
     st->file = NULL;
     st->header = NULL;
-}
-
-/* -- safetensors, saving ---------------------------------------------------------------- */
-int pe_save_begin(const char *path, pe_save *save, char *err, size_t errlen) {
-    save->fd = -1;
-    save->path = save->tmp = NULL;
-    struct stat st;
-    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
-        return fail(err, errlen, "%s: is a folder; --save takes a file name", path);
-    size_t n = strlen(path);
-    save->path = malloc(n + 1);
-    save->tmp = malloc(n + 5);
-    if (!save->path || !save->tmp) return fail(err, errlen, "out of memory");
-    memcpy(save->path, path, n + 1);
-    memcpy(save->tmp, path, n);
-    memcpy(save->tmp + n, ".tmp", 5);
-    if (lstat(save->tmp, &st) == 0 && !S_ISREG(st.st_mode))
-        return fail(err, errlen, "%s: exists and is not a regular file", save->tmp);
-    save->fd = open(save->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (save->fd < 0)
-        return fail(err, errlen, "%s: cannot write the state there (%s)", save->tmp,
-                    strerror(errno));
-    return 0;
-}
-
-/* Print to ``out`` or, when it is NULL, only count; the characters either way. */
-static long emit(FILE *out, const char *fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    int n = out ? vfprintf(out, fmt, args) : vsnprintf(NULL, 0, fmt, args);
-    va_end(args);
-    return n < 0 ? 0 : n;
-}
-
-/* ``s`` as a JSON string: quotes, backslashes and control characters escaped. */
-static long emit_json_string(FILE *out, const char *s) {
-    long n = emit(out, "\"");
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\') n += emit(out, "\\%c", ch);
-        else if (ch < 0x20) n += emit(out, "\\u%04x", ch);
-        else n += emit(out, "%c", ch);
-    }
-    return n + emit(out, "\"");
-}
-
-/* The JSON header (``out`` NULL: only its length), padded with spaces to ``length``. */
-static long safetensors_header(FILE *out, long length, int count, const char *const *names,
-                               const int *dtypes, const int *ranks, const long (*shapes)[8]) {
-    long written = emit(out, "{");
-    size_t offset = 0;
-    for (int t = 0; t < count; t++) {
-        size_t n = (size_t)array_bytes(dtypes[t], ranks[t], shapes[t], INT64_MAX / 2);
-        written += emit(out, "%s", t ? "," : "") + emit_json_string(out, names[t]);
-        written += emit(out, ":{\"dtype\":\"%s\",\"shape\":[", ST_DTYPE[dtypes[t]]);
-        for (int d = 0; d < ranks[t]; d++) written += emit(out, "%s%ld", d ? "," : "", shapes[t][d]);
-        written += emit(out, "],\"data_offsets\":[%zu,%zu]}", offset, offset + n);
-        offset += n;
-    }
-    written += emit(out, "}");
-    for (; out && written < length; written++) fputc(' ', out);
-    return written;
-}
-
-static int save_fail(pe_save *save, FILE *f, char *err, size_t errlen, const char *what) {
-    int code = errno;
-    if (f) fclose(f);
-    else if (save->fd >= 0) close(save->fd);
-    save->fd = -1;
-    unlink(save->tmp);
-    return fail(err, errlen, "%s: %s (%s); %s is unchanged", save->tmp, what, strerror(code),
-                save->path);
-}
-
-/* Make the rename itself durable: sync the folder that holds ``path``. */
-static void sync_folder(const char *path) {
-    const char *slash = strrchr(path, '/');
-    char folder[4096] = ".";
-    if (slash && (size_t)(slash - path) < sizeof(folder) - 1) {
-        memcpy(folder, path, (size_t)(slash - path) + (slash == path));
-        folder[(slash - path) + (slash == path)] = '\0';
-    }
-    int fd = open(folder, O_RDONLY);
-    if (fd >= 0) {
-        fsync(fd);
-        close(fd);
-    }
-}
-
-int pe_save_safetensors(pe_save *save, int count, const char *const *names,
-                        const int *dtypes, const int *ranks, const long (*shapes)[8],
-                        const void *const *data, char *err, size_t errlen) {
-    FILE *f = fdopen(save->fd, "wb");
-    if (!f) return save_fail(save, NULL, err, errlen, "cannot write");
-    long length = (safetensors_header(NULL, 0, count, names, dtypes, ranks, shapes) + 7) / 8 * 8;
-    unsigned char raw[8];
-    for (int i = 0; i < 8; i++) raw[i] = (unsigned char)((uint64_t)length >> (8 * i));
-    if (fwrite(raw, 1, 8, f) != 8) return save_fail(save, f, err, errlen, "write failed");
-    safetensors_header(f, length, count, names, dtypes, ranks, shapes);
-    for (int t = 0; t < count; t++) {
-        size_t n = (size_t)array_bytes(dtypes[t], ranks[t], shapes[t], INT64_MAX / 2);
-        if (fwrite(data[t], 1, n, f) != n) return save_fail(save, f, err, errlen, "write failed");
-    }
-    if (fflush(f) != 0 || ferror(f)) return save_fail(save, f, err, errlen, "write failed");
-    if (fsync(save->fd) != 0) return save_fail(save, f, err, errlen, "sync failed");
-    save->fd = -1;
-    if (fclose(f) != 0) return save_fail(save, NULL, err, errlen, "write failed");
-    if (rename(save->tmp, save->path) != 0)
-        return save_fail(save, NULL, err, errlen, "cannot rename it over the target");
-    sync_folder(save->path);
-    pe_save_abort(save);
-    return 0;
-}
-
-void pe_save_abort(pe_save *save) {
-    if (save->fd >= 0) {
-        close(save->fd);
-        save->fd = -1;
-        unlink(save->tmp);
-    }
-    free(save->path);
-    free(save->tmp);
-    save->path = save->tmp = NULL;
 }

@@ -58,6 +58,15 @@ int pe_safetensors_read(pe_safetensors *st, const char *name, int dtype, int ran
 
 void pe_safetensors_close(pe_safetensors *st);
 
+/* Shared by the readers and the writer: safetensors dtype names by pe_dtype; the bytes of
+ * an array (-1 past ``limit``); a printf-style message into ``err`` (returns 1). */
+extern const char *const PE_ST_DTYPE[];
+int64_t pe_array_bytes(int dtype, int rank, const long *shape, int64_t limit);
+#ifdef __GNUC__
+__attribute__((format(printf, 3, 4)))
+#endif
+int pe_fail(char *err, size_t errlen, const char *fmt, ...);
+
 /* A file being saved: written to ``tmp`` (``path`` + ".tmp", same folder), renamed over
  * ``path`` only once every byte is written and synced. */
 typedef struct {
