@@ -4,9 +4,10 @@
 ``bounds.c`` (the range each index batch input must lie in, which ``./train`` checks every
 batch file against before the first step), ``kernels/`` (the kernel files), ``main.c``,
 ``pe_io.[ch]``, ``pe_save.c`` and ``pe_check.[ch]`` (the command line, .npy and
-safetensors I/O, the index check), a ``Makefile``, the initial state as ``state.safetensors`` and a
-``README.md``. ``make`` builds ``./train`` with libc and libm only; the README gives its
-interface. ``write_safetensors``/``read_safetensors`` are the Python side of the format.
+safetensors I/O, the index check), a ``Makefile``, the initial state as
+``state.safetensors`` and a ``README.md``. ``make`` builds ``./train`` with libc and libm
+only; the README gives its interface. ``write_safetensors``/``read_safetensors`` are the
+Python side of the format.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
 __all__ = ["bounds_source", "export_c", "read_safetensors", "write_safetensors"]
 
 Array = np.ndarray[Any, Any]
-
-
 TRAINER_DIR = Path(__file__).with_name("trainer")
+TRAINER_FILES = ("main.c", "pe_io.c", "pe_io.h", "pe_save.c", "pe_check.c", "pe_check.h",
+                 "Makefile")  # fmt: skip
 _ST_DTYPES = SAFETENSORS_DTYPES
 
 
@@ -154,7 +155,7 @@ def bounds_source(graph: Graph, bounds: Sequence[IndexBound]) -> str:
             values = ", ".join(_int64(v) for v in ignored)
             lines.append(f"static const int64_t {table}[] = {{{values}}};")
         rows.append(
-            f"    {{{position[bound.input]}, {_c_string(bound.input)}, INT64_C({bound.high}), "
+            f"    {{{position[bound.input]}, {_c_string(bound.input)}, {_int64(bound.high)}, "
             f"{len(ignored)}, {table}, {_c_string(bound.what)}}},"
         )
     lines += [
@@ -189,15 +190,7 @@ def export_c(
     for src in KERNEL_DIR.iterdir():
         if src.suffix in (".c", ".h"):
             shutil.copy(src, out / "kernels" / src.name)
-    for name in (
-        "main.c",
-        "pe_io.c",
-        "pe_io.h",
-        "pe_save.c",
-        "pe_check.c",
-        "pe_check.h",
-        "Makefile",
-    ):
+    for name in TRAINER_FILES:
         shutil.copy(TRAINER_DIR / name, out / name)
     persistent = [v for v in graph.inputs if v.role not in (None, Role.INPUT)]
     write_safetensors(
