@@ -245,14 +245,34 @@ static int setup(const options *o, trainer *t, size_t state_bytes) {
     return 0;
 }
 
+/* The index values just read for input ``k`` are still in range: the file was checked
+ * before the first step, but it is read again each step, and may have changed since. */
+static int still_in_range(const options *o, const trainer *t, int k, int b, long item) {
+    for (int i = 0; i < pe_num_index_bounds; i++) {
+        const pe_index_bound *bound = &pe_index_bounds[i];
+        if (bound->input != k) continue;
+        long n = (long)(input_bytes(&pe_inputs[k]) / pe_dtype_size(pe_inputs[k].dtype)), at = 0;
+        int64_t value = 0;
+        if (pe_index_violations(bound, pe_inputs[k].dtype, t->args[k], n, &at, &value)) {
+            fprintf(stderr, "error: %s changed during the run: item %ld now holds %s %lld, "
+                    "outside [0, %lld); stopped before the step\n", o->files[b], item, bound->what,
+                    (long long)value, (long long)bound->high);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Step ``s``: read its batches into the arena, run, print the loss; the seconds it took. */
 static double run_step(const options *o, trainer *t, long s) {
     for (int k = 0, b = 0; k < pe_num_inputs; k++) {
         if (pe_inputs[k].role != PE_INPUT) continue;
-        if (pe_npy_read_item(&t->npys[b], s % t->counts[b], input_bytes(&pe_inputs[k]), t->args[k])) {
+        long item = s % t->counts[b];
+        if (pe_npy_read_item(&t->npys[b], item, input_bytes(&pe_inputs[k]), t->args[k])) {
             fprintf(stderr, "error: %s: read failed\n", o->files[b]);
             return -1;
         }
+        if (!still_in_range(o, t, k, b, item)) return -1;
         b++;
     }
     struct timespec t0, t1;

@@ -42,9 +42,20 @@ static void describe_ignored(const pe_index_bound *b, char *out, size_t len) {
                               (long long)b->ignored[i]);
 }
 
+long pe_index_violations(const pe_index_bound *bound, int dtype, const void *data, long n,
+                         long *first, int64_t *value) {
+    if (dtype != PE_I64 && dtype != PE_I32 && dtype != PE_U8) return 0;
+    long bad = 0;
+    for (long k = 0; k < n; k++) {
+        int64_t v = element(dtype, data, k);
+        if (allowed(bound, v)) continue;
+        if (bad++ == 0) *first = k, *value = v;
+    }
+    return bad;
+}
+
 int pe_check_index_file(const pe_index_bound *bound, const char *path, pe_npy *npy, long count,
                         size_t nbytes, void *scratch, char *err, size_t errlen) {
-    if (npy->dtype != PE_I64 && npy->dtype != PE_I32 && npy->dtype != PE_U8) return 0;
     long n = (long)(nbytes / pe_dtype_size(npy->dtype)), bad = 0, first = -1;
     int64_t value = 0;
     for (long item = 0; item < count; item++) {
@@ -52,11 +63,11 @@ int pe_check_index_file(const pe_index_bound *bound, const char *path, pe_npy *n
             snprintf(err, errlen, "%s: read failed", path);
             return -1;
         }
-        for (long k = 0; k < n; k++) {
-            int64_t v = element(npy->dtype, scratch, k);
-            if (allowed(bound, v)) continue;
-            if (bad++ == 0) first = item * n + k, value = v;
-        }
+        long at = -1;
+        int64_t v = 0;
+        long found = pe_index_violations(bound, npy->dtype, scratch, n, &at, &v);
+        if (found && !bad) first = item * n + at, value = v;
+        bad += found;
     }
     if (!bad) return 0;
     char index[256] = "", ignored[256];

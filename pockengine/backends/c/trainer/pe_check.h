@@ -25,6 +25,12 @@ typedef struct {
 extern const int pe_num_index_bounds;
 extern const pe_index_bound pe_index_bounds[];
 
+/* How many of the ``n`` values of ``dtype`` at ``data`` break ``bound``; the first one's
+ * position and value into ``first`` and ``value``. Values of a float or bool dtype index
+ * nothing and are not checked. */
+long pe_index_violations(const pe_index_bound *bound, int dtype, const void *data, long n,
+                         long *first, int64_t *value);
+
 /* Check every item of batch file ``path`` (open as ``npy``, ``count`` items of ``nbytes``)
  * against ``bound``, reading each item into ``scratch``. On a value out of range write one
  * message to ``err`` naming the file, the value, its flat position in the file (and its
