@@ -385,7 +385,8 @@ class CompiledStep(ABC):
         if target == "c":
             from pockengine.backends.c.export import export_c
 
-            return export_c(path, self.graph, state, self._batch, self._state_names)
+            bounds = tuple(b for group in self._index_bounds.values() for b in group)
+            return export_c(path, self.graph, state, self._batch, self._state_names, bounds)
         if target != "onnx":
             raise CompileError(f"unknown export target {target!r}; use 'onnx', 'c' or 'step'")
         from pockengine.backends.onnx_export import export_step

@@ -389,7 +389,8 @@ def _losses(stdout: str) -> list[float]:
 def test_exported_trainer_matches_in_process(tmp_path: Path) -> None:
     folder, losses, state = _export_cnn(tmp_path)
     assert {p.name for p in folder.iterdir()} >= {
-        "step.c", "main.c", "pe_io.c", "Makefile", "README.md", "state.safetensors", "kernels",
+        "step.c", "bounds.c", "main.c", "pe_io.c", "pe_save.c", "pe_check.c", "Makefile",
+        "README.md", "state.safetensors", "kernels",
     }  # fmt: skip
     subprocess.run(["make", "-s", "-C", str(folder)], check=True)
     libs = subprocess.run(["ldd", str(folder / "train")], capture_output=True, text=True).stdout
@@ -412,13 +413,13 @@ def test_trainer_refuses_a_batch_of_the_wrong_shape(tmp_path: Path) -> None:
     np.save(folder / "bad.npy", np.zeros((4, 3, 8, 8), np.float32))
     run = subprocess.run(["./train", "bad.npy", "Y.npy"], cwd=folder, capture_output=True,
                          text=True)  # fmt: skip
-    assert run.returncode == 1
+    assert run.returncode == 2
     assert "bad.npy" in run.stderr and "float32[4,3,16,16]" in run.stderr, run.stderr
     assert "float32[4,3,8,8]" in run.stderr
     np.save(folder / "ints.npy", np.zeros((4, 3, 16, 16), np.int64))
     run = subprocess.run(["./train", "ints.npy", "Y.npy"], cwd=folder, capture_output=True,
                          text=True)  # fmt: skip
-    assert run.returncode == 1 and "int64[4,3,16,16]" in run.stderr, run.stderr
+    assert run.returncode == 2 and "int64[4,3,16,16]" in run.stderr, run.stderr
 
 
 def test_cross_compiled_trainer_runs_under_qemu(tmp_path: Path) -> None:

@@ -287,14 +287,34 @@ def _index_access(
     return shape, header, " + ".join(terms) or "0"
 
 
+def index_in_range(
+    ctx: EmitContext, node: Node, target: tuple[int, ...], indices: list[Value]
+) -> str:
+    """The C condition that every index of ``_index_access``'s loop nest, wrapped once as
+    there, lies inside its axis of ``target``: outside, a read gives 0 and a write is
+    skipped, so no index value reaches memory outside a tensor."""
+    raw = node.attrs["axes"]
+    assert isinstance(raw, tuple)
+    axes = [int(a) % len(target) for a in raw]
+    batch = tuple(int(d) for d in np.broadcast_shapes(*(v.shape for v in indices)))
+    first = axes[0] if axes[-1] - axes[0] == len(axes) - 1 else 0
+    conds = []
+    for a, v in zip(axes, indices, strict=True):
+        at = " + ".join(f"o{first + d} * {s}" for d, s in enumerate(_bcast(v, batch)) if s) or "0"
+        i = f"{ctx.ref(v)}[{at}]"
+        conds.append(f"(uint64_t)(({i}) < 0 ? ({i}) + {target[a]} : ({i})) < {target[a]}u")
+    return " && ".join(conds) or "1"
+
+
 def _index(ctx: EmitContext, node: Node) -> str:
     x, *indices = node.inputs
     for v in indices:
         if v.dtype is not DType.I64:
             raise CEmitError(f"index {v} is {v.dtype}; the C kernels take i64 indices")
     shape, header, offset = _index_access(ctx, node, x.shape, indices)
+    inside = index_in_range(ctx, node, x.shape, indices)
     flat = " + ".join(f"o{a} * {s}" for a, s in enumerate(strides(shape))) or "0"
-    return f"{header}{ctx.ref(node.outputs[0])}[{flat}] = {ctx.ref(x)}[{offset}];"
+    return f"{header}{ctx.ref(node.outputs[0])}[{flat}] = {inside} ? {ctx.ref(x)}[{offset}] : 0;"
 
 
 def _index_grad(ctx: EmitContext, node: Node) -> str:
@@ -302,15 +322,17 @@ def _index_grad(ctx: EmitContext, node: Node) -> str:
     out = node.outputs[0]
     _sfx(out)
     shape, header, offset = _index_access(ctx, node, out.shape, indices)
+    inside = index_in_range(ctx, node, out.shape, indices)
     flat = " + ".join(f"o{a} * {s}" for a, s in enumerate(strides(shape))) or "0"
     return (
         f"{{ memset({ctx.ref(out)}, 0, {out.type.nbytes}); "
-        f"{header}{ctx.ref(out)}[{offset}] += {ctx.ref(gz)}[{flat}]; }}"
+        f"{header}if ({inside}) {ctx.ref(out)}[{offset}] += {ctx.ref(gz)}[{flat}]; }}"
     )
 
 
 def _gather(ctx: EmitContext, node: Node) -> str:
-    """torch.gather along ``axis``: z[o] = x[o with o[axis] replaced by index[o]], any dtype."""
+    """torch.gather along ``axis``: z[o] = x[o with o[axis] replaced by index[o]], any dtype
+    (0 for an index outside the axis: never a read outside ``x``)."""
     x, index = node.inputs
     if index.dtype is not DType.I64:
         raise CEmitError(f"index {index} is {index.dtype}; the C kernels take i64 indices")
@@ -318,10 +340,12 @@ def _gather(ctx: EmitContext, node: Node) -> str:
     axis = attr_int(node, "axis") % index.type.rank
     own = strides(x.shape)
     flat = " + ".join(f"o{a} * {st}" for a, st in enumerate(strides(out.shape))) or "0"
+    at = f"{ctx.ref(index)}[{flat}]"
     terms = [f"o{a} * {own[a]}" for a in range(x.type.rank) if a != axis]
-    terms.append(f"{ctx.ref(index)}[{flat}] * {own[axis]}")
+    terms.append(f"{at} * {own[axis]}")
     header = "".join(f"for (long o{a} = 0; o{a} < {d}; o{a}++) " for a, d in enumerate(out.shape))
-    return f"{header}{ctx.ref(out)}[{flat}] = {ctx.ref(x)}[{' + '.join(terms)}];"
+    read = f"((uint64_t){at} < {x.shape[axis]}u ? {ctx.ref(x)}[{' + '.join(terms)}] : 0)"
+    return f"{header}{ctx.ref(out)}[{flat}] = {read};"
 
 
 def _broadcast_to(ctx: EmitContext, node: Node) -> str:

@@ -211,9 +211,10 @@ def _gather_grad(ctx: EmitContext, node: Node) -> str:
 def _embedding(ctx: EmitContext, node: Node) -> str:
     table, ids = node.inputs
     _index(ids)
-    n, dim = ids.type.numel, table.shape[1]
+    n, (rows, dim) = ids.type.numel, table.shape
     out = ctx.ref(node.outputs[0])
-    return f"pe_embedding_{_sfx(table)}({ctx.ref(table)}, {ctx.ref(ids)}, {n}, {dim}, {out});"
+    args = f"{ctx.ref(table)}, {ctx.ref(ids)}, {n}, {dim}, {rows}, {out}"
+    return f"pe_embedding_{_sfx(table)}({args});"
 
 
 def _embedding_grad(ctx: EmitContext, node: Node) -> str:

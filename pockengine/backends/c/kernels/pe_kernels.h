@@ -77,7 +77,8 @@ size_t pe_dtype_size(int dtype);
                              int log);                                                         \
     void pe_gather_grad_##S(const T *gz, const int64_t *index, const long *ishape,             \
                             const long *zshape, int rank, int axis, T *z);                     \
-    void pe_embedding_##S(const T *table, const int64_t *ids, long n, long dim, T *z);         \
+    void pe_embedding_##S(const T *table, const int64_t *ids, long n, long dim, long rows,     \
+                          T *z);                                                               \
     void pe_embedding_grad_##S(const T *gz, const int64_t *ids, long n, long dim, long rows,   \
                                long padding_row, T *gt);                                       \
     void pe_sgd_##S(T *w, const T *g, double lr, long n, double wd);                            \
