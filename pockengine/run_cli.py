@@ -20,10 +20,14 @@ from typing import IO, Any
 
 from pockengine.finetune.cli import non_negative_float, positive_int
 
-__all__ = ["register"]
+__all__ = ["FACTORY_HELP", "register"]
 
 
 _RUN_HELP = "a run folder of pockengine finetune"
+FACTORY_HELP = (
+    "for a run of a module:factory model: the factory to rebuild it with, the one the run "
+    "trained (a run folder never names code to run; the factory it records must match)"
+)
 
 
 def register(sub: Any) -> None:
@@ -44,6 +48,7 @@ def _run_parser(
     ``command`` under the ``--threads`` that ``register`` adds last."""
     parser = sub.add_parser(name, help=help)
     parser.add_argument("run_dir", metavar="RUN", help=run_help)
+    parser.add_argument("--factory", metavar="MODULE:NAME", help=FACTORY_HELP)
     parser.set_defaults(run=_with_threads, run_command=command)
     return parser
 
@@ -125,7 +130,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from pockengine.finetune.home_load import load_run
     from pockengine.finetune.run_eval import evaluate_run, format_eval, write_eval
 
-    result = evaluate_run(load_run(args.run_dir), args.data)
+    result = evaluate_run(load_run(args.run_dir, args.factory), args.data)
     print(format_eval(result))
     written = write_eval(Path(args.run_dir), result)
     print(f"wrote {', '.join(str(p) for p in written)}")
@@ -137,7 +142,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     if bool(args.texts) == bool(args.input):
         raise ValueError("predict takes texts or --input FILE (one of them)")
-    loaded = load_run(args.run_dir)
+    loaded = load_run(args.run_dir, args.factory)
     column = str(loaded.meta.get("config", {}).get("text_column") or "text")
     inputs = _read_inputs(Path(args.input), column) if args.input else list(args.texts)
     with _bar(len(inputs) if args.input else 0) as advance, _sink(args.output) as out:
@@ -201,7 +206,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pockengine.finetune.generation import check_generation, generate
     from pockengine.finetune.home_load import load_run
 
-    loaded = load_run(args.run_dir)
+    loaded = load_run(args.run_dir, args.factory)
     check_generation(loaded, args.max_new_tokens, args.temperature, args.top_k)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()

@@ -129,7 +129,8 @@ def test_export_of_a_run_holds_its_checkpoint(tmp_path: Path, options: list[str]
     run = tmp_path / "run"
     trained = ["finetune", *options, "--max-steps", "2", "--progress", "none", "--out", str(run)]
     assert main(trained) == 0
-    assert main(["export", str(run), "--target", "c", "--write-batches", "1"]) == 0
+    export = ["export", str(run), "--factory", "export_bag:bag"]
+    assert main([*export, "--target", "c", "--write-batches", "1"]) == 0
     folder = run / "export_c"
     saved = checkpoint.load(run / checkpoint.CHECKPOINT)
     state = read_safetensors(folder / "state.safetensors")
@@ -140,7 +141,7 @@ def test_export_of_a_run_holds_its_checkpoint(tmp_path: Path, options: list[str]
     pytest.importorskip("onnxruntime")
     from pockengine.ort_runner import TrainingSession
 
-    assert main(["export", str(run), "-o", str(tmp_path / "onnx")]) == 0
+    assert main([*export, "-o", str(tmp_path / "onnx")]) == 0
     weights = TrainingSession(str(tmp_path / "onnx" / "train_step.onnx")).state_dict()
     assert weights.keys() == saved.params.keys()
     for name, value in saved.params.items():
