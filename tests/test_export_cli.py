@@ -171,3 +171,33 @@ def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "--loss" in err and "not a fine-tune" in err
     err = _error(["export", "--target", "c"], capsys)
     assert "export what?" in err
+
+
+def _exported_state(folder: Path, target: str) -> dict[str, np.ndarray]:
+    if target == "c":
+        return read_safetensors(folder / "state.safetensors")
+    return dict(pe.load_step(folder).flat_state_dict())
+
+
+@pytest.mark.parametrize(("scheme", "target"), [("head", "c"), ("sparse", "step")])
+def test_export_of_a_run_that_trained_some_params(
+    tmp_path: Path, options: list[str], scheme: str, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint holds only the trained values; the export puts them over the rebuilt
+    model's initial ones. Neither the C nor the step target needs onnxruntime."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime fails
+    run = tmp_path / "run"
+    trained = ["finetune", *options, "--scheme", scheme, "--max-steps", "2", "--progress",
+               "none", "--compile-in", "process", "--out", str(run)]  # fmt: skip
+    assert main(trained) == 0
+    saved = checkpoint.load(run / checkpoint.CHECKPOINT)
+    model = _task(str(tmp_path / "reviews.csv")).model  # the same seed: the initial values
+    initial = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert set(saved.params) < set(initial)  # some params were not trained
+    assert main(["export", str(run), "--factory", "export_bag:bag", "--target", target]) == 0
+    folder = run / f"export_{target}"
+    state = _exported_state(folder, target)
+    for name, value in initial.items():
+        np.testing.assert_array_equal(state[name], saved.params.get(name, value), err_msg=name)
+    names = {p.name for p in folder.iterdir()}
+    assert "README.txt" in names and "README.md" not in names
