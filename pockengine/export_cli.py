@@ -83,7 +83,7 @@ class _Prepared:
 
 def register(sub: Any) -> None:
     """Add ``export`` to the ``pockengine`` subcommands."""
-    from pockengine.finetune.cli import EPILOG, add_arguments, positive_int
+    from pockengine.finetune.cli import EPILOG, SCHEME_HELP, add_arguments, positive_int
     from pockengine.run_cli import FACTORY_HELP
 
     p = sub.add_parser(
@@ -94,6 +94,9 @@ def register(sub: Any) -> None:
     p.add_argument("source", nargs="?", help="a run folder, a workload (mlp, cnn, bert, ...) or "
                    "a model.onnx; leave out to export --recipe or --model/--data")  # fmt: skip
     add_arguments(p)
+    p.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default, for a fine-tune: "
+                   "full for a module:factory model, sparse for the others, as an export runs "
+                   "no analysis; for a workload or .onnx: full)")  # fmt: skip
     p.add_argument("-o", "--out", help="the folder to write (default RUN/export_<target>, "
                    "train_step_<target>); for a workload or .onnx, an .onnx file (default "
                    "train_step.onnx) or, for --target c, the folder")  # fmt: skip

@@ -132,8 +132,10 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     result = evaluate_run(load_run(args.run_dir, args.factory), args.data)
     print(format_eval(result))
-    written = write_eval(Path(args.run_dir), result)
+    written, notes = write_eval(Path(args.run_dir), result)
     print(f"wrote {', '.join(str(p) for p in written)}")
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 

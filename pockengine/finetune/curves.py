@@ -11,8 +11,8 @@ The picture is drawn on a ``matplotlib.figure.Figure`` (the Agg canvas, no pyplo
 change to matplotlib's global backend) and written atomically, so a reader never sees a
 half-written PNG. During a run ``CurvesWriter`` draws it in a child process at each
 validation and at the end, so matplotlib adds nothing to the run's memory or time.
-matplotlib is an optional extra (``pip install 'pockengine[plot]'``): without it a run
-skips the picture with one log line, and ``pockengine plot`` says so.
+matplotlib is a dependency of pockengine; where it is missing a run skips the picture
+with one log line, and ``pockengine plot`` says so.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _MIB = 1 << 20
 SMOOTHING = 0.6
 # The validation metric drawn, by preference: the first a run's eval lines hold.
 _METRICS = ("val_accuracy", "val_perplexity", "val_loss")
-_INSTALL = "pip install 'pockengine[plot]' (matplotlib)"
+_INSTALL = "pip install 'matplotlib>=3.8'"
 _WARNED: set[str] = set()  # what this process has already said is missing
 
 

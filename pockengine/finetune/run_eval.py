@@ -167,17 +167,23 @@ def _perplexity(loaded: LoadedRun, chunks: Array, batch: int = 8) -> dict[str, A
     }
 
 
-def write_eval(run: Path, result: dict[str, Any]) -> list[Path]:
-    """``RUN/eval.json`` and, for a classifier, ``RUN/confusion.png``; the paths written."""
-    written = [run / EVAL_JSON]
+def write_eval(run: Path, result: dict[str, Any]) -> tuple[list[Path], list[str]]:
+    """``RUN/eval.json`` and, for a classifier, ``RUN/confusion.png``: the paths written
+    and a note for each file left out (the picture, without matplotlib)."""
+    written, notes = [run / EVAL_JSON], []
     write_atomic(written[0], (json.dumps(result, indent=2) + "\n").encode())
     if "confusion" in result:
-        written.append(plot_confusion(result, run / CONFUSION_PNG))
-    return written
+        try:
+            written.append(plot_confusion(result, run / CONFUSION_PNG))
+        except ImportError:
+            notes.append(f"{run / CONFUSION_PNG} not drawn: matplotlib is not installed "
+                         "(pip install matplotlib); the confusion matrix is in eval.json")  # fmt: skip
+    return written, notes
 
 
 def plot_confusion(result: dict[str, Any], path: Path) -> Path:
-    """The confusion matrix as a picture, counts in the cells."""
+    """The confusion matrix as a picture, counts in the cells (``ImportError`` without
+    matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
