@@ -176,8 +176,8 @@ def write_eval(run: Path, result: dict[str, Any]) -> tuple[list[Path], list[str]
         try:
             written.append(plot_confusion(result, run / CONFUSION_PNG))
         except ImportError:
-            notes.append(f"{run / CONFUSION_PNG} not drawn: matplotlib is not installed "
-                         "(pip install matplotlib); the confusion matrix is in eval.json")  # fmt: skip
+            missing = "matplotlib is not installed (pip install matplotlib)"
+            notes.append(f"{run / CONFUSION_PNG} not drawn: {missing}; eval.json has the matrix")
     return written, notes
 
 
