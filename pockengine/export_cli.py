@@ -83,8 +83,9 @@ class _Prepared:
 
 def register(sub: Any) -> None:
     """Add ``export`` to the ``pockengine`` subcommands."""
-    from pockengine.finetune.cli import EPILOG, SCHEME_HELP, add_arguments, positive_int
+    from pockengine.finetune.cli import EPILOG, add_arguments, positive_int
     from pockengine.run_cli import FACTORY_HELP
+    from pockengine.sparse.names import SCHEME_HELP
 
     p = sub.add_parser(
         "export", help="write a training step (a run, a fine-tune, a workload, an .onnx) as "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pockengine.finetune.cli import non_negative_float, positive_int
+from pockengine.finetune.run_files import RunFileError, shown
 
 __all__ = ["FACTORY_HELP", "register"]
 
@@ -159,26 +160,44 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _read_inputs(path: Path, column: str) -> list[str]:
-    """The inputs in a file: a .jsonl/.csv/.tsv text column, or one input a line."""
-    text = path.read_text(encoding="utf-8")
+    """The inputs in a file: a .jsonl/.csv/.tsv text column, or one input a line; a
+    ``RunFileError`` naming the file (and the line) when one cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunFileError(f"{path}: cannot read the inputs: {exc}") from exc
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        rows = [json.loads(s) for s in text.splitlines() if s.strip()]
-        return [_field(r, column, path, i) for i, r in enumerate(rows, 1)]
+        return [
+            _field(_json_line(line, path, i), column, path, i)
+            for i, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
     if suffix in (".csv", ".tsv"):
-        rows = list(
-            csv.DictReader(
-                io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ","
-            )
+        rows = csv.DictReader(
+            io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ","
         )
-        return [_field(r, column, path, i) for i, r in enumerate(rows, 2)]
+        try:
+            return [_field(row, column, path, rows.line_num) for row in rows]
+        except csv.Error as exc:
+            raise RunFileError(f"{path}:{rows.line_num}: not a {suffix[1:]} line: {exc}") from exc
     return [line for line in text.splitlines() if line.strip()]
+
+
+def _json_line(line: str, path: Path, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError as exc:
+        raise RunFileError(f"{path}:{number}: not a JSON line: {exc}") from exc
 
 
 def _field(row: Any, column: str, path: Path, line: int) -> str:
     if not isinstance(row, dict) or column not in row:
-        raise ValueError(f"{path}:{line}: no {column!r} field (the run's text column)")
-    return str(row[column])
+        raise RunFileError(f"{path}:{line}: no {column!r} field (the run's text column)")
+    value = row[column]
+    if not isinstance(value, str):
+        raise RunFileError(f"{path}:{line}: {column!r} is {shown(value)}, not a text")
+    return value
 
 
 @contextmanager

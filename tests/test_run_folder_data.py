@@ -220,3 +220,31 @@ def test_a_model_description_that_is_not_an_object(tmp_path: Path, content: str)
     path.write_text(content)
     with pytest.raises(RunFileError, match=str(path)):
         read_model_meta(path)
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"review": "great film"}', "", '{"review": "dull'], ":3: not a JSON line"),
+        (['{"review": "great film"}', '{"text": "no review"}'], ":2: no 'review' field"),
+        (['{"review": 7}'], ":1: 'review' is 7, not a text"),
+    ],
+)
+def test_a_broken_input_line_names_the_file_and_line(
+    run: Path, lines: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inputs = run.parent / "inputs.jsonl"
+    inputs.write_text("\n".join(lines) + "\n")
+    assert main(["predict", str(run), "--factory", FACTORY, "--input", str(inputs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{inputs}{message}" in err
+
+
+def test_inputs_that_are_not_text_name_the_file(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inputs = run.parent / "inputs.csv"
+    inputs.write_bytes(b"review\n\xff\xfe broken\n")
+    assert main(["predict", str(run), "--factory", FACTORY, "--input", str(inputs)]) == 2
+    err = capsys.readouterr().err
+    assert f"{inputs}: cannot read the inputs" in err

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pockengine.finetune.checkpoint import read_json_lines, write_atomic
+from pockengine.finetune.checkpoint import write_atomic
+from pockengine.finetune.run_files import read_metric_rows, read_summary
 from pockengine.ir import PockEngineError
 
 __all__ = [
@@ -129,8 +130,8 @@ def read_curves(run: Path, info: RunInfo | None = None) -> Curves:
         summary = run / "summary.json"
         info = RunInfo(run.name)
         if summary.is_file():
-            info = RunInfo.from_summary(run.name, json.loads(summary.read_text()))
-    rows = read_json_lines(metrics)
+            info = RunInfo.from_summary(run.name, read_summary(summary))
+    rows = read_metric_rows(metrics)
     train = [r for r in rows if r.get("event") == "train" and "loss" in r]
     evals = [r for r in rows if r.get("event") == "eval"]
     metric = next((m for m in _METRICS if evals and m in evals[-1]), "")
@@ -243,7 +244,7 @@ def _main(argv: Sequence[str]) -> int:
     except ImportError as exc:
         print(exc, file=sys.stderr)
         return _NO_MATPLOTLIB
-    except (OSError, PlotError) as exc:
+    except (OSError, PockEngineError) as exc:  # PlotError, RunFileError
         print(exc, file=sys.stderr)
         return 1
     return 0

@@ -24,7 +24,7 @@ from typing import Any
 
 from pockengine.finetune.best import FORMAT
 from pockengine.finetune.config import FinetuneError
-from pockengine.finetune.model_files import read_json
+from pockengine.finetune.run_files import RunFileError, read_json_object, shown
 
 __all__ = [
     "FACTORY_KINDS",
@@ -42,16 +42,6 @@ _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _PLAIN = (str, int, float, bool, type(None))
 
 
-class RunFileError(FinetuneError):
-    """A file of a run folder that is missing, unreadable or not what pockengine writes;
-    the message names the file and what is wrong in it."""
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def names_factory(value: Any) -> bool:
     """Whether a stored option reads ``module:name`` (a factory to import, were it used)."""
     return isinstance(value, str) and _FACTORY.fullmatch(value) is not None
@@ -60,7 +50,7 @@ def names_factory(value: Any) -> bool:
 def check_factory_name(spec: str, where: str = "--factory") -> str:
     """``spec`` when it reads ``module:name``; a ``FinetuneError`` naming ``where`` else."""
     if not isinstance(spec, str) or _FACTORY.fullmatch(spec) is None:
-        raise FinetuneError(f"{where}: {_shown(spec)} is not module:name (e.g. mymodels:build)")
+        raise FinetuneError(f"{where}: {shown(spec)} is not module:name (e.g. mymodels:build)")
     return spec
 
 
@@ -77,14 +67,14 @@ def named_factory(recorded: str | None, named: str | None, path: Path) -> str | 
         return None
     if named is None:
         raise FinetuneError(
-            f"{path} records a module:factory model ({_shown(recorded)}); a run folder never "
+            f"{path} records a module:factory model ({shown(recorded)}); a run folder never "
             "names code to run, so name the factory yourself if you trust it: --factory "
             "module:name (pe.load_run(RUN, factory='module:name')), the one the run trained"
         )
     check_factory_name(named)
     if named != recorded:
         raise FinetuneError(
-            f"--factory {named} differs from the factory {path} records ({_shown(recorded)}); "
+            f"--factory {named} differs from the factory {path} records ({shown(recorded)}); "
             "a run loads only with the factory it trained"
         )
     return named
@@ -96,10 +86,7 @@ def named_factory(recorded: str | None, named: str | None, path: Path) -> str | 
 def read_model_meta(path: Path) -> dict[str, Any]:
     """``pockengine.json`` of a run's model, every entry checked; a ``RunFileError``
     naming ``path`` and the entry otherwise."""
-    try:
-        meta = read_json(path)
-    except FinetuneError as exc:
-        raise RunFileError(str(exc)) from exc
+    meta = read_json_object(path, "model description")
     if meta.get("format") != FORMAT:
         raise RunFileError(f"{path} is not a pockengine model description (format {FORMAT})")
     kind = _entry(meta, "kind", path, _one_of(KINDS))
@@ -127,7 +114,7 @@ def _entry(
     value = meta[name]
     wrong = rule(value)
     if wrong is not None:
-        raise RunFileError(f"{path}: {name!r} is {_shown(value)}; expected {wrong}")
+        raise RunFileError(f"{path}: {name!r} is {shown(value)}; expected {wrong}")
     return value
 
 
