@@ -164,7 +164,7 @@ def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     run.mkdir()
     (run / checkpoint.CHECKPOINT).write_bytes(b"")
     err = _error(["export", str(run), "--scheme", "head", "--lr", "0.1"], capsys)
-    assert "--scheme, --lr" in err and "a run folder brings its own" in err
+    assert "--lr, --scheme" in err and "a run folder brings its own" in err
     err = _error(["export", "mlp", "--batch-size", "4"], capsys)
     assert "--batch-size" in err and "not to mlp" in err
     err = _error(["export", "--model", "m:f", "--data", "d.csv", "--loss", "mse"], capsys)
