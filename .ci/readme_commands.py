@@ -4,6 +4,9 @@ The README starts with two fenced ``bash`` blocks: the main job (install + ``poc
 finetune``) and the tests. ``python .ci/readme_commands.py main-install`` prints the main
 command's install steps (every ``&&``-joined step before the first ``pockengine`` one);
 ``main-job`` prints its ``pockengine`` steps; ``tests`` prints the whole test command.
+``after-run`` prints, one a line, the README's after-the-run commands on the main job's
+folder: the lines of the first later ``bash`` block that runs ``pockengine evaluate``,
+less ``pockengine generate`` (it needs a causal-LM run, which the main job is not).
 """
 
 from __future__ import annotations
@@ -22,8 +25,21 @@ def _commands(readme: Path) -> list[str]:
     return blocks[:2]
 
 
+def _after_run(readme: Path) -> list[str]:
+    blocks = _BLOCK.findall(readme.read_text(encoding="utf-8"))[2:]
+    block = next((b for b in blocks if "pockengine evaluate" in b), None)
+    if block is None:
+        sys.exit(f"{readme}: no ```bash block of after-the-run commands (pockengine evaluate)")
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    return [line for line in lines if not line.startswith("pockengine generate")]
+
+
 def main(which: str) -> None:
-    main_cmd, test_cmd = _commands(Path(__file__).resolve().parent.parent / "README.md")
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    if which == "after-run":
+        print("\n".join(_after_run(readme)))
+        return
+    main_cmd, test_cmd = _commands(readme)
     steps = [s.strip() for s in main_cmd.split("&&")]
     first_job = next((i for i, s in enumerate(steps) if s.startswith("pockengine")), None)
     if first_job is None:

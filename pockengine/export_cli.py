@@ -39,6 +39,8 @@ _FINETUNE_OPTIONS = ("recipe", "model", "data", "tokenizer", "epochs", "batch_si
                      "warmup", "val_fraction", "dedupe", "seed")  # fmt: skip
 _ONNX_MODEL_OPTIONS = ("loss", "output", "frozen_bn")
 _ALWAYS = ("source", "target", "out", "backend", "threads", "run", "defaults")
+_RUN_OPTIONS = ("write_batches", "factory")  # what goes with a run folder
+_ORT_RUNNER = Path(__file__).with_name("ort_runner.py")
 
 
 _DESCRIPTION = """\
@@ -82,6 +84,8 @@ class _Prepared:
 def register(sub: Any) -> None:
     """Add ``export`` to the ``pockengine`` subcommands."""
     from pockengine.finetune.cli import EPILOG, add_arguments, positive_int
+    from pockengine.run_cli import FACTORY_HELP
+    from pockengine.sparse.names import SCHEME_HELP
 
     p = sub.add_parser(
         "export", help="write a training step (a run, a fine-tune, a workload, an .onnx) as "
@@ -91,6 +95,9 @@ def register(sub: Any) -> None:
     p.add_argument("source", nargs="?", help="a run folder, a workload (mlp, cnn, bert, ...) or "
                    "a model.onnx; leave out to export --recipe or --model/--data")  # fmt: skip
     add_arguments(p)
+    p.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default, for a fine-tune: "
+                   "full for a module:factory model, sparse for the others, as an export runs "
+                   "no analysis; for a workload or .onnx: full)")  # fmt: skip
     p.add_argument("-o", "--out", help="the folder to write (default RUN/export_<target>, "
                    "train_step_<target>); for a workload or .onnx, an .onnx file (default "
                    "train_step.onnx) or, for --target c, the folder")  # fmt: skip
@@ -105,6 +112,7 @@ def register(sub: Any) -> None:
     p.add_argument("--loss", default="cross_entropy",
                    help="for an .onnx model: cross_entropy, mse, causal_lm or none")  # fmt: skip
     p.add_argument("--output", help="for an .onnx model: the output the loss applies to")
+    p.add_argument("--factory", metavar="MODULE:NAME", help=FACTORY_HELP)
     p.set_defaults(optimizer=None, run=_export)
     p.set_defaults(defaults=vars(p.parse_args([])))
 
@@ -125,8 +133,11 @@ def _check_options(args: argparse.Namespace, kind: str) -> None:
     """One ``ExportError`` naming the options that do not go with this kind of source."""
     given = _given(args)
     if kind == "run":
-        bad = [k for k in given if k != "write_batches"]
+        bad = [k for k in given if k not in _RUN_OPTIONS]
         why = "a run folder brings its own recipe, data and options"
+    elif "factory" in given:
+        bad = ["factory"]
+        why = "it names the factory of a run folder's model (give --model module:name here)"
     elif kind == "finetune":
         bad = [k for k in given if k in _ONNX_MODEL_OPTIONS]
         why = "these apply to a workload or an .onnx model, not a fine-tune"
@@ -197,8 +208,13 @@ def _from_args(args: argparse.Namespace) -> _Prepared:
 def _from_run(run: Path, args: argparse.Namespace) -> _Prepared:
     """The step of the run in ``run``, holding its checkpoint's weights and optimizer state."""
     from pockengine.finetune import checkpoint
+    from pockengine.finetune.run_meta import named_factory, names_factory
 
-    saved = checkpoint.load(run / checkpoint.CHECKPOINT)
+    path = run / checkpoint.CHECKPOINT
+    saved = checkpoint.load(path)
+    model = saved.config.get("model")
+    if names_factory(model) or args.factory is not None:  # a run folder names no code to run
+        named_factory(model if names_factory(model) else None, args.factory, path)
     try:
         config = FinetuneConfig(**{**saved.config, "backend": args.backend, "progress": "none"})
     except TypeError as exc:
@@ -206,10 +222,7 @@ def _from_run(run: Path, args: argparse.Namespace) -> _Prepared:
             f"{run}: the checkpoint's options do not fit this version: {exc}"
         ) from exc
     prepared = _prepare(config, saved.scheme, f"run {run} at step {saved.counters['step']}")
-    try:
-        prepared.step.load_state(saved.params, saved.optimizer)
-    except (KeyError, ValueError) as exc:
-        raise ExportError(f"{run}: the checkpoint does not fit the rebuilt model: {exc}") from exc
+    checkpoint.load_into_step(prepared.step, saved, f"the model rebuilt from {path}")
     return prepared
 
 
@@ -280,19 +293,24 @@ def batch_inputs(step: Any) -> list[Value]:
 def write_export(prepared: _Prepared, folder: Path, target: str, batches: int | None) -> list[str]:
     """Write the step to ``folder`` for ``target``, the runner (onnx), ``README.txt`` and
     ``batches`` training batches; returns the names written at the top of the folder."""
-    from pockengine import ort_runner
-
     step = prepared.step
+    trainer_notes = ""
     if target == "c":
         step.export(folder, target="c")
+        generic = folder / "README.md"  # the C trainer's own notes, folded into README.txt
+        trainer_notes = generic.read_text()
+        generic.unlink()
     elif target == "step":
         step.save(folder)
     else:
         folder.mkdir(parents=True, exist_ok=True)
         step.export(folder / "train_step.onnx")
-        shutil.copy(ort_runner.__file__, folder / "ort_runner.py")
+        shutil.copy(_ORT_RUNNER, folder / "ort_runner.py")  # copied, not imported: onnxruntime
     files = _write_batches(prepared, folder, target, batches) if batches else []
-    (folder / "README.txt").write_text(readme(prepared, target, files))
+    text = readme(prepared, target, files)
+    if trainer_notes:
+        text += f"\n\nThe trainer, as step.export describes it:\n\n{trainer_notes}"
+    (folder / "README.txt").write_text(text)
     return sorted(p.name for p in folder.iterdir())
 
 

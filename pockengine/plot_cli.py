@@ -18,7 +18,7 @@ _DESCRIPTION = """\
 Draw the training loss and the validation metric of one or more pockengine finetune run
 folders against step, in one PNG. Each run is a line with its scheme, trained parameters
 and peak memory (whole-process peak RSS and the step's planned peak) in the legend.
-Needs matplotlib: pip install 'pockengine[plot]'."""
+Needs matplotlib (installed with pockengine)."""
 
 
 def register(sub: Any) -> None:

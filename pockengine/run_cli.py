@@ -19,11 +19,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from pockengine.finetune.cli import non_negative_float, positive_int
+from pockengine.finetune.run_files import RunFileError, shown
 
-__all__ = ["register"]
+__all__ = ["FACTORY_HELP", "register"]
 
 
 _RUN_HELP = "a run folder of pockengine finetune"
+FACTORY_HELP = (
+    "for a run of a module:factory model: the factory to rebuild it with, the one the run "
+    "trained (a run folder never names code to run; the factory it records must match)"
+)
 
 
 def register(sub: Any) -> None:
@@ -44,6 +49,7 @@ def _run_parser(
     ``command`` under the ``--threads`` that ``register`` adds last."""
     parser = sub.add_parser(name, help=help)
     parser.add_argument("run_dir", metavar="RUN", help=run_help)
+    parser.add_argument("--factory", metavar="MODULE:NAME", help=FACTORY_HELP)
     parser.set_defaults(run=_with_threads, run_command=command)
     return parser
 
@@ -125,10 +131,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     from pockengine.finetune.home_load import load_run
     from pockengine.finetune.run_eval import evaluate_run, format_eval, write_eval
 
-    result = evaluate_run(load_run(args.run_dir), args.data)
+    result = evaluate_run(load_run(args.run_dir, args.factory), args.data)
     print(format_eval(result))
-    written = write_eval(Path(args.run_dir), result)
+    written, notes = write_eval(Path(args.run_dir), result)
     print(f"wrote {', '.join(str(p) for p in written)}")
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 
@@ -137,7 +145,7 @@ def _predict(args: argparse.Namespace) -> int:
 
     if bool(args.texts) == bool(args.input):
         raise ValueError("predict takes texts or --input FILE (one of them)")
-    loaded = load_run(args.run_dir)
+    loaded = load_run(args.run_dir, args.factory)
     column = str(loaded.meta.get("config", {}).get("text_column") or "text")
     inputs = _read_inputs(Path(args.input), column) if args.input else list(args.texts)
     with _bar(len(inputs) if args.input else 0) as advance, _sink(args.output) as out:
@@ -152,26 +160,44 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _read_inputs(path: Path, column: str) -> list[str]:
-    """The inputs in a file: a .jsonl/.csv/.tsv text column, or one input a line."""
-    text = path.read_text(encoding="utf-8")
+    """The inputs in a file: a .jsonl/.csv/.tsv text column, or one input a line; a
+    ``RunFileError`` naming the file (and the line) when one cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunFileError(f"{path}: cannot read the inputs: {exc}") from exc
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        rows = [json.loads(s) for s in text.splitlines() if s.strip()]
-        return [_field(r, column, path, i) for i, r in enumerate(rows, 1)]
+        return [
+            _field(_json_line(line, path, i), column, path, i)
+            for i, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
     if suffix in (".csv", ".tsv"):
-        rows = list(
-            csv.DictReader(
-                io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ","
-            )
+        rows = csv.DictReader(
+            io.StringIO(text, newline=""), delimiter="\t" if suffix == ".tsv" else ","
         )
-        return [_field(r, column, path, i) for i, r in enumerate(rows, 2)]
+        try:
+            return [_field(row, column, path, rows.line_num) for row in rows]
+        except csv.Error as exc:
+            raise RunFileError(f"{path}:{rows.line_num}: not a {suffix[1:]} line: {exc}") from exc
     return [line for line in text.splitlines() if line.strip()]
+
+
+def _json_line(line: str, path: Path, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError as exc:
+        raise RunFileError(f"{path}:{number}: not a JSON line: {exc}") from exc
 
 
 def _field(row: Any, column: str, path: Path, line: int) -> str:
     if not isinstance(row, dict) or column not in row:
-        raise ValueError(f"{path}:{line}: no {column!r} field (the run's text column)")
-    return str(row[column])
+        raise RunFileError(f"{path}:{line}: no {column!r} field (the run's text column)")
+    value = row[column]
+    if not isinstance(value, str):
+        raise RunFileError(f"{path}:{line}: {column!r} is {shown(value)}, not a text")
+    return value
 
 
 @contextmanager
@@ -201,7 +227,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pockengine.finetune.generation import check_generation, generate
     from pockengine.finetune.home_load import load_run
 
-    loaded = load_run(args.run_dir)
+    loaded = load_run(args.run_dir, args.factory)
     check_generation(loaded, args.max_new_tokens, args.temperature, args.top_k)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()

@@ -114,7 +114,8 @@ def test_a_child_compiled_run_trains_as_an_in_process_one(
     _same_model(tmp_path / "here" / "model", out / "model")
     assert not list(out.glob(".compiled-*"))  # the compile folder is gone
     texts = ["great fun", "dull and boring"]
-    probs = [pe.load_run(tmp_path / r).predict_proba(texts) for r in ("here", "child")]
+    runs = [pe.load_run(tmp_path / r, factory=task["model"]) for r in ("here", "child")]
+    probs = [r.predict_proba(texts) for r in runs]
     np.testing.assert_array_equal(probs[0], probs[1])
 
 

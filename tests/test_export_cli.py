@@ -129,7 +129,8 @@ def test_export_of_a_run_holds_its_checkpoint(tmp_path: Path, options: list[str]
     run = tmp_path / "run"
     trained = ["finetune", *options, "--max-steps", "2", "--progress", "none", "--out", str(run)]
     assert main(trained) == 0
-    assert main(["export", str(run), "--target", "c", "--write-batches", "1"]) == 0
+    export = ["export", str(run), "--factory", "export_bag:bag"]
+    assert main([*export, "--target", "c", "--write-batches", "1"]) == 0
     folder = run / "export_c"
     saved = checkpoint.load(run / checkpoint.CHECKPOINT)
     state = read_safetensors(folder / "state.safetensors")
@@ -140,7 +141,7 @@ def test_export_of_a_run_holds_its_checkpoint(tmp_path: Path, options: list[str]
     pytest.importorskip("onnxruntime")
     from pockengine.ort_runner import TrainingSession
 
-    assert main(["export", str(run), "-o", str(tmp_path / "onnx")]) == 0
+    assert main([*export, "-o", str(tmp_path / "onnx")]) == 0
     weights = TrainingSession(str(tmp_path / "onnx" / "train_step.onnx")).state_dict()
     assert weights.keys() == saved.params.keys()
     for name, value in saved.params.items():
@@ -163,10 +164,40 @@ def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     run.mkdir()
     (run / checkpoint.CHECKPOINT).write_bytes(b"")
     err = _error(["export", str(run), "--scheme", "head", "--lr", "0.1"], capsys)
-    assert "--scheme, --lr" in err and "a run folder brings its own" in err
+    assert "--lr, --scheme" in err and "a run folder brings its own" in err
     err = _error(["export", "mlp", "--batch-size", "4"], capsys)
     assert "--batch-size" in err and "not to mlp" in err
     err = _error(["export", "--model", "m:f", "--data", "d.csv", "--loss", "mse"], capsys)
     assert "--loss" in err and "not a fine-tune" in err
     err = _error(["export", "--target", "c"], capsys)
     assert "export what?" in err
+
+
+def _exported_state(folder: Path, target: str) -> dict[str, np.ndarray]:
+    if target == "c":
+        return read_safetensors(folder / "state.safetensors")
+    return dict(pe.load_step(folder).flat_state_dict())
+
+
+@pytest.mark.parametrize(("scheme", "target"), [("head", "c"), ("sparse", "step")])
+def test_export_of_a_run_that_trained_some_params(
+    tmp_path: Path, options: list[str], scheme: str, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint holds only the trained values; the export puts them over the rebuilt
+    model's initial ones. Neither the C nor the step target needs onnxruntime."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime fails
+    run = tmp_path / "run"
+    trained = ["finetune", *options, "--scheme", scheme, "--max-steps", "2", "--progress",
+               "none", "--compile-in", "process", "--out", str(run)]  # fmt: skip
+    assert main(trained) == 0
+    saved = checkpoint.load(run / checkpoint.CHECKPOINT)
+    model = _task(str(tmp_path / "reviews.csv")).model  # the same seed: the initial values
+    initial = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert set(saved.params) < set(initial)  # some params were not trained
+    assert main(["export", str(run), "--factory", "export_bag:bag", "--target", target]) == 0
+    folder = run / f"export_{target}"
+    state = _exported_state(folder, target)
+    for name, value in initial.items():
+        np.testing.assert_array_equal(state[name], saved.params.get(name, value), err_msg=name)
+    names = {p.name for p in folder.iterdir()}
+    assert "README.txt" in names and "README.md" not in names

@@ -120,3 +120,14 @@ def test_recipe_install_line_runs_two_steps_in_a_fresh_venv(recipe: str, tmp_pat
     done = subprocess.run(run, env=env, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoint.safetensors").is_file()
+
+
+def test_ci_reads_the_after_the_run_commands() -> None:
+    """``.ci/main_job.sh`` runs these on the main job's folder: evaluate, predict and
+    ``pe.load_run``, never ``generate`` (the main job is not a causal LM)."""
+    after = _readme("after-run").splitlines()
+    assert [c for c in after if c.startswith("pockengine evaluate ")]
+    assert [c for c in after if c.startswith("pockengine predict ")]
+    assert [c for c in after if "pe.load_run(" in c]
+    assert not [c for c in after if "generate" in c]
+    assert "readme_commands.py after-run" in (ROOT / ".ci" / "main_job.sh").read_text()

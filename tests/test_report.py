@@ -119,3 +119,19 @@ def test_report_renders_and_serialises() -> None:
     data = report.to_dict()
     assert data["ours"]["trained_elements"] == 64 * 10 + 10
     assert data["full"]["trained_elements"] == sum(p.numel() for p in w.model.parameters())
+
+
+def test_a_long_scheme_is_wrapped_under_the_title() -> None:
+    """A scheme that names many weights (as auto's choice does) fills lines of the
+    report's width, not one line of thousands of characters."""
+    w = zoo.mlp()
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), scheme=schemes.head())
+    report = step.report()
+    names = [f"encoder.layer.{i}.attention.self.query.weight" for i in range(80)]
+    report.scheme = "scheme=auto, params=[" + ", ".join(names) + "]"
+    lines = str(report).splitlines()
+    assert lines[0] == "compile-time report"
+    table = next(i for i, line in enumerate(lines) if "this scheme" in line)
+    header = lines[1:table]
+    assert len(header) > 1 and all(len(line) <= 100 for line in header)
+    assert " ".join(line.strip() for line in header) == f"scheme: {report.scheme}"

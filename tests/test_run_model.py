@@ -186,7 +186,7 @@ def test_factory_model_under_its_state_dict_names(tmp_path: Path, task: dict[str
     for name in weights:
         np.testing.assert_array_equal(weights[name], saved[name])
     (tmp_path / "reviews.csv").unlink()  # predicting needs the run folder only
-    loaded = pe.load_run(out)
+    loaded = pe.load_run(out, factory=task["model"])
     assert loaded.labels == ("neg", "pos") and type(loaded.model).__name__ == "Bag"
     ids, mask = loaded.encode(["a superb film", "an awful plot"])
     assert ids[0, 1] > 1 and mask.sum() == 6  # known words, no padding counted

@@ -36,6 +36,7 @@ __all__ = [
     "FORMAT",
     "Checkpoint",
     "load",
+    "load_into_step",
     "read_json_lines",
     "remove_stale_temporaries",
     "save",
@@ -118,6 +119,25 @@ def load(path: str | Path) -> Checkpoint:
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise FinetuneError(f"{p} is an incomplete or corrupt checkpoint ({exc!r})") from exc
+
+
+def load_into_step(step: Any, saved: Checkpoint, what: str) -> None:
+    """Load ``saved`` into ``step`` (a ``TrainStep`` rebuilt as the run compiled it): the
+    values training changed over the rebuilt model's own (a checkpoint holds only those;
+    older ones hold every param, the frozen ones loaded as they are) and the whole
+    optimizer state. ``what``: the model, as the error names it."""
+    lacking = [n for n in step.written if n not in saved.params]
+    if lacking:
+        raise FinetuneError(f"the checkpoint does not fit {what}: {len(lacking)} "
+                            f"missing ({', '.join(lacking[:5])}), values training "
+                            "changes")  # fmt: skip
+    try:
+        step.load_state(optimizer=saved.optimizer)
+        result = step.load_state(saved.params, strict=False)
+    except (KeyError, ValueError) as exc:
+        raise FinetuneError(f"the checkpoint does not fit {what}: {exc}") from exc
+    if result.unexpected or result.mismatched:
+        raise FinetuneError(f"the checkpoint does not fit {what}: {result.describe()}")
 
 
 def saved_options(path: str | Path) -> dict[str, Any] | None:

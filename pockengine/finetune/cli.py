@@ -148,8 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     how = p.add_argument_group("how to train (defaults: the recipe's)")
     how.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: auto for the "
-                     "text recipes and --model/--data, sparse for the others; full for a "
-                     "module:factory model)")  # fmt: skip
+                     "text recipes and --model/--data, sparse for the others and with a "
+                     "--frozen-dtype; full for a module:factory model)")  # fmt: skip
     how.add_argument(
         "--memory-budget", type=byte_amount,
         help="planned peak of the step, e.g. 300MB (MiB units): the budget of --scheme auto "
@@ -228,10 +228,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     run.add_argument(
         "--compile-in", choices=("process", "child"), default="child",
-        help="child: import and compile the model in a child process that writes the step "
-        "artifact, then train it here, in a process that never ran the compiler and had "
-        "not loaded torch meanwhile (docs/finetune.md); process: all in this one (--scheme "
-        "auto always is) (default child)",
+        help="child: import and compile the model (and choose --scheme auto's scheme) in a "
+        "child process that writes the step artifact, then train it here, in a process that "
+        "never ran the compiler and had not loaded torch meanwhile; a task whose evaluation "
+        "does not compile is compiled here instead (docs/finetune.md); process: all in this "
+        "one (default child)",
     )  # fmt: skip
     run.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 

@@ -11,8 +11,8 @@ The picture is drawn on a ``matplotlib.figure.Figure`` (the Agg canvas, no pyplo
 change to matplotlib's global backend) and written atomically, so a reader never sees a
 half-written PNG. During a run ``CurvesWriter`` draws it in a child process at each
 validation and at the end, so matplotlib adds nothing to the run's memory or time.
-matplotlib is an optional extra (``pip install 'pockengine[plot]'``): without it a run
-skips the picture with one log line, and ``pockengine plot`` says so.
+matplotlib is a dependency of pockengine; where it is missing a run skips the picture
+with one log line, and ``pockengine plot`` says so.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pockengine.finetune.checkpoint import read_json_lines, write_atomic
+from pockengine.finetune.checkpoint import write_atomic
+from pockengine.finetune.run_files import read_metric_rows, read_summary
 from pockengine.ir import PockEngineError
 
 __all__ = [
@@ -51,7 +52,7 @@ _MIB = 1 << 20
 SMOOTHING = 0.6
 # The validation metric drawn, by preference: the first a run's eval lines hold.
 _METRICS = ("val_accuracy", "val_perplexity", "val_loss")
-_INSTALL = "pip install 'pockengine[plot]' (matplotlib)"
+_INSTALL = "pip install 'matplotlib>=3.8'"
 _WARNED: set[str] = set()  # what this process has already said is missing
 
 
@@ -129,8 +130,8 @@ def read_curves(run: Path, info: RunInfo | None = None) -> Curves:
         summary = run / "summary.json"
         info = RunInfo(run.name)
         if summary.is_file():
-            info = RunInfo.from_summary(run.name, json.loads(summary.read_text()))
-    rows = read_json_lines(metrics)
+            info = RunInfo.from_summary(run.name, read_summary(summary))
+    rows = read_metric_rows(metrics)
     train = [r for r in rows if r.get("event") == "train" and "loss" in r]
     evals = [r for r in rows if r.get("event") == "eval"]
     metric = next((m for m in _METRICS if evals and m in evals[-1]), "")
@@ -243,7 +244,7 @@ def _main(argv: Sequence[str]) -> int:
     except ImportError as exc:
         print(exc, file=sys.stderr)
         return _NO_MATPLOTLIB
-    except (OSError, PlotError) as exc:
+    except (OSError, PockEngineError) as exc:  # PlotError, RunFileError
         print(exc, file=sys.stderr)
         return 1
     return 0

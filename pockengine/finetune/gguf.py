@@ -84,12 +84,25 @@ def _hf_name(name: str) -> str | None:
 
 
 def llama_weights(path: Path) -> dict[str, Quantized]:
-    """The Q4_0/Q4_1/Q8_0 matrices of a LLaMA GGUF file, by ``LlamaForCausalLM`` name."""
+    """The Q4_0/Q4_1/Q8_0 matrices of a LLaMA GGUF file, by ``LlamaForCausalLM`` name; a
+    ``FinetuneError`` naming the file when it is truncated, corrupt or not a LLaMA GGUF."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
-    heads = _field(reader, "llama.attention.head_count")
-    kv_heads = _field(reader, "llama.attention.head_count_kv")
+    try:
+        reader = GGUFReader(str(path))
+        heads = _field(reader, "llama.attention.head_count")
+        kv_heads = _field(reader, "llama.attention.head_count_kv")
+        return _matrices(reader, heads, kv_heads)
+    except FinetuneError as exc:
+        raise FinetuneError(f"{path}: {exc}") from exc
+    except Exception as exc:  # the gguf reader fails in many ways on bad bytes; the file is why
+        why = f"{type(exc).__name__}: {exc}"
+        raise FinetuneError(
+            f"{path} is not a readable GGUF file (truncated or corrupt?): {why}"
+        ) from exc
+
+
+def _matrices(reader: Any, heads: int, kv_heads: int) -> dict[str, Quantized]:
     out: dict[str, Quantized] = {}
     for t in reader.tensors:
         name, kind = _hf_name(t.name), t.tensor_type.name
@@ -107,7 +120,10 @@ def _field(reader: Any, key: str) -> int:
     field = reader.fields.get(key)
     if field is None:
         raise FinetuneError(f"the GGUF file has no {key}")
-    return int(field.parts[field.data[0]][0])
+    value = int(field.parts[field.data[0]][0])
+    if value <= 0:
+        raise FinetuneError(f"{key} is {value}; expected a positive count")
+    return value
 
 
 def frozen_weights(config: FinetuneConfig) -> FrozenWeights:

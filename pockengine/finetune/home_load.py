@@ -1,10 +1,11 @@
 """``pe.load_run(RUN)``: the run's model back from ``RUN/model``, ready to predict.
 
 Only ``RUN/model`` is read (the training data need not be present). Nothing in the folder
-executes: transformers loads it offline from safetensors with no code of its own
-(``models.load_hf_encoder``); a ``module:factory`` model is rebuilt by importing the
-factory the run named, as ``pockengine finetune`` did, and its weights are loaded
-strictly.
+executes and nothing in it names code to run: ``pockengine.json`` is checked first
+(``run_meta.read_model_meta``); transformers loads the folder offline from safetensors with
+no code of its own (``models.load_hf_encoder``); a ``module:factory`` model is rebuilt by
+the factory the user names again (``factory=``, ``--factory``), which must be the one the
+run recorded (``run_meta.named_factory``), and its weights are loaded strictly.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from torch import nn
 from pockengine.finetune import models
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.data import WordTokenizer, encode_hf
-from pockengine.finetune.home import FORMAT, META, MODEL_DIR
-from pockengine.finetune.model_files import check_model_folder, check_safetensors, read_json
+from pockengine.finetune.home import META, MODEL_DIR
+from pockengine.finetune.model_files import check_model_folder, check_safetensors
+from pockengine.finetune.run_meta import named_factory, names_factory, read_model_meta
 
 __all__ = ["LoadedRun", "load_run"]
 
@@ -32,13 +34,15 @@ Array = np.ndarray[Any, Any]
 @dataclass
 class LoadedRun:
     """A fine-tuned model: ``model`` (eval mode), ``tokenizer``, ``labels`` and ``meta``
-    (``RUN/model/pockengine.json``: the run's options, the weights kept, preprocessing)."""
+    (``RUN/model/pockengine.json``: the run's options, the weights kept, preprocessing);
+    ``factory``: the ``module:factory`` the user named to load it (None for other runs)."""
 
     path: Path
     model: nn.Module
     tokenizer: Any
     labels: tuple[str, ...]
     meta: dict[str, Any] = field(repr=False)
+    factory: str | None = None
 
     @property
     def kind(self) -> str:
@@ -121,8 +125,12 @@ def _grey28(item: Any) -> Array:
     return array.astype(np.uint8)
 
 
-def load_run(run: str | Path) -> LoadedRun:
-    """The model of a ``pockengine finetune`` run folder (``RUN/model``), in eval mode."""
+def load_run(run: str | Path, factory: str | None = None) -> LoadedRun:
+    """The model of a ``pockengine finetune`` run folder (``RUN/model``), in eval mode.
+
+    ``factory``: for a run of a ``module:factory`` model, the factory to rebuild it with,
+    named by the caller (the one the run recorded; the folder's record alone is never
+    imported). Other runs take none."""
     folder = Path(run) / MODEL_DIR
     meta_path = folder / META
     if not meta_path.is_file():
@@ -130,12 +138,16 @@ def load_run(run: str | Path) -> LoadedRun:
             f"{run} holds no fine-tuned model ({meta_path} is missing): pockengine finetune "
             "writes RUN/model/ when a run ends or stops"
         )
-    meta = read_json(meta_path)
-    if meta.get("format") != FORMAT or meta.get("kind") not in _LOADERS:
-        raise FinetuneError(f"{meta_path} is not a pockengine model description ({FORMAT})")
-    model, tokenizer = _LOADERS[str(meta["kind"])](folder, meta)
+    meta = read_model_meta(meta_path)
+    recorded = meta["factory"] if meta["kind"] == "factory" else None
+    factory = named_factory(recorded, factory, meta_path)
+    stored = (meta.get("config") or {}).get("model")
+    if names_factory(stored) and stored != factory:  # evaluate rebuilds from the options
+        named_factory(stored, factory, meta_path)
+    model, tokenizer = _LOADERS[str(meta["kind"])](folder, {**meta, "factory": factory})
     model.eval()
-    return LoadedRun(Path(run), model, tokenizer, tuple(meta.get("labels", ())), meta)
+    labels = tuple(meta["labels"])
+    return LoadedRun(Path(run), model, tokenizer, labels, meta, factory)
 
 
 def _hf_classifier(folder: Path, meta: dict[str, Any]) -> tuple[nn.Module, Any]:
@@ -174,7 +186,7 @@ def _torch_module(folder: Path, meta: dict[str, Any]) -> tuple[nn.Module, Any]:
 
         model = vision.lite0(int(meta["classes"]))
     else:
-        model = models.load_factory(str(meta["factory"]), **meta["factory_kwargs"])
+        model = models.load_factory(str(meta["factory"]), **meta["factory_kwargs"])  # user-named
     path = folder / "model.safetensors"
     check_safetensors(path)
     _strict(model, load_file(str(path)), path)

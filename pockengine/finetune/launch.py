@@ -7,10 +7,10 @@ and finds the checkpoint to resume, all without torch. With ``--compile-in child
 the machine never holds this process's torch and the child's at once; only then does
 this process import the trainer (and torch) and train the step the child wrote.
 ``--scheme auto`` chooses its scheme in the compile child, before it compiles the
-choice (the task is built once). With ``--compile-in process``, ``--resume``
-of an auto run (which trains the checkpoint's scheme), or a task whose evaluation does
-not compile (it runs eagerly on the model: the child says so, and the compile is done
-again here), the trainer builds and compiles the task in this process.
+choice (the task is built once); ``--resume`` of an auto run compiles, in the child too,
+the scheme its checkpoint trained. With ``--compile-in process``, or a task whose
+evaluation does not compile (it runs eagerly on the model: the child says so, and the
+compile is done again here), the trainer builds and compiles the task in this process.
 """
 
 from __future__ import annotations
@@ -62,10 +62,12 @@ def _compile_and_train(
     start: float,
 ) -> FinetuneResult:  # fmt: skip
     """Once ``out`` is held: compile in a child and train here, or do both here."""
-    if config.compile_in != "child" or (scheme is None and saved is not None):
+    if config.compile_in != "child":
         from pockengine.finetune.trainer import train_here
 
         return train_here(config, scheme, out, saved, start)
+    if scheme is None and saved is not None:  # --resume of an auto run: the scheme it chose
+        scheme = schemes.from_dict(saved.scheme)
     with tempfile.TemporaryDirectory(prefix=".compiled-", dir=out) as folder:
         compile_start = time.perf_counter()
         auto = ", the scheme (--scheme auto)" if scheme is None else ""

@@ -194,20 +194,7 @@ class Loop:
         return home.changed_names(self.buffers, adapter.changed_in_model(self.step))
 
     def _load_checkpoint(self, saved: ckpt_io.Checkpoint) -> None:
-        """The values training changed (older checkpoints hold every param: the frozen
-        ones are the model's, loaded as they are) and the whole optimizer state."""
-        lacking = [n for n in self.step.written if n not in saved.params]
-        if lacking:
-            raise FinetuneError(f"the checkpoint does not fit this model: {len(lacking)} "
-                                f"missing ({', '.join(lacking[:5])}), values training "
-                                "changes")  # fmt: skip
-        try:
-            self.step.load_state(optimizer=saved.optimizer)
-            result = self.step.load_state(saved.params, strict=False)
-        except (KeyError, ValueError) as exc:
-            raise FinetuneError(f"the checkpoint does not fit this model: {exc}") from exc
-        if result.unexpected or result.mismatched:
-            raise FinetuneError(f"the checkpoint does not fit this model: {result.describe()}")
+        ckpt_io.load_into_step(self.step, saved, "this model")
 
     def train(self, stop: StopFlag) -> None:
         progress = make_progress(

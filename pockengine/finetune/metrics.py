@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pockengine.evaluator import Evaluator
-from pockengine.finetune.checkpoint import read_json_lines, write_json_lines
+from pockengine.finetune.checkpoint import write_json_lines
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.recipes import Task, tensor_rows
+from pockengine.finetune.run_files import read_metric_rows
 from pockengine.ir import CompileError
 from pockengine.runtime import TrainStep
 from pockengine.step_base import CompiledStep
@@ -179,7 +180,7 @@ class MetricsLog:
 
     def rows(self) -> list[dict[str, Any]]:
         """The complete lines (a line a killed run left half written is skipped)."""
-        return read_json_lines(self.path) if self.path.exists() else []
+        return read_metric_rows(self.path) if self.path.exists() else []
 
     def truncate_after(self, step: int) -> None:
         """Keep only the lines up to training step ``step`` (those a checkpoint covers)."""

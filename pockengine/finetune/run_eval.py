@@ -25,7 +25,9 @@ from pockengine.finetune import data as ds
 from pockengine.finetune import recipes
 from pockengine.finetune.checkpoint import write_atomic
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.home import META, MODEL_DIR
 from pockengine.finetune.home_load import LoadedRun
+from pockengine.finetune.run_meta import RunFileError
 
 __all__ = ["CONFUSION_PNG", "EVAL_JSON", "evaluate_run", "format_eval", "plot_confusion"]
 
@@ -50,9 +52,13 @@ def evaluate_run(loaded: LoadedRun, data: str | None = None) -> dict[str, Any]:
 def _validation(loaded: LoadedRun) -> tuple[Array, ...]:
     """The validation arrays of the run, rebuilt by its recipe."""
     fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    options = {k: v for k, v in loaded.meta.get("config", {}).items() if k in fields}
-    task = recipes.build(FinetuneConfig(**options).validate())
-    return task.val
+    options = {k: v for k, v in (loaded.meta.get("config") or {}).items() if k in fields}
+    try:  # the options are data; a factory among them is the one the user named (load_run)
+        config = FinetuneConfig(**options).validate()
+    except (FinetuneError, TypeError, ValueError) as exc:
+        where = loaded.path / MODEL_DIR / META
+        raise RunFileError(f"{where}: 'config' does not hold a run's options: {exc}") from exc
+    return recipes.build(config).val
 
 
 def _file_arrays(loaded: LoadedRun, path: Path) -> tuple[Array, ...]:
@@ -161,17 +167,23 @@ def _perplexity(loaded: LoadedRun, chunks: Array, batch: int = 8) -> dict[str, A
     }
 
 
-def write_eval(run: Path, result: dict[str, Any]) -> list[Path]:
-    """``RUN/eval.json`` and, for a classifier, ``RUN/confusion.png``; the paths written."""
-    written = [run / EVAL_JSON]
+def write_eval(run: Path, result: dict[str, Any]) -> tuple[list[Path], list[str]]:
+    """``RUN/eval.json`` and, for a classifier, ``RUN/confusion.png``: the paths written
+    and a note for each file left out (the picture, without matplotlib)."""
+    written, notes = [run / EVAL_JSON], []
     write_atomic(written[0], (json.dumps(result, indent=2) + "\n").encode())
     if "confusion" in result:
-        written.append(plot_confusion(result, run / CONFUSION_PNG))
-    return written
+        try:
+            written.append(plot_confusion(result, run / CONFUSION_PNG))
+        except ImportError:
+            missing = "matplotlib is not installed (pip install matplotlib)"
+            notes.append(f"{run / CONFUSION_PNG} not drawn: {missing}; eval.json has the matrix")
+    return written, notes
 
 
 def plot_confusion(result: dict[str, Any], path: Path) -> Path:
-    """The confusion matrix as a picture, counts in the cells."""
+    """The confusion matrix as a picture, counts in the cells (``ImportError`` without
+    matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")

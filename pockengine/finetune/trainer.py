@@ -25,7 +25,7 @@ from typing import Any
 from pockengine.evaluator import Evaluator
 from pockengine.finetune import adapter, home, recipes, released, stages
 from pockengine.finetune import checkpoint as ckpt_io
-from pockengine.finetune.auto_scheme import AutoChoice, choose_auto
+from pockengine.finetune.auto_scheme import AUTO, AutoChoice, choose_auto
 from pockengine.finetune.compiled_task import load_compiled
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.curves import RunInfo
@@ -86,6 +86,8 @@ def train_compiled(
     (``AutoChoice.to_dict``), made in a child too."""
     compiled = load_compiled(folder, config.backend)
     auto = AutoChoice.from_dict(choice) if choice is not None else None
+    if auto is None and saved is not None and config.scheme == AUTO:
+        auto = _resumed_choice(config, scheme)
     prepared = _Prepared(compiled.task, scheme, auto, compiled.step, compiled.evaluator,
                          compiled.buffers, compiled.skeleton)  # fmt: skip
     compile_s = time.perf_counter() - starts[1]
@@ -176,12 +178,17 @@ def _scheme_of_run(
         return given, None
     if saved is not None:
         scheme = schemes.from_dict(saved.scheme)
-        choice = AutoChoice(scheme, float(config.memory_budget or 0), "the checkpoint", 0.0,
-                            "resumed", 0.0)  # fmt: skip
-        choice.notes.append("analysis skipped: --resume trains the scheme the run chose first")
-        return scheme, choice
+        return scheme, _resumed_choice(config, scheme)
     choice = choose_auto(config, task, recipes.RECIPES[recipes.recipe_name(config)].sparse)
     return choice.scheme, choice
+
+
+def _resumed_choice(config: FinetuneConfig, scheme: Scheme) -> AutoChoice:
+    """What a resumed ``--scheme auto`` run reports: the scheme its checkpoint trained."""
+    choice = AutoChoice(scheme, float(config.memory_budget or 0), "the checkpoint", 0.0,
+                        "resumed", 0.0)  # fmt: skip
+    choice.notes.append("analysis skipped: --resume trains the scheme the run chose first")
+    return choice
 
 
 def compile_evaluator_releasing(step: TrainStep, task: recipes.Task) -> Evaluator | None:

@@ -11,6 +11,7 @@ backends it also shows the placement (nodes per backend, boundary transfers).
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,13 @@ _ROWS = (
 )
 
 
+def _wrapped(text: str, width: int = 100) -> list[str]:
+    """``text`` in lines of at most ``width`` columns (a long name stays whole), indented
+    under the report's title."""
+    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ",
+                         break_long_words=False, break_on_hyphens=False)  # fmt: skip
+
+
 @dataclass
 class Report:
     """A scheme's figures beside full backprop's, for the same model and batch."""
@@ -170,7 +178,7 @@ class Report:
         return out
 
     def __str__(self) -> str:
-        lines = [f"compile-time report (scheme: {self.scheme})"]
+        lines = ["compile-time report", *_wrapped(f"scheme: {self.scheme}")]
         lines.append(f"  {'':<20}{'this scheme':>18}{'full backprop':>18}{'ratio':>8}")
         for label, key, fmt in _ROWS:
             ours, full = getattr(self.ours, key), getattr(self.full, key)

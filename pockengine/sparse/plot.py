@@ -3,7 +3,7 @@
 ``plot_contributions(rows, chosen, path)`` draws (left) each candidate's accuracy gain
 against the extra planned-peak memory it costs over its baseline, and (right) the gains
 layer by layer, biases and each weight ratio with their own marker; the chosen
-candidates are ringed. Needs matplotlib (``pip install 'pockengine[plot]'``).
+candidates are ringed. Needs matplotlib (a dependency of pockengine).
 """
 
 from __future__ import annotations
