@@ -22,6 +22,7 @@ import numpy as np
 
 from pockengine.backends.onnx_emit import emit_onnx
 from pockengine.ir import Graph, Value
+from pockengine.safe_write import write_with
 
 __all__ = ["FORMAT", "export_step", "state_path"]
 
@@ -66,8 +67,7 @@ def export_step(
     missing = sorted({v.name for v in graph.inputs} - {v.name for v in batch} - set(state))
     if missing:
         raise ValueError(f"no value for the graph inputs {missing}")
-    onnx.save(model, os.fspath(path))
+    write_with(Path(path), lambda f: onnx.save(model, f))
     arrays: dict[str, Any] = {name: np.asarray(value) for name, value in state.items()}
-    with open(side, "wb") as f:
-        np.savez(f, **arrays)
+    write_with(side, lambda f: np.savez(f, **arrays))
     return side

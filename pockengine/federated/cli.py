@@ -19,6 +19,7 @@ from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
 from pockengine.finetune.cli import byte_amount
 from pockengine.finetune.config import AUTO_SCORES, DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+from pockengine.safe_write import write_with
 from pockengine.sparse.names import SCHEME_HELP
 
 __all__ = ["add_arguments", "config_from_args", "plot_rounds", "run", "summary_text"]
@@ -175,8 +176,10 @@ def plot_rounds(
     comm.set(xlabel="round", ylabel="MiB per round", title="communication", yscale="log")
     comm.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        write_with(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
 from pockengine.ir import DType, Graph, Role, Value
 from pockengine.plan import plan_memory
+from pockengine.safe_write import make_dirs, write_bytes, write_text, write_with
 from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
 
 __all__ = ["export_c", "read_safetensors", "write_safetensors"]
@@ -33,9 +33,8 @@ _ST_DTYPES = SAFETENSORS_DTYPES
 
 
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, Array]) -> None:
-    """``tensors`` as one safetensors file (little-endian, C order)."""
-    with open(path, "wb") as f:
-        write_safetensors_to(f, tensors)
+    """``tensors`` as one safetensors file (little-endian, C order), written atomically."""
+    write_with(Path(path), lambda f: write_safetensors_to(f, tensors))
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, Array]:
@@ -91,24 +90,23 @@ def export_c(
     state_names: Mapping[str, str],
 ) -> Path:
     """Write the trainer folder for ``graph`` with initial ``state`` (IR name -> array);
-    params and buffers are named in the state file as ``state_names`` maps them."""
+    params and buffers are named in the state file as ``state_names`` maps them. Each file
+    is written atomically, and no link inside ``folder`` is followed (``safe_write``)."""
     check_claims(graph)
-    out = Path(folder)
-    (out / "kernels").mkdir(parents=True, exist_ok=True)
+    out = make_dirs(Path(folder))
+    make_dirs(out / "kernels", inside=out)
     plan = plan_memory(graph)
     names = _file_names(graph, state_names)
-    (out / "step.c").write_text(emit_step(graph, plan, KERNELS, names))
-    for src in KERNEL_DIR.iterdir():
+    write_text(out / "step.c", emit_step(graph, plan, KERNELS, names), inside=out)
+    for src in sorted(KERNEL_DIR.iterdir()):
         if src.suffix in (".c", ".h"):
-            shutil.copy(src, out / "kernels" / src.name)
+            write_bytes(out / "kernels" / src.name, src.read_bytes(), inside=out)
     for name in ("main.c", "pe_io.c", "pe_io.h", "Makefile"):
-        shutil.copy(TRAINER_DIR / name, out / name)
+        write_bytes(out / name, (TRAINER_DIR / name).read_bytes(), inside=out)
     persistent = [v for v in graph.inputs if v.role not in (None, Role.INPUT)]
-    write_safetensors(
-        out / "state.safetensors",
-        {names[v.name]: _typed(state[v.name], v) for v in persistent},
-    )
-    (out / "README.md").write_text(_readme(graph, batch, str(plan)))
+    tensors = {names[v.name]: _typed(state[v.name], v) for v in persistent}
+    write_with(out / "state.safetensors", lambda f: write_safetensors_to(f, tensors), inside=out)
+    write_text(out / "README.md", _readme(graph, batch, str(plan)), inside=out)
     return out
 
 
