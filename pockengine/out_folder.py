@@ -47,6 +47,7 @@ __all__ = [
     "claim",
     "install_folder",
     "kind_of",
+    "mark_folder",
     "release",
 ]
 
@@ -112,13 +113,15 @@ def claim(
     option: str = "--out",
     inside: Path | None = None,
     create: bool = True,
+    mark: bool = True,
     legacy: Callable[[Path], bool] | None = None,
 ) -> OutFolder:
     """Take ``path`` as the output folder of a ``kind`` command, or refuse it
     (``OutFolderError``). ``inside``: the folder the user gave, when ``path`` was derived
     from it (``RUN/export_c``): no link between them is followed. ``create``: make a new
-    folder (and mark it) now; without it a new folder is left to ``building``.
-    ``legacy(path)``: whether an unmarked folder is ours from before the marker."""
+    folder now (else it is left to ``building``); ``mark``: mark a folder taken as ours
+    now (else the caller does, with ``mark_folder``). ``legacy(path)``: whether an
+    unmarked folder is ours from before the marker."""
     path = Path(path)
     check_no_links(path, inside)
     if path.exists() and not path.is_dir():
@@ -129,26 +132,26 @@ def claim(
                 path.mkdir(parents=True)
             except OSError as exc:
                 raise OutFolderError(f"cannot create the folder {option} {path}: {exc}") from exc
-            _mark(path, kind)
+            if mark:
+                mark_folder(path, kind)
         return OutFolder(path, kind, ours=True, created=create)
-    return _existing(path, kind, force=force, option=option, create=create, legacy=legacy)
+    taken = _existing(path, kind, force=force, option=option, legacy=legacy)
+    if mark and taken.ours:
+        mark_folder(path, kind)
+    return taken
 
 
 def _existing(
-    path: Path, kind: str, *, force: bool, option: str, create: bool,
-    legacy: Callable[[Path], bool] | None,
-) -> OutFolder:  # fmt: skip
+    path: Path, kind: str, *, force: bool, option: str, legacy: Callable[[Path], bool] | None
+) -> OutFolder:
     try:
         contents = _contents(path)
     except OSError as exc:
         raise OutFolderError(f"cannot read the folder {option} {path}: {exc}") from exc
     marked = kind_of(path)
     if marked == kind or (not contents and marked is None):
-        if create and marked is None:
-            _mark(path, kind)
         return OutFolder(path, kind, ours=True)
     if marked is None and legacy is not None and legacy(path):
-        _mark(path, kind)
         return OutFolder(path, kind, ours=True)
     if force:
         return OutFolder(path, kind, ours=False)
@@ -162,7 +165,10 @@ def _existing(
     )
 
 
-def _mark(folder: Path, kind: str) -> None:
+def mark_folder(folder: Path, kind: str) -> None:
+    """Mark ``folder`` as ours, of ``kind`` (unless it is already)."""
+    if kind_of(folder) == kind:
+        return
     try:
         write_json(folder / MARKER, {"kind": kind}, inside=folder)
     except OSError as exc:
@@ -194,7 +200,7 @@ def building(out: OutFolder) -> Iterator[Path]:
     try:
         yield tmp
         if out.ours:
-            _mark(tmp, out.kind)
+            mark_folder(tmp, out.kind)
         install_folder(tmp, target, merge=not out.ours)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -86,9 +86,7 @@ def _kind_at(dir_fd: int, name: str) -> int | None:
 
 
 @contextlib.contextmanager
-def open_folder(
-    folder: Path, inside: Path | None = None, *, create: bool = True
-) -> Iterator[int]:
+def open_folder(folder: Path, inside: Path | None = None, *, create: bool = True) -> Iterator[int]:
     """A descriptor of ``folder``, reached from ``inside`` one folder at a time without
     following a link (missing folders are made with ``create``); closed on exit."""
     start, names = _below(folder / "_", inside)

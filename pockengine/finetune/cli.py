@@ -216,6 +216,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("this run")
     run.add_argument("--out", help="output folder (default runs/<recipe or model>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
+    run.add_argument(
+        "--force", action="store_true",
+        help="write into --out even if it is not new, empty or a run of pockengine: only the "
+        "files a run writes are replaced there, nothing else is deleted (docs/errors.md)",
+    )  # fmt: skip
     run.add_argument("--max-steps", type=positive_int, help="stop with a checkpoint after N steps")
     run.add_argument("--checkpoint-every", type=positive_int, default=50, help="steps")
     run.add_argument("--log-every", type=positive_int, default=10, help="steps per metrics line")
@@ -299,6 +304,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         progress=args.progress,
         keep=args.keep,
         compile_in=args.compile_in,
+        force=getattr(args, "force", False),
     )
 
 
