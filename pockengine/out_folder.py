@@ -92,6 +92,10 @@ def kind_of(folder: Path) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
+def _a(kind: str) -> str:
+    return ("an " if kind[:1] in "aeiou" else "a ") + kind
+
+
 def _listing(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
@@ -156,9 +160,9 @@ def _existing(
     if force:
         return OutFolder(path, kind, ours=False)
     if marked is not None:
-        what = f"is a {marked} folder of pockengine, not a {kind}"
+        what = f"is {_a(marked)} folder of pockengine, not {_a(kind)}"
     else:
-        what = f"is not empty and not a {kind} of pockengine (it holds {_listing(contents)})"
+        what = f"is not empty and not {_a(kind)} of pockengine (it holds {_listing(contents)})"
     raise OutFolderError(
         f"{option} {path} {what}; choose a new or empty folder, or add --force to write "
         "there anyway (only the files pockengine writes are replaced, nothing else is deleted)"

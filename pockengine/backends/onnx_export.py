@@ -46,7 +46,6 @@ def export_step(
     aliases: Mapping[str, tuple[str, ...]],
 ) -> Path:
     """Write the model to ``path`` and the state beside it; returns the state file's path."""
-    import onnx
 
     side = state_path(path)
     metadata = {
@@ -67,7 +66,7 @@ def export_step(
     missing = sorted({v.name for v in graph.inputs} - {v.name for v in batch} - set(state))
     if missing:
         raise ValueError(f"no value for the graph inputs {missing}")
-    write_with(Path(path), lambda f: onnx.save(model, f))
+    write_with(Path(path), lambda f: f.write(model.SerializeToString()))
     arrays: dict[str, Any] = {name: np.asarray(value) for name, value in state.items()}
     write_with(side, lambda f: np.savez(f, **arrays))
     return side
