@@ -127,7 +127,8 @@ def claim(
     now (else the caller does, with ``mark_folder``). ``legacy(path)``: whether an
     unmarked folder is ours from before the marker."""
     path = Path(path)
-    check_no_links(path, inside)
+    if inside is not None:  # a folder the user named may be a link; one derived may not
+        check_no_links(path, inside)
     if path.exists() and not path.is_dir():
         raise OutFolderError(f"{option} {path} is a file, not a folder; choose another {option}")
     if not path.exists():
