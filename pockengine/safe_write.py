@@ -165,7 +165,10 @@ def write_with(path: Path, fill: Callable[[IO[bytes]], None], inside: Path | Non
     with open_folder(path.parent, inside) as dir_fd:
         _check_target(dir_fd, path)
         tmp = temporary_name(path.name)
-        fd = os.open(tmp, _NEW_FILE, 0o666, dir_fd=dir_fd)  # the umask applies, as open()
+        try:
+            fd = os.open(tmp, _NEW_FILE, 0o666, dir_fd=dir_fd)  # the umask applies, as open()
+        except FileExistsError:  # planted under a random name: never written through
+            raise _refuse(path, f"its temporary file {path.parent / tmp} exists") from None
         try:
             with os.fdopen(fd, "wb") as f:
                 fill(f)

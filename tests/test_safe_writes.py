@@ -111,6 +111,21 @@ def test_a_planted_link_is_refused_not_followed(tmp_path: Path) -> None:
     assert tree(tmp_path) == before
 
 
+def test_a_planted_temporary_name_is_not_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".eval.json.guess.tmp").symlink_to(victim)
+    monkeypatch.setattr(safe_write, "temporary_name", lambda name: f".{name}.guess.tmp")
+    before = tree(tmp_path)
+    with pytest.raises(UnsafeWriteError, match=r"eval\.json: its temporary file .* exists"):
+        safe_write.write_json(run / "eval.json", {"accuracy": 1.0})
+    assert tree(tmp_path) == before
+
+
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
     path = tmp_path / "report.txt"
     path.write_text("old")
@@ -141,6 +156,31 @@ def test_evaluate_does_not_write_through_a_planted_confusion_png(tmp_path: Path)
     after = tree(tmp_path)
     assert after.pop(f"run/{EVAL_JSON}")  # written, in the run folder
     assert after == before
+
+
+def test_a_forced_folder_is_merged_file_by_file_and_links_are_refused(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    (target / "model").mkdir(parents=True)
+    (target / "model" / "weights.bin").write_bytes(b"the user's")
+    (target / "model" / "config.json").write_text("old")
+    built = tmp_path / ".out.new.tmp"
+    (built / "model").mkdir(parents=True)
+    (built / "model" / "config.json").write_text("new")
+    (built / "report.txt").write_text("ours")
+    out_folder.install_folder(built, target, merge=True)
+    assert (target / "model" / "weights.bin").read_bytes() == b"the user's"
+    assert (target / "model" / "config.json").read_text() == "new"
+    assert (target / "report.txt").read_text() == "ours" and not built.exists()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (target / "kernels").symlink_to(outside, target_is_directory=True)
+    (built / "kernels").mkdir(parents=True)
+    (built / "kernels" / "ops.c").write_text("int x;")
+    (built / "report.txt").write_text("newer")
+    before = tree(tmp_path)
+    with pytest.raises(UnsafeWriteError, match=r"out/kernels: it is a symbolic link"):
+        out_folder.install_folder(built, target, merge=True)
+    assert tree(tmp_path) == before  # refused before anything moved
 
 
 # -- output folders ----------------------------------------------------------------------

@@ -218,8 +218,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
     run.add_argument(
         "--force", action="store_true",
-        help="write into --out even if it is not new, empty or a run of pockengine: only the "
-        "files a run writes are replaced there, nothing else is deleted (docs/errors.md)",
+        help="write into the output folder even if it is not new, empty or of this command's "
+        "kind (a run, an export): only the files pockengine writes are replaced there, nothing "
+        "else is deleted (docs/errors.md)",
     )  # fmt: skip
     run.add_argument("--max-steps", type=positive_int, help="stop with a checkpoint after N steps")
     run.add_argument("--checkpoint-every", type=positive_int, default=50, help="steps")
@@ -249,6 +250,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("search")
     s.add_argument("--flops-budget", help="backward FLOPs of the step, e.g. 20G")
     s.add_argument("--out", default="scheme.yaml", help="the scheme file to write (.yaml/.json)")
+    s.add_argument("--force", action="store_true", help=argparse.SUPPRESS)  # a file, not a folder
     s.add_argument("--plot", help="the PNG to write (default: the scheme file's name + .png)")
     s.add_argument("--cache-dir", default="runs/sensitivity", help="analysis records")
     s.add_argument("--steps", type=positive_int, default=30, help="fine-tune steps a candidate")
