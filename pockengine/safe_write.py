@@ -158,7 +158,7 @@ def _write_chunks(f: IO[bytes], data: bytes | memoryview) -> None:
         f.write(view[start : start + _CHUNK])
 
 
-def write_with(path: Path, fill: Callable[[IO[bytes]], None], inside: Path | None = None) -> Path:
+def write_with(path: Path, fill: Callable[[IO[bytes]], object], inside: Path | None = None) -> Path:
     """Replace ``path`` by what ``fill(f)`` writes into a fresh binary file; a write that
     fails or is interrupted leaves ``path`` as it was. Returns ``path``."""
     path = Path(path)
