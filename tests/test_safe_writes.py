@@ -285,3 +285,25 @@ def test_a_run_from_before_the_marker_is_still_a_run(tmp_path: Path, run_dir: Pa
     with pytest.raises(out_folder.OutFolderError, match=r"holiday\.jpg"):
         check_out_folder(run)
     assert (run / checkpoint.CHECKPOINT).is_file()
+
+
+def test_deployment_logs_replace_the_earlier_ones_and_follow_no_link(tmp_path: Path) -> None:
+    from pockengine.federated.deployment import LOGS, _keep_logs
+
+    logs = tmp_path / "processes"
+    logs.mkdir()
+    (logs / "flwr-run.log").write_text("this run")
+    out = tmp_path / "fed"
+    (out / LOGS).mkdir(parents=True)
+    (out / LOGS / "old.log").write_text("an earlier run")
+    _keep_logs(logs, out / LOGS)
+    assert tree(out / LOGS) == tree(logs)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / LOGS).symlink_to(outside, target_is_directory=True)
+    before = tree(tmp_path)
+    with pytest.raises(UnsafeWriteError, match=r"deployment-logs: it is a symbolic link"):
+        _keep_logs(logs, linked / LOGS)
+    assert tree(tmp_path) == before
