@@ -18,15 +18,17 @@ A fine-tune's export is a folder: the artifact, ``ort_runner.py`` beside an ONNX
 from __future__ import annotations
 
 import argparse
-import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.ir import PockEngineError, Role, Value
+from pockengine.out_folder import EXPORT, OutFolder, building, claim
+from pockengine.safe_write import write_bytes, write_text, write_with
 
 __all__ = ["ExportError", "batch_inputs", "readme", "register", "write_export"]
 
@@ -38,7 +40,7 @@ _FINETUNE_OPTIONS = ("recipe", "model", "data", "tokenizer", "epochs", "batch_si
                      "text_column", "label_column", "encoding", "weight_decay", "momentum",
                      "warmup", "val_fraction", "dedupe", "seed")  # fmt: skip
 _ONNX_MODEL_OPTIONS = ("loss", "output", "frozen_bn")
-_ALWAYS = ("source", "target", "out", "backend", "threads", "run", "defaults")
+_ALWAYS = ("source", "target", "out", "force", "backend", "threads", "run", "defaults")
 _RUN_OPTIONS = ("write_batches", "factory")  # what goes with a run folder
 _ORT_RUNNER = Path(__file__).with_name("ort_runner.py")
 
@@ -56,7 +58,9 @@ pockengine.load_step runs without the compiler (--target step). What it exports:
   WORKLOAD | model.onnx     a benchmark workload (mlp, cnn, bert, ...) or an ONNX model
 
 A fine-tune's export is a folder (default RUN/export_<target> or train_step_<target>)
-holding README.txt: the command that runs it and the layout of its batch files.
+holding README.txt: the command that runs it and the layout of its batch files. The folder
+is built aside and put in place at the end (a failed export leaves nothing); -o must be
+new, empty or an earlier export, or --force replaces only the files an export writes.
 --write-batches N also writes the first N training batches in that layout. Options that
 only steer a run (--resume, --max-steps, --progress, ...) are accepted and ignored, so a
 finetune command line can be reused."""
@@ -160,13 +164,29 @@ def _export(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if kind in ("workload", "onnx"):
         return _export_model(args, kind)
+    run = Path(args.source) if kind == "run" else None
+    out = _out_folder(args, f"train_step_{args.target}", run)
     prepared = _from_run(Path(args.source), args) if kind == "run" else _from_args(args)
-    default = Path(args.source) / f"export_{args.target}" if kind == "run" else None
-    folder = Path(args.out or default or f"train_step_{args.target}")
-    written = write_export(prepared, folder, args.target, args.write_batches)
+    written = write_export(prepared, out, args.target, args.write_batches)
+    folder = out.path
     print(f"wrote {folder}/ ({prepared.what}): {', '.join(written)}")
     print(f"see {folder / 'README.txt'} for how to run it")
     return 0
+
+
+def _out_folder(args: argparse.Namespace, default: str, run: Path | None = None) -> OutFolder:
+    """The export folder (``-o``, else ``RUN/export_<target>``, else ``default``), checked
+    before any work: new, empty or an export (``out_folder.claim``; ``--force``: any). A
+    folder named with ``-o`` may be a link to where it goes; one inside a run may not."""
+    if args.out:
+        given = Path(args.out)
+        path, inside, option = (given.resolve() if given.is_symlink() else given), None, "-o"
+    elif run is not None:
+        path, inside, option = run / f"export_{args.target}", run, "the export folder"
+    else:
+        path, inside, option = Path(default), None, "the export folder"
+    return claim(path, EXPORT, force=args.force, option=option, inside=inside, create=False,
+                 mark=False)  # fmt: skip
 
 
 def _kind(args: argparse.Namespace) -> str:
@@ -267,18 +287,21 @@ def _export_model(args: argparse.Namespace, kind: str) -> int:
         step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
                           scheme=scheme)  # fmt: skip
     size = f"{len(step.graph.nodes)} nodes, {len(step.trained)} trained params"
+    if args.target in ("step", "c"):
+        out = _out_folder(args, f"train_step_{args.target}")
+        with building(out) as tmp:
+            step.export(tmp, target=args.target)
+        folder = out.path
     if args.target == "step":
-        folder = step.save(args.out or "train_step_step")
         print(f"wrote {folder}/ ({size}); run it with pockengine.load_step({str(folder)!r})")
         return 0
     if args.target == "c":
-        folder = step.export(args.out or "train_step_c", target="c")
         print(f"wrote {folder}/ ({size}); build it with `make -C {folder}` and run "
               f"{folder}/train X.npy Y.npy ...")  # fmt: skip
         return 0
-    out = args.out or "train_step.onnx"
-    side = step.export(out)
-    print(f"wrote {out} and {side} ({size}); run it with pockengine/ort_runner.py")
+    path = args.out or "train_step.onnx"
+    side = step.export(path)
+    print(f"wrote {path} and {side} ({size}); run it with pockengine/ort_runner.py")
     return 0
 
 
@@ -290,28 +313,33 @@ def batch_inputs(step: Any) -> list[Value]:
     return list(step.graph.inputs_with_role(Role.INPUT))
 
 
-def write_export(prepared: _Prepared, folder: Path, target: str, batches: int | None) -> list[str]:
-    """Write the step to ``folder`` for ``target``, the runner (onnx), ``README.txt`` and
-    ``batches`` training batches; returns the names written at the top of the folder."""
+def write_export(
+    prepared: _Prepared, out: OutFolder, target: str, batches: int | None
+) -> list[str]:
+    """Write the step to ``out`` for ``target``, the runner (onnx), ``README.txt`` and
+    ``batches`` training batches, all in a folder beside it put in place at the end
+    (``out_folder.building``: a failure leaves ``out`` as it was); returns the names
+    written at the top of the folder."""
     step = prepared.step
     trainer_notes = ""
-    if target == "c":
-        step.export(folder, target="c")
-        generic = folder / "README.md"  # the C trainer's own notes, folded into README.txt
-        trainer_notes = generic.read_text()
-        generic.unlink()
-    elif target == "step":
-        step.save(folder)
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        step.export(folder / "train_step.onnx")
-        shutil.copy(_ORT_RUNNER, folder / "ort_runner.py")  # copied, not imported: onnxruntime
-    files = _write_batches(prepared, folder, target, batches) if batches else []
-    text = readme(prepared, target, files)
-    if trainer_notes:
-        text += f"\n\nThe trainer, as step.export describes it:\n\n{trainer_notes}"
-    (folder / "README.txt").write_text(text)
-    return sorted(p.name for p in folder.iterdir())
+    with building(out) as folder:
+        if target == "c":
+            step.export(folder, target="c")
+            generic = folder / "README.md"  # the C trainer's own notes, folded into README.txt
+            trainer_notes = generic.read_text()
+            generic.unlink()
+        elif target == "step":
+            step.save(folder)
+        else:
+            step.export(folder / "train_step.onnx")
+            # copied, not imported: the onnx runner needs onnxruntime, the export does not
+            write_bytes(folder / "ort_runner.py", _ORT_RUNNER.read_bytes(), folder)
+        files = _write_batches(prepared, folder, target, batches) if batches else []
+        text = readme(prepared, target, files)
+        if trainer_notes:
+            text += f"\n\nThe trainer, as step.export describes it:\n\n{trainer_notes}"
+        write_text(folder / "README.txt", text, folder)
+        return sorted(p.name for p in folder.iterdir())
 
 
 def _write_batches(prepared: _Prepared, folder: Path, target: str, count: int) -> list[str]:
@@ -331,12 +359,15 @@ def _write_batches(prepared: _Prepared, folder: Path, target: str, count: int) -
         for v, a in zip(values, prepared.train, strict=True)
     }
     if target in ("onnx", "step"):
-        np.savez(folder / "batches.npz", **stacked)  # type: ignore[arg-type]
+        write_with(folder / "batches.npz", lambda f: np.savez(f, **stacked), folder)  # type: ignore[arg-type]
         return ["batches.npz"]
-    (folder / "batches").mkdir(exist_ok=True)
     for name, array in stacked.items():
-        np.save(folder / "batches" / f"{name}.npy", array)
+        write_with(folder / "batches" / f"{name}.npy", _npy_writer(array), folder)
     return [f"batches/{name}.npy" for name in stacked]
+
+
+def _npy_writer(array: Array) -> Callable[[IO[bytes]], None]:
+    return lambda f: np.save(f, array)
 
 
 def _roles(prepared: _Prepared, count: int) -> list[str]:

@@ -20,6 +20,7 @@ from typing import IO, Any
 import numpy as np
 
 from pockengine._libc import page_out
+from pockengine.safe_write import write_with
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -169,14 +170,15 @@ def append_tensors(path: Path, tensors: Mapping[str, Array]) -> None:
     with path.open("rb") as src:
         header = read_header(src)[1]
         metadata = header.pop("__metadata__", None)
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as dst:
+
+        def fill(dst: IO[bytes]) -> None:
             dst.write(header_bytes(arrays, metadata, before=header))
             shutil.copyfileobj(src, dst, 8 << 20)
             for a in arrays.values():
                 if a.nbytes:
                     dst.write(a.reshape(-1).view(np.uint8).data)
-    os.replace(tmp, path)
+
+        write_with(path, fill)
 
 
 def metadata_of(data: bytes) -> dict[str, str]:

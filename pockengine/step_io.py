@@ -36,6 +36,7 @@ from pockengine.backends import Backend, BackendSpec, get_backend
 from pockengine.ir import Graph, PockEngineError, Role, Value, verify
 from pockengine.ir.parser import parse_graph
 from pockengine.ir.printer import print_graph
+from pockengine.safe_write import make_dirs, write_text, write_with
 from pockengine.safetensors_io import (
     SAFETENSORS_DTYPES,
     LazyTensors,
@@ -86,8 +87,7 @@ def save_step(
     folder."""
     if evaluator is not None and evaluator.step is not step:
         raise StepFileError("the evaluator was compiled for another step")
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dirs(Path(folder))
     text = print_graph(step.graph)
     _check_round_trip(step.graph, text, GRAPH)
     _write_text(out / GRAPH, text)
@@ -137,9 +137,7 @@ def _digest(text: str) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, text, inside=path.parent)
 
 
 def _write_tensors(path: Path, store: Mapping[str, Any], backend: Backend) -> list[str]:
@@ -157,10 +155,7 @@ def _write_tensors(path: Path, store: Mapping[str, Any], backend: Backend) -> li
             zeros.append(name)
         else:
             specs[name] = np.broadcast_to(np.zeros((), array.dtype), array.shape)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        write_streamed_to(f, specs, lambda name: backend.to_numpy(store[name]))
-    os.replace(tmp, path)
+    write_with(path, lambda f: write_streamed_to(f, specs, lambda n: backend.to_numpy(store[n])))
     return zeros
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from pockengine.backends.onnx_emit import emit_onnx
 from pockengine.ir import Graph, Value
+from pockengine.safe_write import write_with
 
 __all__ = ["FORMAT", "export_step", "state_path"]
 
@@ -45,7 +46,6 @@ def export_step(
     aliases: Mapping[str, tuple[str, ...]],
 ) -> Path:
     """Write the model to ``path`` and the state beside it; returns the state file's path."""
-    import onnx
 
     side = state_path(path)
     metadata = {
@@ -66,8 +66,7 @@ def export_step(
     missing = sorted({v.name for v in graph.inputs} - {v.name for v in batch} - set(state))
     if missing:
         raise ValueError(f"no value for the graph inputs {missing}")
-    onnx.save(model, os.fspath(path))
+    write_with(Path(path), lambda f: f.write(model.SerializeToString()))
     arrays: dict[str, Any] = {name: np.asarray(value) for name, value in state.items()}
-    with open(side, "wb") as f:
-        np.savez(f, **arrays)
+    write_with(side, lambda f: np.savez(f, **arrays))
     return side

@@ -19,6 +19,8 @@ from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
 from pockengine.finetune.cli import byte_amount
 from pockengine.finetune.config import AUTO_SCORES, DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
+from pockengine.out_folder import FEDERATION, claim, release
+from pockengine.safe_write import write_with
 from pockengine.sparse.names import SCHEME_HELP
 
 __all__ = ["add_arguments", "config_from_args", "plot_rounds", "run", "summary_text"]
@@ -27,8 +29,12 @@ _FINETUNE_OPTIONS = (
     "recipe", "model", "data", "text_column", "label_column", "tokenizer", "scheme",
     "optimizer", "lr", "weight_decay", "momentum", "batch_size", "seq_len", "image_size",
     "warmup", "val_fraction", "max_train", "max_val", "dedupe", "seed", "backend", "out",
-    "memory_budget", "auto_score",
+    "memory_budget", "auto_score", "force",
 )  # fmt: skip
+# What a federation writes at the top of its folder (a folder from before the marker holds
+# only these, and its global state).
+_FEDERATION_FILES = frozenset({"rounds.jsonl", "summary.json", "global.safetensors",
+                               "rounds.png", "deployment-logs"})  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--seed", type=int, default=0, help="the split, the shards, the order")
     what.add_argument("--backend", default=DEFAULT_BACKEND, help=BACKEND_HELP)
     what.add_argument("--out", help="output folder (default runs/federated-<recipe>)")
+    what.add_argument(
+        "--force", action="store_true",
+        help="write into --out even if it is not new, empty or a federation of pockengine: "
+        "only the files a federation writes are replaced there, nothing else is deleted",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> FederatedConfig:
@@ -138,16 +149,27 @@ def run(config: FederatedConfig, deployment: bool = False) -> dict[str, Any]:
         raise FederatedError(
             f"pockengine federated needs Flower ({exc}): pip install 'pockengine[federated]'"
         ) from exc
-    summary = deploy(config) if deployment else simulate(config)
     from pockengine.federated.server import ROUNDS, out_dir
 
     out = out_dir(config)
+    taken = claim(out, FEDERATION, force=config.finetune.force, legacy=_federation_before_marker)
+    try:
+        summary = deploy(config) if deployment else simulate(config)
+    except BaseException:
+        release(taken)  # a folder this run made and wrote nothing in is removed
+        raise
     rows = [json.loads(line) for line in (out / ROUNDS).read_text().splitlines() if line]
     try:
         summary["plot"] = str(plot_rounds(rows, out / "rounds.png", summary["initial"]))
     except ImportError:
         summary["plot"] = None  # matplotlib is an extra: pip install 'pockengine[plot]'
     return summary
+
+
+def _federation_before_marker(out: Path) -> bool:
+    """A federation folder written before folders were marked."""
+    names = {p.name for p in out.iterdir() if not p.name.startswith(".")}
+    return names <= _FEDERATION_FILES and (out / "global.safetensors").is_file()
 
 
 def plot_rounds(
@@ -175,8 +197,10 @@ def plot_rounds(
     comm.set(xlabel="round", ylabel="MiB per round", title="communication", yscale="log")
     comm.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        write_with(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
     return path
 
 

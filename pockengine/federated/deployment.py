@@ -45,6 +45,7 @@ from pockengine.federated.processes import (
     terminate_raises,
 )
 from pockengine.federated.server import ROUNDS, SUMMARY, out_dir
+from pockengine.out_folder import install_folder
 
 __all__ = [
     "LocalFederation", "deploy", "free_port", "live_members", "write_app", "write_connection",
@@ -142,11 +143,15 @@ def deploy(config: FederatedConfig) -> dict[str, Any]:
 
 
 def _keep_logs(folder: Path, logs: Path) -> None:
-    """Each process's log, into ``logs`` (replacing an earlier run's)."""
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir(parents=True)
-    for path in folder.glob("*.log"):
-        shutil.copyfile(path, logs / path.name)
+    """Each process's log, into ``logs`` (replacing an earlier run's, once copied)."""
+    kept = Path(tempfile.mkdtemp(prefix=f".{logs.name}.", suffix=".tmp", dir=logs.parent))
+    try:
+        for path in folder.glob("*.log"):
+            shutil.copyfile(path, kept / path.name)
+        install_folder(kept, logs)
+    except BaseException:
+        shutil.rmtree(kept, ignore_errors=True)
+        raise
 
 
 def _tail(path: Path, lines: int = 20) -> str:

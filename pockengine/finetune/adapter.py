@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.finetune.checkpoint import write_atomic, write_atomic_with
 from pockengine.loading import LoadResult, StateError
+from pockengine.safe_write import make_dirs, write_json, write_with
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.sparse.lora import Adapter, merge_adapters
 from pockengine.step_base import CompiledStep
@@ -51,8 +51,7 @@ def save_adapter(
     adapters = step.resolution.adapters
     if not adapters:
         return None
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = make_dirs(Path(folder), inside=Path(folder).parent)
     modules = _modules_to_save(step)
     factors = [n for a in adapters for n in (a.a_name, a.b_name)]
     saved = [*factors, *(n for n in step.state_names if _module_of(n) in modules)]
@@ -61,9 +60,8 @@ def save_adapter(
     for name, value in state.items():
         if _module_of(name) in modules:
             tensors[PEFT_PREFIX + name] = value
-    _write_safetensors(folder / ADAPTER_WEIGHTS, tensors)
-    config = _peft_config(adapters, sorted(modules), base_model)
-    write_atomic(folder / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    write_with(folder / ADAPTER_WEIGHTS, lambda f: write_safetensors_to(f, tensors), folder)
+    write_json(folder / ADAPTER_CONFIG, _peft_config(adapters, sorted(modules), base_model), folder)
     return folder
 
 
@@ -158,10 +156,6 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise StateError(f"{path} must hold a JSON object")
     return data
-
-
-def _write_safetensors(path: Path, tensors: dict[str, Array]) -> None:
-    write_atomic_with(path, lambda f: write_safetensors_to(f, tensors))
 
 
 def _read_safetensors(path: Path) -> dict[str, Array]:

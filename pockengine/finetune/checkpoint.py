@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -29,6 +27,7 @@ import numpy as np
 
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.model_files import check_safetensors
+from pockengine.safe_write import write_bytes, write_with
 from pockengine.safetensors_io import metadata_of, read_metadata, write_safetensors_to
 
 __all__ = [
@@ -82,7 +81,7 @@ def save(path: str | Path, ckpt: Checkpoint) -> None:
         "scheme": json.dumps(ckpt.scheme),
         "info": json.dumps(ckpt.info),
     }
-    write_atomic_with(Path(path), lambda f: write_safetensors_to(f, tensors, meta, _write))
+    write_with(Path(path), lambda f: write_safetensors_to(f, tensors, meta, _write))
 
 
 def load(path: str | Path) -> Checkpoint:
@@ -167,44 +166,9 @@ def _write(f: IO[bytes], data: bytes | memoryview) -> None:
         f.write(view[start : start + _CHUNK])
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data``: temporary file in the same folder, fsync, rename."""
-    write_atomic_with(path, lambda f: _write(f, data))
-
-
-def write_atomic_with(path: Path, fill: Callable[[IO[bytes]], None]) -> None:
-    """Replace ``path`` by what ``fill(f)`` writes: temporary file in the same folder,
-    fsync, rename; an interrupted or failed write leaves ``path`` as it was."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (not possible on every platform)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+# One helper writes every file (``pockengine.safe_write``); these are its names here.
+write_atomic = write_bytes
+write_atomic_with = write_with
 
 
 def remove_stale_temporaries(folder: Path, name: str = CHECKPOINT) -> list[Path]:
@@ -218,7 +182,7 @@ def remove_stale_temporaries(folder: Path, name: str = CHECKPOINT) -> list[Path]
 
 def write_json_lines(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """Replace a JSONL file atomically."""
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def read_json_lines(path: Path) -> list[dict[str, Any]]:

@@ -216,6 +216,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("this run")
     run.add_argument("--out", help="output folder (default runs/<recipe or model>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
+    run.add_argument(
+        "--force", action="store_true",
+        help="write into the output folder even if it is not new, empty or of this command's "
+        "kind (a run, an export): only the files pockengine writes are replaced there, nothing "
+        "else is deleted (docs/errors.md)",
+    )  # fmt: skip
     run.add_argument("--max-steps", type=positive_int, help="stop with a checkpoint after N steps")
     run.add_argument("--checkpoint-every", type=positive_int, default=50, help="steps")
     run.add_argument("--log-every", type=positive_int, default=10, help="steps per metrics line")
@@ -245,6 +251,7 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("search")
     s.add_argument("--flops-budget", help="backward FLOPs of the step, e.g. 20G")
     s.add_argument("--out", default="scheme.yaml", help="the scheme file to write (.yaml/.json)")
+    s.add_argument("--force", action="store_true", help=argparse.SUPPRESS)  # a file, not a folder
     s.add_argument("--plot", help="the PNG to write (default: the scheme file's name + .png)")
     s.add_argument("--cache-dir", default="runs/sensitivity", help="analysis records")
     s.add_argument("--steps", type=positive_int, default=30, help="fine-tune steps a candidate")
@@ -300,6 +307,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         progress=args.progress,
         keep=args.keep,
         compile_in=args.compile_in,
+        force=getattr(args, "force", False),
     )
 
 

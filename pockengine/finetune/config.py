@@ -57,6 +57,7 @@ RUN_FIELDS = frozenset(
         "keep",  # which weights RUN/model holds; written at the end of each invocation
         "remat_budget",  # recomputation changes no bit of the results, only memory and time
         "compile_in",  # where the step is compiled: the same step either way
+        "force",  # write into a folder that is not a run (only the run's files replaced)
     }
 )
 
@@ -109,6 +110,7 @@ class FinetuneConfig:
     progress: str = "auto"  # auto (tqdm if installed), plain, none
     keep: str = "best"  # RUN/model: the best validation's weights (ties: latest) or the last
     compile_in: str = "child"  # child: compile in a child, train its artifact; or process
+    force: bool = False  # --out may be a folder that is not a run (out_folder.claim)
 
     def make_optimizer(self, lr: float | None = None) -> Optimizer:
         """The run's optimizer at ``lr`` (default: the config's): SGD with its momentum, or

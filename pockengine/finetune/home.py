@@ -28,7 +28,6 @@ it is read (a quantized weight dequantized then). The folder is written beside
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -45,6 +44,8 @@ from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.data import WordTokenizer
 from pockengine.finetune.recipes import Task
 from pockengine.finetune.released import is_released, write_streamed
+from pockengine.out_folder import RUN, install_folder, kind_of
+from pockengine.safe_write import write_json, write_text
 from pockengine.safetensors_io import append_tensors
 
 __all__ = [
@@ -147,14 +148,16 @@ def model_meta(
 
 def install(out: Path, meta: dict[str, Any], fill: Callable[[Path], None]) -> Path:
     """``out/model``: ``fill(folder)`` writes the files into a folder beside it, then
-    ``META`` (``meta``, as ``fill`` left it) is added and the folder renamed into place."""
+    ``META`` (``meta``, as ``fill`` left it) is added and the folder put in place
+    (``out_folder.install_folder``: whole in a run folder of ours; file by file, keeping
+    what else is there, in a folder taken with ``--force``)."""
     target = out / MODEL_DIR
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR}.", suffix=".tmp", dir=out))
     try:
         fill(tmp)
-        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        write_json(tmp / META, meta, inside=tmp)
         _as_open_would(tmp)
-        _swap(tmp, target)
+        install_folder(tmp, target, merge=kind_of(out) != RUN)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -206,16 +209,6 @@ def _as_open_would(folder: Path) -> None:
         path.chmod(0o666 & ~mask)
 
 
-def _swap(tmp: Path, target: Path) -> None:
-    """Put the new folder at ``target``; the old one is removed once the new one is there."""
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        os.replace(target, old)
-    os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _hf_classifier(folder: Path, task: Task, meta: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
@@ -234,7 +227,7 @@ def _classifier_files(folder: Path, task: Task, meta: dict[str, Any]) -> None:
     _fill_from_source(folder / "model.safetensors", task.home.get("source"))
     task.tokenizer.save_pretrained(str(folder))
     meta["head"] = "head.safetensors"
-    (folder / "README.txt").write_text(classifier_readme(folder.parent))
+    write_text(folder / "README.txt", classifier_readme(folder.parent), inside=folder)
 
 
 def _hf_causal_lm(folder: Path, task: Task, meta: dict[str, Any]) -> None:

@@ -53,7 +53,7 @@ def run(config: FinetuneConfig) -> FinetuneResult:
               else recipe_table.parse_scheme(given, config.recipe, config.batchnorm))  # fmt: skip
     recipe_table.check_model_files(config)
     out = _out(config)
-    with RunLock(out):
+    with RunLock(out, config.force):
         return _compile_and_train(config, scheme, out, resume_point(config, out), start)
 
 

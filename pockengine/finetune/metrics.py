@@ -33,6 +33,7 @@ from pockengine.finetune.recipes import Task, tensor_rows
 from pockengine.finetune.run_files import read_metric_rows
 from pockengine.ir import CompileError
 from pockengine.runtime import TrainStep
+from pockengine.safe_write import append_text
 from pockengine.step_base import CompiledStep
 
 __all__ = [
@@ -173,10 +174,8 @@ class MetricsLog:
         self.path = path
 
     def append(self, row: Mapping[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps(_plain(row)) + "\n")
-            f.flush()
+        """One line, appended and flushed (a link in its place is refused, not followed)."""
+        append_text(self.path, json.dumps(_plain(row)) + "\n")
 
     def rows(self) -> list[dict[str, Any]]:
         """The complete lines (a line a killed run left half written is skipped)."""

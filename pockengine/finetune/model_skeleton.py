@@ -27,6 +27,7 @@ from pockengine.finetune import home
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.recipes import Task
 from pockengine.finetune.released import is_released
+from pockengine.safe_write import write_text
 from pockengine.safetensors_io import SAFETENSORS_DTYPES, read_header
 
 __all__ = ["SKELETON", "write_from_skeleton", "write_skeleton"]
@@ -92,7 +93,7 @@ def write_from_skeleton(
             else:
                 shutil.copy(path, folder / path.name)
         if spec["kind"] == "hf-classifier":  # it names the run folder
-            (folder / "README.txt").write_text(home.classifier_readme(out))
+            write_text(folder / "README.txt", home.classifier_readme(out), inside=folder)
 
     return home.install(out, meta, fill)
 

@@ -12,7 +12,6 @@ recall and F1, and a confusion matrix (rows: true, columns: predicted; also draw
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,11 @@ import torch.nn.functional as F
 
 from pockengine.finetune import data as ds
 from pockengine.finetune import recipes
-from pockengine.finetune.checkpoint import write_atomic
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.home import META, MODEL_DIR
 from pockengine.finetune.home_load import LoadedRun
 from pockengine.finetune.run_meta import RunFileError
+from pockengine.safe_write import write_json, write_with
 
 __all__ = ["CONFUSION_PNG", "EVAL_JSON", "evaluate_run", "format_eval", "plot_confusion"]
 
@@ -171,7 +170,7 @@ def write_eval(run: Path, result: dict[str, Any]) -> tuple[list[Path], list[str]
     """``RUN/eval.json`` and, for a classifier, ``RUN/confusion.png``: the paths written
     and a note for each file left out (the picture, without matplotlib)."""
     written, notes = [run / EVAL_JSON], []
-    write_atomic(written[0], (json.dumps(result, indent=2) + "\n").encode())
+    write_json(written[0], result)
     if "confusion" in result:
         try:
             written.append(plot_confusion(result, run / CONFUSION_PNG))
@@ -203,8 +202,10 @@ def plot_confusion(result: dict[str, Any], path: Path) -> Path:
         ax.text(j, i, str(count), ha="center", va="center", color="white" if dark else "black")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        write_with(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -1,8 +1,10 @@
 """One output folder, one run: a lock file naming the pid of the run that holds it.
 
 Two runs writing one ``--out`` would interleave checkpoints and metrics. ``RunLock``
-checks the folder (a folder, creatable, writable) before any work starts, then creates
-``.pockengine.lock`` holding its pid with ``O_EXCL``. A lock whose pid is alive refuses
+checks the folder before any work starts (a folder, creatable, writable, and new, empty
+or a fine-tune run: ``pockengine.out_folder``, whose marker it writes once the lock is
+taken; ``--force`` takes any folder), then creates ``.pockengine.lock`` holding its pid
+with ``O_EXCL``. A lock whose pid is alive refuses
 the second run; one left by a run that was killed (its pid is gone) is taken over with a
 message. On exit the lock is removed, and a folder the run created but left empty (it
 failed before writing anything) is removed too, so a refused run leaves no trace.
@@ -16,27 +18,35 @@ import os
 from pathlib import Path
 from types import TracebackType
 
+from pockengine.finetune.checkpoint import CHECKPOINT, saved_options
 from pockengine.finetune.config import FinetuneError
+from pockengine.out_folder import RUN, OutFolder, claim, mark_folder, release
 
-__all__ = ["LOCK", "RunLock", "check_out_folder"]
+__all__ = ["LOCK", "RUN_FILES", "RunLock", "check_out_folder"]
 
 log = logging.getLogger(__name__)
 LOCK = ".pockengine.lock"
+# What a run writes at the top of its folder (result._FILES, and pockengine evaluate's).
+RUN_FILES = frozenset({"model", "adapter", CHECKPOINT, "best.safetensors", "metrics.jsonl",
+                       "summary.json", "report.txt", "curves.png", "eval.json",
+                       "confusion.png"})  # fmt: skip
 
 
-def check_out_folder(out: Path) -> bool:
-    """Make sure ``out`` is a folder this process can write (created if missing); returns
-    whether it was created."""
-    if out.exists() and not out.is_dir():
-        raise FinetuneError(f"--out {out} is a file, not a folder; choose another --out")
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FinetuneError(f"cannot create the output folder {out}: {exc}") from exc
+def _run_before_the_marker(out: Path) -> bool:
+    """A run folder written before folders were marked: only a run's files, and a
+    checkpoint of ours among them."""
+    names = {p.name for p in out.iterdir() if not p.name.startswith(".")}
+    return names <= RUN_FILES and saved_options(out / CHECKPOINT) is not None
+
+
+def check_out_folder(out: Path, force: bool = False) -> OutFolder:
+    """Take ``out`` for a run: created if missing, a folder this process can write, new,
+    empty or a run (``out_folder.claim``; ``force``: any folder). Not marked yet."""
+    taken = claim(out, RUN, force=force, mark=False, legacy=_run_before_the_marker)
     if not os.access(out, os.W_OK | os.X_OK):
+        release(taken)
         raise FinetuneError(f"the output folder {out} is not writable; choose another --out")
-    return created
+    return taken
 
 
 def _alive(pid: int) -> bool:
@@ -62,15 +72,18 @@ def _holder(path: Path) -> int | None:
 class RunLock:
     """``with RunLock(out):`` holds ``out`` for this process."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, force: bool = False) -> None:
         self.out = out
         self.path = out / LOCK
-        self._created = False
+        self.force = force
+        self._taken: OutFolder | None = None
 
     def __enter__(self) -> RunLock:
-        self._created = check_out_folder(self.out)
+        self._taken = taken = check_out_folder(self.out, self.force)
         try:
             self._take()
+            if taken.ours:
+                mark_folder(self.out, RUN)
         except BaseException:
             self._clean_folder()
             raise
@@ -111,6 +124,5 @@ class RunLock:
 
     def _clean_folder(self) -> None:
         """Remove the folder if this run created it and wrote nothing in it."""
-        if self._created:
-            with contextlib.suppress(OSError):
-                self.out.rmdir()  # only succeeds when empty
+        if self._taken is not None:
+            release(self._taken)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pockengine.ir import PockEngineError
+from pockengine.safe_write import write_with
 
 __all__ = ["plot_contributions"]
 
@@ -76,8 +77,10 @@ def plot_contributions(
     fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        write_with(out, lambda f: fig.savefig(f, format=out.suffix[1:] or "png", dpi=110))
+    finally:
+        plt.close(fig)
     return out
 
 

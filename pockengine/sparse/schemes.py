@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import SchemeError
+from pockengine.safe_write import write_text
 from pockengine.sparse.selectors import SELECTORS, block_params, channel_rows, matching
 
 if TYPE_CHECKING:
@@ -329,9 +330,7 @@ def save(scheme: Scheme, path: str | Path) -> None:
         text = yaml.safe_dump(data, sort_keys=False)
     else:
         text = json.dumps(data, indent=2) + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text(path, text)
 
 
 def load(path: str | Path) -> Scheme:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from pockengine.backends.c.emit import emit_step
 from pockengine.batch_checks import IndexBound, index_bounds
 from pockengine.ir import CompileError, DType, Graph, Role, Value
 from pockengine.plan import plan_memory
+from pockengine.safe_write import make_dirs, write_bytes, write_text, write_with
 from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
 
 __all__ = ["bounds_source", "export_c", "read_safetensors", "write_safetensors"]
@@ -39,9 +39,8 @@ _ST_DTYPES = SAFETENSORS_DTYPES
 
 
 def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, Array]) -> None:
-    """``tensors`` as one safetensors file (little-endian, C order)."""
-    with open(path, "wb") as f:
-        write_safetensors_to(f, tensors)
+    """``tensors`` as one safetensors file (little-endian, C order), written atomically."""
+    write_with(Path(path), lambda f: write_safetensors_to(f, tensors))
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, Array]:
@@ -178,26 +177,25 @@ def export_c(
     """Write the trainer folder for ``graph`` with initial ``state`` (IR name -> array);
     params and buffers are named in the state file as ``state_names`` maps them.
     ``bounds``: the index batch inputs' ranges (a step's ``facts.index_bounds``, derived
-    from its forward graph); None derives them from ``graph``."""
+    from its forward graph); None derives them from ``graph``. Each file is written
+    atomically, and no link inside ``folder`` is followed (``safe_write``)."""
     check_claims(graph)
     bounds = index_bounds(graph) if bounds is None else bounds
-    out = Path(folder)
-    (out / "kernels").mkdir(parents=True, exist_ok=True)
+    out = make_dirs(Path(folder))
+    make_dirs(out / "kernels", inside=out)
     plan = plan_memory(graph)
     names = _file_names(graph, state_names)
-    (out / "step.c").write_text(emit_step(graph, plan, KERNELS, names))
-    (out / "bounds.c").write_text(bounds_source(graph, bounds))
-    for src in KERNEL_DIR.iterdir():
+    write_text(out / "step.c", emit_step(graph, plan, KERNELS, names), inside=out)
+    write_text(out / "bounds.c", bounds_source(graph, bounds), inside=out)
+    for src in sorted(KERNEL_DIR.iterdir()):
         if src.suffix in (".c", ".h"):
-            shutil.copy(src, out / "kernels" / src.name)
+            write_bytes(out / "kernels" / src.name, src.read_bytes(), inside=out)
     for name in TRAINER_FILES:
-        shutil.copy(TRAINER_DIR / name, out / name)
+        write_bytes(out / name, (TRAINER_DIR / name).read_bytes(), inside=out)
     persistent = [v for v in graph.inputs if v.role not in (None, Role.INPUT)]
-    write_safetensors(
-        out / "state.safetensors",
-        {names[v.name]: _typed(state[v.name], v) for v in persistent},
-    )
-    (out / "README.md").write_text(_readme(graph, batch, str(plan), bounds))
+    tensors = {names[v.name]: _typed(state[v.name], v) for v in persistent}
+    write_with(out / "state.safetensors", lambda f: write_safetensors_to(f, tensors), inside=out)
+    write_text(out / "README.md", _readme(graph, batch, str(plan), bounds), inside=out)
     return out
 
 
