@@ -270,6 +270,8 @@ def _export_model(args: argparse.Namespace, kind: str) -> int:
     import pockengine as pe
     from pockengine.sparse.names import scheme_named
 
+    folder_target = args.target in ("step", "c")
+    out = _out_folder(args, f"train_step_{args.target}") if folder_target else None
     if kind == "onnx":
         scheme = scheme_named(args.scheme, frozen_bn=args.frozen_bn) if args.scheme else None
         lr = args.lr
@@ -287,8 +289,7 @@ def _export_model(args: argparse.Namespace, kind: str) -> int:
         step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
                           scheme=scheme)  # fmt: skip
     size = f"{len(step.graph.nodes)} nodes, {len(step.trained)} trained params"
-    if args.target in ("step", "c"):
-        out = _out_folder(args, f"train_step_{args.target}")
+    if out is not None:
         with building(out) as tmp:
             step.export(tmp, target=args.target)
         folder = out.path
