@@ -97,7 +97,11 @@ def _add_generate(sub: Any) -> Any:
     )
     ge.add_argument("--prompt", required=True, help="the text to continue")
     ge.add_argument(
-        "--max-new-tokens", type=positive_int, default=100, help="stop after this many tokens"
+        "--max-new-tokens",
+        type=positive_int,
+        default=100,
+        help="stop after this many tokens (or earlier, where the prompt and the new tokens "
+        "fill the model's context: its configured positions)",
     )
     ge.add_argument(
         "--temperature",
@@ -220,6 +224,13 @@ def _generate(args: argparse.Namespace) -> int:
         on_text=show,
     )
     print()
+    if done.context is not None:
+        print(
+            f"note: stopped at the model's context of {done.context} positions "
+            f"({done.prompt_tokens} prompt + {done.tokens} new tokens), before "
+            f"--max-new-tokens {args.max_new_tokens}",
+            file=sys.stderr,
+        )
     print(
         f"{done.tokens} tokens in {done.seconds:.2f} s ({done.tokens_per_s:.1f} tokens/s)",
         file=sys.stderr,

@@ -134,3 +134,63 @@ def test_other_degenerate_data_files_name_the_file(tmp_path: Path) -> None:
     for name, (text, message) in cases.items():
         with pytest.raises(FinetuneError, match=message):
             ds.load_dataset(_write(tmp_path / name, text))
+
+
+# -- generate ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_context_run(tmp_path: Path) -> Path:
+    """A run folder holding a random 1-layer LLaMA of 32 positions (MiniLM's vocabulary,
+    no end-of-text token: only the count or the context stops it)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pockengine import zoo
+    from pockengine.finetune import FinetuneConfig
+    from pockengine.finetune.home import META, MODEL_DIR, model_meta
+
+    tokenizer = AutoTokenizer.from_pretrained(str(zoo.minilm_path()), local_files_only=True)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path / "run" / MODEL_DIR
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    ft = FinetuneConfig(recipe="smollm2-pydocs", seq_len=16)
+    meta = model_meta({"format": "hf-causal-lm"}, "causal-lm", [], ft, "last", {"step": 0})
+    (folder / META).write_text(json.dumps(meta))
+    return folder.parent
+
+
+def test_generate_stops_at_the_models_context_and_says_so(
+    short_context_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pockengine as pe
+    from pockengine.finetune.generation import generate
+
+    loaded = pe.load_run(short_context_run)
+    prompt = "the for statement"
+    prompt_tokens = len(loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    new = 32 - prompt_tokens
+    assert generate(loaded, prompt, max_new_tokens=100, temperature=0).tokens == new
+    command = ["generate", str(short_context_run), "--prompt", prompt, "--temperature", "0"]
+    start = time.perf_counter()
+    assert main([*command, "--max-new-tokens", "1000000000"]) == 0
+    assert time.perf_counter() - start < 60
+    err = capsys.readouterr().err
+    note = f"note: stopped at the model's context of 32 positions ({prompt_tokens} prompt + {new}"
+    assert note in err and "before --max-new-tokens 1000000000" in err, err
+    assert f"{new} tokens in" in err and err.count("note:") == 1
+    done = generate(loaded, prompt, max_new_tokens=10**9, temperature=0)
+    assert done.tokens == new and done.context == 32
+    within = generate(loaded, prompt, max_new_tokens=3, temperature=0)
+    assert within.tokens == 3 and within.context is None  # the count stopped it: no note
+    assert main([*command, "--max-new-tokens", "3"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    with pytest.raises(FinetuneError, match="the prompt is 40 tokens; the model's context is 32"):
+        generate(loaded, " ".join(["word"] * 40), max_new_tokens=1)
+    for bad in ("0", "-5", "abc"):
+        assert main([*command, "--max-new-tokens", bad]) == 2
+        assert "--max-new-tokens" in capsys.readouterr().err
