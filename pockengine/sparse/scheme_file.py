@@ -2,11 +2,11 @@
 
 A scheme file is a few lines written by hand or by ``pockengine scheme``; a file that
 is not must not make the loader do unbounded work. So a file larger than
-``MAX_SCHEME_BYTES`` is refused before it is read, and YAML is parsed by a ``SafeLoader``
-that refuses anchors and aliases: a "billion laughs" file (nested aliases, each level
-repeating the one below) expands to gigabytes once anything walks it, and a scheme
-never needs one. Error messages quote values through ``shown``, which cuts them to a
-few hundred characters without walking what it leaves out.
+``MAX_SCHEME_BYTES`` is refused once that much is read (never more), and YAML is parsed
+by a ``SafeLoader`` that refuses anchors and aliases: a "billion laughs" file (nested
+aliases, each level repeating the one below) expands to gigabytes once anything walks
+it, and a scheme never needs one. Error messages quote values through ``shown``, which
+cuts them to a few hundred characters without walking what it leaves out.
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ def read_scheme_data(path: Path) -> Any:
     """The parsed contents of a ``.json``/``.yaml``/``.yml`` scheme file; a
     ``SchemeError`` naming the file if it is too large, unreadable or does not parse."""
     try:
-        size = path.stat().st_size
-        if size > MAX_SCHEME_BYTES:
-            raise SchemeError(
-                f"scheme file {path} is {size} bytes, more than the {MAX_SCHEME_BYTES} a "
-                "scheme file may hold"
-            )
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:  # at most one byte past the cap: /dev/zero ends too
+            raw = f.read(MAX_SCHEME_BYTES + 1)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SchemeError(f"cannot read scheme file {path}: {exc}") from exc
+    if len(raw) > MAX_SCHEME_BYTES:
+        raise SchemeError(
+            f"scheme file {path} is larger than the {MAX_SCHEME_BYTES} bytes a scheme file may hold"
+        )
     try:
         if path.suffix in (".yaml", ".yml"):
             return _yaml_load(text)
