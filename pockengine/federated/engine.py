@@ -9,11 +9,11 @@ client ``i`` lives in worker ``i % P`` of the ``P`` workers (``FederatedConfig.p
 ClientApp on each of its clients' messages in turn, as a SuperNode does. Workers are
 long-lived, so the compiled step survives from round to round, and the clients of one
 worker share it (``LocalTrainer.serve``). The workers start when the server first asks
-for its nodes, after it has checked that every client gets a batch. A ClientApp that
-raises is answered with an error reply (Flower's ``CLIENT_APP_RAISED_EXCEPTION``); a
-worker that dies, or that owes a reply when a round's timeout ends, is replaced by a
-fresh process and the replies its clients owed are missing, so the strategy drops those
-clients from the round and the run goes on.
+for its nodes: once it has checked that every client gets a batch, before its compile.
+A ClientApp that raises is answered with an error reply (Flower's
+``CLIENT_APP_RAISED_EXCEPTION``); a worker that dies, or that owes a reply when a round's
+timeout ends, is replaced by a fresh process and the replies its clients owed are
+missing, so the strategy drops those clients from the round and the run goes on.
 
 Flower's own simulation engine needs Ray; this one needs only the standard library and
 keeps the compiled steps in processes of their own, as real devices would.

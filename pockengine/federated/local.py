@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,14 +63,20 @@ RNG_SEED = "rng.seed"
 AUTO = "auto"
 
 
-def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, TrainStep]:
+def prepare(
+    config: FederatedConfig, checked: Callable[[], object] | None = None
+) -> tuple[FederatedConfig, recipes.Task, TrainStep]:
     """The config with the recipe's defaults (and ``--scheme auto`` resolved), its task,
-    and its compiled step."""
+    and its compiled step. ``checked`` is called once the task is built and every client
+    is known to get a batch, before the compile (the server lists its nodes there, which
+    starts the simulation's client processes beside the compile)."""
     config = with_defaults(config)
     ft = config.finetune
     recipes.check_model_files(ft)
     task = recipes.build(ft)
-    client_shards(config, task)  # every client gets a batch (the server: before any starts)
+    client_shards(config, task)
+    if checked is not None:
+        checked()
     config = resolve_scheme(config, task)
     return config, task, compile_task(ft, task, scheme_of(config), config.local_loss)
 
