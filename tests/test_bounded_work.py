@@ -55,6 +55,17 @@ def test_a_billion_laughs_scheme_file_is_refused_fast_and_small(tmp_path: Path) 
         schemes.load(alias_only)
 
 
+def test_a_saved_scheme_with_repeated_parts_loads_back(tmp_path: Path) -> None:
+    """A union that repeats a part is written out in full, not with the YAML aliases the
+    loader refuses."""
+    part = schemes.lora() | schemes.bias_only()
+    twice = part | part
+    path = tmp_path / "twice.yaml"
+    schemes.save(twice, path)
+    assert "&" not in path.read_text() and "*id" not in path.read_text()
+    assert schemes.load(path).to_dict() == twice.to_dict()
+
+
 def test_an_oversized_scheme_file_is_refused_reading_no_further(tmp_path: Path) -> None:
     path = tmp_path / "big.json"
     path.write_text('{"scheme": "select", "train": ["' + "x" * MAX_SCHEME_BYTES + '"]}')

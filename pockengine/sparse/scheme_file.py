@@ -18,7 +18,7 @@ from typing import Any
 
 from pockengine.ir import SchemeError
 
-__all__ = ["MAX_SCHEME_BYTES", "read_scheme_data", "shown"]
+__all__ = ["MAX_SCHEME_BYTES", "read_scheme_data", "shown", "yaml_text"]
 
 MAX_SCHEME_BYTES = 1 << 20  # 1 MiB: a scheme file is a few hundred bytes
 
@@ -61,6 +61,19 @@ def read_scheme_data(path: Path) -> Any:
     except Exception as exc:
         flat = " ".join(str(exc).split())  # YAML errors span lines; the message is one
         raise SchemeError(f"scheme file {path} does not parse: {flat[:300]}") from exc
+
+
+def yaml_text(data: Any) -> str:
+    """``data`` as YAML without anchors or aliases (a part repeated in a union is written
+    out again), so that ``read_scheme_data`` reads back what ``schemes.save`` writes."""
+    import yaml
+
+    class NoAliasDumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML has no stubs here
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    text: str = yaml.dump(data, Dumper=NoAliasDumper, sort_keys=False)
+    return text
 
 
 def _yaml_load(text: str) -> Any:

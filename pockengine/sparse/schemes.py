@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import SchemeError
-from pockengine.sparse.scheme_file import read_scheme_data, shown
+from pockengine.sparse.scheme_file import read_scheme_data, shown, yaml_text
 from pockengine.sparse.selectors import SELECTORS, block_params, channel_rows, matching
 
 if TYPE_CHECKING:
@@ -325,9 +325,7 @@ def save(scheme: Scheme, path: str | Path) -> None:
     path = Path(path)
     data = scheme.to_dict()
     if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        text = yaml.safe_dump(data, sort_keys=False)
+        text = yaml_text(data)
     else:
         text = json.dumps(data, indent=2) + "\n"
     tmp = path.with_name(path.name + ".tmp")
