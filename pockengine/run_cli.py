@@ -202,11 +202,12 @@ def _bar(total: int) -> Iterator[Callable[[int], None]]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pockengine.finetune.generation import check_generation, generate
+    from pockengine.finetune.generation import check_generation, generate, prompt_ids
     from pockengine.finetune.home_load import load_run
 
     loaded = load_run(args.run_dir)
     check_generation(loaded, args.max_new_tokens, args.temperature, args.top_k)
+    prompt_ids(loaded, args.prompt)  # an empty or too long prompt: before it is echoed
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
 

@@ -206,6 +206,10 @@ def test_generate_stops_at_the_models_context_and_says_so(
     assert "note:" not in capsys.readouterr().err
     with pytest.raises(FinetuneError, match="the prompt is 40 tokens; the model's context is 32"):
         generate(loaded, " ".join(["word"] * 40), max_new_tokens=1)
+    long = ["generate", str(short_context_run), "--prompt", " ".join(["word"] * 32)]
+    assert main(long) == 2
+    streams = capsys.readouterr()
+    assert streams.out == "" and "the prompt is 32 tokens; the model's context is 32" in streams.err
     for bad in ("0", "-5", "abc"):
         assert main([*command, "--max-new-tokens", bad]) == 2
         assert "--max-new-tokens" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import torch
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.home_load import LoadedRun
 
-__all__ = ["Generated", "check_generation", "context_length", "generate"]
+__all__ = ["Generated", "check_generation", "context_length", "generate", "prompt_ids"]
 
 # Where Hugging Face configs keep the most positions a model takes (GPT-2: n_positions).
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
@@ -57,19 +57,11 @@ def generate(
 ) -> Generated:
     """Continue ``prompt``; ``on_text`` receives each new piece of text as it is decoded."""
     check_generation(loaded, max_new_tokens, temperature, top_k)
-    tok = loaded.tokenizer
-    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]], dtype=torch.long)
-    if ids.shape[1] == 0:
-        raise FinetuneError("the prompt is empty")
+    ids = prompt_ids(loaded, prompt)
     prompt_tokens = int(ids.shape[1])
     context = context_length(loaded.model)
     room = max_new_tokens if context is None else min(max_new_tokens, context - prompt_tokens)
-    if room < 1:
-        raise FinetuneError(
-            f"the prompt is {prompt_tokens} tokens; the model's context is {context} positions, "
-            "which leaves no room for a new token: shorten the prompt"
-        )
-    stream = _TextStream(tok, on_text)
+    stream = _TextStream(loaded.tokenizer, on_text)
     start = time.perf_counter()
     for token in _sampled(loaded, ids, room, temperature, top_k, seed):
         stream.add(token)
@@ -77,6 +69,21 @@ def generate(
     full = room < max_new_tokens and len(stream.tokens) == room
     return Generated(stream.finish(), len(stream.tokens), seconds, context if full else None,
                      prompt_tokens)  # fmt: skip
+
+
+def prompt_ids(loaded: LoadedRun, prompt: str) -> torch.Tensor:
+    """The prompt's token ids, ``[1, n]``; a ``FinetuneError`` if it is empty or leaves
+    no room in the model's context for a new token."""
+    ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise FinetuneError("the prompt is empty")
+    context = context_length(loaded.model)
+    if context is not None and len(ids) >= context:
+        raise FinetuneError(
+            f"the prompt is {len(ids)} tokens; the model's context is {context} positions, "
+            "which leaves no room for a new token: shorten the prompt"
+        )
+    return torch.tensor([ids], dtype=torch.long)
 
 
 def context_length(model: torch.nn.Module) -> int | None:
