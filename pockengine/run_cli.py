@@ -103,7 +103,11 @@ def _add_generate(sub: Any) -> Any:
     )
     ge.add_argument("--prompt", required=True, help="the text to continue")
     ge.add_argument(
-        "--max-new-tokens", type=positive_int, default=100, help="stop after this many tokens"
+        "--max-new-tokens",
+        type=positive_int,
+        default=100,
+        help="stop after this many tokens (or earlier, where the prompt and the new tokens "
+        "fill the model's context: its configured positions)",
     )
     ge.add_argument(
         "--temperature",
@@ -224,11 +228,12 @@ def _bar(total: int) -> Iterator[Callable[[int], None]]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pockengine.finetune.generation import check_generation, generate
+    from pockengine.finetune.generation import check_generation, generate, prompt_ids
     from pockengine.finetune.home_load import load_run
 
     loaded = load_run(args.run_dir, args.factory)
     check_generation(loaded, args.max_new_tokens, args.temperature, args.top_k)
+    prompt_ids(loaded, args.prompt)  # an empty or too long prompt: before it is echoed
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
 
@@ -246,6 +251,13 @@ def _generate(args: argparse.Namespace) -> int:
         on_text=show,
     )
     print()
+    if done.context is not None:
+        print(
+            f"note: stopped at the model's context of {done.context} positions "
+            f"({done.prompt_tokens} prompt + {done.tokens} new tokens), before "
+            f"--max-new-tokens {args.max_new_tokens}",
+            file=sys.stderr,
+        )
     print(
         f"{done.tokens} tokens in {done.seconds:.2f} s ({done.tokens_per_s:.1f} tokens/s)",
         file=sys.stderr,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from pockengine.cli_help import BACKEND_HELP
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
-from pockengine.finetune.cli import byte_amount
+from pockengine.finetune.cli import byte_amount, positive_int
 from pockengine.finetune.config import AUTO_SCORES, DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
 from pockengine.out_folder import FEDERATION, claim, release
 from pockengine.safe_write import write_with
@@ -68,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="logit-adjusted: tau, the log prior's weight (0: plain)")  # fmt: skip
     fed.add_argument("--timeout", type=float, default=600.0, help="seconds a round waits")
     fed.add_argument("--threads", type=int, default=1, help="torch threads per client")
+    fed.add_argument("--parallel", type=positive_int, metavar="N",
+                     help="at most N client processes at once (default: the cores, "
+                     f"{os.cpu_count()} here); a process hosts several clients beyond that, "
+                     "one after another, sharing one compiled step; --deployment needs "
+                     "--clients <= N")  # fmt: skip
     fed.add_argument("--resume", action="store_true", help="continue from --out's state")
     fed.add_argument("--stop-after-round", type=int, help="stop the server there (for --resume)")
     fed.add_argument("--fail", nargs="*", default=[], metavar="CLIENT:ROUND",
@@ -133,7 +139,7 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
         server_momentum=args.server_momentum, server_betas=tuple(args.server_betas),
         server_tau=args.server_tau,
         bn_statistics=args.bn_statistics, local_loss=args.local_loss, la_tau=args.la_tau,
-        timeout=args.timeout, resume=args.resume, threads=args.threads,
+        timeout=args.timeout, resume=args.resume, threads=args.threads, parallel=args.parallel,
         stop_after_round=args.stop_after_round,
         fail=tuple(args.fail), delay=tuple(args.delay),
     )  # fmt: skip
@@ -235,7 +241,8 @@ def _described(choice: dict[str, Any]) -> str:
 
 
 _DESCRIPTION = """\
-Federated sparse fine-tuning: a Flower simulation of N client processes on this machine.
+Federated sparse fine-tuning: a Flower simulation of N clients on this machine, in at most
+--parallel client processes (default: the cores).
 The options are the federation's plus those of pockengine finetune that apply to every
 client's local training. --out receives rounds.jsonl, summary.json, global.safetensors
 and rounds.png."""

@@ -10,7 +10,8 @@ and a ``MetricRecord`` ("metrics": ``num-examples``, ``train-loss``,
 
 The run's ``FederatedConfig`` arrives as JSON in the run config (``RUN_CONFIG_KEY``);
 the client's shard is ``partition-id`` of the node config, as in Flower's examples.
-The step is compiled on the first message of a process and kept for the next rounds.
+The step is compiled on the first message of a process and kept for the next rounds, and
+for the other clients a simulation process hosts (``--parallel`` below ``--clients``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 
 app = ClientApp()
 
-# One trainer per (run config, partition) in this process: compiled once, reused.
-_TRAINERS: dict[tuple[str, int], LocalTrainer] = {}
+# One trainer per run config in this process: compiled once, reused by every round and
+# by every client (partition) the process serves (``LocalTrainer.serve``).
+_TRAINERS: dict[str, LocalTrainer] = {}
 
 
 def to_record(arrays: dict[str, np.ndarray[Any, Any]]) -> ArrayRecord:
@@ -50,19 +52,18 @@ def to_arrays(record: ArrayRecord) -> dict[str, np.ndarray[Any, Any]]:
 
 
 def trainer_for(context: Context) -> LocalTrainer:
-    """This process's trainer for the node's partition (compiled on first use)."""
+    """This process's trainer, serving the node's partition (compiled on first use)."""
     text = str(context.run_config[RUN_CONFIG_KEY])
     client = int(context.node_config["partition-id"])
-    key = (text, client)
-    if key not in _TRAINERS:
+    if text not in _TRAINERS:
         config = FederatedConfig.from_json(text)
         import torch
 
         torch.set_num_threads(config.threads)
         start = time.perf_counter()
-        _TRAINERS[key] = LocalTrainer(config, client)
+        _TRAINERS[text] = LocalTrainer(config, client)
         log.info("client %d: compiled in %.1fs", client, time.perf_counter() - start)
-    return _TRAINERS[key]
+    return _TRAINERS[text].serve(client)
 
 
 @app.train()

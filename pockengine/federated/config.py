@@ -4,13 +4,15 @@
 optimizer, learning rate, batch shape and seed every client trains with) and adds the
 federation: how many clients, rounds and local epochs, how the training split is cut
 into client shards, FedProx's proximal weight, the per-round timeout, and faults to
-inject (for tests and demonstrations). It travels to client processes as JSON.
+inject (for tests and demonstrations), and how many client processes run at once. It
+travels to client processes as JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +69,8 @@ class FederatedConfig:
     resume: bool = False  # continue from the global state saved in out
     stop_after_round: int | None = None  # stop the server there (as if killed), for resume
     threads: int = 1  # torch threads per client process (the server keeps its own)
+    # client processes at once (None: the machine's cores); clients share them beyond that
+    parallel: int | None = None
     # "client:round" pairs whose training raises (faults, for tests and demonstrations)
     fail: tuple[str, ...] = ()
     # "client:round:seconds" triples whose training sleeps that long first
@@ -82,6 +86,8 @@ class FederatedConfig:
                 )
         if self.partition not in ("iid", "dirichlet"):
             raise FederatedError(f"partition must be iid or dirichlet, got {self.partition!r}")
+        if self.parallel is not None and self.parallel < 1:
+            raise FederatedError(f"parallel must be a positive integer, got {self.parallel}")
         if self.stop_after_round is not None and self.stop_after_round < 1:
             raise FederatedError(f"stop_after_round must be >= 1, got {self.stop_after_round}")
         if not self.alpha > 0:
@@ -141,6 +147,11 @@ class FederatedConfig:
         return ServerStep(statistics, lr, self.server_momentum, optimizer=self.server_optimizer,
                           betas=(b1, b2), tau=self.server_tau)  # fmt: skip
 
+    def processes(self) -> int:
+        """Client processes the simulation starts: ``parallel`` (default: the cores), at
+        most one per client."""
+        return min(self.clients, self.parallel or os.cpu_count() or 1)
+
     def fails(self, client: int, server_round: int) -> bool:
         """Whether the fault options make ``client`` fail in ``server_round``."""
         return any(_fault(s, 2, "fail")[:2] == (client, server_round) for s in self.fail)
@@ -184,7 +195,9 @@ class FederatedConfig:
         return {**json.loads(json.dumps(absent)), **saved} == current
 
 
-_RUN_FIELDS = frozenset({"resume", "timeout", "threads", "stop_after_round", "fail", "delay"})
+_RUN_FIELDS = frozenset(
+    {"resume", "timeout", "threads", "parallel", "stop_after_round", "fail", "delay"}
+)
 
 
 def _fault(spec: str, parts: int, what: str) -> tuple[int, int, float]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from pockengine.federated.client import RUN_CONFIG_KEY
 from pockengine.federated.config import FederatedConfig, FederatedError
-from pockengine.federated.local import resolve_scheme
+from pockengine.federated.local import check_shards, resolve_scheme
 from pockengine.federated.node import CLIENT_APP
 from pockengine.federated.processes import (
     live_members,
@@ -122,6 +122,13 @@ def free_port() -> int:
 def deploy(config: FederatedConfig) -> dict[str, Any]:
     """Run ``config`` under a local deployment engine (module docstring); the summary."""
     config = resolve_scheme(_absolute_out(config.validate()))  # once, before any client
+    if config.clients > config.processes():
+        raise FederatedError(
+            f"--deployment starts a SuperNode and a ClientApp process for each client: "
+            f"{config.clients} clients exceed --parallel {config.processes()}; use --clients "
+            f"{config.processes()} or fewer, or a larger --parallel"
+        )
+    check_shards(config)  # every client gets a batch, before any process starts
     out = out_dir(config)
     out.mkdir(parents=True, exist_ok=True)
     before = _mtime(out / SUMMARY)

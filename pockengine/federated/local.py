@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,16 @@ from pockengine.safetensors_io import read_metadata
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 
-__all__ = ["LocalResult", "LocalTrainer", "prepare", "resolve_scheme", "scheme_of", "seed_offset"]
+__all__ = [
+    "LocalResult",
+    "LocalTrainer",
+    "check_shards",
+    "client_shards",
+    "prepare",
+    "resolve_scheme",
+    "scheme_of",
+    "seed_offset",
+]
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
@@ -53,15 +63,41 @@ RNG_SEED = "rng.seed"
 AUTO = "auto"
 
 
-def prepare(config: FederatedConfig) -> tuple[FederatedConfig, recipes.Task, TrainStep]:
+def prepare(
+    config: FederatedConfig, checked: Callable[[], object] | None = None
+) -> tuple[FederatedConfig, recipes.Task, TrainStep]:
     """The config with the recipe's defaults (and ``--scheme auto`` resolved), its task,
-    and its compiled step."""
+    and its compiled step. ``checked`` is called once the task is built and every client
+    is known to get a batch, before the compile (the server lists its nodes there, which
+    starts the simulation's client processes beside the compile)."""
     config = with_defaults(config)
     ft = config.finetune
     recipes.check_model_files(ft)
     task = recipes.build(ft)
+    client_shards(config, task)
+    if checked is not None:
+        checked()
     config = resolve_scheme(config, task)
     return config, task, compile_task(ft, task, scheme_of(config), config.local_loss)
+
+
+def client_shards(config: FederatedConfig, task: recipes.Task) -> list[Array]:
+    """The rows of the training split each client trains on; a ``FederatedError`` with
+    the numbers when a client would get less than one batch (checked by the server before
+    any client process starts)."""
+    ft = config.finetune
+    assert ft.batch_size is not None
+    return partition(
+        task.train, config.partition, config.clients, config.alpha, ft.seed, ft.batch_size
+    )
+
+
+def check_shards(config: FederatedConfig) -> None:
+    """``client_shards`` on the task's training split, before anything starts (the task
+    is built here: a deployment has no server process yet)."""
+    full = with_defaults(config)
+    recipes.check_model_files(full.finetune)
+    client_shards(full, recipes.build(full.finetune))
 
 
 def with_defaults(config: FederatedConfig) -> FederatedConfig:
@@ -207,16 +243,22 @@ class LocalTrainer:
         config, task, step = prepare(config)
         ft = config.finetune
         assert ft.batch_size is not None
-        shards = partition(
-            task.train, config.partition, config.clients, config.alpha, ft.seed, ft.batch_size
-        )
+        self.shards = client_shards(config, task)
         self.config, self.step, self.batch_size = config, step, ft.batch_size
-        self.classes = len(task.labels)
-        self.use_shard(client, tuple(a[shards[client]] for a in task.train))
+        self.classes, self.split = len(task.labels), task.train
+        self.use_shard(client, tuple(a[self.shards[client]] for a in task.train))
         self.trained = TrainedSet.of(step)
         self.model, self.kind = task.model, task.kind
         self.batchnorm = BatchNormStats.of(task.model, list(self.trained.rows))
         self._fresh = step.optimizer_state()
+
+    def serve(self, client: int) -> LocalTrainer:
+        """``self``, training as ``client`` on its shard (a process that hosts several
+        clients shares one compiled step among them: every round starts from the global
+        tensors and fresh optimizer moments, so nothing of one client reaches another)."""
+        if client != self.client:
+            self.use_shard(client, tuple(a[self.shards[client]] for a in self.split))
+        return self
 
     def use_shard(self, client: int, shard: tuple[Array, ...]) -> None:
         """Train as ``client`` on ``shard`` (inputs..., labels): its step counts, its

@@ -54,8 +54,14 @@ def dirichlet(labels: Array, clients: int, alpha: float, seed: int, least: int) 
 def partition(
     train: tuple[Array, ...], kind: str, clients: int, alpha: float, seed: int, least: int
 ) -> list[Array]:
-    """The shards of a training split (its last array holds the labels)."""
+    """The shards of a training split (its last array holds the labels); a
+    ``FederatedError`` with the numbers when the clients outnumber its batches."""
     n = len(train[0])
+    if clients > n // least:
+        raise FederatedError(
+            f"{n} training examples make {n // least} batch(es) of {least}, fewer than the "
+            f"{clients} clients, each of which needs at least one: {_fewer(n, least)}"
+        )
     if kind == "iid":
         shards = iid(n, clients, seed)
     elif len(train) < 2 or train[-1].ndim != 1:
@@ -69,3 +75,13 @@ def partition(
             f"fewer than one batch of {least}: use fewer clients or more data"
         )
     return shards
+
+
+def _fewer(n: int, least: int) -> str:
+    """What to change when ``n`` examples do not give every client a batch of ``least``."""
+    if n < least:
+        return "use a smaller --batch-size or more data (--max-train, --val-fraction)"
+    return (
+        f"use --clients {n // least} or fewer, a smaller --batch-size, or more data "
+        "(--max-train, --val-fraction)"
+    )

@@ -61,7 +61,9 @@ def out_dir(config: FederatedConfig) -> Path:
 def run_server(grid: Grid, config: FederatedConfig) -> dict[str, Any]:
     """Every round of the run (or the rest of a resumed one); returns the summary."""
     start = time.perf_counter()
-    config, task, step = prepare(config)
+    # every client gets a batch before any client process starts (``ProcessGrid`` starts
+    # them when first asked for its nodes)
+    config, task, step = prepare(config, grid.get_node_ids if grid is not None else None)
     out = out_dir(config)
     trained = TrainedSet.of(step)
     server = config.server_step(trained.buffers)

@@ -11,7 +11,9 @@ answered, and their training time, in ``rounds[r]`` for the server's log.
 After averaging, ``batchnorm`` pools the BatchNorm statistics as those of the pooled
 data (``batchnorm.BatchNormStats.pool``) and ``server`` takes the server's step from the
 average (``server_step.ServerStep``: the average itself by default, FedAvgM if asked).
-``round_offset`` numbers the rounds of a resumed run after those already done. The
+``round_offset`` numbers the rounds of a resumed run after those already done. A round
+in which no client trained (every reply failed, was malformed or late) is a
+``FederatedError``: the run stops with the previous round's state saved. The
 first round waits for all the clients to connect; later rounds sample the clients still
 connected, so a node that leaves a deployment does not stall the run.
 """
@@ -102,8 +104,7 @@ class SparseFedAvg(FedAvg):
             client_time_s=[_number(m, "client-time-s") for m in metrics],
         )
         if not good:
-            log.warning("round %d: no client answered; the global state stays", server_round)
-            return None, None
+            raise FederatedError(_nobody(server_round, stats["dropped"]))
         arrays, summary = super().aggregate_train(server_round, good)
         stats["train_loss"] = summary["train-loss"] if summary is not None else None
         if arrays is not None:
@@ -152,6 +153,21 @@ def _number(metrics: MetricRecord, key: str) -> float:
     if not isinstance(value, int | float):
         raise FederatedError(f"the reply's metrics lack the number {key!r}")
     return float(value)
+
+
+def _nobody(server_round: int, dropped: list[str]) -> str:
+    """Why a round in which no client trained ends the run (the reasons cut short)."""
+    reasons = "; ".join(" ".join(r.split())[:200] for r in dropped[:3])
+    more = f"; and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+    kept = (
+        f"the saved global state is that of round {server_round - 1}: fix the cause and "
+        "continue with --resume"
+        if server_round > 1
+        else "nothing was saved: fix the cause and start again"
+    )
+    return (
+        f"round {server_round}: no client trained ({reasons or 'no client was sent'}{more}); {kept}"
+    )
 
 
 def _missing(sent: int, answered: int) -> list[str]:

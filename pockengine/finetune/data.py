@@ -47,6 +47,7 @@ class TextDataset:
     labels: tuple[str, ...]
     source: str
     replaced: int = 0  # undecodable bytes replaced by U+FFFD (recipes that allow it)
+    empty: int = 0  # rows (files) left out of the file because their text is empty
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -61,7 +62,8 @@ class TextDataset:
     def take(self, indices: Iterable[int]) -> TextDataset:
         idx = list(indices)
         texts = tuple(self.texts[i] for i in idx)
-        return TextDataset(texts, tuple(self.labels[i] for i in idx), self.source, self.replaced)
+        labels = tuple(self.labels[i] for i in idx)
+        return TextDataset(texts, labels, self.source, self.replaced, self.empty)
 
     def head(self, n: int | None) -> TextDataset:
         return self if n is None or n >= len(self) else self.take(range(n))
@@ -145,8 +147,8 @@ def load_csv(
                 "(quote fields that hold the delimiter)"
             )
         texts.append(row[ti])
-        labels.append(_label(p, line, row[li]))
-    return TextDataset(tuple(texts), tuple(labels), str(p), replaced)
+        labels.append(_label(p, line, row[li], label_column))
+    return _with_text(p, texts, labels, f"every text in column {text_column!r}", replaced)
 
 
 def _csv_rows(p: Path, text: str) -> list[tuple[int, list[str]]]:
@@ -177,11 +179,27 @@ def _column(p: Path, header: Sequence[str], name: str, what: str) -> int:
     return list(header).index(name)
 
 
-def _label(p: Path, line: int, value: Any) -> str:
+def _label(p: Path, line: int, value: Any, column: str) -> str:
     label = "" if value is None else str(value).strip()
     if not label:
-        raise FinetuneError(f"{p}:{line}: empty label")
+        raise FinetuneError(f"{p}:{line}: empty label (column {column!r})")
     return label
+
+
+def _with_text(
+    p: Path, texts: list[str], labels: list[str], every: str, replaced: int = 0
+) -> TextDataset:
+    """The rows whose text is not empty (or only white space), the others counted in
+    ``empty``; a ``FinetuneError`` naming the file when no row has a text: a wrong
+    ``--text-column`` or an export gone wrong must never train on nothing."""
+    keep = [i for i, text in enumerate(texts) if text.strip()]
+    if not keep:
+        raise FinetuneError(
+            f"{every} of {p} is empty ({len(texts)} in all): nothing to train on "
+            "(choose the text with --text-column)"
+        )
+    return TextDataset(tuple(texts[i] for i in keep), tuple(labels[i] for i in keep), str(p),
+                       replaced, len(texts) - len(keep))  # fmt: skip
 
 
 def load_jsonl(
@@ -205,9 +223,10 @@ def load_jsonl(
                     f"{p}:{line}: no {what} field {name!r}; fields: "
                     f"{sorted(row)} (choose with --{what}-column)"
                 )
-        texts.append(str(row[text_column]))
-        labels.append(_label(p, line, row[label_column]))
-    return TextDataset(tuple(texts), tuple(labels), str(p))
+        value = row[text_column]
+        texts.append("" if value is None else str(value))
+        labels.append(_label(p, line, row[label_column], label_column))
+    return _with_text(p, texts, labels, f"every text in field {text_column!r}")
 
 
 def load_folder(p: Path, encoding: str = "utf-8", replace: bool = False) -> TextDataset:
@@ -225,7 +244,7 @@ def load_folder(p: Path, encoding: str = "utf-8", replace: bool = False) -> Text
         labels += [d.name] * len(files)
     if not texts:
         raise FinetuneError(f"dataset folder {p}: its class subfolders hold no files")
-    return TextDataset(tuple(texts), tuple(labels), str(p), replaced)
+    return _with_text(p, texts, labels, "every file", replaced)
 
 
 # -- cleaning, splitting, order -------------------------------------------------------

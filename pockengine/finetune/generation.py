@@ -4,7 +4,9 @@ One token a forward pass, reusing the model's key/value cache; the next token is
 from the softmax of the last logits divided by ``temperature`` over the ``top_k`` most
 likely tokens (``temperature`` 0: the most likely token), with a seeded
 ``torch.Generator``, so a seed gives the same text on the same machine. Generation stops
-after ``max_new_tokens`` or at the end-of-text token. The text is decoded from all the new
+after ``max_new_tokens``, at the end-of-text token, or when the prompt and the new tokens
+fill the model's context (``context_length``: its configured positions), whichever comes
+first; ``Generated.context`` says when the context stopped it. The text is decoded from all the new
 tokens each time and only what was added is emitted, held back while it ends inside a
 multi-byte character.
 """
@@ -22,7 +24,10 @@ import torch
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.home_load import LoadedRun
 
-__all__ = ["Generated", "check_generation", "generate"]
+__all__ = ["Generated", "check_generation", "context_length", "generate", "prompt_ids"]
+
+# Where Hugging Face configs keep the most positions a model takes (GPT-2: n_positions).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,8 @@ class Generated:
     text: str
     tokens: int
     seconds: float
+    context: int | None = None  # the model's context, where it (not the count) stopped it
+    prompt_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,16 +57,44 @@ def generate(
 ) -> Generated:
     """Continue ``prompt``; ``on_text`` receives each new piece of text as it is decoded."""
     check_generation(loaded, max_new_tokens, temperature, top_k)
-    tok = loaded.tokenizer
-    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]], dtype=torch.long)
-    if ids.shape[1] == 0:
-        raise FinetuneError("the prompt is empty")
-    stream = _TextStream(tok, on_text)
+    ids = prompt_ids(loaded, prompt)
+    prompt_tokens = int(ids.shape[1])
+    context = context_length(loaded.model)
+    room = max_new_tokens if context is None else min(max_new_tokens, context - prompt_tokens)
+    stream = _TextStream(loaded.tokenizer, on_text)
     start = time.perf_counter()
-    for token in _sampled(loaded, ids, max_new_tokens, temperature, top_k, seed):
+    for token in _sampled(loaded, ids, room, temperature, top_k, seed):
         stream.add(token)
     seconds = time.perf_counter() - start
-    return Generated(stream.finish(), len(stream.tokens), seconds)
+    full = room < max_new_tokens and len(stream.tokens) == room
+    return Generated(stream.finish(), len(stream.tokens), seconds, context if full else None,
+                     prompt_tokens)  # fmt: skip
+
+
+def prompt_ids(loaded: LoadedRun, prompt: str) -> torch.Tensor:
+    """The prompt's token ids, ``[1, n]``; a ``FinetuneError`` if it is empty or leaves
+    no room in the model's context for a new token."""
+    ids = loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise FinetuneError("the prompt is empty")
+    context = context_length(loaded.model)
+    if context is not None and len(ids) >= context:
+        raise FinetuneError(
+            f"the prompt is {len(ids)} tokens; the model's context is {context} positions, "
+            "which leaves no room for a new token: shorten the prompt"
+        )
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The most positions ``model`` takes (prompt and new tokens together), from its
+    Hugging Face config; None when the config states none."""
+    config = getattr(model, "config", None)
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def check_generation(

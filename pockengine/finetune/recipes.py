@@ -302,6 +302,8 @@ def _splits(
     notes = [f"{len(data)} examples from {data.source}"]
     if data.replaced:
         notes.append(f"{data.replaced} undecodable bytes replaced by U+FFFD")
+    if data.empty:
+        notes.append(f"left out {data.empty} examples with an empty text")
     if config.dedupe:
         data, dropped = ds.dedupe(data)
         notes.append(f"dropped {dropped} exact duplicate texts")

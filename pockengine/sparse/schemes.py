@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import SchemeError
 from pockengine.safe_write import write_text
+from pockengine.sparse.scheme_file import read_scheme_data, shown, yaml_text
 from pockengine.sparse.selectors import SELECTORS, block_params, channel_rows, matching
 
 if TYPE_CHECKING:
@@ -161,9 +162,9 @@ def _scheme(
     batchnorm: str = "batch", **opts: Any,
 ) -> Scheme:  # fmt: skip
     if frozen_bn not in ("train", "eval"):
-        raise SchemeError(f"frozen_bn must be 'train' or 'eval', got {frozen_bn!r}")
+        raise SchemeError(f"frozen_bn must be 'train' or 'eval', got {shown(frozen_bn)}")
     if batchnorm not in BATCHNORM_MODES:
-        raise SchemeError(f"batchnorm must be 'batch' or 'running', got {batchnorm!r}")
+        raise SchemeError(f"batchnorm must be 'batch' or 'running', got {shown(batchnorm)}")
     options = {k: v for k, v in opts.items() if v is not None}
     return Scheme(kind, options, dict(channel_map or {}), frozen_bn, batchnorm)
 
@@ -269,23 +270,23 @@ def _check_option(kind: str, key: str, value: Any) -> None:
     a misspelt name gets the nearest valid one."""
     allowed = {**_COMMON, **_OPTIONS[kind]}
     if key not in allowed:
-        near = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.5)
+        near = difflib.get_close_matches(shown(key), list(allowed), n=1, cutoff=0.5)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise SchemeError(
-            f"scheme {kind!r} has no option {key!r}{hint} (options: {sorted(allowed)})"
+            f"scheme {kind!r} has no option {shown(key)}{hint} (options: {sorted(allowed)})"
         )
     types = allowed[key]
     is_bool = isinstance(value, bool)
     if not isinstance(value, types) or (is_bool and bool not in types):
         want = " or ".join(_TYPE_NAMES[t] for t in types)
-        raise SchemeError(f"scheme option {key!r} must be {want}, got {value!r}")
+        raise SchemeError(f"scheme option {key!r} must be {want}, got {shown(value)}")
     entries = (
         value if isinstance(value, list) else value.values() if isinstance(value, dict) else ()
     )
     for entry in entries:
         good, what = _ENTRY_TYPES.get(key, ((int, float), "a number"))
         if not isinstance(entry, good) or isinstance(entry, bool):
-            raise SchemeError(f"scheme option {key!r} holds {entry!r}, not {what}")
+            raise SchemeError(f"scheme option {key!r} holds {shown(entry)}, not {what}")
 
 
 def from_dict(data: Mapping[str, Any]) -> Scheme:
@@ -293,9 +294,9 @@ def from_dict(data: Mapping[str, Any]) -> Scheme:
     data = dict(data)
     kind = data.pop("scheme", "select")
     if not isinstance(kind, str) or kind not in _KINDS:
-        near = difflib.get_close_matches(str(kind), list(_KINDS), n=1, cutoff=0.5)
+        near = difflib.get_close_matches(shown(kind), list(_KINDS), n=1, cutoff=0.5)
         hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise SchemeError(f"unknown scheme {kind!r}{hint} (known: {sorted(_KINDS)})")
+        raise SchemeError(f"unknown scheme {shown(kind)}{hint} (known: {sorted(_KINDS)})")
     for key, value in data.items():
         _check_option(kind, str(key), value)
     if kind == "last_blocks" and "k" not in data:
@@ -325,32 +326,19 @@ def save(scheme: Scheme, path: str | Path) -> None:
     path = Path(path)
     data = scheme.to_dict()
     if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        text = yaml.safe_dump(data, sort_keys=False)
+        text = yaml_text(data)
     else:
         text = json.dumps(data, indent=2) + "\n"
     write_text(path, text)
 
 
 def load(path: str | Path) -> Scheme:
+    """The scheme in a ``.json``/``.yaml``/``.yml`` file (``scheme_file.read_scheme_data``:
+    size-capped, YAML anchors and aliases refused); errors name the file."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SchemeError(f"cannot read scheme file {path}: {exc}") from exc
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as exc:
-        flat = " ".join(str(exc).split())  # YAML errors span lines; the message is one
-        raise SchemeError(f"scheme file {path} does not parse: {flat}") from exc
+    data = read_scheme_data(path)
     if not isinstance(data, dict):
-        raise SchemeError(f"scheme file {path} must hold a mapping")
+        raise SchemeError(f"scheme file {path} must hold a mapping, not {type(data).__name__}")
     try:
         return from_dict(data)
     except SchemeError as exc:
