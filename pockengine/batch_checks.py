@@ -98,8 +98,7 @@ def _known_inputs(graph: Graph, values: Mapping[str, Array]) -> dict[str, Array 
     return {
         v.name: values[v.name]
         for v in graph.inputs
-        if v.name in values
-        and (v.role is Role.CONST or (v.role is Role.PARAM and not v.trainable))
+        if v.name in values and (v.role is Role.CONST or (v.role is Role.PARAM and not v.trainable))
     }
 
 
@@ -141,9 +140,7 @@ def _check_constant_index(node: Node, index: Array, high: int) -> None:
         )
 
 
-def index_bounds(
-    graph: Graph, values: Mapping[str, Array] | None = None
-) -> tuple[IndexBound, ...]:
+def index_bounds(graph: Graph, values: Mapping[str, Array] | None = None) -> tuple[IndexBound, ...]:
     """Every batch input that indexes a tensor (class targets, token ids), with its range.
 
     An index computed from constants (``values``: the graph inputs' values, where known)
