@@ -15,7 +15,7 @@ import numpy as np
 
 from pockengine.ir import DType, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, norm_axis
-from pockengine.ops.indexing import _index_key, _index_shape
+from pockengine.ops.indexing import index_key, indexed_shape
 
 __all__: list[str] = []
 
@@ -106,7 +106,7 @@ class IndexPutAdd:
     def infer(
         x: TensorType, values: TensorType, *indices: TensorType, axes: tuple[int, ...]
     ) -> TensorType:
-        expected = _index_shape("index_put_add", x.shape, indices, tuple(axes))
+        expected = indexed_shape("index_put_add", x.shape, indices, tuple(axes))
         if values.shape != expected or values.dtype != x.dtype:
             raise ShapeError(
                 f"index_put_add: values {values} are not {x.dtype}{list(expected)}, "
@@ -117,7 +117,7 @@ class IndexPutAdd:
     @staticmethod
     def kernel(x: Array, values: Array, *indices: Array, axes: tuple[int, ...]) -> Array:
         out = np.array(x, copy=True)
-        np.add.at(out, _index_key(out.ndim, axes, indices), values)
+        np.add.at(out, index_key(out.ndim, axes, indices), values)
         return out
 
     @staticmethod
