@@ -149,3 +149,26 @@ def test_index_put_without_accumulate_is_refused_by_name() -> None:
 
     with pytest.raises(CompileError, match="index_put without accumulate=True"):
         pe.compile(Assign(), lambda m, x: m(x), (torch.randn(2, 2),), compile_in="process")
+
+
+def test_index_put_accumulate_and_index_add_match_autograd() -> None:
+    """``index_put_(..., accumulate=True)`` and ``index_add`` (which decomposes to it), with a
+    repeated position, on a batch index: both sum into the same row."""
+
+    class Scatter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            z = torch.zeros(5, 4)
+            z.index_put_((ids,), self.w, accumulate=True)
+            z = z.index_add(0, ids, self.w * 2)
+            return (z * z).sum()
+
+    torch.manual_seed(0)
+    work = Workload(
+        "scatter", Scatter(), lambda m, ids: m(ids), lambda seed: (torch.tensor([0, 3, 0]),)
+    )
+    for backend in _BACKENDS:
+        assert_gradients_match(work, backend=backend)

@@ -24,7 +24,7 @@ def _topk(
     return values, indices
 
 
-@aten("index_put.default", "index_put_.default")
+@aten("index_put.default")
 def _index_put(
     cx: Ctx, x: Value, indices: list[Value | None], values: Value, accumulate: bool = False
 ) -> Value:
