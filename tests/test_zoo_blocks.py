@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -172,3 +174,21 @@ def test_index_put_accumulate_and_index_add_match_autograd() -> None:
     )
     for backend in _BACKENDS:
         assert_gradients_match(work, backend=backend)
+
+
+@pytest.mark.slow  # a build of the whole trainer; select.c itself runs in the tests above
+def test_exported_c_trainer_runs_a_top_k_router(tmp_path: Path) -> None:
+    """The stand-alone trainer builds with kernels/select.c and trains as the step does."""
+    w = moe_classifier()
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=pe.optim.SGD(lr=0.1),
+                      backend="c")  # fmt: skip
+    folder = step.export(tmp_path / "trainer", target="c")
+    batches = [w.make_batch(i) for i in range(2)]
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    losses = [step(*b) for b in batches]
+    subprocess.run(["make", "-s", "-C", str(folder), "CFLAGS=-O0"], check=True)  # a quick build
+    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    got = [float(ln.split()[-1]) for ln in run.stdout.splitlines() if ln.startswith("step ")]
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
