@@ -93,7 +93,7 @@ def _batch_source(
 _EVAL_LIMIT = 1 << 20  # elements of a constant index (and of what it is made from) evaluated
 
 
-def _known_inputs(graph: Graph, values: Mapping[str, Array]) -> dict[str, Array | None]:
+def _known_inputs(graph: Graph, values: Mapping[str, Array]) -> dict[str, Array]:
     """Graph inputs whose values stay as given: constants and frozen params."""
     return {
         v.name: values[v.name]
@@ -102,29 +102,55 @@ def _known_inputs(graph: Graph, values: Mapping[str, Array]) -> dict[str, Array 
     }
 
 
-def _constant(
-    value: Value, producer: dict[str, Node], known: dict[str, Array | None]
-) -> Array | None:
-    """The array ``value`` holds when it is computed from constants alone, else None
-    (``known`` remembers both answers, so shared producers are visited once)."""
-    if value.name in known:
-        return known[value.name]
-    known[value.name] = None
-    node = producer.get(value.name)
-    if node is None or node.outputs[0].type.numel > _EVAL_LIMIT or get_op(node.op).effectful:
-        return None
-    ins = [_constant(v, producer, known) for v in node.inputs]
-    arrays = [a for a in ins if a is not None]
-    if len(arrays) != len(ins):
-        return None
-    try:
-        with np.errstate(all="ignore"):
-            results = get_op(node.op).run([np.asarray(a) for a in arrays], node.attrs)
-    except (ArithmeticError, IndexError, TypeError, ValueError):
-        return None  # left for the backend to run (and report)
-    for out, array in zip(node.outputs, results, strict=True):
-        known[out.name] = np.asarray(array)
-    return known[value.name]
+def _static_values(graph: Graph, known: Mapping[str, Array]) -> set[str]:
+    """Names of the values computed from ``known`` inputs and input-less nodes alone."""
+    static = set(known)
+    for node in graph.nodes:
+        if not get_op(node.op).effectful and all(v.name in static for v in node.inputs):
+            static.update(v.name for v in node.outputs)
+    return static
+
+
+class _Constants:
+    """The arrays of static values, evaluated on demand with the NumPy kernels, in graph
+    order (no recursion: an index may sit at the end of a long chain)."""
+
+    def __init__(self, graph: Graph, values: Mapping[str, Array]) -> None:
+        self.graph = graph
+        self.known: dict[str, Array] = _known_inputs(graph, values)
+        self.static = _static_values(graph, self.known)
+        self.producer = {out.name: n for n in graph.nodes for out in n.outputs}
+
+    def value(self, index: Value) -> Array | None:
+        """``index``'s array when it is static and small enough to evaluate, else None."""
+        if index.name not in self.static:
+            return None
+        needed: set[str] = set()  # first result names of the nodes to run
+        stack = [index.name]
+        while stack:
+            node = self.producer.get(stack.pop())
+            if node is None or node.outputs[0].name in needed:
+                continue
+            if any(v.type.numel > _EVAL_LIMIT for v in node.outputs):
+                return None
+            needed.add(node.outputs[0].name)
+            stack.extend(v.name for v in node.inputs if v.name not in self.known)
+        for node in self.graph.nodes:
+            first = node.outputs[0].name if node.outputs else None  # effects have no results
+            if first in needed and first not in self.known and not self._run(node):
+                return None
+        return self.known.get(index.name)
+
+    def _run(self, node: Node) -> bool:
+        try:
+            with np.errstate(all="ignore"):
+                ins = [np.asarray(self.known[v.name]) for v in node.inputs]
+                results = get_op(node.op).run(ins, node.attrs)
+        except (ArithmeticError, IndexError, KeyError, TypeError, ValueError):
+            return False  # left for the backend to run (and report)
+        for out, array in zip(node.outputs, results, strict=True):
+            self.known[out.name] = np.asarray(array)
+        return True
 
 
 def _check_constant_index(node: Node, index: Array, high: int) -> None:
@@ -148,7 +174,7 @@ def index_bounds(graph: Graph, values: Mapping[str, Array] | None = None) -> tup
     """
     producer = {out.name: n for n in graph.nodes for out in n.outputs}
     inputs = {v.name for v in graph.inputs if v.role is Role.INPUT}
-    known = _known_inputs(graph, values or {})
+    constants = _Constants(graph, values or {})
     found: dict[tuple[str, int, frozenset[int], str], None] = {}
     for node in graph.nodes:
         if node.op == "gather":
@@ -166,7 +192,7 @@ def index_bounds(graph: Graph, values: Mapping[str, Array] | None = None) -> tup
         source = _batch_source(index, producer, inputs)
         if source is not None:
             found[(source[0], high, source[1], what)] = None
-        elif (constant := _constant(index, producer, known)) is not None:
+        elif (constant := constants.value(index)) is not None:
             _check_constant_index(node, constant, high)
     return tuple(IndexBound(name, high, ignored, what) for name, high, ignored, what in found)
 

@@ -105,6 +105,23 @@ def _embedding_graph(index_from: str) -> Any:
     return b.build([b.call("sum", out, axes=None, keepdims=False)])
 
 
+def test_index_bounds_follows_a_long_constant_chain_past_effects() -> None:
+    """Positions made by 3000 nodes from ``arange``, a buffer update (an effect, no results)
+    in the same graph: evaluated without recursion, and checked."""
+    b = GraphBuilder("g")
+    table = b.input("table", TensorType((5, 3), DType.F32), Role.PARAM, trainable=True)
+    stat = b.input("stat", TensorType((3,), DType.F32), Role.BUFFER)
+    index = b.call("arange", start=0, stop=4, step=1, dtype="i64")
+    for _ in range(3000):
+        index = b.call("add", index, b.call("full", shape=(), value=0, dtype="i64"))
+    shifted = b.call("add", index, b.call("full", shape=(), value=2, dtype="i64"))
+    out = b.call("embedding", table, shifted, padding_idx=None, source="wpe")
+    b.effect("assign", stat, b.call("sum", out, axes=(0,), keepdims=False))
+    graph = b.build([b.call("sum", out, axes=None, keepdims=False)])
+    with pytest.raises(CompileError, match=r"embedding at wpe: .*holding 5 at position \(3,\)"):
+        index_bounds(graph)
+
+
 @pytest.mark.parametrize("index_from", ["arange", "const"])
 def test_index_bounds_checks_a_constant_index_at_compile_time(index_from: str) -> None:
     graph = _embedding_graph(index_from)
