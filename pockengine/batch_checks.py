@@ -9,16 +9,22 @@ step checks such inputs at the batch boundary instead. ``index_bounds`` reads th
 once: from each ``gather``/``embedding`` it walks the index back through views, casts
 and the loss's ``where(index != ignore_index, index, 0)`` guard to a batch input,
 collecting the ignored values, and takes the bound from the indexed axis's size.
+
+An index computed from constants alone (learned positions ``wpe(arange(t))``: nodes
+without inputs, such as ``full`` and ``arange``, and the ``const`` inputs and frozen
+params whose values the compile is given) is no batch input: it is evaluated with the
+NumPy kernels and checked once, at compile time (``CompileError`` naming the node).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pockengine.ir import Fact, Graph, Node, Role, Value, get_op
+from pockengine.ir import CompileError, Fact, Graph, Node, Role, Value, get_op
 
 __all__ = ["IndexBound", "index_bounds", "out_of_range"]
 
@@ -58,6 +64,8 @@ def _ignore_guard(node: Node, producer: dict[str, Node]) -> tuple[Value, int] | 
 def _keeps_values(node: Node) -> bool:
     """A view op (reshape, slice, transpose, broadcast, cast) passes an index's values
     through unchanged, except a cast from float, which truncates."""
+    if not node.inputs:
+        return False  # full, arange: a constant, not a view of anything
     src, out = node.inputs[0].dtype, node.outputs[0].dtype
     return get_op(node.op).has(Fact.VIEW) and (src == out or not src.is_float)
 
@@ -82,10 +90,91 @@ def _batch_source(
     return value.name, frozenset(ignored)
 
 
-def index_bounds(graph: Graph) -> tuple[IndexBound, ...]:
-    """Every batch input that indexes a tensor (class targets, token ids), with its range."""
+_EVAL_LIMIT = 1 << 20  # elements of a constant index (and of what it is made from) evaluated
+
+
+def _known_inputs(graph: Graph, values: Mapping[str, Array]) -> dict[str, Array]:
+    """Graph inputs whose values stay as given: constants and frozen params."""
+    return {
+        v.name: values[v.name]
+        for v in graph.inputs
+        if v.name in values and (v.role is Role.CONST or (v.role is Role.PARAM and not v.trainable))
+    }
+
+
+def _static_values(graph: Graph, known: Mapping[str, Array]) -> set[str]:
+    """Names of the values computed from ``known`` inputs and input-less nodes alone."""
+    static = set(known)
+    for node in graph.nodes:
+        if not get_op(node.op).effectful and all(v.name in static for v in node.inputs):
+            static.update(v.name for v in node.outputs)
+    return static
+
+
+class _Constants:
+    """The arrays of static values, evaluated on demand with the NumPy kernels, in graph
+    order (no recursion: an index may sit at the end of a long chain)."""
+
+    def __init__(self, graph: Graph, values: Mapping[str, Array]) -> None:
+        self.graph = graph
+        self.known: dict[str, Array] = _known_inputs(graph, values)
+        self.static = _static_values(graph, self.known)
+        self.producer = {out.name: n for n in graph.nodes for out in n.outputs}
+
+    def value(self, index: Value) -> Array | None:
+        """``index``'s array when it is static and small enough to evaluate, else None."""
+        if index.name not in self.static:
+            return None
+        needed: set[str] = set()  # first result names of the nodes to run
+        stack = [index.name]
+        while stack:
+            node = self.producer.get(stack.pop())
+            if node is None or node.outputs[0].name in needed:
+                continue
+            if any(v.type.numel > _EVAL_LIMIT for v in node.outputs):
+                return None
+            needed.add(node.outputs[0].name)
+            stack.extend(v.name for v in node.inputs if v.name not in self.known)
+        for node in self.graph.nodes:
+            first = node.outputs[0].name if node.outputs else None  # effects have no results
+            if first in needed and first not in self.known and not self._run(node):
+                return None
+        return self.known.get(index.name)
+
+    def _run(self, node: Node) -> bool:
+        try:
+            with np.errstate(all="ignore"):
+                ins = [np.asarray(self.known[v.name]) for v in node.inputs]
+                results = get_op(node.op).run(ins, node.attrs)
+        except (ArithmeticError, IndexError, KeyError, TypeError, ValueError):
+            return False  # left for the backend to run (and report)
+        for out, array in zip(node.outputs, results, strict=True):
+            self.known[out.name] = np.asarray(array)
+        return True
+
+
+def _check_constant_index(node: Node, index: Array, high: int) -> None:
+    """A gather or embedding of a constant index: every value in ``[0, high)``."""
+    if index.dtype.kind not in "iu" or index.size == 0:
+        return
+    bad = (index < 0) | (index >= high)
+    if bad.any():
+        position = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CompileError(
+            f"{node.op} at {node.source or '<unknown>'}: its index is a constant holding "
+            f"{int(index[position])} at position {position}, outside [0, {high})"
+        )
+
+
+def index_bounds(graph: Graph, values: Mapping[str, Array] | None = None) -> tuple[IndexBound, ...]:
+    """Every batch input that indexes a tensor (class targets, token ids), with its range.
+
+    An index computed from constants (``values``: the graph inputs' values, where known)
+    is checked here instead, and a ``CompileError`` names the node indexing out of range.
+    """
     producer = {out.name: n for n in graph.nodes for out in n.outputs}
     inputs = {v.name for v in graph.inputs if v.role is Role.INPUT}
+    constants = _Constants(graph, values or {})
     found: dict[tuple[str, int, frozenset[int], str], None] = {}
     for node in graph.nodes:
         if node.op == "gather":
@@ -103,6 +192,8 @@ def index_bounds(graph: Graph) -> tuple[IndexBound, ...]:
         source = _batch_source(index, producer, inputs)
         if source is not None:
             found[(source[0], high, source[1], what)] = None
+        elif (constant := constants.value(index)) is not None:
+            _check_constant_index(node, constant, high)
     return tuple(IndexBound(name, high, ignored, what) for name, high, ignored, what in found)
 
 

@@ -149,7 +149,7 @@ def build_parts(
     frozen: FrozenWeights = AS_GIVEN,
 ) -> StepParts:
     """Quantize, fuse for ``backend``'s ops, add backward and updates, run ``passes``."""
-    bounds = index_bounds(forward)  # class targets, token ids (before quantizing)
+    bounds = index_bounds(forward, imported.values)  # class targets, token ids (before quantizing)
     given = {ir: frozen.given[name] for ir, name in imported.state_names.items()
              if name in frozen.given}  # fmt: skip
     quant = quantize_frozen(verify(forward), imported.values, frozen.dtype, prequantized=given)

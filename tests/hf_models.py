@@ -159,10 +159,34 @@ def _vision(config_cls: str, size: int = 32, **kw: Any) -> Callable[[], Workload
     return build
 
 
+def _audio(
+    config_cls: str, features: tuple[int, ...], key: str, **kw: Any
+) -> Callable[[], Workload]:
+    """An audio classifier on random ``features`` per example (log-mel frames or samples)."""
+
+    def build() -> Workload:
+        model = _model("AutoModelForAudioClassification", config_cls, num_labels=_CLASSES, **kw)
+
+        def make(seed: int) -> tuple[torch.Tensor, ...]:
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(_BATCH, *features, generator=g)
+            return x, torch.randint(0, _CLASSES, (_BATCH,), generator=g)
+
+        def loss(model: nn.Module, x: Any, y: Any) -> torch.Tensor:
+            return model(**{key: x}, labels=y).loss  # type: ignore[no-any-return]
+
+        return Workload(config_cls, model, loss, make)
+
+    return build
+
+
 # fmt: off
 _LM = {"vocab_size": _VOCAB, "hidden_size": _HIDDEN, "num_hidden_layers": 2,
        "intermediate_size": 64}
 _GQA = {**_LM, "num_attention_heads": 4, "num_key_value_heads": 2}
+# mixture-of-experts decoders: 4 experts, 2 a token; the experts as one batched matmul over
+# the (token, expert) pairs (transformers' default sorts tokens by expert: dynamic shapes)
+_MOE = {**_GQA, "num_experts_per_tok": 2, "experts_implementation": "batched_mm"}
 
 ARCHITECTURES: tuple[Arch, ...] = (
     # text encoders
@@ -192,6 +216,19 @@ ARCHITECTURES: tuple[Arch, ...] = (
     Arch("gemma", "decoder", _decoder("GemmaConfig", **_GQA, head_dim=8)),
     Arch("gpt-j", "decoder", _decoder("GPTJConfig", vocab_size=_VOCAB, n_embd=_HIDDEN, n_layer=2,
                                       n_head=4, rotary_dim=4, n_positions=64)),
+    Arch("gpt-neo", "decoder", _decoder("GPTNeoConfig", vocab_size=_VOCAB, hidden_size=_HIDDEN,
+                                        num_layers=2, num_heads=4, window_size=4,
+                                        attention_types=[[["global", "local"], 1]],
+                                        max_position_embeddings=64)),
+    # mixture-of-experts decoders (aten.topk routers)
+    Arch("mixtral", "decoder", _decoder("MixtralConfig", **_MOE, num_local_experts=4)),
+    Arch("qwen2-moe", "decoder", _decoder("Qwen2MoeConfig", **_MOE, num_experts=4,
+                                          moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=32)),
+    Arch("qwen3-moe", "decoder", _decoder("Qwen3MoeConfig", **_MOE, num_experts=4,
+                                          moe_intermediate_size=32, head_dim=8)),
+    Arch("olmoe", "decoder", _decoder("OlmoeConfig", **_MOE, num_experts=4)),
+    Arch("granitemoe", "decoder", _decoder("GraniteMoeConfig", **_MOE, num_local_experts=4)),
     # encoder-decoders
     Arch("t5", "encoder-decoder", _seq2seq("T5Config", vocab_size=_VOCAB, d_model=_HIDDEN,
                                            d_kv=8, d_ff=64, num_layers=2, num_heads=4,
@@ -233,7 +270,18 @@ ARCHITECTURES: tuple[Arch, ...] = (
     Arch("dinov2", "vision", _vision("Dinov2Config", image_size=32, patch_size=8, **_TEXT)),
     Arch("beit", "vision", _vision("BeitConfig", image_size=32, patch_size=8, **_TEXT)),
     Arch("vit", "vision", _vision("ViTConfig", image_size=32, patch_size=8, **_TEXT), fast=True),
+    Arch("mobilevitv2", "vision", _vision("MobileViTV2Config", size=64, image_size=64,
+                                          width_multiplier=0.25), double=True),
     Arch("swin", "vision", _vision("SwinConfig", image_size=32, patch_size=4, embed_dim=8,
                                    depths=[1, 1], num_heads=[2, 2], window_size=4)),
+    # audio: Whisper's encoder looks its learned positions up with arange
+    Arch("whisper", "audio", _audio("WhisperConfig", (8, 16), "input_features", num_mel_bins=8,
+                                    max_source_positions=8, d_model=_HIDDEN, encoder_layers=1,
+                                    encoder_attention_heads=4, encoder_ffn_dim=64,
+                                    decoder_layers=1, decoder_attention_heads=4,
+                                    decoder_ffn_dim=64, vocab_size=_VOCAB)),
+    Arch("ast", "audio", _audio("ASTConfig", (16, 8), "input_values", num_mel_bins=8,
+                                max_length=16, patch_size=4, frequency_stride=4, time_stride=4,
+                                **_TEXT)),
 )
 # fmt: on

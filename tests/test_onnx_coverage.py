@@ -264,3 +264,13 @@ def test_conv_transpose_output_shape_beyond_its_input_is_named() -> None:
     target = np.zeros((1, 3, 14, 12), np.float32)
     with pytest.raises(pe.CompileError, match=r"output shape \[14, 12\] is larger than its"):
         pe.compile(model, loss="mse", example_batch=(x, target))
+
+
+def test_exported_top_k_router_matches_autograd(tmp_path: Path) -> None:
+    """ONNX ``TopK`` (a mixture-of-experts router) becomes the IR's ``topk``."""
+    from pockengine.zoo_blocks import MoE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MoE(8, experts=4, k=2), nn.Linear(8, 3))
+    x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    _exported_matches_autograd(model, x, y, tmp_path / "m.onnx", "torchscript")

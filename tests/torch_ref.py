@@ -43,10 +43,11 @@ def assert_training_matches(
     steps: int = 3,
     rtol: float = 1e-4,
     atol: float = 1e-5,
+    **compile_kw: Any,
 ) -> None:
     """``steps`` updates in PockEngine and in torch.optim leave equal params and buffers."""
     model = copy.deepcopy(w.model)
-    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=optimizer)
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=optimizer, **compile_kw)
     opt = torch_opt(model.parameters())
     for i in range(steps):
         batch = w.make_batch(i)

@@ -139,6 +139,7 @@ def kernel_table() -> dict[str, Kernel]:
         onnx_kernels_loss,
         onnx_kernels_nn,
         onnx_kernels_quant,
+        onnx_kernels_select,
         onnx_kernels_shape,
     )
 
@@ -149,6 +150,7 @@ def kernel_table() -> dict[str, Kernel]:
         **onnx_kernels_attn.KERNELS,
         **onnx_kernels_loss.KERNELS,
         **onnx_kernels_quant.KERNELS,
+        **onnx_kernels_select.KERNELS,
     }
 
 

@@ -17,7 +17,7 @@ from pockengine.backends.onnx_emit import Emitter, Kernel, onnx_dtype, registrar
 from pockengine.ir import DType, Node
 from pockengine.ops._common import broadcast_shapes, norm_axis
 
-__all__ = ["KERNELS"]
+__all__ = ["KERNELS", "index_plan", "result_perm", "stacked_index"]
 
 KERNELS: dict[str, Kernel] = {}
 _k = registrar(KERNELS)
@@ -144,23 +144,28 @@ def _i64(em: Emitter, node: Node, i: int, name: str) -> str:
 # -- advanced indexing ------------------------------------------------------------------
 
 
-def _index_plan(node: Node, shape: tuple[int, ...]) -> tuple[list[int], list[int], tuple[int, ...]]:
-    """(axes, perm moving them to the front, broadcast index shape)."""
+def index_plan(
+    node: Node, shape: tuple[int, ...], first: int = 1
+) -> tuple[list[int], list[int], tuple[int, ...]]:
+    """(axes, perm moving them to the front, broadcast index shape); the index tensors are
+    the node's inputs from ``first`` on."""
     rank = len(shape)
     axes_attr = node.attrs["axes"]
     assert isinstance(axes_attr, tuple)
     axes = [norm_axis(int(a), rank) for a in axes_attr]
     perm = axes + [d for d in range(rank) if d not in axes]
-    batch = broadcast_shapes(*(v.shape for v in node.inputs[1 : 1 + len(axes)]))
+    batch = broadcast_shapes(*(v.shape for v in node.inputs[first : first + len(axes)]))
     return axes, perm, batch
 
 
-def _stacked_index(em: Emitter, node: Node, x: list[str], shape: tuple[int, ...]) -> str:
+def stacked_index(
+    em: Emitter, node: Node, x: list[str], shape: tuple[int, ...], first: int = 1
+) -> str:
     """[*batch, K] int64: the index tensors, negatives wrapped, broadcast and stacked."""
-    axes, _, batch = _index_plan(node, shape)
+    axes, _, batch = index_plan(node, shape, first)
     columns = []
-    for k, (axis, name) in enumerate(zip(axes, x[1:], strict=True)):
-        i = _i64(em, node, k + 1, name)
+    for k, (axis, name) in enumerate(zip(axes, x[first:], strict=True)):
+        i = _i64(em, node, k + first, name)
         negative = em.op("Less", i, em.scalar(0, DType.I64))
         i = em.op("Where", negative, em.op("Add", i, em.scalar(shape[axis], DType.I64)), i)
         i = em.op("Expand", i, em.ints(batch))
@@ -170,7 +175,7 @@ def _stacked_index(em: Emitter, node: Node, x: list[str], shape: tuple[int, ...]
     return em.op("Concat", *columns, axis=len(batch))
 
 
-def _result_perm(axes: list[int], n_batch: int, rank: int) -> list[int] | None:
+def result_perm(axes: list[int], n_batch: int, rank: int) -> list[int] | None:
     """How GatherND's [*batch, *rest] goes to NumPy's order (batch in place when the
     indexed axes are adjacent); None when it is already right."""
     first, adjacent = axes[0], axes[-1] - axes[0] == len(axes) - 1
@@ -187,10 +192,10 @@ def _result_perm(axes: list[int], n_batch: int, rank: int) -> list[int] | None:
 @_k("index")
 def _index(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     shape = node.inputs[0].shape
-    axes, perm, batch = _index_plan(node, shape)
+    axes, perm, batch = index_plan(node, shape)
     data = _transpose(em, x[0], perm)
-    back = _result_perm(axes, len(batch), len(shape))
-    gathered = em.op("GatherND", data, _stacked_index(em, node, x, shape), out=None)
+    back = result_perm(axes, len(batch), len(shape))
+    gathered = em.op("GatherND", data, stacked_index(em, node, x, shape), out=None)
     if back is None:
         em.op("Identity", gathered, out=out[0])
     else:
@@ -200,13 +205,13 @@ def _index(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
 @_k("index_grad")
 def _index_grad(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     shape = _shape(node, "shape")
-    axes, perm, batch = _index_plan(node, shape)
-    back = _result_perm(axes, len(batch), len(shape))
+    axes, perm, batch = index_plan(node, shape)
+    back = result_perm(axes, len(batch), len(shape))
     g = x[0]
     if back is not None:
         g = em.op("Transpose", g, perm=[int(i) for i in np.argsort(back)])
     zeros = _zeros(em, [shape[p] for p in perm], node.inputs[0].dtype)
-    index = _stacked_index(em, node, x, shape)
+    index = stacked_index(em, node, x, shape)
     scattered = em.op("ScatterND", zeros, index, g, reduction="add")
     inverse = [int(i) for i in np.argsort(perm)]
     if inverse == sorted(inverse):

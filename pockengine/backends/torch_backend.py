@@ -37,6 +37,7 @@ from pockengine.backends import (
     torch_kernels_nn,
     torch_kernels_optim,
     torch_kernels_quant,
+    torch_kernels_select,
     torch_kernels_shape,
 )
 from pockengine.backends.base import Backend, Executable, NotShareableError, Store, check_ops
@@ -65,6 +66,7 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_loss.KERNELS,
     **torch_kernels_quant.KERNELS,
     **torch_kernels_optim.KERNELS,
+    **torch_kernels_select.KERNELS,
 }
 _FINDERS: dict[str, PairFinder] = {**torch_kernels.FINDERS, **torch_kernels_nn.FINDERS}
 _NAMESPACE: dict[str, Any] = {
@@ -75,6 +77,7 @@ _NAMESPACE: dict[str, Any] = {
     **torch_kernels_quant.NAMESPACE,
     **torch_kernels_loss.NAMESPACE,
     **torch_kernels_optim.NAMESPACE,
+    **torch_kernels_select.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
     "nan": math.nan,

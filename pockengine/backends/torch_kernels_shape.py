@@ -18,7 +18,7 @@ from pockengine.backends.torch_codegen import Emit, Emitter, literal
 from pockengine.backends.torch_kernels import out_arg
 from pockengine.ops._common import norm_axis
 
-__all__ = ["KERNELS", "NAMESPACE", "wrap_index"]
+__all__ = ["KERNELS", "NAMESPACE", "index_list", "wrap_index"]
 
 _aten = torch.ops.aten
 
@@ -116,23 +116,24 @@ def _gather_grad(e: Emit) -> list[str]:
     return [f"{e.out} = {_zeros(e, shape)}.scatter_add_({axis}, {index}, {e.ins[0]})"]
 
 
-def _index_list(e: Emit, rank: int) -> str:
-    """ATen's index list: the index tensors on their axes, None on the axes between."""
+def index_list(e: Emit, rank: int, first: int = 1) -> str:
+    """ATen's index list: the index tensors (the node's inputs from ``first`` on) on their
+    axes, None on the axes between."""
     axes = [norm_axis(a, rank) for a in e.attr("axes")]
     slots = ["None"] * (max(axes) + 1)
-    for a, name in zip(axes, e.ins[1:], strict=True):
+    for a, name in zip(axes, e.ins[first:], strict=True):
         slots[a] = name
     return f"[{', '.join(slots)}]"
 
 
 def _index(e: Emit) -> list[str]:
     rank = e.node.inputs[0].type.rank
-    return [f"{e.out} = aten_index({e.ins[0]}, {_index_list(e, rank)})"]
+    return [f"{e.out} = aten_index({e.ins[0]}, {index_list(e, rank)})"]
 
 
 def _index_grad(e: Emit) -> list[str]:
     shape = tuple(e.attr("shape"))
-    indices = _index_list(e, len(shape))
+    indices = index_list(e, len(shape))
     return [f"{e.out} = aten_index_put_({_zeros(e, shape)}, {indices}, {e.ins[0]}, True)"]
 
 

@@ -2,9 +2,9 @@
 ``ConvTranspose``, ``Resize``, ``InstanceNormalization`` and ``GroupNormalization`` (how
 PyTorch's group norm exports), the ELU family (``Elu``, ``Selu``, ``Celu``), ``Softplus``,
 ``Softsign``, and the reductions ``ReduceMin``, ``ReduceL1``, ``ReduceL2``,
-``ReduceSumSquare``, ``ArgMax`` and ``ArgMin``. Each is composed from IR ops (``compose``,
-shared with the PyTorch and Keras frontends), so every backend runs it and autodiff needs
-nothing new.
+``ReduceSumSquare``, ``ArgMax`` and ``ArgMin``, and ``TopK`` (the IR's ``topk``). Each of
+the others is composed from IR ops (``compose``, shared with the PyTorch and Keras
+frontends), so every backend runs it and autodiff needs nothing new.
 """
 
 from __future__ import annotations
@@ -268,3 +268,15 @@ def _arg(lowest: bool) -> Any:
 
 onnx_op("ArgMax")(_arg(lowest=False))
 onnx_op("ArgMin")(_arg(lowest=True))
+
+
+@onnx_op("TopK")
+def _topk(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> tuple[Value, Value]:
+    """The IR's ``topk`` (always sorted: an unsorted TopK may return any order); K must
+    be a constant."""
+    x = cx.value(ins[0])
+    (k,) = const_ints(ins[1], "TopK's K")
+    axis = norm_axis(int(attrs.get("axis", -1)), x.type.rank)
+    largest = bool(attrs.get("largest", 1))
+    values, indices = cx.call_multi("topk", x, k=k, axis=axis, largest=largest)
+    return values, indices

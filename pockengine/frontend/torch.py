@@ -27,6 +27,7 @@ from pockengine.frontend import (  # noqa: F401  (aten_*: fill the table)
     aten_math,
     aten_nn,
     aten_reduce,
+    aten_select,
     aten_shape,
     import_memo,
 )

@@ -16,7 +16,7 @@ import numpy as np
 from pockengine.ir import DType, Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ops._common import Array, broadcast_shapes, norm_axis
 
-__all__: list[str] = []
+__all__ = ["index_key", "indexed_shape"]
 
 _SHAPE = Fact.SHAPE
 _INDEX_DTYPES = (DType.I64, DType.I32)
@@ -148,7 +148,7 @@ class GatherGrad:
 # -- advanced indexing -------------------------------------------------------------------
 
 
-def _index_shape(
+def indexed_shape(
     op: str, shape: tuple[int, ...], indices: Sequence[TensorType], axes: tuple[int, ...]
 ) -> tuple[int, ...]:
     """The shape NumPy gives x[key] with the index arrays on ``axes`` and ':' elsewhere.
@@ -172,7 +172,7 @@ def _index_shape(
     return (*batch, *rest)
 
 
-def _index_key(rank: int, axes: tuple[int, ...], indices: Sequence[Array]) -> tuple[Any, ...]:
+def index_key(rank: int, axes: tuple[int, ...], indices: Sequence[Array]) -> tuple[Any, ...]:
     key: list[Any] = [slice(None)] * rank
     for a, i in zip(axes, indices, strict=True):
         key[norm_axis(a, rank)] = i
@@ -192,11 +192,11 @@ class Index:
 
     @staticmethod
     def infer(x: TensorType, *indices: TensorType, axes: tuple[int, ...]) -> TensorType:
-        return TensorType(_index_shape("index", x.shape, indices, tuple(axes)), x.dtype)
+        return TensorType(indexed_shape("index", x.shape, indices, tuple(axes)), x.dtype)
 
     @staticmethod
     def kernel(x: Array, *indices: Array, axes: tuple[int, ...]) -> Array:
-        return np.asarray(x[_index_key(x.ndim, axes, indices)])
+        return np.asarray(x[index_key(x.ndim, axes, indices)])
 
     @staticmethod
     def vjp(c: VJPContext) -> Sequence[Value | None]:
@@ -231,7 +231,7 @@ class IndexGrad:
     def infer(
         gz: TensorType, *indices: TensorType, axes: tuple[int, ...], shape: tuple[int, ...]
     ) -> TensorType:
-        expected = _index_shape("index_grad", tuple(shape), indices, tuple(axes))
+        expected = indexed_shape("index_grad", tuple(shape), indices, tuple(axes))
         if gz.shape != expected:
             raise ShapeError(f"index_grad: {gz} is not the indexed shape {list(expected)}")
         return TensorType(tuple(shape), gz.dtype)
@@ -239,7 +239,7 @@ class IndexGrad:
     @staticmethod
     def kernel(gz: Array, *indices: Array, axes: tuple[int, ...], shape: tuple[int, ...]) -> Array:
         out = np.zeros(shape, dtype=gz.dtype)
-        np.add.at(out, _index_key(out.ndim, axes, indices), gz)
+        np.add.at(out, index_key(out.ndim, axes, indices), gz)
         return out
 
     @staticmethod

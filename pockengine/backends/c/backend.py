@@ -21,7 +21,7 @@ import numpy as np
 
 from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
-from pockengine.backends.c import lower_ew, lower_loss, lower_nn, lower_reduce
+from pockengine.backends.c import lower_ew, lower_loss, lower_nn, lower_reduce, lower_select
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
@@ -36,6 +36,7 @@ KERNELS: dict[str, Lowering] = {
     **lower_reduce.KERNELS,
     **lower_nn.KERNELS,
     **lower_loss.KERNELS,
+    **lower_select.KERNELS,
 }
 
 

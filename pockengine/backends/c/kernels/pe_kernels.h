@@ -109,6 +109,12 @@ size_t pe_dtype_size(int dtype);
 PE_DECLARE(f32, float)
 PE_DECLARE(f64, double)
 
+/* select.c: the k best entries of each row along an axis, and their positions. */
+void pe_topk_f32(const float *x, float *values, int64_t *indices, long outer, long n,
+                 long inner, long k, int largest);
+void pe_topk_f64(const double *x, double *values, int64_t *indices, long outer, long n,
+                 long inner, long k, int largest);
+
 /* Geometry of a 2-D window op, as the emitter writes it (one static array per node). */
 enum {
     PE_G_N, PE_G_C, PE_G_H, PE_G_W, PE_G_O, PE_G_KH, PE_G_KW, PE_G_OH, PE_G_OW,
