@@ -96,9 +96,19 @@ static void PE_S(pe_gemm_copy_out)(PE_T *C, const pe_layout *l, const PE_T *rest
     }
 }
 
+/* Where op(B) comes from: a matrix with a layout, or a packing function (an implicit
+ * operand: convolution.c's im2col) that writes op(B)[k0..k0+kc, j0..j0+width) into the
+ * sliver, rows PE_NR apart. */
+typedef struct {
+    const PE_T *B;
+    pe_layout lb;
+    void (*pack)(const void *ctx, PE_T *sliver, long ld, long k0, long kc, long j0, long width);
+    const void *ctx;
+} PE_S(pe_gemm_b);
+
 /* C rows [r0, r1) x columns [c0, c1), every k block; panels and sliver are scratch. */
 static void PE_S(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const PE_T *A,
-                               const pe_layout *la, const PE_T *B, const pe_layout *lb,
+                               const pe_layout *la, const PE_S(pe_gemm_b) *b,
                                PE_T *C, const pe_layout *lc, int accumulate,
                                PE_T *restrict panels, PE_T *restrict sliver) {
     _Alignas(64) PE_T tile[PE_MR * PE_NR];
@@ -114,7 +124,10 @@ static void PE_S(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
         for (long j0 = c0; j0 < c1; j0 += PE_NR) {
             long width = pe_min(PE_NR, c1 - j0);
             if (width < PE_NR) memset(sliver, 0, (size_t)(kc * PE_NR) * sizeof(PE_T));
-            PE_S(pe_gemm_copy_in)(sliver, PE_NR, 1, B, lb, k0, kc, j0, width);
+            if (b->pack)
+                b->pack(b->ctx, sliver, PE_NR, k0, kc, j0, width);
+            else
+                PE_S(pe_gemm_copy_in)(sliver, PE_NR, 1, b->B, &b->lb, k0, kc, j0, width);
             int direct = width == PE_NR && lc->cs == 1 && lc->split != 1 &&
                          pe_axis_run(lc, 2, j0, j0 + PE_NR) == PE_NR;
             PE_T *cj = C + pe_axis_offset(lc, 2, j0);
@@ -144,8 +157,8 @@ static int PE_S(pe_gemm_threads)(long work) {
     return 1;
 }
 
-void PE_S(pe_gemm_strided)(long M, long N, long K, const PE_T *A, pe_layout la, const PE_T *B,
-                           pe_layout lb, PE_T *C, pe_layout lc, int accumulate) {
+static void PE_S(pe_gemm_run)(long M, long N, long K, const PE_T *A, pe_layout la,
+                              const PE_S(pe_gemm_b) *b, PE_T *C, pe_layout lc, int accumulate) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         if (!accumulate) {
@@ -175,9 +188,22 @@ void PE_S(pe_gemm_strided)(long M, long N, long K, const PE_T *A, pe_layout la, 
         long r0 = t / groups * mc, c0 = t % groups * nc;
         _Alignas(64) PE_T panels[PE_MC * PE_KC];
         _Alignas(64) PE_T sliver[PE_KC * PE_NR];
-        PE_S(pe_gemm_tile)(r0, pe_min(r0 + mc, M), c0, pe_min(c0 + nc, N), K, A, &la, B, &lb,
-                           C, &lc, accumulate, panels, sliver);
+        PE_S(pe_gemm_tile)(r0, pe_min(r0 + mc, M), c0, pe_min(c0 + nc, N), K, A, &la, b, C,
+                           &lc, accumulate, panels, sliver);
     }
+}
+
+void PE_S(pe_gemm_strided)(long M, long N, long K, const PE_T *A, pe_layout la, const PE_T *B,
+                           pe_layout lb, PE_T *C, pe_layout lc, int accumulate) {
+    PE_S(pe_gemm_b) b = {B, lb, NULL, NULL};
+    PE_S(pe_gemm_run)(M, N, K, A, la, &b, C, lc, accumulate);
+}
+
+void PE_S(pe_gemm_implicit)(long M, long N, long K, const PE_T *A, pe_layout la,
+                            void (*pack)(const void *, PE_T *, long, long, long, long, long),
+                            const void *ctx, PE_T *C, pe_layout lc, int accumulate) {
+    PE_S(pe_gemm_b) b = {NULL, {0, 0, 0, 0, 0}, pack, ctx};
+    PE_S(pe_gemm_run)(M, N, K, A, la, &b, C, lc, accumulate);
 }
 
 void PE_S(pe_gemm)(long M, long N, long K, const PE_T *A, long lda, int ta, const PE_T *B,

@@ -66,11 +66,20 @@ size_t pe_dtype_size(int dtype);
                      long ldb, int tb, T *C, long ldc, int accumulate);                        \
     void pe_gemm_strided_##S(long M, long N, long K, const T *A, pe_layout la, const T *B,     \
                              pe_layout lb, T *C, pe_layout lc, int accumulate);                \
+    void pe_gemm_implicit_##S(long M, long N, long K, const T *A, pe_layout la,                \
+                              void (*pack)(const void *, T *, long, long, long, long, long),   \
+                              const void *ctx, T *C, pe_layout lc, int accumulate);            \
     void pe_gemm_images_##S(long count, long M, long N, long K, const T *A, long lda, int ta,  \
                             const T *B, long bstride, T *C, long cstride);                     \
     void pe_conv2d_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);         \
     void pe_conv2d_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);           \
     void pe_conv2d_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);          \
+    void pe_conv2d_im2col_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);  \
+    void pe_conv2d_input_grad_im2col_##S(const T *gy, const T *w, T *gx, const long *geom);    \
+    void pe_conv2d_weight_grad_im2col_##S(const T *x, const T *gy, T *gw, const long *geom);   \
+    void pe_depthwise_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);      \
+    void pe_depthwise_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);        \
+    void pe_depthwise_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);       \
     void pe_batch_norm_##S(const T *x, const T *w, const T *b, T *y, T *mean, T *var,          \
                            long N, long C, long S_, double eps);                               \
     void pe_batch_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
