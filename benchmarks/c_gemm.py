@@ -120,8 +120,8 @@ def main() -> int:
         t = clock()
         probe()
         probe_times.append(clock() - t)
-        for (ours, theirs), (mine, torch_t) in zip(cases, times, strict=True):
-            for fn, into in ((ours, mine), (theirs, torch_t)):
+        for (c_fn, torch_fn), (mine, torch_t) in zip(cases, times, strict=True):
+            for fn, into in ((c_fn, mine), (torch_fn, torch_t)):
                 t = clock()
                 fn()
                 into.append(clock() - t)
@@ -132,13 +132,13 @@ def main() -> int:
           f"{'C/probe':>8} {'C/torch':>8}")  # fmt: skip
     for (work, what, m, n, k, ta, tb), (mine, torch_t) in zip(SHAPES, times, strict=True):
         flops = 2 * m * n * k
-        ours = flops / statistics.median(mine[1:]) / 1e9
+        rate = flops / statistics.median(mine[1:]) / 1e9
         theirs = flops / statistics.median(torch_t[1:]) / 1e9
         op = ("T" if ta else "N") + ("T" if tb else "N")
-        print(f"{work:8} {what:16} {f'{m}x{n}x{k}':>18} {op:>5} {ours:7.1f} {theirs:7.1f} "
-              f"{ours / probe_rate:8.2f} {ours / theirs:8.2f}")  # fmt: skip
+        print(f"{work:8} {what:16} {f'{m}x{n}x{k}':>18} {op:>5} {rate:7.1f} {theirs:7.1f} "
+              f"{rate / probe_rate:8.2f} {rate / theirs:8.2f}")  # fmt: skip
         rows.append({"workload": work, "product": what, "m": m, "n": n, "k": k, "op": op,
-                     "c_gflops": round(ours, 2), "torch_gflops": round(theirs, 2)})  # fmt: skip
+                     "c_gflops": round(rate, 2), "torch_gflops": round(theirs, 2)})  # fmt: skip
     ratios = [r["c_gflops"] / probe_rate for r in rows]
     print(f"C / probe: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}; "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip

@@ -56,7 +56,12 @@ def _add(
     xs = rng.standard_normal((n, c, h, w)).astype(np_dtype)
     ws = rng.standard_normal((o, c // groups, k, k)).astype(np_dtype)
     bs = rng.standard_normal((o,)).astype(np_dtype)
-    attrs = {"stride": (s, s), "padding": (p, p), "dilation": (d, d), "groups": groups}
+    attrs: dict[str, Any] = {
+        "stride": (s, s),
+        "padding": (p, p),
+        "dilation": (d, d),
+        "groups": groups,
+    }
     tag = f"c{i}_{dtype.name}"
     x = b.input(f"{tag}.x", TensorType(xs.shape, dtype), Role.INPUT)
     wv = b.input(f"{tag}.w", TensorType(ws.shape, dtype), Role.INPUT)
