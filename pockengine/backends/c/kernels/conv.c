@@ -1,12 +1,15 @@
 /* 2-D convolution (NCHW, OIHW weights, groups, stride, padding, dilation) and its input
  * and weight gradients.
  *
- * A pointwise convolution (1x1, stride 1, no padding, one group) is a GEMM per image:
- * y[n] = w[O, C] x[n][C, HW] (pe_gemm_images: two images share a sliver when HW is half
- * the micro-kernel's width). Every other case (depthwise, grouped, strided, dilated, the
- * 3-channel stem) runs direct loops whose innermost loop walks one output row over the
- * range of positions whose tap lands inside the input, so it has no branch. The geometry
- * array is indexed by the PE_G_* names of pe_kernels.h. */
+ * A pointwise convolution (1x1, stride 1, no padding, one group) is one GEMM over the
+ * images side by side: y[n] = w[O, C] x[n][C, HW] (pe_gemm_images); its weight gradient
+ * is one GEMM whose k axis runs over every image's positions. Depthwise convolutions run
+ * depthwise.c's kernels; dense and grouped ones with a few channels a group implicit GEMMs
+ * (im2col.c; the input gradient at stride 1). What remains (a group of fewer than
+ * PE_DENSE_MIN channels, a strided input gradient) runs direct loops whose innermost loop
+ * walks one output row over the range of positions whose tap lands inside the input, so
+ * it has no branch. The geometry array is indexed by the PE_G_*
+ * names of pe_kernels.h. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "conv.c"
@@ -31,6 +34,21 @@ static int pe_is_pointwise(const long *g) {
     return g[PE_G_KH] == 1 && g[PE_G_KW] == 1 && g[PE_G_SH] == 1 && g[PE_G_SW] == 1 &&
            g[PE_G_PH] == 0 && g[PE_G_PW] == 0 && g[PE_G_GROUPS] == 1;
 }
+
+/* One filter a channel: depthwise.c's kernels (vectorised along output columns). */
+static int pe_is_depthwise(const long *g) {
+    return g[PE_G_GROUPS] == g[PE_G_C] && g[PE_G_O] == g[PE_G_C] && g[PE_G_C] > 1;
+}
+
+/* The heuristic for the rest: an implicit GEMM (im2col.c) when each group's product has
+ * enough rows and depth to fill the micro-kernel (PE_DENSE_MIN channels in and out a
+ * group), else direct loops. The input gradient takes the GEMM at stride 1 only. */
+#define PE_DENSE_MIN 4
+static int pe_is_dense(const long *g) {
+    long groups = g[PE_G_GROUPS];
+    return !pe_is_depthwise(g) && g[PE_G_O] / groups >= PE_DENSE_MIN &&
+           g[PE_G_C] / groups * g[PE_G_KH] * g[PE_G_KW] >= PE_DENSE_MIN;
+}
 #endif
 
 void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
@@ -43,6 +61,14 @@ void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, co
             for (long n = 0; n < N; n++)
                 for (long o = 0; o < O; o++)
                     for (long p = 0; p < OH * OW; p++) y[(n * O + o) * OH * OW + p] += bias[o];
+        return;
+    }
+    if (pe_is_depthwise(g)) {
+        PE_S(pe_depthwise)(x, w, bias, y, g);
+        return;
+    }
+    if (pe_is_dense(g)) {
+        PE_S(pe_conv2d_im2col)(x, w, bias, y, g);
         return;
     }
     PE_PARALLEL_FOR(N * O * OH * OW * cg * KH * KW)
@@ -80,6 +106,14 @@ void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
         PE_S(pe_gemm_images)(N, C, H * W, O, w, C, 1, gy, O * H * W, gx, C * H * W);
         return;
     }
+    if (pe_is_depthwise(g)) {
+        PE_S(pe_depthwise_input_grad)(gy, w, gx, g);
+        return;
+    }
+    if (pe_is_dense(g) && g[PE_G_SH] == 1 && g[PE_G_SW] == 1) {
+        PE_S(pe_conv2d_input_grad_im2col)(gy, w, gx, g);
+        return;
+    }
     /* Each (image, input channel) plane gathers from the output channels of its group. */
     PE_PARALLEL_FOR(N * C * H * W * og * KH * KW)
     for (long nc = 0; nc < N * C; nc++) {
@@ -113,9 +147,19 @@ void PE_S(pe_conv2d_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, const 
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long cg = C / g[PE_G_GROUPS], og = O / g[PE_G_GROUPS];
     if (pe_is_pointwise(g)) {
-        for (long n = 0; n < N; n++)
-            PE_S(pe_gemm)(O, C, H * W, gy + n * O * H * W, H * W, 0, x + n * C * H * W, H * W, 1,
-                          gw, C, n > 0);
+        /* gw[O, C] = sum_n gy[n] x[n]^T: one product whose k axis runs over every image's
+         * positions (split at each image). */
+        long HW = H * W;
+        pe_layout la = {HW, 1, HW, O * HW, 2}, lb = {1, HW, HW, C * HW, 1}, lc = {C, 1, 0, 0, 0};
+        PE_S(pe_gemm_strided)(O, C, N * HW, gy, la, x, lb, gw, lc, 0);
+        return;
+    }
+    if (pe_is_depthwise(g) && g[PE_G_OW] * (long)sizeof(PE_T) >= 64) {
+        PE_S(pe_depthwise_weight_grad)(x, gy, gw, g);
+        return;
+    }
+    if (pe_is_dense(g)) {
+        PE_S(pe_conv2d_weight_grad_im2col)(x, gy, gw, g);
         return;
     }
     PE_PARALLEL_FOR(O * cg * KH * KW * N * OH * OW)

@@ -1,252 +1,230 @@
-/* Matrix products: a cache-blocked GEMM, C = op(A) op(B) (+ C when accumulating), and a
- * batch of them over images (pe_gemm_images: a pointwise convolution's per-image products).
+/* Matrix products: a packed, cache-blocked GEMM, C = op(A) op(B) (+ C when accumulating).
  *
- * op(A)[i, k] is A[i*lda + k], or A[k*lda + i] when ta; op(B)[k, j] is B[k*ldb + j], or
- * B[j*ldb + k] when tb. The kernel updates PE_MR rows of C at a time from a KC x NR
- * sliver of op(B) copied to the stack (transposed on the way when tb): rows of B 4 KiB
- * apart would alias in L1, and the copy makes every case one micro-kernel. A product of
- * at least PE_PACK_MIN multiply-adds (a transformer's projections and loss tiles, not a
- * small CNN's convolutions) also copies op(A)'s block to the stack in PE_MR-row panels
- * (transposed on the way when ta), once per k block for every sliver (pe_gemm_packed:
- * 1.13x the rate on a [512, 576] x [576, 1536] product; the benchmark BERT's and LLaMA's
- * sparse C steps 9% and 5% faster; 128 KiB more stack in float32, and only there).
- * Nothing is allocated on the heap. */
+ * BLIS-style: for each k block of PE_KC, a block of PE_MC rows of op(A) is packed into
+ * PE_MR-row panels (k-major; kept in L2), then for each PE_NR-column sliver of op(B)
+ * (packed k-major, kept in L1) the register-blocked micro-kernel (gemm_micro.h: AVX-512,
+ * AVX2+FMA, NEON or portable C, chosen at build time) runs over every panel. Packing
+ * reads through a layout (pe_layout: strides, and one axis split into spans), so every
+ * transposition case, and a batch of images' planes read as one matrix, packs into the
+ * same panels: no transpose is ever materialised. Edge tiles (fewer than PE_MR rows or
+ * PE_NR columns, or a sliver that straddles two images) run the same micro-kernel on
+ * zero-padded panels into a tile on the stack, copied to C afterwards.
+ *
+ * Every element of C sums its products in k order from its starting value (0, or C when
+ * accumulating), whatever the blocking, the tile it falls in or the thread count. With
+ * OpenMP the tiles (row blocks, and column groups when there are fewer row blocks than
+ * threads) are split across threads; inside another parallel region it runs on one.
+ * Nothing is allocated on the heap: the panels and the sliver are on the stack (at most
+ * PE_MC x PE_KC + PE_KC x PE_NR elements, 224 KiB in float with AVX-512). */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "linalg.c"
 #include "pe_instantiate.h"
 #else
 
-#define PE_KC 256
-#define PE_MC 256
-#define PE_PKC 128        /* pe_gemm_packed's k block: 128 KiB of float32 panels */
-#define PE_PACK_MIN (1L << 22) /* multiply-adds from which op(A) is packed */
-/* The micro-kernel's block: PE_MR x PE_NR accumulators, two vector registers a row, as many
- * rows as the register file holds with room for B (32 registers with AVX-512, else 16). */
-#ifdef __AVX512F__
-#define PE_VEC 64
-#define PE_MR 8
-#elif defined(__AVX__)
-#define PE_VEC 32
-#define PE_MR 4
-#else
-#define PE_VEC 16
-#define PE_MR 4
+#include "gemm_micro.h"
+
+#ifndef PE_LINALG_HELPERS
+#define PE_LINALG_HELPERS
+/* Where index x lies along an axis (1 rows, 2 columns) of layout l, in elements. */
+static inline long pe_axis_offset(const pe_layout *l, int axis, long x) {
+    long stride = axis == 1 ? l->rs : l->cs;
+    if (l->split != axis) return x * stride;
+    return (x / l->span) * l->jump + (x % l->span) * stride;
+}
+
+/* How many indices from x (up to end) lie in x's span along the axis. */
+static inline long pe_axis_run(const pe_layout *l, int axis, long x, long end) {
+    if (l->split != axis) return end - x;
+    long left = l->span - x % l->span;
+    return left < end - x ? left : end - x;
+}
+
+static inline pe_layout pe_plain(long ld, int trans) {
+    pe_layout l = {trans ? 1 : ld, trans ? ld : 1, 0, 0, 0};
+    return l;
+}
+
+static inline long pe_min(long a, long b) { return a < b ? a : b; }
 #endif
-#define PE_NR (PE_VEC / (int)sizeof(PE_T) * 2)
 
-/* C[i0..i0+PE_MR) [j0..j0+PE_NR) += op(A)[.., k0..k0+len) B: the micro-kernel, B a packed
- * sliver. op(A)[i0 + r, k0 + k] is a[r * rs + k * ks]: A in place (rs, ks = lda, 1, or 1,
- * lda when ta), or a packed panel (1, PE_MR: one short run a k, where rows in place cost
- * PE_MR scalar loads a row apart). The PE_MR x PE_NR accumulators are a fixed-size local
- * block that the compiler keeps in vector registers; each k loads one row sliver of B and
- * PE_MR scalars of A. */
-static void PE_S(pe_gemm_micro)(long i0, long j0, long len, const PE_T *a, long rs, long ks,
-                                const PE_T *B, PE_T *C, long ldc) {
-    PE_T acc[PE_MR][PE_NR];
-    memset(acc, 0, sizeof(acc));
-    for (long k = 0; k < len; k++) {
-        const PE_T *restrict b = B + k * PE_NR;
-        for (int r = 0; r < PE_MR; r++)
-            for (int j = 0; j < PE_NR; j++) acc[r][j] += a[r * rs + k * ks] * b[j];
-    }
-    for (int r = 0; r < PE_MR; r++)
-        for (int j = 0; j < PE_NR; j++) C[(i0 + r) * ldc + j0 + j] += acc[r][j];
-}
+/* The k block: the sliver (PE_KC x PE_NR) stays in L1 beside a panel's stream. */
+#define PE_KC (PE_TSIZE == 4 ? 256 : 128)
+/* The row block: PE_MC x PE_KC of packed A stays in L2 (about 192 rows). */
+#define PE_MC (PE_MR * (192 / PE_MR))
 
-/* Copy op(A)[i0..i0+PE_MR, k0..k1) into a panel, k-major. */
-static void PE_S(pe_gemm_pack_a)(PE_T *restrict panel, const PE_T *A, long lda, int ta,
-                                 long i0, long k0, long k1) {
-    for (long k = k0; k < k1; k++)
-        for (int r = 0; r < PE_MR; r++)
-            panel[(k - k0) * PE_MR + r] = ta ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
-}
-
-/* The micro-kernel for a sliver half as wide (PE_NR / 2 columns: a pointwise convolution
- * over a 4x4 feature map with AVX-512), over twice the rows so that it keeps as many
- * accumulators in registers. They start from C, so each element sums its products in the
- * order pe_gemm_edge does (bit for bit the same result). */
-#define PE_MH (2 * PE_MR)
-static void PE_S(pe_gemm_micro_half)(long i0, long j0, long k0, long k1, const PE_T *A,
-                                     long lda, int ta, const PE_T *B, PE_T *C, long ldc) {
-    PE_T acc[PE_MH][PE_NR / 2];
-    for (int r = 0; r < PE_MH; r++)
-        for (int j = 0; j < PE_NR / 2; j++) acc[r][j] = C[(i0 + r) * ldc + j0 + j];
-    for (long k = k0; k < k1; k++) {
-        PE_T a[PE_MH];
-        for (int r = 0; r < PE_MH; r++) a[r] = ta ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
-        const PE_T *restrict b = B + (k - k0) * PE_NR;
-        for (int r = 0; r < PE_MH; r++)
-            for (int j = 0; j < PE_NR / 2; j++) acc[r][j] += a[r] * b[j];
-    }
-    for (int r = 0; r < PE_MH; r++)
-        for (int j = 0; j < PE_NR / 2; j++) C[(i0 + r) * ldc + j0 + j] = acc[r][j];
-}
-
-/* The micro-kernel over a sliver that holds two images' half-width products side by side
- * (columns [0, PE_NR/2) of C0, then of C1). Like the half-width kernel, its accumulators
- * start from C, so each element sums in the edge loop's order. */
-static void PE_S(pe_gemm_micro_pair)(long i0, long k0, long k1, const PE_T *A, long lda,
-                                     int ta, const PE_T *B, PE_T *C0, PE_T *C1) {
-    enum { H = PE_NR / 2 };
-    PE_T acc[PE_MR][PE_NR];
-    for (int r = 0; r < PE_MR; r++)
-        for (int j = 0; j < H; j++) {
-            acc[r][j] = C0[(i0 + r) * H + j];
-            acc[r][H + j] = C1[(i0 + r) * H + j];
-        }
-    for (long k = k0; k < k1; k++) {
-        PE_T a[PE_MR];
-        for (int r = 0; r < PE_MR; r++) a[r] = ta ? A[k * lda + i0 + r] : A[(i0 + r) * lda + k];
-        const PE_T *restrict b = B + (k - k0) * PE_NR;
-        for (int r = 0; r < PE_MR; r++)
-            for (int j = 0; j < PE_NR; j++) acc[r][j] += a[r] * b[j];
-    }
-    for (int r = 0; r < PE_MR; r++)
-        for (int j = 0; j < H; j++) {
-            C0[(i0 + r) * H + j] = acc[r][j];
-            C1[(i0 + r) * H + j] = acc[r][H + j];
-        }
-}
-
-/* The same product for rows [i0, i1) and the first ``width`` columns of a sliver. */
-static void PE_S(pe_gemm_edge)(long i0, long i1, long j0, long width, long k0, long k1,
-                               const PE_T *A, long lda, int ta, const PE_T *B, PE_T *C,
-                               long ldc) {
-    for (long i = i0; i < i1; i++) {
-        PE_T *restrict c = C + i * ldc + j0;
-        for (long k = k0; k < k1; k++) {
-            PE_T a = ta ? A[k * lda + i] : A[i * lda + k];
-            const PE_T *restrict b = B + (k - k0) * PE_NR;
-            for (long j = 0; j < width; j++) c[j] += a * b[j];
+/* dst[(r - r0) * drs + (c - c0) * dcs] = M(r, c) for the block [r0, r0+nr) x [c0, c0+nc)
+ * of the matrix at src with layout l; runs along the axis of smaller stride. */
+static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const PE_T *src,
+                                  const pe_layout *l, long r0, long nr, long c0, long nc) {
+    int cols_inner = l->cs <= l->rs;
+    int outer = cols_inner ? 1 : 2, inner = cols_inner ? 2 : 1;
+    long o0 = cols_inner ? r0 : c0, no = cols_inner ? nr : nc;
+    long i0 = cols_inner ? c0 : r0, ni = cols_inner ? nc : nr;
+    long dout = cols_inner ? drs : dcs, din = cols_inner ? dcs : drs;
+    long sin = cols_inner ? l->cs : l->rs;
+    for (long o = o0; o < o0 + no; o++) {
+        const PE_T *line = src + pe_axis_offset(l, outer, o);
+        PE_T *dline = dst + (o - o0) * dout;
+        for (long i = i0; i < i0 + ni;) {
+            long run = pe_axis_run(l, inner, i, i0 + ni);
+            const PE_T *s = line + pe_axis_offset(l, inner, i);
+            PE_T *restrict d = dline + (i - i0) * din;
+            if (sin == 1 && din == 1)
+                memcpy(d, s, (size_t)run * sizeof(PE_T));
+            else if (sin == 1)
+                for (long t = 0; t < run; t++) d[t * din] = s[t];
+            else
+                for (long t = 0; t < run; t++) d[t * din] = s[t * sin];
+            i += run;
         }
     }
 }
 
-/* Copy op(B)[k0..k1, j0..j0+width) into the sliver, rows PE_NR apart. */
-static void PE_S(pe_gemm_pack)(PE_T *restrict sliver, const PE_T *B, long ldb, int tb, long k0,
-                               long k1, long j0, long width) {
-    for (long k = k0; k < k1; k++) {
-        PE_T *restrict row = sliver + (k - k0) * PE_NR;
-        if (!tb) {
-            memcpy(row, B + k * ldb + j0, sizeof(PE_T) * (size_t)width);
-        } else {
-            for (long j = 0; j < width; j++) row[j] = B[(j0 + j) * ldb + k];
+/* C(r, c) = tile[(r - r0) * PE_NR + (c - c0)] over the block [r0, r0+nr) x [c0, c0+nc). */
+static void PE_S(pe_gemm_copy_out)(PE_T *C, const pe_layout *l, const PE_T *restrict tile,
+                                   long r0, long nr, long c0, long nc) {
+    for (long r = r0; r < r0 + nr; r++) {
+        PE_T *line = C + pe_axis_offset(l, 1, r);
+        for (long c = c0; c < c0 + nc;) {
+            long run = pe_axis_run(l, 2, c, c0 + nc);
+            PE_T *restrict d = line + pe_axis_offset(l, 2, c);
+            const PE_T *s = tile + (r - r0) * PE_NR + (c - c0);
+            for (long t = 0; t < run; t++) d[t * l->cs] = s[t];
+            c += run;
         }
     }
 }
 
-/* Rows [r0, r1) of C += op(A) op(B), k blocks of kc rows of op(B): each B sliver of
- * kc x PE_NR (in L1) serves every PE_MR rows. With ``panels`` (PE_MC x kc), op(A)'s block
- * is packed first, once per k block (pe_gemm_packed); without, A is read in place. */
-static inline void PE_S(pe_gemm_rows)(long r0, long r1, long N, long K, long kc,
-                                      const PE_T *A, long lda, int ta, const PE_T *B, long ldb,
-                                      int tb, PE_T *C, long ldc, PE_T *sliver, PE_T *panels) {
-    long r4 = r0 + (r1 - r0) / PE_MR * PE_MR;
-    long rs = ta ? 1 : lda, ks = ta ? lda : 1;
-    for (long k0 = 0; k0 < K; k0 += kc) {
-        long k1 = k0 + kc < K ? k0 + kc : K;
-        if (panels)
-            for (long i0 = r0; i0 < r4; i0 += PE_MR)
-                PE_S(pe_gemm_pack_a)(panels + (i0 - r0) * kc, A, lda, ta, i0, k0, k1);
-        for (long j0 = 0; j0 < N; j0 += PE_NR) {
-            long width = N - j0 < PE_NR ? N - j0 : PE_NR;
-            long full = width == PE_NR ? r4 : r0;
-            PE_S(pe_gemm_pack)(sliver, B, ldb, tb, k0, k1, j0, width);
-            for (long i0 = r0; i0 < full; i0 += PE_MR) {
-                if (panels)
-                    PE_S(pe_gemm_micro)(i0, j0, k1 - k0, panels + (i0 - r0) * kc, 1, PE_MR,
-                                        sliver, C, ldc);
-                else
-                    PE_S(pe_gemm_micro)(i0, j0, k1 - k0, A + i0 * rs + k0 * ks, rs, ks, sliver,
-                                        C, ldc);
+/* Where op(B) comes from: a matrix with a layout, or a packing function (an implicit
+ * operand: convolution.c's im2col) that writes op(B)[k0..k0+kc, j0..j0+width) into the
+ * sliver, rows PE_NR apart. */
+typedef struct {
+    const PE_T *B;
+    pe_layout lb;
+    void (*pack)(const void *ctx, PE_T *sliver, long ld, long k0, long kc, long j0, long width);
+    const void *ctx;
+} PE_S(pe_gemm_b);
+
+/* C rows [r0, r1) x columns [c0, c1), every k block; panels and sliver are scratch. */
+static void PE_S(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const PE_T *A,
+                               const pe_layout *la, const PE_S(pe_gemm_b) *b,
+                               PE_T *C, const pe_layout *lc, int accumulate,
+                               PE_T *restrict panels, PE_T *restrict sliver) {
+    _Alignas(64) PE_T tile[PE_MR * PE_NR];
+    for (long k0 = 0; k0 < K; k0 += PE_KC) {
+        long kc = pe_min(PE_KC, K - k0);
+        int load = accumulate || k0 > 0;
+        for (long i0 = r0; i0 < r1; i0 += PE_MR) {
+            long rows = pe_min(PE_MR, r1 - i0);
+            PE_T *panel = panels + (i0 - r0) * kc;
+            if (rows < PE_MR) memset(panel, 0, (size_t)(kc * PE_MR) * sizeof(PE_T));
+            PE_S(pe_gemm_copy_in)(panel, 1, PE_MR, A, la, i0, rows, k0, kc);
+        }
+        for (long j0 = c0; j0 < c1; j0 += PE_NR) {
+            long width = pe_min(PE_NR, c1 - j0);
+            if (width < PE_NR) memset(sliver, 0, (size_t)(kc * PE_NR) * sizeof(PE_T));
+            if (b->pack)
+                b->pack(b->ctx, sliver, PE_NR, k0, kc, j0, width);
+            else
+                PE_S(pe_gemm_copy_in)(sliver, PE_NR, 1, b->B, &b->lb, k0, kc, j0, width);
+            int direct = width == PE_NR && lc->cs == 1 && lc->split != 1 &&
+                         pe_axis_run(lc, 2, j0, j0 + PE_NR) == PE_NR;
+            PE_T *cj = C + pe_axis_offset(lc, 2, j0);
+            for (long i0 = r0; i0 < r1; i0 += PE_MR) {
+                long rows = pe_min(PE_MR, r1 - i0);
+                const PE_T *panel = panels + (i0 - r0) * kc;
+                if (direct && rows == PE_MR) {
+                    PE_MICRO(kc, panel, sliver, cj + i0 * lc->rs, lc->rs, load);
+                    continue;
+                }
+                memset(tile, 0, sizeof(tile));
+                if (load) PE_S(pe_gemm_copy_in)(tile, PE_NR, 1, C, lc, i0, rows, j0, width);
+                PE_MICRO(kc, panel, sliver, tile, PE_NR, 1);
+                PE_S(pe_gemm_copy_out)(C, lc, tile, i0, rows, j0, width);
             }
-            if (width == PE_NR / 2)
-                for (; full + PE_MH <= r1; full += PE_MH)
-                    PE_S(pe_gemm_micro_half)(full, j0, k0, k1, A, lda, ta, sliver, C, ldc);
-            PE_S(pe_gemm_edge)(full, r1, j0, width, k0, k1, A, lda, ta, sliver, C, ldc);
         }
     }
 }
 
-/* pe_gemm for large products: op(A)'s PE_MC x PE_PKC block packed once per k block (its
- * own frame, so that small products never reserve the panels' stack). */
-static __attribute__((noinline)) void PE_S(pe_gemm_packed)(long M, long N, long K,
-                                                           const PE_T *A, long lda, int ta,
-                                                           const PE_T *B, long ldb, int tb,
-                                                           PE_T *C, long ldc) {
-    long row_blocks = (M + PE_MC - 1) / PE_MC;
-    PE_PARALLEL_FOR(M * N * K)
-    for (long rb = 0; rb < row_blocks; rb++) {
-        long r0 = rb * PE_MC, r1 = r0 + PE_MC < M ? r0 + PE_MC : M;
-        PE_T sliver[PE_PKC * PE_NR], panels[PE_MC * PE_PKC];
-        PE_S(pe_gemm_rows)(r0, r1, N, K, PE_PKC, A, lda, ta, B, ldb, tb, C, ldc, sliver, panels);
+/* The threads to use for a product of `work` multiply-adds. */
+static int PE_S(pe_gemm_threads)(long work) {
+#ifdef _OPENMP
+    if (work > (1L << 18) && !omp_in_parallel()) return omp_get_max_threads();
+#else
+    (void)work;
+#endif
+    return 1;
+}
+
+static void PE_S(pe_gemm_run)(long M, long N, long K, const PE_T *A, pe_layout la,
+                              const PE_S(pe_gemm_b) *b, PE_T *C, pe_layout lc, int accumulate) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        if (!accumulate) {
+            PE_T zeros[PE_MR * PE_NR] = {0};
+            for (long i = 0; i < M; i += PE_MR)
+                for (long j = 0; j < N; j += PE_NR)
+                    PE_S(pe_gemm_copy_out)(C, &lc, zeros, i, pe_min(PE_MR, M - i), j,
+                                           pe_min(PE_NR, N - j));
+        }
+        return;
     }
+    int threads = PE_S(pe_gemm_threads)(M * N * K);
+    /* Row blocks: a multiple of the thread count where there are several, as even as the
+     * panel height allows; fewer row blocks than threads split the columns too. */
+    long blocks = (M + PE_MC - 1) / PE_MC;
+    if (threads > 1 && blocks > 1) blocks = (blocks + threads - 1) / threads * threads;
+    long mc = ((M + blocks - 1) / blocks + PE_MR - 1) / PE_MR * PE_MR;
+    blocks = (M + mc - 1) / mc;
+    long slivers = (N + PE_NR - 1) / PE_NR, groups = 1;
+    if (threads > blocks) groups = pe_min((threads + blocks - 1) / blocks, slivers);
+    long nc = (slivers + groups - 1) / groups * PE_NR;
+    groups = (N + nc - 1) / nc;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+    for (long t = 0; t < blocks * groups; t++) {
+        long r0 = t / groups * mc, c0 = t % groups * nc;
+        _Alignas(64) PE_T panels[PE_MC * PE_KC];
+        _Alignas(64) PE_T sliver[PE_KC * PE_NR];
+        PE_S(pe_gemm_tile)(r0, pe_min(r0 + mc, M), c0, pe_min(c0 + nc, N), K, A, &la, b, C,
+                           &lc, accumulate, panels, sliver);
+    }
+}
+
+void PE_S(pe_gemm_strided)(long M, long N, long K, const PE_T *A, pe_layout la, const PE_T *B,
+                           pe_layout lb, PE_T *C, pe_layout lc, int accumulate) {
+    PE_S(pe_gemm_b) b = {B, lb, NULL, NULL};
+    PE_S(pe_gemm_run)(M, N, K, A, la, &b, C, lc, accumulate);
+}
+
+void PE_S(pe_gemm_implicit)(long M, long N, long K, const PE_T *A, pe_layout la,
+                            void (*pack)(const void *, PE_T *, long, long, long, long, long),
+                            const void *ctx, PE_T *C, pe_layout lc, int accumulate) {
+    PE_S(pe_gemm_b) b = {NULL, {0, 0, 0, 0, 0}, pack, ctx};
+    PE_S(pe_gemm_run)(M, N, K, A, la, &b, C, lc, accumulate);
 }
 
 void PE_S(pe_gemm)(long M, long N, long K, const PE_T *A, long lda, int ta, const PE_T *B,
                    long ldb, int tb, PE_T *C, long ldc, int accumulate) {
-    if (!accumulate)
-        for (long i = 0; i < M; i++) memset(C + i * ldc, 0, (size_t)N * sizeof(PE_T));
-    if (M * N * K >= PE_PACK_MIN && M >= PE_MR) {
-        PE_S(pe_gemm_packed)(M, N, K, A, lda, ta, B, ldb, tb, C, ldc);
-        return;
-    }
-    /* Row blocks of PE_MC (an A block of PE_MC x PE_KC stays in L2) split across threads. */
-    long row_blocks = (M + PE_MC - 1) / PE_MC;
-    PE_PARALLEL_FOR(M * N * K)
-    for (long rb = 0; rb < row_blocks; rb++) {
-        long r0 = rb * PE_MC, r1 = r0 + PE_MC < M ? r0 + PE_MC : M;
-        PE_T sliver[PE_KC * PE_NR]; /* on the stack: B rows 4 KiB apart would alias in L1 */
-        PE_S(pe_gemm_rows)(r0, r1, N, K, PE_KC, A, lda, ta, B, ldb, tb, C, ldc, sliver, NULL);
-    }
+    PE_S(pe_gemm_strided)(M, N, K, A, pe_plain(lda, ta), B, pe_plain(ldb, tb), C,
+                          pe_plain(ldc, 0), accumulate);
 }
 
-/* C0 = op(A) B0 and C1 = op(A) B1 for two products of PE_NR/2 columns (B and C row-major,
- * that many columns a row): both images' rows share one packed sliver, so the full-width
- * micro-kernel serves them. */
-static void PE_S(pe_gemm_pair)(long M, long K, const PE_T *A, long lda, int ta,
-                               const PE_T *B0, const PE_T *B1, PE_T *C0, PE_T *C1) {
-    const long H = PE_NR / 2;
-    memset(C0, 0, (size_t)(M * H) * sizeof(PE_T));
-    memset(C1, 0, (size_t)(M * H) * sizeof(PE_T));
-    long row_blocks = (M + PE_MC - 1) / PE_MC;
-    PE_PARALLEL_FOR(M * 2 * H * K)
-    for (long rb = 0; rb < row_blocks; rb++) {
-        long r0 = rb * PE_MC, r1 = r0 + PE_MC < M ? r0 + PE_MC : M;
-        long r4 = r0 + (r1 - r0) / PE_MR * PE_MR;
-        PE_T sliver[PE_KC * PE_NR];
-        for (long k0 = 0; k0 < K; k0 += PE_KC) {
-            long k1 = k0 + PE_KC < K ? k0 + PE_KC : K;
-            for (long k = k0; k < k1; k++) {
-                memcpy(sliver + (k - k0) * PE_NR, B0 + k * H, sizeof(PE_T) * (size_t)H);
-                memcpy(sliver + (k - k0) * PE_NR + H, B1 + k * H, sizeof(PE_T) * (size_t)H);
-            }
-            for (long i0 = r0; i0 < r4; i0 += PE_MR)
-                PE_S(pe_gemm_micro_pair)(i0, k0, k1, A, lda, ta, sliver, C0, C1);
-            PE_S(pe_gemm_edge)(r4, r1, 0, H, k0, k1, A, lda, ta, sliver, C0, H);
-            PE_S(pe_gemm_edge)(r4, r1, 0, H, k0, k1, A, lda, ta, sliver + H, C1, H);
-        }
-    }
-}
-
+/* C[n] = op(A) B[n] for `count` images (B[n] of K x N and C[n] of M x N, row-major,
+ * bstride and cstride elements apart): one product over the images side by side, so a
+ * narrow map (a pointwise convolution over 4x4 or 7x7 positions) still fills the
+ * micro-kernel's columns. */
 void PE_S(pe_gemm_images)(long count, long M, long N, long K, const PE_T *A, long lda, int ta,
                           const PE_T *B, long bstride, PE_T *C, long cstride) {
-    long n = 0;
-    if (N == PE_NR / 2)
-        for (; n + 2 <= count; n += 2)
-            PE_S(pe_gemm_pair)(M, K, A, lda, ta, B + n * bstride, B + (n + 1) * bstride,
-                               C + n * cstride, C + (n + 1) * cstride);
-    for (; n < count; n++)
-        PE_S(pe_gemm)(M, N, K, A, lda, ta, B + n * bstride, N, 0, C + n * cstride, N, 0);
+    pe_layout lb = {N, 1, N, bstride, 2}, lc = {N, 1, N, cstride, 2};
+    PE_S(pe_gemm_strided)(M, count * N, K, A, pe_plain(lda, ta), B, lb, C, lc, 0);
 }
 
 #undef PE_KC
-#undef PE_PKC
-#undef PE_PACK_MIN
 #undef PE_MC
-#undef PE_MH
 #undef PE_MR
-#undef PE_VEC
 #undef PE_NR
+#undef PE_MICRO
 #endif

@@ -8,29 +8,63 @@
 #include "pe_instantiate.h"
 #else
 
-/* Sums of a row, and of its squared deviations from mu, in eight independent lanes (the
- * compiler vectorises them; a single double accumulator would serialise the loop), then
- * added in double by the caller. */
+/* Sums of a row, of its squared deviations from mu, and of the products of two rows, in
+ * PE_LANES independent lanes (the compiler vectorises them into several registers, so
+ * the additions do not wait on each other; a single double accumulator would serialise
+ * the loop; rows of at least 8 * PE_LANES), 8 lanes for what is left, then added in
+ * double. Blocks of PE_BLOCK elements go into double one by one, so float lanes never sum
+ * many terms. */
+#define PE_LANES 32
+#define PE_BLOCK 1024
+#define PE_LANE_SUM(EXPR, OUT)                                                \
+    do {                                                                      \
+        double total_ = 0;                                                    \
+        long s = 0;                                                           \
+        for (long b0 = 0; n >= 8 * PE_LANES && b0 + PE_LANES <= n; b0 += PE_BLOCK) { \
+            long b1 = b0 + PE_BLOCK < n ? b0 + PE_BLOCK : n;                  \
+            PE_T lane[PE_LANES] = {0};                                        \
+            for (s = b0; s + PE_LANES <= b1; s += PE_LANES)                   \
+                for (int l = 0; l < PE_LANES; l++) lane[l] += EXPR(s + l);    \
+            for (int l = 0; l < 8; l++)                                       \
+                total_ += lane[l] + lane[l + 8] + (lane[l + 16] + lane[l + 24]); \
+            if (b1 < n) s = b1;                                               \
+        }                                                                     \
+        PE_T lane8[8] = {0};                                                  \
+        for (; s + 8 <= n; s += 8)                                            \
+            for (int l = 0; l < 8; l++) lane8[l] += EXPR(s + l);              \
+        for (int l = 0; l < 8; l++) total_ += lane8[l];                       \
+        for (; s < n; s++) total_ += (double)(EXPR(s));                       \
+        OUT = total_;                                                         \
+    } while (0)
+
 static double PE_S(pe_row_sum)(const PE_T *restrict x, long n) {
-    PE_T lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    long s = 0;
-    for (; s + 8 <= n; s += 8)
-        for (int l = 0; l < 8; l++) lane[l] += x[s + l];
-    double total = 0;
-    for (int l = 0; l < 8; l++) total += lane[l];
-    for (; s < n; s++) total += x[s];
-    return total;
+    double out;
+#define PE_X(i) x[i]
+    PE_LANE_SUM(PE_X, out);
+#undef PE_X
+    return out;
 }
 
 static double PE_S(pe_row_sqdev)(const PE_T *restrict x, long n, PE_T mu) {
-    PE_T lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    long s = 0;
-    for (; s + 8 <= n; s += 8)
-        for (int l = 0; l < 8; l++) lane[l] += (x[s + l] - mu) * (x[s + l] - mu);
-    double total = 0;
-    for (int l = 0; l < 8; l++) total += lane[l];
-    for (; s < n; s++) total += (double)((x[s] - mu) * (x[s] - mu));
-    return total;
+    double out;
+#define PE_SQ(i) ((x[i] - mu) * (x[i] - mu))
+    PE_LANE_SUM(PE_SQ, out);
+#undef PE_SQ
+    return out;
+}
+
+/* sum g and sum g * (x - mu) * rstd over a row. */
+static void PE_S(pe_row_grad_sums)(const PE_T *restrict g, const PE_T *restrict x, long n,
+                                   PE_T mu, PE_T rstd, double *sb, double *sw) {
+    double tb, tw;
+#define PE_G(i) g[i]
+#define PE_GX(i) (g[i] * ((x[i] - mu) * rstd))
+    PE_LANE_SUM(PE_G, tb);
+    PE_LANE_SUM(PE_GX, tw);
+#undef PE_G
+#undef PE_GX
+    *sb += tb;
+    *sw += tw;
 }
 
 void PE_S(pe_batch_norm)(const PE_T *x, const PE_T *w, const PE_T *b, PE_T *y, PE_T *mean,
@@ -60,13 +94,9 @@ void PE_S(pe_batch_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
     for (long c = 0; c < C; c++) {
         PE_T rstd = (PE_T)(1.0 / sqrt((double)var[c] + eps)), mu = mean[c];
         double sb = 0, sw = 0, n = (double)(N * S);
-        for (long i = 0; i < N; i++) {
-            const PE_T *g = gy + (i * C + c) * S, *row = x + (i * C + c) * S;
-            for (long s = 0; s < S; s++) {
-                sb += g[s];
-                sw += (double)(g[s] * ((row[s] - mu) * rstd));
-            }
-        }
+        for (long i = 0; i < N; i++)
+            PE_S(pe_row_grad_sums)(gy + (i * C + c) * S, x + (i * C + c) * S, S, mu, rstd, &sb,
+                                   &sw);
         PE_T mb = (PE_T)(sb / n), mw = (PE_T)(sw / n), k = w[c] * rstd;
         for (long i = 0; i < N; i++) {
             const PE_T *g = gy + (i * C + c) * S, *row = x + (i * C + c) * S;
@@ -126,4 +156,7 @@ void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
     }
 }
 
+#undef PE_LANES
+#undef PE_BLOCK
+#undef PE_LANE_SUM
 #endif

@@ -48,17 +48,38 @@ typedef struct {
     int input_index;
 } pe_output_info;
 
+/* A GEMM operand's layout (linalg.c): element (r, c) is at r*rs + c*cs, except that the
+ * axis named by split (1 rows, 2 columns; 0 none) runs in spans of ``span`` indices placed
+ * ``jump`` elements apart: index x is at (x / span) * jump + (x % span) * its stride. A
+ * batch of images' per-image matrices read as one matrix so (a pointwise convolution's
+ * [C, HW] planes side by side as [C, N*HW]). */
+typedef struct {
+    long rs, cs, span, jump;
+    int split;
+} pe_layout;
+
 int pe_set_threads(int threads);
 size_t pe_dtype_size(int dtype);
 
 #define PE_DECLARE(S, T)                                                                       \
     void pe_gemm_##S(long M, long N, long K, const T *A, long lda, int ta, const T *B,         \
                      long ldb, int tb, T *C, long ldc, int accumulate);                        \
+    void pe_gemm_strided_##S(long M, long N, long K, const T *A, pe_layout la, const T *B,     \
+                             pe_layout lb, T *C, pe_layout lc, int accumulate);                \
+    void pe_gemm_implicit_##S(long M, long N, long K, const T *A, pe_layout la,                \
+                              void (*pack)(const void *, T *, long, long, long, long, long),   \
+                              const void *ctx, T *C, pe_layout lc, int accumulate);            \
     void pe_gemm_images_##S(long count, long M, long N, long K, const T *A, long lda, int ta,  \
                             const T *B, long bstride, T *C, long cstride);                     \
     void pe_conv2d_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);         \
     void pe_conv2d_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);           \
     void pe_conv2d_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);          \
+    void pe_conv2d_im2col_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);  \
+    void pe_conv2d_input_grad_im2col_##S(const T *gy, const T *w, T *gx, const long *geom);    \
+    void pe_conv2d_weight_grad_im2col_##S(const T *x, const T *gy, T *gw, const long *geom);   \
+    void pe_depthwise_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);      \
+    void pe_depthwise_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);        \
+    void pe_depthwise_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);       \
     void pe_batch_norm_##S(const T *x, const T *w, const T *b, T *y, T *mean, T *var,          \
                            long N, long C, long S_, double eps);                               \
     void pe_batch_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
