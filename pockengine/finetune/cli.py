@@ -12,10 +12,12 @@ from pockengine.cli_help import BACKEND_HELP, RECIPE_HELP, THREADS_HELP
 from pockengine.finetune.config import (
     AUTO_SCORES,
     BATCHNORM_CHOICES,
+    DATA_FORMATS,
     DEFAULT_BACKEND,
     DEFAULT_RECIPE,
     FROZEN_DTYPE_CHOICES,
     OPTIMIZER_STATE_CHOICES,
+    TASK_CHOICES,
     FinetuneConfig,
 )
 from pockengine.ir import CompileError
@@ -146,6 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a Hugging Face tokenizer folder for a factory model, or for a model folder "
         "without one (factory default: a word vocabulary built from the training split)",
     )
+    _add_lm_arguments(p)
     how = p.add_argument_group("how to train (defaults: the recipe's)")
     how.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: auto for the "
                      "text recipes and --model/--data, sparse for the others; full for a "
@@ -236,6 +239,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
+def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
+    lm = p.add_argument_group("your own causal LM (--model a causal-LM folder or .gguf file)")
+    lm.add_argument("--task", choices=TASK_CHOICES,
+                    help="lm or classify (default: lm for a causal-LM model)")  # fmt: skip
+    lm.add_argument(
+        "--data-format", choices=DATA_FORMATS,
+        help="text (.txt/.md files, or JSONL {text}), completion {prompt, completion}, alpaca "
+        "{instruction, input, output} or chat {messages} (default: from the JSONL keys)",
+    )  # fmt: skip
+    lm.add_argument("--train-on-prompt", action="store_true",
+                    help="the loss covers prompt tokens too (default: assistant tokens only)")
+    lm.add_argument("--packing", choices=("on", "off"), default="on",
+                    help="pack short examples into --seq-len rows (default on), or one a row")
+    lm.add_argument("--no-truncate", dest="truncate", action="store_false",
+                    help="refuse an example longer than --seq-len (default: cut it, counted)")
+
+
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     """``pockengine search``: the finetune options (they set the task, the shapes and the
     analysis subset) plus the budget and the analysis options; ``--out`` is the scheme file
@@ -299,6 +319,11 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         progress=args.progress,
         keep=args.keep,
         compile_in=args.compile_in,
+        task=args.task,
+        data_format=args.data_format,
+        train_on_prompt=args.train_on_prompt,
+        packing=args.packing,
+        truncate=args.truncate,
     )
 
 

@@ -280,6 +280,10 @@ def _smollm2_pydocs(config: FinetuneConfig) -> Task:
 
 def _generic(config: FinetuneConfig) -> Task:
     assert config.model is not None and config.data is not None
+    from pockengine.finetune import lm_task
+
+    if lm_task.wants_lm(config):
+        return lm_task.build_lm_task(config)
     data = ds.load_dataset(
         config.data, config.text_column, config.label_column, encoding=config.encoding
     )
