@@ -248,12 +248,23 @@ def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
         help="text (.txt/.md files, or JSONL {text}), completion {prompt, completion}, alpaca "
         "{instruction, input, output} or chat {messages} (default: from the JSONL keys)",
     )  # fmt: skip
-    lm.add_argument("--train-on-prompt", action="store_true",
-                    help="the loss covers prompt tokens too (default: assistant tokens only)")
-    lm.add_argument("--packing", choices=("on", "off"), default="on",
-                    help="pack short examples into --seq-len rows (default on), or one a row")
-    lm.add_argument("--no-truncate", dest="truncate", action="store_false",
-                    help="refuse an example longer than --seq-len (default: cut it, counted)")
+    lm.add_argument(
+        "--train-on-prompt",
+        action="store_true",
+        help="the loss covers prompt tokens too (default: assistant tokens only)",
+    )
+    lm.add_argument(
+        "--packing",
+        choices=("on", "off"),
+        default="on",
+        help="pack short examples into --seq-len rows (default on), or one a row",
+    )
+    lm.add_argument(
+        "--no-truncate",
+        dest="truncate",
+        action="store_false",
+        help="refuse an example longer than --seq-len (default: cut it, counted)",
+    )
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:

@@ -53,15 +53,15 @@ _KEYS = {  # the keys that name each JSONL kind, in the order detection tries th
 _ROLES = ("system", "user", "assistant")
 _TEXT_SUFFIXES = (".txt", ".md")
 
-# The template of a tokenizer without one: each turn a header line and its text, the
-# assistant's followed by end-of-text; the generation prompt is the assistant header.
-PLAIN_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}### System:\n{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}### User:\n{{ m['content'] }}\n\n"
-    "{% else %}### Assistant:\n{{ m['content'] }}{{ eos_token }}\n\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}### Assistant:\n{% endif %}"
+# The template of a tokenizer without one: each turn a header line ("### User:") and its
+# text, turns apart by a blank line, the assistant's text followed by end-of-text; the
+# generation prompt is the assistant header.
+PLAIN_TEMPLATE = (  # newlines as expressions: transformers' Jinja trims one after a tag
+    "{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+    "### {{ m['role'] | capitalize }}:{{ '\\n' }}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{% if messages %}{{ '\\n\\n' }}{% endif %}"
+    "### Assistant:{{ '\\n' }}{% endif %}"
 )
 
 
@@ -183,8 +183,8 @@ def _encode(
 ) -> tuple[Array, Array]:
     if kind == "text":
         text = _field(record, "text", where)
-        ids = [*tokenizer(text)["input_ids"], _eos(tokenizer)]
-        return np.asarray(ids, dtype=np.int64), np.ones(len(ids), dtype=bool)
+        tokens = [*tokenizer(text)["input_ids"], _eos(tokenizer)]
+        return np.asarray(tokens, dtype=np.int64), np.ones(len(tokens), dtype=bool)
     pieces = _rendered(tokenizer, _messages(record, kind, where), where)
     ids: list[int] = []
     trained: list[bool] = []
@@ -229,7 +229,7 @@ def _messages(record: dict[str, Any], kind: str, where: str) -> list[dict[str, s
             raise FinetuneError(f'{at} is not an object with "role" and "content"')
         role = _field(turn, "role", at)
         if role not in _ROLES:
-            raise FinetuneError(f'{at}: role {role!r} is not one of {", ".join(_ROLES)}')
+            raise FinetuneError(f"{at}: role {role!r} is not one of {', '.join(_ROLES)}")
         out.append({"role": role, "content": _field(turn, "content", at)})
     if not any(t["role"] == "assistant" for t in out):
         raise FinetuneError(f"{where}: the chat has no assistant turn: nothing to train on")

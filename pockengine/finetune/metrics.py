@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ def compile_evaluator(step: TrainStep, task: Task) -> Evaluator | None:
     lm = task.kind == "causal-lm"
     size = min(CAUSAL_LM_BATCH if lm else CLASSIFY_BATCH, max(task.val_size, 1))
     example = tuple(torch.from_numpy(a) for a in _padded(task.val, 0, size))
-    eval_fn = causal_lm_eval if lm else classification_eval
+    eval_fn: Callable[..., torch.Tensor] = causal_lm_eval if lm else classification_eval
     if _packed(task):
         from pockengine.finetune.lm_pack import packed_lm_eval
 
@@ -173,8 +173,9 @@ def _causal_lm(task: Task, batch_size: int) -> dict[str, float]:
         from pockengine.finetune.lm_pack import packed_lm_eval
 
         for start in range(0, task.val_size, batch_size):
-            batch = tensor_rows(task.val, start, start + batch_size)
-            out = packed_lm_eval(task.model, *batch, torch.ones(len(batch[0])))
+            ids, seg, pos, targets, weights = tensor_rows(task.val, start, start + batch_size)
+            rows = torch.ones(len(ids))
+            out = packed_lm_eval(task.model, ids, seg, pos, targets, weights, rows)
             total_loss, tokens = total_loss + float(out[0]), tokens + round(float(out[1]))
         mean = total_loss / max(tokens, 1)
         return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0))}
