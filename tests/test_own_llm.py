@@ -5,6 +5,7 @@ file and line, and a whole ``pockengine finetune --model DIR --data FILE`` run."
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pockengine as pe
 from pockengine.cli import main
 from pockengine.finetune import lm_data, lm_pack
 from pockengine.finetune.config import FinetuneError
+from pockengine.finetune.lm_chat import end_of_turn
 from tests.lm_folders import make_lm_folder, make_tokenizer
 
 CHATS = [
@@ -163,7 +165,16 @@ def test_packed_step_equals_examples_one_by_one(tmp_path: Path, arch: str) -> No
         np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def test_finetune_own_chat_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_end_of_turn_is_the_templates_special_token() -> None:
+    chatml, plain = make_tokenizer(), make_tokenizer(chat_template=None)
+    im_end = chatml.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn(chatml) == {chatml.eos_token_id, im_end}
+    assert end_of_turn(plain) == {plain.eos_token_id}
+
+
+def test_finetune_own_chat_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = make_lm_folder(tmp_path / "tiny")
     data = _write(tmp_path / "chat.jsonl", CHATS[:2] * 8)
     out = tmp_path / "run"
@@ -176,6 +187,17 @@ def test_finetune_own_chat_data(tmp_path: Path, capsys: pytest.CaptureFixture[st
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final"]["val_perplexity"] > 1
     assert (out / "model" / "model.safetensors").is_file()
+    # pockengine evaluate repeats the run's validation: packed, trained tokens only
+    assert main(["evaluate", str(out)]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["loss"] == pytest.approx(summary["final"]["val_loss"], rel=1e-5)
+    assert main(["evaluate", str(out), "--data", str(data)]) == 0
+    assert json.loads((out / "eval.json").read_text())["tokens"] > result["tokens"]
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("how do I sort?\n\nand in place?\n"))
+    chat = ["generate", str(out), "--chat", "--max-new-tokens", "4", "--temperature", "0"]
+    assert main(chat) == 0
+    assert "2 replies" in capsys.readouterr().err
     user_only = {"messages": [{"role": "user", "content": "hi"}]}
     bad = _write(tmp_path / "bad.jsonl", [*CHATS[:2], user_only])
     assert main([*args[:4], str(bad), *args[5:-6], "--out", str(tmp_path / "no")]) != 0

@@ -149,4 +149,4 @@ def build_lm_task(config: FinetuneConfig) -> Task:
     torch.manual_seed(config.seed)
     return Task(name, model, lm_pack.packed_lm_loss, train, val, (), kind="causal-lm",
                 notes=notes, inputs=f"{seq} tokens", tokenizer=tokenizer,
-                home={"format": "hf-causal-lm"})  # fmt: skip
+                home={"format": "hf-causal-lm", "packed": True})  # fmt: skip
