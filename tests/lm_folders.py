@@ -65,3 +65,70 @@ def make_lm_folder(
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     return folder
+
+
+def _permuted(w: Any, heads: int) -> Any:
+    """llama.cpp's row order for a rotary projection (``convert_hf_to_gguf``'s permute)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_llama_gguf(folder: Path, path: Path) -> Path:
+    """The LLaMA model and byte-level BPE tokenizer of ``folder`` as a float32 GGUF file, as
+    llama.cpp's converter writes one (q/k rows permuted, the tokenizer and chat template in
+    the metadata)."""
+    import json
+
+    import gguf
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    special = set(tok.all_special_tokens) | {"<|im_start|>", "<|im_end|>"}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    for name, p in model.state_dict().items():
+        w = p.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", w)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", w)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", w)
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            part = rest.rsplit(".", 1)[0]
+            if part == "self_attn.q_proj":
+                w = _permuted(w, cfg.num_attention_heads)
+            elif part == "self_attn.k_proj":
+                w = _permuted(w, cfg.num_key_value_heads)
+            writer.add_tensor(f"blk.{layer}.{names[part]}.weight", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -17,9 +17,10 @@ import torch
 import pockengine as pe
 from pockengine.cli import main
 from pockengine.finetune import lm_data, lm_pack
-from pockengine.finetune.config import FinetuneError
+from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.lm_chat import end_of_turn
-from tests.lm_folders import make_lm_folder, make_tokenizer
+from pockengine.finetune.lm_task import build_lm_task, wants_lm
+from tests.lm_folders import make_lm_folder, make_tokenizer, write_llama_gguf
 
 CHATS = [
     {"messages": [{"role": "system", "content": "be brief"},
@@ -163,6 +164,45 @@ def test_packed_step_equals_examples_one_by_one(tmp_path: Path, arch: str) -> No
     for name, p in model.named_parameters():
         assert p.grad is not None
         np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def _config(model: Path, data: Path, **kw: Any) -> FinetuneConfig:
+    return FinetuneConfig(recipe=None, model=str(model), data=str(data), seq_len=64,
+                          batch_size=2, **kw).validate()  # fmt: skip
+
+
+def test_hf_folder_and_gguf_file_give_the_same_losses(tmp_path: Path) -> None:
+    folder = make_lm_folder(tmp_path / "tiny")
+    gguf_file = write_llama_gguf(folder, tmp_path / "tiny.gguf")
+    data = _write(tmp_path / "chat.jsonl", CHATS[:2] * 4)
+    tasks = [build_lm_task(_config(m, data)) for m in (folder, gguf_file)]
+    assert all(wants_lm(_config(m, data)) for m in (folder, gguf_file))
+    for a, b in zip(tasks[0].train, tasks[1].train, strict=True):
+        np.testing.assert_array_equal(a, b)  # the same tokens, template and masks
+    batch = tuple(torch.from_numpy(a) for a in tasks[0].train)
+    with torch.no_grad():
+        hf, gg = (float(lm_pack.packed_lm_loss(t.model, *batch)) for t in tasks)
+    assert gg == pytest.approx(hf, rel=1e-6)
+
+
+def test_models_that_are_no_causal_lm_refused(tmp_path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "enc.gguf"), "bert")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    data = _write(tmp_path / "chat.jsonl", CHATS[:2])
+    with pytest.raises(FinetuneError, match=r"enc.gguf: GGUF architecture 'bert' is not one"):
+        build_lm_task(_config(tmp_path / "enc.gguf", data))
+    folder = make_lm_folder(tmp_path / "tiny")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert not wants_lm(_config(folder, data))
+    with pytest.raises(FinetuneError, match=r"tiny: not a causal LM"):
+        build_lm_task(_config(folder, data, task="lm"))
 
 
 def test_end_of_turn_is_the_templates_special_token() -> None:
