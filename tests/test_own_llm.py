@@ -19,7 +19,8 @@ from pockengine.cli import main
 from pockengine.finetune import lm_data, lm_pack
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.lm_chat import end_of_turn
-from pockengine.finetune.lm_task import build_lm_task, wants_lm
+from pockengine.finetune.lm_kind import wants_lm
+from pockengine.finetune.lm_task import build_lm_task
 from tests.lm_folders import make_lm_folder, make_tokenizer, write_llama_gguf
 
 CHATS = [

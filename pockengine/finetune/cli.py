@@ -54,6 +54,9 @@ recipes (each checks its packages and prints how to install what is missing):
   generic         --model (a Hugging Face folder, or module:factory returning a torch module
                   with forward(ids, mask) -> logits) on --data (.csv, .tsv, .jsonl, or a
                   folder with one subfolder per class)
+  generic-lm      --model a causal LM (Hugging Face folder or .gguf file) on --data: .txt/.md
+                  text, or JSONL {{text}}, {{prompt, completion}}, Alpaca, {{messages}} chats;
+                  examples packed into --seq-len rows, loss on the responses
 
 Outputs go to --out (default runs/<recipe>): checkpoint.safetensors, metrics.jsonl,
 summary.json, report.txt (the compile-time report; --report prints it) and curves.png;

@@ -1,12 +1,11 @@
 """Fine-tuning your own causal LM on your own text, instructions or chats (``--model`` a
 Hugging Face causal-LM folder or a ``.gguf`` file, ``--data`` as ``lm_data`` reads it).
 
-``wants_lm(config)`` says whether the generic path builds this task or a classifier:
-``--task`` when given, else a causal LM for a model whose config names a ``*ForCausalLM``
-architecture or a GGUF file. ``build_lm_task(config)`` loads the model (safetensors only,
-none of the folder's code; a GGUF file dequantized by transformers), reads and tokenises the
-data, splits the examples with the seed, and packs each split (``lm_pack``): the task's
-arrays are ``lm_pack.PACKED_ARRAYS`` and its loss ``packed_lm_loss``.
+It is the ``generic-lm`` recipe, which ``--model``/``--data`` choose when
+``lm_kind.wants_lm`` says so (``--task lm``, or a causal-LM model). ``build_lm_task(config)``
+loads the model (safetensors only, none of the folder's code; a GGUF file dequantized by
+transformers), reads and tokenises the data, splits the examples with the seed, and packs
+each split (``lm_pack``): the task's arrays are ``lm_pack.PACKED_ARRAYS`` and its loss ``packed_lm_loss``.
 """
 
 from __future__ import annotations
@@ -20,34 +19,14 @@ from torch import nn
 
 from pockengine.finetune import lm_data, lm_pack, models
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.finetune.model_files import check_model_folder, read_json
+from pockengine.finetune.lm_kind import architectures, is_causal_lm_folder
+from pockengine.finetune.model_files import check_model_folder
 from pockengine.finetune.recipes import Task
 
-__all__ = ["GGUF_ARCHITECTURES", "build_lm_task", "load_causal_lm", "wants_lm"]
+__all__ = ["GGUF_ARCHITECTURES", "build_lm_task", "load_causal_lm"]
 
 # The GGUF architectures transformers dequantizes into a causal LM the frontend imports.
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-
-
-def _architectures(folder: Path) -> list[str]:
-    config = folder / "config.json"
-    if not config.is_file():
-        raise FinetuneError(f"{folder}: no config.json; not a Hugging Face model folder")
-    names = read_json(config).get("architectures") or []
-    return [str(n) for n in names] if isinstance(names, list) else []
-
-
-def wants_lm(config: FinetuneConfig) -> bool:
-    """Whether the generic path trains a causal LM (``--task``, else the model's kind)."""
-    if config.task is not None:
-        return config.task == "lm"
-    model = config.model or ""
-    if models.is_factory_spec(model):
-        return False
-    path = Path(model)
-    if path.suffix.lower() == ".gguf":
-        return True
-    return path.is_dir() and any(a.endswith("ForCausalLM") for a in _architectures(path))
 
 
 def gguf_architecture(path: Path) -> str:
@@ -82,9 +61,9 @@ def load_causal_lm(spec: str) -> tuple[nn.Module, Any]:
         folder = path.parent
     else:
         check_model_folder(path)
-        if not any(a.endswith("ForCausalLM") for a in _architectures(path)):
+        if not is_causal_lm_folder(path):
             raise FinetuneError(f"{path}: not a causal LM (its config.json names "
-                                f"{_architectures(path) or 'no architectures'}); "
+                                f"{architectures(path) or 'no architectures'}); "
                                 "leave out --task lm to train a classifier")  # fmt: skip
         where, folder = {"use_safetensors": True, **safe}, path
     try:
