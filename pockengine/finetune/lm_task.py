@@ -5,7 +5,8 @@ It is the ``generic-lm`` recipe, which ``--model``/``--data`` choose when
 ``lm_kind.wants_lm`` says so (``--task lm``, or a causal-LM model). ``build_lm_task(config)``
 loads the model (safetensors only, none of the folder's code; a GGUF file dequantized by
 transformers), reads and tokenises the data, splits the examples with the seed, and packs
-each split (``lm_pack``): the task's arrays are ``lm_pack.PACKED_ARRAYS`` and its loss ``packed_lm_loss``.
+each split (``lm_pack``): the task's arrays are ``lm_pack.PACKED_ARRAYS``, its loss
+``packed_lm_loss``.
 """
 
 from __future__ import annotations
