@@ -220,7 +220,7 @@ def test_finetune_own_chat_data(
     data = _write(tmp_path / "chat.jsonl", CHATS[:2] * 8)
     out = tmp_path / "run"
     args = ["finetune", "--model", str(folder), "--data", str(data), "--seq-len", "64",
-            "--batch-size", "2", "--epochs", "1", "--scheme", "full", "--out", str(out),
+            "--batch-size", "2", "--epochs", "1", "--scheme", "sparse", "--out", str(out),
             "--progress", "none", "--compile-in", "process"]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr().out
@@ -228,6 +228,10 @@ def test_finetune_own_chat_data(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final"]["val_perplexity"] > 1
     assert (out / "model" / "model.safetensors").is_file()
+    # the LLM rule (norms, o_proj, down_proj): the pretrained output projection stays frozen
+    model_config = json.loads((folder / "config.json").read_text())
+    head = model_config["vocab_size"] * model_config["hidden_size"]
+    assert 0 < summary["trained_params"] < head
     # pockengine evaluate repeats the run's validation: packed, trained tokens only
     assert main(["evaluate", str(out)]) == 0
     result = json.loads((out / "eval.json").read_text())
@@ -244,3 +248,28 @@ def test_finetune_own_chat_data(
     assert main([*args[:4], str(bad), *args[5:-6], "--out", str(tmp_path / "no")]) != 0
     assert f"{bad}:3: the chat has no assistant turn" in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+
+
+def test_compiled_evaluation_applies_lora_adapters(tmp_path: Path) -> None:
+    """The compiled evaluation of a LoRA step computes what the adapted step does: after a
+    few updates, its loss equals the eager model with the adapters merged in (before the
+    fix it evaluated the base weights, as if nothing had trained)."""
+    tok = make_tokenizer()
+    model = _tiny("llama")
+    arrays, _ = lm_pack.pack_examples(_examples(tmp_path, tok), 96, tok.pad_token_id)
+    batch = tuple(torch.from_numpy(a) for a in arrays)
+    step = pe.compile(model, lm_pack.packed_lm_loss, batch, optimizer=pe.optim.SGD(lr=5.0),
+                      scheme=pe.schemes.lora(rank=4), backend="torch",
+                      compile_in="process")  # fmt: skip
+    rows = torch.ones(len(batch[0]))
+    evaluator = step.evaluator(model, lm_pack.packed_lm_eval, (*batch, rows))
+    with torch.no_grad():
+        base = lm_pack.packed_lm_eval(model, *batch, rows).numpy()
+    for _ in range(3):
+        step(*batch)
+    ours = np.asarray(evaluator(*(a.numpy() for a in batch), rows.numpy()))
+    step.load_into(model)  # the adapters merged into q_proj and v_proj
+    with torch.no_grad():
+        eager = lm_pack.packed_lm_eval(model, *batch, rows).numpy()
+    assert abs(eager[0] - base[0]) > 1e-3 * abs(base[0])  # the adapters changed the loss
+    np.testing.assert_allclose(ours, eager, rtol=1e-5)
