@@ -74,10 +74,10 @@ def _permuted(w: Any, heads: int) -> Any:
     )
 
 
-def write_llama_gguf(folder: Path, path: Path) -> Path:
+def write_llama_gguf(folder: Path, path: Path, *, q8: bool = False) -> Path:
     """The LLaMA model and byte-level BPE tokenizer of ``folder`` as a float32 GGUF file, as
     llama.cpp's converter writes one (q/k rows permuted, the tokenizer and chat template in
-    the metadata)."""
+    the metadata); ``q8``: the block matrices as Q8_0."""
     import json
 
     import gguf
@@ -126,6 +126,11 @@ def write_llama_gguf(folder: Path, path: Path) -> Path:
                 w = _permuted(w, cfg.num_attention_heads)
             elif part == "self_attn.k_proj":
                 w = _permuted(w, cfg.num_key_value_heads)
+            if q8 and w.ndim == 2:
+                kind = gguf.GGMLQuantizationType.Q8_0
+                writer.add_tensor(f"blk.{layer}.{names[part]}.weight",
+                                  gguf.quants.quantize(w, kind), raw_dtype=kind)  # fmt: skip
+                continue
             writer.add_tensor(f"blk.{layer}.{names[part]}.weight", w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -186,6 +186,24 @@ def test_hf_folder_and_gguf_file_give_the_same_losses(tmp_path: Path) -> None:
     assert gg == pytest.approx(hf, rel=1e-6)
 
 
+def test_gguf_blocks_kept_as_frozen_weights(tmp_path: Path) -> None:
+    """``--frozen-dtype gguf`` on a user's LLaMA GGUF file: the Q8_0 blocks of every block
+    matrix, unpermuted to the model's rows, dequantize to the weights transformers loads."""
+    from pockengine.finetune.gguf import frozen_weights
+    from pockengine.ops.quant import dequantize_array
+
+    gguf_file = write_llama_gguf(make_lm_folder(tmp_path / "tiny"), tmp_path / "q8.gguf", q8=True)
+    data = _write(tmp_path / "chat.jsonl", CHATS[:2] * 4)
+    config = _config(gguf_file, data, frozen_dtype="gguf")
+    blocks = frozen_weights(config).given
+    model = build_lm_task(config).model
+    state = model.state_dict()
+    assert len(blocks) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    for name, q in blocks.items():
+        w = dequantize_array(q.codes, q.scales, q.offsets, scheme=q.scheme, group=q.group)
+        np.testing.assert_allclose(w, state[name].numpy(), atol=1e-6)
+
+
 def test_models_that_are_no_causal_lm_refused(tmp_path: Path) -> None:
     import gguf
 
