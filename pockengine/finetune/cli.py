@@ -204,8 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument(
         "--frozen-dtype", choices=FROZEN_DTYPE_CHOICES, default="none",
         help="store the frozen linear/embedding weights low-bit inside the step: int8 (per "
-        "channel), int4 (groups of 32), gguf (smollm2-pydocs: the shipped Q4_1/Q8_0 blocks as "
-        "they are); none keeps float32 (docs/quant.md)",
+        "channel), int4 (groups of 32), gguf (a LLaMA .gguf --model or smollm2-pydocs: the "
+        "file's Q4_0/Q4_1/Q8_0 blocks as they are); none keeps float32 (docs/quant.md)",
     )  # fmt: skip
     split = p.add_argument_group("data split")
     split.add_argument("--val-fraction", type=fraction, default=0.2, help="held out, stratified")
