@@ -104,6 +104,19 @@ def test_bad_records_name_file_and_line(tmp_path: Path, records: list[Any], mess
         lm_data.load_lm_data(path, make_tokenizer(), 32, truncate=False)
 
 
+def test_template_that_rewrites_earlier_turns_refused(tmp_path: Path) -> None:
+    """A template that drops earlier assistant turns once a later one is added (as some
+    reasoning models' templates drop earlier thoughts) cannot be cut into turns."""
+    last_only = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ m['role'] }}: {{ m['content'] }}|{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    path = _write(tmp_path / "c.jsonl", CHATS[:1])
+    with pytest.raises(FinetuneError, match=r"c.jsonl:1: the chat template does not render"):
+        lm_data.load_lm_data(path, make_tokenizer(chat_template=last_only), 128)
+
+
 def test_truncated_with_a_count(tmp_path: Path) -> None:
     records = [{"prompt": "q", "completion": "a " * 80}, {"prompt": "a " * 80, "completion": "b"}]
     data = lm_data.load_lm_data(_write(tmp_path / "long.jsonl", records), make_tokenizer(), 32)
