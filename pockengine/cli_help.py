@@ -39,6 +39,7 @@ RECIPE_DATA = {
     "lite0-fashion": "Fashion-MNIST, 10 classes: 2000 train / 500 validation images",
     "smollm2-pydocs": "Python 3.11 docs, causal LM: 64 train / 32 validation chunks",
     "generic": "your --model on your --data",
+    "generic-lm": "your causal-LM --model on your text, instructions or chats",
 }
 RECIPE_HELP = (
     f"a built-in recipe (default {DEFAULT_RECIPE} unless --model or --data is given): "

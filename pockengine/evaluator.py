@@ -114,6 +114,11 @@ def compile_evaluator(
 
     with _eval_mode(model):
         imported = import_torch(model, eval_fn, example_batch, forward_only=True)
+    adapters = step.resolution.adapters
+    if adapters:  # LoRA: the eval graph computes what the adapted step computes
+        from pockengine.sparse.lora import insert_adapters
+
+        imported = insert_adapters(imported, adapters)
     graph = _frozen(imported.graph)
     quantized = _as_given(step)
     graph = quantize_frozen(graph, {}, None, prequantized=quantized).graph

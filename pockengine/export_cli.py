@@ -257,7 +257,7 @@ def _prepare(config: FinetuneConfig, scheme: dict[str, Any] | None, what: str) -
     if scheme:  # a run's own scheme, as its checkpoint stored it
         parsed = schemes.from_dict(scheme)
     else:
-        parsed = recipes.parse_scheme(config.scheme, config.recipe, config.batchnorm)
+        parsed = recipes.parse_scheme(config.scheme, recipes.recipe_name(config), config.batchnorm)
     recipes.check_model_files(config)
     task = recipes.build(config)
     step = trainer.compile_task(config, task, parsed)

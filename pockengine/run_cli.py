@@ -101,7 +101,11 @@ def _add_generate(sub: Any) -> Any:
         "text; reports tokens per second",
         run_help=f"{_RUN_HELP} (a causal LM)",
     )
-    ge.add_argument("--prompt", required=True, help="the text to continue")
+    ge.add_argument("--prompt", help="the text to continue (required without --chat)")
+    ge.add_argument("--chat", action="store_true",
+                    help="chat: each line of stdin a user turn, rendered with the run's chat "
+                    "template; the model replies after each")  # fmt: skip
+    ge.add_argument("--system", help="with --chat: a system turn first")
     ge.add_argument(
         "--max-new-tokens",
         type=positive_int,
@@ -227,12 +231,34 @@ def _bar(total: int) -> Iterator[Callable[[int], None]]:
         yield bar.update
 
 
+def _chat(loaded: Any, args: argparse.Namespace) -> int:
+    from pockengine.finetune.lm_chat import chat
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_k": args.top_k, "seed": args.seed}  # fmt: skip
+    replies = chat(loaded, sys.stdin, show, system=args.system, **sampling)
+    tokens, seconds = sum(r.tokens for r in replies), sum(r.seconds for r in replies)
+    rate = tokens / seconds if seconds > 0 else 0.0
+    print(f"{len(replies)} replies, {tokens} tokens in {seconds:.2f} s ({rate:.1f} tokens/s)",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
+    from pockengine.finetune.config import FinetuneError
     from pockengine.finetune.generation import check_generation, generate, prompt_ids
     from pockengine.finetune.home_load import load_run
 
     loaded = load_run(args.run_dir, args.factory)
     check_generation(loaded, args.max_new_tokens, args.temperature, args.top_k)
+    if args.chat:
+        return _chat(loaded, args)
+    if args.prompt is None:
+        raise FinetuneError("generate needs --prompt TEXT, or --chat (user turns on stdin)")
     prompt_ids(loaded, args.prompt)  # an empty or too long prompt: before it is echoed
     sys.stdout.write(args.prompt)
     sys.stdout.flush()

@@ -12,10 +12,12 @@ from pockengine.cli_help import BACKEND_HELP, RECIPE_HELP, THREADS_HELP
 from pockengine.finetune.config import (
     AUTO_SCORES,
     BATCHNORM_CHOICES,
+    DATA_FORMATS,
     DEFAULT_BACKEND,
     DEFAULT_RECIPE,
     FROZEN_DTYPE_CHOICES,
     OPTIMIZER_STATE_CHOICES,
+    TASK_CHOICES,
     FinetuneConfig,
 )
 from pockengine.ir import CompileError
@@ -52,6 +54,9 @@ recipes (each checks its packages and prints how to install what is missing):
   generic         --model (a Hugging Face folder, or module:factory returning a torch module
                   with forward(ids, mask) -> logits) on --data (.csv, .tsv, .jsonl, or a
                   folder with one subfolder per class)
+  generic-lm      --model a causal LM (Hugging Face folder or .gguf file) on --data: .txt/.md
+                  text, or JSONL {{text}}, {{prompt, completion}}, Alpaca, {{messages}} chats;
+                  examples packed into --seq-len rows, loss on the responses
 
 Outputs go to --out (default runs/<recipe>): checkpoint.safetensors, metrics.jsonl,
 summary.json, report.txt (the compile-time report; --report prints it) and curves.png;
@@ -146,6 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a Hugging Face tokenizer folder for a factory model, or for a model folder "
         "without one (factory default: a word vocabulary built from the training split)",
     )
+    _add_lm_arguments(p)
     how = p.add_argument_group("how to train (defaults: the recipe's)")
     how.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: auto for the "
                      "text recipes and --model/--data, sparse for the others and with a "
@@ -198,8 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument(
         "--frozen-dtype", choices=FROZEN_DTYPE_CHOICES, default="none",
         help="store the frozen linear/embedding weights low-bit inside the step: int8 (per "
-        "channel), int4 (groups of 32), gguf (smollm2-pydocs: the shipped Q4_1/Q8_0 blocks as "
-        "they are); none keeps float32 (docs/quant.md)",
+        "channel), int4 (groups of 32), gguf (a LLaMA .gguf --model or smollm2-pydocs: the "
+        "file's Q4_0/Q4_1/Q8_0 blocks as they are); none keeps float32 (docs/quant.md)",
     )  # fmt: skip
     split = p.add_argument_group("data split")
     split.add_argument("--val-fraction", type=fraction, default=0.2, help="held out, stratified")
@@ -241,6 +247,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "one (default child)",
     )  # fmt: skip
     run.add_argument("--threads", type=positive_int, help=THREADS_HELP)
+
+
+def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
+    lm = p.add_argument_group("your own causal LM (--model a causal-LM folder or .gguf file)")
+    lm.add_argument("--task", choices=TASK_CHOICES,
+                    help="lm or classify (default: lm for a causal-LM model)")  # fmt: skip
+    lm.add_argument(
+        "--data-format", choices=DATA_FORMATS,
+        help="text (.txt/.md files, or JSONL {text}), completion {prompt, completion}, alpaca "
+        "{instruction, input, output} or chat {messages} (default: from the JSONL keys)",
+    )  # fmt: skip
+    lm.add_argument(
+        "--train-on-prompt",
+        action="store_true",
+        help="the loss covers prompt tokens too (default: assistant tokens only)",
+    )
+    lm.add_argument(
+        "--packing",
+        choices=("on", "off"),
+        default="on",
+        help="pack short examples into --seq-len rows (default on), or one a row",
+    )
+    lm.add_argument(
+        "--no-truncate",
+        dest="truncate",
+        action="store_false",
+        help="refuse an example longer than --seq-len (default: cut it, counted)",
+    )
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -308,6 +342,11 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         keep=args.keep,
         compile_in=args.compile_in,
         force=getattr(args, "force", False),
+        task=args.task,
+        data_format=args.data_format,
+        train_on_prompt=args.train_on_prompt,
+        packing=args.packing,
+        truncate=args.truncate,
     )
 
 

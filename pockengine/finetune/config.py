@@ -21,11 +21,13 @@ from pockengine.ir import PockEngineError
 from pockengine.optim import SGD, AdamW, Optimizer
 
 __all__ = [
+    "DATA_FORMATS",
     "DEFAULT_BACKEND",
     "DEFAULT_RECIPE",
     "FROZEN_DTYPE_CHOICES",
     "OPTIMIZER_STATE_CHOICES",
     "RUN_FIELDS",
+    "TASK_CHOICES",
     "FinetuneConfig",
     "FinetuneError",
 ]
@@ -42,6 +44,8 @@ AUTO_SCORES = ("fisher", "taylor", "grad")  # estimate.SCORES (config imports no
 # How a trained BatchNorm normalises: by the batch, or by its running statistics as the
 # frozen ones do (schemes.BATCHNORM_MODES; docs/quality.md, lite0-fashion).
 BATCHNORM_CHOICES = ("batch", "running")
+TASK_CHOICES = ("lm", "classify")  # what --model/--data trains (None: from the model)
+DATA_FORMATS = ("text", "completion", "alpaca", "chat")  # lm_data.FORMATS
 
 # Options that steer one invocation and may differ between a run and its resume.
 RUN_FIELDS = frozenset(
@@ -111,6 +115,11 @@ class FinetuneConfig:
     keep: str = "best"  # RUN/model: the best validation's weights (ties: latest) or the last
     compile_in: str = "child"  # child: compile in a child, train its artifact; or process
     force: bool = False  # --out may be a folder that is not a run (out_folder.claim)
+    task: str | None = None  # lm or classify (None: a causal-LM model trains as one)
+    data_format: str | None = None  # causal LM: text, completion, alpaca, chat (None: detected)
+    train_on_prompt: bool = False  # causal LM: the loss covers the prompt tokens too
+    packing: str = "on"  # causal LM: examples packed into rows, or "off": one a row
+    truncate: bool = True  # causal LM: cut an example longer than seq_len (False: refuse it)
 
     def make_optimizer(self, lr: float | None = None) -> Optimizer:
         """The run's optimizer at ``lr`` (default: the config's): SGD with its momentum, or
@@ -138,6 +147,11 @@ class FinetuneConfig:
         _choice("auto_score", self.auto_score, AUTO_SCORES)
         if self.batchnorm is not None:
             _choice("batchnorm", self.batchnorm, BATCHNORM_CHOICES)
+        if self.task is not None:
+            _choice("task", self.task, TASK_CHOICES)
+        if self.data_format is not None:
+            _choice("data_format", self.data_format, DATA_FORMATS)
+        _choice("packing", self.packing, ("on", "off"))
         for name in (
             "epochs",
             "batch_size",
@@ -208,7 +222,8 @@ def _numbers(config: FinetuneConfig) -> None:
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
             raise FinetuneError(f"{name} must be a number, got {value!r}")
     for name in ("recipe", "model", "data", "tokenizer", "scheme", "out", "backend", "encoding",
-                 "frozen_dtype", "optimizer_state", "auto_score", "batchnorm"):  # fmt: skip
+                 "frozen_dtype", "optimizer_state", "auto_score", "batchnorm", "task",
+                 "data_format", "packing"):  # fmt: skip
         value = getattr(config, name)
         if value is not None and not isinstance(value, str | os.PathLike):
             raise FinetuneError(f"{name} must be a string, got {value!r}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +54,10 @@ def generate(
     top_k: int = 50,
     seed: int = 0,
     on_text: Callable[[str], None] | None = None,
+    stop: Collection[int] = (),
 ) -> Generated:
-    """Continue ``prompt``; ``on_text`` receives each new piece of text as it is decoded."""
+    """Continue ``prompt``; ``on_text`` receives each new piece of text as it is decoded;
+    generation also ends at a token in ``stop`` (a chat template's end of turn)."""
     check_generation(loaded, max_new_tokens, temperature, top_k)
     ids = prompt_ids(loaded, prompt)
     prompt_tokens = int(ids.shape[1])
@@ -63,7 +65,7 @@ def generate(
     room = max_new_tokens if context is None else min(max_new_tokens, context - prompt_tokens)
     stream = _TextStream(loaded.tokenizer, on_text)
     start = time.perf_counter()
-    for token in _sampled(loaded, ids, room, temperature, top_k, seed):
+    for token in _sampled(loaded, ids, room, temperature, top_k, seed, stop):
         stream.add(token)
     seconds = time.perf_counter() - start
     full = room < max_new_tokens and len(stream.tokens) == room
@@ -111,7 +113,13 @@ def check_generation(
 
 
 def _sampled(
-    loaded: LoadedRun, ids: torch.Tensor, count: int, temperature: float, top_k: int, seed: int
+    loaded: LoadedRun,
+    ids: torch.Tensor,
+    count: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    stop: Collection[int] = (),
 ) -> Iterator[int]:
     """Up to ``count`` new tokens, one forward pass each with the cache, to end-of-text."""
     rng = torch.Generator().manual_seed(seed)
@@ -121,7 +129,7 @@ def _sampled(
             out = loaded.model(input_ids=ids, use_cache=True, **{cache: past})
             past = getattr(out, cache)
             token = _sample(out.logits[0, -1], temperature, top_k, rng)
-            if token == loaded.tokenizer.eos_token_id:
+            if token == loaded.tokenizer.eos_token_id or token in stop:
                 return
             yield token
             ids = torch.tensor([[token]], dtype=torch.long)

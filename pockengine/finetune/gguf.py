@@ -134,11 +134,30 @@ def frozen_weights(config: FinetuneConfig) -> FrozenWeights:
         return AS_GIVEN
     if config.frozen_dtype != "gguf":
         return FrozenWeights(config.frozen_dtype)
+    own = str(config.model or "")
+    if config.recipe is None and own.lower().endswith(".gguf"):
+        return FrozenWeights(None, llama_weights(_llama_file(Path(own))))
     if config.recipe != "smollm2-pydocs":
         raise FinetuneError(
-            "--frozen-dtype gguf takes the blocks of a model shipped as GGUF: only the "
-            f"smollm2-pydocs recipe's is; for {config.recipe or config.model} use int8 or int4"
+            "--frozen-dtype gguf takes the blocks of a model shipped as GGUF (a --model "
+            "FILE.gguf, or the smollm2-pydocs recipe's); for "
+            f"{config.recipe or config.model} use int8 or int4"
         )
     from pockengine.finetune.causal_lm import smollm2_gguf
 
     return FrozenWeights(None, llama_weights(smollm2_gguf()))
+
+
+def _llama_file(path: Path) -> Path:
+    """``path``, a LLaMA-architecture GGUF file (whose blocks ``llama_weights`` reads)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (OSError, ValueError, KeyError) as e:
+        raise FinetuneError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    if arch != "llama":
+        raise FinetuneError(f"{path}: --frozen-dtype gguf reads the blocks of LLaMA GGUF "
+                            f"files; this one is {arch!r}: use int8 or int4")  # fmt: skip
+    return path

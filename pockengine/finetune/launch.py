@@ -50,7 +50,8 @@ def run(config: FinetuneConfig) -> FinetuneResult:
     assert config.scheme is not None, "filled in by the recipe's defaults"
     given = config.scheme
     scheme = (None if given == _AUTO
-              else recipe_table.parse_scheme(given, config.recipe, config.batchnorm))  # fmt: skip
+              else recipe_table.parse_scheme(given, recipe_table.recipe_name(config),
+                                            config.batchnorm))  # fmt: skip
     recipe_table.check_model_files(config)
     out = _out(config)
     with RunLock(out, config.force):

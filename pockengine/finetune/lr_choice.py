@@ -90,7 +90,7 @@ def choose_lr(
         sparse = recipes.RECIPES[recipes.recipe_name(config)].sparse
         chosen = choose_auto(config, builder.task, sparse).scheme
     else:
-        chosen = recipes.parse_scheme(scheme, config.recipe, config.batchnorm)
+        chosen = recipes.parse_scheme(scheme, recipes.recipe_name(config), config.batchnorm)
     trials: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     for lr in grid:

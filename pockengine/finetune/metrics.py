@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,13 @@ def compile_evaluator(step: TrainStep, task: Task) -> Evaluator | None:
     lm = task.kind == "causal-lm"
     size = min(CAUSAL_LM_BATCH if lm else CLASSIFY_BATCH, max(task.val_size, 1))
     example = tuple(torch.from_numpy(a) for a in _padded(task.val, 0, size))
+    eval_fn: Callable[..., torch.Tensor] = causal_lm_eval if lm else classification_eval
+    if _packed(task):
+        from pockengine.finetune.lm_pack import packed_lm_eval
+
+        eval_fn = packed_lm_eval
     try:
-        return step.evaluator(task.model, causal_lm_eval if lm else classification_eval, example)
+        return step.evaluator(task.model, eval_fn, example)
     except CompileError as exc:
         log.warning("validation runs the torch model eagerly: no compiled evaluation (%s)", exc)
         return None
@@ -133,13 +138,22 @@ def _compiled(evaluator: Evaluator, task: Task) -> dict[str, float]:
     n = task.val_size
     if n == 0:
         raise FinetuneError("the validation split is empty")
-    sums = np.zeros(1 if task.kind == "causal-lm" else 2)
+    sums = np.zeros(1 if task.kind == "causal-lm" and not _packed(task) else 2)
     for out in _batches(evaluator, task.val):
         sums += out
     if task.kind == "causal-lm":
-        mean = float(sums[0]) / max(n * (task.val[0].shape[1] - 1), 1)
+        # packed rows: the trained targets the evaluation counted; chunks: all but the first
+        tokens = sums[1] if _packed(task) else n * (task.val[0].shape[1] - 1)
+        mean = float(sums[0]) / max(float(tokens), 1.0)
         return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0))}
     return {"val_loss": float(sums[0]) / n, "val_accuracy": round(float(sums[1])) / n}
+
+
+def _packed(task: Task) -> bool:
+    """Whether the task's arrays are packed causal-LM rows (``lm_pack``), not chunks."""
+    from pockengine.finetune.lm_pack import PACKED_ARRAYS
+
+    return task.kind == "causal-lm" and len(task.val) == len(PACKED_ARRAYS)
 
 
 def _classification(task: Task, batch_size: int) -> dict[str, float]:
@@ -154,8 +168,19 @@ def _classification(task: Task, batch_size: int) -> dict[str, float]:
 
 
 def _causal_lm(task: Task, batch_size: int) -> dict[str, float]:
-    """Validation chunks hold no padding: every next token is a target."""
+    """Validation chunks hold no padding: every next token is a target (packed rows: the
+    trained targets)."""
     total_loss, tokens = 0.0, 0
+    if _packed(task):
+        from pockengine.finetune.lm_pack import packed_lm_eval
+
+        for start in range(0, task.val_size, batch_size):
+            ids, seg, pos, targets, weights = tensor_rows(task.val, start, start + batch_size)
+            rows = torch.ones(len(ids))
+            out = packed_lm_eval(task.model, ids, seg, pos, targets, weights, rows)
+            total_loss, tokens = total_loss + float(out[0]), tokens + round(float(out[1]))
+        mean = total_loss / max(tokens, 1)
+        return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0))}
     for start in range(0, task.val_size, batch_size):
         ids = torch.from_numpy(task.val[0][start : start + batch_size])
         logits = task.model(input_ids=ids, use_cache=False).logits[:, :-1]

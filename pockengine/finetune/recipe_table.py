@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
+from pockengine.finetune.lm_kind import wants_lm
 from pockengine.finetune.model_files import (
     check_model_folder,
     check_tokenizer_folder,
@@ -100,12 +101,13 @@ class Recipe:
 
 
 def recipe_name(config: FinetuneConfig) -> str:
-    """The recipe a config asks for (``generic`` when it names a model or dataset)."""
+    """The recipe a config asks for (``generic`` when it names a model or dataset,
+    ``generic-lm`` when that model is a causal LM or ``--task lm`` says so)."""
     if config.recipe is None:
-        return "generic"
+        return "generic-lm" if wants_lm(config) else "generic"
     if config.recipe not in RECIPES:
         raise FinetuneError(f"unknown recipe {config.recipe!r}; recipes: {', '.join(RECIPES)}")
-    if config.recipe != "generic" and (config.model or config.data):
+    if config.recipe not in _OWN_DATA and (config.model or config.data):
         raise FinetuneError(
             f"recipe {config.recipe} brings its own model and data; "
             "drop --model/--data, or drop the recipe to use yours"
@@ -168,7 +170,7 @@ def with_batchnorm(scheme: Scheme, batchnorm: str | None) -> Scheme:
 def check_model_files(config: FinetuneConfig) -> None:
     """The generic path's model and tokenizer folders, checked before any work starts:
     nothing in them executes, weights are whole safetensors, a tokenizer exists."""
-    if recipe_name(config) != "generic" or config.model is None:
+    if recipe_name(config) not in _OWN_DATA or config.model is None:
         return
     if config.tokenizer:
         check_tokenizer_folder(config.tokenizer)
@@ -190,6 +192,7 @@ def check_model_files(config: FinetuneConfig) -> None:
 _LM_SPARSE = ("*norm*", "*.mlp.down_proj.weight", "*.self_attn.o_proj.weight")
 
 
+_OWN_DATA = ("generic", "generic-lm")  # the recipes of the user's own --model and --data
 _SEQ = {"epochs": 1, "batch_size": 16}
 # Every recipe trains the scheme a gradient estimate chooses under sparse's planned peak
 # (docs/quality.md); ``--scheme sparse`` trains the fixed rule.
@@ -246,6 +249,18 @@ RECIPES: dict[str, Recipe] = {
             sparse=schemes.select(_LM_SPARSE),
             lora_head=False,  # the head is the pretrained (tied) embedding
             remat_budgets=_SMOLLM2_REMAT,
+        ),
+        # Your own causal LM on your own text, instructions or chats (lm_task): SmolLM2's
+        # scheme rules and learning rates (the sweep above), packed 256-token rows
+        Recipe(
+            "generic-lm",
+            "--model (a causal-LM folder or .gguf) on --data (text, prompt/completion, "
+            "Alpaca or chat JSONL; .txt/.md)",
+            {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 256},
+            lr={"full": 1e-4, "sparse": 5e-4, "auto": 3e-4, "bias": 1e-4, "head": 1e-4,
+                "lora": 5e-4},
+            sparse=schemes.select(_LM_SPARSE),
+            lora_head=False,  # the head is the pretrained output projection
         ),
         Recipe(
             "generic",

@@ -278,6 +278,12 @@ def _smollm2_pydocs(config: FinetuneConfig) -> Task:
     )
 
 
+def _generic_lm(config: FinetuneConfig) -> Task:
+    from pockengine.finetune.lm_task import build_lm_task
+
+    return build_lm_task(config)
+
+
 def _generic(config: FinetuneConfig) -> Task:
     assert config.model is not None and config.data is not None
     data = ds.load_dataset(
@@ -377,4 +383,5 @@ BUILDERS: dict[str, Callable[[FinetuneConfig], Task]] = {
     "lite0-fashion": _lite0_fashion,
     "smollm2-pydocs": _smollm2_pydocs,
     "generic": _generic,
+    "generic-lm": _generic_lm,
 }

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pockengine.finetune import data as ds
-from pockengine.finetune import recipes
+from pockengine.finetune import lm_eval, recipes
 from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.home import META, MODEL_DIR
 from pockengine.finetune.home_load import LoadedRun
@@ -39,6 +39,11 @@ _TEXT_SUFFIXES = (".txt", ".md", ".rst")
 def evaluate_run(loaded: LoadedRun, data: str | None = None) -> dict[str, Any]:
     """Metrics of the loaded model on ``data`` (default: the run's validation split)."""
     where = data or "the run's validation split"
+    if lm_eval.is_packed_run(loaded.meta):
+        arrays = (lm_eval.file_arrays(loaded.tokenizer, loaded.meta, Path(data)) if data
+                  else _validation(loaded))  # fmt: skip
+        result = lm_eval.packed_perplexity(loaded.model, arrays)
+        return {"data": where, "weights": loaded.meta.get("weights", {}), **result}
     arrays = _file_arrays(loaded, Path(data)) if data else _validation(loaded)
     with torch.no_grad():
         if loaded.is_causal_lm:
