@@ -180,6 +180,28 @@ def test_packed_step_equals_examples_one_by_one(tmp_path: Path, arch: str) -> No
         np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-6)
 
 
+def test_packed_and_padded_rows_compile_one_step(tmp_path: Path) -> None:
+    """Packed rows and rows of one example padded to the length compile the same step: the
+    block-diagonal mask is built inside it from the integer segments and positions, never
+    differentiated (attention's fused backward, not its explicit VJP) and never a float
+    [rows, heads, L, L] value, so a packed step costs what a pad-to-max step does."""
+    tok = make_tokenizer()
+    examples = _examples(tmp_path, tok)
+    graphs = []
+    for packing in (True, False):
+        arrays, _ = lm_pack.pack_examples(examples, 96, tok.pad_token_id, packing=packing)
+        batch = tuple(torch.from_numpy(a[:2].copy()) for a in arrays)
+        step = pe.compile(_tiny("llama"), lm_pack.packed_lm_loss, batch, backend="torch",
+                          compile_in="process")  # fmt: skip
+        graphs.append(step.graph)
+    assert str(graphs[0]) == str(graphs[1])
+    ops = [n.op for n in graphs[0].nodes]
+    assert ops.count("attention") == ops.count("attention_grad") == 2  # one a layer
+    heads = 4  # _tiny's
+    assert not [v for n in graphs[0].nodes for v in n.outputs
+                if v.shape == (2, heads, 96, 96) and v.dtype.is_float]  # fmt: skip
+
+
 def _config(model: Path, data: Path, **kw: Any) -> FinetuneConfig:
     return FinetuneConfig(recipe=None, model=str(model), data=str(data), seq_len=64,
                           batch_size=2, **kw).validate()  # fmt: skip
