@@ -1,4 +1,4 @@
-"""Evaluation through the compiled forward (``pockengine.evaluator``, ``metrics.evaluate``)
+"""Evaluation through the compiled forward (``pockengine.step.evaluator``, ``metrics.evaluate``)
 against the eager torch path, and the model's float copies of quantized weights released
 (what then reads the step instead: the best weights, ``RUN/model``)."""
 
@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 import pockengine as pe
-from pockengine.evaluator import compile_evaluator as compile_raw
 from pockengine.finetune import home, released
 from pockengine.finetune.causal_lm import causal_lm_loss
 from pockengine.finetune.config import FinetuneConfig
@@ -24,6 +23,7 @@ from pockengine.finetune.metrics import CLASSIFY_BATCH, compile_evaluator, evalu
 from pockengine.finetune.recipes import Task, classify_loss
 from pockengine.ir import CompileError, Role
 from pockengine.optim import AdamW
+from pockengine.step.evaluator import compile_evaluator as compile_raw
 
 VOCAB = 8192  # the smallest vocabulary the fused loss takes
 

@@ -10,9 +10,9 @@ that trains keeps none of it when another process compiled. With ``compile_in="c
    nothing pickled; it sets one torch thread first (the parent's OpenMP pool does not
    survive a fork), runs the whole compile (trace, autodiff, passes) up to the
    ``StepParts`` a backend would bind, and writes them to a temporary folder in the step
-   artifact's formats (``step_io``): ``step.ir`` (the training graph), ``forward.ir`` (the
+   artifact's formats (``artifact``): ``step.ir`` (the training graph), ``forward.ir`` (the
    fused forward, for ``gradients`` and ``evaluator``), ``state.safetensors`` and
-   ``step.json`` (``step_json.facts_json``). A value that *is* a tensor of the torch
+   ``step.json`` (``artifact_json.facts_json``). A value that *is* a tensor of the torch
    module (same memory, shape, strides, dtype) is not written: ``step.json`` names it and
    the parent binds its own module's tensor, as the frontend does in process. All-zero
    values (the optimizer state's zeros) are listed and the parent allocates them.
@@ -56,11 +56,10 @@ import numpy as np
 
 from pockengine._libc import libc_function
 from pockengine.backends import Backend
-from pockengine.compile_relay import Relay, capture, raise_error, replay
 from pockengine.ir import CompileError, Graph, Role
 from pockengine.passes import Pass
 from pockengine.sparse.schemes import Scheme
-from pockengine.step_io import (
+from pockengine.step.artifact import (
     check_state,
     parse_graph_text,
     read_graph,
@@ -69,12 +68,13 @@ from pockengine.step_io import (
     write_graph,
     write_values,
 )
-from pockengine.step_json import facts_json, read_facts
+from pockengine.step.artifact_json import facts_json, read_facts
+from pockengine.step.child_relay import Relay, capture, raise_error, replay
 
 if TYPE_CHECKING:
     from pockengine.optim import Optimizer
-    from pockengine.runtime import TrainStep
-    from pockengine.step_parts import StepParts
+    from pockengine.step.compiler import TrainStep
+    from pockengine.step.parts import StepParts
 
 __all__ = [
     "COMPILE_IN", "DEFAULT_COMPILE_IN", "TIMEOUT_S", "compile_forked", "compile_mode",
@@ -142,9 +142,10 @@ def compile_forked(
 ) -> TrainStep:
     """``build()`` run in a forked child, its parts bound to ``backend`` here. ``module``:
     the torch model, whose tensors the parent binds by name (None: every value is read
-    from the child's file), and trains in place with ``in_place`` (``pockengine.in_place``);
+    from the child's file), and trains in place with ``in_place``
+    (``pockengine.step.module_tensors``);
     ``optimizer``, ``scheme``, ``passes``: what ``build`` uses."""
-    from pockengine.runtime import TrainStep
+    from pockengine.step.compiler import TrainStep
 
     with tempfile.TemporaryDirectory(prefix="pe-compile-") as tmp:
         folder = Path(tmp)
@@ -297,7 +298,7 @@ def _read_parts(
     passes: Sequence[Pass],
 ) -> StepParts:  # fmt: skip
     """The parts the child wrote into ``folder``, the module's tensors bound by name."""
-    from pockengine.step_parts import StepParts
+    from pockengine.step.parts import StepParts
 
     meta = json.loads((folder / META).read_text(encoding="utf-8"))
     graph = read_graph(folder / GRAPH, meta["graph_sha256"])

@@ -17,7 +17,6 @@ from pockengine._libc import libc_function
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
 from pockengine.ir import CompileError, Graph, verify
-from pockengine.loading import LoadResult, StateError
 from pockengine.ops.quant import Quantized
 from pockengine.optim import SGD, Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, run_pipeline
@@ -25,8 +24,7 @@ from pockengine.passes.quantize import FrozenWeights
 from pockengine.passes.remat_budget import parse_budget, recomputation, with_budget
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme
-from pockengine.step_base import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError
-from pockengine.step_parts import (
+from pockengine.step.parts import (
     Stages,
     StepParts,
     apply_resolution,
@@ -35,9 +33,11 @@ from pockengine.step_parts import (
     parts_of,
     training_graph,
 )
+from pockengine.step.running import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError
+from pockengine.step.strict_load import LoadResult, StateError
 
 if TYPE_CHECKING:
-    from pockengine.evaluator import Evaluator
+    from pockengine.step.evaluator import Evaluator
 
 __all__ = [
     "ON_NONFINITE",
@@ -66,7 +66,7 @@ class TrainStep(CompiledStep):
     @classmethod
     def bound(cls, parts: StepParts, backend: Backend, module: Any | None = None) -> TrainStep:
         """The step ``parts`` make on ``backend`` (``parts.values`` is emptied); with a
-        torch ``module``, trained in its own tensors (``pockengine.in_place``)."""
+        torch ``module``, trained in its own tensors (``pockengine.step.module_tensors``)."""
         step = cls.__new__(cls)
         step._adopt(parts, backend, module)
         return step
@@ -119,8 +119,8 @@ class TrainStep(CompiledStep):
         self, model: Any, eval_fn: Callable[..., Any], example_batch: Sequence[Any]
     ) -> Evaluator:
         """``eval_fn(model, *batch)`` compiled forward-only, in eval mode, on this step's
-        backend and current values (``pockengine.evaluator``; torch models only)."""
-        from pockengine.evaluator import compile_evaluator
+        backend and current values (``pockengine.step.evaluator``; torch models only)."""
+        from pockengine.step.evaluator import compile_evaluator
 
         return compile_evaluator(self, model, eval_fn, example_batch)
 
@@ -192,14 +192,14 @@ def compile(
     torch and ONNX models on POSIX while no JAX runtime or CUDA has started and TensorFlow
     is not loaded, else "process") says where the compiler runs: "child" forks, compiles
     in the child and reads its step back, so this process keeps no memory the compiler
-    used (``pockengine.compile_fork``); each child starts ``torch.export`` cold, so a
+    used (``pockengine.step.child``); each child starts ``torch.export`` cold, so a
     process that compiles many steps is faster with "process".
     ``in_place`` (torch models): the step trains the module's own param and buffer
     tensors, as a torch optimizer does, instead of copies of them: training holds one
     copy of them, and the module holds the trained values after every step. Values a
     backend cannot share (a 4-D weight the torch backend stores channels-last, another
     dtype, ONNX Runtime or CUDA) are copied and written back after each step, with a
-    warning; ``step.in_place`` says which (``pockengine.in_place``).
+    warning; ``step.in_place`` says which (``pockengine.step.module_tensors``).
     """
     frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)
@@ -217,7 +217,7 @@ def compile(
         return parts_of(kind, model, loss_fn, example_batch, optim, scheme, engine, pipeline,
                       frozen, loss, output, params)  # fmt: skip
 
-    from pockengine.compile_fork import compile_forked, compile_mode
+    from pockengine.step.child import compile_forked, compile_mode
 
     if compile_mode(compile_in, kind) == "child":
         named = model if kind == "torch" else None

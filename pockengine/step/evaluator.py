@@ -42,10 +42,10 @@ from pockengine.passes import (
 )
 from pockengine.passes.pipeline import Pass
 from pockengine.passes.quantize import quantize_frozen
-from pockengine.step_base import BatchError, CompiledStep
+from pockengine.step.running import BatchError, CompiledStep
 
 if TYPE_CHECKING:
-    from pockengine.runtime import TrainStep
+    from pockengine.step.compiler import TrainStep
 
 __all__ = ["EVAL_PIPELINE", "Evaluator", "compile_evaluator"]
 
@@ -104,7 +104,7 @@ def compile_evaluator(
     """``eval_fn(model, *batch)`` compiled forward-only on ``step``'s backend, reading the
     step's state; ``model`` is the one the step was compiled from. A ``CompileError`` when
     the frontend or the model cannot give an evaluation graph."""
-    from pockengine.runtime import frontend_of
+    from pockengine.step.compiler import frontend_of
 
     kind = frontend_of(model)
     if kind != "torch":
