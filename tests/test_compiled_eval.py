@@ -203,7 +203,7 @@ def test_eval_output_rules_and_other_frontends(caplog: pytest.LogCaptureFixture)
     with pytest.raises(CompileError, match="loss_fn must return a float scalar"):
         pe.compile(task.model, lambda m, x, y: torch.stack([m(x).sum(), m(x).mean()]), batch)
     with pytest.raises(CompileError, match="not supported for the jax frontend"):
-        compile_raw(step, {"w": np.zeros(3)}, lambda p, x: x, batch)
+        compile_raw(step, step.forward, {"w": np.zeros(3)}, lambda p, x: x, batch)
     jax_task = _classify_task(_Params(), 8)
     with caplog.at_level(logging.WARNING):
         assert compile_evaluator(step, jax_task) is None

@@ -45,11 +45,11 @@ from pockengine.safetensors_io import (
     write_streamed_to,
 )
 from pockengine.step.artifact_json import READABLE_FORMATS, Saved, from_json, to_json
+from pockengine.step.evaluator import Evaluator
 from pockengine.step.running import CompiledStep
 
 if TYPE_CHECKING:
     from pockengine.plan.report import Report
-    from pockengine.step.evaluator import Evaluator
 
 __all__ = [
     "LoadedStep",
@@ -282,6 +282,11 @@ class LoadedStep(CompiledStep):
     def has_evaluator(self) -> bool:
         return self._evaluator is not None
 
+    def save(self, folder: str | os.PathLike[str], evaluator: Evaluator | None = None) -> Path:
+        """Write this step as a step artifact into ``folder`` (``save_step``), with
+        ``evaluator`` (compiled for this step) beside it; returns the folder."""
+        return save_step(self, folder, evaluator)
+
 
 def load_step(folder: str | os.PathLike[str], backend: BackendSpec | None = None) -> LoadedStep:
     """The step artifact in ``folder`` (``TrainStep.save``), bound to ``backend`` (default:
@@ -312,8 +317,6 @@ def _batch_values(graph: Graph, names: list[str], path: Path) -> tuple[Value, ..
 
 
 def _load_evaluator(step: LoadedStep, where: Path, meta: Mapping[str, Any]) -> Evaluator:
-    from pockengine.step.evaluator import Evaluator
-
     graph = read_graph(where / EVAL_GRAPH, str(meta["sha256"]))
     own = _with_zeros(graph, read_tensors(where / EVAL_STATE), meta.get("zeros", []),
                       where / META)  # fmt: skip

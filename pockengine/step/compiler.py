@@ -7,15 +7,18 @@ training step; nothing is traced or differentiated at run time.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pockengine._libc import libc_function
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
+from pockengine.frontend import frontend_of
 from pockengine.ir import CompileError, Graph, verify
 from pockengine.ops.quant import Quantized
 from pockengine.optim import SGD, Optimizer
@@ -24,6 +27,9 @@ from pockengine.passes.quantize import FrozenWeights
 from pockengine.passes.remat_budget import parse_budget, recomputation, with_budget
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme
+from pockengine.step.artifact import save_step
+from pockengine.step.child import compile_forked, compile_mode
+from pockengine.step.evaluator import Evaluator, compile_evaluator
 from pockengine.step.parts import (
     Stages,
     StepParts,
@@ -36,9 +42,6 @@ from pockengine.step.parts import (
 from pockengine.step.running import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError
 from pockengine.step.strict_load import LoadResult, StateError
 
-if TYPE_CHECKING:
-    from pockengine.step.evaluator import Evaluator
-
 __all__ = [
     "ON_NONFINITE",
     "BatchError",
@@ -48,7 +51,6 @@ __all__ = [
     "TrainStep",
     "apply_resolution",
     "compile",
-    "frontend_of",
     "frozen_batchnorms",
     "gradients_graph",
     "release_free_memory",
@@ -120,9 +122,14 @@ class TrainStep(CompiledStep):
     ) -> Evaluator:
         """``eval_fn(model, *batch)`` compiled forward-only, in eval mode, on this step's
         backend and current values (``pockengine.step.evaluator``; torch models only)."""
-        from pockengine.step.evaluator import compile_evaluator
+        return compile_evaluator(self, self.forward, model, eval_fn, example_batch)
 
-        return compile_evaluator(self, model, eval_fn, example_batch)
+    def save(self, folder: str | os.PathLike[str], evaluator: Evaluator | None = None) -> Path:
+        """Write the step artifact into ``folder``: the training graph as IR text, the
+        store as safetensors, everything else as JSON (``pockengine.step.artifact``);
+        ``pockengine.load_step(folder)`` runs it without the compiler. ``evaluator`` (a
+        compiled ``Evaluator`` of this step) is saved beside it. Returns the folder."""
+        return save_step(self, folder, evaluator)
 
     def report(self, depth: int | None = None) -> Report:
         """Trained params, FLOPs, saved activations, memory: this scheme beside full
@@ -217,37 +224,28 @@ def compile(
         return parts_of(kind, model, loss_fn, example_batch, optim, scheme, engine, pipeline,
                       frozen, loss, output, params)  # fmt: skip
 
-    from pockengine.step.child import compile_forked, compile_mode
-
     if compile_mode(compile_in, kind) == "child":
         named = model if kind == "torch" else None
-        return compile_forked(build, engine, named, optim, scheme, pipeline, in_place)
+        parts = compile_forked(build, named, optim, scheme, pipeline)
+        step = TrainStep.bound(parts, engine, module)
+        del parts
+        trim_heap()  # what reading the parts freed (no collection: reading made no cycles)
+        return step
     step = TrainStep.bound(build(), engine, module)
     release_free_memory()
     return step
-
-
-def frontend_of(model: Any) -> str:
-    """Which frontend takes ``model``: "onnx" (a path or ModelProto), "keras" (a Keras
-    model), "torch" (an ``nn.Module``) or "jax" (anything else: a pytree of params for a
-    JAX ``loss_fn(params, *batch)``)."""
-    if isinstance(model, str | os.PathLike) or type(model).__name__ == "ModelProto":
-        return "onnx"
-    modules = {cls.__module__.split(".", 1)[0] for cls in type(model).__mro__}
-    if modules & {"keras", "tf_keras"}:
-        return "keras"
-    if "torch" in modules:
-        return "torch"
-    return "jax"
 
 
 def release_free_memory() -> None:
     """Hand the heap that compiling freed (traced graphs, NumPy copies of the weights) back
     to the OS: glibc keeps freed blocks in the process, and the resident memory of a
     training run would carry them. A no-op where the C library has no malloc_trim."""
-    import gc
-
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand glibc's freed heap back to the OS (``malloc_trim``); a no-op elsewhere."""
     trim = libc_function("malloc_trim")
     if trim is not None:
         trim(0)

@@ -30,13 +30,12 @@ from pockengine.optim import LR, Optimizer
 from pockengine.passes.quantize import QuantizedParam
 from pockengine.sparse.schemes import Resolution, Scheme
 from pockengine.step.batch_checks import IndexBound, out_of_range
+from pockengine.step.module_tensors import InPlace, ModuleHomes, bind_in_place
 from pockengine.step.strict_load import LoadResult, StateError, load_into_module, match_arrays
 
 if TYPE_CHECKING:
     from pockengine.ir import Value
     from pockengine.plan.report import Report
-    from pockengine.step.evaluator import Evaluator
-    from pockengine.step.module_tensors import InPlace, ModuleHomes
 
 __all__ = [
     "ON_NONFINITE",
@@ -136,8 +135,6 @@ class CompiledStep(ABC):
         self._lent: set[str] = set()  # written values still shared with their source
         self._homes: ModuleHomes | None = None
         if module is not None:
-            from pockengine.step.module_tensors import bind_in_place
-
             self._homes = bind_in_place(module, graph, facts.state_names, values, backend,
                                         self._store)  # fmt: skip
         for name in list(values):
@@ -393,14 +390,10 @@ class CompiledStep(ABC):
 
         return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
 
-    def save(self, folder: str | os.PathLike[str], evaluator: Evaluator | None = None) -> Path:
-        """Write the step artifact into ``folder``: the training graph as IR text, the
-        store as safetensors, everything else as JSON (``pockengine.step.artifact``);
-        ``pockengine.load_step(folder)`` runs it without the compiler. ``evaluator`` (a
-        compiled ``Evaluator`` of this step) is saved beside it. Returns the folder."""
-        from pockengine.step.artifact import save_step
-
-        return save_step(self, folder, evaluator)
+    @abstractmethod
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write the step artifact into ``folder`` (``pockengine.step.artifact``, which the
+        concrete steps call: ``TrainStep.save``, ``LoadedStep.save``); returns the folder."""
 
     def load_into(self, model: Any, *, strict: bool = True) -> LoadResult:
         """Write the trained values back into a torch module. Strict (the default): the
