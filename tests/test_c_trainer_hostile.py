@@ -38,7 +38,7 @@ from pockengine.backends.c import CBackend
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.export import TRAINER_DIR, bounds_source, read_safetensors
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
-from pockengine.step.batch_checks import IndexBound
+from pockengine.plan.index_bounds import IndexBound
 from pockengine.step.compiler import BatchError
 
 Array = np.ndarray[Any, Any]

@@ -10,5 +10,4 @@
 - ``evaluator``: evaluation through the compiled forward, on a step's own state;
 - ``module_tensors``: training a torch module's own tensors (``in_place=True``);
 - ``strict_load``: strict loading of state into a step or a torch module;
-- ``batch_checks``: the index bounds a batch is checked against.
 """

@@ -22,11 +22,11 @@ from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.ir import DType, TensorType
 from pockengine.passes.quantize import QuantizedParam
 from pockengine.passes.remat_budget import Recomputation, Segment
+from pockengine.plan.index_bounds import IndexBound
 from pockengine.plan.report import Figures, LayerFigures, Report
 from pockengine.sparse import schemes
 from pockengine.sparse.lora import Adapter
 from pockengine.sparse.schemes import Resolution, Scheme
-from pockengine.step.batch_checks import IndexBound
 from pockengine.step.running import StepFacts
 
 if TYPE_CHECKING:

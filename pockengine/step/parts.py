@@ -34,8 +34,8 @@ from pockengine.optim import Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, forward_passes, run_pipeline
 from pockengine.passes.quantize import AS_GIVEN, FrozenWeights, quantize_frozen
 from pockengine.passes.slices import sink_slices
+from pockengine.plan.index_bounds import index_bounds
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
-from pockengine.step.batch_checks import index_bounds
 from pockengine.step.running import StepFacts
 
 __all__ = [

@@ -28,8 +28,8 @@ from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import CompileError, Graph, PockEngineError, Role, get_op
 from pockengine.optim import LR, Optimizer
 from pockengine.passes.quantize import QuantizedParam
+from pockengine.plan.index_bounds import IndexBound, out_of_range
 from pockengine.sparse.schemes import Resolution, Scheme
-from pockengine.step.batch_checks import IndexBound, out_of_range
 from pockengine.step.module_tensors import InPlace, ModuleHomes, bind_in_place
 from pockengine.step.strict_load import LoadResult, StateError, load_into_module, match_arrays
 
