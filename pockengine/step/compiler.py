@@ -229,7 +229,7 @@ def compile(
         parts = compile_forked(build, named, optim, scheme, pipeline)
         step = TrainStep.bound(parts, engine, module)
         del parts
-        trim_heap()  # what reading the parts freed (no collection: reading made no cycles)
+        _trim_heap()  # what reading the parts freed (no collection: reading made no cycles)
         return step
     step = TrainStep.bound(build(), engine, module)
     release_free_memory()
@@ -241,10 +241,10 @@ def release_free_memory() -> None:
     to the OS: glibc keeps freed blocks in the process, and the resident memory of a
     training run would carry them. A no-op where the C library has no malloc_trim."""
     gc.collect()
-    trim_heap()
+    _trim_heap()
 
 
-def trim_heap() -> None:
+def _trim_heap() -> None:
     """Hand glibc's freed heap back to the OS (``malloc_trim``); a no-op elsewhere."""
     trim = libc_function("malloc_trim")
     if trim is not None:
