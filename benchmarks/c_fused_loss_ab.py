@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import pockengine as pe
-import pockengine.step_parts
+import pockengine.step.parts
 from pockengine import zoo
 from pockengine.backends.c import CBackend
 from pockengine.passes import FORWARD_PIPELINE, fuse_linear_cross_entropy
@@ -30,16 +30,16 @@ from pockengine.plan import plan_memory
 def _compile(workload: str, scheme: str, fused: bool, threads: int) -> Any:
     work, opt = zoo.benchmark(workload)
     batch = work.make_batch(0)
-    original = pockengine.step_parts.forward_passes
+    original = pockengine.step.parts.forward_passes
     if not fused:
         kept = tuple(p for p in FORWARD_PIPELINE if p is not fuse_linear_cross_entropy)
-        pockengine.step_parts.forward_passes = lambda supported: kept  # type: ignore[assignment]
+        pockengine.step.parts.forward_passes = lambda supported: kept  # type: ignore[assignment]
     try:
         scheme_of = zoo.benchmark_schemes(workload)[scheme]
         step = pe.compile(work.model, work.loss_fn, batch, opt, scheme_of,
                           backend=CBackend(threads=threads))  # fmt: skip
     finally:
-        pockengine.step_parts.forward_passes = original  # type: ignore[assignment]
+        pockengine.step.parts.forward_passes = original  # type: ignore[assignment]
     has_fused = any(n.op.startswith("linear_log_softmax_gather") for n in step.graph.nodes)
     if has_fused != fused:  # the patch above must reach the compiler
         raise SystemExit(f"the {'fused' if fused else 'unfused'} step came out otherwise")

@@ -40,7 +40,7 @@ def _trainer(variant: str, args: argparse.Namespace) -> Callable[..., float]:
     """A fresh model and data for ``variant``, and its train function ``(lr, *batch)``."""
     import torch
 
-    import pockengine as pe
+    from pockengine.step.compiler import release_free_memory
 
     peft = variant == "peft"
     case = lora_peer.Case.of("peft" if peft else "lora-remat" if "remat" in variant else "lora")
@@ -53,7 +53,7 @@ def _trainer(variant: str, args: argparse.Namespace) -> Callable[..., float]:
     step = lora_peer._compile(task, config, case, args.remat_budget, args.heap, workspace)
     for p in task.model.parameters():  # the step holds its own weights
         p.data = torch.empty(0)
-    pe.runtime.release_free_memory()
+    release_free_memory()
 
     def train(lr: float, *batch: Any) -> float:
         step.lr = lr

@@ -26,12 +26,12 @@ def _child(variant: str, trained: bool, threads: int) -> dict[str, Any]:
     from torch import nn
 
     import pockengine as pe
-    import pockengine.step_parts
+    import pockengine.step.parts
     from pockengine.passes import FORWARD_PIPELINE, fuse_linear_cross_entropy
 
     if variant == "unfused":
         passes = tuple(p for p in FORWARD_PIPELINE if p is not fuse_linear_cross_entropy)
-        setattr(pockengine.step_parts, "forward_passes", lambda supported: passes)  # noqa: B010
+        setattr(pockengine.step.parts, "forward_passes", lambda supported: passes)  # noqa: B010
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False))

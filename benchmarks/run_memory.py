@@ -105,7 +105,7 @@ _HOOKS: tuple[tuple[str, str, str, int | None], ...] = (
     ("pockengine.finetune.home", "_quiet_save", "write the model: save_pretrained", None),
     ("pockengine.finetune.home", "write_model", "write the model", None),
     ("pockengine.finetune.trainer", "write_from_skeleton", "write the model", None),
-    ("pockengine.step_base", "CompiledStep.__call__", "step", None),  # limit: --steps-shown
+    ("pockengine.step.running", "CompiledStep.__call__", "step", None),  # limit: --steps-shown
 )
 
 

@@ -29,7 +29,7 @@ from pockengine.ir import Graph, Phase, Value
 from pockengine.optim import AdamW
 from pockengine.passes.remat_budget import parse_budget
 from pockengine.plan.memory import MemoryPlan, plan_memory
-from pockengine.runtime import TrainStep, compile, release_free_memory
+from pockengine.step.compiler import TrainStep, compile, release_free_memory
 
 MIB = 1 << 20
 

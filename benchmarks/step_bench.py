@@ -163,7 +163,7 @@ def run_case(
     memory: the peak over the measured steps alone (the peak counter reset after
     warm-up), minus the same base.
     ``compile_in="child"``: PockEngine compiles in a forked child
-    (``pockengine.compile_fork``), so this process holds nothing the compiler used.
+    (``pockengine.step.child``), so this process holds nothing the compiler used.
     ``in_place``: PockEngine trains the module's own tensors (``pe.compile(...,
     in_place=True)``), as eager does, and the module stays alive through the steps."""
     import gc

@@ -13,12 +13,12 @@ from pockengine import ops as _ops  # noqa: F401  (registers every op)
 from pockengine import optim
 from pockengine.finetune import FinetuneError, finetune
 from pockengine.ir import CompileError, PockEngineError, SchemeError, UnsupportedOpError
-from pockengine.runtime import BatchError, NonFiniteError, StateError, TrainStep, compile
 from pockengine.sparse import schemes
+from pockengine.step.compiler import BatchError, NonFiniteError, StateError, TrainStep, compile
 
 if TYPE_CHECKING:
     from pockengine.finetune.home_load import load_run
-    from pockengine.step_io import load_step
+    from pockengine.step.artifact import load_step
 
 __all__ = [
     "BatchError",
@@ -42,13 +42,13 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     """``load_run`` on first use: it needs torch, which the core never imports;
-    ``load_step`` (``pockengine.step_io``) on first use too."""
+    ``load_step`` (``pockengine.step.artifact``) on first use too."""
     if name == "load_run":
         from pockengine.finetune.home_load import load_run
 
         return load_run
     if name == "load_step":
-        from pockengine.step_io import load_step
+        from pockengine.step.artifact import load_step
 
         return load_step
     raise AttributeError(f"module 'pockengine' has no attribute {name!r}")

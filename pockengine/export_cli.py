@@ -1,6 +1,6 @@
 """``pockengine export``: a training step as ONNX + state for ``ort_runner.py``, as a
 stand-alone C trainer folder, or as a step artifact (``pockengine.load_step`` runs it
-without the compiler; ``pockengine.step_io``).
+without the compiler; ``pockengine.step.artifact``).
 
 What it exports, by the first argument:
 

@@ -236,7 +236,7 @@ class LazyTensors(Mapping[str, Array]):
     it is looked up (a fresh array; nothing is held between lookups): a writer that goes
     through them one at a time never has the whole file in memory. ``file_size`` is the
     size the header implies; ``in_file_order`` and ``read_from`` read them all through one
-    open file (``step_io.read_tensors``)."""
+    open file (``artifact.read_tensors``)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)

@@ -37,9 +37,9 @@ import pockengine as pe
 from pockengine.backends.c import CBackend
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.export import TRAINER_DIR, bounds_source, read_safetensors
-from pockengine.batch_checks import IndexBound
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
-from pockengine.runtime import BatchError
+from pockengine.plan.index_bounds import IndexBound
+from pockengine.step.compiler import BatchError
 
 Array = np.ndarray[Any, Any]
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,

@@ -1,5 +1,5 @@
 """``pe.compile(..., compile_in="child")``: the compile runs in a forked child
-(``pockengine.compile_fork``) and this process binds the step it wrote.
+(``pockengine.step.child``) and this process binds the step it wrote.
 
 - the step trains bit-identically to the one compiled in process (losses, trained state,
   gradients) on the NumPy, torch and C backends, and shares the module's frozen weights
@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 import pockengine as pe
-from pockengine import compile_fork, zoo
-from pockengine.compile_fork import compile_mode
+from pockengine import zoo
 from pockengine.ir import CompileError, UnsupportedOpError
+from pockengine.step import child as compile_fork
+from pockengine.step.child import compile_mode
 
 
 def _compiled(mode: str, backend: str, name: str = "small_cnn", **kw: Any) -> tuple[Any, Any]:

@@ -1,4 +1,4 @@
-"""Evaluation through the compiled forward (``pockengine.evaluator``, ``metrics.evaluate``)
+"""Evaluation through the compiled forward (``pockengine.step.evaluator``, ``metrics.evaluate``)
 against the eager torch path, and the model's float copies of quantized weights released
 (what then reads the step instead: the best weights, ``RUN/model``)."""
 
@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 import pockengine as pe
-from pockengine.evaluator import compile_evaluator as compile_raw
 from pockengine.finetune import home, released
 from pockengine.finetune.causal_lm import causal_lm_loss
 from pockengine.finetune.config import FinetuneConfig
@@ -24,6 +23,7 @@ from pockengine.finetune.metrics import CLASSIFY_BATCH, compile_evaluator, evalu
 from pockengine.finetune.recipes import Task, classify_loss
 from pockengine.ir import CompileError, Role
 from pockengine.optim import AdamW
+from pockengine.step.evaluator import compile_evaluator as compile_raw
 
 VOCAB = 8192  # the smallest vocabulary the fused loss takes
 
@@ -203,7 +203,7 @@ def test_eval_output_rules_and_other_frontends(caplog: pytest.LogCaptureFixture)
     with pytest.raises(CompileError, match="loss_fn must return a float scalar"):
         pe.compile(task.model, lambda m, x, y: torch.stack([m(x).sum(), m(x).mean()]), batch)
     with pytest.raises(CompileError, match="not supported for the jax frontend"):
-        compile_raw(step, {"w": np.zeros(3)}, lambda p, x: x, batch)
+        compile_raw(step, step.forward, {"w": np.zeros(3)}, lambda p, x: x, batch)
     jax_task = _classify_task(_Params(), 8)
     with caplog.at_level(logging.WARNING):
         assert compile_evaluator(step, jax_task) is None

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import pockengine as pe
-import pockengine.step_parts
+import pockengine.step.parts
 from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.c.backend import CBackend
@@ -39,7 +39,7 @@ from pockengine.passes import (
 )
 from pockengine.passes.fuse_loss import FUSED_LOSS_OPS, MIN_VOCAB
 from pockengine.plan.report import analyze
-from pockengine.runtime import gradients_graph
+from pockengine.step.compiler import gradients_graph
 
 Array = np.ndarray[Any, Any]
 VOCAB = MIN_VOCAB  # the smallest vocabulary the default pipeline fuses
@@ -99,7 +99,7 @@ def unfused(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., pe.TrainS
     def compile_unfused(*args: Any, **kwargs: Any) -> pe.TrainStep:
         with monkeypatch.context() as m:
             passes = tuple(p for p in FORWARD_PIPELINE if p is not fuse_linear_cross_entropy)
-            m.setattr(pockengine.step_parts, "forward_passes", lambda supported: passes)
+            m.setattr(pockengine.step.parts, "forward_passes", lambda supported: passes)
             return pe.compile(*args, **kwargs)
 
     yield compile_unfused

@@ -29,8 +29,8 @@ from pockengine.finetune import data as ds
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.run_lock import LOCK
 from pockengine.ir import GRAD_PREFIX, PockEngineError, SchemeError
-from pockengine.runtime import BatchError, NonFiniteError, StateError
 from pockengine.sparse import schemes
+from pockengine.step.compiler import BatchError, NonFiniteError, StateError
 from tests.test_finetune_resume import write_task
 
 BACKENDS = ("numpy", "torch", "onnxruntime")

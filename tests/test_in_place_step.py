@@ -91,7 +91,7 @@ def test_every_written_value_is_the_modules_memory(backend: str) -> None:
 def test_torch_backend_shares_all_but_its_channels_last_weights(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="pockengine.runtime"):
+    with caplog.at_level(logging.WARNING, logger="pockengine.step.compiler"):
         copied, step, model, work = _pair("torch")
     report = step.in_place
     four_d = {n for n in step.written if _module_state(model)[n].ndim == 4}
@@ -137,7 +137,7 @@ def test_non_contiguous_param_is_copied_and_written_back(
         out: torch.Tensor = m(x)
         return ((out - y) ** 2).mean()
 
-    with caplog.at_level(logging.WARNING, logger="pockengine.runtime"):
+    with caplog.at_level(logging.WARNING, logger="pockengine.step.compiler"):
         step = pe.compile(model, loss_fn, (x, y), pe.optim.SGD(lr=0.1), backend="c",
                           compile_in="process", in_place=True)  # fmt: skip
     assert step.in_place is not None
@@ -156,7 +156,7 @@ def test_backend_that_keeps_its_own_copies_writes_back(caplog: pytest.LogCapture
     optimizer = pe.optim.AdamW(lr=0.01)
     copied = pe.compile(copy.deepcopy(work.model), work.loss_fn, batch, optimizer,
                         backend="onnxruntime", compile_in="process")  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="pockengine.runtime"):
+    with caplog.at_level(logging.WARNING, logger="pockengine.step.compiler"):
         step = pe.compile(work.model, work.loss_fn, batch, optimizer, backend="onnxruntime",
                           compile_in="process", in_place=True)  # fmt: skip
     assert step.in_place is not None and step.in_place.shared == ()

@@ -175,7 +175,7 @@ def test_finetune_flag_reaches_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     config = config_from_args(parser.parse_args(["--remat-budget", "600MB"]))
     assert config.remat_budget == 600 << 20 and config.memory_budget is None
     seen: dict[str, Any] = {}
-    monkeypatch.setattr("pockengine.runtime.compile", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("pockengine.step.compiler.compile", lambda *a, **kw: seen.update(kw))
     work = _llama()
     task = argparse.Namespace(train=(work.make_batch(0)[0].numpy(),), model=work.model,
                               loss_fn=work.loss_fn)  # fmt: skip

@@ -12,7 +12,7 @@ import pockengine as pe
 from pockengine import schemes, zoo
 from pockengine.ir import GRAD_PREFIX, Graph
 from pockengine.passes import eliminate_dead_code
-from pockengine.runtime import frozen_batchnorms, training_graph
+from pockengine.step.compiler import frozen_batchnorms, training_graph
 from tests.torch_ref import torch_gradients
 
 
@@ -267,7 +267,7 @@ def test_running_statistics_train_every_batchnorm_s_scale_on_its_running_statist
     the mode survives a scheme file, a union and a saved step."""
     from pathlib import Path
 
-    from pockengine.step_parts import batchnorm_modules, eval_batchnorms
+    from pockengine.step.parts import batchnorm_modules, eval_batchnorms
 
     w = _mbv2()
     batch = w.make_batch(0)

@@ -1,4 +1,4 @@
-"""The step artifact (``pockengine.step_io``): save -> load_step -> train.
+"""The step artifact (``pockengine.step.artifact``): save -> load_step -> train.
 
 - a loaded step trains bit-identically to the step it was saved from (losses, params,
   buffers, optimizer state) on the NumPy and torch backends, with int8 frozen weights,
@@ -33,7 +33,7 @@ from pockengine.ir.parser import parse_graph
 from pockengine.ir.printer import print_graph
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.sparse import schemes
-from pockengine.step_io import StepFileError, load_step, read_tensors
+from pockengine.step.artifact import StepFileError, load_step, read_tensors
 
 Array = np.ndarray[Any, Any]
 _LAYER = "encoder.encoder.layer.0"

@@ -27,8 +27,8 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.optim import LR
 from pockengine.safetensors_io import LazyTensors, header_bytes, write_safetensors_to
-from pockengine.step_base import copies_deferred
-from pockengine.step_io import StepFileError, load_step, read_tensors
+from pockengine.step.artifact import StepFileError, load_step, read_tensors
+from pockengine.step.running import copies_deferred
 from tests.test_step_io import _equal_state
 
 Array = np.ndarray[Any, Any]

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import pockengine as pe
-from pockengine.batch_checks import index_bounds
 from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType
-from pockengine.step_base import BatchError
+from pockengine.plan.index_bounds import index_bounds
+from pockengine.step.running import BatchError
 from pockengine.zoo import Workload
 from pockengine.zoo_blocks import fold_vit, gpt2_lm, moe_classifier
 from tests.torch_ref import assert_gradients_match, assert_training_matches

@@ -109,7 +109,7 @@ class NumpyBackend(Backend):
 
     def share_written(self, array: Array) -> Array:
         """``array`` itself: the kernels return new values, and the step copies them into
-        it after each run (``pockengine.in_place``)."""
+        it after each run (``pockengine.step.module_tensors``)."""
         return array
 
     def to_numpy(self, tensor: Any) -> Array:

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pockengine.runtime import TrainStep
-from pockengine.step_parts import eval_batchnorms
+from pockengine.step.compiler import TrainStep
+from pockengine.step.parts import eval_batchnorms
 
 __all__ = ["BatchNormStats"]
 

@@ -41,10 +41,10 @@ from pockengine.finetune import data as ds
 from pockengine.finetune import recipes
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.trainer import linear_schedule
-from pockengine.runtime import TrainStep
 from pockengine.safetensors_io import read_metadata
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
+from pockengine.step.compiler import TrainStep
 
 __all__ = [
     "LocalResult",
@@ -193,7 +193,7 @@ def compile_task(
     ``local_loss`` "logit-adjusted", its loss takes a last ``[batch, classes]`` bias."""
     import torch
 
-    from pockengine.runtime import compile
+    from pockengine.step.compiler import compile
 
     assert ft.batch_size is not None
     batch = tuple(np.ascontiguousarray(a[: ft.batch_size]) for a in task.train)

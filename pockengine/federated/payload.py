@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.federated.config import FederatedError
-from pockengine.runtime import TrainStep
+from pockengine.step.compiler import TrainStep
 
 __all__ = ["TrainedSet", "full_model_bytes", "load_some", "nbytes"]
 

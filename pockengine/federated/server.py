@@ -35,8 +35,8 @@ from pockengine.federated.strategy import SparseFedAvg
 from pockengine.finetune.checkpoint import write_atomic, write_json_lines
 from pockengine.finetune.metrics import MetricsLog, evaluate
 from pockengine.finetune.recipes import Task
-from pockengine.runtime import TrainStep
 from pockengine.safetensors_io import metadata_of
+from pockengine.step.compiler import TrainStep
 
 __all__ = ["GLOBAL_STATE", "ROUNDS", "SUMMARY", "app", "out_dir", "run_server"]
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.loading import LoadResult, StateError
 from pockengine.safe_write import make_dirs, write_json, write_with
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.sparse.lora import Adapter, merge_adapters
-from pockengine.step_base import CompiledStep
+from pockengine.step.running import CompiledStep
+from pockengine.step.strict_load import LoadResult, StateError
 
 __all__ = [
     "ADAPTER_CONFIG",

@@ -8,7 +8,7 @@ pockengine.finetune.compile_child FOLDER``, which builds the task (model, tokeni
 data encoded), compiles the step and its evaluator as the run would
 (``trainer.compile_task``, ``trainer.compile_evaluator_releasing``) and writes into ``FOLDER``:
 
-- ``step/``: the step artifact with its evaluator (``pockengine.step_io``);
+- ``step/``: the step artifact with its evaluator (``pockengine.step.artifact``);
 - ``task.safetensors`` and ``task.json``: the encoded splits, the labels, the notes, how
   ``RUN/model`` is written, and the model's buffer names (``compiled_task``);
 - ``model/``: the skeleton of ``RUN/model`` (``model_skeleton``).
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from pockengine.finetune.estimate import EstimateSettings
     from pockengine.finetune.recipes import Task
-    from pockengine.runtime import TrainStep
+    from pockengine.step.compiler import TrainStep
 
 __all__ = ["compile_in_child", "compile_into", "frozen_given", "main"]
 
@@ -90,7 +90,7 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     takes as GGUF blocks are replaced by stand-ins before the trace, and those it
     quantizes (int8, int4) right after compiling; the step shares the params it trains
     with the model (``copies_deferred``: it never runs here), and its optimizer state's
-    zeros are never written, in memory or in the artifact (``step_io``)."""
+    zeros are never written, in memory or in the artifact (``artifact``)."""
 
     from pockengine.finetune import recipes, released
     from pockengine.finetune.compiled_task import save_task_data
@@ -99,9 +99,9 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     from pockengine.finetune.metrics import CAUSAL_LM_BATCH, CLASSIFY_BATCH
     from pockengine.finetune.trainer import compile_evaluator_releasing, compile_task
     from pockengine.frontend.import_memo import reused_imports
-    from pockengine.runtime import release_free_memory
     from pockengine.safetensors_io import pages_out_after_write
-    from pockengine.step_base import copies_deferred
+    from pockengine.step.compiler import release_free_memory
+    from pockengine.step.running import copies_deferred
 
     job = read_job(folder, JOB)
     config = FinetuneConfig(**job["config"])
@@ -165,7 +165,7 @@ def _choose(folder: Path, config: FinetuneConfig, task: Task, settings: Estimate
 
     from pockengine.finetune import recipes
     from pockengine.finetune.auto_scheme import choose_auto
-    from pockengine.runtime import release_free_memory
+    from pockengine.step.compiler import release_free_memory
 
     sparse = recipes.RECIPES[recipes.recipe_name(config)].sparse
     choice = choose_auto(config, task, sparse, settings)
@@ -190,7 +190,7 @@ def frozen_given(model: nn.Module, given: Iterable[str], scheme: Scheme) -> list
 
 def _stand_in(model: nn.Module, names: Iterable[str]) -> None:
     from pockengine.finetune.released import stand_in
-    from pockengine.runtime import release_free_memory
+    from pockengine.step.compiler import release_free_memory
 
     if stand_in(model, names):
         release_free_memory()

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pockengine.evaluator import Evaluator
 from pockengine.finetune import recipes
 from pockengine.finetune.compile_child import MODEL_DIR, STEP_DIR, TASK_DATA, TASK_JSON
 from pockengine.finetune.config import FinetuneError
 from pockengine.safetensors_io import write_safetensors_to
-from pockengine.step_io import LoadedStep, load_step, read_tensors
+from pockengine.step.artifact import LoadedStep, load_step, read_tensors
+from pockengine.step.evaluator import Evaluator
 
 __all__ = ["Compiled", "load_compiled", "save_task", "save_task_data", "save_task_info"]
 

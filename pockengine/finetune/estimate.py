@@ -216,7 +216,7 @@ class Planner:
         """A step of a ``rows``-example micro-batch on ``backend`` that trains ``names``
         only, for ``TrainStep.gradients`` (``gradient_sums.gradient_step``)."""
         from pockengine.finetune.gradient_sums import gradient_step
-        from pockengine.step_parts import batchnorm_modules
+        from pockengine.step.parts import batchnorm_modules
 
         if rows not in self._micro:  # the run's own import where it is the whole batch
             # Every BatchNorm on its running statistics, so that a micro-batch's gradient
@@ -235,14 +235,14 @@ class Planner:
         batch, from the compiler's plan (no backend)."""
         from pockengine.finetune.gradient_sums import only
         from pockengine.optim import SGD
-        from pockengine.step_parts import batchnorm_modules
+        from pockengine.step.parts import batchnorm_modules
 
         imported = self.imported(frozenset(batchnorm_modules(self.info)))
         return self._plan(imported, only(names), SGD(lr=0.0)).planned_peak_bytes
 
     def figures(self, scheme: Scheme) -> Figures:
         from pockengine.sparse.schemes import resolve_scheme
-        from pockengine.step_parts import eval_batchnorms
+        from pockengine.step.parts import eval_batchnorms
 
         frozen = eval_batchnorms(self.info, resolve_scheme(scheme, self.info))
         return self._plan(self.imported(frozenset(frozen)), scheme, self.optimizer)
@@ -252,8 +252,8 @@ class Planner:
         passes and memory plan, no backend)."""
         from pockengine.ir import verify
         from pockengine.passes import DEFAULT_PIPELINE, FORWARD_PIPELINE, run_pipeline
-        from pockengine.runtime import apply_resolution, training_graph
         from pockengine.sparse.schemes import resolve_scheme
+        from pockengine.step.compiler import apply_resolution, training_graph
 
         self.calls += 1
         resolution = resolve_scheme(scheme, self.info)

@@ -110,10 +110,10 @@ def gradient_step(
     (``Planner.gradient_step`` exports them all on their running statistics)."""
     from pockengine.backends import get_backend
     from pockengine.optim import SGD
-    from pockengine.runtime import TrainStep, apply_resolution
     from pockengine.sparse.schemes import resolve_scheme
-    from pockengine.step_base import copies_deferred
-    from pockengine.step_parts import build_parts
+    from pockengine.step.compiler import TrainStep, apply_resolution
+    from pockengine.step.parts import build_parts
+    from pockengine.step.running import copies_deferred
 
     scheme = only(names)
     resolution = resolve_scheme(scheme, info)
@@ -135,7 +135,7 @@ def gradient_sums(
 ) -> GradientSums:
     """The sums of ``names``' batch gradients over ``batches``, each batch run as
     micro-batches of ``rows`` examples by ``step`` (compiled for ``rows``)."""
-    from pockengine.runtime import release_free_memory
+    from pockengine.step.compiler import release_free_memory
 
     sums = GradientSums()
     for batch in batches:

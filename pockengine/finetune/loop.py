@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.evaluator import Evaluator
 from pockengine.finetune import adapter, home, recipes, released
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune import data as ds
@@ -37,7 +36,8 @@ from pockengine.finetune.metrics import MetricsLog, evaluate
 from pockengine.finetune.progress import Progress, make_progress
 from pockengine.finetune.result import peak_rss_bytes
 from pockengine.sparse.schemes import Scheme
-from pockengine.step_base import CompiledStep, NonFiniteError
+from pockengine.step.evaluator import Evaluator
+from pockengine.step.running import CompiledStep, NonFiniteError
 
 __all__ = ["Loop", "StopFlag", "linear_schedule", "stop_on_signals"]
 

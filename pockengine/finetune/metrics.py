@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pockengine.evaluator import Evaluator
 from pockengine.finetune.checkpoint import write_json_lines
 from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.recipes import Task, tensor_rows
 from pockengine.finetune.run_files import read_metric_rows
 from pockengine.ir import CompileError
-from pockengine.runtime import TrainStep
 from pockengine.safe_write import append_text
-from pockengine.step_base import CompiledStep
+from pockengine.step.compiler import TrainStep
+from pockengine.step.evaluator import Evaluator
+from pockengine.step.running import CompiledStep
 
 __all__ = [
     "MetricsLog",

@@ -24,9 +24,9 @@ from torch import nn
 
 from pockengine.finetune.adapter import merged_state
 from pockengine.finetune.config import FinetuneError
-from pockengine.runtime import TrainStep
 from pockengine.safetensors_io import write_streamed_to
-from pockengine.step_base import CompiledStep
+from pockengine.step.compiler import TrainStep
+from pockengine.step.running import CompiledStep
 
 __all__ = [
     "StepValues",

@@ -18,7 +18,7 @@ from typing import Any
 
 from pockengine.finetune.checkpoint import CHECKPOINT, write_atomic
 from pockengine.finetune.config import FinetuneConfig
-from pockengine.step_base import CompiledStep
+from pockengine.step.running import CompiledStep
 
 __all__ = [
     "REPORT",

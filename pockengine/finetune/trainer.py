@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pockengine.evaluator import Evaluator
 from pockengine.finetune import adapter, home, recipes, released, stages
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune.auto_scheme import AUTO, AutoChoice, choose_auto
@@ -35,10 +34,11 @@ from pockengine.finetune.metrics import compile_evaluator, evaluate
 from pockengine.finetune.model_skeleton import write_from_skeleton
 from pockengine.finetune.result import FinetuneResult, peak_rss_bytes, write_report
 from pockengine.passes.quantize import FrozenWeights
-from pockengine.runtime import TrainStep, release_free_memory
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
-from pockengine.step_base import CompiledStep
+from pockengine.step.compiler import TrainStep, release_free_memory
+from pockengine.step.evaluator import Evaluator
+from pockengine.step.running import CompiledStep
 
 __all__ = [
     "compile_evaluator_releasing",
@@ -227,7 +227,7 @@ def _compile(
     config: FinetuneConfig, task: recipes.Task, scheme: Scheme, frozen: FrozenWeights | None = None
 ) -> TrainStep:
     from pockengine.finetune.gguf import frozen_weights
-    from pockengine.runtime import compile
+    from pockengine.step.compiler import compile
 
     assert config.batch_size is not None
     example = recipes.tensor_rows(task.train, 0, config.batch_size)

@@ -315,7 +315,7 @@ def import_torch(
 
     Modules named in ``eval_modules`` are exported in eval mode (frozen BatchNorm on its
     running statistics); the model's own modes are restored afterwards. ``forward_only``:
-    an evaluation graph (``pockengine.evaluator``), whose one output may be a small float
+    an evaluation graph (``pockengine.step.evaluator``), whose one output may be a small float
     vector rather than a scalar loss, and which must not update buffers.
     """
     torch = _require_torch()

@@ -2,7 +2,7 @@
  * on every index batch file before the first step.
  *
  * The exporter writes the table (``bounds.c``) from the compiler's analysis
- * (``pockengine.batch_checks.index_bounds``): a class target indexes the loss's classes
+ * (``pockengine.plan.index_bounds``): a class target indexes the loss's classes
  * (a value equal to the loss's ignore_index is allowed too), a token id an embedding's
  * rows. A value outside would make the step read or write outside a tensor. */
 #ifndef PE_CHECK_H

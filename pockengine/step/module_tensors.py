@@ -38,7 +38,7 @@ from pockengine.ir import Graph, TensorType, get_op
 
 __all__ = ["InPlace", "ModuleHomes", "bind_in_place", "module_memory"]
 
-log = logging.getLogger("pockengine.runtime")  # the logger compile's messages use
+log = logging.getLogger("pockengine.step.compiler")  # the logger compile's messages use
 Array = np.ndarray[Any, Any]
 _LISTED = 4  # names a warning lists per reason
 

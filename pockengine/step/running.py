@@ -3,7 +3,7 @@
 ``CompiledStep`` is the running half of a step, shared by the ``TrainStep`` that
 ``pockengine.compile`` builds (it adds the compiler's own facts: the forward graph, the
 pass stages, ``gradients`` and the report it computes) and the ``LoadedStep`` that
-``pockengine.load_step`` reads from a step artifact (``pockengine.step_io``), which ran no
+``pockengine.load_step`` reads from a step artifact (``pockengine.step.artifact``), which ran no
 compiler at all. Everything here needs only the final training graph, the backend, the
 store of values and ``StepFacts``: the names, batch types and checks the compiler worked
 out and the artifact writes down. NumPy only; no frontend is imported.
@@ -24,17 +24,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pockengine.backends import Backend
-from pockengine.batch_checks import IndexBound, out_of_range
 from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import CompileError, Graph, PockEngineError, Role, get_op
-from pockengine.loading import LoadResult, StateError, load_into_module, match_arrays
 from pockengine.optim import LR, Optimizer
 from pockengine.passes.quantize import QuantizedParam
+from pockengine.plan.index_bounds import IndexBound, out_of_range
 from pockengine.sparse.schemes import Resolution, Scheme
+from pockengine.step.module_tensors import InPlace, ModuleHomes, bind_in_place
+from pockengine.step.strict_load import LoadResult, StateError, load_into_module, match_arrays
 
 if TYPE_CHECKING:
-    from pockengine.evaluator import Evaluator
-    from pockengine.in_place import InPlace, ModuleHomes
     from pockengine.ir import Value
     from pockengine.plan.report import Report
 
@@ -119,7 +118,7 @@ class CompiledStep(ABC):
         copied here: a backend may store them in another layout than the one it shares.
         With a torch ``module`` (``in_place=True``) the module's own tensors are the store
         of the params and buffers the step writes, where the backend can share them
-        (``pockengine.in_place``)."""
+        (``pockengine.step.module_tensors``)."""
         self.graph, self.backend = graph, backend
         self._batch = facts.batch
         self._state_names = dict(facts.state_names)
@@ -136,8 +135,6 @@ class CompiledStep(ABC):
         self._lent: set[str] = set()  # written values still shared with their source
         self._homes: ModuleHomes | None = None
         if module is not None:
-            from pockengine.in_place import bind_in_place
-
             self._homes = bind_in_place(module, graph, facts.state_names, values, backend,
                                         self._store)  # fmt: skip
         for name in list(values):
@@ -393,14 +390,10 @@ class CompiledStep(ABC):
 
         return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
 
-    def save(self, folder: str | os.PathLike[str], evaluator: Evaluator | None = None) -> Path:
-        """Write the step artifact into ``folder``: the training graph as IR text, the
-        store as safetensors, everything else as JSON (``pockengine.step_io``);
-        ``pockengine.load_step(folder)`` runs it without the compiler. ``evaluator`` (a
-        compiled ``Evaluator`` of this step) is saved beside it. Returns the folder."""
-        from pockengine.step_io import save_step
-
-        return save_step(self, folder, evaluator)
+    @abstractmethod
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write the step artifact into ``folder`` (``pockengine.step.artifact``, which the
+        concrete steps call: ``TrainStep.save``, ``LoadedStep.save``); returns the folder."""
 
     def load_into(self, model: Any, *, strict: bool = True) -> LoadResult:
         """Write the trained values back into a torch module. Strict (the default): the

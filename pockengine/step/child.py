@@ -10,9 +10,9 @@ that trains keeps none of it when another process compiled. With ``compile_in="c
    nothing pickled; it sets one torch thread first (the parent's OpenMP pool does not
    survive a fork), runs the whole compile (trace, autodiff, passes) up to the
    ``StepParts`` a backend would bind, and writes them to a temporary folder in the step
-   artifact's formats (``step_io``): ``step.ir`` (the training graph), ``forward.ir`` (the
+   artifact's formats (``artifact``): ``step.ir`` (the training graph), ``forward.ir`` (the
    fused forward, for ``gradients`` and ``evaluator``), ``state.safetensors`` and
-   ``step.json`` (``step_json.facts_json``). A value that *is* a tensor of the torch
+   ``step.json`` (``artifact_json.facts_json``). A value that *is* a tensor of the torch
    module (same memory, shape, strides, dtype) is not written: ``step.json`` names it and
    the parent binds its own module's tensor, as the frontend does in process. All-zero
    values (the optimizer state's zeros) are listed and the parent allocates them.
@@ -21,9 +21,10 @@ that trains keeps none of it when another process compiled. With ``compile_in="c
 3. The parent waits (``TIMEOUT_S``, ``PE_COMPILE_TIMEOUT``), re-emits the warnings
    (same category) and log records, raises the child's error as the same engine error
    class with the same message (another exception: a ``CompileError`` naming its type),
-   reads the parts back and binds them to the backend: a ``TrainStep`` that trains
-   bit-identically to one compiled in process. Its pass stages are made again on first
-   read (``TrainStep.stages``); ``forward_stages`` holds the fused forward only.
+   and reads the parts back; the driver (``pockengine.step.compiler``) binds them to the
+   backend: a ``TrainStep`` that trains bit-identically to one compiled in process. Its
+   pass stages are made again on first read (``TrainStep.stages``); ``forward_stages``
+   holds the fused forward only.
 
 Only the torch and ONNX frontends compile in a child: JAX and TensorFlow run thread pools
 that a fork can deadlock (JAX warns on fork). ``compile_mode`` picks the mode: the
@@ -54,13 +55,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from pockengine._libc import libc_function
-from pockengine.backends import Backend
-from pockengine.compile_relay import Relay, capture, raise_error, replay
 from pockengine.ir import CompileError, Graph, Role
 from pockengine.passes import Pass
 from pockengine.sparse.schemes import Scheme
-from pockengine.step_io import (
+from pockengine.step.artifact import (
     check_state,
     parse_graph_text,
     read_graph,
@@ -69,12 +67,12 @@ from pockengine.step_io import (
     write_graph,
     write_values,
 )
-from pockengine.step_json import facts_json, read_facts
+from pockengine.step.artifact_json import facts_json, read_facts
+from pockengine.step.child_relay import Relay, capture, raise_error, replay
+from pockengine.step.parts import StepParts
 
 if TYPE_CHECKING:
     from pockengine.optim import Optimizer
-    from pockengine.runtime import TrainStep
-    from pockengine.step_parts import StepParts
 
 __all__ = [
     "COMPILE_IN", "DEFAULT_COMPILE_IN", "TIMEOUT_S", "compile_forked", "compile_mode",
@@ -133,19 +131,15 @@ def _threaded_runtime() -> bool:
 
 def compile_forked(
     build: Callable[[], StepParts],
-    backend: Backend,
     module: Any | None,
     optimizer: Optimizer,
     scheme: Scheme | None,
     passes: Sequence[Pass],
-    in_place: bool = False,
-) -> TrainStep:
-    """``build()`` run in a forked child, its parts bound to ``backend`` here. ``module``:
-    the torch model, whose tensors the parent binds by name (None: every value is read
-    from the child's file), and trains in place with ``in_place`` (``pockengine.in_place``);
-    ``optimizer``, ``scheme``, ``passes``: what ``build`` uses."""
-    from pockengine.runtime import TrainStep
-
+) -> StepParts:
+    """``build()`` run in a forked child, its parts read back here for the caller to bind.
+    ``module``: the torch model, whose tensors the parts hold by name (None: every value is
+    read from the child's file); ``optimizer``, ``scheme``, ``passes``: what ``build``
+    uses."""
     with tempfile.TemporaryDirectory(prefix="pe-compile-") as tmp:
         folder = Path(tmp)
         start = time.perf_counter()
@@ -155,14 +149,9 @@ def compile_forked(
             raise_error(relay.error)
         read = time.perf_counter()
         parts = _read_parts(folder, module, optimizer, scheme, passes)
-    step = TrainStep.bound(parts, backend, module if in_place else None)
-    del parts
-    trim = libc_function("malloc_trim")  # what reading freed (no collection: no cycles made)
-    if trim is not None:
-        trim(0)
-    log.debug("compiled in a child in %.2f s, read back and bound in %.2f s",
+    log.debug("compiled in a child in %.2f s, read back in %.2f s",
               read - start, time.perf_counter() - read)  # fmt: skip
-    return step
+    return parts
 
 
 # -- the child -----------------------------------------------------------------------------
@@ -297,8 +286,6 @@ def _read_parts(
     passes: Sequence[Pass],
 ) -> StepParts:  # fmt: skip
     """The parts the child wrote into ``folder``, the module's tensors bound by name."""
-    from pockengine.step_parts import StepParts
-
     meta = json.loads((folder / META).read_text(encoding="utf-8"))
     graph = read_graph(folder / GRAPH, meta["graph_sha256"])
     forward = _PackedGraph.read(folder / FORWARD, meta["forward_sha256"])

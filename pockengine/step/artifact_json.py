@@ -1,14 +1,14 @@
 """``step.json`` of a step artifact: everything a step runs with beside its graph and store.
 
 ``to_json(step, report, ...)`` writes, and ``from_json`` reads back, the facts
-``pockengine.step_io`` needs to rebuild a step without the compiler: the batch inputs (by
+``pockengine.step.artifact`` needs to rebuild a step without the compiler: the batch inputs (by
 name), IR -> model names and aliases, the quantized params, the trained params with their
 partial-channel rows (the ``Resolution``), index bounds of the batch checks, the optimizer
 (its class and fields), the model's param table (``ModelInfo``, which ``load_state`` and
 the fine-tune's summary read), the scheme and the compile-time report at full depth
 (``SavedReport.at_depth`` cuts its layers as ``analyze(graph, depth)`` would). Plain JSON
 values only; ``from_json`` raises ``KeyError``/``TypeError``/``ValueError`` on a damaged
-file, which ``step_io`` turns into one error naming it.
+file, which ``artifact`` turns into one error naming it.
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from pockengine import optim
-from pockengine.batch_checks import IndexBound
 from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.ir import DType, TensorType
 from pockengine.passes.quantize import QuantizedParam
 from pockengine.passes.remat_budget import Recomputation, Segment
+from pockengine.plan.index_bounds import IndexBound
 from pockengine.plan.report import Figures, LayerFigures, Report
 from pockengine.sparse import schemes
 from pockengine.sparse.lora import Adapter
 from pockengine.sparse.schemes import Resolution, Scheme
-from pockengine.step_base import StepFacts
+from pockengine.step.running import StepFacts
 
 if TYPE_CHECKING:
     from pockengine.ir import Value
     from pockengine.plan.placement import Placement
-    from pockengine.step_base import CompiledStep
+    from pockengine.step.running import CompiledStep
 
 __all__ = [
     "READABLE_FORMATS",
@@ -120,7 +120,7 @@ def to_json(
 def facts_json(facts: StepFacts, info: ModelInfo, resolution: Resolution) -> dict[str, Any]:
     """The step's facts (the batch by name), the model's param table and the resolved
     scheme as JSON values: the part of ``step.json`` a compile child also writes
-    (``pockengine.compile_fork``); ``read_facts`` reads it back."""
+    (``pockengine.step.child``); ``read_facts`` reads it back."""
     return {
         "batch": [v.name for v in facts.batch],
         "state_names": facts.state_names,

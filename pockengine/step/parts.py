@@ -2,8 +2,8 @@
 
 ``parts_of`` imports a model with its frontend, resolves the scheme, quantizes the frozen
 weights, fuses the forward for the backend's ops, appends the backward
-(``training_graph``) and runs the training passes. ``TrainStep`` (``pockengine.runtime``)
-binds the parts to a backend; a compile child (``pockengine.compile_fork``) writes them
+(``training_graph``) and runs the training passes. ``TrainStep`` (``pockengine.step.compiler``)
+binds the parts to a backend; a compile child (``pockengine.step.child``) writes them
 to files instead, and the parent binds what it reads back.
 """
 
@@ -18,7 +18,6 @@ import numpy as np
 
 from pockengine.autodiff import append_backward
 from pockengine.backends import Backend
-from pockengine.batch_checks import index_bounds
 from pockengine.frontend.imported import ImportedModel, ModelInfo
 from pockengine.ir import (
     GRAD_PREFIX,
@@ -35,8 +34,9 @@ from pockengine.optim import Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, forward_passes, run_pipeline
 from pockengine.passes.quantize import AS_GIVEN, FrozenWeights, quantize_frozen
 from pockengine.passes.slices import sink_slices
+from pockengine.plan.index_bounds import index_bounds
 from pockengine.sparse.schemes import Resolution, Scheme, resolve_scheme
-from pockengine.step_base import StepFacts
+from pockengine.step.running import StepFacts
 
 __all__ = [
     "Stages",
@@ -51,7 +51,7 @@ __all__ = [
     "training_graph",
 ]
 
-log = logging.getLogger("pockengine.runtime")  # the messages users filter on
+log = logging.getLogger("pockengine.step.compiler")  # the messages users filter on
 Array = np.ndarray[Any, Any]
 Stages = tuple[tuple[str, Graph], ...]
 _NAMED_LOSS = {"onnx": "an ONNX", "keras": "a Keras"}  # frontends taking loss="..."
@@ -121,7 +121,7 @@ class StepParts:
     forward graph, the final training graph, the facts and the initial values, with the
     optimizer, resolution, param table, scheme and passes they were made with. The pass
     stages are None where they were not kept (a step compiled in a child process,
-    ``pockengine.compile_fork``, which also gives the forward graph as a function that
+    ``pockengine.step.child``, which also gives the forward graph as a function that
     parses it: ``TrainStep.forward`` calls it on first read)."""
 
     forward: Graph | Callable[[], Graph]  # a child's: parsed on first use (compile_fork)

@@ -7,17 +7,19 @@ training step; nothing is traced or differentiated at run time.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pockengine._libc import libc_function
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
+from pockengine.frontend import frontend_of
 from pockengine.ir import CompileError, Graph, verify
-from pockengine.loading import LoadResult, StateError
 from pockengine.ops.quant import Quantized
 from pockengine.optim import SGD, Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, run_pipeline
@@ -25,8 +27,10 @@ from pockengine.passes.quantize import FrozenWeights
 from pockengine.passes.remat_budget import parse_budget, recomputation, with_budget
 from pockengine.plan.report import Report, analyze
 from pockengine.sparse.schemes import Resolution, Scheme
-from pockengine.step_base import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError
-from pockengine.step_parts import (
+from pockengine.step.artifact import save_step
+from pockengine.step.child import compile_forked, compile_mode
+from pockengine.step.evaluator import Evaluator, compile_evaluator
+from pockengine.step.parts import (
     Stages,
     StepParts,
     apply_resolution,
@@ -35,9 +39,8 @@ from pockengine.step_parts import (
     parts_of,
     training_graph,
 )
-
-if TYPE_CHECKING:
-    from pockengine.evaluator import Evaluator
+from pockengine.step.running import ON_NONFINITE, BatchError, CompiledStep, NonFiniteError
+from pockengine.step.strict_load import LoadResult, StateError
 
 __all__ = [
     "ON_NONFINITE",
@@ -48,7 +51,6 @@ __all__ = [
     "TrainStep",
     "apply_resolution",
     "compile",
-    "frontend_of",
     "frozen_batchnorms",
     "gradients_graph",
     "release_free_memory",
@@ -66,7 +68,7 @@ class TrainStep(CompiledStep):
     @classmethod
     def bound(cls, parts: StepParts, backend: Backend, module: Any | None = None) -> TrainStep:
         """The step ``parts`` make on ``backend`` (``parts.values`` is emptied); with a
-        torch ``module``, trained in its own tensors (``pockengine.in_place``)."""
+        torch ``module``, trained in its own tensors (``pockengine.step.module_tensors``)."""
         step = cls.__new__(cls)
         step._adopt(parts, backend, module)
         return step
@@ -119,10 +121,15 @@ class TrainStep(CompiledStep):
         self, model: Any, eval_fn: Callable[..., Any], example_batch: Sequence[Any]
     ) -> Evaluator:
         """``eval_fn(model, *batch)`` compiled forward-only, in eval mode, on this step's
-        backend and current values (``pockengine.evaluator``; torch models only)."""
-        from pockengine.evaluator import compile_evaluator
+        backend and current values (``pockengine.step.evaluator``; torch models only)."""
+        return compile_evaluator(self, self.forward, model, eval_fn, example_batch)
 
-        return compile_evaluator(self, model, eval_fn, example_batch)
+    def save(self, folder: str | os.PathLike[str], evaluator: Evaluator | None = None) -> Path:
+        """Write the step artifact into ``folder``: the training graph as IR text, the
+        store as safetensors, everything else as JSON (``pockengine.step.artifact``);
+        ``pockengine.load_step(folder)`` runs it without the compiler. ``evaluator`` (a
+        compiled ``Evaluator`` of this step) is saved beside it. Returns the folder."""
+        return save_step(self, folder, evaluator)
 
     def report(self, depth: int | None = None) -> Report:
         """Trained params, FLOPs, saved activations, memory: this scheme beside full
@@ -192,14 +199,14 @@ def compile(
     torch and ONNX models on POSIX while no JAX runtime or CUDA has started and TensorFlow
     is not loaded, else "process") says where the compiler runs: "child" forks, compiles
     in the child and reads its step back, so this process keeps no memory the compiler
-    used (``pockengine.compile_fork``); each child starts ``torch.export`` cold, so a
+    used (``pockengine.step.child``); each child starts ``torch.export`` cold, so a
     process that compiles many steps is faster with "process".
     ``in_place`` (torch models): the step trains the module's own param and buffer
     tensors, as a torch optimizer does, instead of copies of them: training holds one
     copy of them, and the module holds the trained values after every step. Values a
     backend cannot share (a 4-D weight the torch backend stores channels-last, another
     dtype, ONNX Runtime or CUDA) are copied and written back after each step, with a
-    warning; ``step.in_place`` says which (``pockengine.in_place``).
+    warning; ``step.in_place`` says which (``pockengine.step.module_tensors``).
     """
     frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)
@@ -217,37 +224,28 @@ def compile(
         return parts_of(kind, model, loss_fn, example_batch, optim, scheme, engine, pipeline,
                       frozen, loss, output, params)  # fmt: skip
 
-    from pockengine.compile_fork import compile_forked, compile_mode
-
     if compile_mode(compile_in, kind) == "child":
         named = model if kind == "torch" else None
-        return compile_forked(build, engine, named, optim, scheme, pipeline, in_place)
+        parts = compile_forked(build, named, optim, scheme, pipeline)
+        step = TrainStep.bound(parts, engine, module)
+        del parts
+        _trim_heap()  # what reading the parts freed (no collection: reading made no cycles)
+        return step
     step = TrainStep.bound(build(), engine, module)
     release_free_memory()
     return step
-
-
-def frontend_of(model: Any) -> str:
-    """Which frontend takes ``model``: "onnx" (a path or ModelProto), "keras" (a Keras
-    model), "torch" (an ``nn.Module``) or "jax" (anything else: a pytree of params for a
-    JAX ``loss_fn(params, *batch)``)."""
-    if isinstance(model, str | os.PathLike) or type(model).__name__ == "ModelProto":
-        return "onnx"
-    modules = {cls.__module__.split(".", 1)[0] for cls in type(model).__mro__}
-    if modules & {"keras", "tf_keras"}:
-        return "keras"
-    if "torch" in modules:
-        return "torch"
-    return "jax"
 
 
 def release_free_memory() -> None:
     """Hand the heap that compiling freed (traced graphs, NumPy copies of the weights) back
     to the OS: glibc keeps freed blocks in the process, and the resident memory of a
     training run would carry them. A no-op where the C library has no malloc_trim."""
-    import gc
-
     gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand glibc's freed heap back to the OS (``malloc_trim``); a no-op elsewhere."""
     trim = libc_function("malloc_trim")
     if trim is not None:
         trim(0)

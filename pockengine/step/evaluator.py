@@ -1,6 +1,6 @@
 """Evaluation through the compiled forward, on a training step's own state.
 
-``compile_evaluator(step, model, eval_fn, example_batch)`` imports ``eval_fn(model,
+``compile_evaluator(step, forward, model, eval_fn, example_batch)`` imports ``eval_fn(model,
 *batch)`` with the frontend that built the step (torch only, so far: ONNX, JAX and Keras
 steps raise a ``CompileError`` and their callers evaluate eagerly), with the whole model in
 eval mode (no dropout; BatchNorm on its running statistics, the step's buffers), and
@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from pockengine.frontend import frontend_of
 from pockengine.ir import CompileError, Graph, Role, TensorType, Value, verify
 from pockengine.ir.rewrite import with_inputs
 from pockengine.ops.quant import Quantized
@@ -42,10 +43,7 @@ from pockengine.passes import (
 )
 from pockengine.passes.pipeline import Pass
 from pockengine.passes.quantize import quantize_frozen
-from pockengine.step_base import BatchError, CompiledStep
-
-if TYPE_CHECKING:
-    from pockengine.runtime import TrainStep
+from pockengine.step.running import BatchError, CompiledStep
 
 __all__ = ["EVAL_PIPELINE", "Evaluator", "compile_evaluator"]
 
@@ -99,13 +97,16 @@ class Evaluator:
 
 
 def compile_evaluator(
-    step: TrainStep, model: Any, eval_fn: Callable[..., Any], example_batch: Sequence[Any]
+    step: CompiledStep,
+    forward: Graph,
+    model: Any,
+    eval_fn: Callable[..., Any],
+    example_batch: Sequence[Any],
 ) -> Evaluator:
     """``eval_fn(model, *batch)`` compiled forward-only on ``step``'s backend, reading the
-    step's state; ``model`` is the one the step was compiled from. A ``CompileError`` when
-    the frontend or the model cannot give an evaluation graph."""
-    from pockengine.runtime import frontend_of
-
+    step's state; ``model`` is the one the step was compiled from, ``forward`` the step's
+    fused forward graph (``TrainStep.forward``). A ``CompileError`` when the frontend or
+    the model cannot give an evaluation graph."""
     kind = frontend_of(model)
     if kind != "torch":
         raise CompileError(f"compiled evaluation is not supported for the {kind} frontend "
@@ -120,11 +121,11 @@ def compile_evaluator(
 
         imported = insert_adapters(imported, adapters)
     graph = _frozen(imported.graph)
-    quantized = _as_given(step)
+    quantized = _as_given(step, forward)
     graph = quantize_frozen(graph, {}, None, prequantized=quantized).graph
     graph = run_pipeline(graph, forward_passes(step.backend.supported_ops())).graph
     graph = run_pipeline(verify(graph), EVAL_PIPELINE).graph
-    own = _own_values(step, graph, imported.values)
+    own = _own_values(step, forward, graph, imported.values)
     return Evaluator(step, graph, imported.batch, own)
 
 
@@ -144,10 +145,10 @@ def _frozen(graph: Graph) -> Graph:
     return verify(with_inputs(graph, [v.replace(trainable=False) for v in graph.params]))
 
 
-def _as_given(step: TrainStep) -> dict[str, Quantized]:
+def _as_given(step: CompiledStep, forward: Graph) -> dict[str, Quantized]:
     """The step's quantized weights as ``quantize_frozen`` takes given ones: only their
     shapes and dtypes are read (placeholders, no data); the values come from the store."""
-    types = {v.name: v.type for v in step.forward.inputs}
+    types = {v.name: v.type for v in forward.inputs}
     out = {}
     for name, q in step._quantized.items():
         codes, scales, *offsets = (_placeholder(types[n]) for n in q.inputs)
@@ -159,10 +160,12 @@ def _placeholder(t: TensorType) -> Array:
     return np.broadcast_to(np.zeros((), dtype=t.dtype.to_numpy()), t.shape)
 
 
-def _own_values(step: TrainStep, graph: Graph, values: dict[str, Array]) -> dict[str, Any]:
+def _own_values(
+    step: CompiledStep, forward: Graph, graph: Graph, values: dict[str, Array]
+) -> dict[str, Any]:
     """The eval graph's state inputs the step does not hold, checked against the step's
     types where it does."""
-    types = {v.name: v.type for v in (*step.forward.inputs, *step.graph.inputs)}
+    types = {v.name: v.type for v in (*forward.inputs, *step.graph.inputs)}
     own = {}
     for v in graph.inputs:
         if v.role is Role.INPUT:

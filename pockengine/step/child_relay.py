@@ -1,4 +1,4 @@
-"""What a compile child (``pockengine.compile_fork``) reports to its parent, as JSON.
+"""What a compile child (``pockengine.step.child``) reports to its parent, as JSON.
 
 ``capture(work)`` runs ``work()`` in the child and records, in the order they happened,
 the warnings it emitted and the ``logging`` records its loggers created (the child's

@@ -12,7 +12,7 @@ load. Compile on a host, ship the folder, train on the device. The folder holds:
   learning rate; written one tensor at a time, without the tensors whose bytes are all
   zero (the optimizer state of a step never run), which ``step.json`` lists under
   ``zeros`` and ``load_step`` allocates;
-- ``step.json``: the rest (``pockengine.step_json``): batch inputs, IR -> model names and
+- ``step.json``: the rest (``pockengine.step.artifact_json``): batch inputs, IR -> model names and
   aliases, the quantized params, partial-channel rows, index bounds of the batch checks,
   the optimizer, the model's param table, the scheme and the compile-time report;
 - ``eval.ir`` and ``eval.safetensors`` when a compiled evaluator was saved with it.
@@ -44,11 +44,11 @@ from pockengine.safetensors_io import (
     all_zero,
     write_streamed_to,
 )
-from pockengine.step_base import CompiledStep
-from pockengine.step_json import READABLE_FORMATS, Saved, from_json, to_json
+from pockengine.step.artifact_json import READABLE_FORMATS, Saved, from_json, to_json
+from pockengine.step.evaluator import Evaluator
+from pockengine.step.running import CompiledStep
 
 if TYPE_CHECKING:
-    from pockengine.evaluator import Evaluator
     from pockengine.plan.report import Report
 
 __all__ = [
@@ -108,7 +108,7 @@ def save_step(
 
 def write_graph(path: Path, graph: Graph) -> str:
     """``graph`` as IR text in ``path``, checked to parse back to it; returns the text's
-    SHA-256 (``read_graph`` checks it). For ``pockengine.compile_fork`` too."""
+    SHA-256 (``read_graph`` checks it). For ``pockengine.step.child`` too."""
     text = print_graph(graph)
     _check_round_trip(graph, text, path.name)
     _write_text(path, text)
@@ -282,6 +282,11 @@ class LoadedStep(CompiledStep):
     def has_evaluator(self) -> bool:
         return self._evaluator is not None
 
+    def save(self, folder: str | os.PathLike[str], evaluator: Evaluator | None = None) -> Path:
+        """Write this step as a step artifact into ``folder`` (``save_step``), with
+        ``evaluator`` (compiled for this step) beside it; returns the folder."""
+        return save_step(self, folder, evaluator)
+
 
 def load_step(folder: str | os.PathLike[str], backend: BackendSpec | None = None) -> LoadedStep:
     """The step artifact in ``folder`` (``TrainStep.save``), bound to ``backend`` (default:
@@ -312,8 +317,6 @@ def _batch_values(graph: Graph, names: list[str], path: Path) -> tuple[Value, ..
 
 
 def _load_evaluator(step: LoadedStep, where: Path, meta: Mapping[str, Any]) -> Evaluator:
-    from pockengine.evaluator import Evaluator
-
     graph = read_graph(where / EVAL_GRAPH, str(meta["sha256"]))
     own = _with_zeros(graph, read_tensors(where / EVAL_STATE), meta.get("zeros", []),
                       where / META)  # fmt: skip
