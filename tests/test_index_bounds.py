@@ -59,7 +59,8 @@ class _Indexing(nn.Module):
 
 
 def _loss(m: nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    return ((m(ids, pos) - 1.0) ** 2).mean()
+    loss: torch.Tensor = ((m(ids, pos) - 1.0) ** 2).mean()
+    return loss
 
 
 IDS = np.array([0, 6, -1, -7, 3, 2], np.int64)  # negative ids count from the end
