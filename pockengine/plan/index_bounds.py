@@ -5,10 +5,13 @@ A class target reaches the loss as the index of a ``gather`` over the log-probab
 to the fused ``linear_log_softmax_gather``, whose index is its third input), and token ids as
 the index of an ``embedding``. Backends wrap a negative index (``-1`` would train as the
 last class, as Python's ``x[-1]`` does) or fail with a raw error past the end, so the
-step checks such inputs at the batch boundary instead. ``index_bounds`` reads the graph
-once: from each ``gather``/``embedding`` it walks the index back through views, casts
-and the loss's ``where(index != ignore_index, index, 0)`` guard to a batch input,
-collecting the ignored values, and takes the bound from the indexed axis's size.
+step checks such inputs at the batch boundary instead. An advanced index (``x[ids]``:
+the ``index`` op; ``x.index_put_(..., accumulate=True)``: ``index_put_add``) counts a
+negative value from the end, as NumPy, ATen and the C kernels do, so its range on an
+axis of size n is ``[-n, n)``. ``index_bounds`` reads the graph once: from each indexing
+node it walks the index back through views, casts and the loss's
+``where(index != ignore_index, index, 0)`` guard to a batch input, collecting the ignored
+values, and takes the bound from the indexed axis's size.
 
 An index computed from constants alone (learned positions ``wpe(arange(t))``: nodes
 without inputs, such as ``full`` and ``arange``, and the ``const`` inputs and frozen
@@ -33,12 +36,13 @@ Array = np.ndarray[Any, Any]
 
 @dataclass(frozen=True)
 class IndexBound:
-    """Batch input ``input`` must hold values in ``[0, high)`` or one of ``ignored``."""
+    """Batch input ``input`` must hold values in ``[low, high)`` or one of ``ignored``."""
 
     input: str
     high: int
     ignored: frozenset[int]
-    what: str  # "class target", "token id"
+    what: str  # "class target", "token id", "index"
+    low: int = 0  # -high for an advanced index, which counts negative values from the end
 
 
 def _full_value(node: Node | None) -> int | None:
@@ -153,21 +157,56 @@ class _Constants:
         return True
 
 
-def _check_constant_index(node: Node, index: Array, high: int) -> None:
-    """A gather or embedding of a constant index: every value in ``[0, high)``."""
+def _check_constant_index(node: Node, index: Array, low: int, high: int) -> None:
+    """An indexing node's constant index: every value in ``[low, high)``."""
     if index.dtype.kind not in "iu" or index.size == 0:
         return
-    bad = (index < 0) | (index >= high)
+    bad = (index < low) | (index >= high)
     if bad.any():
         position = tuple(int(i) for i in np.argwhere(bad)[0])
         raise CompileError(
             f"{node.op} at {node.source or '<unknown>'}: its index is a constant holding "
-            f"{int(index[position])} at position {position}, outside [0, {high})"
+            f"{int(index[position])} at position {position}, outside [{low}, {high})"
         )
 
 
+_Indexed = tuple[Value, int, int, str]  # an index, its range [low, high), what it is
+
+
+def _advanced(node: Node, target: tuple[int, ...], indices: list[Value]) -> list[_Indexed]:
+    """``index``-style indices on ``axes`` of ``target``: each in ``[-n, n)``."""
+    axes = node.attrs["axes"]
+    assert isinstance(axes, tuple)
+    sizes = [target[int(a) % len(target)] for a in axes]
+    return [(v, -n, n, "index") for v, n in zip(indices, sizes, strict=True)]
+
+
+def _indices(node: Node) -> list[_Indexed]:
+    """The index inputs of ``node`` with the range each must lie in (none for other ops)."""
+    if node.op == "gather":
+        x, index = node.inputs[0], node.inputs[1]
+        axis = node.attrs["axis"]
+        assert isinstance(axis, int)
+        return [(index, 0, x.shape[axis % len(x.shape)], "class target")]
+    if node.op == "embedding":
+        return [(node.inputs[1], 0, node.inputs[0].shape[0], "token id")]
+    if node.op == "linear_log_softmax_gather":  # the fused loss: (x, w, target)
+        w = node.inputs[1]
+        return [(node.inputs[2], 0, w.shape[0 if node.attrs["vocab_major"] else 1], "class target")]
+    if node.op == "index":  # (x, *indices)
+        return _advanced(node, node.inputs[0].shape, list(node.inputs[1:]))
+    if node.op == "index_put_add":  # (x, values, *indices)
+        return _advanced(node, node.inputs[0].shape, list(node.inputs[2:]))
+    if node.op == "index_grad":  # (gz, *indices), scattered into attrs["shape"]
+        shape = node.attrs["shape"]
+        assert isinstance(shape, tuple)
+        return _advanced(node, tuple(int(d) for d in shape), list(node.inputs[1:]))
+    return []
+
+
 def index_bounds(graph: Graph, values: Mapping[str, Array] | None = None) -> tuple[IndexBound, ...]:
-    """Every batch input that indexes a tensor (class targets, token ids), with its range.
+    """Every batch input that indexes a tensor (class targets, token ids, advanced indices),
+    with its range.
 
     An index computed from constants (``values``: the graph inputs' values, where known)
     is checked here instead, and a ``CompileError`` names the node indexing out of range.
@@ -175,35 +214,25 @@ def index_bounds(graph: Graph, values: Mapping[str, Array] | None = None) -> tup
     producer = {out.name: n for n in graph.nodes for out in n.outputs}
     inputs = {v.name for v in graph.inputs if v.role is Role.INPUT}
     constants = _Constants(graph, values or {})
-    found: dict[tuple[str, int, frozenset[int], str], None] = {}
+    found: dict[IndexBound, None] = {}
     for node in graph.nodes:
-        if node.op == "gather":
-            x, index = node.inputs[0], node.inputs[1]
-            axis = node.attrs["axis"]
-            assert isinstance(axis, int)
-            high, what = x.shape[axis % len(x.shape)], "class target"
-        elif node.op == "embedding":
-            index, high, what = node.inputs[1], node.inputs[0].shape[0], "token id"
-        elif node.op == "linear_log_softmax_gather":  # the fused loss: (x, w, target)
-            w, what = node.inputs[1], "class target"
-            index, high = node.inputs[2], w.shape[0 if node.attrs["vocab_major"] else 1]
-        else:
-            continue
-        source = _batch_source(index, producer, inputs)
-        if source is not None:
-            found[(source[0], high, source[1], what)] = None
-        elif (constant := constants.value(index)) is not None:
-            _check_constant_index(node, constant, high)
-    return tuple(IndexBound(name, high, ignored, what) for name, high, ignored, what in found)
+        for index, low, high, what in _indices(node):
+            source = _batch_source(index, producer, inputs)
+            if source is not None:
+                found[IndexBound(source[0], high, source[1], what, low)] = None
+            elif (constant := constants.value(index)) is not None:
+                _check_constant_index(node, constant, low, high)
+    return tuple(found)
 
 
 def out_of_range(array: Array, bound: IndexBound) -> str | None:
     """Why ``array`` breaks ``bound`` (the first bad position and value), or None."""
     if array.dtype.kind not in "iu":
         return None
-    if array.size == 0 or (array.min() >= 0 and array.max() < bound.high):
+    low, high = bound.low, bound.high
+    if array.size == 0 or (array.min() >= low and array.max() < high):
         return None  # the common case: two reductions, no temporaries
-    bad = (array < 0) | (array >= bound.high)
+    bad = (array < low) | (array >= high)
     for value in bound.ignored:
         bad &= array != value
     if not bad.any():
@@ -212,6 +241,6 @@ def out_of_range(array: Array, bound: IndexBound) -> str | None:
     at = position[0] if len(position) == 1 else position
     allowed = f" and is not the ignore_index {sorted(bound.ignored)}" if bound.ignored else ""
     return (
-        f"{bound.what} {int(array[position])} at position {at} is outside [0, {bound.high})"
+        f"{bound.what} {int(array[position])} at position {at} is outside [{low}, {high})"
         f"{allowed}; {int(bad.sum())} value(s) out of range in all"
     )

@@ -138,7 +138,8 @@ def read_facts(meta: dict[str, Any]) -> tuple[StepFacts, list[str], ModelInfo, R
     table and the resolution."""
     aliases = {k: tuple(v) for k, v in meta["aliases"].items()}
     quantized = {k: _quantized(q) for k, q in meta["quantized"].items()}
-    bounds = tuple(IndexBound(b["input"], int(b["high"]), frozenset(b["ignored"]), b["what"])
+    bounds = tuple(IndexBound(b["input"], int(b["high"]), frozenset(b["ignored"]), b["what"],
+                              int(b.get("low", 0)))  # older steps: no "low", all were 0
                    for b in meta["index_bounds"])  # fmt: skip
     state_names = {str(k): str(v) for k, v in meta["state_names"].items()}
     facts = StepFacts((), state_names, aliases, quantized, bounds, tuple(meta["trained"]))

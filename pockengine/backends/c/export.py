@@ -63,12 +63,16 @@ def _file_names(graph: Graph, state_names: Mapping[str, str]) -> dict[str, str]:
     return {v.name: state_names.get(v.name, v.name) for v in graph.inputs}
 
 
+def _plural(what: str) -> str:
+    return f"{what}es" if what.endswith("x") else f"{what}s"
+
+
 def _readme(
     graph: Graph, batch: tuple[Value, ...], planned: str, bounds: Sequence[IndexBound]
 ) -> str:
     inputs = "\n".join(f"- `{v.name}`: {v.type}" for v in batch)
     ranges = "\n".join(
-        f"- `{b.input}` ({b.what}s): in [0, {b.high})"
+        f"- `{b.input}` ({_plural(b.what)}): in [{b.low}, {b.high})"
         + (f", or the ignore_index {', '.join(map(str, sorted(b.ignored)))}" if b.ignored else "")
         for b in bounds
     )
@@ -154,13 +158,14 @@ def bounds_source(graph: Graph, bounds: Sequence[IndexBound]) -> str:
             values = ", ".join(_int64(v) for v in ignored)
             lines.append(f"static const int64_t {table}[] = {{{values}}};")
         rows.append(
-            f"    {{{position[bound.input]}, {_c_string(bound.input)}, {_int64(bound.high)}, "
+            f"    {{{position[bound.input]}, {_c_string(bound.input)}, {_int64(bound.low)}, "
+            f"{_int64(bound.high)}, "
             f"{len(ignored)}, {table}, {_c_string(bound.what)}}},"
         )
     lines += [
         f"const int pe_num_index_bounds = {len(rows)};",
         f"const pe_index_bound pe_index_bounds[{max(len(rows), 1)}] = {{",
-        *(rows or ['    {-1, "", 0, 0, NULL, ""},']),
+        *(rows or ['    {-1, "", 0, 0, 0, NULL, ""},']),
         "};",
     ]
     return "\n".join(lines) + "\n"

@@ -27,7 +27,7 @@ from pockengine.backends.c.emit import (
 from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import DType, Node, Value
 
-__all__ = ["KERNELS"]
+__all__ = ["KERNELS", "index_access", "index_in_range"]
 
 _FLOATS = (DType.F32, DType.F64)
 
@@ -257,7 +257,7 @@ def _pad(ctx: EmitContext, node: Node) -> str:
     return f"{{ for (long i = 0; i < {out.type.numel}; i++) {ctx.ref(out)}[i] = {fill}; {copy} }}"
 
 
-def _index_access(
+def index_access(
     ctx: EmitContext, node: Node, target: tuple[int, ...], indices: list[Value]
 ) -> tuple[tuple[int, ...], str, str]:
     """The loop nest of advanced indexing ``x[..., i0, ..., i1, ...]`` over the result's
@@ -290,7 +290,7 @@ def _index_access(
 def index_in_range(
     ctx: EmitContext, node: Node, target: tuple[int, ...], indices: list[Value]
 ) -> str:
-    """The C condition that every index of ``_index_access``'s loop nest, wrapped once as
+    """The C condition that every index of ``index_access``'s loop nest, wrapped once as
     there, lies inside its axis of ``target``: outside, a read gives 0 and a write is
     skipped, so no index value reaches memory outside a tensor."""
     raw = node.attrs["axes"]
@@ -311,7 +311,7 @@ def _index(ctx: EmitContext, node: Node) -> str:
     for v in indices:
         if v.dtype is not DType.I64:
             raise CEmitError(f"index {v} is {v.dtype}; the C kernels take i64 indices")
-    shape, header, offset = _index_access(ctx, node, x.shape, indices)
+    shape, header, offset = index_access(ctx, node, x.shape, indices)
     inside = index_in_range(ctx, node, x.shape, indices)
     flat = " + ".join(f"o{a} * {s}" for a, s in enumerate(strides(shape))) or "0"
     return f"{header}{ctx.ref(node.outputs[0])}[{flat}] = {inside} ? {ctx.ref(x)}[{offset}] : 0;"
@@ -321,7 +321,7 @@ def _index_grad(ctx: EmitContext, node: Node) -> str:
     gz, *indices = node.inputs
     out = node.outputs[0]
     _sfx(out)
-    shape, header, offset = _index_access(ctx, node, out.shape, indices)
+    shape, header, offset = index_access(ctx, node, out.shape, indices)
     inside = index_in_range(ctx, node, out.shape, indices)
     flat = " + ".join(f"o{a} * {s}" for a, s in enumerate(strides(shape))) or "0"
     return (

@@ -255,8 +255,8 @@ static int still_in_range(const options *o, const trainer *t, int k, int b, long
         int64_t value = 0;
         if (pe_index_violations(bound, pe_inputs[k].dtype, t->args[k], n, &at, &value)) {
             fprintf(stderr, "error: %s changed during the run: item %ld now holds %s %lld, "
-                    "outside [0, %lld); stopped before the step\n", o->files[b], item, bound->what,
-                    (long long)value, (long long)bound->high);
+                    "outside [%lld, %lld); stopped before the step\n", o->files[b], item,
+                    bound->what, (long long)value, (long long)bound->low, (long long)bound->high);
             return 0;
         }
     }

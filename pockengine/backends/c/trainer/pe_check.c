@@ -7,7 +7,7 @@
 #include "pe_kernels.h"
 
 static int allowed(const pe_index_bound *b, int64_t v) {
-    if (v >= 0 && v < b->high) return 1;
+    if (v >= b->low && v < b->high) return 1;
     for (int i = 0; i < b->num_ignored; i++)
         if (v == b->ignored[i]) return 1;
     return 0;
@@ -77,8 +77,9 @@ int pe_check_index_file(const pe_index_bound *bound, const char *path, pe_npy *n
         snprintf(index, sizeof(index), " (index %s)", at);
     }
     describe_ignored(bound, ignored, sizeof(ignored));
-    snprintf(err, errlen, "%s: %s %lld at flat position %ld%s is outside [0, %lld)%s; %ld value(s) "
-             "out of range in the file; nothing was trained", path, bound->what, (long long)value,
-             first, index, (long long)bound->high, ignored, bad);
+    snprintf(err, errlen, "%s: %s %lld at flat position %ld%s is outside [%lld, %lld)%s; %ld "
+             "value(s) out of range in the file; nothing was trained", path, bound->what,
+             (long long)value, first, index, (long long)bound->low, (long long)bound->high,
+             ignored, bad);
     return 1;
 }

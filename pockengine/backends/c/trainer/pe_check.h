@@ -4,7 +4,8 @@
  * The exporter writes the table (``bounds.c``) from the compiler's analysis
  * (``pockengine.plan.index_bounds``): a class target indexes the loss's classes
  * (a value equal to the loss's ignore_index is allowed too), a token id an embedding's
- * rows. A value outside would make the step read or write outside a tensor. */
+ * rows, an advanced index (``x[i]``, ``index_put`` with accumulation) an axis of size n
+ * from -n to n - 1. A value outside would make the step read or write outside a tensor. */
 #ifndef PE_CHECK_H
 #define PE_CHECK_H
 
@@ -16,10 +17,11 @@
 typedef struct {
     int input;               /* its position in pe_inputs */
     const char *name;        /* its IR name (the same as pe_inputs[input].name) */
-    int64_t high;            /* values must lie in [0, high) */
+    int64_t low;             /* values must lie in [low, high): low is 0, or -high for an */
+    int64_t high;            /* advanced index x[i], which counts negatives from the end */
     int num_ignored;         /* ... or be one of these (a loss's ignore_index) */
     const int64_t *ignored;
-    const char *what;        /* "class target", "token id" */
+    const char *what;        /* "class target", "token id", "index" */
 } pe_index_bound;
 
 extern const int pe_num_index_bounds;
