@@ -21,8 +21,8 @@
 #include "pe_kernels.h"
 
 /* Indexed by pe_dtype (pe_kernels.h). */
-static const char *const NPY_DESCR[] = {"<f4", "<f8", "<i4", "<i8", "|b1", "|u1"};
-const char *const PE_ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL", "U8"};
+static const char *const NPY_DESCR[] = {"<f4", "<f8", "<i4", "<i8", "|b1", "|u1", "|i1", "<f2"};
+const char *const PE_ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL", "U8", "I8", "F16"};
 #define PE_DTYPES ((int)(sizeof(NPY_DESCR) / sizeof(NPY_DESCR[0])))
 #define PE_ST_MAX_HEADER ((uint64_t)1 << 28)
 
