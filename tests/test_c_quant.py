@@ -141,3 +141,20 @@ def test_exported_gguf_trainer_gives_the_in_process_losses(trained: _Trained) ->
                          check=True)  # fmt: skip
     got = [float(ln.split()[-1]) for ln in run.stdout.splitlines() if ln.startswith("step ")]
     np.testing.assert_allclose(got, trained.losses["c"], rtol=1e-6)
+
+
+def test_lora_on_int4_weights_trains_in_c_as_on_torch() -> None:
+    """The issue's configuration in small: LoRA on q/v of a LLaMA whose frozen weights are
+    int4 (float32 scales and offsets), AdamW; the C step follows the torch step."""
+    w = zoo.llama_lm(layers=1, tied=True, vocab=4096)
+    kw: dict[str, Any] = {"scheme": pe.schemes.lora(rank=4, alpha=8, targets=["*q_proj",
+                          "*v_proj"]), "frozen_dtype": "int4"}  # fmt: skip
+    batch = w.make_batch(0)
+    c_step, torch_step = (pe.compile(w.model, w.loss_fn, batch, backend=b,
+                                     optimizer=pe.optim.AdamW(lr=1e-2), **kw)
+                          for b in ("c", "torch"))  # fmt: skip
+    assert any(n.op == "dequantize" for n in c_step.graph.nodes)
+    assert c_step.trained and all(".lora_" in n for n in c_step.trained)
+    for i in range(5):
+        batch = w.make_batch(i)
+        assert c_step(*batch) == pytest.approx(torch_step(*batch), rel=1e-5), i

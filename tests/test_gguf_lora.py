@@ -12,6 +12,8 @@ one clear error.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,10 @@ def test_what_is_not_a_lora_run_is_one_clear_error(
     args = ["export", str(run), "--target", "peft", "--state", str(bad), "-o", str(tmp_path / "p")]
     assert main(args) != 0
     assert "holds no LoRA factors" in capsys.readouterr().err
+    headed = tmp_path / "headed"
+    shutil.copytree(run, headed)
+    config = json.loads((headed / "adapter" / "adapter_config.json").read_text())
+    config["modules_to_save"] = ["lm_head"]
+    (headed / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    assert main(["export", str(headed), "--target", "gguf-lora", "-o", str(tmp_path / "h")]) != 0
+    assert "also trains lm_head" in capsys.readouterr().err
