@@ -1,12 +1,12 @@
 /* .npy and safetensors reading for the trainer.
  *
  * The .npy reader takes format versions 1-3 of one little-endian float32/float64/int32/
- * int64/bool/uint8 array in C order; its header is parsed as the Python dict literal it
- * is (exactly the keys 'descr', 'fortran_order', 'shape'), and the file must hold exactly
- * the bytes the header promises. The safetensors reader finds a tensor's entry in the flat
- * JSON header by its quoted key and checks its dtype, shape and data offsets against the
- * step and the file's size. Nothing read from a file sizes an allocation or a read
- * without such a check. The atomic save is pe_save.c. */
+ * int64/bool/uint8/int8/float16 array in C order; its header is parsed as the Python dict
+ * literal it is (exactly the keys 'descr', 'fortran_order', 'shape'), and the file must
+ * hold exactly the bytes the header promises. The safetensors reader finds a tensor's
+ * entry in the flat JSON header by its quoted key and checks its dtype, shape and data
+ * offsets against the step and the file's size. Nothing read from a file sizes an
+ * allocation or a read without such a check. The atomic save is pe_save.c. */
 #define _FILE_OFFSET_BITS 64
 #include "pe_io.h"
 
