@@ -243,3 +243,24 @@ def test_readme_of_a_causal_lm_says_how_to_make_batches_from_text() -> None:
     assert "reshape(-1, 4, 128)" in lm and "np.save('batches/input_ids.npy', ids)" in lm
     assert "rows of 128 tokens" in lm
     assert "your own text" not in readme(_Prepared(step, "a classifier"), "c", [])
+
+
+def test_export_c_of_a_quantized_run_keeps_its_codes_and_checkpoint(
+    tmp_path: Path, options: list[str]
+) -> None:
+    """A run with --frozen-dtype int8 exports as the low-bit C step it trained: the frozen
+    embedding as int8 codes, the checkpoint's trained head, and ./train runs."""
+    run = tmp_path / "run"
+    trained = ["finetune", *options, "--scheme", "head", "--frozen-dtype", "int8",
+               "--max-steps", "2", "--progress", "none", "--compile-in", "process",
+               "--out", str(run)]  # fmt: skip
+    assert main(trained) == 0
+    export = ["export", str(run), "--factory", "export_bag:bag", "--target", "c"]
+    assert main([*export, "--write-batches", "1"]) == 0
+    state = read_safetensors(run / "export_c" / "state.safetensors")
+    assert state["emb.weight.codes"].dtype == np.int8 and "emb.weight" not in state
+    saved = checkpoint.load(run / checkpoint.CHECKPOINT)
+    assert saved.params
+    for name, value in saved.params.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    assert len(_run_readme(run / "export_c")) == 1
