@@ -14,15 +14,42 @@ static inline PE_T PE_S(pe_scale_at)(const void *p, int half, long k) {
     return ((const PE_T *)p)[k];
 }
 
+/* One group of GGUF's 32 elements, with constant trip counts the compiler vectorises. */
+static inline void PE_S(pe_dequantize_int4_32)(const uint8_t *restrict c, PE_T s, PE_T m,
+                                               PE_T *restrict o) {
+    for (int j = 0; j < 16; j++) o[j] = (PE_T)(c[j] & 0x0F) * s + m;
+    for (int j = 0; j < 16; j++) o[16 + j] = (PE_T)(c[j] >> 4) * s + m;
+}
+
+static inline void PE_S(pe_dequantize_sym4_32)(const uint8_t *restrict c, PE_T s,
+                                               PE_T *restrict o) {
+    for (int j = 0; j < 16; j++) o[j] = ((PE_T)(c[j] & 0x0F) - (PE_T)8) * s;
+    for (int j = 0; j < 16; j++) o[16 + j] = ((PE_T)(c[j] >> 4) - (PE_T)8) * s;
+}
+
+static inline void PE_S(pe_dequantize_int8_32)(const int8_t *restrict c, PE_T s,
+                                               PE_T *restrict o) {
+    for (int j = 0; j < 32; j++) o[j] = (PE_T)c[j] * s;
+}
+
 static void PE_S(pe_dequantize_int8)(const int8_t *restrict c, PE_T s, long group,
                                      PE_T *restrict o) {
+    if (group == 32) {
+        PE_S(pe_dequantize_int8_32)(c, s, o);
+        return;
+    }
     for (long j = 0; j < group; j++) o[j] = (PE_T)c[j] * s;
 }
 
 static void PE_S(pe_dequantize_int4)(const uint8_t *restrict c, PE_T s, PE_T m, PE_T shift,
                                      int offset, long group, PE_T *restrict o) {
     long half = group / 2;
-    if (offset) {
+    if (group == 32) {
+        if (offset)
+            PE_S(pe_dequantize_int4_32)(c, s, m, o);
+        else
+            PE_S(pe_dequantize_sym4_32)(c, s, o);
+    } else if (offset) {
         for (long j = 0; j < half; j++) o[j] = (PE_T)(c[j] & 0x0F) * s + m;
         for (long j = 0; j < half; j++) o[half + j] = (PE_T)(c[j] >> 4) * s + m;
     } else {
