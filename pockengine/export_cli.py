@@ -26,6 +26,7 @@ from typing import IO, Any
 import numpy as np
 
 from pockengine.finetune.config import FinetuneConfig
+from pockengine.finetune.gguf_lora import ADAPTER_TARGETS
 from pockengine.ir import PockEngineError, Role, Value
 from pockengine.out_folder import EXPORT, OutFolder, building, claim
 from pockengine.safe_write import write_bytes, write_text, write_with
@@ -41,7 +42,7 @@ _FINETUNE_OPTIONS = ("recipe", "model", "data", "tokenizer", "epochs", "batch_si
                      "warmup", "val_fraction", "dedupe", "seed")  # fmt: skip
 _ONNX_MODEL_OPTIONS = ("loss", "output", "frozen_bn")
 _ALWAYS = ("source", "target", "out", "force", "backend", "threads", "run", "defaults")
-_RUN_OPTIONS = ("write_batches", "factory")  # what goes with a run folder
+_RUN_OPTIONS = ("write_batches", "factory", "state")  # what goes with a run folder
 _ORT_RUNNER = Path(__file__).with_name("ort_runner.py")
 
 
@@ -105,9 +106,13 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--out", help="the folder to write (default RUN/export_<target>, "
                    "train_step_<target>); for a workload or .onnx, an .onnx file (default "
                    "train_step.onnx) or, for --target c, the folder")  # fmt: skip
-    p.add_argument("--target", choices=("onnx", "c", "step"), default="onnx",
+    p.add_argument("--target", choices=("onnx", "c", "step", *ADAPTER_TARGETS), default="onnx",
                    help="onnx: ONNX + state for ort_runner; c: a folder whose make builds ./train; "
-                   "step: a folder pockengine.load_step runs (default onnx)")  # fmt: skip
+                   "step: a folder pockengine.load_step runs; gguf-lora: a LoRA run's adapter "
+                   "as llama.cpp's GGUF adapter (--lora); peft: as PEFT's adapter folder "
+                   "(default onnx)")  # fmt: skip
+    p.add_argument("--state", metavar="FILE", help="gguf-lora, peft: a ./train --save file "
+                   "whose LoRA factors replace the run's (the device's fine-tune)")  # fmt: skip
     p.add_argument("--write-batches", type=positive_int, metavar="N",
                    help="also write the first N training batches of the fine-tune")  # fmt: skip
     p.add_argument("--frozen-bn", choices=("eval", "train"), default="eval",
@@ -164,6 +169,8 @@ def _export(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if kind in ("workload", "onnx"):
         return _export_model(args, kind)
+    if args.target in ADAPTER_TARGETS or args.state:
+        return _export_adapter(args, kind)
     run = Path(args.source) if kind == "run" else None
     out = _out_folder(args, f"train_step_{args.target}", run)
     prepared = _from_run(Path(args.source), args) if kind == "run" else _from_args(args)
@@ -171,6 +178,23 @@ def _export(args: argparse.Namespace) -> int:
     folder = out.path
     print(f"wrote {folder}/ ({prepared.what}): {', '.join(written)}")
     print(f"see {folder / 'README.txt'} for how to run it")
+    return 0
+
+
+def _export_adapter(args: argparse.Namespace, kind: str) -> int:
+    """A LoRA run's adapter, for llama.cpp (gguf-lora) or PEFT (peft)."""
+    from pockengine.finetune.gguf_lora import export_run_adapter
+
+    if kind != "run" or args.target not in ADAPTER_TARGETS:
+        raise ExportError(f"--target {args.target}{' --state' if args.state else ''}: "
+                          "--target gguf-lora or peft (with --state) takes a run folder of a "
+                          "--scheme lora fine-tune")  # fmt: skip
+    run = Path(args.source)
+    out = _out_folder(args, "", run)
+    with building(out) as tmp:
+        written = export_run_adapter(run, tmp, args.target,
+                                     Path(args.state) if args.state else None)  # fmt: skip
+    print(f"wrote {out.path}/: {', '.join(written)} (the LoRA adapter of {run})")
     return 0
 
 
@@ -204,7 +228,8 @@ def _kind(args: argparse.Namespace) -> str:
     if path.is_dir():
         from pockengine.finetune.checkpoint import CHECKPOINT
 
-        if not (path / CHECKPOINT).is_file():
+        adapter = args.target in ADAPTER_TARGETS and (path / "adapter").is_dir()
+        if not (path / CHECKPOINT).is_file() and not adapter:
             raise ExportError(
                 f"{source} is not a fine-tuning run folder: it has no {CHECKPOINT} "
                 "(pockengine finetune --out FOLDER writes one at its first checkpoint)"
@@ -412,6 +437,8 @@ def readme(prepared: _Prepared, target: str, batch_files: list[str]) -> str:
         needs = "needs only a C compiler (make builds ./train, linked with libc and libm)"
     written = ("\n".join(f"  {f}" for f in batch_files) if batch_files else
                "  none: add --write-batches N to pockengine export to write some")  # fmt: skip
+    text = prepared.kind == "causal-lm" and values and len(values[0].shape) == 2
+    own = _text_batches(values[0], target) if text else ""
     return f"""PockEngine training step: {prepared.what}.
 Exported for target {target}; {needs}.
 
@@ -426,4 +453,24 @@ Written from the training data (the first batches of epoch 0, in a run's order):
 {written}
 
 The step runs at the learning rate it was exported with (a run's schedule is not applied).
+{own}"""
+
+
+def _text_batches(ids: Value, target: str) -> str:
+    """How to make token-id batches of a causal LM's step from a text file."""
+    batch, seq = ids.shape
+    save = ("np.save('batches/" + ids.name + ".npy', ids)" if target == "c"
+            else "np.savez('batches.npz', " + ids.name + "=ids)")  # fmt: skip
+    return f"""
+Batches from your own text: tokenize it with the model's tokenizer (a run's RUN/model holds
+it), cut the ids into rows of {seq} tokens and stack {batch} rows a batch, as int64
+(`mkdir -p batches` first):
+
+  python -c "import numpy as np; from transformers import AutoTokenizer; \\
+    tok = AutoTokenizer.from_pretrained('RUN/model'); \\
+    ids = tok(open('my.txt').read())['input_ids']; n = {batch} * {seq}; \\
+    ids = np.array(ids[: len(ids) // n * n], dtype=np.int64).reshape(-1, {batch}, {seq}); \\
+    {save}"
+
+Every id must be below the model's vocabulary size (the step checks it before training).
 """

@@ -202,3 +202,65 @@ def test_export_of_a_run_that_trained_some_params(
         np.testing.assert_array_equal(state[name], saved.params.get(name, value), err_msg=name)
     names = {p.name for p in folder.iterdir()}
     assert "README.txt" in names and "README.md" not in names
+
+
+def test_export_c_takes_the_finetune_options_that_change_the_step(
+    tmp_path: Path, options: list[str]
+) -> None:
+    """--frozen-dtype int8 (with --scheme head, so the embedding is frozen) reaches the C
+    step: the exported state holds the embedding as int8 codes, and ./train gives the
+    losses of pe.compile with the same options in process."""
+    folder = tmp_path / "c"
+    args = ["export", *options, "--scheme", "head", "--frozen-dtype", "int8",
+            "--target", "c", "-o", str(folder), "--write-batches", "2"]  # fmt: skip
+    assert main(args) == 0
+    state = read_safetensors(folder / "state.safetensors")
+    codes = [name for name, a in state.items() if a.dtype == np.int8]
+    assert codes and all(name.startswith("emb.weight") for name in codes)
+    assert "emb.weight" not in state
+    stacked = [np.load(folder / "batches" / f"batch.{i}.npy") for i in range(3)]
+    batches = [tuple(a[k] for a in stacked) for k in range(2)]
+    task = _task(str(tmp_path / "reviews.csv"))
+    example = tuple(torch.from_numpy(a) for a in batches[0])
+    step = pe.compile(task.model, task.loss_fn, example, scheme=pe.schemes.head(),
+                      optimizer=pe.optim.AdamW(lr=0.01, weight_decay=0.01),
+                      frozen_dtype="int8")  # fmt: skip
+    want = [step(*b) for b in batches]
+    np.testing.assert_allclose(_run_readme(folder), want, rtol=1e-5)
+
+
+def test_readme_of_a_causal_lm_says_how_to_make_batches_from_text() -> None:
+    from types import SimpleNamespace
+
+    from pockengine.export_cli import _Prepared, readme
+    from pockengine.ir import DType, GraphBuilder, Role, TensorType
+
+    b = GraphBuilder("lm")
+    ids = b.input("input_ids", TensorType((4, 128), DType.I64), Role.INPUT)
+    graph = b.build([b.call("cast", ids, dtype=DType.F32, source="t")])
+    step = SimpleNamespace(graph=graph)
+    lm = readme(_Prepared(step, "an LM", kind="causal-lm"), "c", [])
+    assert "reshape(-1, 4, 128)" in lm and "np.save('batches/input_ids.npy', ids)" in lm
+    assert "rows of 128 tokens" in lm
+    assert "your own text" not in readme(_Prepared(step, "a classifier"), "c", [])
+
+
+def test_export_c_of_a_quantized_run_keeps_its_codes_and_checkpoint(
+    tmp_path: Path, options: list[str]
+) -> None:
+    """A run with --frozen-dtype int8 exports as the low-bit C step it trained: the frozen
+    embedding as int8 codes, the checkpoint's trained head, and ./train runs."""
+    run = tmp_path / "run"
+    trained = ["finetune", *options, "--scheme", "head", "--frozen-dtype", "int8",
+               "--max-steps", "2", "--progress", "none", "--compile-in", "process",
+               "--out", str(run)]  # fmt: skip
+    assert main(trained) == 0
+    export = ["export", str(run), "--factory", "export_bag:bag", "--target", "c"]
+    assert main([*export, "--write-batches", "1"]) == 0
+    state = read_safetensors(run / "export_c" / "state.safetensors")
+    assert state["emb.weight.codes"].dtype == np.int8 and "emb.weight" not in state
+    saved = checkpoint.load(run / checkpoint.CHECKPOINT)
+    assert saved.params
+    for name, value in saved.params.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    assert len(_run_readme(run / "export_c")) == 1

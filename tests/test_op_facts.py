@@ -58,9 +58,7 @@ KNOWN_ABSENT: dict[str, dict[str, str]] = {
         "adamw8bit_update": "8-bit optimizer state: round-to-nearest over a 256-entry code "
         "(searchsorted) has no ONNX op; a step using it runs its updates on torch or NumPy",
     },
-    "c": {
-        "dequantize": "low-bit frozen weights (i8 codes, GGUF's f16 scales): no C kernel yet",
-    },
+    "c": {},
 }
 
 

@@ -21,7 +21,14 @@ import numpy as np
 
 from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
-from pockengine.backends.c import lower_ew, lower_loss, lower_nn, lower_reduce, lower_select
+from pockengine.backends.c import (
+    lower_ew,
+    lower_loss,
+    lower_nn,
+    lower_quant,
+    lower_reduce,
+    lower_select,
+)
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
@@ -37,14 +44,16 @@ KERNELS: dict[str, Lowering] = {
     **lower_nn.KERNELS,
     **lower_loss.KERNELS,
     **lower_select.KERNELS,
+    **lower_quant.KERNELS,
 }
 
 
 def claims(node: Node) -> bool:
     """Whether the C backend can run ``node``: a kernel for its op, and C types for every
-    value it reads and writes (no f16/bf16)."""
+    value it reads and writes (no bf16; f16 only as ``lower_quant.half_ok`` allows)."""
     values = (*node.inputs, *node.outputs)
-    return node.op in KERNELS and all(v.dtype in CTYPES for v in values) and _emits(node)
+    typed = all(v.dtype in CTYPES for v in values) and lower_quant.half_ok(node)
+    return node.op in KERNELS and typed and _emits(node)
 
 
 class _AnyNames(dict[str, str]):

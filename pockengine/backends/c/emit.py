@@ -43,8 +43,11 @@ CTYPES = {
     DType.I64: "int64_t",
     DType.BOOL: "uint8_t",
     DType.U8: "uint8_t",  # 8-bit optimizer state's codes
+    DType.I8: "int8_t",  # int8 weight codes
+    DType.F16: "uint16_t",  # f16 bits (GGUF scales): lower_quant.half_ok says who reads them
 }
 _DTYPE_CODES = {DType.F32: 0, DType.F64: 1, DType.I32: 2, DType.I64: 3, DType.BOOL: 4, DType.U8: 5}
+_DTYPE_CODES.update({DType.I8: 6, DType.F16: 7})  # low-bit weights' codes and f16 scales
 _ROLE_CODES = {Role.INPUT: 0, Role.PARAM: 1, Role.BUFFER: 2, Role.CONST: 3, Role.STATE: 4}
 
 

@@ -205,6 +205,6 @@ def export_c(
 
 
 def _typed(array: Array, v: Value) -> Array:
-    if v.dtype is DType.BF16 or v.dtype is DType.F16:
+    if v.dtype is DType.BF16:
         raise ValueError(f"{v.name}: {v.dtype} state has no C type in the trainer")
     return np.ascontiguousarray(array, dtype=v.dtype.to_numpy()).reshape(v.shape)

@@ -15,6 +15,7 @@ size_t pe_dtype_size(int dtype) {
     switch (dtype) {
     case PE_F64: case PE_I64: return 8;
     case PE_F32: case PE_I32: return 4;
+    case PE_F16: return 2;
     default: return 1;
     }
 }

@@ -24,7 +24,8 @@
 #endif
 
 /* Element types and roles of the step's inputs, as the metadata tables name them. */
-enum pe_dtype { PE_F32 = 0, PE_F64 = 1, PE_I32 = 2, PE_I64 = 3, PE_BOOL = 4, PE_U8 = 5 };
+enum pe_dtype { PE_F32 = 0, PE_F64 = 1, PE_I32 = 2, PE_I64 = 3, PE_BOOL = 4, PE_U8 = 5,
+                PE_I8 = 6, PE_F16 = 7 };
 enum pe_role { PE_INPUT = 0, PE_PARAM = 1, PE_BUFFER = 2, PE_CONST = 3, PE_STATE = 4 };
 
 /* One graph input: its IR name, the name in the state file, type, role and, for a batch
@@ -161,5 +162,7 @@ static inline uint64_t pe_mask_key(int64_t seed, int64_t salt) {
     key = pe_mix32(key ^ (uint64_t)(seed & 0xFFFFFFFFLL));
     return pe_mix32(key ^ (uint64_t)((seed >> 32) & 0xFFFFFFFFLL));
 }
+
+#include "pe_quant.h" /* low-bit frozen weights */
 
 #endif

@@ -36,7 +36,7 @@ void pe_step(unsigned char *restrict A, void *const *in);
 #define PE_REFUSED 2
 #define PE_FAILED 1
 
-static const char *const DTYPE_NAME[] = {"float32", "float64", "int32", "int64", "bool", "uint8"};
+static const char *const DTYPE_NAME[] = {"float32", "float64", "int32", "int64", "bool", "uint8", "int8", "float16"};
 
 typedef struct {
     long steps; /* -1: one pass over the batches */

@@ -1,12 +1,12 @@
 /* .npy and safetensors reading for the trainer.
  *
  * The .npy reader takes format versions 1-3 of one little-endian float32/float64/int32/
- * int64/bool/uint8 array in C order; its header is parsed as the Python dict literal it
- * is (exactly the keys 'descr', 'fortran_order', 'shape'), and the file must hold exactly
- * the bytes the header promises. The safetensors reader finds a tensor's entry in the flat
- * JSON header by its quoted key and checks its dtype, shape and data offsets against the
- * step and the file's size. Nothing read from a file sizes an allocation or a read
- * without such a check. The atomic save is pe_save.c. */
+ * int64/bool/uint8/int8/float16 array in C order; its header is parsed as the Python dict
+ * literal it is (exactly the keys 'descr', 'fortran_order', 'shape'), and the file must
+ * hold exactly the bytes the header promises. The safetensors reader finds a tensor's
+ * entry in the flat JSON header by its quoted key and checks its dtype, shape and data
+ * offsets against the step and the file's size. Nothing read from a file sizes an
+ * allocation or a read without such a check. The atomic save is pe_save.c. */
 #define _FILE_OFFSET_BITS 64
 #include "pe_io.h"
 
@@ -21,8 +21,8 @@
 #include "pe_kernels.h"
 
 /* Indexed by pe_dtype (pe_kernels.h). */
-static const char *const NPY_DESCR[] = {"<f4", "<f8", "<i4", "<i8", "|b1", "|u1"};
-const char *const PE_ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL", "U8"};
+static const char *const NPY_DESCR[] = {"<f4", "<f8", "<i4", "<i8", "|b1", "|u1", "|i1", "<f2"};
+const char *const PE_ST_DTYPE[] = {"F32", "F64", "I32", "I64", "BOOL", "U8", "I8", "F16"};
 #define PE_DTYPES ((int)(sizeof(NPY_DESCR) / sizeof(NPY_DESCR[0])))
 #define PE_ST_MAX_HEADER ((uint64_t)1 << 28)
 
