@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import platform
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from pockengine.backends.c.conv_kernels import (
 )
 from pockengine.backends.c.driver import cache_dir, toolchain
 from pockengine.ir import DType, Graph, Node
+from pockengine.plan.report import KernelChoice
 
 __all__ = ["CACHE_NAME", "KernelChoice", "choose_kernels", "measure"]
 
@@ -47,22 +47,6 @@ _FORMAT = "pockengine-conv-kernels"
 _VERSION = 1
 _GIVE_UP = 3.0  # a warm-up this many times the best median ends a candidate's timing
 _BUDGET_S = 0.05  # a candidate's timed runs: about this long, 3 to 9 of them
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """One conv node's kernel: its op and output, the kernel, and the measured median
-    seconds of each candidate timed (the chosen one's is ``seconds``)."""
-
-    op: str
-    output: str
-    kernel: str
-    seconds: dict[str, float]
-    cached: bool  # read from the table rather than measured in this compile
-
-    @property
-    def time(self) -> float:
-        return self.seconds.get(self.kernel, math.nan)
 
 
 def measure(
