@@ -3,11 +3,12 @@ convolution kernel on one geometry.
 
 ``pe_tune_time(op, kernel, dtype, geometry, reps)`` allocates the operands (64-byte
 aligned, filled with values in [-1, 1)), runs the kernel once to warm the caches and
-fault the pages in, then ``reps`` times, and returns the median of those runs in seconds of process CPU time
-(-1 when the operands could not be allocated). CPU time, not wall time: on a shared
-machine it moves far less with the load (with several OpenMP threads it counts the work
-of all of them, so it prefers the kernel that does the least work). The harness links the same kernel objects
-as the step (``driver.build_library``, so it is cached like a step).
+fault the pages in, then ``reps`` times, and returns the median of those runs in seconds
+of process CPU time (-1 when the operands could not be allocated). CPU time, not wall
+time: on a shared machine it moves far less with the load (with several OpenMP threads
+it counts the work of all of them, so it prefers the kernel that does the least work).
+The harness links the same kernel objects as the step (``driver.build_library``, so it
+is cached like a step).
 """
 
 from __future__ import annotations
