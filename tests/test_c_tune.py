@@ -129,6 +129,13 @@ def test_the_table_is_written_and_a_second_compile_measures_nothing(
         c.kernel for c in first._exec.kernel_choices
     ]
     assert "(cached)" in str(second.report())
+    # the exported trainer (maybe cross-compiled) takes the rule, not this machine's choices
+    source = (second.export(table.parent / "trainer", target="c") / "step.c").read_text()
+    rules = {(c.op, _rule(second, c.output)) for c in second._exec.kernel_choices}
+    assert any(kernel != "direct" for _, kernel in rules)
+    for op, kernel in rules:
+        assert f"pe_{op}_{kernel}_f32(" in source
+        assert f"pe_{op}_direct_f32(" in second._exec.source
 
 
 @pytest.mark.parametrize(
