@@ -3,19 +3,21 @@ strides 1 and 2, padding, dilation, maps from 1 to 33 columns), pointwise (maps 
 and wider than the GEMM's micro-kernel), dense and grouped ones (implicit GEMM: padding
 smaller, equal to and larger than the filter's reach, dilation; direct loops for a group
 of too few channels and a strided input gradient), each forward, input gradient and
-weight gradient, float32 (1e-5 relative to the sum of magnitudes) and
+weight gradient, with the rule's kernels and with each node forced onto direct loops or the
+implicit GEMM wherever valid, float32 (1e-5 relative to the sum of magnitudes) and
 float64 (1e-12), all in one compiled graph."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from pockengine.backends.c import CBackend
+from pockengine.backends.c import CBackend, tune
 from pockengine.backends.numpy_backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
 
@@ -91,3 +93,29 @@ def test_convolutions_match_numpy(dtype: DType) -> None:
     for value, g, w in zip(outs, got, want, strict=True):
         scale = max(float(np.abs(w).max()), 1.0)
         np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
+
+
+@pytest.mark.parametrize("favour", ["direct", "im2col"])
+def test_every_kernel_candidate_matches_numpy(
+    favour: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every case with each conv node on ``favour`` wherever that kernel is valid (the
+    tuner's measurement replaced by times that rank it first): float32 as NumPy."""
+    monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(tune, "measure", lambda op, kernel, *a: 1e-6 if kernel == favour else 1.0)
+    b = GraphBuilder("convs")
+    outs: list[Value] = []
+    feeds: dict[str, Any] = {}
+    for i, case in enumerate(CASES):
+        values, inputs = _add(b, i, case, DType.F32)
+        outs += values
+        feeds.update(inputs)
+    graph = b.build(outs)
+    step = CBackend(tune=True).compile(graph)
+    chosen = {c.kernel for c in step.kernel_choices}
+    assert favour in chosen and f"pe_conv2d_input_grad_{favour}_f32(" in step.source
+    got = step.run({}, dict(feeds))
+    want = NumpyBackend().compile(graph).run(dict(feeds))
+    for value, g, w in zip(outs, got, want, strict=True):
+        scale = max(float(np.abs(w).max()), 1.0)
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * scale, err_msg=str(value))

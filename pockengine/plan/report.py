@@ -24,9 +24,33 @@ from pockengine.plan.placement import Placement
 if TYPE_CHECKING:
     from pockengine.passes.remat_budget import Recomputation
 
-__all__ = ["Figures", "LayerFigures", "Report", "analyze"]
+__all__ = ["Figures", "KernelChoice", "LayerFigures", "Report", "analyze"]
 
 _UPDATE_GRAD_INPUT = 1  # sgd_update, sgd_momentum_update, adamw_update: (w, g, ...)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """A node's kernel as the backend chose it by measurement at compile time
+    (``CBackend(tune=True)``): the median seconds of each candidate it timed."""
+
+    op: str
+    output: str  # the node's first output, which names it in the IR listing
+    kernel: str
+    seconds: dict[str, float]
+    cached: bool  # read from the backend's table of earlier measurements
+
+    @property
+    def time(self) -> float:
+        return self.seconds.get(self.kernel, float("nan"))
+
+    def line(self) -> str:
+        """The node, its kernel and time, then the other candidates' times (ms)."""
+        others = [f"{k} {v * 1e3:.3f}" for k, v in self.seconds.items() if k != self.kernel]
+        text = f"{self.op:<20}{self.output:<28}{self.kernel:<11}{self.time * 1e3:>10.3f} ms"
+        if others:
+            text += f"  others: {', '.join(others)}"
+        return text + ("  (cached)" if self.cached else "")
 
 
 @dataclass
@@ -164,17 +188,24 @@ class Report:
     full: Figures
     placement: Placement | None = None  # a step on several backends: who runs what
     recomputation: Recomputation | None = None  # compile(memory_budget=...): what it recomputes
+    kernels: tuple[KernelChoice, ...] = ()  # CBackend(tune=True): each tuned node's kernel
 
     def ratio(self, key: str) -> float:
         base = getattr(self.full, key)
         return getattr(self.ours, key) / base if base else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"scheme": self.scheme, "ours": asdict(self.ours), "full": asdict(self.full)}
+        out: dict[str, Any] = {
+            "scheme": self.scheme,
+            "ours": asdict(self.ours),
+            "full": asdict(self.full),
+        }
         if self.placement is not None:
             out["backends"] = _placement_dict(self.placement)
         if self.recomputation is not None:
             out["recomputation"] = self.recomputation.to_dict()
+        if self.kernels:
+            out["c_kernels"] = [asdict(k) for k in self.kernels]
         return out
 
     def __str__(self) -> str:
@@ -206,6 +237,12 @@ class Report:
                 lines.append(f"    {name}: {shown}")
         if self.recomputation is not None:
             lines += ["", *(f"  {line}" for line in self.recomputation.lines())]
+        if self.kernels:
+            total = sum(k.time for k in self.kernels)
+            lines += ["", f"  C kernels (measured at compile time, median; tuned nodes "
+                      f"{total * 1e3:.1f} ms a step)", f"    {'op':<20}{'node':<28}"
+                      f"{'kernel':<11}{'time':>13}"]  # fmt: skip
+            lines += [f"    {k.line()}" for k in self.kernels]
         return "\n".join(lines)
 
 

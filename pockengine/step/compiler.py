@@ -145,7 +145,9 @@ class TrainStep(CompiledStep):
         mixed = self.backend if isinstance(self.backend, MixedBackend) else None
         placement = mixed.placement(self.graph) if mixed is not None else None
         ours, full_figures = analyze(self.graph, depth), analyze(full_graph, depth)
-        return Report(label, ours, full_figures, placement, recomputation(self.passes, self.stages))
+        kernels = tuple(getattr(self._exec, "kernel_choices", ()))  # CBackend(tune=True)
+        return Report(label, ours, full_figures, placement,
+                      recomputation(self.passes, self.stages), kernels)  # fmt: skip
 
 
 def compile(

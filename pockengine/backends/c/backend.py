@@ -31,6 +31,7 @@ from pockengine.backends.c import (
 )
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
+from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
 from pockengine.plan import MemoryPlan, plan_memory
 
@@ -96,11 +97,23 @@ class BoundStep:
 class CExecutable(Executable):
     """One graph compiled to a shared library; ``run`` calls its ``pe_step`` once."""
 
-    def __init__(self, graph: Graph, portable: bool | None = None, profile: bool = False) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        portable: bool | None = None,
+        profile: bool = False,
+        tune: bool = False,
+        threads: int | None = None,
+    ) -> None:
         check_claims(graph)
         self.graph = graph
         self.plan: MemoryPlan = plan_memory(graph)
         self.profiled = profile
+        # tune: each conv node's kernel by measurement (tune.py); else the rule for all
+        self.kernel_choices: list[KernelChoice] = (
+            choose_kernels(graph, portable, threads) if tune else []
+        )
+        self._conv_kernels = {c.output: c.kernel for c in self.kernel_choices}
         # The source (0.5 MB for MobileNetV2) is not kept: ``source`` emits it again.
         self.library_path = build_library(self.source, portable)
         self._lib = ctypes.CDLL(str(self.library_path))
@@ -123,7 +136,8 @@ class CExecutable(Executable):
     @property
     def source(self) -> str:
         """The step's C source (emitted again on each read; the library is built from it)."""
-        return emit_step(self.graph, self.plan, KERNELS, profile=self.profiled)
+        return emit_step(self.graph, self.plan, KERNELS, profile=self.profiled,
+                         conv_kernels=self._conv_kernels)  # fmt: skip
 
     def _view(self, name: str) -> Array:
         """The arena bytes of value ``name`` as an array of its type."""
@@ -184,19 +198,27 @@ class CExecutable(Executable):
 class CBackend(Backend):
     """Compiled C over a static arena (see the module docstring); ``portable`` builds
     without ``-march=native``, ``threads`` sets the OpenMP thread count, ``profile`` times
-    every node (``CExecutable.node_seconds``)."""
+    every node (``CExecutable.node_seconds``). ``tune`` times every valid kernel of each
+    convolution node at compile time and keeps the fastest (``tune.py``; cached, so a
+    second compile measures nothing); off by default, when each node takes the kernel of
+    ``conv_kernels.rule_kernel``."""
 
     name = "c"
 
     def __init__(
-        self, portable: bool | None = None, threads: int | None = None, profile: bool = False
+        self,
+        portable: bool | None = None,
+        threads: int | None = None,
+        profile: bool = False,
+        tune: bool = False,
     ) -> None:
         self.portable = portable
         self.threads = threads
         self.profile = profile
+        self.tune = tune
 
     def compile(self, graph: Graph) -> CExecutable:
-        executable = CExecutable(graph, self.portable, self.profile)
+        executable = CExecutable(graph, self.portable, self.profile, self.tune, self.threads)
         if self.threads is not None:
             executable._lib.pe_set_threads(ctypes.c_int(self.threads))
         return executable

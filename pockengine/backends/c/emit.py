@@ -113,6 +113,8 @@ class EmitContext:
     plan: MemoryPlan
     names: dict[str, str]  # value name -> C identifier of its pointer
     statics: list[str] = field(default_factory=list)
+    # a conv node's first output name -> its kernel (conv_kernels.py); absent: the rule
+    conv_kernels: Mapping[str, str] = field(default_factory=dict)
 
     def ref(self, v: Value) -> str:
         return self.names[v.name]
@@ -250,13 +252,15 @@ def emit_step(
     kernels: Mapping[str, Lowering],
     file_names: Mapping[str, str] | None = None,
     profile: bool = False,
+    conv_kernels: Mapping[str, str] | None = None,
 ) -> str:
     """The C source of ``graph``'s step: includes, metadata, static geometry, then the nodes
     in functions of ``_NODES_PER_FUNCTION`` that ``pe_step`` calls in order. With
-    ``profile``, each node's statement is timed into ``pe_node_seconds[k]``."""
+    ``profile``, each node's statement is timed into ``pe_node_seconds[k]``;
+    ``conv_kernels`` names the kernel of conv nodes (by first output; the rest: the rule)."""
     names: dict[str, str] = {}
     decls = _declarations(graph, plan, names)
-    ctx = EmitContext(graph, plan, names)
+    ctx = EmitContext(graph, plan, names, conv_kernels=conv_kernels or {})
     parts: list[str] = []
     for start in range(0, len(graph.nodes), _NODES_PER_FUNCTION):
         nodes = graph.nodes[start : start + _NODES_PER_FUNCTION]

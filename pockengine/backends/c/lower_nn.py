@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from pockengine.backends.c.conv_kernels import candidates, conv_geometry, rule_kernel
 from pockengine.backends.c.emit import (
     CEmitError,
     EmitContext,
@@ -79,38 +80,35 @@ def _pair(node: Node, key: str) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-def _conv_geometry(
-    ctx: EmitContext, node: Node, x: tuple[int, ...], w: tuple[int, ...], y: tuple[int, ...]
-) -> str:
-    if len(x) != 4:
-        raise CEmitError(f"conv2d of a rank-{len(x)} input (the C kernel takes NCHW)")
-    (sh, sw), (ph, pw), (dh, dw) = (_pair(node, k) for k in ("stride", "padding", "dilation"))
-    g = [x[0], x[1], x[2], x[3], w[0], w[2], w[3], y[2], y[3], sh, sw, ph, pw, dh, dw]
-    return ctx.longs("conv", [*g, attr_int(node, "groups"), 0, 0])
+def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
+    """The call of the node's chosen kernel (``ctx.conv_kernels``, else the rule) on
+    ``args`` and the node's geometry array."""
+    out = node.outputs[0]
+    try:
+        g = conv_geometry(node)
+    except ValueError as exc:
+        raise CEmitError(f"{node.op}: {exc}") from None
+    kernel = ctx.conv_kernels.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize)
+    if kernel not in candidates(node.op, g):
+        raise CEmitError(f"{node.op}: kernel {kernel!r} cannot compute {out}")
+    geom = ctx.longs("conv", g.longs())
+    return f"pe_{node.op}_{kernel}_{_sfx(out)}({args}, {geom});"
 
 
 def _conv2d(ctx: EmitContext, node: Node) -> str:
     x, w = node.inputs[:2]
     bias = ctx.ref(node.inputs[2]) if len(node.inputs) > 2 else "NULL"
-    out = node.outputs[0]
-    geom = _conv_geometry(ctx, node, x.shape, w.shape, out.shape)
-    return f"pe_conv2d_{_sfx(out)}({ctx.ref(x)}, {ctx.ref(w)}, {bias}, {ctx.ref(out)}, {geom});"
+    return _conv_call(ctx, node, f"{ctx.ref(x)}, {ctx.ref(w)}, {bias}, {ctx.ref(node.outputs[0])}")
 
 
 def _conv2d_input_grad(ctx: EmitContext, node: Node) -> str:
     gy, w = node.inputs
-    out = node.outputs[0]
-    geom = _conv_geometry(ctx, node, out.shape, w.shape, gy.shape)
-    return f"pe_conv2d_input_grad_{_sfx(out)}({ctx.ref(gy)}, {ctx.ref(w)}, {ctx.ref(out)}, {geom});"
+    return _conv_call(ctx, node, f"{ctx.ref(gy)}, {ctx.ref(w)}, {ctx.ref(node.outputs[0])}")
 
 
 def _conv2d_weight_grad(ctx: EmitContext, node: Node) -> str:
     x, gy = node.inputs
-    out = node.outputs[0]
-    geom = _conv_geometry(ctx, node, x.shape, out.shape, gy.shape)
-    return (
-        f"pe_conv2d_weight_grad_{_sfx(out)}({ctx.ref(x)}, {ctx.ref(gy)}, {ctx.ref(out)}, {geom});"
-    )
+    return _conv_call(ctx, node, f"{ctx.ref(x)}, {ctx.ref(gy)}, {ctx.ref(node.outputs[0])}")
 
 
 def _bn_dims(x: Value) -> str:

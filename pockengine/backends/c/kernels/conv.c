@@ -51,26 +51,43 @@ static int pe_is_dense(const long *g) {
 }
 #endif
 
+/* The candidates by name (the emitter calls the one chosen for each node; conv_kernels.py
+ * states where each is valid): pointwise (one GEMM; 1x1, stride 1, no padding, one group),
+ * depthwise (depthwise.c), im2col (im2col.c's implicit GEMM; the input gradient at stride
+ * 1 only) and direct (any geometry). */
+void PE_S(pe_conv2d_pointwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
+                               const long *g) {
+    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
+    long OHW = g[PE_G_OH] * g[PE_G_OW];
+    PE_S(pe_gemm_images)(N, O, H * W, C, w, C, 0, x, C * H * W, y, O * H * W);
+    if (bias)
+        for (long n = 0; n < N; n++)
+            for (long o = 0; o < O; o++)
+                for (long p = 0; p < OHW; p++) y[(n * O + o) * OHW + p] += bias[o];
+}
+
+void PE_S(pe_conv2d_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
+                               const long *g) {
+    PE_S(pe_depthwise)(x, w, bias, y, g);
+}
+
+/* Today's rule, for callers that do not choose (the emitter always names a kernel). */
 void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
+    if (pe_is_pointwise(g))
+        PE_S(pe_conv2d_pointwise)(x, w, bias, y, g);
+    else if (pe_is_depthwise(g))
+        PE_S(pe_conv2d_depthwise)(x, w, bias, y, g);
+    else if (pe_is_dense(g))
+        PE_S(pe_conv2d_im2col)(x, w, bias, y, g);
+    else
+        PE_S(pe_conv2d_direct)(x, w, bias, y, g);
+}
+
+void PE_S(pe_conv2d_direct)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
+                            const long *g) {
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long cg = C / g[PE_G_GROUPS], og = O / g[PE_G_GROUPS];
-    if (pe_is_pointwise(g)) {
-        PE_S(pe_gemm_images)(N, O, H * W, C, w, C, 0, x, C * H * W, y, O * H * W);
-        if (bias)
-            for (long n = 0; n < N; n++)
-                for (long o = 0; o < O; o++)
-                    for (long p = 0; p < OH * OW; p++) y[(n * O + o) * OH * OW + p] += bias[o];
-        return;
-    }
-    if (pe_is_depthwise(g)) {
-        PE_S(pe_depthwise)(x, w, bias, y, g);
-        return;
-    }
-    if (pe_is_dense(g)) {
-        PE_S(pe_conv2d_im2col)(x, w, bias, y, g);
-        return;
-    }
     PE_PARALLEL_FOR(N * O * OH * OW * cg * KH * KW)
     for (long no = 0; no < N * O; no++) {
         long n = no / O, o = no % O, c0 = o / og * cg;
@@ -98,22 +115,32 @@ void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, co
     }
 }
 
+void PE_S(pe_conv2d_input_grad_pointwise)(const PE_T *gy, const PE_T *w, PE_T *gx,
+                                          const long *g) {
+    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
+    PE_S(pe_gemm_images)(N, C, H * W, O, w, C, 1, gy, O * H * W, gx, C * H * W);
+}
+
+void PE_S(pe_conv2d_input_grad_depthwise)(const PE_T *gy, const PE_T *w, PE_T *gx,
+                                          const long *g) {
+    PE_S(pe_depthwise_input_grad)(gy, w, gx, g);
+}
+
 void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
+    if (pe_is_pointwise(g))
+        PE_S(pe_conv2d_input_grad_pointwise)(gy, w, gx, g);
+    else if (pe_is_depthwise(g))
+        PE_S(pe_conv2d_input_grad_depthwise)(gy, w, gx, g);
+    else if (pe_is_dense(g) && g[PE_G_SH] == 1 && g[PE_G_SW] == 1)
+        PE_S(pe_conv2d_input_grad_im2col)(gy, w, gx, g);
+    else
+        PE_S(pe_conv2d_input_grad_direct)(gy, w, gx, g);
+}
+
+void PE_S(pe_conv2d_input_grad_direct)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long groups = g[PE_G_GROUPS], cg = C / groups, og = O / groups;
-    if (pe_is_pointwise(g)) {
-        PE_S(pe_gemm_images)(N, C, H * W, O, w, C, 1, gy, O * H * W, gx, C * H * W);
-        return;
-    }
-    if (pe_is_depthwise(g)) {
-        PE_S(pe_depthwise_input_grad)(gy, w, gx, g);
-        return;
-    }
-    if (pe_is_dense(g) && g[PE_G_SH] == 1 && g[PE_G_SW] == 1) {
-        PE_S(pe_conv2d_input_grad_im2col)(gy, w, gx, g);
-        return;
-    }
     /* Each (image, input channel) plane gathers from the output channels of its group. */
     PE_PARALLEL_FOR(N * C * H * W * og * KH * KW)
     for (long nc = 0; nc < N * C; nc++) {
@@ -142,26 +169,35 @@ void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
     }
 }
 
+void PE_S(pe_conv2d_weight_grad_pointwise)(const PE_T *x, const PE_T *gy, PE_T *gw,
+                                           const long *g) {
+    /* gw[O, C] = sum_n gy[n] x[n]^T: one product whose k axis runs over every image's
+     * positions (split at each image). */
+    long N = g[PE_G_N], C = g[PE_G_C], O = g[PE_G_O], HW = g[PE_G_H] * g[PE_G_W];
+    pe_layout la = {HW, 1, HW, O * HW, 2}, lb = {1, HW, HW, C * HW, 1}, lc = {C, 1, 0, 0, 0};
+    PE_S(pe_gemm_strided)(O, C, N * HW, gy, la, x, lb, gw, lc, 0);
+}
+
+void PE_S(pe_conv2d_weight_grad_depthwise)(const PE_T *x, const PE_T *gy, PE_T *gw,
+                                           const long *g) {
+    PE_S(pe_depthwise_weight_grad)(x, gy, gw, g);
+}
+
 void PE_S(pe_conv2d_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, const long *g) {
+    if (pe_is_pointwise(g))
+        PE_S(pe_conv2d_weight_grad_pointwise)(x, gy, gw, g);
+    else if (pe_is_depthwise(g) && g[PE_G_OW] * (long)sizeof(PE_T) >= 64)
+        PE_S(pe_conv2d_weight_grad_depthwise)(x, gy, gw, g);
+    else if (pe_is_dense(g))
+        PE_S(pe_conv2d_weight_grad_im2col)(x, gy, gw, g);
+    else
+        PE_S(pe_conv2d_weight_grad_direct)(x, gy, gw, g);
+}
+
+void PE_S(pe_conv2d_weight_grad_direct)(const PE_T *x, const PE_T *gy, PE_T *gw, const long *g) {
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long cg = C / g[PE_G_GROUPS], og = O / g[PE_G_GROUPS];
-    if (pe_is_pointwise(g)) {
-        /* gw[O, C] = sum_n gy[n] x[n]^T: one product whose k axis runs over every image's
-         * positions (split at each image). */
-        long HW = H * W;
-        pe_layout la = {HW, 1, HW, O * HW, 2}, lb = {1, HW, HW, C * HW, 1}, lc = {C, 1, 0, 0, 0};
-        PE_S(pe_gemm_strided)(O, C, N * HW, gy, la, x, lb, gw, lc, 0);
-        return;
-    }
-    if (pe_is_depthwise(g) && g[PE_G_OW] * (long)sizeof(PE_T) >= 64) {
-        PE_S(pe_depthwise_weight_grad)(x, gy, gw, g);
-        return;
-    }
-    if (pe_is_dense(g)) {
-        PE_S(pe_conv2d_weight_grad_im2col)(x, gy, gw, g);
-        return;
-    }
     PE_PARALLEL_FOR(O * cg * KH * KW * N * OH * OW)
     for (long oc = 0; oc < O * cg; oc++) {
         long o = oc / cg, c = o / og * cg + oc % cg;

@@ -1,0 +1,115 @@
+"""The convolution kernels of ``kernels/conv.c`` by name, where each is valid, and the rule.
+
+Every ``conv2d``, ``conv2d_input_grad`` and ``conv2d_weight_grad`` node calls one named
+kernel, ``pe_<op>_<kernel>_<f32|f64>``:
+
+- ``pointwise``: one GEMM over the images (1x1, stride 1, no padding, one group);
+- ``depthwise``: depthwise.c's vectorised kernels (groups = in = out channels > 1);
+- ``im2col``: an implicit GEMM (im2col.c; any group of a non-depthwise convolution, the
+  input gradient at stride 1 only);
+- ``direct``: loops over the taps (any geometry).
+
+``rule_kernel`` is the heuristic used without tuning, by exports and by cross-compiled
+trainers: pointwise, else depthwise (the weight gradient only on maps at least 64 bytes
+wide), else im2col when a group has at least 4 channels out and a depth (channels x taps)
+of at least 4 (the input gradient at stride 1), else direct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pockengine.ir import Node
+
+__all__ = ["CONV_OPS", "KERNEL_NAMES", "ConvGeometry", "candidates", "conv_geometry", "rule_kernel"]
+
+CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
+KERNEL_NAMES = ("pointwise", "depthwise", "im2col", "direct")
+_DENSE_MIN = 4  # PE_DENSE_MIN in conv.c
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """One convolution's sizes in the order of conv.c's geometry array (PE_G_N..GROUPS)."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    o: int
+    kh: int
+    kw: int
+    oh: int
+    ow: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+    groups: int
+
+    def longs(self) -> list[int]:
+        """The geometry array conv.c reads (two trailing zeros: the pooling slots)."""
+        return [*(int(getattr(self, k)) for k in self.__dataclass_fields__), 0, 0]
+
+    @property
+    def pointwise(self) -> bool:
+        return (self.kh, self.kw, self.sh, self.sw, self.ph, self.pw, self.groups) == (
+            1, 1, 1, 1, 0, 0, 1)  # fmt: skip
+
+    @property
+    def depthwise(self) -> bool:
+        return self.groups == self.c == self.o and self.c > 1
+
+    @property
+    def dense(self) -> bool:
+        return (not self.depthwise and self.o // self.groups >= _DENSE_MIN
+                and self.c // self.groups * self.kh * self.kw >= _DENSE_MIN)  # fmt: skip
+
+
+def _pair(node: Node, key: str) -> tuple[int, int]:
+    value = node.attrs[key]
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise ValueError(f"attribute {key}={value!r} is not a pair")
+    return int(value[0]), int(value[1])
+
+
+def conv_geometry(node: Node) -> ConvGeometry:
+    """The geometry of a conv node (any of ``CONV_OPS``): the input, weight and output
+    shapes read from whichever operands hold them."""
+    if node.op == "conv2d":
+        x, w, y = node.inputs[0].shape, node.inputs[1].shape, node.outputs[0].shape
+    elif node.op == "conv2d_input_grad":
+        x, w, y = node.outputs[0].shape, node.inputs[1].shape, node.inputs[0].shape
+    else:
+        x, w, y = node.inputs[0].shape, node.outputs[0].shape, node.inputs[1].shape
+    if len(x) != 4:
+        raise ValueError(f"conv2d of a rank-{len(x)} input (the C kernel takes NCHW)")
+    (sh, sw), (ph, pw), (dh, dw) = (_pair(node, k) for k in ("stride", "padding", "dilation"))
+    groups = node.attrs.get("groups", 1)
+    if not isinstance(groups, int):
+        raise ValueError(f"attribute groups={groups!r} is not an int")
+    return ConvGeometry(x[0], x[1], x[2], x[3], w[0], w[2], w[3], y[2], y[3],
+                        sh, sw, ph, pw, dh, dw, groups)  # fmt: skip
+
+
+def candidates(op: str, g: ConvGeometry) -> tuple[str, ...]:
+    """The kernels that compute ``op`` correctly for ``g``, in ``KERNEL_NAMES`` order."""
+    valid = {
+        "pointwise": g.pointwise,
+        "depthwise": g.depthwise,
+        "im2col": not g.depthwise and (op != "conv2d_input_grad" or (g.sh, g.sw) == (1, 1)),
+        "direct": True,
+    }
+    return tuple(k for k in KERNEL_NAMES if valid[k])
+
+
+def rule_kernel(op: str, g: ConvGeometry, itemsize: int) -> str:
+    """The kernel the heuristic picks (see the module docstring)."""
+    if g.pointwise:
+        return "pointwise"
+    if g.depthwise and (op != "conv2d_weight_grad" or g.ow * itemsize >= 64):
+        return "depthwise"
+    stride_ok = op != "conv2d_input_grad" or (g.sh, g.sw) == (1, 1)
+    return "im2col" if g.dense and stride_ok else "direct"

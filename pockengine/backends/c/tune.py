@@ -1,0 +1,189 @@
+"""Per-node convolution kernels chosen by measurement (``CBackend(tune=True)``).
+
+For each conv node (``conv_kernels.CONV_OPS``) with more than one valid kernel, every
+candidate is timed on the node's exact geometry and dtype by the timing harness
+(``tune_harness``; a warm-up run, then the median of a few) and the fastest is kept. A
+candidate whose warm-up already takes more than ``_GIVE_UP`` times the best median so far
+is dropped without further runs. Nodes of one geometry are measured once.
+
+The choices are kept in ``conv-kernels.json`` under the C cache dir (``driver.cache_dir``),
+keyed by op, dtype, geometry (shapes, strides, padding, dilation, groups), target (machine
+and CPU model) and toolchain (compiler, version, flags), so a second compile of the same
+model measures nothing. The file is data: it is validated on reading, an entry that is
+malformed or names a kernel that cannot compute its node is measured again, and a file
+that is not a valid table is ignored with a warning and written anew.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from pockengine.backends.c import tune_harness
+from pockengine.backends.c.conv_kernels import (
+    CONV_OPS,
+    KERNEL_NAMES,
+    ConvGeometry,
+    candidates,
+    conv_geometry,
+    rule_kernel,
+)
+from pockengine.backends.c.driver import cache_dir, toolchain
+from pockengine.ir import DType, Graph, Node
+from pockengine.plan.report import KernelChoice
+
+__all__ = ["CACHE_NAME", "KernelChoice", "choose_kernels", "measure"]
+
+log = logging.getLogger(__name__)
+
+CACHE_NAME = "conv-kernels.json"
+_FORMAT = "pockengine-conv-kernels"
+_VERSION = 1
+_GIVE_UP = 3.0  # a warm-up this many times the best median ends a candidate's timing
+_BUDGET_S = 0.05  # a candidate's timed runs: about this long, 3 to 9 of them
+
+
+def measure(
+    op: str, kernel: str, dtype: DType, g: ConvGeometry, portable: bool | None,
+    threads: int | None, best: float,
+) -> float:  # fmt: skip
+    """The median seconds of ``kernel`` on ``g`` (inf when its warm-up alone exceeds
+    ``_GIVE_UP * best``, or its operands could not be allocated)."""
+    warm = tune_harness.harness_time(op, kernel, dtype, g, 1, portable, threads)
+    if warm < 0 or warm > _GIVE_UP * best:
+        return math.inf
+    reps = max(3, min(9, int(_BUDGET_S / max(warm, 1e-6)) | 1))
+    seconds = tune_harness.harness_time(op, kernel, dtype, g, reps, portable, threads)
+    return seconds if seconds >= 0 else math.inf
+
+
+@functools.cache
+def _target() -> str:
+    """The machine and CPU model the timings hold for."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "cpu model", "hardware")):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {model}".strip()
+
+
+def _key(op: str, dtype: DType, g: ConvGeometry, toolchain_key: str, threads: int | None) -> str:
+    geometry = ",".join(str(x) for x in g.longs()[:16])
+    flags = toolchain_key.replace("\n", " ")
+    return f"{op} {dtype} g={geometry} threads={threads or 0} | {_target()} | {flags}"
+
+
+def _valid_entry(entry: Any) -> bool:
+    if not isinstance(entry, dict) or set(entry) != {"kernel", "seconds"}:
+        return False
+    seconds = entry["seconds"]
+    return (
+        entry["kernel"] in KERNEL_NAMES
+        and isinstance(seconds, dict)
+        and all(k in KERNEL_NAMES for k in seconds)
+        and all(isinstance(v, float | int) and not isinstance(v, bool) and v >= 0
+                for v in seconds.values())
+        and entry["kernel"] in seconds
+        and math.isfinite(seconds[entry["kernel"]])
+    )  # fmt: skip
+
+
+def _read(path: Path, quiet: bool = False) -> tuple[dict[str, Any], bool]:
+    """The valid entries of the table at ``path`` and whether the file needs rewriting
+    (each problem logged as a warning unless ``quiet``)."""
+    warn = (lambda *args: None) if quiet else log.warning
+    if not path.exists():
+        return {}, False
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        warn("ignoring the C kernel table %s (not JSON: %s); it is written anew",
+                    path, exc)  # fmt: skip
+        return {}, True
+    ok = isinstance(data, dict) and data.get("format") == _FORMAT
+    ok = ok and data.get("version") == _VERSION and isinstance(data.get("entries"), dict)
+    if not ok:
+        warn("ignoring the C kernel table %s (not a %s table, version %d); it is "
+                    "written anew", path, _FORMAT, _VERSION)  # fmt: skip
+        return {}, True
+    entries = {k: v for k, v in data["entries"].items() if isinstance(k, str) and _valid_entry(v)}
+    if len(entries) != len(data["entries"]):
+        dropped = len(data["entries"]) - len(entries)
+        warn("ignoring %d malformed entries of the C kernel table %s", dropped, path)
+        return entries, True
+    return entries, False
+
+
+def _write(path: Path, entries: dict[str, Any]) -> None:
+    """Merge ``entries`` into the table on disk (another process may have added some) and
+    replace it atomically."""
+    current, _ = _read(path, quiet=True)
+    current.update(entries)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    body = {"format": _FORMAT, "version": _VERSION, "entries": current}
+    tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _conv_nodes(graph: Graph) -> list[Node]:
+    return [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].dtype in
+            tune_harness.DTYPES]  # fmt: skip
+
+
+def _measure_all(
+    op: str, dtype: DType, g: ConvGeometry, names: tuple[str, ...], portable: bool | None,
+    threads: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    # the rule's kernel first: its median is the bar the others' warm-ups must clear
+    rule = rule_kernel(op, g, dtype.itemsize)
+    order = [rule, *(k for k in names if k != rule)]
+    seconds: dict[str, float] = {}
+    best = math.inf
+    for kernel in order:
+        seconds[kernel] = t = measure(op, kernel, dtype, g, portable, threads, best)
+        best = min(best, t)
+    timed = {k: v for k, v in seconds.items() if math.isfinite(v)}
+    if not timed:  # nothing could be timed: the rule, unmeasured
+        return {"kernel": rule, "seconds": {rule: 0.0}}
+    return {"kernel": min(timed, key=lambda k: timed[k]), "seconds": timed}
+
+
+def choose_kernels(
+    graph: Graph, portable: bool | None = None, threads: int | None = None
+) -> list[KernelChoice]:
+    """The measured (or cached) kernel of each conv node of ``graph`` that has more than
+    one candidate; the table under the cache dir gains what was measured."""
+    path = cache_dir() / CACHE_NAME
+    table, dirty = _read(path)
+    tc_key = toolchain(portable).key
+    fresh: dict[str, Any] = {}
+    choices = []
+    for node in _conv_nodes(graph):
+        out = node.outputs[0]
+        g = conv_geometry(node)
+        names = candidates(node.op, g)
+        if len(names) < 2:
+            continue
+        key = _key(node.op, out.dtype, g, tc_key, threads)
+        cached = key not in fresh and key in table and table[key]["kernel"] in names
+        if cached:
+            entry = table[key]
+        elif key in fresh:
+            entry = fresh[key]
+        else:
+            entry = fresh[key] = _measure_all(node.op, out.dtype, g, names, portable, threads)
+        choices.append(KernelChoice(node.op, out.name, entry["kernel"],
+                                    dict(entry["seconds"]), cached))  # fmt: skip
+    if fresh or dirty:
+        _write(path, {**table, **fresh})
+    return choices

@@ -1,0 +1,195 @@
+"""``CBackend(tune=True)``: each conv node's kernel chosen by measurement, cached in a
+table under the C cache dir. A tiny CNN (dense, depthwise and pointwise convolutions, each
+with both gradients) trains as NumPy does whichever kernels the measurement picks; the
+table is written and read back without measuring; a corrupt table is ignored with a
+warning and written anew; the report names each tuned node's kernel."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pockengine as pe
+from pockengine import zoo
+from pockengine.backends.c import CBackend, tune
+from pockengine.backends.c.conv_kernels import candidates, conv_geometry, rule_kernel
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
+                                reason="no C compiler (cc or $CC)")  # fmt: skip
+
+
+@pytest.fixture
+def table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The kernel table in ``tmp_path`` (kernel objects stay in the shared cache)."""
+    monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
+    return tmp_path / tune.CACHE_NAME
+
+
+class Spy:
+    """Stands for ``tune.measure``: counts calls; with ``favour``, that kernel takes 1 us
+    and every other 2 us (so it wins wherever it is a candidate), else the real timing."""
+
+    def __init__(self, favour: str | None = None) -> None:
+        self.favour = favour
+        self.calls = 0
+        self.real = tune.measure
+
+    def __call__(self, op: str, kernel: str, *args: Any) -> float:
+        self.calls += 1
+        if self.favour is None:
+            return self.real(op, kernel, *args)
+        return 1e-6 if kernel == self.favour else 2e-6
+
+
+def _compile(w: zoo.Workload, backend: Any) -> Any:
+    opt = pe.optim.SGD(lr=0.05, momentum=0.9)
+    return pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt, backend=backend)
+
+
+def _losses(step: Any, w: zoo.Workload) -> list[float]:
+    return [step(*w.make_batch(i)) for i in range(5)]
+
+
+def _tunable(step: Any) -> list[Any]:
+    """The conv nodes of ``step`` with more than one valid kernel."""
+    convs = [n for n in step._exec.graph.nodes if n.op.startswith("conv2d")]
+    return [n for n in convs if len(candidates(n.op, conv_geometry(n))) > 1]
+
+
+def _rule(step: Any, output: str) -> str:
+    node = next(n for n in step._exec.graph.nodes if n.outputs and n.outputs[0].name == output)
+    return rule_kernel(node.op, conv_geometry(node), node.outputs[0].dtype.itemsize)
+
+
+@pytest.mark.parametrize("favour", [None, "direct", "im2col"])
+def test_tuned_steps_train_as_numpy_does(
+    table: Path, monkeypatch: pytest.MonkeyPatch, favour: str | None
+) -> None:
+    """Measured choices, and every node pushed onto direct loops or the implicit GEMM
+    (off the rule wherever they are valid): 5 SGD steps match NumPy's losses and weights;
+    the report lists every tuned node with its kernel."""
+    monkeypatch.setattr(tune, "measure", Spy(favour))
+    w = zoo.small_cnn()
+    want = _compile(w, "numpy")
+    step = _compile(w, CBackend(tune=True))
+    choices = step._exec.kernel_choices
+    tunable = _tunable(step)
+    assert tunable and [c.output for c in choices] == [n.outputs[0].name for n in tunable]
+    if favour is not None:
+        assert all(c.kernel == favour for c in choices if favour in c.seconds)
+        assert any(c.kernel != _rule(step, c.output) for c in choices)
+    np.testing.assert_allclose(_losses(step, w), _losses(want, w), rtol=1e-4, atol=1e-5)
+    for name, value in want.state_dict().items():
+        np.testing.assert_allclose(step.state_dict()[name], value, rtol=1e-4, atol=1e-5)
+    text = str(step.report())
+    assert "C kernels" in text
+    for c in choices:
+        assert any(c.output in line and c.kernel in line for line in text.splitlines())
+    assert step.report().to_dict()["c_kernels"][0]["kernel"] == choices[0].kernel
+
+
+def test_untuned_step_takes_the_rule_and_measures_nothing(
+    table: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = Spy()
+    monkeypatch.setattr(tune, "measure", spy)
+    step = _compile(zoo.small_cnn(), CBackend())
+    assert spy.calls == 0 and not table.exists() and step._exec.kernel_choices == []
+    assert "C kernels" not in str(step.report())
+    for node in step._exec.graph.nodes:
+        if node.op.startswith("conv2d"):
+            kernel = _rule(step, node.outputs[0].name)
+            assert f"pe_{node.op}_{kernel}_f32(" in step._exec.source
+
+
+def test_the_table_is_written_and_a_second_compile_measures_nothing(
+    table: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = Spy("direct")
+    monkeypatch.setattr(tune, "measure", spy)
+    w = zoo.small_cnn()
+    first = _compile(w, CBackend(tune=True))
+    assert spy.calls > 0 and table.exists()
+    data = json.loads(table.read_text())
+    kernels = {c.kernel for c in first._exec.kernel_choices}
+    assert {e["kernel"] for e in data["entries"].values()} == kernels
+    assert not any(c.cached for c in first._exec.kernel_choices)
+    spy.calls = 0
+    second = _compile(w, CBackend(tune=True))
+    assert spy.calls == 0
+    assert all(c.cached for c in second._exec.kernel_choices)
+    assert [c.kernel for c in second._exec.kernel_choices] == [
+        c.kernel for c in first._exec.kernel_choices
+    ]
+    assert "(cached)" in str(second.report())
+    # the exported trainer (maybe cross-compiled) takes the rule, not this machine's choices
+    source = (second.export(table.parent / "trainer", target="c") / "step.c").read_text()
+    rules = {(c.op, _rule(second, c.output)) for c in second._exec.kernel_choices}
+    assert any(kernel != "direct" for _, kernel in rules)
+    for op, kernel in rules:
+        assert f"pe_{op}_{kernel}_f32(" in source
+        assert f"pe_{op}_direct_f32(" in second._exec.source
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    ["{not json", "[1, 2]", '{"format": "other", "version": 1, "entries": {}}', "\xff\xfe"],
+    ids=["not-json", "a-list", "wrong-format", "bad-bytes"],
+)
+def test_a_corrupt_table_is_ignored_with_a_warning_and_rewritten(
+    table: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, corrupt: str
+) -> None:
+    table.write_bytes(corrupt.encode("latin-1"))
+    spy = Spy("direct")
+    monkeypatch.setattr(tune, "measure", spy)
+    with caplog.at_level(logging.WARNING, logger=tune.__name__):
+        step = _compile(zoo.small_cnn(), CBackend(tune=True))
+    assert any(str(table) in r.getMessage() for r in caplog.records)
+    assert spy.calls > 0
+    data = json.loads(table.read_text())
+    assert data["format"] == "pockengine-conv-kernels"
+    assert len(data["entries"]) == len({(n.op, conv_geometry(n)) for n in _tunable(step)})
+    assert all(e["kernel"] == "direct" for e in data["entries"].values())
+
+
+def test_malformed_or_impossible_entries_are_measured_again(
+    table: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Entries are data: a wrong type, a negative or boolean time, an unknown kernel, or a
+    kernel that cannot compute the node (pointwise for a 3x3 convolution) is not used."""
+    monkeypatch.setattr(tune, "measure", Spy("direct"))
+    w = zoo.small_cnn()
+    _compile(w, CBackend(tune=True))
+    data = json.loads(table.read_text())
+    keys = sorted(data["entries"])
+    bad = [
+        {"kernel": "direct", "seconds": {"direct": -1.0}},
+        {"kernel": "direct", "seconds": {"direct": True}},
+        {"kernel": "winograd", "seconds": {"winograd": 1e-6}},
+        {"kernel": "direct", "seconds": "1e9"},
+        "direct",
+    ]
+    dense = next(k for k in keys if k.startswith("conv2d ") and "g=4,3," in k)
+    for key, entry in zip([k for k in keys if k != dense], bad, strict=False):
+        data["entries"][key] = entry
+    data["entries"][dense] = {"kernel": "pointwise", "seconds": {"pointwise": 1e-9}}
+    table.write_text(json.dumps(data))
+    spy = Spy("direct")
+    monkeypatch.setattr(tune, "measure", spy)
+    with caplog.at_level(logging.WARNING, logger=tune.__name__):
+        step = _compile(w, CBackend(tune=True))
+    assert any("malformed" in r.getMessage() for r in caplog.records)
+    fresh = {c.output for c in step._exec.kernel_choices if not c.cached}
+    nodes = [n for n in _tunable(step) if n.outputs[0].name in fresh]
+    assert len({(n.op, conv_geometry(n)) for n in nodes}) == len(bad) + 1  # those spoilt
+    assert spy.calls > 0
+    assert all(c.kernel == "direct" for c in step._exec.kernel_choices)
+    entries = json.loads(table.read_text())["entries"]
+    assert all(isinstance(e, dict) and e["kernel"] == "direct" for e in entries.values())
