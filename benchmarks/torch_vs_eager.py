@@ -15,7 +15,10 @@ RSS once the framework is loaded and the weights and batch exist: nothing is rel
 before the peak is read) and the minor page faults of a steady step (median). Per case:
 the ratios ours/eager of each pair and their median.
 
-Writes benchmarks/results/torch_vs_eager-<threads>t.json and prints a Markdown table.
+Writes benchmarks/results/torch_vs_eager-<threads>t.json (after each case) and prints a
+Markdown table; ``--table FILE`` prints the table of a results file again. Beside wall time,
+each run reports its CPU time a step (user + system, all threads), which a loaded machine
+stretches far less than the wall time.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from _harness import ChildFailedError, run_child, utc_now, vm_kib, write_results
@@ -50,8 +54,10 @@ def _workload(name: str) -> tuple[Any, Any, dict[str, Any]]:
     return work, optimizer, zoo.benchmark_schemes(name)
 
 
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _usage() -> tuple[int, float]:
+    """Minor page faults and CPU seconds (user + system, all threads) of this process."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_utime + r.ru_stime
 
 
 def _run(case: str, engine: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -74,18 +80,23 @@ def _run(case: str, engine: str, steps: int, warmup: int) -> dict[str, Any]:
     else:
         trained = set(scheme.resolve(torch_model_info(work.model)).names)
         step = step_bench._torch_step("torch-eager", work, optimizer, trained)
-    times, faults = [], []
+    times: list[float] = []
+    faults: list[int] = []
+    cpu: list[float] = []
     for i in range(warmup + steps):
-        before, start = _faults(), time.perf_counter()
+        (faults0, cpu0), start = _usage(), time.perf_counter()
         with torch.no_grad() if engine == "ours" else contextlib.nullcontext():
             step(*batch)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-            faults.append(_faults() - before)
+            faults1, cpu1 = _usage()
+            faults.append(faults1 - faults0)
+            cpu.append(cpu1 - cpu0)
     peak = vm_kib("VmHWM")
     return {"case": case, "engine": engine, "step_ms": statistics.median(times) * 1e3,
             "train_mib": (peak - base) / 1024, "peak_rss_mib": peak / 1024,
             "base_rss_mib": base / 1024, "faults_per_step": statistics.median(faults),
+            "cpu_ms": statistics.median(cpu) * 1e3,
             "threads": torch.get_num_threads()}  # fmt: skip
 
 
@@ -113,18 +124,23 @@ def _cell(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| case | step ms ours / eager | ours/eager step | training MiB ours / eager "
-             "| ours/eager memory | faults/step ours / eager |",
-             "|---|---|---:|---|---:|---|"]  # fmt: skip
+    lines = ["| case | step ms ours / eager | ours/eager step | CPU ms a step ours / eager "
+             "| training MiB ours / eager | ours/eager memory | faults a step ours / eager |",
+             "|---|---|---:|---|---|---:|---|"]  # fmt: skip
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | error: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | |")
             continue
         o, e = r["runs"]["ours"], r["runs"]["eager"]
+        cpu = (
+            "n/a"
+            if "cpu_ms" not in o[0]
+            else f"{_cell(o, 'cpu_ms', '.0f')} / {_cell(e, 'cpu_ms', '.0f')}"
+        )
         lines.append(
             f"| {r['case']} | {_cell(o, 'step_ms', '.0f')} / {_cell(e, 'step_ms', '.0f')} "
             f"| **{r['time_ratio']:.2f}x** ({', '.join(f'{x:.2f}' for x in r['time_ratios'])}) "
-            f"| {_cell(o, 'train_mib', '.0f')} / {_cell(e, 'train_mib', '.0f')} "
+            f"| {cpu} | {_cell(o, 'train_mib', '.0f')} / {_cell(e, 'train_mib', '.0f')} "
             f"| **{r['mem_ratio']:.2f}x** "
             f"| {_cell(o, 'faults_per_step', '.0f')} / {_cell(e, 'faults_per_step', '.0f')} |"
         )
@@ -140,8 +156,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--table", metavar="JSON", help="print the table of a results file")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())["rows"]))
+        return 0
     if args.child:
         import torch
 
