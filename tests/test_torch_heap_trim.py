@@ -4,7 +4,8 @@
   graph whose live peak is small gets none;
 - a step and an evaluator that trim compute bit for bit what they compute without trims
   (the real ``malloc_trim`` runs, once per point and run), and match the NumPy backend;
-- ``keep_heap`` and a non-CPU device turn the trims off.
+- the trims are opt-in (``trim_peak=True``); ``keep_heap`` and a non-CPU device turn them
+  off.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def steps() -> dict[str, pe.TrainStep]:
     enough for this small graph to trim (the default needs a 64 MiB live peak)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch_heap, "MIN_TRIM_BYTES", 1024)
-        return {"trim": _compile(TorchBackend()), "plain": _compile(TorchBackend(trim_peak=False)),
+        return {"trim": _compile(TorchBackend(trim_peak=True)), "plain": _compile(TorchBackend()),
                 "numpy": _compile("numpy")}  # fmt: skip
 
 
@@ -101,12 +102,12 @@ def test_trimmed_step_and_evaluator_are_bit_identical(steps: dict[str, pe.TrainS
 
 
 def test_small_graphs_get_no_trims(steps: dict[str, pe.TrainStep]) -> None:
-    executable = TorchBackend().compile(steps["numpy"].graph)  # the default threshold
+    executable = TorchBackend(trim_peak=True).compile(steps["numpy"].graph)  # default threshold
     assert isinstance(executable, TorchExecutable)
     assert executable.trim_points == () and "heap_trim(" not in executable.source
 
 
-def test_keep_heap_and_other_devices_do_not_trim() -> None:
-    assert TorchBackend().trim_peak
-    assert not TorchBackend(keep_heap=True).trim_peak
-    assert not TorchBackend("meta").trim_peak
+def test_trims_are_opt_in_and_keep_heap_and_other_devices_do_not_trim() -> None:
+    assert not TorchBackend().trim_peak and TorchBackend(trim_peak=True).trim_peak
+    assert not TorchBackend(keep_heap=True, trim_peak=True).trim_peak
+    assert not TorchBackend("meta", trim_peak=True).trim_peak

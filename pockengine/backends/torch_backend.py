@@ -47,12 +47,14 @@ from pockengine.backends.torch_heap import (
     WORKSPACE_OPS,
     Workspace,
     fix_heap_thresholds,
+    keep_step_heap,
     plan_workspace,
     trim_points,
 )
 from pockengine.backends.torch_kernels import torch_dtype
 from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
 from pockengine.plan.inplace import reusable_inputs
+from pockengine.plan.liveness import liveness
 
 __all__ = ["KERNELS", "TorchBackend", "TorchExecutable", "TorchKernelError", "keep_freed_heap"]
 
@@ -119,6 +121,8 @@ class TorchExecutable(Executable):
         self.device = device
         self._trim = libc_function("malloc_trim") if trim_heap else None
         reuse = reusable_inputs(graph) if inplace else {}
+        # the planned peak of live intermediates: what the step heap keeps (``torch_heap``)
+        self.live_peak = liveness(graph, reuse).peak_bytes
         # the nodes after which the run trims the heap (``torch_heap``); none with a
         # workspace, which holds the large results whose pages the trims would give back
         points = trim_points(graph, reuse) if trim_peak and not workspace else ()
@@ -196,28 +200,18 @@ def _arena(workspace: Workspace | None, device: torch.device) -> torch.Tensor | 
     return torch.empty(workspace.nbytes, dtype=torch.uint8, device=device)
 
 
-# glibc's mallopt parameters, and the values keep_freed_heap sets
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling on 64-bit
-_TRIM_THRESHOLD = 2**30
+_TRIM_THRESHOLD = 2**30  # keep_freed_heap's
 
 
 @functools.cache
 def keep_freed_heap() -> bool:
-    """Let the process keep and reuse freed CPU memory, as a static arena would: the step
-    allocates the same tensors every call, and glibc otherwise maps each large one fresh
-    (page faults on first touch) and returns it at its ``del``. Sets glibc's mmap threshold
-    to its 32 MiB ceiling and the trim threshold to 1 GiB, once per process; the resident
-    size then stays at the step's high-water mark. True if set (False off glibc).
-
-    These settings are process-wide and cannot be undone (glibc has no getter to restore
-    its adaptive thresholds), so they are opt-in: ``TorchBackend(keep_heap=True)``. Faster
-    steps (no page faults on first touch), at the cost of keeping freed memory resident."""
-    mallopt = libc_function("mallopt")
-    if mallopt is None:
-        return False
-    done = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
-    return bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and done)
+    """Let the process keep and reuse all freed CPU memory: glibc's mmap threshold at its
+    32 MiB ceiling and the trim threshold at 1 GiB, once per process
+    (``torch_heap.fix_heap_thresholds``); the resident size then stays at the process's
+    high-water mark. True if set (False off glibc). The default (``torch_heap.keep_step_heap``)
+    keeps only what the compiled steps need; this is the older, unbounded opt-in:
+    ``TorchBackend(keep_heap=True)``."""
+    return fix_heap_thresholds(MMAP_THRESHOLD_MAX, _TRIM_THRESHOLD)
 
 
 def _checked_thresholds(
@@ -252,29 +246,35 @@ class TorchBackend(Backend):
     format on every call either way, so a channels-last copy of a frozen weight costs its
     size in memory and saves no measurable time.
 
-    Heap (CPU), both opt-in: with ``trim_heap`` each run ends by handing the heap pages its
-    freed intermediates held back to the OS (glibc's ``malloc_trim``; this call only, no
-    process-wide setting), so the resident memory between steps is what stays live
-    (weights, state), not what the allocator kept, and the next step faults its pages in
-    again (measured on MobileNetV2, 2 threads: 5-15 MiB less whole-process memory, and
-    the sparse step 1.5x slower). ``keep_heap`` does the opposite, for speed
-    (``keep_freed_heap``, process-wide); it turns ``trim_heap`` off. On by default,
+    Heap (CPU). By default (``step_heap``) compiling fixes glibc's thresholds so the heap
+    keeps the step's own buffers between runs (``torch_heap.keep_step_heap``: mmap
+    threshold 32 MiB, trim threshold twice the largest planned live peak so far): a
+    steady step reuses the pages the last one freed and takes no page faults, where
+    glibc's adaptive thresholds handed the step's heap back at its end and mapped it again
+    at the next (MobileNetV2 sparse, batch 8: 42,000 minor faults a step before, 0 now;
+    docs/benchmarks.md, "The torch backend against eager"). Process-wide, as glibc's
+    settings are; raised, never lowered, by later compiles; left alone once ``keep_heap``
+    or ``heap_thresholds`` chose thresholds. Opt-in, all of which turn the step heap off:
+    ``trim_heap`` ends each run by handing the heap pages its freed intermediates held back
+    to the OS (glibc's ``malloc_trim``; this call only), so the resident memory between
+    steps is what stays live and the next step faults its pages in again (MobileNetV2, 2
+    threads: 5-15 MiB less whole-process memory, the sparse step 1.5x slower);
     ``trim_peak``: a graph whose planned live peak is large trims the heap inside the run,
-    after the nodes near that peak that free much (``torch_heap``), so the free blocks the
-    peak does not reuse are not resident at it (minilm-bbc's sparse step: 555-559 MiB of
-    process peak against 603-612, and about 13% more CPU time a step, as the trimmed pages
-    fault back in); ``keep_heap`` turns it off. Opt-in, ``workspace``: the large results
-    of matmuls, linears, elementwise, concat, pad and sum nodes
+    after the nodes near that peak that free much (``torch_heap.trim_points``), so the
+    free blocks the peak does not reuse are not resident at it (minilm-bbc's sparse step:
+    555-559 MiB of process peak against 603-612 under glibc's adaptive thresholds, and
+    about 13% more CPU time a step, as the trimmed pages fault back in); ``keep_heap``
+    keeps all freed memory, unbounded (``keep_freed_heap``); ``heap_thresholds``: glibc's
+    mmap and trim thresholds fixed at ``(mmap_bytes, trim_bytes)``
+    (``torch_heap.fix_heap_thresholds``), at compile; with the workspace, the resident
+    size then follows the live bytes, and ``(2 << 20, 8 << 20)`` takes no page faults in
+    a steady LoRA step (docs/benchmarks.md). Opt-in, ``workspace``: the large
+    results of matmuls, linears, elementwise, concat, pad and sum nodes
     (``torch_heap.WORKSPACE_OPS``) are written with ``out=`` into one buffer each
     executable allocates once and keeps, at offsets planned from the graph
     (``torch_heap.plan_workspace``): no allocator, no page faults and no fragmentation for
-    them, bit for bit the same results; the buffer stays resident
-    between calls (so an executable is not re-entrant), and the run makes no trims inside
-    it (``trim_peak``: the heap then holds nothing large). Opt-in, ``heap_thresholds``:
-    glibc's mmap and trim thresholds fixed at ``(mmap_bytes, trim_bytes)`` for the whole
-    process (``torch_heap.fix_heap_thresholds``), at compile; with the workspace, the
-    resident size then follows the live bytes, and ``(2 << 20, 8 << 20)`` takes no page
-    faults in a steady LoRA step (docs/benchmarks.md)."""
+    them, bit for bit the same results; the buffer stays resident between calls (so an
+    executable is not re-entrant), and the run makes no trims inside it."""
 
     name = "torch"
 
@@ -286,9 +286,10 @@ class TorchBackend(Backend):
         inplace: bool = True,
         trim_heap: bool = False,
         frozen_channels_last: bool = False,
-        trim_peak: bool = True,
+        trim_peak: bool = False,
         workspace: bool = False,
         heap_thresholds: tuple[int, int] | None = None,
+        step_heap: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.workspace = workspace
@@ -299,15 +300,21 @@ class TorchBackend(Backend):
         self.trim_heap = trim_heap and not keep_heap and self.device.type == "cpu"
         self.frozen_channels_last = frozen_channels_last
         self.trim_peak = trim_peak and not keep_heap and self.device.type == "cpu"
+        chosen = keep_heap or self.heap_thresholds is not None  # the user's thresholds
+        self.step_heap = (step_heap and self.device.type == "cpu" and not chosen
+                          and not self.trim_heap and not self.trim_peak)  # fmt: skip
 
     def compile(self, graph: Graph) -> TorchExecutable:
         if self.keep_heap and self.device.type == "cpu":
             keep_freed_heap()
         if self.heap_thresholds is not None and self.device.type == "cpu":
             fix_heap_thresholds(*self.heap_thresholds)
-        return TorchExecutable(
+        executable = TorchExecutable(
             graph, self.device, self.inplace, self.trim_heap, self.trim_peak, self.workspace
         )
+        if self.step_heap:
+            keep_step_heap(executable.live_peak)
+        return executable
 
     def from_numpy(self, array: Array) -> torch.Tensor:
         """A copy on the device, same dtype (the array is never aliased), in the stored
