@@ -27,7 +27,7 @@ from pockengine.backends.c.emit import (
 from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import DType, Node, Value
 
-__all__ = ["KERNELS", "index_access", "index_in_range"]
+__all__ = ["KERNELS", "index_access", "index_in_range", "indexed_loop"]
 
 _FLOATS = (DType.F32, DType.F64)
 
@@ -306,14 +306,25 @@ def index_in_range(
     return " && ".join(conds) or "1"
 
 
-def _index(ctx: EmitContext, node: Node) -> str:
-    x, *indices = node.inputs
+def indexed_loop(
+    ctx: EmitContext, node: Node, target: tuple[int, ...], indices: list[Value]
+) -> tuple[str, str, str, str]:
+    """The loop nest of advanced indexing into ``target`` (i64 indices only): (loop header,
+    element offset in ``target``, the C condition that every index is in range, element
+    offset in the result's shape). Shared by ``index``, ``index_grad`` and
+    ``index_put_add``, so every index loop is guarded the same way."""
     for v in indices:
         if v.dtype is not DType.I64:
             raise CEmitError(f"index {v} is {v.dtype}; the C kernels take i64 indices")
-    shape, header, offset = index_access(ctx, node, x.shape, indices)
-    inside = index_in_range(ctx, node, x.shape, indices)
+    shape, header, offset = index_access(ctx, node, target, indices)
+    inside = index_in_range(ctx, node, target, indices)
     flat = " + ".join(f"o{a} * {s}" for a, s in enumerate(strides(shape))) or "0"
+    return header, offset, inside, flat
+
+
+def _index(ctx: EmitContext, node: Node) -> str:
+    x, *indices = node.inputs
+    header, offset, inside, flat = indexed_loop(ctx, node, x.shape, indices)
     return f"{header}{ctx.ref(node.outputs[0])}[{flat}] = {inside} ? {ctx.ref(x)}[{offset}] : 0;"
 
 
@@ -321,9 +332,7 @@ def _index_grad(ctx: EmitContext, node: Node) -> str:
     gz, *indices = node.inputs
     out = node.outputs[0]
     _sfx(out)
-    shape, header, offset = index_access(ctx, node, out.shape, indices)
-    inside = index_in_range(ctx, node, out.shape, indices)
-    flat = " + ".join(f"o{a} * {s}" for a, s in enumerate(strides(shape))) or "0"
+    header, offset, inside, flat = indexed_loop(ctx, node, out.shape, indices)
     return (
         f"{{ memset({ctx.ref(out)}, 0, {out.type.nbytes}); "
         f"{header}if ({inside}) {ctx.ref(out)}[{offset}] += {ctx.ref(gz)}[{flat}]; }}"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
-from pockengine.backends.c.emit import CEmitError, EmitContext, Lowering, attr_int, strides
+from pockengine.backends.c.emit import EmitContext, Lowering, attr_int
 from pockengine.backends.c.emit import kernel_suffix as _sfx
-from pockengine.backends.c.lower_ew import index_access, index_in_range
-from pockengine.ir import DType, Node
+from pockengine.backends.c.lower_ew import indexed_loop
+from pockengine.ir import Node
 
 __all__ = ["KERNELS"]
 
@@ -28,14 +28,9 @@ def _topk(ctx: EmitContext, node: Node) -> str:
 
 def _index_put_add(ctx: EmitContext, node: Node) -> str:
     x, values, *indices = node.inputs
-    for v in indices:
-        if v.dtype is not DType.I64:
-            raise CEmitError(f"index {v} is {v.dtype}; the C kernels take i64 indices")
     out = node.outputs[0]
     _sfx(out)
-    shape, header, offset = index_access(ctx, node, x.shape, indices)
-    inside = index_in_range(ctx, node, x.shape, indices)
-    flat = " + ".join(f"o{a} * {s}" for a, s in enumerate(strides(shape))) or "0"
+    header, offset, inside, flat = indexed_loop(ctx, node, x.shape, indices)
     return (
         f"{{ memcpy({ctx.ref(out)}, {ctx.ref(x)}, {out.type.nbytes}); "
         f"{header}if ({inside}) {ctx.ref(out)}[{offset}] += {ctx.ref(values)}[{flat}]; }}"
