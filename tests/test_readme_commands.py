@@ -20,7 +20,7 @@ import pytest
 from pockengine.finetune.cli import EPILOG
 from pockengine.finetune.recipes import RECIPES
 
-BUILTIN = sorted(set(RECIPES) - {"generic"})  # generic: the user's own --model and --data
+BUILTIN = sorted(set(RECIPES) - {"generic", "generic-lm"})  # the user's own --model and --data
 ROOT = Path(__file__).resolve().parent.parent
 _COMMAND = re.compile(r"(?:pip install|apt-get install|apt-get update)\b")
 

@@ -47,8 +47,12 @@ def test_the_recipes_default_to_auto() -> None:
         assert recipes.defaults(config)["batchnorm"] == want, recipe
     given = FinetuneConfig(recipe="lite0-fashion", batchnorm="batch")
     assert given.with_defaults(recipes.defaults(given)).batchnorm == "batch"
+    # a new recipe decides its default here
     assert set(RECIPES) == {"minilm-bbc", "minilm-tweets", "lite0-fashion", "smollm2-pydocs",
-                            "generic"}  # fmt: skip  # a new recipe decides its default here
+                            "generic", "generic-lm"}  # fmt: skip
+    # the user's own causal LM on their text, instructions or chats: auto too
+    assert _scheme(recipe="generic-lm", model="my-llm", data="chats.jsonl") == "auto"
+    assert _scheme(recipe="generic-lm", model="my-llm", data="chats.jsonl", auto=False) == "sparse"
     # the recipe's default learning rate is auto's; sparse stays selectable
     bbc = FinetuneConfig(recipe="minilm-bbc")
     assert recipes.defaults(bbc)["lr"] == RECIPES["minilm-bbc"].learning_rate("auto")
