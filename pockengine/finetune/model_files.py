@@ -48,14 +48,17 @@ _TOKENIZER_FILES = (
 )
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``; a ``FinetuneError`` naming the file otherwise."""
+def read_json(
+    path: Path, what: str = "JSON file", error: type[FinetuneError] = FinetuneError
+) -> dict[str, Any]:
+    """A JSON object from ``path``; an ``error`` (a ``FinetuneError``) naming the file,
+    as a readable ``what``, otherwise."""
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise FinetuneError(f"{path} is not a readable JSON file: {exc}") from exc
+        raise error(f"{path} is not a readable {what}: {exc}") from exc
     if not isinstance(loaded, dict):
-        raise FinetuneError(f"{path} holds a JSON {type(loaded).__name__}, not an object")
+        raise error(f"{path} holds a JSON {type(loaded).__name__}, not an object")
     return loaded
 
 

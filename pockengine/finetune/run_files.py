@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pockengine.finetune.config import FinetuneError
+from pockengine.finetune.model_files import read_json
 
 __all__ = ["RunFileError", "read_json_object", "read_metric_rows", "read_summary", "shown"]
 
@@ -35,13 +36,7 @@ def shown(value: Any, limit: int = 60) -> str:
 
 def read_json_object(path: Path, what: str = "JSON file") -> dict[str, Any]:
     """The JSON object in ``path``; a ``RunFileError`` naming it otherwise."""
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise RunFileError(f"{path} is not a readable {what}: {exc}") from exc
-    if not isinstance(loaded, dict):
-        raise RunFileError(f"{path} holds a JSON {type(loaded).__name__}, not an object")
-    return loaded
+    return read_json(path, what, RunFileError)
 
 
 def read_summary(path: Path) -> dict[str, Any]:
