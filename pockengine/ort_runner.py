@@ -28,8 +28,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -148,25 +148,51 @@ class TrainingSession:
 
     def save(self, path: str) -> str:
         """Write the weights: safetensors when ``safetensors`` is installed and ``path`` ends
-        with .safetensors, else .npz; returns the path written."""
+        with .safetensors, else .npz; returns the path written. The file is written under a
+        temporary name beside ``path`` and renamed into place; a link at ``path`` is refused."""
         weights = self.state_dict()
         if path.endswith(".safetensors"):
             try:
-                from safetensors.numpy import save_file
+                from safetensors.numpy import save
             except ImportError:
                 path = path[: -len(".safetensors")] + ".npz"
             else:
-                save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, path)
+                data = save({k: np.ascontiguousarray(v) for k, v in weights.items()})
+                _write_replacing(path, lambda f: f.write(data))
                 return path
-        with open(path, "wb") as f:
-            np.savez(f, **weights)
+        _write_replacing(path, lambda f: np.savez(f, **weights))
         return path
 
     def save_state(self, path: str) -> None:
-        """Write every state value (to resume with ``TrainingSession(model, state=path)``)."""
+        """Write every state value (to resume with ``TrainingSession(model, state=path)``),
+        under a temporary name renamed into place."""
         arrays: dict[str, Any] = {k: np.array(v.numpy(), copy=True) for k, v in self._state.items()}
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
+        _write_replacing(path, lambda f: np.savez(f, **arrays))
+
+
+def _write_replacing(path: str, fill: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` through a new temporary file in its folder, then rename it into place,
+    so a failed write leaves the old file; a symbolic link at ``path`` is refused, never
+    followed."""
+    if os.path.islink(path):
+        raise SystemExit(f"error: {path} is a symbolic link; refusing to write through it")
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(temporary, flags, 0o644)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write {path}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+        raise
 
 
 def _batches(path: str, names: list[str]) -> list[Any]:

@@ -178,6 +178,21 @@ def test_runner_as_a_module_sets_the_learning_rate(tmp_path: Path) -> None:
     assert session.steps == 3
     with pytest.raises(ValueError, match="expected 2 batch arrays"):
         session.step(batch[0])
+    # Saving goes through a temporary name renamed into place and never follows a link.
+    outside = tmp_path / "outside.npz"
+    outside.write_bytes(b"user data")
+    (tmp_path / "linked.npz").symlink_to(outside)
+    with pytest.raises(SystemExit, match="symbolic link"):
+        session.save(str(tmp_path / "linked.npz"))
+    with pytest.raises(SystemExit, match="symbolic link"):
+        session.save_state(str(tmp_path / "linked.npz"))
+    assert outside.read_bytes() == b"user data"
+    (tmp_path / "w.npz").write_bytes(b"old")
+    assert session.save(str(tmp_path / "w.npz")) == str(tmp_path / "w.npz")
+    weights = _load_weights(tmp_path / "w.npz")
+    for name, value in step.state_dict().items():
+        np.testing.assert_allclose(weights[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
 def test_cli_export(tmp_path: Path) -> None:
