@@ -26,7 +26,7 @@ from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.finetune.home import META, MODEL_DIR
 from pockengine.finetune.home_load import LoadedRun
 from pockengine.finetune.run_meta import RunFileError
-from pockengine.safe_write import write_json, write_with
+from pockengine.safe_write import check_no_links, write_json, write_with
 
 __all__ = ["CONFUSION_PNG", "EVAL_JSON", "evaluate_run", "format_eval", "plot_confusion"]
 
@@ -175,6 +175,9 @@ def write_eval(run: Path, result: dict[str, Any]) -> tuple[list[Path], list[str]
     """``RUN/eval.json`` and, for a classifier, ``RUN/confusion.png``: the paths written
     and a note for each file left out (the picture, without matplotlib)."""
     written, notes = [run / EVAL_JSON], []
+    targets = written + ([run / CONFUSION_PNG] if "confusion" in result else [])
+    for target in targets:  # a link at either target refuses both, before anything is written
+        check_no_links(target, run)
     write_json(written[0], result)
     if "confusion" in result:
         try:
