@@ -1,6 +1,6 @@
-"""The named losses of the ONNX frontend, written in IR ops on one model output.
+"""The named losses of the ONNX and Keras frontends, written in IR ops on one model output.
 
-An ONNX model holds the network, not its loss, so ``compile`` names one:
+An ONNX or Keras model holds the network, not its loss, so ``compile`` names one:
 
 - ``cross_entropy``: logits [N, C] or [N, C, d...] and int class targets [N] or
   [N, d...], as ``F.cross_entropy`` (mean over targets other than ignore_index -100);
@@ -12,7 +12,7 @@ An ONNX model holds the network, not its loss, so ``compile`` names one:
 
 from __future__ import annotations
 
-from pockengine.frontend.onnx.converters import Ctx
+from pockengine.frontend.operands import Ctx
 from pockengine.ir import CompileError, DType, TensorType, Value
 
 __all__ = ["LOSSES", "apply_loss", "target_types"]

@@ -1,8 +1,8 @@
 """The flat converter table of the Keras frontend: TensorFlow op type -> IR ops.
 
 A converter receives the translated data inputs of one TF graph node and its decoded
-attributes, and returns the translation of each output it has. Operands are as in the ONNX
-frontend (``onnx.converters.Operand``): an IR ``Value``, a NumPy array known at compile time (a
+attributes, and returns the translation of each output it has. Operands are those of the ONNX
+frontend (``frontend.operands.Operand``): an IR ``Value``, a NumPy array known at compile time (a
 ``Const``, a static shape, anything computed only from those) or None. The driver folds
 every node whose inputs are all known, so converters always see at least one ``Value``.
 ``math``, ``shape`` and ``nn`` fill the table.
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.frontend.context import const_ints, norm_axis, registrar
-from pockengine.frontend.onnx.converters import Ctx, Operand
+from pockengine.frontend.operands import Ctx, Operand
 from pockengine.ir import CompileError, DType, Value
 
 __all__ = [

@@ -32,7 +32,7 @@ import numpy as np
 
 from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.frontend.lowering import batch_norm_eval
-from pockengine.frontend.onnx.converters import Ctx, sanitize
+from pockengine.frontend.operands import Ctx, sanitize
 from pockengine.ir import CompileError, GraphBuilder, Role, Value
 
 __all__ = ["LAYER_CONVERTERS", "KerasCtx", "ir_name", "keras_info", "layer_module"]
