@@ -180,7 +180,7 @@ def _backend(heap: str, workspace: str = "off") -> Any:
     """The torch backend; with ``heap="keep"`` one that keeps the freed heap (no trims),
     with ``workspace="on"`` one that writes the large results into a kept workspace, with
     ``--heap-thresholds`` one that fixes glibc's mmap and trim thresholds."""
-    from pockengine.backends.torch_backend import TorchBackend
+    from pockengine.backends.torch.backend import TorchBackend
 
     return TorchBackend(keep_heap=heap == "keep", workspace=workspace == "on",
                         heap_thresholds=_THRESHOLDS)  # fmt: skip
@@ -329,11 +329,11 @@ def _child(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     case = Case.of(args.child)
     if args.heap == "keep":  # the same allocator settings in every case, PEFT's included
-        from pockengine.backends.torch_backend import keep_freed_heap
+        from pockengine.backends.torch.backend import keep_freed_heap
 
         keep_freed_heap()
     if _THRESHOLDS is not None and args.thresholds_all:  # PEFT's process too, at its start
-        from pockengine.backends.torch_heap import fix_heap_thresholds
+        from pockengine.backends.torch.heap import fix_heap_thresholds
 
         fix_heap_thresholds(*_THRESHOLDS)
     config, task = _task(args)

@@ -115,12 +115,12 @@ def _run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.heap == "keep":
-        from pockengine.backends.torch_backend import keep_freed_heap
+        from pockengine.backends.torch.backend import keep_freed_heap
 
         keep_freed_heap()
     thresholds = lora_peer._thresholds(args.heap_thresholds)
     if thresholds is not None:
-        from pockengine.backends.torch_heap import fix_heap_thresholds
+        from pockengine.backends.torch.heap import fix_heap_thresholds
 
         fix_heap_thresholds(*thresholds)
     trainers = {v: _trainer(v, args) for v in dict.fromkeys(args.variants)}

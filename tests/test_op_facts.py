@@ -33,9 +33,9 @@ import torch
 import pockengine.frontend
 import pockengine.ops  # registers the ops
 from pockengine.backends.c import CBackend
-from pockengine.backends.onnx_backend import OrtBackend
-from pockengine.backends.torch_backend import _FINDERS, KERNELS, TorchBackend
-from pockengine.backends.torch_codegen import generate_source
+from pockengine.backends.onnx.backend import OrtBackend
+from pockengine.backends.torch.backend import _FINDERS, KERNELS, TorchBackend
+from pockengine.backends.torch.codegen import generate_source
 from pockengine.ir import (
     DType,
     Fact,

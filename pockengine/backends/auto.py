@@ -143,8 +143,8 @@ class AutoBackend(MixedBackend):
         segment_overhead_s: float = 50e-6,
     ) -> None:
         if backends is None:
-            from pockengine.backends.onnx_backend import OrtBackend
-            from pockengine.backends.torch_backend import TorchBackend
+            from pockengine.backends.onnx.backend import OrtBackend
+            from pockengine.backends.torch.backend import TorchBackend
 
             backends = [TorchBackend(), OrtBackend(device="cpu")]
         super().__init__(backends)

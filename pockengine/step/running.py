@@ -386,7 +386,7 @@ class CompiledStep(ABC):
             return export_c(path, self.graph, state, self._batch, self._state_names, bounds)
         if target != "onnx":
             raise CompileError(f"unknown export target {target!r}; use 'onnx', 'c' or 'step'")
-        from pockengine.backends.onnx_export import export_step
+        from pockengine.backends.onnx.export import export_step
 
         return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
 

@@ -1,6 +1,6 @@
 """Export a training step: one ONNX model and a side file with its state.
 
-The model is the training graph as ``onnx_emit`` writes it: batch tensors, params,
+The model is the training graph as ``emit`` writes it: batch tensors, params,
 buffers, constants and optimizer state in; the loss and the new value of everything the
 step writes out. Its metadata (``pockengine.*`` keys, JSON values) says how to call it:
 the batch inputs in call order, the loss output, which output carries which input to the
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.backends.onnx_emit import emit_onnx
+from pockengine.backends.onnx.emit import emit_onnx
 from pockengine.ir import Graph, Value
 from pockengine.safe_write import write_with
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, literal
+from pockengine.backends.torch.codegen import Emit, Emitter, literal
 from pockengine.ops.update_8bit import SIGNED_CODE, UNSIGNED_CODE, code_bins, code_midpoints
 
 __all__ = ["KERNELS", "NAMESPACE", "adamw8bit_"]

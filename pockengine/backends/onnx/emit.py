@@ -1,7 +1,7 @@
 """IR graph -> one ONNX model of standard operators (opset 18).
 
 ``emit_onnx(graph)`` writes every IR node as one or a few ONNX nodes, using the kernel
-tables of ``onnx_kernels`` and ``onnx_kernels_nn``. The model's inputs are the graph's
+tables of ``kernels`` and ``kernels_nn``. The model's inputs are the graph's
 inputs, in order; its outputs are the graph's outputs followed by the new value of every
 param, buffer and state that an effectful node writes (named ``<name>:new``; the IR's
 names never hold a colon). Nothing is updated in place: whoever runs the model carries
@@ -133,15 +133,13 @@ def _np(dtype: DType | str | np.dtype[Any]) -> np.dtype[Any]:
 
 
 def kernel_table() -> dict[str, Kernel]:
-    from pockengine.backends import (
-        onnx_kernels,
-        onnx_kernels_attn,
-        onnx_kernels_loss,
-        onnx_kernels_nn,
-        onnx_kernels_quant,
-        onnx_kernels_select,
-        onnx_kernels_shape,
-    )
+    from pockengine.backends.onnx import kernels as onnx_kernels
+    from pockengine.backends.onnx import kernels_attn as onnx_kernels_attn
+    from pockengine.backends.onnx import kernels_loss as onnx_kernels_loss
+    from pockengine.backends.onnx import kernels_nn as onnx_kernels_nn
+    from pockengine.backends.onnx import kernels_quant as onnx_kernels_quant
+    from pockengine.backends.onnx import kernels_select as onnx_kernels_select
+    from pockengine.backends.onnx import kernels_shape as onnx_kernels_shape
 
     return {
         **onnx_kernels.KERNELS,

@@ -6,7 +6,7 @@ the [B, H, L, S] probabilities: the backward recomputes them block by block from
 and the log-sum-exp. Elsewhere (CUDA, or value heads of another size than the query's)
 the same math runs as matmuls and a softmax, materialising the scores for the call.
 Neither has an ``out=`` form: with a workspace, the results are copied into their slots
-at once (``torch_kernels.slot_copies``; ``torch_heap.COPIED_OPS``).
+at once (``kernels.slot_copies``; ``heap.COPIED_OPS``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, literal
-from pockengine.backends.torch_kernels import slot_copies
+from pockengine.backends.torch.codegen import Emit, Emitter, literal
+from pockengine.backends.torch.kernels import slot_copies
 
 __all__ = ["KERNELS", "NAMESPACE"]
 

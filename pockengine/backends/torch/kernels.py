@@ -1,6 +1,6 @@
 """The torch kernel table, part one: creation, elementwise ops and reductions.
 
-Each entry writes the statements of one node as source (see ``torch_codegen``): a plain
+Each entry writes the statements of one node as source (see ``codegen``): a plain
 call of an ATen kernel bound as a global (``aten_<name>``), attributes as literals. The
 semantics are those of the op's NumPy reference kernel; where ATen differs, the entry
 says how it is bridged (integer reductions keep their dtype, for one).
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.backends import torch_kernels_rng
-from pockengine.backends.torch_codegen import Emit, Emitter, PairFinder, literal
+from pockengine.backends.torch import kernels_rng as torch_kernels_rng
+from pockengine.backends.torch.codegen import Emit, Emitter, PairFinder, literal
 from pockengine.ir import DType, get_op
 from pockengine.ops._common import norm_axes
 
@@ -41,7 +41,7 @@ def out_arg(e: Emit, keyword: str = "out") -> str:
 def slot_copies(e: Emit) -> list[str]:
     """``r = to_slot(slot, r)`` for each result of the node that has a workspace slot
     (``Emit.dest``), for kernels whose ATen call allocates its results
-    (``torch_heap.COPIED_OPS``)."""
+    (``heap.COPIED_OPS``)."""
     stmts = []
     for k, (name, value) in enumerate(zip(e.outs, e.node.outputs, strict=True)):
         flat = e.dest((value.type.numel,), k)

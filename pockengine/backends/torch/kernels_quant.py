@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, literal
+from pockengine.backends.torch.codegen import Emit, Emitter, literal
 
 __all__ = ["KERNELS", "NAMESPACE", "dequantize"]
 

@@ -1,15 +1,15 @@
 """ONNX kernels of the selection ops: ``topk`` is TopK (sorted; ONNX puts the lower index
 first among equal values, as the reference); ``index_put_add`` is ScatterND with
 ``reduction="add"`` into the tensor itself, its indexed axes moved to the front as for
-``index`` (onnx_kernels_shape.py), then moved back.
+``index`` (kernels_shape.py), then moved back.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pockengine.backends.onnx_emit import Emitter, Kernel, registrar
-from pockengine.backends.onnx_kernels_shape import index_plan, result_perm, stacked_index
+from pockengine.backends.onnx.emit import Emitter, Kernel, registrar
+from pockengine.backends.onnx.kernels_shape import index_plan, result_perm, stacked_index
 from pockengine.ir import Node
 from pockengine.ops._common import norm_axis
 

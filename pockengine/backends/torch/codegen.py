@@ -2,7 +2,7 @@
 
 Each node becomes one line of source (its statements joined by ``;``, the printed IR node
 as a comment), so line ``k`` of the body is node ``k`` and a traceback names the node.
-The kernel tables (``torch_kernels*``) write the statements; this
+The kernel tables (``kernels*``) write the statements; this
 module decides everything around them:
 
 - names: every value is a local ``v<k>``; graph inputs are the function's parameters;
@@ -24,9 +24,9 @@ module decides everything around them:
   counts it), an elementwise kernel writes its result over a dying input (``Emit.into``,
   passed as ``out=``): the chains of a layer (batch norm, relu6, residual add; the
   backward's gradient sums) run in one buffer instead of allocating one per op;
-- workspace: given a ``torch_heap.Workspace`` and its buffer, a node result with a slot
+- workspace: given a ``heap.Workspace`` and its buffer, a node result with a slot
   there may be written into it (``Emit.dest``, passed as ``out=``, or copied there at once
-  by ``torch_kernels.to_slot``): a view of the buffer at the slot's offset, bound as a
+  by ``kernels.to_slot``): a view of the buffer at the slot's offset, bound as a
   global; a kernel that cannot ignores it and allocates.
 """
 
@@ -347,7 +347,7 @@ def generate_source(
     (default: all that ``plan.inplace.reusable_inputs`` allows; ``{}``: none).
     ``after``: node index -> a statement run once that node's line is done (its deaths
     included), on the same line. ``workspace``: a uint8 buffer and value name -> the byte
-    offset of that result there (``torch_heap.plan_workspace``; ``Emit.dest``)."""
+    offset of that result there (``heap.plan_workspace``; ``Emit.dest``)."""
     reuse = reusable_inputs(graph) if reuse is None else reuse
     gen = _Generator(graph, device, finders, reuse, workspace)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, GraphIndex, literal
+from pockengine.backends.torch.codegen import Emit, Emitter, GraphIndex, literal
 from pockengine.ir import Node
 
 __all__ = ["FINDERS", "MASK_CHUNK", "NAMESPACE", "keep_or", "mix_int", "random_keep"]

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, GraphIndex, PairFinder, literal
-from pockengine.backends.torch_kernels import slot_copies, torch_dtype
+from pockengine.backends.torch.codegen import Emit, Emitter, GraphIndex, PairFinder, literal
+from pockengine.backends.torch.kernels import slot_copies, torch_dtype
 from pockengine.ir import Node
 
 __all__ = ["FINDERS", "KERNELS", "NAMESPACE"]

@@ -31,7 +31,7 @@ call, and the next call would overwrite them.
 Where ATen has no ``out=`` form (the fused flash-attention kernels) or its ``out=`` form
 computes more than the node asks for (``native_layer_norm_backward.out`` insists on the
 weight and bias gradients), the kernel allocates its result and copies it into the slot
-at once, in the layout ATen gave it (``COPIED_OPS``, ``torch_kernels.to_slot``): the
+at once, in the layout ATen gave it (``COPIED_OPS``, ``kernels.to_slot``): the
 allocator then serves that block for one line only, and the same block again at the next
 such node, so the step's long-lived large tensors are all in the workspace and glibc's
 heap holds nothing large across a step (a copy of 1.5 MiB costs about 0.1 ms).
@@ -82,7 +82,7 @@ WORKSPACE_OPS = frozenset({
     "linear", "matmul", "gelu", "gelu_grad", "add", "sub", "mul", "div", "layer_norm",
     "layer_norm_grad", "attention", "attention_grad", "embedding", "concat", "pad",
     "slice_grad", "sum",
-    # the unary elementwise ops (``torch_kernels._UNARY``) and silu
+    # the unary elementwise ops (``kernels._UNARY``) and silu
     "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs",
     "reciprocal", "erf", "log1p", "silu",
 })  # fmt: skip

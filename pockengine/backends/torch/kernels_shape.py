@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, literal
-from pockengine.backends.torch_kernels import out_arg
+from pockengine.backends.torch.codegen import Emit, Emitter, literal
+from pockengine.backends.torch.kernels import out_arg
 from pockengine.ops._common import norm_axis
 
 __all__ = ["KERNELS", "NAMESPACE", "index_list", "wrap_index"]

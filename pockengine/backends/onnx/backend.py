@@ -1,6 +1,6 @@
 """The onnxruntime backend: the whole training step as one ONNX model, run by ONNX Runtime.
 
-``OrtBackend.compile`` emits the graph with ``onnx_emit`` (forward, pruned backward and
+``OrtBackend.compile`` emits the graph with ``emit`` (forward, pruned backward and
 optimizer updates as standard operators; every effect becomes an output holding the new
 value of what it writes) and opens one ``InferenceSession`` on it, with the CUDA
 execution provider when onnxruntime has it and the CPU one otherwise.
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.backends.base import Backend, Executable, Store
-from pockengine.backends.onnx_emit import emit_onnx, kernel_table
+from pockengine.backends.onnx.emit import emit_onnx, kernel_table
 from pockengine.ir import CompileError, Graph, PockEngineError, TensorType
 
 __all__ = ["OrtBackend", "OrtExecutable", "OrtRunError", "require_onnxruntime"]

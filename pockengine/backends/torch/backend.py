@@ -1,8 +1,8 @@
 """The torch backend: a graph compiles to one generated Python function calling ATen.
 
 ``TorchBackend.compile`` writes the whole graph as the source of one straight-line
-function (``torch_codegen``; the lines come from the kernel tables in ``torch_kernels``,
-``torch_kernels_shape`` and ``torch_kernels_nn``), compiles it with ``compile()`` and binds
+function (``codegen``; the lines come from the kernel tables in ``kernels``,
+``kernels_shape`` and ``kernels_nn``), compiles it with ``compile()`` and binds
 the ATen kernels, dtypes, the device and the compile-time constants as its globals.
 Running it is one call under ``torch.inference_mode()``: no autograd, no interpreter
 loop, no per-op lookups. The source stays on the executable as ``.source``; line
@@ -30,19 +30,17 @@ import numpy as np
 import torch
 
 from pockengine._libc import libc_function
-from pockengine.backends import (
-    torch_kernels,
-    torch_kernels_attn,
-    torch_kernels_loss,
-    torch_kernels_nn,
-    torch_kernels_optim,
-    torch_kernels_quant,
-    torch_kernels_select,
-    torch_kernels_shape,
-)
 from pockengine.backends.base import Backend, Executable, NotShareableError, Store, check_ops
-from pockengine.backends.torch_codegen import Emitter, PairFinder, generate_source
-from pockengine.backends.torch_heap import (
+from pockengine.backends.torch import kernels as torch_kernels
+from pockengine.backends.torch import kernels_attn as torch_kernels_attn
+from pockengine.backends.torch import kernels_loss as torch_kernels_loss
+from pockengine.backends.torch import kernels_nn as torch_kernels_nn
+from pockengine.backends.torch import kernels_optim as torch_kernels_optim
+from pockengine.backends.torch import kernels_quant as torch_kernels_quant
+from pockengine.backends.torch import kernels_select as torch_kernels_select
+from pockengine.backends.torch import kernels_shape as torch_kernels_shape
+from pockengine.backends.torch.codegen import Emitter, PairFinder, generate_source
+from pockengine.backends.torch.heap import (
     MMAP_THRESHOLD_MAX,
     WORKSPACE_OPS,
     Workspace,
@@ -51,7 +49,7 @@ from pockengine.backends.torch_heap import (
     plan_workspace,
     trim_points,
 )
-from pockengine.backends.torch_kernels import torch_dtype
+from pockengine.backends.torch.kernels import torch_dtype
 from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import liveness
@@ -121,15 +119,15 @@ class TorchExecutable(Executable):
         self.device = device
         self._trim = libc_function("malloc_trim") if trim_heap else None
         reuse = reusable_inputs(graph) if inplace else {}
-        # the planned peak of live intermediates: what the step heap keeps (``torch_heap``)
+        # the planned peak of live intermediates: what the step heap keeps (``heap``)
         self.live_peak = liveness(graph, reuse).peak_bytes
-        # the nodes after which the run trims the heap (``torch_heap``); none with a
+        # the nodes after which the run trims the heap (``heap``); none with a
         # workspace, which holds the large results whose pages the trims would give back
         points = trim_points(graph, reuse) if trim_peak and not workspace else ()
         peak_trim = libc_function("malloc_trim") if points else None
         self.trim_points = points if peak_trim is not None else ()
         after = dict.fromkeys(self.trim_points, "heap_trim(0)")
-        # the large results' slots in one buffer kept between calls (``torch_heap``)
+        # the large results' slots in one buffer kept between calls (``heap``)
         planned = plan_workspace(graph, reuse, WORKSPACE_OPS) if workspace else None
         self.workspace: Workspace | None = planned
         self._arena = _arena(planned, device)
@@ -207,8 +205,8 @@ _TRIM_THRESHOLD = 2**30  # keep_freed_heap's
 def keep_freed_heap() -> bool:
     """Let the process keep and reuse all freed CPU memory: glibc's mmap threshold at its
     32 MiB ceiling and the trim threshold at 1 GiB, once per process
-    (``torch_heap.fix_heap_thresholds``); the resident size then stays at the process's
-    high-water mark. True if set (False off glibc). The default (``torch_heap.keep_step_heap``)
+    (``heap.fix_heap_thresholds``); the resident size then stays at the process's
+    high-water mark. True if set (False off glibc). The default (``heap.keep_step_heap``)
     keeps only what the compiled steps need; this is the older, unbounded opt-in:
     ``TorchBackend(keep_heap=True)``."""
     return fix_heap_thresholds(MMAP_THRESHOLD_MAX, _TRIM_THRESHOLD)
@@ -247,7 +245,7 @@ class TorchBackend(Backend):
     size in memory and saves no measurable time.
 
     Heap (CPU). By default (``step_heap``) compiling fixes glibc's thresholds so the heap
-    keeps the step's own buffers between runs (``torch_heap.keep_step_heap``: mmap
+    keeps the step's own buffers between runs (``heap.keep_step_heap``: mmap
     threshold 32 MiB, trim threshold twice the largest planned live peak so far): a
     steady step reuses the pages the last one freed and takes no page faults, where
     glibc's adaptive thresholds handed the step's heap back at its end and mapped it again
@@ -260,19 +258,19 @@ class TorchBackend(Backend):
     steps is what stays live and the next step faults its pages in again (MobileNetV2, 2
     threads: 5-15 MiB less whole-process memory, the sparse step 1.5x slower);
     ``trim_peak``: a graph whose planned live peak is large trims the heap inside the run,
-    after the nodes near that peak that free much (``torch_heap.trim_points``), so the
+    after the nodes near that peak that free much (``heap.trim_points``), so the
     free blocks the peak does not reuse are not resident at it (minilm-bbc's sparse step:
     555-559 MiB of process peak against 603-612 under glibc's adaptive thresholds, and
     about 13% more CPU time a step, as the trimmed pages fault back in); ``keep_heap``
     keeps all freed memory, unbounded (``keep_freed_heap``); ``heap_thresholds``: glibc's
     mmap and trim thresholds fixed at ``(mmap_bytes, trim_bytes)``
-    (``torch_heap.fix_heap_thresholds``), at compile; with the workspace, the resident
+    (``heap.fix_heap_thresholds``), at compile; with the workspace, the resident
     size then follows the live bytes, and ``(2 << 20, 8 << 20)`` takes no page faults in
     a steady LoRA step (docs/benchmarks.md). Opt-in, ``workspace``: the large
     results of matmuls, linears, elementwise, concat, pad and sum nodes
-    (``torch_heap.WORKSPACE_OPS``) are written with ``out=`` into one buffer each
+    (``heap.WORKSPACE_OPS``) are written with ``out=`` into one buffer each
     executable allocates once and keeps, at offsets planned from the graph
-    (``torch_heap.plan_workspace``): no allocator, no page faults and no fragmentation for
+    (``heap.plan_workspace``): no allocator, no page faults and no fragmentation for
     them, bit for bit the same results; the buffer stays resident between calls (so an
     executable is not re-entrant), and the run makes no trims inside it."""
 

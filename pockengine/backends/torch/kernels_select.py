@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from pockengine.backends.torch_codegen import Emit, Emitter, literal
-from pockengine.backends.torch_kernels_shape import index_list
+from pockengine.backends.torch.codegen import Emit, Emitter, literal
+from pockengine.backends.torch.kernels_shape import index_list
 from pockengine.ops._common import norm_axis
 
 __all__ = ["KERNELS", "NAMESPACE"]
