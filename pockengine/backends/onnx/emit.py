@@ -1,11 +1,12 @@
 """IR graph -> one ONNX model of standard operators (opset 18).
 
-``emit_onnx(graph)`` writes every IR node as one or a few ONNX nodes, using the kernel
-tables of ``kernels`` and ``kernels_nn``. The model's inputs are the graph's
-inputs, in order; its outputs are the graph's outputs followed by the new value of every
-param, buffer and state that an effectful node writes (named ``<name>:new``; the IR's
-names never hold a colon). Nothing is updated in place: whoever runs the model carries
-those outputs over as the next step's inputs.
+``emit_onnx(graph)`` writes every IR node as one or a few ONNX nodes, through the
+``Emitter`` (``emitter``), using the kernel tables of ``kernels`` and ``kernels_*``, merged
+here (``KERNELS``). The model's inputs are the graph's inputs, in order; its outputs are
+the graph's outputs followed by the new value of every param, buffer and state that an
+effectful node writes (named ``<name>:new``; the IR's names never hold a colon). Nothing
+is updated in place: whoever runs the model carries those outputs over as the next step's
+inputs.
 
 The emitter is pure: it needs the ``onnx`` package to build the protobuf, never
 onnxruntime.
@@ -13,54 +14,29 @@ onnxruntime.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from pockengine.backends.onnx import (
+    kernels,
+    kernels_attn,
+    kernels_loss,
+    kernels_nn,
+    kernels_quant,
+    kernels_select,
+    kernels_shape,
+)
+from pockengine.backends.onnx.emitter import (
+    IR_VERSION,
+    OPSET,
+    Emitter,
+    Kernel,
+    new_name,
+    onnx_dtype,
+)
+from pockengine.ir import CompileError, DType, Graph, UnsupportedOpError, get_op
 
-from pockengine.ir import CompileError, DType, Graph, Node, UnsupportedOpError, get_op
-from pockengine.ir.registry import registrar
-
-__all__ = [
-    "IR_VERSION",
-    "OPSET",
-    "Emitter",
-    "Kernel",
-    "OnnxSignature",
-    "emit_onnx",
-    "new_name",
-    "onnx_dtype",
-    "registrar",
-]
-
-OPSET = 18  # bitwise ops, ScatterND/ScatterElements reductions, Reduce* axes as inputs
-IR_VERSION = 8  # the IR version that introduced opset 18: loads in any ORT >= 1.14
-
-Array = np.ndarray[Any, Any]
-Kernel = Callable[["Emitter", Node, list[str], list[str]], None]
-
-_ONNX_DTYPE = {
-    DType.F32: 1,
-    DType.U8: 2,
-    DType.I8: 3,
-    DType.I32: 6,
-    DType.I64: 7,
-    DType.BOOL: 9,
-    DType.F16: 10,
-    DType.F64: 11,
-    DType.BF16: 16,
-}
-
-
-def onnx_dtype(dtype: DType | str) -> int:
-    """The TensorProto element type of an IR dtype."""
-    return _ONNX_DTYPE[DType(dtype)]
-
-
-def new_name(name: str) -> str:
-    """The output carrying the value an effect writes into ``name``."""
-    return f"{name}:new"
+__all__ = ["KERNELS", "OnnxSignature", "emit_onnx", "kernel_table"]
 
 
 @dataclass(frozen=True)
@@ -76,80 +52,20 @@ class OnnxSignature:
     updates: dict[str, str]
 
 
-class Emitter:
-    """Collects ONNX nodes and constant initializers; hands out fresh tensor names."""
-
-    def __init__(self) -> None:
-        import onnx
-
-        self.onnx = onnx
-        self.nodes: list[Any] = []
-        self.initializers: list[Any] = []
-        self._consts: dict[tuple[str, bytes, tuple[int, ...]], str] = {}
-        self._count = 0
-        self.source = ""
-
-    def tmp(self) -> str:
-        """A fresh name (the IR's names hold no slash, so none collides)."""
-        self._count += 1
-        return f"t/{self._count}"
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
-        """Add one single-output node; returns its output's name."""
-        return self.op_multi(op_type, *inputs, outs=[out or self.tmp()], **attrs)[0]
-
-    def op_multi(self, op_type: str, *inputs: str, outs: Sequence[str], **attrs: Any) -> list[str]:
-        given = {k: v for k, v in attrs.items() if v is not None}
-        # named after the IR node it implements, so that onnxruntime's errors point at it
-        name = f"{self.source or op_type} #{len(self.nodes)}"
-        node = self.onnx.helper.make_node(op_type, list(inputs), list(outs), name=name, **given)
-        self.nodes.append(node)
-        return list(outs)
-
-    def const(self, value: Any, dtype: DType | str | np.dtype[Any] | None = None) -> str:
-        """An initializer holding ``value`` (equal constants are shared)."""
-        array = np.asarray(value) if dtype is None else np.asarray(value, dtype=_np(dtype))
-        key = (array.dtype.str, array.tobytes(), array.shape)
-        if key not in self._consts:
-            name = f"c/{len(self._consts)}"
-            tensor = self.onnx.numpy_helper.from_array(np.array(array, order="C"), name)
-            self.initializers.append(tensor)
-            self._consts[key] = name
-        return self._consts[key]
-
-    def ints(self, values: Sequence[int]) -> str:
-        """A 1-D int64 constant (shapes, axes, pads, slice bounds)."""
-        return self.const(np.asarray(list(values), dtype=np.int64).reshape(-1))
-
-    def scalar(self, value: float, like: DType | str) -> str:
-        """A 0-d constant of an IR dtype; elementwise ops broadcast it."""
-        return self.const(value, like)
-
-
-def _np(dtype: DType | str | np.dtype[Any]) -> np.dtype[Any]:
-    if isinstance(dtype, np.dtype):
-        return dtype
-    return DType(str(dtype)).to_numpy()
+KERNELS: dict[str, Kernel] = {
+    **kernels.KERNELS,
+    **kernels_shape.KERNELS,
+    **kernels_nn.KERNELS,
+    **kernels_attn.KERNELS,
+    **kernels_loss.KERNELS,
+    **kernels_quant.KERNELS,
+    **kernels_select.KERNELS,
+}
 
 
 def kernel_table() -> dict[str, Kernel]:
-    from pockengine.backends.onnx import kernels as onnx_kernels
-    from pockengine.backends.onnx import kernels_attn as onnx_kernels_attn
-    from pockengine.backends.onnx import kernels_loss as onnx_kernels_loss
-    from pockengine.backends.onnx import kernels_nn as onnx_kernels_nn
-    from pockengine.backends.onnx import kernels_quant as onnx_kernels_quant
-    from pockengine.backends.onnx import kernels_select as onnx_kernels_select
-    from pockengine.backends.onnx import kernels_shape as onnx_kernels_shape
-
-    return {
-        **onnx_kernels.KERNELS,
-        **onnx_kernels_shape.KERNELS,
-        **onnx_kernels_nn.KERNELS,
-        **onnx_kernels_attn.KERNELS,
-        **onnx_kernels_loss.KERNELS,
-        **onnx_kernels_quant.KERNELS,
-        **onnx_kernels_select.KERNELS,
-    }
+    """Op name -> its kernel, every table merged."""
+    return KERNELS
 
 
 def _value_info(onnx: Any, name: str, dtype: DType, shape: tuple[int, ...]) -> Any:
@@ -158,8 +74,7 @@ def _value_info(onnx: Any, name: str, dtype: DType, shape: tuple[int, ...]) -> A
 
 def _emit_nodes(em: Emitter, graph: Graph) -> dict[str, str]:
     """Every node's ONNX nodes; returns each written input's new-value output."""
-    kernels = kernel_table()
-    missing = {(n.op, n.source): None for n in graph.nodes if n.op not in kernels}
+    missing = {(n.op, n.source): None for n in graph.nodes if n.op not in KERNELS}
     if missing:
         raise UnsupportedOpError("ops for the onnxruntime backend", list(missing))
     updates: dict[str, str] = {}
@@ -173,7 +88,7 @@ def _emit_nodes(em: Emitter, graph: Graph) -> dict[str, str]:
         else:
             outs = [v.name for v in node.outputs]
         try:  # IR names are valid ONNX names: inputs and results keep them
-            kernels[node.op](em, node, [v.name for v in node.inputs], outs)
+            KERNELS[node.op](em, node, [v.name for v in node.inputs], outs)
         except CompileError as exc:
             raise CompileError(f"{node.op} at {node.source or '?'}: {exc}") from exc
     em.source = ""

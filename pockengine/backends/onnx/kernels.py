@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pockengine.backends.onnx.emit import Emitter, Kernel, onnx_dtype, registrar
+from pockengine.backends.onnx.emitter import Emitter, Kernel, onnx_dtype, registrar
 from pockengine.ir import DType, Node, get_op
 from pockengine.ops._common import norm_axes
 

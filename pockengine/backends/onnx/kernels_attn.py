@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pockengine.backends.onnx.emit import Emitter, Kernel, registrar
+from pockengine.backends.onnx.emitter import Emitter, Kernel, registrar
 from pockengine.ir import Node
 
 __all__ = ["KERNELS"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pockengine.backends.onnx.emit import Emitter, Kernel, onnx_dtype, registrar
+from pockengine.backends.onnx.emitter import Emitter, Kernel, onnx_dtype, registrar
 from pockengine.ir import Node
 
 __all__ = ["KERNELS"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pockengine.backends.onnx.emit import Emitter, Kernel, registrar
+from pockengine.backends.onnx.emitter import Emitter, Kernel, registrar
 from pockengine.ir import DType, Node
 from pockengine.ops._window import Window, check_pair
 from pockengine.ops.elementwise import _mix32

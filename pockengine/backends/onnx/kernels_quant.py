@@ -9,7 +9,7 @@ group]``, times the scale (plus the offset, or minus 8 for ``int4_sym``).
 
 from __future__ import annotations
 
-from pockengine.backends.onnx.emit import Emitter, Kernel, onnx_dtype, registrar
+from pockengine.backends.onnx.emitter import Emitter, Kernel, onnx_dtype, registrar
 from pockengine.ir import DType, Node
 
 __all__ = ["KERNELS"]

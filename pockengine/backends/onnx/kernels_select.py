@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pockengine.backends.onnx.emit import Emitter, Kernel, registrar
+from pockengine.backends.onnx.emitter import Emitter, Kernel, registrar
 from pockengine.backends.onnx.kernels_shape import index_plan, result_perm, stacked_index
 from pockengine.ir import Node
 from pockengine.ops._common import norm_axis

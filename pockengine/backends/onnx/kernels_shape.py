@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pockengine.backends.onnx.emit import Emitter, Kernel, onnx_dtype, registrar
+from pockengine.backends.onnx.emitter import Emitter, Kernel, onnx_dtype, registrar
 from pockengine.ir import DType, Node
 from pockengine.ops._common import broadcast_shapes, norm_axis
 
