@@ -42,7 +42,7 @@ from pockengine.ir import (
     Value,
 )
 from pockengine.ir.rewrite import substitute
-from pockengine.sparse.schemes import Resolution
+from pockengine.sparse.resolution import Adapter, Resolution
 
 __all__ = ["DEFAULT_TARGETS", "Adapter", "insert_adapters", "merge_adapters", "resolve_lora"]
 
@@ -60,32 +60,6 @@ DEFAULT_TARGETS: tuple[tuple[str, ...], ...] = (
     ("query_proj", "value_proj"),
     ("query_key_value",),
 )
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """One LoRA adapter: the frozen weight it adapts and the shapes of its two factors."""
-
-    module: str  # the owning module's path
-    weight: str  # the frozen weight's name (model name and IR name)
-    in_features: int
-    out_features: int
-    rank: int
-    alpha: float
-    seed: int = 0  # A's initial values: seeded by (seed, the adapter's index)
-    kernel: bool = False  # W is stored [in, out] (JAX/Keras kernels), not torch's [out, in]
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    @property
-    def a_name(self) -> str:
-        return f"{self.module}.lora_A.weight" if self.module else "lora_A.weight"
-
-    @property
-    def b_name(self) -> str:
-        return f"{self.module}.lora_B.weight" if self.module else "lora_B.weight"
 
 
 def resolve_lora(
