@@ -26,7 +26,7 @@ the same model and data, drops the module's weights and loads the step
 (``pockengine.load_step``): it never runs the compiler. ``--dropout off`` sets every
 dropout probability of the model to 0 in all cases (the recipe's model keeps its own
 otherwise). ``--heap keep`` runs every case, PEFT's included, with glibc's heap thresholds
-fixed (``torch_backend.keep_freed_heap``: freed memory stays in the heap for reuse, no
+fixed (``backends.torch.keep_freed_heap``: freed memory stays in the heap for reuse, no
 page faults to map it again) and the compiled steps with ``TorchBackend(keep_heap=True)``.
 ``--workspace on`` compiles and loads the steps with ``TorchBackend(workspace=True)`` (the
 large results written into one buffer the step keeps; PEFT's case is unchanged).
@@ -435,7 +435,7 @@ def main() -> None:
         choices=("default", "keep"),
         default="default",
         help="keep: every case's process keeps its freed heap (glibc thresholds fixed, "
-        "torch_backend.keep_freed_heap) and the compiled steps run with keep_heap=True",
+        "backends.torch.keep_freed_heap) and the compiled steps run with keep_heap=True",
     )
     p.add_argument(
         "--workspace",

@@ -15,7 +15,7 @@ the recipe's warmup + linear-decay schedule. Reported: per variant the median st
 over the rounds after ``--warmup`` and its ratio to ``peft``'s, and the load average
 before and after. ``--heap keep`` fixes glibc's thresholds for the whole process
 (``keep_freed_heap``), so every variant runs under them; ``--heap-thresholds 2M,8M``
-fixes glibc's mmap and trim thresholds (``torch_heap.fix_heap_thresholds``) for every
+fixes glibc's mmap and trim thresholds (``backends.torch.heap.fix_heap_thresholds``) for every
 variant alike. Writes benchmarks/results/lora_speed-<recipe>[-nodropout][-keepheap]
 [-heap<mmap>-<trim>][-<tag>].json. Memory is
 not measured here: one process holds every variant (``lora_peer.py`` measures memory).
