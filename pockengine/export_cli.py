@@ -28,12 +28,12 @@ import numpy as np
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.gguf_lora import ADAPTER_TARGETS
 from pockengine.ir import PockEngineError, Role, Value
+from pockengine.ir.arrays import Array
 from pockengine.out_folder import EXPORT, OutFolder, building, claim
 from pockengine.safe_write import write_bytes, write_text, write_with
 
 __all__ = ["ExportError", "batch_inputs", "readme", "register", "write_export"]
 
-Array = np.ndarray[Any, Any]
 
 # Options that set what a fine-tune trains (defaults: None); a run folder fixes them all.
 _FINETUNE_OPTIONS = ("recipe", "model", "data", "tokenizer", "epochs", "batch_size", "seq_len",

@@ -38,12 +38,12 @@ from pockengine.ir import (
     Value,
     get_op,
 )
+from pockengine.ir.arrays import Array
 from pockengine.plan.placement import PRIMARY
 
 __all__ = ["AutoBackend", "node_timings"]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 _INF = float("inf")
 # (backend name, op, input types, attrs) -> median seconds (inf: the backend cannot run it)
 _TIMINGS: dict[tuple[Any, ...], float] = {}

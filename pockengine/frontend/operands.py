@@ -10,17 +10,16 @@ uniform, a ``const`` input otherwise).
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import numpy as np
 
 from pockengine.frontend.context import EmitContext
 from pockengine.frontend.rng import DropoutSeed
 from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType, Value
+from pockengine.ir.arrays import Array
 
 __all__ = ["CONST_DTYPES", "Ctx", "Operand", "sanitize"]
 
-Array = np.ndarray[Any, Any]
 Operand = Value | Array | None
 
 # The dtypes a constant operand may have (float16 and bfloat16 models must be cast first).

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from pockengine.ir.arrays import Array
 from pockengine.ir.errors import ShapeError, UnsupportedOpError
 from pockengine.ir.types import Attrs, DType, Node, Phase, TensorType, Value
 
@@ -67,8 +68,6 @@ NO_FACTS = Fact(0)
 ELEMENTWISE = Fact.ELEMENTWISE
 EFFECTFUL = Fact.EFFECTFUL
 COMMUTATIVE = Fact.COMMUTATIVE
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True, slots=True)

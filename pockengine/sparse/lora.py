@@ -26,7 +26,6 @@ import fnmatch
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
@@ -41,12 +40,12 @@ from pockengine.ir import (
     TensorType,
     Value,
 )
+from pockengine.ir.arrays import Array
 from pockengine.ir.rewrite import substitute
 from pockengine.sparse.resolution import Adapter, Resolution
 
 __all__ = ["DEFAULT_TARGETS", "Adapter", "insert_adapters", "merge_adapters", "resolve_lora"]
 
-Array = np.ndarray[Any, Any]
 
 # The attention query and value projections, by the module names model families give them:
 # LLaMA/Mistral/Qwen/OPT/SmolLM, BERT/RoBERTa/MiniLM, DistilBERT, T5, DeBERTa-v2, and the

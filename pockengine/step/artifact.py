@@ -34,6 +34,7 @@ import numpy as np
 
 from pockengine.backends import Backend, BackendSpec, get_backend
 from pockengine.ir import Graph, PockEngineError, Role, Value, print_graph, verify
+from pockengine.ir.arrays import Array
 from pockengine.ir.parser import parse_graph
 from pockengine.safe_write import make_dirs, write_text, write_with
 from pockengine.safetensors_io import (
@@ -64,7 +65,6 @@ __all__ = [
     "write_values",
 ]
 
-Array = np.ndarray[Any, Any]
 GRAPH, STATE, META = "step.ir", "state.safetensors", "step.json"
 EVAL_GRAPH, EVAL_STATE = "eval.ir", "eval.safetensors"
 _SAFETENSORS_NAMES = {np.dtype(v) for v in SAFETENSORS_DTYPES.values()}

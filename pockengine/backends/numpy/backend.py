@@ -16,12 +16,11 @@ import numpy as np
 
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.ir import Graph, Role, get_op
+from pockengine.ir.arrays import Array
 from pockengine.ir.errors import CompileError
 from pockengine.plan.liveness import last_reads
 
 __all__ = ["NumpyBackend", "NumpyExecutable", "evaluate"]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,10 +23,10 @@ import numpy as np
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.backends.onnx.emit import emit_onnx, kernel_table
 from pockengine.ir import CompileError, Graph, PockEngineError, TensorType
+from pockengine.ir.arrays import Array
 
 __all__ = ["OrtBackend", "OrtExecutable", "OrtRunError", "require_onnxruntime"]
 
-Array = np.ndarray[Any, Any]
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 

@@ -29,7 +29,6 @@ __all__ = [
 OPSET = 18  # bitwise ops, ScatterND/ScatterElements reductions, Reduce* axes as inputs
 IR_VERSION = 8  # the IR version that introduced opset 18: loads in any ORT >= 1.14
 
-Array = np.ndarray[Any, Any]
 Kernel = Callable[["Emitter", Node, list[str], list[str]], None]
 
 _ONNX_DTYPE = {

@@ -22,12 +22,12 @@ import numpy as np
 
 from pockengine.backends.onnx.emit import emit_onnx
 from pockengine.ir import Graph, Value
+from pockengine.ir.arrays import Array
 from pockengine.safe_write import write_with
 
 __all__ = ["FORMAT", "export_step", "state_path"]
 
 FORMAT = "1"
-Array = np.ndarray[Any, Any]
 
 
 def state_path(model_path: str | os.PathLike[str]) -> Path:

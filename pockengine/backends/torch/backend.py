@@ -51,12 +51,12 @@ from pockengine.backends.torch.heap import (
 )
 from pockengine.backends.torch.kernels import torch_dtype
 from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
+from pockengine.ir.arrays import Array
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import liveness
 
 __all__ = ["KERNELS", "TorchBackend", "TorchExecutable", "TorchKernelError", "keep_freed_heap"]
 
-Array = np.ndarray[Any, Any]
 
 KERNELS: dict[str, Emitter] = {
     **torch_kernels.KERNELS,

@@ -16,6 +16,7 @@ import numpy as np
 
 from pockengine.frontend.context import EmitContext, registrar
 from pockengine.ir import CompileError, DType, GraphBuilder, TensorType, Value
+from pockengine.ir.arrays import Array
 
 __all__ = [
     "CONVERTERS",
@@ -30,7 +31,6 @@ __all__ = [
     "primitive",
 ]
 
-Array = np.ndarray[Any, Any]
 Converter = Callable[..., Any]
 CONVERTERS: dict[str, Converter] = {}
 # Call-like primitives and the param holding the jaxpr they call: inlined, never converted.

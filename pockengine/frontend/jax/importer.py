@@ -40,10 +40,10 @@ from pockengine.frontend.jax.converters import (
 from pockengine.frontend.jax.flax import whole_flax_modules
 from pockengine.frontend.jax.info import Leaves, flatten_params, key_names, model_info
 from pockengine.ir import CompileError, GraphBuilder, Role, TensorType, Value
+from pockengine.ir.arrays import Array
 
 __all__ = ["import_jax", "jax_model_info"]
 
-Array = np.ndarray[Any, Any]
 _log = logging.getLogger(__name__)
 
 

@@ -31,10 +31,10 @@ import numpy as np
 
 from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.ir import CompileError, Role
+from pockengine.ir.arrays import Array
 
 __all__ = ["Leaf", "Leaves", "flatten_params", "key_names", "model_info"]
 
-Array = np.ndarray[Any, Any]
 _AUTO = re.compile(r"^(?P<kind>[A-Za-z]\w*?)_(?P<n>\d+)$")
 
 

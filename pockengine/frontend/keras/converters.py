@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from pockengine.frontend.context import const_ints, norm_axis, registrar
 from pockengine.frontend.operands import Ctx, Operand
 from pockengine.ir import CompileError, DType, Value
@@ -31,7 +29,6 @@ __all__ = [
     "tf_op",
 ]
 
-Array = np.ndarray[Any, Any]
 Attrs = dict[str, Any]
 Converter = Callable[..., Any]
 TF_CONVERTERS: dict[str, Converter] = {}

@@ -42,10 +42,10 @@ from pockengine.frontend.keras.trace import (
 )
 from pockengine.frontend.loss import apply_loss, target_types
 from pockengine.ir import CompileError, GraphBuilder, Role, TensorType, UnsupportedOpError, Value
+from pockengine.ir.arrays import Array
 
 __all__ = ["check_supported", "import_keras", "keras_model_info", "require_tensorflow"]
 
-Array = np.ndarray[Any, Any]
 _VARIABLE_OPS = frozenset({"ReadVariableOp", "AssignVariableOp"})
 _STATIC = frozenset({"Shape", "Size", "Rank"})  # known from static shapes
 _ROOTS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})

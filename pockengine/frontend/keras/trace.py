@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import CompileError
+from pockengine.ir.arrays import Array
 
 __all__ = ["Marker", "TfNode", "Traced", "fold", "require_tensorflow", "trace"]
 
-Array = np.ndarray[Any, Any]
 MARKER = "pockengine_layer"
 
 

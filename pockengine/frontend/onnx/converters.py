@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from pockengine.frontend.context import const_ints, norm_axis, registrar
 from pockengine.frontend.operands import Ctx, Operand, sanitize
 from pockengine.ir import CompileError, DType
@@ -29,7 +27,6 @@ __all__ = [
     "sanitize",
 ]
 
-Array = np.ndarray[Any, Any]
 Converter = Callable[..., Any]
 CONVERTERS: dict[str, Converter] = {}
 

@@ -34,6 +34,7 @@ from pockengine.ir import (
     Value,
     get_op,
 )
+from pockengine.ir.arrays import Array
 
 __all__ = [
     "OnnxModel",
@@ -44,7 +45,6 @@ __all__ = [
     "onnx_model_info",
 ]
 
-Array = np.ndarray[Any, Any]
 _NEVER_FOLD = frozenset(
     {
         "Dropout",

@@ -21,11 +21,11 @@ import numpy as np
 
 from pockengine.frontend.onnx.converters import sanitize
 from pockengine.ir import CompileError, Role
+from pockengine.ir.arrays import Array
 
 __all__ = ["OnnxModel", "OnnxNode", "load_onnx", "require_onnx"]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 _SIGNATURE_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 _PERSISTENT = "pkg.torch.export.graph_signature.InputSpec.persistent"
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
-
 from pockengine.frontend.context import EmitContext
 from pockengine.frontend.rng import DropoutSeed
 from pockengine.ir import CompileError, DType, GraphBuilder, TensorType, Value
@@ -29,7 +27,6 @@ __all__ = [
     "promote",
 ]
 
-Array = np.ndarray[Any, Any]
 Converter = Callable[..., Any]
 CONVERTERS: dict[str, Converter] = {}
 # Ops with no effect on values: runtime assertions of the exported program.

@@ -18,8 +18,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
 from pockengine.frontend import import_memo
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.frontend.torch import (  # noqa: F401  (fill the table)
@@ -41,10 +39,10 @@ from pockengine.ir import (
     UnsupportedOpError,
     Value,
 )
+from pockengine.ir.arrays import Array
 
 __all__ = ["import_torch", "module_path", "torch_model_info"]
 
-Array = np.ndarray[Any, Any]
 _WRAPPED = "model."
 
 

@@ -18,10 +18,9 @@ import numpy as np
 
 from pockengine.frontend.torch.converters import Ctx, aten, norm_dim
 from pockengine.ir import CompileError, Value
+from pockengine.ir.arrays import Array
 
 __all__: list[str] = []
-
-Array = np.ndarray[Any, Any]
 
 
 @aten("repeat.default")
