@@ -349,7 +349,7 @@ def test_keeping_the_freed_heap_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> No
     graph = pe.compile(w.model, w.loss_fn, w.make_batch(0), backend="numpy").graph
     calls: list[int] = []
     monkeypatch.setattr(torch_backend, "keep_freed_heap", lambda: calls.append(1) or True)
-    TorchBackend().compile(graph)  # the default keeps only the step's heap (torch_heap)
+    TorchBackend().compile(graph)  # the default keeps only the step's heap (backends.torch.heap)
     pe.compile(w.model, w.loss_fn, w.make_batch(0), backend="torch")
     assert calls == []
     TorchBackend(keep_heap=True).compile(graph)

@@ -1,4 +1,4 @@
-"""The torch backend's default step heap (``torch_heap.keep_step_heap``).
+"""The torch backend's default step heap (``backends.torch.heap.keep_step_heap``).
 
 - compiling with the default options fixes glibc's mmap threshold at its ceiling and
   raises (never lowers) the trim threshold to twice the largest planned live peak;

@@ -58,7 +58,7 @@ __all__ = [
 # (globals that must never be handed out or written).
 _STORED = (Role.PARAM, Role.BUFFER, Role.STATE, Role.CONST)
 _LITERAL_DTYPES = (DType.F32, DType.F64, DType.I64)
-# the dtypes a workspace slot can hold (torch_heap.plan_workspace gives float results only)
+# the dtypes a workspace slot can hold (heap.plan_workspace gives float results only)
 _SLOT_DTYPES = {DType.F16: torch.float16, DType.BF16: torch.bfloat16,
                 DType.F32: torch.float32, DType.F64: torch.float64}  # fmt: skip
 
