@@ -42,7 +42,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def _whole_batch_scores(config: FinetuneConfig, task: recipes.Task) -> dict[str, float]:
     """The Fisher scores of the estimator before micro-batches: whole batches, one group."""
     from pockengine.frontend.torch import import_torch, torch_model_info
-    from pockengine.sparse.names import scheme_named
+    from pockengine.sparse.schemes import scheme_named
 
     assert config.batch_size is not None
     example = tuple(torch.from_numpy(np.ascontiguousarray(a[: config.batch_size]))

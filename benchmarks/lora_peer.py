@@ -26,7 +26,7 @@ the same model and data, drops the module's weights and loads the step
 (``pockengine.load_step``): it never runs the compiler. ``--dropout off`` sets every
 dropout probability of the model to 0 in all cases (the recipe's model keeps its own
 otherwise). ``--heap keep`` runs every case, PEFT's included, with glibc's heap thresholds
-fixed (``torch_backend.keep_freed_heap``: freed memory stays in the heap for reuse, no
+fixed (``backends.torch.keep_freed_heap``: freed memory stays in the heap for reuse, no
 page faults to map it again) and the compiled steps with ``TorchBackend(keep_heap=True)``.
 ``--workspace on`` compiles and loads the steps with ``TorchBackend(workspace=True)`` (the
 large results written into one buffer the step keeps; PEFT's case is unchanged).
@@ -180,7 +180,7 @@ def _backend(heap: str, workspace: str = "off") -> Any:
     """The torch backend; with ``heap="keep"`` one that keeps the freed heap (no trims),
     with ``workspace="on"`` one that writes the large results into a kept workspace, with
     ``--heap-thresholds`` one that fixes glibc's mmap and trim thresholds."""
-    from pockengine.backends.torch_backend import TorchBackend
+    from pockengine.backends.torch.backend import TorchBackend
 
     return TorchBackend(keep_heap=heap == "keep", workspace=workspace == "on",
                         heap_thresholds=_THRESHOLDS)  # fmt: skip
@@ -329,11 +329,11 @@ def _child(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     case = Case.of(args.child)
     if args.heap == "keep":  # the same allocator settings in every case, PEFT's included
-        from pockengine.backends.torch_backend import keep_freed_heap
+        from pockengine.backends.torch.backend import keep_freed_heap
 
         keep_freed_heap()
     if _THRESHOLDS is not None and args.thresholds_all:  # PEFT's process too, at its start
-        from pockengine.backends.torch_heap import fix_heap_thresholds
+        from pockengine.backends.torch.heap import fix_heap_thresholds
 
         fix_heap_thresholds(*_THRESHOLDS)
     config, task = _task(args)
@@ -435,7 +435,7 @@ def main() -> None:
         choices=("default", "keep"),
         default="default",
         help="keep: every case's process keeps its freed heap (glibc thresholds fixed, "
-        "torch_backend.keep_freed_heap) and the compiled steps run with keep_heap=True",
+        "backends.torch.keep_freed_heap) and the compiled steps run with keep_heap=True",
     )
     p.add_argument(
         "--workspace",

@@ -15,7 +15,7 @@ the recipe's warmup + linear-decay schedule. Reported: per variant the median st
 over the rounds after ``--warmup`` and its ratio to ``peft``'s, and the load average
 before and after. ``--heap keep`` fixes glibc's thresholds for the whole process
 (``keep_freed_heap``), so every variant runs under them; ``--heap-thresholds 2M,8M``
-fixes glibc's mmap and trim thresholds (``torch_heap.fix_heap_thresholds``) for every
+fixes glibc's mmap and trim thresholds (``backends.torch.heap.fix_heap_thresholds``) for every
 variant alike. Writes benchmarks/results/lora_speed-<recipe>[-nodropout][-keepheap]
 [-heap<mmap>-<trim>][-<tag>].json. Memory is
 not measured here: one process holds every variant (``lora_peer.py`` measures memory).
@@ -115,12 +115,12 @@ def _run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.heap == "keep":
-        from pockengine.backends.torch_backend import keep_freed_heap
+        from pockengine.backends.torch.backend import keep_freed_heap
 
         keep_freed_heap()
     thresholds = lora_peer._thresholds(args.heap_thresholds)
     if thresholds is not None:
-        from pockengine.backends.torch_heap import fix_heap_thresholds
+        from pockengine.backends.torch.heap import fix_heap_thresholds
 
         fix_heap_thresholds(*thresholds)
     trainers = {v: _trainer(v, args) for v in dict.fromkeys(args.variants)}

@@ -4,7 +4,7 @@ the torch and C backends.
     OMP_NUM_THREADS=1 python benchmarks/optim_8bit_speed.py --rows 576 --cols 1536 --rounds 50
 
 Four updates of the same ``[rows, cols]`` param (smollm2's ``down_proj`` by default):
-``adamw8bit_update`` by the torch kernel (``torch_kernels_optim.adamw8bit_``) and by the C
+``adamw8bit_update`` by the torch kernel (``backends.torch.kernels_optim.adamw8bit_``) and by the C
 kernel (``pe_adamw8bit_f32`` through a one-node compiled graph), and the float32 baseline
 of each (ATen's fused AdamW, ``pe_adamw_f32``). One thread each (torch and OpenMP). Prints
 the median and best wall milliseconds an update and, on the last line, one JSON object.
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pockengine.backends.c import CBackend
-from pockengine.backends.torch_kernels_optim import adamw8bit_
+from pockengine.backends.torch.kernels_optim import adamw8bit_
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
 from pockengine.ops.update_8bit import SIGNED_CODE, UNSIGNED_CODE, quantize_blockwise
 

@@ -52,7 +52,7 @@ _SHAPES = ("epochs", "seq_len", "batch_size", "image_size")
 
 
 def default_schemes() -> list[str]:
-    from pockengine.sparse.names import SCHEME_NAMES
+    from pockengine.sparse.schemes import SCHEME_NAMES
 
     return ["full", "auto", "sparse", "bias", "head", *(["lora"] if "lora" in SCHEME_NAMES else [])]
 

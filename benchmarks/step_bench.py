@@ -49,7 +49,7 @@ FRAMEWORKS = (
     ("ort-training",) if ort_training_peer.venv_possible() else ()
 )  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
 WORKLOADS = ("mbv2", "bert", "llama")
-SCHEMES = ("full", "bias-only", "sparse", "head")  # names: pockengine.sparse.names
+SCHEMES = ("full", "bias-only", "sparse", "head")  # names: pockengine.sparse.schemes
 
 
 def _threads(n: int) -> None:

@@ -89,7 +89,7 @@ def main() -> int:
     import torch
 
     import pockengine as pe
-    from pockengine.backends.torch_backend import TorchBackend
+    from pockengine.backends.torch.backend import TorchBackend
 
     torch.set_num_threads(args.threads)
     work, optimizer, schemes = torch_vs_eager._workload(args.workload)

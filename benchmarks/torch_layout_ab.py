@@ -34,7 +34,7 @@ def run_variant(workload: str, scheme_name: str, variant: str, threads: int) -> 
     import torch
 
     import pockengine as pe
-    from pockengine.backends.torch_backend import TorchBackend
+    from pockengine.backends.torch.backend import TorchBackend
 
     torch.set_num_threads(threads)
     step_bench._load_framework("pockengine-torch")

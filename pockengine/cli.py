@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from pockengine.cli_help import HelpFormatter
 from pockengine.ir import PockEngineError
-from pockengine.sparse.names import SCHEME_HELP
+from pockengine.sparse.schemes import SCHEME_HELP
 
 __all__ = ["build_parser", "main"]
 
@@ -42,10 +42,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _scheme(spec: str | None, workload: str, frozen_bn: str = "eval") -> Any:
-    """The scheme a name or file stands for (``pockengine.sparse.names``); ``sparse`` is
+    """The scheme a name or file stands for (``pockengine.sparse.schemes``); ``sparse`` is
     the benchmark workload's own recipe."""
     from pockengine import zoo
-    from pockengine.sparse.names import scheme_named
+    from pockengine.sparse.schemes import scheme_named
 
     if spec is None:
         return None

@@ -28,12 +28,12 @@ import numpy as np
 from pockengine.finetune.config import FinetuneConfig
 from pockengine.finetune.gguf_lora import ADAPTER_TARGETS
 from pockengine.ir import PockEngineError, Role, Value
+from pockengine.ir.arrays import Array
 from pockengine.out_folder import EXPORT, OutFolder, building, claim
 from pockengine.safe_write import write_bytes, write_text, write_with
 
 __all__ = ["ExportError", "batch_inputs", "readme", "register", "write_export"]
 
-Array = np.ndarray[Any, Any]
 
 # Options that set what a fine-tune trains (defaults: None); a run folder fixes them all.
 _FINETUNE_OPTIONS = ("recipe", "model", "data", "tokenizer", "epochs", "batch_size", "seq_len",
@@ -90,7 +90,7 @@ def register(sub: Any) -> None:
     """Add ``export`` to the ``pockengine`` subcommands."""
     from pockengine.finetune.cli import EPILOG, add_arguments, positive_int
     from pockengine.run_cli import FACTORY_HELP
-    from pockengine.sparse.names import SCHEME_HELP
+    from pockengine.sparse.schemes import SCHEME_HELP
 
     p = sub.add_parser(
         "export", help="write a training step (a run, a fine-tune, a workload, an .onnx) as "
@@ -293,7 +293,7 @@ def _prepare(config: FinetuneConfig, scheme: dict[str, Any] | None, what: str) -
 def _export_model(args: argparse.Namespace, kind: str) -> int:
     """A workload or an .onnx model, as ``pockengine export`` has always written them."""
     import pockengine as pe
-    from pockengine.sparse.names import scheme_named
+    from pockengine.sparse.schemes import scheme_named
 
     folder_target = args.target in ("step", "c")
     out = _out_folder(args, f"train_step_{args.target}") if folder_target else None

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import CompileError, DType, GraphBuilder, Phase, Role, TensorType, Value
+from pockengine.ir.arrays import Array
 from pockengine.ops.update_8bit import ZERO_BYTE
 
 __all__ = ["MIN_8BIT_SIZE", "SGD", "STATE_DTYPES", "AdamW", "Optimizer"]
 
-Array = np.ndarray[Any, Any]
 
 LR = "optim.lr"
 STEP = "optim.step"

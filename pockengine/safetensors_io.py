@@ -20,6 +20,7 @@ from typing import IO, Any
 import numpy as np
 
 from pockengine._libc import page_out
+from pockengine.ir.arrays import Array
 from pockengine.safe_write import write_with
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "write_streamed_to",
 ]
 
-Array = np.ndarray[Any, Any]
 SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",

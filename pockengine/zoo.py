@@ -313,10 +313,10 @@ def workload_sparse(name: str) -> Any:
 
 
 def benchmark_schemes(name: str) -> dict[str, Any]:
-    """The scheme names every benchmark compares (``pockengine.sparse.names``): full,
+    """The scheme names every benchmark compares (``pockengine.sparse.schemes``): full,
     bias-only, the workload's sparse recipe, head-only; frozen BatchNorms train on batch
     statistics, as in the tables of docs/sparse_backprop.md and docs/benchmarks.md."""
-    from pockengine.sparse.names import scheme_named
+    from pockengine.sparse.schemes import scheme_named
 
     names = ("full", "bias-only", "sparse", "head")
     return {n: scheme_named(n, sparse=workload_sparse(name), frozen_bn="train") for n in names}

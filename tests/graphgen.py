@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.numpy_backend import NumpyExecutable
+from pockengine.backends.numpy.backend import NumpyExecutable
 from pockengine.ir import DType, Graph, GraphBuilder, Role, ShapeError, TensorType, Value
 
 __all__ = ["Array", "assert_same_results", "feeds_for", "random_graphs", "run_graph", "zoo_step"]

@@ -14,7 +14,7 @@ from torch import nn
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.numpy_backend import evaluate
+from pockengine.backends.numpy.backend import evaluate
 from pockengine.ir import GraphBuilder, TensorType, VJPContext, get_op
 from pockengine.ir.types import DType
 from tests.torch_ref import assert_gradients_match, torch_gradients

@@ -22,7 +22,7 @@ from pockengine.finetune.config import FinetuneError
 from pockengine.finetune.lr_choice import choose_lr
 from pockengine.ir import SchemeError
 from pockengine.optim import AdamW
-from pockengine.sparse.names import scheme_named
+from pockengine.sparse.schemes import scheme_named
 from tests.test_sensitivity import _dataset
 
 FACTORY = "tests.test_auto_scheme:wide_classifier"

@@ -23,8 +23,8 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.mixed import MixedBackend, MixedExecutable
-from pockengine.backends.numpy_backend import NumpyBackend
-from pockengine.backends.torch_backend import TorchBackend, TorchExecutable
+from pockengine.backends.numpy.backend import NumpyBackend
+from pockengine.backends.torch.backend import TorchBackend, TorchExecutable
 from pockengine.ir import UnsupportedOpError, parse_graph
 from pockengine.plan.placement import place
 

@@ -24,10 +24,10 @@ import torch
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends import torch_backend
 from pockengine.backends.c import CBackend
 from pockengine.backends.c import backend as c_backend
-from pockengine.backends.torch_backend import TorchBackend
+from pockengine.backends.torch import backend as torch_backend
+from pockengine.backends.torch.backend import TorchBackend
 
 Array = np.ndarray[Any, Any]
 

@@ -30,7 +30,7 @@ from pockengine.backends import get_backend
 from pockengine.backends.c import CBackend, CExecutable, claims, toolchain
 from pockengine.backends.c.backend import KERNELS
 from pockengine.backends.c.export import read_safetensors
-from pockengine.backends.numpy_backend import NumpyBackend
+from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import (
     DType,
     Graph,

@@ -28,7 +28,7 @@ from pockengine import zoo
 from pockengine.backends.c import CBackend
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.export import read_safetensors
-from pockengine.backends.numpy_backend import NumpyBackend
+from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType
 from pockengine.ops.update_8bit import (
     SIGNED_CODE,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pockengine.backends.c import CBackend, tune
-from pockengine.backends.numpy_backend import NumpyBackend
+from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,

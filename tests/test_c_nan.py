@@ -17,7 +17,7 @@ import pytest
 
 import pockengine as pe
 from pockengine.backends.c import CBackend
-from pockengine.backends.numpy_backend import NumpyBackend
+from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import ELEMENTWISE, GraphBuilder, Sample, get_op
 from tests.test_c_backend import _CLAIMED, _add_case, _ident
 

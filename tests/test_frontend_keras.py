@@ -367,7 +367,7 @@ def test_without_tensorflow_the_engine_works_and_the_frontend_says_what_to_insta
         "sys.modules['tensorflow'] = None\n"
         "import numpy as np, pockengine as pe\n"
         "from pockengine.frontend.keras import keras_model_info\n"
-        "from pockengine.frontend.onnx_loss import LOSSES\n"
+        "from pockengine.frontend.loss import LOSSES\n"
         "try:\n"
         "    keras_model_info(object())\n"
         "except pe.CompileError as e:\n"

@@ -6,7 +6,7 @@ under full backprop and two sparse schemes.
 Each frontend lowers its own loss (``F.cross_entropy``; optax's log-softmax with a stopped
 max; Keras's named loss), so the loss rows are left out of the FLOPs. BatchNorm in training
 mode is one ``batch_norm`` op and the running-statistics updates in all three (Flax's
-lowered whole by ``frontend/jax_flax.py``), so its row is compared like the others.
+lowered whole by ``frontend/jax/flax.py``), so its row is compared like the others.
 """
 
 from __future__ import annotations

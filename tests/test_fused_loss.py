@@ -29,7 +29,7 @@ import pockengine.step.parts
 from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.c.backend import CBackend
-from pockengine.backends.numpy_backend import evaluate
+from pockengine.backends.numpy.backend import evaluate
 from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType, Value, verify
 from pockengine.passes import (
     FORWARD_PIPELINE,

@@ -10,7 +10,7 @@ import pytest
 
 from pockengine.cli import build_parser, main
 from pockengine.cli_help import BACKEND_CHOICES, RECIPE_DATA
-from pockengine.sparse.names import SCHEME_NAMES
+from pockengine.sparse.schemes import SCHEME_NAMES
 
 MARKUP = ("`", "*")
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pockengine as pe
-from pockengine.frontend import torch as frontend
 from pockengine.frontend.import_memo import reused_imports
+from pockengine.frontend.torch import importer as frontend
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

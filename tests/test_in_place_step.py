@@ -22,7 +22,7 @@ from torch import nn
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.torch_backend import TorchBackend
+from pockengine.backends.torch.backend import TorchBackend
 
 BACKENDS = ("numpy", "torch", "c")
 

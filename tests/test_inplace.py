@@ -21,8 +21,8 @@ import torch
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.numpy_backend import NumpyBackend
-from pockengine.backends.torch_backend import TorchBackend
+from pockengine.backends.numpy.backend import NumpyBackend
+from pockengine.backends.torch.backend import TorchBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, all_ops, parse_graph, print_node
 from pockengine.plan import inplace_ops, liveness, plan_memory, reusable_inputs
 

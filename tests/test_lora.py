@@ -16,7 +16,7 @@ import pockengine as pe
 from pockengine import schemes
 from pockengine.finetune.adapter import load_adapter, save_adapter
 from pockengine.ir import SchemeError
-from pockengine.sparse.names import scheme_named
+from pockengine.sparse.schemes import scheme_named
 from pockengine.step.strict_load import StateError
 from pockengine.zoo import Workload, bert_classifier, llama_lm
 

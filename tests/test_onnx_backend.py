@@ -21,9 +21,9 @@ pytest.importorskip("onnx")
 
 import pockengine as pe
 from pockengine.backends import get_backend
-from pockengine.backends.numpy_backend import NumpyBackend
-from pockengine.backends.onnx_backend import OrtBackend
-from pockengine.backends.onnx_emit import kernel_table
+from pockengine.backends.numpy.backend import NumpyBackend
+from pockengine.backends.onnx.backend import OrtBackend
+from pockengine.backends.onnx.emit import kernel_table
 from pockengine.ir import (
     DType,
     Graph,

@@ -23,7 +23,7 @@ pytest.importorskip("onnx")
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.onnx_export import state_path
+from pockengine.backends.onnx.export import state_path
 
 RUNNER = Path(pe.__file__).parent / "ort_runner.py"
 _BLOCKED = "raise ImportError('{name} is blocked in this test')\n"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pockengine.ops  # noqa: F401  (registers the ops)
-from pockengine.backends.numpy_backend import evaluate
+from pockengine.backends.numpy.backend import evaluate
 from pockengine.ir import (
     Attrs,
     DType,

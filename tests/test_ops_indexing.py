@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import pockengine.ops  # noqa: F401  (registers the ops)
-from pockengine.backends.numpy_backend import evaluate
+from pockengine.backends.numpy.backend import evaluate
 from pockengine.ir import Attrs, DType, GraphBuilder, ShapeError, TensorType, VJPContext, get_op
 
 Array = np.ndarray[Any, Any]

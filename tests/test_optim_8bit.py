@@ -19,7 +19,7 @@ import torch
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.torch_kernels_optim import _code
+from pockengine.backends.torch.kernels_optim import _code
 from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune.cli import add_arguments, config_from_args
 from pockengine.finetune.config import FinetuneConfig, FinetuneError

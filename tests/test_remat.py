@@ -117,7 +117,7 @@ def test_running_statistics_save_what_batch_statistics_save() -> None:
 
 
 def test_conv_gradients_stay_paired_on_torch() -> None:
-    from pockengine.backends.torch_backend import TorchBackend
+    from pockengine.backends.torch.backend import TorchBackend
 
     sources = []
     for passes in (WITHOUT, DEFAULT_PIPELINE):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pockengine import zoo
-from pockengine.backends import torch_kernels_rng
+from pockengine.backends.torch import kernels_rng as torch_kernels_rng
 from pockengine.finetune import data as ds
 from pockengine.finetune import models, recipes
 from pockengine.finetune.config import FinetuneConfig

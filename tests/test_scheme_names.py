@@ -16,7 +16,7 @@ from pockengine.finetune.config import FinetuneError
 from pockengine.frontend.imported import ModelInfo
 from pockengine.frontend.torch import torch_model_info
 from pockengine.ir import SchemeError
-from pockengine.sparse.names import SCHEME_NAMES, scheme_named
+from pockengine.sparse.schemes import SCHEME_NAMES, scheme_named
 
 _DOC = Path(__file__).resolve().parents[1] / "docs" / "sparse_backprop.md"
 

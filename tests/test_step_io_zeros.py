@@ -161,7 +161,7 @@ def test_stand_ins_for_given_weights_compile_the_same_step() -> None:
     import copy
 
     from pockengine.finetune.released import stand_in
-    from pockengine.ir.printer import print_graph
+    from pockengine.ir import print_graph
 
     w = zoo.llama_lm(layers=1, tied=True)
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]

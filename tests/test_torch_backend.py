@@ -23,8 +23,8 @@ import torch
 import pockengine as pe
 from pockengine import zoo
 from pockengine.backends import get_backend
-from pockengine.backends.numpy_backend import NumpyBackend
-from pockengine.backends.torch_backend import KERNELS, TorchBackend, TorchKernelError
+from pockengine.backends.numpy.backend import NumpyBackend
+from pockengine.backends.torch.backend import KERNELS, TorchBackend, TorchKernelError
 from pockengine.ir import (
     DType,
     Graph,
@@ -343,13 +343,13 @@ def test_stored_layout_and_partial_channel_updates(channels_last: bool) -> None:
 def test_keeping_the_freed_heap_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     import ctypes.util
 
-    from pockengine.backends import torch_backend
+    from pockengine.backends.torch import backend as torch_backend
 
     w = zoo.mlp()
     graph = pe.compile(w.model, w.loss_fn, w.make_batch(0), backend="numpy").graph
     calls: list[int] = []
     monkeypatch.setattr(torch_backend, "keep_freed_heap", lambda: calls.append(1) or True)
-    TorchBackend().compile(graph)  # the default keeps only the step's heap (torch_heap)
+    TorchBackend().compile(graph)  # the default keeps only the step's heap (backends.torch.heap)
     pe.compile(w.model, w.loss_fn, w.make_batch(0), backend="torch")
     assert calls == []
     TorchBackend(keep_heap=True).compile(graph)

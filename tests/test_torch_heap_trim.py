@@ -1,4 +1,4 @@
-"""The torch backend's heap trims near a step's planned peak (``backends.torch_heap``).
+"""The torch backend's heap trims near a step's planned peak (``backends.torch.heap``).
 
 - the trim points are nodes near the planned live peak that free a large share of it; a
   graph whose live peak is small gets none;
@@ -19,8 +19,8 @@ import torch
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends import torch_heap
-from pockengine.backends.torch_backend import TorchBackend, TorchExecutable
+from pockengine.backends.torch import heap as torch_heap
+from pockengine.backends.torch.backend import TorchBackend, TorchExecutable
 from pockengine.finetune.metrics import classification_eval
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import liveness

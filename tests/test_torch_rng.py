@@ -1,4 +1,4 @@
-"""The torch backend's dropout masks (``backends.torch_kernels_rng``).
+"""The torch backend's dropout masks (``backends.torch.kernels_rng``).
 
 - the int32 counter hash gives the NumPy reference's ``random_mask`` bit for bit: across
   chunk edges, in a last partial chunk, at p = 0 and p = 1, for seeds of all 64 bits;
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from pockengine.backends import torch_kernels_rng as rng
-from pockengine.backends.numpy_backend import NumpyBackend
-from pockengine.backends.torch_backend import TorchBackend
+from pockengine.backends.numpy.backend import NumpyBackend
+from pockengine.backends.torch import kernels_rng as rng
+from pockengine.backends.torch.backend import TorchBackend
 from pockengine.ir import DType, Graph, GraphBuilder, Role, TensorType, get_op
 
 _SEEDS = (0, -12345, 2**40 + 7, -(2**63), 2**63 - 1)

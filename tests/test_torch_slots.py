@@ -1,5 +1,5 @@
 """Session 12: the torch workspace covers every large result of a LoRA step, and glibc's
-mmap threshold can be fixed (``backends.torch_heap``).
+mmap threshold can be fixed (``backends.torch.heap``).
 
 - the results of kernels without a usable ``out=`` (flash attention and its backward,
   layer norm's input gradient) are copied into their slots in ATen's own layout
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import pockengine as pe
-from pockengine.backends import torch_heap
-from pockengine.backends.torch_backend import TorchBackend
-from pockengine.backends.torch_kernels import to_slot
+from pockengine.backends.torch import heap as torch_heap
+from pockengine.backends.torch.backend import TorchBackend
+from pockengine.backends.torch.kernels import to_slot
 from pockengine.ir import CompileError
 from pockengine.plan.liveness import last_reads
 from tests import test_torch_workspace
@@ -119,7 +119,7 @@ def test_heap_thresholds_are_validated(kwargs: dict[str, Any], message: str) -> 
 _PROBE = textwrap.dedent(
     """
     import ctypes, json, sys, torch
-    from pockengine.backends.torch_backend import TorchBackend
+    from pockengine.backends.torch.backend import TorchBackend
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
                     "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

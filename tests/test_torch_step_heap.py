@@ -1,4 +1,4 @@
-"""The torch backend's default step heap (``torch_heap.keep_step_heap``).
+"""The torch backend's default step heap (``backends.torch.heap.keep_step_heap``).
 
 - compiling with the default options fixes glibc's mmap threshold at its ceiling and
   raises (never lowers) the trim threshold to twice the largest planned live peak;
@@ -26,8 +26,8 @@ import pytest
 
 import pockengine as pe
 from pockengine import ir, zoo
-from pockengine.backends import torch_heap
-from pockengine.backends.torch_backend import TorchBackend
+from pockengine.backends.torch import heap as torch_heap
+from pockengine.backends.torch.backend import TorchBackend
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def test_default_compile_keeps_the_step_heap(mallopt: list[tuple[int, int]]) -> 
 def test_explicit_heap_options_turn_the_step_heap_off(
     mallopt: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any]
 ) -> None:
-    from pockengine.backends import torch_backend
+    from pockengine.backends.torch import backend as torch_backend
 
     explicit: list[tuple[int, int]] = []
     monkeypatch.setattr(torch_backend, "keep_freed_heap", lambda: explicit.append((0, 0)) or True)
@@ -111,7 +111,7 @@ _PROBE = textwrap.dedent(
     import json, resource, sys, torch
     sys.path.insert(0, sys.argv[1])
     from test_torch_step_heap import _chain
-    from pockengine.backends.torch_backend import TorchBackend
+    from pockengine.backends.torch.backend import TorchBackend
     torch.set_num_threads(1)
     graph, feed, out = _chain(24, (1024, 1024)), {"x": torch.ones(1024, 1024)}, []
     # the control hands the heap back after every run (malloc_trim): each run faults its

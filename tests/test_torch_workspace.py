@@ -1,4 +1,4 @@
-"""The torch backend's workspace (``backends.torch_heap.plan_workspace``, session 11) and
+"""The torch backend's workspace (``backends.torch.heap.plan_workspace``, session 11) and
 layer norm's output recomputed in the backward (``passes.remat``).
 
 - a LoRA BERT step writing its large results into the workspace trains bit for bit as the
@@ -26,8 +26,8 @@ import torch
 
 import pockengine as pe
 from pockengine import schemes, zoo
-from pockengine.backends import torch_heap
-from pockengine.backends.torch_backend import TorchBackend
+from pockengine.backends.torch import heap as torch_heap
+from pockengine.backends.torch.backend import TorchBackend
 from pockengine.ir import Fact, Graph, Phase, get_op
 from pockengine.passes import DEFAULT_PIPELINE, rematerialize
 from pockengine.plan.inplace import reusable_inputs

@@ -44,15 +44,15 @@ def get_backend(name: BackendSpec) -> Backend:
 
         return AutoBackend()
     if name == "numpy":
-        from pockengine.backends.numpy_backend import NumpyBackend
+        from pockengine.backends.numpy.backend import NumpyBackend
 
         return NumpyBackend()
     if name in ("torch", "torch-cuda", "torch-cpu"):
-        from pockengine.backends.torch_backend import TorchBackend
+        from pockengine.backends.torch.backend import TorchBackend
 
         return TorchBackend(device="cuda" if name == "torch-cuda" else "cpu")
     if name in ("onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda"):
-        from pockengine.backends.onnx_backend import OrtBackend
+        from pockengine.backends.onnx.backend import OrtBackend
 
         return OrtBackend(device={"onnxruntime": "auto"}.get(name, name.rsplit("-", 1)[-1]))
     if name == "c":

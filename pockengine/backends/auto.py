@@ -38,12 +38,12 @@ from pockengine.ir import (
     Value,
     get_op,
 )
+from pockengine.ir.arrays import Array
 from pockengine.plan.placement import PRIMARY
 
 __all__ = ["AutoBackend", "node_timings"]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 _INF = float("inf")
 # (backend name, op, input types, attrs) -> median seconds (inf: the backend cannot run it)
 _TIMINGS: dict[tuple[Any, ...], float] = {}
@@ -143,8 +143,8 @@ class AutoBackend(MixedBackend):
         segment_overhead_s: float = 50e-6,
     ) -> None:
         if backends is None:
-            from pockengine.backends.onnx_backend import OrtBackend
-            from pockengine.backends.torch_backend import TorchBackend
+            from pockengine.backends.onnx.backend import OrtBackend
+            from pockengine.backends.torch.backend import TorchBackend
 
             backends = [TorchBackend(), OrtBackend(device="cpu")]
         super().__init__(backends)

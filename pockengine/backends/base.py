@@ -18,13 +18,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
-import numpy as np
-
 from pockengine.ir import Graph, Node, UnsupportedOpError, all_ops
+from pockengine.ir.arrays import Array
 
 __all__ = ["Backend", "Executable", "NotShareableError", "Store", "check_ops"]
 
-Array = np.ndarray[Any, Any]
 Store = MutableMapping[str, Any]
 
 

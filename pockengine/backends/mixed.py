@@ -29,12 +29,11 @@ import numpy as np
 
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.ir import Graph, Node, Role, UnsupportedOpError, Value, get_op
+from pockengine.ir.arrays import Array
 from pockengine.plan.liveness import last_reads
 from pockengine.plan.placement import PRIMARY, Placement, place
 
 __all__ = ["MixedBackend", "MixedExecutable", "hand_over"]
-
-Array = np.ndarray[Any, Any]
 
 
 def hand_over(value: Any, backends: Sequence[Backend], dst: Backend) -> Any:

@@ -43,8 +43,7 @@ from pockengine.finetune.scheme_search import choose_within
 from pockengine.ir import SchemeError
 from pockengine.optim import Optimizer
 from pockengine.sparse import schemes
-from pockengine.sparse.names import scheme_named
-from pockengine.sparse.schemes import Scheme
+from pockengine.sparse.schemes import Scheme, scheme_named
 from pockengine.sparse.search import Budget, Item, scheme_for
 
 __all__ = ["AUTO", "AutoChoice", "choose_auto", "items_from_estimate"]

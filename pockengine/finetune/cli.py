@@ -22,7 +22,7 @@ from pockengine.finetune.config import (
 )
 from pockengine.ir import CompileError
 from pockengine.passes.remat_budget import parse_budget
-from pockengine.sparse.names import SCHEME_HELP
+from pockengine.sparse.schemes import SCHEME_HELP
 
 __all__ = [
     "EPILOG",

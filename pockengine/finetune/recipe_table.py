@@ -25,8 +25,7 @@ from pockengine.finetune.model_files import (
 )
 from pockengine.ir import SchemeError
 from pockengine.sparse import schemes
-from pockengine.sparse.names import SCHEME_FILES, scheme_named
-from pockengine.sparse.schemes import Scheme, running_statistics
+from pockengine.sparse.schemes import SCHEME_FILES, Scheme, running_statistics, scheme_named
 
 if TYPE_CHECKING:
     from pockengine.finetune.recipes import Task
@@ -145,7 +144,7 @@ def defaults(config: FinetuneConfig, *, auto: bool = True) -> dict[str, Any]:
 
 
 def parse_scheme(spec: str, recipe: str | None = None, batchnorm: str | None = "batch") -> Scheme:
-    """The scheme a name (``pockengine.sparse.names``: full, bias, bias-only, sparse, head,
+    """The scheme a name (``pockengine.sparse.schemes``: full, bias, bias-only, sparse, head,
     last:K) or a scheme file stands for; ``sparse`` is the recipe's own. Named schemes run
     BatchNorm layers that train nothing on their running statistics (``frozen_bn="eval"``):
     a short fine-tune barely moves those statistics, so layers trained on batch

@@ -50,8 +50,7 @@ from pockengine.finetune.config import FinetuneConfig, FinetuneError
 from pockengine.frontend.imported import ModelInfo
 from pockengine.plan.report import Figures, analyze
 from pockengine.sparse import schemes
-from pockengine.sparse.names import scheme_named
-from pockengine.sparse.schemes import Scheme
+from pockengine.sparse.schemes import Scheme, scheme_named
 
 __all__ = [
     "COST_FIELDS",
@@ -201,7 +200,7 @@ class StepBuilder:
 
         self.info = torch_model_info(self.task.model)
         self.pristine = {k: v.clone() for k, v in self.task.model.state_dict().items()}
-        # the baselines, as the scheme names "head" and "bias" (pockengine.sparse.names)
+        # the baselines, as the scheme names "head" and "bias" (pockengine.sparse.schemes)
         self.head = sorted(scheme_named("head").resolve(self.info).names)
         self.bias = sorted(scheme_named("bias").resolve(self.info).names)
 

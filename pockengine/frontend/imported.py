@@ -9,10 +9,9 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import Graph, Value
+from pockengine.ir.arrays import Array
 
 __all__ = ["ImportedModel", "ModelInfo", "ParamInfo"]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass

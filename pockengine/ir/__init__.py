@@ -1,4 +1,4 @@
-"""The IR: types, Graph/Node/Value, the op registry, builder, verify, printer, parser.
+"""The IR: types, Graph/Node/Value, the op registry, builder, verify, the text format.
 
 This package is the ground floor: it imports nothing else of the engine.
 """
@@ -16,7 +16,6 @@ from pockengine.ir.errors import (
     UnsupportedOpError,
 )
 from pockengine.ir.parser import parse_graph
-from pockengine.ir.printer import print_graph, print_node
 from pockengine.ir.registry import (
     COMMUTATIVE,
     EFFECTFUL,
@@ -33,7 +32,18 @@ from pockengine.ir.registry import (
     has_op,
     register,
 )
-from pockengine.ir.types import Attrs, DType, Graph, Node, Phase, Role, TensorType, Value
+from pockengine.ir.types import (
+    Attrs,
+    DType,
+    Graph,
+    Node,
+    Phase,
+    Role,
+    TensorType,
+    Value,
+    print_graph,
+    print_node,
+)
 from pockengine.ir.verify import verify
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Text -> Graph: the inverse of ``ir.printer`` (types are re-checked by the shape rules)."""
+"""Text -> Graph: the inverse of ``print_graph`` (types are re-checked by the shape rules)."""
 
 from __future__ import annotations
 

@@ -13,15 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from enum import Flag, auto
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from pockengine.ir.arrays import Array
 from pockengine.ir.errors import ShapeError, UnsupportedOpError
-from pockengine.ir.types import Attrs, Node, Phase, TensorType, Value
-
-if TYPE_CHECKING:
-    from pockengine.ir.builder import GraphBuilder
+from pockengine.ir.types import Attrs, DType, Node, Phase, TensorType, Value
 
 __all__ = [
     "COMMUTATIVE",
@@ -29,6 +27,7 @@ __all__ = [
     "ELEMENTWISE",
     "GRAD_PREFIX",
     "Fact",
+    "NodeSink",
     "OpDef",
     "Sample",
     "VJPContext",
@@ -70,8 +69,6 @@ ELEMENTWISE = Fact.ELEMENTWISE
 EFFECTFUL = Fact.EFFECTFUL
 COMMUTATIVE = Fact.COMMUTATIVE
 
-Array = np.ndarray[Any, Any]
-
 
 @dataclass(frozen=True, slots=True)
 class Sample:
@@ -81,11 +78,40 @@ class Sample:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
+class NodeSink(Protocol):
+    """Where a VJP rule's nodes go: the ``GraphBuilder`` (``ir.builder``, which looks ops up
+    in this registry), named here by the calls ``VJPContext`` makes."""
+
+    def call(
+        self,
+        op: str,
+        *inputs: Value,
+        source: str = "",
+        name: str | None = None,
+        phase: Phase | None = None,
+        **attrs: Any,
+    ) -> Value: ...
+
+    def call_multi(
+        self,
+        op: str,
+        *inputs: Value,
+        source: str = "",
+        name: str | None = None,
+        phase: Phase | None = None,
+        **attrs: Any,
+    ) -> tuple[Value, ...]: ...
+
+    def scalar(
+        self, value: float, dtype: DType = DType.F32, source: str = "", phase: Phase | None = None
+    ) -> Value: ...
+
+
 @dataclass(slots=True)
 class VJPContext:
     """What a VJP rule sees: the forward node, its output cotangents, which inputs need one."""
 
-    b: GraphBuilder
+    b: NodeSink
     node: Node
     cts: tuple[Value | None, ...]
     needs: tuple[bool, ...]

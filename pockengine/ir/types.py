@@ -3,7 +3,8 @@
 A graph is an ordered, typed, straight-line program (like a jaxpr). Values are
 identified by their names, which are unique within a graph; graph inputs carry
 a role (input, param, buffer, const, state) so that nothing in the engine ever
-picks parameters by matching name strings.
+picks parameters by matching name strings. ``print_graph`` writes a graph as text, one
+node per line; ``ir.parser`` reads the same text back.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = [
     "Role",
     "TensorType",
     "Value",
+    "print_graph",
+    "print_node",
 ]
 
 
@@ -273,6 +276,38 @@ class Graph:
         return found
 
     def __str__(self) -> str:
-        from pockengine.ir.printer import print_graph
-
         return print_graph(self)
+
+
+# -- the text format (``ir.parser`` reads it back) ----------------------------------------
+
+
+def _input_decl(v: Value) -> str:
+    role = str(v.role)
+    if v.role is Role.PARAM and not v.trainable:
+        role = "param(frozen)"
+    return f"{v.name}: {v.type} {role}"
+
+
+def print_node(node: Node) -> str:
+    args = [str(v) for v in node.inputs]
+    args += [f"{k}={v!r}" for k, v in node.attrs.items()]
+    call = f"{node.op}({', '.join(args)})"
+    if node.outputs:
+        lhs = ", ".join(f"%{v.name}: {v.type}" for v in node.outputs)
+        line = f"{lhs} = {call}"
+    else:
+        line = f"! {call}"
+    if node.phase is not Phase.FORWARD:  # forward is the default and is not written
+        line = f"{line} @{node.phase}"
+    return f"{line}  # {node.source}" if node.source else line
+
+
+def print_graph(graph: Graph) -> str:
+    lines = [f"graph {graph.name}("]
+    lines += [f"    {_input_decl(v)}," for v in graph.inputs]
+    lines.append(") {")
+    lines += [f"  {print_node(n)}" for n in graph.nodes]
+    lines.append(f"  return {', '.join(str(v) for v in graph.outputs)}")
+    lines.append("}")
+    return "\n".join(lines)

@@ -11,9 +11,8 @@
 from __future__ import annotations
 
 from pockengine.ir.errors import GraphVerifyError, PockEngineError
-from pockengine.ir.printer import print_node
 from pockengine.ir.registry import get_op
-from pockengine.ir.types import Graph, Node, Role, Value
+from pockengine.ir.types import Graph, Node, Role, Value, print_node
 
 __all__ = ["verify"]
 

@@ -11,7 +11,6 @@ from pockengine.ir import DType, Fact, ShapeError, TensorType
 
 __all__ = [
     "EW_INPLACE",
-    "Array",
     "broadcast_shapes",
     "norm_axes",
     "norm_axis",
@@ -19,7 +18,6 @@ __all__ = [
     "same_dtype",
 ]
 
-Array = np.ndarray[Any, Any]
 # Elementwise, may write its result over a dying input, cheap enough to recompute: the
 # facts of plain arithmetic and of most unary math.
 EW_INPLACE = Fact.ELEMENTWISE | Fact.INPLACE | Fact.CHEAP

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import DType, ShapeError, TensorType
-from pockengine.ops._common import Array, same_dtype
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import same_dtype
 
 __all__ = ["Pair", "Window", "check_pair", "conv_out_size", "float_dtype", "pool_out_size"]
 

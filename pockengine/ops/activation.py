@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pockengine.ir import Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, broadcast_shapes, same_dtype
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import broadcast_shapes, same_dtype
 from pockengine.ops.unary import _away, _erf, _flops, _like, _number, _numeric_infer, _uniform
 
 __all__: list[str] = []

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pockengine.ir import Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, broadcast_shapes
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import broadcast_shapes
 
 __all__ = ["attention_scores", "swap_last"]
 

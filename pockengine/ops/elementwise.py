@@ -26,7 +26,8 @@ from pockengine.ir import (
     VJPContext,
     defop,
 )
-from pockengine.ops._common import EW_INPLACE, Array, broadcast_shapes, np_dtype, same_dtype
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import EW_INPLACE, broadcast_shapes, np_dtype, same_dtype
 
 __all__: list[str] = []
 

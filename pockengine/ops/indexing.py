@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import DType, Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, broadcast_shapes, norm_axis
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import broadcast_shapes, norm_axis
 
 __all__ = ["index_key", "indexed_shape"]
 

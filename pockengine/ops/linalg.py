@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pockengine.ir import Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, broadcast_shapes, same_dtype
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import broadcast_shapes, same_dtype
 
 __all__: list[str] = []
 

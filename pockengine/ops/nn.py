@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pockengine.ir import Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 from pockengine.ops._window import Pair, Window, check_pair, conv_out_size, float_dtype
 
 __all__: list[str] = []

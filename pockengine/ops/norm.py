@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pockengine.ir import Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 from pockengine.ops._window import float_dtype
 
 __all__: list[str] = []

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pockengine.ir import Attrs, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 from pockengine.ops._window import Pair, Window, check_pair, float_dtype, pool_out_size
 
 __all__: list[str] = []

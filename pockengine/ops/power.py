@@ -22,7 +22,8 @@ from pockengine.ir import (
     VJPContext,
     defop,
 )
-from pockengine.ops._common import EW_INPLACE, Array, broadcast_shapes, same_dtype
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import EW_INPLACE, broadcast_shapes, same_dtype
 
 __all__: list[str] = []
 

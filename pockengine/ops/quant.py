@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import DType, Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 
 __all__ = [
     "SCHEMES",

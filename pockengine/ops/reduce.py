@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import DType, Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, broadcast_shapes, norm_axes, norm_axis
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import broadcast_shapes, norm_axes, norm_axis
 
 __all__: list[str] = []
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pockengine.ir import DType, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, norm_axis
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import norm_axis
 from pockengine.ops.indexing import index_key, indexed_shape
 
 __all__: list[str] = []

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pockengine.ir import Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
-from pockengine.ops._common import Array, broadcast_shapes, norm_axis, same_dtype
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import broadcast_shapes, norm_axis, same_dtype
 
 _SHAPE = Fact.SHAPE
 # Views of their input that are cheap to recompute (a backend may alias them).

@@ -25,7 +25,8 @@ from pockengine.ir import (
     VJPContext,
     defop,
 )
-from pockengine.ops._common import EW_INPLACE, Array, np_dtype
+from pockengine.ir.arrays import Array
+from pockengine.ops._common import EW_INPLACE, np_dtype
 
 __all__: list[str] = []
 

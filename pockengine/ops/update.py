@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from pockengine.ir import DType, Sample, ShapeError, TensorType, defop
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 
 __all__: list[str] = []
 

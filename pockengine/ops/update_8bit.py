@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import DType, Sample, ShapeError, TensorType, defop
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 from pockengine.ops.update import _adam_signature, _adamw_math, _skipped, _unchanged, _write_rows
 
 __all__ = [

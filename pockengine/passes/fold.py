@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import Attrs, DType, Fact, Graph, Node, TensorType, Value, get_op
+from pockengine.ir.arrays import Array
 from pockengine.ir.rewrite import substitute
 from pockengine.plan.liveness import last_reads
 
 __all__ = ["EVAL_LIMIT", "fold_constants"]
 
-Array = np.ndarray[Any, Any]
 
 EVAL_LIMIT = 1 << 16  # elements of a non-uniform constant evaluated at compile time
 

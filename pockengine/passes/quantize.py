@@ -46,6 +46,7 @@ from pockengine.ir import (
     Value,
     verify,
 )
+from pockengine.ir.arrays import Array
 from pockengine.ops.quant import Quantized, dequantize_array, quantize_int4, quantize_int8
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 
 FROZEN_DTYPES = ("int8", "int4")
 INT4_GROUP = 32  # elements per scale and offset; GGUF's Q4_1 block

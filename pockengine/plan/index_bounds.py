@@ -23,15 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from pockengine.ir import CompileError, Fact, Graph, Node, Role, Value, get_op
+from pockengine.ir.arrays import Array
 
 __all__ = ["IndexBound", "index_bounds", "out_of_range"]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True)

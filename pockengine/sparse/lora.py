@@ -26,7 +26,6 @@ import fnmatch
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
@@ -41,12 +40,12 @@ from pockengine.ir import (
     TensorType,
     Value,
 )
+from pockengine.ir.arrays import Array
 from pockengine.ir.rewrite import substitute
-from pockengine.sparse.schemes import Resolution
+from pockengine.sparse.resolution import Adapter, Resolution
 
 __all__ = ["DEFAULT_TARGETS", "Adapter", "insert_adapters", "merge_adapters", "resolve_lora"]
 
-Array = np.ndarray[Any, Any]
 
 # The attention query and value projections, by the module names model families give them:
 # LLaMA/Mistral/Qwen/OPT/SmolLM, BERT/RoBERTa/MiniLM, DistilBERT, T5, DeBERTa-v2, and the
@@ -60,32 +59,6 @@ DEFAULT_TARGETS: tuple[tuple[str, ...], ...] = (
     ("query_proj", "value_proj"),
     ("query_key_value",),
 )
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """One LoRA adapter: the frozen weight it adapts and the shapes of its two factors."""
-
-    module: str  # the owning module's path
-    weight: str  # the frozen weight's name (model name and IR name)
-    in_features: int
-    out_features: int
-    rank: int
-    alpha: float
-    seed: int = 0  # A's initial values: seeded by (seed, the adapter's index)
-    kernel: bool = False  # W is stored [in, out] (JAX/Keras kernels), not torch's [out, in]
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    @property
-    def a_name(self) -> str:
-        return f"{self.module}.lora_A.weight" if self.module else "lora_A.weight"
-
-    @property
-    def b_name(self) -> str:
-        return f"{self.module}.lora_B.weight" if self.module else "lora_B.weight"
 
 
 def resolve_lora(

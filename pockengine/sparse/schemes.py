@@ -24,24 +24,26 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import SchemeError
 from pockengine.safe_write import write_text
+from pockengine.sparse.lora import resolve_lora
+from pockengine.sparse.resolution import Adapter, Resolution
 from pockengine.sparse.scheme_file import read_scheme_data, shown, yaml_text
 from pockengine.sparse.selectors import SELECTORS, block_params, channel_rows, matching
-
-if TYPE_CHECKING:
-    from pockengine.sparse.lora import Adapter
 
 BATCHNORM_MODES = ("batch", "running")
 
 __all__ = [
     "BATCHNORM_MODES",
+    "SCHEME_FILES",
+    "SCHEME_HELP",
+    "SCHEME_NAMES",
     "Resolution",
     "Scheme",
     "bias_only",
@@ -55,23 +57,10 @@ __all__ = [
     "resolve_scheme",
     "running_statistics",
     "save",
+    "scheme_named",
     "select",
     "sparse",
 ]
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """The trained params: name -> trained leading rows (None: all of it)."""
-
-    rows: dict[str, int | None]
-    frozen_bn_eval: bool = False
-    adapters: tuple[Adapter, ...] = ()  # LoRA adapters the compile inserts (their factors train)
-    running_bn: bool = False  # every BatchNorm on its running statistics, trained ones too
-
-    @property
-    def names(self) -> set[str]:
-        return set(self.rows)
 
 
 @dataclass(frozen=True)
@@ -113,8 +102,6 @@ class Scheme:
         if self.kind == "union":
             return _resolve_union(self, info)
         if self.kind == "lora":
-            from pockengine.sparse.lora import resolve_lora  # lora builds on this module
-
             lora = resolve_lora(info, **self.options)
             return Resolution(lora.rows, self.frozen_bn == "eval", lora.adapters, self._running)
         options = {k: v for k, v in self.options.items() if k != "channels"}
@@ -351,7 +338,105 @@ def resolve_scheme(scheme: Scheme | None, info: ModelInfo) -> Resolution:
 
 def named(spec: str, *, sparse: Scheme | None = None, frozen_bn: str = "eval") -> Scheme:
     """The scheme a name stands for, as on the command line: full, bias, bias-only, sparse,
-    head, last:K, or a scheme file (the table is in ``pockengine.sparse.names``)."""
-    from pockengine.sparse.names import scheme_named  # names builds on this module
-
+    head, last:K, lora:R, or a scheme file (``scheme_named``)."""
     return scheme_named(spec, sparse=sparse, frozen_bn=frozen_bn)
+
+
+# -- names -------------------------------------------------------------------------
+
+
+SCHEME_NAMES = {
+    "full": "every parameter",
+    "bias": "every bias and normalisation parameter, and the head",
+    "bias-only": "every bias and normalisation parameter, nothing else",
+    "sparse": "the model's sparse recipe (biases, norms, the last blocks' weights, the head)",
+    "head": "the last linear layer",
+    "last:K": "every parameter of the last K repeated blocks, and the head",
+    "auto": "chosen by the fine-tuner: gradient estimate + search under --memory-budget",
+    "lora:R": "LoRA adapters of rank R (default 8) on the attention q/v projections, the head",
+}
+SCHEME_FILES = (".json", ".yaml", ".yml")
+SCHEME_HELP = f"{', '.join(SCHEME_NAMES)}, or a scheme file (see docs/sparse_backprop.md)"
+# the names that are one factory call (``scheme_named``; its ``sparse`` argument shadows the
+# factory there)
+_NAMED: dict[str, Callable[..., Scheme]] = {
+    "full": full,
+    "bias": lambda frozen_bn: sparse(blocks=0, frozen_bn=frozen_bn),
+    "bias-only": bias_only,
+    "head": head,
+    "sparse": sparse,
+}
+
+
+def scheme_named(
+    spec: str, *, sparse: Scheme | None = None, frozen_bn: str = "eval", lora_head: bool = True
+) -> Scheme:
+    """The scheme ``spec`` names, or the one a scheme file holds: the one vocabulary of
+    scheme names, shared by ``pockengine inspect``, ``finetune``, ``search`` and ``export``
+    and ``pe.schemes.named``, so each name trains the same parameters everywhere:
+
+    - ``full``: every parameter (``full()``).
+    - ``bias``: every bias and normalisation parameter, and the head: BitFit, with the head
+      that a new task must train (``sparse(blocks=0)``).
+    - ``bias-only``: every bias and normalisation parameter, nothing else (``bias_only()``).
+    - ``sparse``: the model's sparse recipe: every bias and norm, the weights of the last 2
+      blocks and the head (``sparse()``); a fine-tuning recipe or a benchmark workload may
+      declare its own (the LLM recipe: norms and the output projections of every block).
+    - ``head``: the last linear layer (``head()``).
+    - ``last:K``: every parameter of the last K repeated blocks, and the head
+      (``last_blocks(K)``).
+    - ``auto``: chosen by ``pockengine finetune`` from the model and the data (a gradient
+      estimate, then the budgeted search: ``pockengine.finetune.auto_scheme``); no command
+      without the data can resolve it here.
+    - ``lora``, ``lora:R``: LoRA adapters of rank R (default 8, alpha 2R) on the attention
+      query and value projections of the model family (``q_proj``/``v_proj``,
+      ``query``/``value``, ...: ``pockengine.sparse.lora.DEFAULT_TARGETS``), and the head
+      (``lora(R, 2R) | head()``): a classifier's head is new and must train. A recipe whose
+      head is pretrained (the causal-LM recipe) trains the adapters alone (``lora_head=False``).
+
+    A path ending in ``.json``, ``.yaml`` or ``.yml`` is a scheme file (``load``).
+    BatchNorm layers that train nothing run on their running statistics under a named
+    scheme (``frozen_bn="eval"``, the default of every command): a short fine-tune barely
+    moves those statistics, and layers trained on batch statistics would meet different ones at
+    evaluation. ``frozen_bn="train"`` keeps batch statistics (the benchmark tables use it).
+
+    ``sparse`` is what ``sparse`` means for this model (a recipe's or a workload's own;
+    default ``sparse()``); ``frozen_bn`` applies to every named scheme, not to a
+    file, which says its own; ``lora_head`` whether ``lora`` trains the head too.
+    """
+    if Path(spec).suffix in SCHEME_FILES:
+        return load(spec)
+    if spec == "lora" or spec.startswith("lora:"):
+        return _lora(spec, _checked(frozen_bn), lora_head)
+    if spec.startswith("last:"):
+        k = spec.split(":", 1)[1]
+        if not k.isdigit():
+            raise SchemeError(f"scheme {spec!r}: last:K needs a whole number of blocks K")
+        return last_blocks(int(k), frozen_bn=frozen_bn)
+    if spec == "auto":
+        raise SchemeError(
+            "scheme 'auto' is chosen by pockengine finetune from the model and the data; "
+            "here, give the scheme a run chose (its summary.json) or another name"
+        )
+    if spec == "sparse":
+        return dataclasses.replace(sparse or _NAMED["sparse"](), frozen_bn=_checked(frozen_bn))
+    if spec not in _NAMED:
+        near = difflib.get_close_matches(spec, list(SCHEME_NAMES), n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        choices = f"a scheme file ({'/'.join(SCHEME_FILES)}) or one of {', '.join(SCHEME_NAMES)}"
+        raise SchemeError(f"unknown scheme {spec!r}{hint}: {choices}")
+    return _NAMED[spec](frozen_bn=frozen_bn)
+
+
+def _lora(spec: str, frozen_bn: str, with_head: bool) -> Scheme:
+    rank = spec.split(":", 1)[1] if ":" in spec else "8"
+    if not rank.isdigit() or int(rank) < 1:
+        raise SchemeError(f"scheme {spec!r}: lora:R needs a whole rank R >= 1")
+    adapters = dataclasses.replace(lora(int(rank), 2 * int(rank)), frozen_bn=frozen_bn)
+    return adapters | head(frozen_bn=frozen_bn) if with_head else adapters
+
+
+def _checked(frozen_bn: str) -> str:
+    if frozen_bn not in ("train", "eval"):
+        raise SchemeError(f"frozen_bn must be 'train' or 'eval', got {frozen_bn!r}")
+    return frozen_bn

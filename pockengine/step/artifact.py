@@ -5,7 +5,7 @@ a process that never imports a frontend, torch.export or transformers, and runs 
 pass: only the backend's own compile (torch code generation, NumPy's plan, C) happens at
 load. Compile on a host, ship the folder, train on the device. The folder holds:
 
-- ``step.ir``: the final training graph as IR text (``ir.printer``; ``ir.parser`` reads
+- ``step.ir``: the final training graph as IR text (``ir.print_graph``; ``ir.parser`` reads
   it back and ``ir.verify`` checks it);
 - ``state.safetensors``: the store by IR name: trained params, frozen weights (quantized
   ones as their codes, scales and offsets, as stored), buffers, optimizer state, the
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pockengine.backends import Backend, BackendSpec, get_backend
-from pockengine.ir import Graph, PockEngineError, Role, Value, verify
+from pockengine.ir import Graph, PockEngineError, Role, Value, print_graph, verify
+from pockengine.ir.arrays import Array
 from pockengine.ir.parser import parse_graph
-from pockengine.ir.printer import print_graph
 from pockengine.safe_write import make_dirs, write_text, write_with
 from pockengine.safetensors_io import (
     SAFETENSORS_DTYPES,
@@ -65,7 +65,6 @@ __all__ = [
     "write_values",
 ]
 
-Array = np.ndarray[Any, Any]
 GRAPH, STATE, META = "step.ir", "state.safetensors", "step.json"
 EVAL_GRAPH, EVAL_STATE = "eval.ir", "eval.safetensors"
 _SAFETENSORS_NAMES = {np.dtype(v) for v in SAFETENSORS_DTYPES.values()}

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 
 from pockengine.ir import CompileError, Graph, Role
+from pockengine.ir.arrays import Array
 from pockengine.passes import Pass
 from pockengine.sparse.schemes import Scheme
 from pockengine.step.artifact import (
@@ -80,7 +81,6 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 COMPILE_IN = ("process", "child")
 DEFAULT_COMPILE_IN = "child"
 TIMEOUT_S = 3600.0  # a compile that takes longer is stopped (``PE_COMPILE_TIMEOUT``: seconds)

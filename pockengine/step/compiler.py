@@ -13,13 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pockengine._libc import libc_function
 from pockengine.backends import Backend, BackendSpec, Executable, get_backend
 from pockengine.backends.mixed import MixedBackend
 from pockengine.frontend import frontend_of
 from pockengine.ir import CompileError, Graph, verify
+from pockengine.ir.arrays import Array
 from pockengine.ops.quant import Quantized
 from pockengine.optim import SGD, Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, run_pipeline
@@ -56,8 +55,6 @@ __all__ = [
     "release_free_memory",
     "training_graph",
 ]
-
-Array = np.ndarray[Any, Any]
 
 
 class TrainStep(CompiledStep):

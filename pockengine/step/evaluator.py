@@ -31,6 +31,7 @@ import numpy as np
 
 from pockengine.frontend import frontend_of
 from pockengine.ir import CompileError, Graph, Role, TensorType, Value, verify
+from pockengine.ir.arrays import Array
 from pockengine.ir.rewrite import with_inputs
 from pockengine.ops.quant import Quantized
 from pockengine.passes import (
@@ -48,7 +49,6 @@ from pockengine.step.running import BatchError, CompiledStep
 __all__ = ["EVAL_PIPELINE", "Evaluator", "compile_evaluator"]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 
 # After the forward passes: a forward-only graph has nothing to rematerialise or reorder.
 EVAL_PIPELINE: tuple[Pass, ...] = (

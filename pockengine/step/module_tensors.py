@@ -35,11 +35,11 @@ import numpy as np
 from pockengine.backends import Backend
 from pockengine.backends.base import NotShareableError
 from pockengine.ir import Graph, TensorType, get_op
+from pockengine.ir.arrays import Array
 
 __all__ = ["InPlace", "ModuleHomes", "bind_in_place", "module_memory"]
 
 log = logging.getLogger("pockengine.step.compiler")  # the logger compile's messages use
-Array = np.ndarray[Any, Any]
 _LISTED = 4  # names a warning lists per reason
 
 

@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from pockengine.autodiff import append_backward
 from pockengine.backends import Backend
 from pockengine.frontend.imported import ImportedModel, ModelInfo
@@ -29,6 +27,7 @@ from pockengine.ir import (
     get_op,
     verify,
 )
+from pockengine.ir.arrays import Array
 from pockengine.ir.rewrite import with_inputs
 from pockengine.optim import Optimizer
 from pockengine.passes import DEFAULT_PIPELINE, Pass, forward_passes, run_pipeline
@@ -52,7 +51,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("pockengine.step.compiler")  # the messages users filter on
-Array = np.ndarray[Any, Any]
 Stages = tuple[tuple[str, Graph], ...]
 _NAMED_LOSS = {"onnx": "an ONNX", "keras": "a Keras"}  # frontends taking loss="..."
 

@@ -26,6 +26,7 @@ import numpy as np
 from pockengine.backends import Backend
 from pockengine.frontend.imported import ModelInfo
 from pockengine.ir import CompileError, Graph, PockEngineError, Role, get_op
+from pockengine.ir.arrays import Array
 from pockengine.optim import LR, Optimizer
 from pockengine.passes.quantize import QuantizedParam
 from pockengine.plan.index_bounds import IndexBound, out_of_range
@@ -46,7 +47,6 @@ __all__ = [
     "copies_deferred",
 ]
 
-Array = np.ndarray[Any, Any]
 ON_NONFINITE = ("raise", "skip")
 _DEFERRED = contextvars.ContextVar("copies_deferred", default=False)
 _RESULT_FIELDS = ("missing", "unexpected", "mismatched")
@@ -386,7 +386,7 @@ class CompiledStep(ABC):
             return export_c(path, self.graph, state, self._batch, self._state_names, bounds)
         if target != "onnx":
             raise CompileError(f"unknown export target {target!r}; use 'onnx', 'c' or 'step'")
-        from pockengine.backends.onnx_export import export_step
+        from pockengine.backends.onnx.export import export_step
 
         return export_step(path, self.graph, state, self._batch, self._state_names, self._aliases)
 

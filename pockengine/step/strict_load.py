@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import PockEngineError
+from pockengine.ir.arrays import Array
 
 __all__ = ["LoadResult", "StateError", "load_into_module", "match_arrays"]
 
-Array = np.ndarray[Any, Any]
 Spec = tuple[tuple[int, ...], np.dtype[Any]]
 _SHOWN = 5  # names listed per kind in a message; the count says how many in all
 

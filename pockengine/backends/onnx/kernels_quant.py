@@ -1,0 +1,46 @@
+"""The ONNX kernel of ``dequantize`` in standard opset-18 operators.
+
+``DequantizeLinear`` takes one scale per tensor or per axis (opset 18; blocked scales
+came in opset 21) and no float offset, so group-wise codes are written out as what it
+computes: 4-bit codes split with ``BitwiseAnd``/``BitShift`` on the u8 bytes and
+concatenated in GGUF's order, ``Cast`` to float, groups viewed as ``[..., C/group,
+group]``, times the scale (plus the offset, or minus 8 for ``int4_sym``).
+"""
+
+from __future__ import annotations
+
+from pockengine.backends.onnx.emitter import Emitter, Kernel, onnx_dtype, registrar
+from pockengine.ir import DType, Node
+
+__all__ = ["KERNELS"]
+
+KERNELS: dict[str, Kernel] = {}
+_k = registrar(KERNELS)
+
+
+@_k("dequantize")
+def _dequantize(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    scheme, group = str(node.attrs["scheme"]), int(str(node.attrs["group"]))
+    codes_t, result = node.inputs[0].type, node.output.type
+    lead, cols = codes_t.shape[:-1], result.shape[-1]
+    q = x[0]
+    if scheme != "int8":
+        g = em.op("Reshape", q, em.ints([*lead, cols // group, group // 2]))
+        low = em.op("BitwiseAnd", g, em.scalar(0x0F, DType.U8))
+        high = em.op("BitShift", g, em.scalar(4, DType.U8), direction="RIGHT")
+        q = em.op("Concat", low, high, axis=-1)
+    w = em.op("Cast", em.op("Reshape", q, em.ints([*lead, cols // group, group])),
+              to=onnx_dtype(result.dtype))  # fmt: skip
+    if scheme == "int4_sym":
+        w = em.op("Sub", w, em.scalar(8.0, result.dtype))
+    axis = em.ints([-1])
+    scales = _as(em, x[1], node.inputs[1].dtype, result.dtype)
+    w = em.op("Mul", w, em.op("Unsqueeze", scales, axis))
+    if len(x) > 2:
+        offsets = _as(em, x[2], node.inputs[2].dtype, result.dtype)
+        w = em.op("Add", w, em.op("Unsqueeze", offsets, axis))
+    em.op("Reshape", w, em.ints(result.shape), out=out[0])
+
+
+def _as(em: Emitter, x: str, dtype: DType, want: DType) -> str:
+    return x if dtype is want else em.op("Cast", x, to=onnx_dtype(want))

@@ -1,0 +1,55 @@
+"""The torch kernel of ``dequantize``: low-bit codes to a float tensor, one weight at a time.
+
+The result is an ordinary intermediate of the step: the codegen deletes it on the line of
+its last read (its matmul), so only the layer being computed has a float copy of its
+weight, and the allocator hands the same memory to the next layer's. 4-bit codes stay
+packed two a byte in the store; the nibbles are split into a u8 temporary here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pockengine.backends.torch.codegen import Emit, Emitter, literal
+
+__all__ = ["KERNELS", "NAMESPACE", "dequantize"]
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    scheme: str,
+    group: int,
+) -> torch.Tensor:
+    """``pockengine.ops.quant.dequantize_array`` in torch, with in-place arithmetic."""
+    narrow = scales.dtype in (torch.float16, torch.bfloat16)
+    dtype = torch.float32 if narrow else scales.dtype
+    *lead, width = codes.shape
+    if scheme == "int8":
+        q, cols = codes, width
+    else:
+        cols = 2 * width
+        g = codes.view(*lead, cols // group, group // 2)
+        q = torch.cat((g & 0x0F, g >> 4), dim=-1)
+    w = q.reshape(*lead, cols // group, group).to(dtype)
+    if scheme == "int4_sym":
+        w.sub_(8)
+    w.mul_(scales.to(dtype).unsqueeze(-1))
+    if offsets is not None:
+        w.add_(offsets.to(dtype).unsqueeze(-1))
+    return w.view(*lead, cols)
+
+
+def _dequantize(e: Emit) -> list[str]:
+    codes, scales, *offsets = e.ins
+    offset = offsets[0] if offsets else "None"
+    scheme, group = literal(e.attr("scheme")), literal(e.attr("group"))
+    return [f"{e.out} = pe_dequantize({codes}, {scales}, {offset}, {scheme}, {group})"]
+
+
+KERNELS: dict[str, Emitter] = {"dequantize": _dequantize}
+NAMESPACE: dict[str, Callable[..., Any]] = {"pe_dequantize": dequantize}
