@@ -17,7 +17,7 @@ from pockengine.sparse import schemes
 from pockengine.step.compiler import BatchError, NonFiniteError, StateError, TrainStep, compile
 
 if TYPE_CHECKING:
-    from pockengine.finetune.home_load import load_run
+    from pockengine.finetune.run_folder.home_load import load_run
     from pockengine.step.artifact import load_step
 
 __all__ = [
@@ -44,7 +44,7 @@ def __getattr__(name: str) -> Any:
     """``load_run`` on first use: it needs torch, which the core never imports;
     ``load_step`` (``pockengine.step.artifact``) on first use too."""
     if name == "load_run":
-        from pockengine.finetune.home_load import load_run
+        from pockengine.finetune.run_folder.home_load import load_run
 
         return load_run
     if name == "load_step":

@@ -167,8 +167,8 @@ def test_cli_sizes_follow_the_same_rule() -> None:
 def test_finetune_flag_reaches_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from pockengine.finetune import trainer
     from pockengine.finetune.cli import add_arguments, config_from_args
+    from pockengine.finetune.running import trainer
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -15,10 +15,10 @@ import torch
 
 from pockengine import zoo
 from pockengine.backends import torch_kernels_rng
-from pockengine.finetune import data as ds
-from pockengine.finetune import models, recipes
-from pockengine.finetune.config import FinetuneConfig
 from pockengine.ir import get_op
+from pockengine.tasks import data as ds
+from pockengine.tasks import models, recipes
+from pockengine.tasks.config import FinetuneConfig
 
 _MIB = 1 << 20
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_memory.py"
@@ -103,8 +103,8 @@ def test_the_recipe_recomputation_budget_is_not_part_of_what_trains() -> None:
     assert recipes.defaults(FinetuneConfig(recipe="minilm-bbc", batch_size=16))["remat_budget"]
     # --remat-budget none turns the recipe's budget off: 0 survives the defaults, and the
     # trainer compiles without one
-    from pockengine.finetune import trainer
     from pockengine.finetune.cli import budget_or_none
+    from pockengine.finetune.running import trainer
 
     assert budget_or_none("none") == 0.0 and budget_or_none("1MB") == 1 << 20
     off = FinetuneConfig(recipe="minilm-bbc", remat_budget=0.0)

@@ -32,11 +32,11 @@ from pockengine.federated.local import prepare
 from pockengine.federated.payload import TrainedSet
 from pockengine.federated.server_step import ServerStep
 from pockengine.federated.strategy import SparseFedAvg
-from pockengine.finetune.checkpoint import write_atomic, write_json_lines
-from pockengine.finetune.metrics import MetricsLog, evaluate
-from pockengine.finetune.recipes import Task
+from pockengine.finetune.run_folder.checkpoint import write_atomic, write_json_lines
 from pockengine.safetensors_io import metadata_of
 from pockengine.step.compiler import TrainStep
+from pockengine.tasks.metrics import MetricsLog, evaluate
+from pockengine.tasks.recipes import Task
 
 __all__ = ["GLOBAL_STATE", "ROUNDS", "SUMMARY", "app", "out_dir", "run_server"]
 

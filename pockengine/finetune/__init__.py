@@ -24,7 +24,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from pockengine.finetune.config import (
+from pockengine.tasks.config import (
     DEFAULT_BACKEND,
     DEFAULT_RECIPE,
     FinetuneConfig,
@@ -32,7 +32,7 @@ from pockengine.finetune.config import (
 )
 
 if TYPE_CHECKING:
-    from pockengine.finetune.result import FinetuneResult
+    from pockengine.finetune.running.result import FinetuneResult
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -56,6 +56,6 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     config = dataclasses.replace(config or FinetuneConfig(), **{**options, **paths})
     if ("model" in options or "data" in options) and "recipe" not in options:
         config = dataclasses.replace(config, recipe=None)
-    from pockengine.finetune import launch  # torch is imported once the compile is done
+    from pockengine.finetune.running import launch  # torch is imported once the compile is done
 
     return launch.run(config)

@@ -14,7 +14,7 @@ all turn a name into a scheme here, so each name trains the same parameters ever
 - ``last:K``: every parameter of the last K repeated blocks, and the head
   (``last_blocks(K)``).
 - ``auto``: chosen by ``pockengine finetune`` from the model and the data (a gradient
-  estimate, then the budgeted search: ``pockengine.finetune.auto_scheme``); no command
+  estimate, then the budgeted search: ``pockengine.scheme_choice.auto_scheme``); no command
   without the data can resolve it here.
 - ``lora``, ``lora:R``: LoRA adapters of rank R (default 8, alpha 2R) on the attention
   query and value projections of the model family (``q_proj``/``v_proj``,

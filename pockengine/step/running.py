@@ -85,7 +85,7 @@ class StepFacts:
 def copies_deferred() -> Iterator[None]:
     """Steps bound inside share every value they write (the torch model's trained params
     included) until their first step: for a process that compiles a step to save it
-    (``finetune.compile_child``), which then never holds the trained params twice. The
+    (``finetune.compiling.compile_child``), which then never holds the trained params twice. The
     caller must not change the model's params before that step."""
     token = _DEFERRED.set(True)
     try:
