@@ -296,7 +296,7 @@ def _train(
 ) -> tuple[list[float], list[float]]:
     """``args.steps`` steps on the seeded batches under warmup + linear decay: the step
     times and the losses; ``peaks`` gets the peak RSS (MiB) after each step."""
-    from pockengine.finetune.running.trainer import linear_schedule
+    from pockengine.optim import linear_schedule
 
     times, losses = [], []
     peaks.clear()

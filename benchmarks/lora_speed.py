@@ -67,7 +67,7 @@ def _rounds(
 ) -> dict[str, list[float]]:
     """``args.rounds`` rounds of one step per variant on the same batch, the variants'
     order rotated each round; the step times per variant."""
-    from pockengine.finetune.running.trainer import linear_schedule
+    from pockengine.optim import linear_schedule
     from pockengine.tasks import recipes
     from pockengine.tasks.config import FinetuneConfig
 

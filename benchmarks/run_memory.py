@@ -93,7 +93,7 @@ _HOOKS: tuple[tuple[str, str, str, int | None], ...] = (
     ("pockengine.tasks.models", "load_hf_tokenizer", "load the tokenizer", None),
     ("pockengine.tasks.data", "encode_hf", "encode", 2),
     ("pockengine.tasks.recipes", "build", "build the task", None),
-    ("pockengine.finetune.running.trainer", "_compile", "compile", None),
+    ("pockengine.finetune.compiling.task_step", "compile_task", "compile", None),
     ("pockengine.finetune.running.launch", "compile_in_child", "compile in a child", None),
     ("pockengine.finetune.running.trainer", "load_compiled", "load the step", None),
     ("pockengine.tasks.metrics", "compile_evaluator", "compile the evaluator", None),

@@ -13,7 +13,7 @@ import torch
 
 import pockengine as pe
 from pockengine.finetune import FinetuneConfig, FinetuneError
-from pockengine.finetune.running.trainer import linear_schedule
+from pockengine.optim import linear_schedule
 from pockengine.tasks import data as ds
 from pockengine.tasks.recipes import RECIPES, bbc_folder, parse_scheme
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from pockengine.cli import main
+from pockengine.finetune.run_folder.metrics_log import MetricsLog
 from pockengine.finetune.run_folder.run_files import RunFileError
 from pockengine.tasks.config import FinetuneError
-from pockengine.tasks.metrics import MetricsLog
 
 ROWS = [
     {"event": "train", "step": 1, "epoch": 1, "loss": 0.9, "lr": 0.01},

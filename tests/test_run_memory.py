@@ -104,13 +104,13 @@ def test_the_recipe_recomputation_budget_is_not_part_of_what_trains() -> None:
     # --remat-budget none turns the recipe's budget off: 0 survives the defaults, and the
     # trainer compiles without one
     from pockengine.finetune.cli import budget_or_none
-    from pockengine.finetune.running import trainer
+    from pockengine.finetune.compiling import task_step
 
     assert budget_or_none("none") == 0.0 and budget_or_none("1MB") == 1 << 20
     off = FinetuneConfig(recipe="minilm-bbc", remat_budget=0.0)
     assert off.with_defaults(recipes.defaults(off)).validate().remat_budget == 0.0
-    assert trainer.remat_budget(off) is None
-    assert trainer.remat_budget(dataclasses.replace(off, remat_budget=1.5e6)) == 1_500_000
+    assert task_step.remat_budget(off) is None
+    assert task_step.remat_budget(dataclasses.replace(off, remat_budget=1.5e6)) == 1_500_000
 
 
 def test_a_recipe_budget_applies_only_to_the_settings_it_was_measured_at() -> None:

@@ -37,7 +37,8 @@ from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local_loss import adjusted_batch, local_loss_fn, logit_bias
 from pockengine.federated.partition import partition
 from pockengine.federated.payload import TrainedSet, load_some
-from pockengine.finetune.running.trainer import linear_schedule
+from pockengine.federated.run_folder import GLOBAL_STATE, out_dir
+from pockengine.optim import linear_schedule
 from pockengine.safetensors_io import read_metadata
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
@@ -175,8 +176,6 @@ def full_model_floats(model: Any) -> float:
 
 def _saved_choice(config: FederatedConfig) -> dict[str, Any] | None:
     """The scheme choice in the saved global state's config, if there is one."""
-    from pockengine.federated.server import GLOBAL_STATE, out_dir
-
     try:
         header = read_metadata(out_dir(config) / GLOBAL_STATE)
         saved: dict[str, Any] | None = json.loads(header["config"]).get("scheme_choice")

@@ -41,12 +41,12 @@ from typing import Any
 import numpy as np
 
 from pockengine import status_lines
-from pockengine.finetune.run_folder.checkpoint import write_atomic
 from pockengine.frontend.imported import ImportedModel, ModelInfo, ParamInfo
 from pockengine.ir import Graph, Role
 from pockengine.optim import Optimizer
 from pockengine.plan.cost import cost
 from pockengine.plan.report import Figures, analyze
+from pockengine.safe_write import write_bytes
 from pockengine.sparse.schemes import Scheme
 from pockengine.tasks.config import AUTO_SCORES, FinetuneConfig, FinetuneError
 
@@ -169,7 +169,7 @@ def save_cached(path: Path, data: Mapping[str, Any]) -> None:
     (the run does not depend on it: a fresh machine has none)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(data).encode())
+        write_bytes(path, json.dumps(data).encode())
     except OSError as exc:
         log.warning("could not write the analysis cache %s: %s", path, exc)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pockengine.finetune.run_folder.checkpoint import write_atomic
 from pockengine.plan.report import Figures
+from pockengine.safe_write import write_bytes
 from pockengine.scheme_choice.search import (
     Budget,
     Item,
@@ -165,7 +165,7 @@ def search_scheme(
     if out is not None:
         schemes.save(scheme, out)
         summary = Path(str(out) + ".search.json")
-        write_atomic(summary, json.dumps(result.to_dict(), indent=2).encode())
+        write_bytes(summary, json.dumps(result.to_dict(), indent=2).encode())
     if plot is not None:
         from pockengine.sparse.plot import plot_contributions
 

@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pockengine.finetune.run_folder.checkpoint import write_atomic
 from pockengine.frontend.imported import ModelInfo
 from pockengine.plan.report import Figures, analyze
+from pockengine.safe_write import write_bytes
 from pockengine.sparse import schemes
 from pockengine.sparse.names import scheme_named
 from pockengine.sparse.schemes import Scheme
@@ -214,14 +214,14 @@ class StepBuilder:
     def step(self, scheme: Scheme, lr: float = 1e-3) -> Any:
         """The recipe's model compiled with ``pe.compile`` for ``scheme`` (from the pristine
         weights: ``measure`` restores them after each candidate)."""
-        import pockengine as pe
+        from pockengine.step.compiler import compile as compile_step
 
         assert self.config.batch_size is not None
         example = recipes.tensor_rows(self.task.train, 0, self.config.batch_size)
         self.task.model.train()
         optimizer = self.config.make_optimizer(lr)
-        return pe.compile(self.task.model, self.task.loss_fn, example, optimizer, scheme,
-                          backend=self.config.backend, compile_in="process")  # fmt: skip
+        return compile_step(self.task.model, self.task.loss_fn, example, optimizer, scheme,
+                            backend=self.config.backend, compile_in="process")  # fmt: skip
 
     def figures(self, scheme: Scheme) -> Figures:
         """The compiler's report of ``scheme`` (``TrainStep.report().ours``)."""
@@ -230,7 +230,7 @@ class StepBuilder:
     def short_run(self, scheme: Scheme, lr: float) -> tuple[dict[str, float], Figures]:
         """``settings.steps`` steps of ``scheme`` at peak rate ``lr`` (linear warmup and
         decay), from the pretrained weights: the held-out metrics and the step's figures."""
-        from pockengine.finetune.running.trainer import linear_schedule
+        from pockengine.optim import linear_schedule
         from pockengine.tasks.metrics import evaluate
 
         step = self.step(scheme, lr)
@@ -329,7 +329,7 @@ def run_analysis(
     config = analysis_config(config, settings)
     folder = Path(cache_dir) / f"{recipes.recipe_name(config)}-{settings.fingerprint(config)}"
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(
+    write_bytes(
         folder / "settings.json",
         json.dumps(
             {"config": config.to_dict(), "settings": dataclasses.asdict(settings)}, indent=2
@@ -347,11 +347,11 @@ def run_analysis(
         "%d candidates: %d cached in %s, %d to measure", len(jobs), len(done), folder, len(todo)
     )
     for record in _measure_all(todo, config, settings, workers, progress, builder):
-        write_atomic(_path(folder, record.key), json.dumps(dataclasses.asdict(record)).encode())
+        write_bytes(_path(folder, record.key), json.dumps(dataclasses.asdict(record)).encode())
         done[record.key] = record
     baselines = {name: done[f"baseline:{name}"] for name in ("head", "bias")}
     analysis = Analysis(baselines, [done[c.key] for c in jobs if c.kind != "baseline"], folder)
-    write_atomic(folder / "table.json", json.dumps(analysis.rows(), indent=1).encode())
+    write_bytes(folder / "table.json", json.dumps(analysis.rows(), indent=1).encode())
     return analysis
 
 

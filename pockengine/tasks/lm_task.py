@@ -22,7 +22,7 @@ from pockengine.tasks import lm_data, lm_pack, models
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
 from pockengine.tasks.lm_kind import architectures, is_causal_lm_folder
 from pockengine.tasks.model_files import check_model_folder
-from pockengine.tasks.recipes import Task
+from pockengine.tasks.task import Task
 
 __all__ = ["GGUF_ARCHITECTURES", "build_lm_task", "load_causal_lm"]
 

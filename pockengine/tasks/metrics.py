@@ -1,4 +1,4 @@
-"""Validation metrics, and the metrics log (one JSON object a line).
+"""Validation metrics of a task (the run's log of them is ``finetune.run_folder.metrics_log``).
 
 Evaluation runs through the compiled forward (``compile_evaluator``: the step's own
 backend and values, no float copy of the model, the chunked vocabulary loss): one graph
@@ -14,11 +14,9 @@ reports the mean token loss and its perplexity.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -26,10 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pockengine.finetune.run_folder.checkpoint import write_json_lines
-from pockengine.finetune.run_folder.run_files import read_metric_rows
 from pockengine.ir import CompileError
-from pockengine.safe_write import append_text
 from pockengine.step.compiler import TrainStep
 from pockengine.step.evaluator import Evaluator
 from pockengine.step.running import CompiledStep
@@ -37,7 +32,6 @@ from pockengine.tasks.config import FinetuneError
 from pockengine.tasks.recipes import Task, tensor_rows
 
 __all__ = [
-    "MetricsLog",
     "causal_lm_eval",
     "classification_eval",
     "compile_evaluator",
@@ -190,32 +184,3 @@ def _causal_lm(task: Task, batch_size: int) -> dict[str, float]:
         tokens += int(targets.numel())
     mean = total_loss / max(tokens, 1)
     return {"val_loss": mean, "val_perplexity": math.exp(min(mean, 700.0))}
-
-
-class MetricsLog:
-    """``metrics.jsonl``: appended and flushed a line at a time."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def append(self, row: Mapping[str, Any]) -> None:
-        """One line, appended and flushed (a link in its place is refused, not followed)."""
-        append_text(self.path, json.dumps(_plain(row)) + "\n")
-
-    def rows(self) -> list[dict[str, Any]]:
-        """The complete lines (a line a killed run left half written is skipped)."""
-        return read_metric_rows(self.path) if self.path.exists() else []
-
-    def truncate_after(self, step: int) -> None:
-        """Keep only the lines up to training step ``step`` (those a checkpoint covers)."""
-        if self.path.exists():
-            keep = [
-                r
-                for r in self.rows()
-                if r.get("event") != "summary" and int(r.get("step", 0)) <= step
-            ]
-            write_json_lines(self.path, keep)
-
-
-def _plain(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v.item() if isinstance(v, np.generic) else v for k, v in row.items()}

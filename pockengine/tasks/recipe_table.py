@@ -29,7 +29,7 @@ from pockengine.tasks.model_files import (
 )
 
 if TYPE_CHECKING:
-    from pockengine.tasks.recipes import Task
+    from pockengine.tasks.task import Task
 
 __all__ = [
     "RECIPES",

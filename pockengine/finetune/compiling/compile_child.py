@@ -6,7 +6,7 @@ the float model and the compiler's leftovers, none of which the training loop re
 ``compile_in_child(config, scheme, folder)`` runs ``python -m
 pockengine.finetune.compiling.compile_child FOLDER``, which builds the task (model, tokenizer, the
 data encoded), compiles the step and its evaluator as the run would
-(``trainer.compile_task``, ``trainer.compile_evaluator_releasing``) and writes into ``FOLDER``:
+(``task_step.compile_task``, ``task_step.compile_evaluator_releasing``) and writes into ``FOLDER``:
 
 - ``step/``: the step artifact with its evaluator (``pockengine.step.artifact``);
 - ``task.safetensors`` and ``task.json``: the encoded splits, the labels, the notes, how
@@ -39,6 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from pockengine import status_lines
 from pockengine.finetune.compiling.child import child_main, read_job, run_child
+from pockengine.finetune.compiling.child_folder import (
+    CHOICE,
+    ERROR,
+    JOB,
+    MODEL_DIR,
+    NEEDS_MODEL,
+    STEP_DIR,
+)
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme, resolve_scheme
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
@@ -53,9 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["compile_in_child", "compile_into", "frozen_given", "main"]
 
 log = logging.getLogger(__name__)
-JOB, ERROR, TASK_JSON, TASK_DATA = "job.json", "error.json", "task.json", "task.safetensors"
-CHOICE = "choice.json"  # --scheme auto: the choice (``AutoChoice.to_dict``)
-STEP_DIR, MODEL_DIR, NEEDS_MODEL = "step", "model", "needs-model.txt"
 
 
 def compile_in_child(
@@ -93,8 +98,8 @@ def compile_into(folder: Path, phase: Callable[[str], None] = lambda _: None) ->
     zeros are never written, in memory or in the artifact (``artifact``)."""
 
     from pockengine.finetune.compiling.compiled_task import save_task_data
+    from pockengine.finetune.compiling.task_step import compile_evaluator_releasing, compile_task
     from pockengine.finetune.run_folder import released
-    from pockengine.finetune.running.trainer import compile_evaluator_releasing, compile_task
     from pockengine.frontend.import_memo import reused_imports
     from pockengine.safetensors_io import pages_out_after_write
     from pockengine.scheme_choice.estimate import EstimateSettings

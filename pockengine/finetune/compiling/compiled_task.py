@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from pockengine.finetune.compiling.compile_child import MODEL_DIR, STEP_DIR, TASK_DATA, TASK_JSON
+from pockengine.finetune.compiling.child_folder import MODEL_DIR, STEP_DIR, TASK_DATA, TASK_JSON
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.step.artifact import LoadedStep, load_step, read_tensors
 from pockengine.step.evaluator import Evaluator

@@ -1,7 +1,7 @@
 """One run's training loop: the counters, the data order, the learning-rate schedule,
 validation, best weights and checkpoints (``Loop``), and the signals that stop it.
 
-``trainer.run`` builds the task and the compiled step and hands them to a ``Loop``;
+``launch.run`` builds the task and the compiled step and hands them to a ``Loop``;
 ``Loop.train`` runs the epochs (a seeded order per epoch, the last partial batch
 dropped), sets ``step.lr`` every step (linear warmup, then linear decay to zero), logs
 a metrics line every ``log_every`` steps, validates at each epoch's end (the best
@@ -29,29 +29,22 @@ import torch
 
 from pockengine.finetune.run_folder import adapter, home, released
 from pockengine.finetune.run_folder import checkpoint as ckpt_io
+from pockengine.finetune.run_folder.metrics_log import MetricsLog
 from pockengine.finetune.running.curves import CurvesWriter, RunInfo
 from pockengine.finetune.running.progress import Progress, make_progress
 from pockengine.finetune.running.result import peak_rss_bytes
+from pockengine.optim import linear_schedule
 from pockengine.sparse.schemes import Scheme
 from pockengine.step.evaluator import Evaluator
 from pockengine.step.running import CompiledStep, NonFiniteError
 from pockengine.tasks import data as ds
 from pockengine.tasks import recipes
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
-from pockengine.tasks.metrics import MetricsLog, evaluate
+from pockengine.tasks.metrics import evaluate
 
-__all__ = ["Loop", "StopFlag", "linear_schedule", "stop_on_signals"]
+__all__ = ["Loop", "StopFlag", "stop_on_signals"]
 
 log = logging.getLogger(__name__)
-
-
-def linear_schedule(t: int, base: float, warmup: int, total: int) -> float:
-    """The learning rate of step ``t`` (0-based): rising to ``base`` over ``warmup``
-    steps, then falling linearly to zero at ``total``."""
-    if t < warmup:
-        return base * (t + 1) / warmup
-    # After a warmup, whose last step already ran at ``base``, decay starts below it.
-    return base * max(0.0, (total - t) / max(1, total - warmup + (warmup > 0)))
 
 
 class StopFlag:

@@ -1,14 +1,14 @@
 """Fine-tuning as ``pockengine finetune`` runs it: compile once, then a ``loop.Loop``.
 
-``launch.run(config)`` (re-exported here as ``run``) checks the options, takes the run
-folder's lock and, with ``--compile-in child``, has a child compile; then
-``train_compiled`` loads what the child wrote, or ``train_here`` chooses the scheme
-(``--scheme auto`` analyses first), builds the task, compiles one ``TrainStep`` for the
-fixed batch shape and the compiled evaluator (after which the model's copies of the
-weights the step holds are released). Either resumes from a checkpoint if asked, trains
-(``loop.Loop``: epochs, schedule, validation, checkpoints; SIGINT/SIGTERM stop it after
-the current step with a checkpoint), then writes ``RUN/model``, the adapter if any, the
-test metrics and the summary.
+``launch.run(config)`` checks the options, takes the run folder's lock and, with
+``--compile-in child``, has a child compile; then ``train_compiled`` loads what the child
+wrote, or ``train_here`` chooses the scheme (``--scheme auto`` analyses first), builds the
+task, compiles one ``TrainStep`` for the fixed batch shape and the compiled evaluator
+(``compiling.task_step``; after which the model's copies of the weights the step holds are
+released). Either resumes from a checkpoint if asked, trains (``loop.Loop``: epochs,
+schedule, validation, checkpoints; SIGINT/SIGTERM stop it after the current step with a
+checkpoint), then writes ``RUN/model``, the adapter if any, the test metrics and the
+summary.
 """
 
 from __future__ import annotations
@@ -23,30 +23,27 @@ from pathlib import Path
 from typing import Any
 
 from pockengine import status_lines
+from pockengine.finetune.compiling import task_step
 from pockengine.finetune.compiling.compiled_task import load_compiled
 from pockengine.finetune.compiling.model_skeleton import write_from_skeleton
+from pockengine.finetune.compiling.task_step import compile_evaluator_releasing, compile_task
 from pockengine.finetune.run_folder import adapter, home, released
 from pockengine.finetune.run_folder import checkpoint as ckpt_io
 from pockengine.finetune.running.curves import RunInfo
-from pockengine.finetune.running.launch import run
-from pockengine.finetune.running.loop import Loop, linear_schedule, stop_on_signals
+from pockengine.finetune.running.loop import Loop, stop_on_signals
 from pockengine.finetune.running.result import FinetuneResult, peak_rss_bytes, write_report
-from pockengine.passes.quantize import FrozenWeights
 from pockengine.scheme_choice.auto_scheme import AUTO, AutoChoice, choose_auto
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
-from pockengine.step.compiler import TrainStep, release_free_memory
 from pockengine.step.evaluator import Evaluator
 from pockengine.step.running import CompiledStep
 from pockengine.tasks import recipes
 from pockengine.tasks.config import FinetuneConfig
-from pockengine.tasks.metrics import compile_evaluator, evaluate
+from pockengine.tasks.metrics import evaluate
 
 __all__ = [
     "compile_evaluator_releasing",
     "compile_task",
-    "linear_schedule",
-    "run",
     "train_compiled",
     "train_here",
 ]
@@ -105,8 +102,8 @@ def _prepare_here(
     status_lines.say(f"model and data ready: {task.train_size:,} training examples")
     scheme, choice = _scheme_of_run(config, task, given, saved)
     status_lines.say(f"compiling the training step and its evaluation ({config.backend} backend)")
-    step = _compile(config, task, scheme)
-    return _Prepared(task, scheme, choice, step, compile_evaluator_releasing(step, task))
+    step = task_step.compile_task(config, task, scheme)
+    return _Prepared(task, scheme, choice, step, task_step.compile_evaluator_releasing(step, task))
 
 
 def _train(
@@ -193,23 +190,6 @@ def _resumed_choice(config: FinetuneConfig, scheme: Scheme) -> AutoChoice:
     return choice
 
 
-def compile_evaluator_releasing(step: TrainStep, task: recipes.Task) -> Evaluator | None:
-    """Validation compiled on the step (once per run); where it is, the model's float
-    copies of the weights the step stores quantized, and of the params it trains (the step
-    holds its own), are released: nothing reads them (``RUN/model`` is streamed from the
-    step)."""
-    evaluator = compile_evaluator(step, task)
-    if evaluator is not None:
-        own = dict(task.model.named_parameters())  # LoRA factors are the step's only
-        trained = [n for n in step.trained if n in own]
-        freed = released.release_held(task.model, step, also=trained)
-        if freed:
-            log.info("released %.1f MiB of model weights the step holds (quantized or trained)",
-                     freed / 2**20)  # fmt: skip
-            release_free_memory()
-    return evaluator
-
-
 def _test_metrics(
     step: CompiledStep, task: recipes.Task, evaluator: Evaluator | None
 ) -> dict[str, float]:
@@ -223,42 +203,3 @@ def _test_metrics(
 def _given(value: str | None) -> str:
     assert value is not None, "filled in by the recipe's defaults"
     return value
-
-
-def _compile(
-    config: FinetuneConfig, task: recipes.Task, scheme: Scheme, frozen: FrozenWeights | None = None
-) -> TrainStep:
-    from pockengine.step.compiler import compile
-    from pockengine.tasks.gguf import frozen_weights
-
-    assert config.batch_size is not None
-    example = recipes.tensor_rows(task.train, 0, config.batch_size)
-    task.model.train()  # dropout on: its seed is the step's "rng.seed" state
-    frozen = frozen_weights(config) if frozen is None else frozen
-    return compile(
-        task.model,
-        task.loss_fn,
-        example,
-        optimizer=config.make_optimizer(),
-        scheme=scheme,
-        backend=config.backend,
-        frozen_dtype=frozen.dtype,
-        quantized=frozen.given,
-        memory_budget=remat_budget(config),
-        compile_in="process",  # the fine-tune's own child, or --compile-in process: here
-    )
-
-
-def remat_budget(config: FinetuneConfig) -> int | None:
-    """The step's recomputation budget in bytes (``--remat-budget``; 0, "none": none)."""
-    return int(config.remat_budget) if config.remat_budget else None
-
-
-def compile_task(
-    config: FinetuneConfig, task: recipes.Task, scheme: Scheme, frozen: FrozenWeights | None = None
-) -> TrainStep:
-    """The training step a run of ``config`` (defaults filled in) compiles for ``task``:
-    the same batch shape, optimizer and scheme, for tools that rebuild a run's step
-    (``pockengine export``). ``frozen``: ``gguf.frozen_weights(config)`` when the caller
-    has read it already."""
-    return _compile(config, task, scheme, frozen)
