@@ -471,3 +471,4 @@ def test_full_model_bytes_come_from_shapes_without_reading_a_tensor(
 
     monkeypatch.setattr(step, "_read", no_read)
     assert full_model_bytes(step) == expected
+    assert step.state_specs() == {n: (a.shape, a.dtype) for n, a in state.items()}

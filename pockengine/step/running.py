@@ -303,6 +303,17 @@ class CompiledStep(ABC):
                 out[alias] = value.copy() if copy and i else value
         return out
 
+    def state_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        """The shape and dtype of every entry of ``flat_state_dict()`` (quantized weights as
+        their floats, tied ones under each name), from the step's types: no value is
+        dequantized or copied."""
+        out = {}
+        for ir, name in self._state_names.items():
+            spec = self._spec(ir)
+            for alias in self._aliases.get(name, (name,)):
+                out[alias] = spec
+        return out
+
     def optimizer_state(self, *, copy: bool = True) -> dict[str, Array]:
         """The optimizer's state by IR name (``copy=False``: as ``flat_state_dict``)."""
         state = self.graph.inputs_with_role(Role.STATE)
