@@ -222,7 +222,7 @@ def _start(cmd: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(cwd),
+        "PYTHONPATH": os.pathsep.join([str(cwd), str(Path(__file__).resolve().parents[1])]),
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
