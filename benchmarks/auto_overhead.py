@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from _harness import vm_mib
 
-from pockengine.finetune import FinetuneConfig, recipes
-from pockengine.finetune import estimate as est
-from pockengine.finetune.auto_scheme import choose_auto
+from pockengine.finetune import FinetuneConfig
+from pockengine.scheme_choice import estimate as est
+from pockengine.scheme_choice.auto_scheme import choose_auto
+from pockengine.tasks import recipes
 
 
 def _ranks(values: list[float]) -> np.ndarray[Any, Any]:

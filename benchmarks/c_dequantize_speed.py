@@ -53,8 +53,8 @@ def _case(label: str, q: Any) -> None:
 def main() -> None:
     from gguf import GGMLQuantizationType, quants
 
-    from pockengine.finetune.gguf import decode_blocks
     from pockengine.ops.quant import quantize_int4
+    from pockengine.tasks.gguf import decode_blocks
 
     w = (np.random.default_rng(0).standard_normal((8192, 512)) * 0.02).astype(np.float32)
 

@@ -34,8 +34,9 @@ def main() -> int:
                         help="after --: pockengine finetune's options")  # fmt: skip
     options = parser.parse_args()
     mem("start")
-    from pockengine.finetune import compile_child, recipe_table
     from pockengine.finetune.cli import add_arguments, config_from_args
+    from pockengine.finetune.compiling import compile_child
+    from pockengine.tasks import recipe_table
 
     mem("imports (no torch yet)")
     finetune = argparse.ArgumentParser(prog="pockengine finetune")

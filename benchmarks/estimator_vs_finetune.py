@@ -1,9 +1,9 @@
 """How well the gradient estimate predicts the fine-tune-based contribution analysis.
 
 For every weight of a recipe's model (ratio 1, over the ``bias`` baseline), the
-fine-tune-based analysis (``pockengine.finetune.sensitivity``: one short fine-tune per
+fine-tune-based analysis (``pockengine.scheme_choice.sensitivity``: one short fine-tune per
 candidate, scored on held-out training examples) gives a contribution; the gradient
-estimate (``pockengine.finetune.estimate``) gives fisher, taylor and grad scores from
+estimate (``pockengine.scheme_choice.estimate``) gives fisher, taylor and grad scores from
 1, 2, 4 and 6 backward passes on the same held-out training examples. This script
 writes the Spearman rank correlation of each score with the contributions, and each
 side's time, to ``benchmarks/results/estimator_vs_finetune-<recipe>.json``.
@@ -30,11 +30,11 @@ import torch
 from _harness import utc_now, write_results
 from scipy.stats import spearmanr
 
-from pockengine.finetune import sensitivity as sv
-from pockengine.finetune.auto_scheme import _extra
-from pockengine.finetune.checkpoint import write_atomic
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.estimate import (
+from pockengine.finetune.run_folder.checkpoint import write_atomic
+from pockengine.frontend.torch import import_torch
+from pockengine.scheme_choice import sensitivity as sv
+from pockengine.scheme_choice.auto_scheme import _extra
+from pockengine.scheme_choice.estimate import (
     SCORES,
     EstimateSettings,
     Planner,
@@ -42,7 +42,7 @@ from pockengine.finetune.estimate import (
     estimate_scores,
     optimizer_of,
 )
-from pockengine.frontend.torch import import_torch
+from pockengine.tasks.config import FinetuneConfig
 
 
 def finetune_contributions(builder: sv.StepBuilder, folder: Path) -> dict[str, float]:
@@ -100,8 +100,8 @@ def led_schemes(
     """The weights each table leads the knapsack to (ratio 1, the same estimated costs),
     within the estimated extra bytes of what ``sparse`` trains beyond ``bias``; each
     written as a scheme file into ``folder`` for fine-tunes to compare."""
+    from pockengine.scheme_choice.search import Budget, Item, choose, scheme_for
     from pockengine.sparse import schemes
-    from pockengine.sparse.search import Budget, Item, choose, scheme_for
 
     sparse = schemes.sparse(frozen_bn="eval").resolve(builder.info).names - set(builder.bias)
     room = sum(est["extra_bytes"][k] for k in sparse if k in est["extra_bytes"])

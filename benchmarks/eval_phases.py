@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 from quant_phases import mem
 
-from pockengine.finetune import home, recipes, released
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.metrics import compile_evaluator, evaluate
-from pockengine.finetune.trainer import compile_task
+from pockengine.finetune.run_folder import home, released
+from pockengine.finetune.running.trainer import compile_task
+from pockengine.tasks import recipes
+from pockengine.tasks.config import FinetuneConfig
+from pockengine.tasks.metrics import compile_evaluator, evaluate
 
 
 def main(frozen_dtype: str) -> None:

@@ -9,7 +9,7 @@ small machine ten compiles and ten resident models cost more than the training. 
 trains from the global state exactly as ``LocalTrainer.train`` does in a client process
 (its shard, order, learning-rate schedule, fresh optimizer moments, dropout seed,
 BatchNorm statistics), and the server's side is the strategy's: the weighted average,
-``BatchNormStats.pool`` and ``ServerStep``, then ``finetune.metrics.evaluate`` on the
+``BatchNormStats.pool`` and ``ServerStep``, then ``tasks.metrics.evaluate`` on the
 held-out split. Only the order of the float sums in the average may differ from Flower's.
 ``--local-loss logit-adjusted --la-tau T`` trains each client on its own logit-adjusted
 loss (its shard's prior, one more input of the shared step). ``--pooled-bn`` also scores
@@ -42,8 +42,9 @@ from pockengine.federated.local import LocalTrainer, resolve_scheme
 from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.partition import partition
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
-from pockengine.finetune import FinetuneConfig, recipes
-from pockengine.finetune.metrics import evaluate
+from pockengine.finetune import FinetuneConfig
+from pockengine.tasks import recipes
+from pockengine.tasks.metrics import evaluate
 
 Array = np.ndarray[Any, Any]
 

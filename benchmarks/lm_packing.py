@@ -33,8 +33,8 @@ import torch
 from _harness import utc_now, write_results
 
 import pockengine as pe
-from pockengine.finetune.lm_data import LMExample
-from pockengine.finetune.lm_pack import PackStats, pack_examples, packed_lm_loss
+from pockengine.tasks.lm_data import LMExample
+from pockengine.tasks.lm_pack import PackStats, pack_examples, packed_lm_loss
 
 
 def _examples(n: int, seq_len: int, vocab: int, seed: int) -> list[LMExample]:

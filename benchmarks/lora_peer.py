@@ -102,8 +102,8 @@ def _batches(
 
 
 def _task(args: argparse.Namespace) -> tuple[Any, Any]:
-    from pockengine.finetune import recipes
-    from pockengine.finetune.config import FinetuneConfig
+    from pockengine.tasks import recipes
+    from pockengine.tasks.config import FinetuneConfig
 
     ours = "sparse" if Case.of(args.child).scheme == "sparse" else "lora"
     config = FinetuneConfig(recipe=args.recipe, max_train=args.max_train, max_val=args.max_val,
@@ -193,7 +193,7 @@ def _compile(
     import torch
 
     import pockengine as pe
-    from pockengine.finetune import recipes
+    from pockengine.tasks import recipes
 
     scheme = recipes.parse_scheme(case.scheme, config.recipe)
     example = tuple(torch.from_numpy(a[: config.batch_size]) for a in task.train)
@@ -296,7 +296,7 @@ def _train(
 ) -> tuple[list[float], list[float]]:
     """``args.steps`` steps on the seeded batches under warmup + linear decay: the step
     times and the losses; ``peaks`` gets the peak RSS (MiB) after each step."""
-    from pockengine.finetune.trainer import linear_schedule
+    from pockengine.optim import linear_schedule
 
     times, losses = [], []
     peaks.clear()

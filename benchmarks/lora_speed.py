@@ -67,9 +67,9 @@ def _rounds(
 ) -> dict[str, list[float]]:
     """``args.rounds`` rounds of one step per variant on the same batch, the variants'
     order rotated each round; the step times per variant."""
-    from pockengine.finetune import recipes
-    from pockengine.finetune.config import FinetuneConfig
-    from pockengine.finetune.trainer import linear_schedule
+    from pockengine.optim import linear_schedule
+    from pockengine.tasks import recipes
+    from pockengine.tasks.config import FinetuneConfig
 
     config = FinetuneConfig(recipe=args.recipe, max_train=args.max_train, max_val=args.max_val,
                             batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,

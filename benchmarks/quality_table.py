@@ -4,7 +4,7 @@ For each recipe (and a generic ``--model/--data`` run) and each scheme (full, au
 sparse, bias, head; lora when the scheme vocabulary has it; any other name, such as
 ``last:K``, with ``--schemes``):
 
-1. the learning rate is chosen on the training split (``pockengine.finetune.lr_choice``:
+1. the learning rate is chosen on the training split (``pockengine.scheme_choice.lr_choice``:
    short runs over ``--lr-grid``, scored on held-out *training* examples), once per
    recipe and scheme, with the first seed's split, in a child process;
 2. ``pockengine finetune`` runs once per seed in its own process (so its peak RSS is
@@ -94,7 +94,7 @@ def _choose_lr(recipe: str, scheme: str, args: argparse.Namespace, seed: int, pa
     import torch
 
     from pockengine.finetune.cli import add_arguments, config_from_args
-    from pockengine.finetune.lr_choice import choose_lr as choose
+    from pockengine.scheme_choice.lr_choice import choose_lr as choose
 
     torch.set_num_threads(args.threads)
     parser = argparse.ArgumentParser()

@@ -15,10 +15,10 @@ import time
 import torch
 from _harness import vm_kib
 
-from pockengine.finetune import recipes
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.metrics import evaluate
-from pockengine.finetune.trainer import compile_task
+from pockengine.finetune.running.trainer import compile_task
+from pockengine.tasks import recipes
+from pockengine.tasks.config import FinetuneConfig
+from pockengine.tasks.metrics import evaluate
 
 
 def mem(label: str) -> None:

@@ -87,24 +87,26 @@ class PhaseLog:
 # (module, attribute, phase name, rows for its first calls only): what the run's phases
 # are. A hook whose function the code no longer has is left out.
 _HOOKS: tuple[tuple[str, str, str, int | None], ...] = (
-    ("pockengine.finetune.data", "load_folder", "read the dataset", None),
-    ("pockengine.finetune.data", "load_dataset", "read the dataset", None),
-    ("pockengine.finetune.models", "load_hf_encoder", "load the model", None),
-    ("pockengine.finetune.models", "load_hf_tokenizer", "load the tokenizer", None),
-    ("pockengine.finetune.data", "encode_hf", "encode", 2),
-    ("pockengine.finetune.recipes", "build", "build the task", None),
-    ("pockengine.finetune.trainer", "_compile", "compile", None),
-    ("pockengine.finetune.launch", "compile_in_child", "compile in a child", None),
-    ("pockengine.finetune.trainer", "load_compiled", "load the step", None),
-    ("pockengine.finetune.metrics", "compile_evaluator", "compile the evaluator", None),
-    ("pockengine.finetune.loop", "Loop.save", "checkpoint", 1),
-    ("pockengine.finetune.metrics", "evaluate", "evaluate", 1),
-    ("pockengine.finetune.loop", "evaluate", "evaluate", None),  # the loop's own import
-    ("pockengine.finetune.best", "BestWeights.offer", "keep the best weights", None),
-    ("pockengine.finetune.home", "_load", "write the model: values into the module", None),
-    ("pockengine.finetune.home", "_quiet_save", "write the model: save_pretrained", None),
-    ("pockengine.finetune.home", "write_model", "write the model", None),
-    ("pockengine.finetune.trainer", "write_from_skeleton", "write the model", None),
+    ("pockengine.tasks.data", "load_folder", "read the dataset", None),
+    ("pockengine.tasks.data", "load_dataset", "read the dataset", None),
+    ("pockengine.tasks.models", "load_hf_encoder", "load the model", None),
+    ("pockengine.tasks.models", "load_hf_tokenizer", "load the tokenizer", None),
+    ("pockengine.tasks.data", "encode_hf", "encode", 2),
+    ("pockengine.tasks.recipes", "build", "build the task", None),
+    ("pockengine.finetune.compiling.task_step", "compile_task", "compile", None),
+    ("pockengine.finetune.running.launch", "compile_in_child", "compile in a child", None),
+    ("pockengine.finetune.running.trainer", "load_compiled", "load the step", None),
+    ("pockengine.tasks.metrics", "compile_evaluator", "compile the evaluator", None),
+    ("pockengine.finetune.running.loop", "Loop.save", "checkpoint", 1),
+    ("pockengine.tasks.metrics", "evaluate", "evaluate", 1),
+    ("pockengine.finetune.running.loop", "evaluate", "evaluate", None),  # the loop's own import
+    ("pockengine.finetune.run_folder.best", "BestWeights.offer", "keep the best weights", None),
+    ("pockengine.finetune.run_folder.home", "_load", "write the model: values into the module",
+     None),
+    ("pockengine.finetune.run_folder.home", "_quiet_save", "write the model: save_pretrained",
+     None),
+    ("pockengine.finetune.run_folder.home", "write_model", "write the model", None),
+    ("pockengine.finetune.running.trainer", "write_from_skeleton", "write the model", None),
     ("pockengine.step.running", "CompiledStep.__call__", "step", None),  # limit: --steps-shown
 )
 

@@ -21,15 +21,15 @@ from collections import Counter
 import torch
 from _harness import vm_kib
 
-from pockengine.finetune import recipes
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.gguf import frozen_weights
-from pockengine.finetune.released import release_held
+from pockengine.finetune.run_folder.released import release_held
 from pockengine.ir import Graph, Phase, Value
 from pockengine.optim import AdamW
 from pockengine.passes.remat_budget import parse_budget
 from pockengine.plan.memory import MemoryPlan, plan_memory
 from pockengine.step.compiler import TrainStep, compile, release_free_memory
+from pockengine.tasks import recipes
+from pockengine.tasks.config import FinetuneConfig
+from pockengine.tasks.gguf import frozen_weights
 
 MIB = 1 << 20
 

@@ -120,8 +120,8 @@ def _finetune(args: argparse.Namespace) -> int:
 
 def _search(args: argparse.Namespace) -> int:
     from pockengine.finetune.cli import config_from_args
-    from pockengine.finetune.scheme_search import parse_amount, search_scheme
-    from pockengine.finetune.sensitivity import AnalysisSettings
+    from pockengine.scheme_choice.scheme_search import parse_amount, search_scheme
+    from pockengine.scheme_choice.sensitivity import AnalysisSettings
 
     mem, flops = args.memory_budget, args.flops_budget
     result = search_scheme(

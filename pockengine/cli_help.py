@@ -18,7 +18,7 @@ import copy
 import textwrap
 
 from pockengine.backends import BACKENDS
-from pockengine.finetune.config import DEFAULT_RECIPE
+from pockengine.tasks.config import DEFAULT_RECIPE
 
 __all__ = [
     "BACKEND_CHOICES",

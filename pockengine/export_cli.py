@@ -25,12 +25,12 @@ from typing import IO, Any
 
 import numpy as np
 
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.gguf_lora import ADAPTER_TARGETS
+from pockengine.finetune.trained.gguf_lora import ADAPTER_TARGETS
 from pockengine.ir import PockEngineError, Role, Value
 from pockengine.ir.arrays import Array
 from pockengine.out_folder import EXPORT, OutFolder, building, claim
 from pockengine.safe_write import write_bytes, write_text, write_with
+from pockengine.tasks.config import FinetuneConfig
 
 __all__ = ["ExportError", "batch_inputs", "readme", "register", "write_export"]
 
@@ -183,7 +183,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _export_adapter(args: argparse.Namespace, kind: str) -> int:
     """A LoRA run's adapter, for llama.cpp (gguf-lora) or PEFT (peft)."""
-    from pockengine.finetune.gguf_lora import export_run_adapter
+    from pockengine.finetune.trained.gguf_lora import export_run_adapter
 
     if kind != "run" or args.target not in ADAPTER_TARGETS:
         raise ExportError(f"--target {args.target}{' --state' if args.state else ''}: "
@@ -226,7 +226,7 @@ def _kind(args: argparse.Namespace) -> str:
         return "onnx"
     path = Path(source)
     if path.is_dir():
-        from pockengine.finetune.checkpoint import CHECKPOINT
+        from pockengine.finetune.run_folder.checkpoint import CHECKPOINT
 
         adapter = args.target in ADAPTER_TARGETS and (path / "adapter").is_dir()
         if not (path / CHECKPOINT).is_file() and not adapter:
@@ -252,8 +252,8 @@ def _from_args(args: argparse.Namespace) -> _Prepared:
 
 def _from_run(run: Path, args: argparse.Namespace) -> _Prepared:
     """The step of the run in ``run``, holding its checkpoint's weights and optimizer state."""
-    from pockengine.finetune import checkpoint
-    from pockengine.finetune.run_meta import named_factory, names_factory
+    from pockengine.finetune.run_folder import checkpoint
+    from pockengine.finetune.run_folder.run_meta import named_factory, names_factory
 
     path = run / checkpoint.CHECKPOINT
     saved = checkpoint.load(path)
@@ -273,8 +273,9 @@ def _from_run(run: Path, args: argparse.Namespace) -> _Prepared:
 
 def _prepare(config: FinetuneConfig, scheme: dict[str, Any] | None, what: str) -> _Prepared:
     """Fill in the recipe's defaults, build the task and compile its step, as a run does."""
-    from pockengine.finetune import recipes, trainer
+    from pockengine.finetune.running import trainer
     from pockengine.sparse import schemes
+    from pockengine.tasks import recipes
 
     config = config.validate()
     config = config.with_defaults(recipes.defaults(config, auto=False)).validate()
@@ -371,7 +372,7 @@ def write_export(
 def _write_batches(prepared: _Prepared, folder: Path, target: str, count: int) -> list[str]:
     """The first ``count`` training batches in the order a run takes them (epoch 0),
     stacked along a new leading axis: ``batches.npz`` (onnx) or one ``.npy`` per input (c)."""
-    from pockengine.finetune import data as ds
+    from pockengine.tasks import data as ds
 
     config, values = prepared.config, batch_inputs(prepared.step)
     assert config is not None and config.batch_size is not None

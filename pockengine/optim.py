@@ -21,7 +21,7 @@ from pockengine.ir import CompileError, DType, GraphBuilder, Phase, Role, Tensor
 from pockengine.ir.arrays import Array
 from pockengine.ops.update_8bit import ZERO_BYTE
 
-__all__ = ["MIN_8BIT_SIZE", "SGD", "STATE_DTYPES", "AdamW", "Optimizer"]
+__all__ = ["MIN_8BIT_SIZE", "SGD", "STATE_DTYPES", "AdamW", "Optimizer", "linear_schedule"]
 
 
 LR = "optim.lr"
@@ -214,3 +214,12 @@ class AdamW(Optimizer):
             init[absmax] = np.zeros(blocks.shape, dtype=grad.dtype.to_numpy())
             out.append(b.input(absmax, blocks, Role.STATE))
         return tuple(out)
+
+
+def linear_schedule(t: int, base: float, warmup: int, total: int) -> float:
+    """The learning rate of step ``t`` (0-based): rising to ``base`` over ``warmup``
+    steps, then falling linearly to zero at ``total``."""
+    if t < warmup:
+        return base * (t + 1) / warmup
+    # After a warmup, whose last step already ran at ``base``, decay starts below it.
+    return base * max(0.0, (total - t) / max(1, total - warmup + (warmup > 0)))

@@ -53,7 +53,7 @@ __all__ = [
 
 MARKER = ".pockengine-folder"
 RUN, EXPORT, FEDERATION = "fine-tune run", "export", "federation"
-_LOCK = ".pockengine.lock"  # finetune.run_lock.LOCK
+_LOCK = ".pockengine.lock"  # finetune.running.run_lock.LOCK
 _SHOWN = 6  # entries a refusal names
 
 

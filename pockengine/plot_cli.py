@@ -3,7 +3,7 @@
 One run: its training loss (smoothed, the logged values faint) and validation metric
 against step, the picture a run writes to ``RUN/curves.png`` as it goes. Several runs
 (say sparse, full and head on one task): the same axes, one colour a run, with a legend
-of each run's scheme, trained parameters and peak memory (``pockengine.finetune.curves``).
+of each run's scheme, trained parameters and peak memory (``pockengine.finetune.running.curves``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def register(sub: Any) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from pockengine.finetune.curves import CURVES, plot_runs
+    from pockengine.finetune.running.curves import CURVES, plot_runs
 
     runs = [Path(r) for r in args.runs]
     out = Path(args.out) if args.out else (runs[0] / CURVES if len(runs) == 1 else Path(CURVES))

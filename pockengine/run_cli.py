@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pockengine.finetune.cli import non_negative_float, positive_int
-from pockengine.finetune.run_files import RunFileError, shown
+from pockengine.finetune.run_folder.run_files import RunFileError, shown
 
 __all__ = ["FACTORY_HELP", "register"]
 
@@ -136,8 +136,8 @@ def _with_threads(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from pockengine.finetune.home_load import load_run
-    from pockengine.finetune.run_eval import evaluate_run, format_eval, write_eval
+    from pockengine.finetune.run_folder.home_load import load_run
+    from pockengine.finetune.trained.run_eval import evaluate_run, format_eval, write_eval
 
     result = evaluate_run(load_run(args.run_dir, args.factory), args.data)
     print(format_eval(result))
@@ -149,7 +149,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from pockengine.finetune.home_load import as_prediction, load_run
+    from pockengine.finetune.run_folder.home_load import as_prediction, load_run
 
     if bool(args.texts) == bool(args.input):
         raise ValueError("predict takes texts or --input FILE (one of them)")
@@ -232,7 +232,7 @@ def _bar(total: int) -> Iterator[Callable[[int], None]]:
 
 
 def _chat(loaded: Any, args: argparse.Namespace) -> int:
-    from pockengine.finetune.lm_chat import chat
+    from pockengine.finetune.trained.lm_chat import chat
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
@@ -249,9 +249,9 @@ def _chat(loaded: Any, args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pockengine.finetune.config import FinetuneError
-    from pockengine.finetune.generation import check_generation, generate, prompt_ids
-    from pockengine.finetune.home_load import load_run
+    from pockengine.finetune.run_folder.home_load import load_run
+    from pockengine.finetune.trained.generation import check_generation, generate, prompt_ids
+    from pockengine.tasks.config import FinetuneError
 
     loaded = load_run(args.run_dir, args.factory)
     check_generation(loaded, args.max_new_tokens, args.temperature, args.top_k)

@@ -58,7 +58,7 @@ class UnsafeWriteError(PockEngineError, OSError):
 
 def temporary_name(name: str) -> str:
     """The name of a temporary file for ``name`` (``.NAME.<random>.tmp``: what
-    ``finetune.checkpoint.remove_stale_temporaries`` looks for)."""
+    ``finetune.run_folder.checkpoint.remove_stale_temporaries`` looks for)."""
     return f".{name}.{secrets.token_hex(4)}.tmp"
 
 

@@ -294,20 +294,20 @@ RECIPE_BLOCKS = {"mbv2": 4, "bert": 2, "llama": 2, "mlp": 1, "cnn": 1, "mbv2-sma
 
 def benchmark(name: str) -> tuple[Workload, Any]:
     """A benchmark workload and its optimizer (SGD momentum for CNNs, AdamW otherwise)."""
-    import pockengine as pe
+    from pockengine import optim
 
     if name not in BENCHMARKS:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(BENCHMARKS)}")
     work = BENCHMARKS[name]()
     cnn = name.startswith(("mbv2", "cnn"))
-    opt = pe.optim.SGD(lr=0.01, momentum=0.9) if cnn else pe.optim.AdamW(lr=1e-4)
+    opt = optim.SGD(lr=0.01, momentum=0.9) if cnn else optim.AdamW(lr=1e-4)
     return work, opt
 
 
 def workload_sparse(name: str) -> Any:
     """What the scheme name ``sparse`` trains on a workload: biases and norms, the weights of
     its last ``RECIPE_BLOCKS`` blocks (2 for one not listed), the head."""
-    from pockengine import schemes
+    from pockengine.sparse import schemes
 
     return schemes.sparse(blocks=RECIPE_BLOCKS.get(name, 2))
 

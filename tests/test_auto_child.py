@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import pockengine as pe
-from pockengine.finetune import checkpoint
-from pockengine.finetune.config import FinetuneError
+from pockengine.finetune.run_folder import checkpoint
+from pockengine.tasks.config import FinetuneError
 from tests.test_auto_scheme import FACTORY
 from tests.test_compile_child import _finetune_in_a_fresh_process, _same_checkpoint
 from tests.test_sensitivity import _dataset
@@ -65,8 +65,8 @@ def test_a_helper_holds_a_few_batches_of_the_data() -> None:
     are those of the whole task."""
     import numpy as np
 
-    from pockengine.finetune.data import fingerprint
-    from pockengine.finetune.recipes import Task
+    from pockengine.tasks.data import fingerprint
+    from pockengine.tasks.recipes import Task
 
     x = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
     y = np.arange(100) % 4
@@ -93,8 +93,10 @@ def test_the_compile_reuses_the_analysis_import(
     import contextlib
     from collections.abc import Iterator
 
-    from pockengine.finetune import FinetuneConfig, compile_child, recipe_table
+    from pockengine.finetune import FinetuneConfig
+    from pockengine.finetune.compiling import compile_child
     from pockengine.frontend import import_memo
+    from pockengine.tasks import recipe_table
 
     memos: list[import_memo.ImportMemo] = []
     real = import_memo.reused_imports
@@ -122,7 +124,8 @@ def test_a_missing_or_damaged_choice_is_a_clear_error(
 ) -> None:
     """A child that exits without a readable ``choice.json`` is a ``FinetuneError`` naming
     the file, not a JSON traceback."""
-    from pockengine.finetune import FinetuneConfig, compile_child
+    from pockengine.finetune import FinetuneConfig
+    from pockengine.finetune.compiling import compile_child
 
     monkeypatch.setattr(compile_child, "run_child", lambda *args: None)
     config = FinetuneConfig(recipe="minilm-bbc")

@@ -15,14 +15,15 @@ import torch
 from torch import nn
 
 from pockengine.cli import main
-from pockengine.finetune import FinetuneConfig, finetune, recipes
-from pockengine.finetune import estimate as est
-from pockengine.finetune.auto_scheme import choose_auto, items_from_estimate
-from pockengine.finetune.config import FinetuneError
-from pockengine.finetune.lr_choice import choose_lr
+from pockengine.finetune import FinetuneConfig, finetune
 from pockengine.ir import SchemeError
 from pockengine.optim import AdamW
+from pockengine.scheme_choice import estimate as est
+from pockengine.scheme_choice.auto_scheme import choose_auto, items_from_estimate
+from pockengine.scheme_choice.lr_choice import choose_lr
 from pockengine.sparse.schemes import scheme_named
+from pockengine.tasks import recipes
+from pockengine.tasks.config import FinetuneError
 from tests.test_sensitivity import _dataset
 
 FACTORY = "tests.test_auto_scheme:wide_classifier"
@@ -331,7 +332,7 @@ def test_batchnorm_running_reaches_every_scheme_auto_plans_and_picks(tmp_path: P
     """``--batchnorm running``: the base, the budget's sparse scheme, every candidate the
     planner measures and the pick run every BatchNorm on its running statistics, so the
     planned peaks are those of the steps that will train; named schemes get it too."""
-    from pockengine.finetune.recipe_table import parse_scheme
+    from pockengine.tasks.recipe_table import parse_scheme
 
     config = _config(tmp_path, model="tests.test_auto_scheme:normed_classifier",
                      batchnorm="running")  # fmt: skip

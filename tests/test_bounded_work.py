@@ -14,10 +14,10 @@ import pytest
 
 from pockengine.cli import main
 from pockengine.finetune import FinetuneError
-from pockengine.finetune import data as ds
 from pockengine.ir import SchemeError
 from pockengine.sparse import schemes
 from pockengine.sparse.scheme_file import MAX_SCHEME_BYTES, shown
+from pockengine.tasks import data as ds
 from tests.test_finetune_resume import write_task
 
 # -- scheme files ------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def short_context_run(tmp_path: Path) -> Path:
 
     from pockengine import zoo
     from pockengine.finetune import FinetuneConfig
-    from pockengine.finetune.home import META, MODEL_DIR, model_meta
+    from pockengine.finetune.run_folder.home import META, MODEL_DIR, model_meta
 
     tokenizer = AutoTokenizer.from_pretrained(str(zoo.minilm_path()), local_files_only=True)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
@@ -183,7 +183,7 @@ def test_generate_stops_at_the_models_context_and_says_so(
     short_context_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import pockengine as pe
-    from pockengine.finetune.generation import generate
+    from pockengine.finetune.trained.generation import generate
 
     loaded = pe.load_run(short_context_run)
     prompt = "the for statement"

@@ -21,10 +21,10 @@ import pytest
 import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c import claims
-from pockengine.finetune.gguf import decode_blocks
 from pockengine.ir import DType, GraphBuilder, Node, Role, TensorType, Value
 from pockengine.ops.quant import Quantized, dequantize_array, quantize_int4, quantize_int8
 from pockengine.sparse import schemes
+from pockengine.tasks.gguf import decode_blocks
 
 Array = np.ndarray[Any, Any]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -27,8 +27,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import pockengine as pe
-from pockengine.finetune import FinetuneConfig, checkpoint
-from pockengine.finetune.model_skeleton import refill
+from pockengine.finetune import FinetuneConfig
+from pockengine.finetune.compiling.model_skeleton import refill
+from pockengine.finetune.run_folder import checkpoint
 from pockengine.ir import SchemeError
 from pockengine.safetensors_io import write_safetensors_to
 from tests.test_finetune_resume import metric_lines, write_task
@@ -200,9 +201,10 @@ def test_broadcast_data_travels_compact(tmp_path: Path) -> None:
     import numpy as np
     from torch import nn
 
-    from pockengine.finetune import compiled_task, vision
-    from pockengine.finetune.recipes import Task
+    from pockengine.finetune.compiling import compiled_task
     from pockengine.safetensors_io import LazyTensors
+    from pockengine.tasks import vision
+    from pockengine.tasks.recipes import Task
 
     images = np.random.default_rng(0).integers(0, 256, (10, 28, 28), np.uint8)
     x, y = vision.preprocess(images, 16), np.arange(10) % 3
@@ -227,9 +229,10 @@ def test_damaged_task_is_a_clear_error(tmp_path: Path) -> None:
     import numpy as np
     from torch import nn
 
-    from pockengine.finetune import compiled_task, vision
-    from pockengine.finetune.recipes import Task
+    from pockengine.finetune.compiling import compiled_task
     from pockengine.safetensors_io import write_safetensors_to
+    from pockengine.tasks import vision
+    from pockengine.tasks.recipes import Task
 
     images = np.random.default_rng(0).integers(0, 256, (6, 28, 28), np.uint8)
     x, y = vision.preprocess(images, 8), np.arange(6) % 2

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 import pockengine as pe
 from pockengine import safetensors_io
-from pockengine.finetune.model_skeleton import SKELETON, refill
+from pockengine.finetune.compiling.model_skeleton import SKELETON, refill
 from pockengine.safetensors_io import write_rows, write_safetensors_to
 from tests.test_compile_child import _same_checkpoint, _same_model
 from tests.test_finetune_resume import write_task
@@ -41,7 +41,7 @@ def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_an_int8_run_compiled_in_a_child_writes_the_same_model(
     tmp_path: Path, task: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pockengine.finetune import model_skeleton
+    from pockengine.finetune.compiling import model_skeleton
 
     skeletons: list[dict[str, Any]] = []
     real = model_skeleton.write_from_skeleton
@@ -52,7 +52,9 @@ def test_an_int8_run_compiled_in_a_child_writes_the_same_model(
         assert not zeros.any()  # the child never wrote the embedding's float values
         return real(out, skeleton, *args)
 
-    trainer = importlib.import_module("pockengine.finetune.trainer")  # (pe.finetune: a function)
+    trainer = importlib.import_module(
+        "pockengine.finetune.running.trainer"
+    )  # (pe.finetune: a function)
     monkeypatch.setattr(trainer, "write_from_skeleton", spy)
     here = pe.finetune(**task, out=str(tmp_path / "here"), compile_in="process")
     child = pe.finetune(**task, out=str(tmp_path / "child"), compile_in="child")
@@ -90,7 +92,7 @@ def test_only_the_given_weights_the_scheme_freezes_get_stand_ins() -> None:
     """A GGUF-given weight the scheme trains starts from the model's float values: the
     child keeps them (``frozen_given``); tied names count as one weight."""
     from pockengine import zoo
-    from pockengine.finetune.compile_child import frozen_given
+    from pockengine.finetune.compiling.compile_child import frozen_given
 
     model = zoo.llama_lm(layers=1, tied=True).model
     q, k = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qk")

@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 import pockengine as pe
-from pockengine.finetune import home, released
-from pockengine.finetune.causal_lm import causal_lm_loss
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.metrics import CLASSIFY_BATCH, compile_evaluator, evaluate
-from pockengine.finetune.recipes import Task, classify_loss
+from pockengine.finetune.run_folder import home, released
 from pockengine.ir import CompileError, Role
 from pockengine.optim import AdamW
 from pockengine.step.evaluator import compile_evaluator as compile_raw
+from pockengine.tasks.causal_lm import causal_lm_loss
+from pockengine.tasks.config import FinetuneConfig
+from pockengine.tasks.metrics import CLASSIFY_BATCH, compile_evaluator, evaluate
+from pockengine.tasks.recipes import Task, classify_loss
 
 VOCAB = 8192  # the smallest vocabulary the fused loss takes
 

@@ -17,10 +17,11 @@ import torch
 import pockengine as pe
 from pockengine.backends.c.export import read_safetensors
 from pockengine.cli import main
-from pockengine.finetune import checkpoint, recipes
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.data import epoch_order
+from pockengine.finetune.run_folder import checkpoint
 from pockengine.out_folder import MARKER
+from pockengine.tasks import recipes
+from pockengine.tasks.config import FinetuneConfig
+from pockengine.tasks.data import epoch_order
 from tests.test_finetune_resume import write_task
 
 BAG = """

@@ -198,7 +198,7 @@ def test_upload_budget_limits_what_auto_trains(finetune: FinetuneConfig) -> None
     --upload-budget, a fraction of full-model FedAvg's bytes: the model holds 3,810 floats,
     so 5% (190) fits the base (fc.bias, head: 50) and half of fc.weight's 16 rows (128)."""
     from pockengine.federated.local import resolve_scheme
-    from pockengine.finetune.config import FinetuneError
+    from pockengine.tasks.config import FinetuneError
 
     ft = dataclasses.replace(finetune, scheme="auto", memory_budget=float(64 << 20))
     chosen = {}
@@ -227,7 +227,8 @@ def test_auto_analyses_client_0s_shard_or_the_pooled_split(
     """The analysis sees client 0's shard; ``pooled=True`` (the benchmark's diagnosis)
     the whole training split."""
     from pockengine.federated import local
-    from pockengine.finetune import auto_scheme, recipes
+    from pockengine.scheme_choice import auto_scheme
+    from pockengine.tasks import recipes
 
     seen: list[int] = []
     real = auto_scheme.choose_auto
@@ -470,3 +471,4 @@ def test_full_model_bytes_come_from_shapes_without_reading_a_tensor(
 
     monkeypatch.setattr(step, "_read", no_read)
     assert full_model_bytes(step) == expected
+    assert step.state_specs() == {n: (a.shape, a.dtype) for n, a in state.items()}

@@ -29,8 +29,9 @@ from pockengine.federated.local_loss import (
     logit_bias,
 )
 from pockengine.federated.partition import partition
-from pockengine.finetune import FinetuneConfig, recipes
+from pockengine.finetune import FinetuneConfig
 from pockengine.optim import SGD
+from pockengine.tasks import recipes
 from tests.test_federated import SENT_SHAPES
 from tests.test_federated import finetune as finetune  # the tiny task's fixture
 

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from pockengine import zoo
 from pockengine.cli import main
-from pockengine.finetune import checkpoint
+from pockengine.finetune.run_folder import checkpoint
 
 # Measured: 0.85-0.86 validation accuracy after this run (128 training articles, 8 steps of
 # head-only AdamW at 32 tokens). Chance is 0.20 for 5 topics; 0.6 leaves a wide margin.

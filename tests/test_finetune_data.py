@@ -13,9 +13,9 @@ import torch
 
 import pockengine as pe
 from pockengine.finetune import FinetuneConfig, FinetuneError
-from pockengine.finetune import data as ds
-from pockengine.finetune.recipes import RECIPES, bbc_folder, parse_scheme
-from pockengine.finetune.trainer import linear_schedule
+from pockengine.optim import linear_schedule
+from pockengine.tasks import data as ds
+from pockengine.tasks.recipes import RECIPES, bbc_folder, parse_scheme
 
 
 def test_bbc_news_layout_and_duplicates() -> None:
@@ -118,7 +118,7 @@ def test_options_are_checked() -> None:
 def test_idx_reader_and_image_preprocessing(tmp_path: Path) -> None:
     import gzip
 
-    from pockengine.finetune import vision
+    from pockengine.tasks import vision
 
     images = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
     header = bytes([0, 0, 8, 3]) + b"".join(d.to_bytes(4, "big") for d in images.shape)
@@ -152,7 +152,7 @@ class _CharTokenizer:
 
 
 def test_causal_lm_chunks_join_documents_with_end_of_text() -> None:
-    from pockengine.finetune.causal_lm import pack, split_docs
+    from pockengine.tasks.causal_lm import pack, split_docs
 
     chunks = pack(_CharTokenizer(), ["abc", "defgh", "ij"], seq_len=4, limit=None)
     assert chunks.tolist() == [[97, 98, 99, 0], [100, 101, 102, 103], [104, 0, 105, 106]]
@@ -181,7 +181,7 @@ def test_llm_recipe_trains_norms_and_output_projections_of_every_block() -> None
 
 
 def test_learning_rate_defaults_by_recipe_and_scheme() -> None:
-    from pockengine.finetune.recipes import defaults
+    from pockengine.tasks.recipes import defaults
 
     def lr(**kw: Any) -> float:
         return float(defaults(FinetuneConfig(**kw))["lr"])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pockengine.cli import main
-from pockengine.finetune import checkpoint
+from pockengine.finetune.run_folder import checkpoint
 from tests.test_finetune_resume import write_task
 
 

@@ -20,9 +20,10 @@ import pytest
 from safetensors.numpy import load_file
 
 import pockengine as pe
-from pockengine.finetune import checkpoint, loop
 from pockengine.finetune.cli import exit_code
-from pockengine.finetune.progress import Progress
+from pockengine.finetune.run_folder import checkpoint
+from pockengine.finetune.running import loop
+from pockengine.finetune.running.progress import Progress
 
 TINY_MODEL = """
 import torch
@@ -128,7 +129,7 @@ def test_a_checkpoint_older_than_an_option_resumes_at_its_default(
     """Options added after a checkpoint was written (here test_fraction, frozen_dtype and
     batchnorm, whose default is now the recipe's: "batch" then) count as their defaults;
     a changed option is still refused."""
-    from pockengine.finetune import checkpoint as ckpt_io
+    from pockengine.finetune.run_folder import checkpoint as ckpt_io
 
     out = tmp_path / "run"
     pe.finetune(**task, out=str(out), max_steps=3)
@@ -221,7 +222,7 @@ def _start(cmd: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(cwd),
+        "PYTHONPATH": os.pathsep.join([str(cwd), str(Path(__file__).resolve().parents[1])]),
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",

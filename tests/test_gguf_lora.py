@@ -24,10 +24,10 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c.export import write_safetensors
 from pockengine.cli import main
-from pockengine.finetune.adapter import save_adapter
-from pockengine.finetune.gguf import _rows_permuted
-from pockengine.finetune.gguf_lora import lora_pairs
+from pockengine.finetune.run_folder.adapter import save_adapter
+from pockengine.finetune.trained.gguf_lora import lora_pairs
 from pockengine.ops.quant import Quantized
+from pockengine.tasks.gguf import _rows_permuted
 
 Array = np.ndarray[Any, Any]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,7 +67,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _unpermuted(b: Array, heads: int) -> Array:
-    """What finetune/gguf.py does to a GGUF query/key weight's rows, on B."""
+    """What tasks/gguf.py does to a GGUF query/key weight's rows, on B."""
     return _rows_permuted(Quantized(b, b, None, "int8", 2), heads).codes
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pockengine.finetune import gradient_sums
-from pockengine.finetune.gradient_sums import GradientSums
+from pockengine.scheme_choice import gradient_sums
+from pockengine.scheme_choice.gradient_sums import GradientSums
 
 
 @pytest.mark.parametrize("chunk", [8, 200, 1 << 20], ids=["one-row", "some-rows", "whole"])

@@ -84,7 +84,7 @@ def test_finetune_help_lists_backends_schemes_recipes_and_threads() -> None:
 
 
 def test_recipe_help_names_every_recipe() -> None:
-    from pockengine.finetune.recipes import RECIPES
+    from pockengine.tasks.recipes import RECIPES
 
     assert set(RECIPE_DATA) == set(RECIPES)
 

@@ -24,13 +24,14 @@ from hypothesis import strategies as st
 
 import pockengine as pe
 from pockengine.cli import main
-from pockengine.finetune import checkpoint, models
-from pockengine.finetune import data as ds
-from pockengine.finetune.config import FinetuneError
-from pockengine.finetune.run_lock import LOCK
+from pockengine.finetune.run_folder import checkpoint
+from pockengine.finetune.running.run_lock import LOCK
 from pockengine.ir import GRAD_PREFIX, PockEngineError, SchemeError
 from pockengine.sparse import schemes
 from pockengine.step.compiler import BatchError, NonFiniteError, StateError
+from pockengine.tasks import data as ds
+from pockengine.tasks import models
+from pockengine.tasks.config import FinetuneError
 from tests.test_finetune_resume import write_task
 
 BACKENDS = ("numpy", "torch", "onnxruntime")

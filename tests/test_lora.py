@@ -14,7 +14,7 @@ from torch import nn
 
 import pockengine as pe
 from pockengine import schemes
-from pockengine.finetune.adapter import load_adapter, save_adapter
+from pockengine.finetune.run_folder.adapter import load_adapter, save_adapter
 from pockengine.ir import SchemeError
 from pockengine.sparse.schemes import scheme_named
 from pockengine.step.strict_load import StateError

@@ -13,7 +13,7 @@ import pytest
 
 import pockengine as pe
 from pockengine.cli import main
-from pockengine.finetune import launch, trainer
+from pockengine.finetune.running import launch, trainer
 from tests.test_finetune_resume import write_task
 
 

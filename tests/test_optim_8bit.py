@@ -20,10 +20,8 @@ import torch
 import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.torch.kernels_optim import _code
-from pockengine.finetune import checkpoint as ckpt_io
 from pockengine.finetune.cli import add_arguments, config_from_args
-from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.finetune.estimate import optimizer_of
+from pockengine.finetune.run_folder import checkpoint as ckpt_io
 from pockengine.ir import CompileError, get_op
 from pockengine.ops.update_8bit import (
     SIGNED_CODE,
@@ -34,6 +32,8 @@ from pockengine.ops.update_8bit import (
     quantize_blockwise,
 )
 from pockengine.optim import MIN_8BIT_SIZE, AdamW
+from pockengine.scheme_choice.estimate import optimizer_of
+from pockengine.tasks.config import FinetuneConfig, FinetuneError
 
 Array = np.ndarray[Any, Any]
 HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}

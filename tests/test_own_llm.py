@@ -16,11 +16,11 @@ import torch
 
 import pockengine as pe
 from pockengine.cli import main
-from pockengine.finetune import lm_data, lm_pack
-from pockengine.finetune.config import FinetuneConfig, FinetuneError
-from pockengine.finetune.lm_chat import end_of_turn
-from pockengine.finetune.lm_kind import wants_lm
-from pockengine.finetune.lm_task import build_lm_task
+from pockengine.finetune.trained.lm_chat import end_of_turn
+from pockengine.tasks import lm_data, lm_pack
+from pockengine.tasks.config import FinetuneConfig, FinetuneError
+from pockengine.tasks.lm_kind import wants_lm
+from pockengine.tasks.lm_task import build_lm_task
 from tests.lm_folders import make_lm_folder, make_tokenizer, write_llama_gguf
 
 CHATS = [
@@ -224,8 +224,8 @@ def test_hf_folder_and_gguf_file_give_the_same_losses(tmp_path: Path) -> None:
 def test_gguf_blocks_kept_as_frozen_weights(tmp_path: Path) -> None:
     """``--frozen-dtype gguf`` on a user's LLaMA GGUF file: the Q8_0 blocks of every block
     matrix, unpermuted to the model's rows, dequantize to the weights transformers loads."""
-    from pockengine.finetune.gguf import frozen_weights
     from pockengine.ops.quant import dequantize_array
+    from pockengine.tasks.gguf import frozen_weights
 
     gguf_file = write_llama_gguf(make_lm_folder(tmp_path / "tiny"), tmp_path / "q8.gguf", q8=True)
     data = _write(tmp_path / "chat.jsonl", CHATS[:2] * 4)

@@ -223,7 +223,7 @@ def test_bad_frozen_dtype_and_training_a_stored_quantized_weight_are_errors(
 def test_gguf_blocks_decode_as_gguf_dequantizes_them(kind: str) -> None:
     import gguf
 
-    from pockengine.finetune.gguf import decode_blocks
+    from pockengine.tasks.gguf import decode_blocks
 
     w = np.random.default_rng(3).standard_normal((8, 96)).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[kind]
@@ -244,7 +244,7 @@ def _smollm2_gguf() -> Path:
 def test_shipped_q4_1_and_q8_0_blocks_decode_as_gguf_dequantizes_them() -> None:
     import gguf
 
-    from pockengine.finetune.gguf import decode_blocks
+    from pockengine.tasks.gguf import decode_blocks
 
     reader = gguf.GGUFReader(str(_smollm2_gguf()))
     seen = set()
@@ -262,8 +262,8 @@ def test_shipped_q4_1_and_q8_0_blocks_decode_as_gguf_dequantizes_them() -> None:
 
 
 def test_finetune_frozen_dtype_option_is_checked() -> None:
-    from pockengine.finetune.config import FinetuneConfig, FinetuneError
-    from pockengine.finetune.gguf import frozen_weights
+    from pockengine.tasks.config import FinetuneConfig, FinetuneError
+    from pockengine.tasks.gguf import frozen_weights
 
     with pytest.raises(FinetuneError, match="frozen_dtype must be one of"):
         FinetuneConfig(frozen_dtype="int2").validate()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pockengine.finetune.cli import EPILOG
-from pockengine.finetune.recipes import RECIPES
+from pockengine.tasks.recipes import RECIPES
 
 BUILTIN = sorted(set(RECIPES) - {"generic", "generic-lm"})  # the user's own --model and --data
 ROOT = Path(__file__).resolve().parent.parent

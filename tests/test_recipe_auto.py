@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pockengine.finetune import FinetuneConfig, finetune, recipes
-from pockengine.finetune import estimate as est
-from pockengine.finetune.gradient_sums import micro_rows
-from pockengine.finetune.recipe_table import RECIPES
+from pockengine.finetune import FinetuneConfig, finetune
+from pockengine.scheme_choice import estimate as est
+from pockengine.scheme_choice.gradient_sums import micro_rows
+from pockengine.tasks import recipes
+from pockengine.tasks.recipe_table import RECIPES
 from tests.test_sensitivity import _dataset
 
 

@@ -167,8 +167,8 @@ def test_cli_sizes_follow_the_same_rule() -> None:
 def test_finetune_flag_reaches_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from pockengine.finetune import trainer
     from pockengine.finetune.cli import add_arguments, config_from_args
+    from pockengine.finetune.compiling import task_step
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -180,5 +180,5 @@ def test_finetune_flag_reaches_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     task = argparse.Namespace(train=(work.make_batch(0)[0].numpy(),), model=work.model,
                               loss_fn=work.loss_fn)  # fmt: skip
     config = dataclasses.replace(config, batch_size=1)
-    trainer._compile(config, task, pe.schemes.full())  # type: ignore[arg-type]
+    task_step.compile_task(config, task, pe.schemes.full())  # type: ignore[arg-type]
     assert seen["memory_budget"] == 600 << 20

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from pockengine.cli import main
-from pockengine.finetune.config import FinetuneError
-from pockengine.finetune.metrics import MetricsLog
-from pockengine.finetune.run_files import RunFileError
+from pockengine.finetune.run_folder.metrics_log import MetricsLog
+from pockengine.finetune.run_folder.run_files import RunFileError
+from pockengine.tasks.config import FinetuneError
 
 ROWS = [
     {"event": "train", "step": 1, "epoch": 1, "loss": 0.9, "lr": 0.01},
@@ -108,7 +108,7 @@ def _gguf(path: Path) -> bytes:
 
 
 def test_a_truncated_or_corrupt_gguf_names_the_file(tmp_path: Path) -> None:
-    from pockengine.finetune.gguf import llama_weights
+    from pockengine.tasks.gguf import llama_weights
 
     whole = _gguf(tmp_path / "model.gguf")
     assert set(llama_weights(tmp_path / "model.gguf")) == {"model.layers.0.self_attn.q_proj.weight"}

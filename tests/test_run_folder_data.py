@@ -23,10 +23,10 @@ import pytest
 
 import pockengine as pe
 from pockengine.cli import main
-from pockengine.finetune import checkpoint
-from pockengine.finetune.config import FinetuneError
-from pockengine.finetune.home_load import load_run
-from pockengine.finetune.run_meta import RunFileError, read_model_meta
+from pockengine.finetune.run_folder import checkpoint
+from pockengine.finetune.run_folder.home_load import load_run
+from pockengine.finetune.run_folder.run_meta import RunFileError, read_model_meta
+from pockengine.tasks.config import FinetuneError
 from tests.test_finetune_resume import write_task
 
 FACTORY = "tiny_bag:bag"

@@ -15,10 +15,10 @@ import torch
 
 from pockengine import zoo
 from pockengine.backends.torch import kernels_rng as torch_kernels_rng
-from pockengine.finetune import data as ds
-from pockengine.finetune import models, recipes
-from pockengine.finetune.config import FinetuneConfig
 from pockengine.ir import get_op
+from pockengine.tasks import data as ds
+from pockengine.tasks import models, recipes
+from pockengine.tasks.config import FinetuneConfig
 
 _MIB = 1 << 20
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_memory.py"
@@ -103,14 +103,14 @@ def test_the_recipe_recomputation_budget_is_not_part_of_what_trains() -> None:
     assert recipes.defaults(FinetuneConfig(recipe="minilm-bbc", batch_size=16))["remat_budget"]
     # --remat-budget none turns the recipe's budget off: 0 survives the defaults, and the
     # trainer compiles without one
-    from pockengine.finetune import trainer
     from pockengine.finetune.cli import budget_or_none
+    from pockengine.finetune.compiling import task_step
 
     assert budget_or_none("none") == 0.0 and budget_or_none("1MB") == 1 << 20
     off = FinetuneConfig(recipe="minilm-bbc", remat_budget=0.0)
     assert off.with_defaults(recipes.defaults(off)).validate().remat_budget == 0.0
-    assert trainer.remat_budget(off) is None
-    assert trainer.remat_budget(dataclasses.replace(off, remat_budget=1.5e6)) == 1_500_000
+    assert task_step.remat_budget(off) is None
+    assert task_step.remat_budget(dataclasses.replace(off, remat_budget=1.5e6)) == 1_500_000
 
 
 def test_a_recipe_budget_applies_only_to_the_settings_it_was_measured_at() -> None:

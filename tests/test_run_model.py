@@ -20,7 +20,8 @@ from safetensors.numpy import load_file
 import pockengine as pe
 from pockengine import zoo
 from pockengine.cli import main
-from pockengine.finetune import checkpoint, home, loop
+from pockengine.finetune.run_folder import checkpoint, home
+from pockengine.finetune.running import loop
 from tests.test_finetune_resume import write_task
 
 TEXTS = ["The central bank raised interest rates again", "The striker scored twice in the final"]
@@ -260,7 +261,7 @@ class _TinyCNN(torch.nn.Module):
 
 @pytest.fixture
 def tiny_vision(monkeypatch: pytest.MonkeyPatch) -> np.ndarray[Any, Any]:
-    from pockengine.finetune import vision
+    from pockengine.tasks import vision
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(40, 28, 28), dtype=np.uint8)
@@ -278,7 +279,7 @@ def tiny_vision(monkeypatch: pytest.MonkeyPatch) -> np.ndarray[Any, Any]:
 def test_vision_model_keeps_its_names_buffers_and_preprocessing(
     tiny_vision: np.ndarray[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pockengine.finetune import vision
+    from pockengine.tasks import vision
 
     seen = _scripted(monkeypatch, [0.9, 0.5])  # the best (epoch 1) is not the last
     out = tmp_path / "fashion"

@@ -17,8 +17,9 @@ import torch
 import pockengine as pe
 from pockengine import zoo
 from pockengine.cli import main
-from pockengine.finetune import causal_lm, checkpoint
-from pockengine.finetune.generation import generate
+from pockengine.finetune.run_folder import checkpoint
+from pockengine.finetune.trained.generation import generate
+from pockengine.tasks import causal_lm
 from tests.test_run_model import _run
 
 

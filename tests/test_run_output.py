@@ -21,8 +21,8 @@ from torch import nn
 
 import pockengine as pe
 from pockengine.cli import main
-from pockengine.finetune import curves
-from pockengine.finetune.result import best_row
+from pockengine.finetune.running import curves
+from pockengine.finetune.running.result import best_row
 from tests.test_finetune_resume import write_task
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -150,7 +150,7 @@ def test_without_matplotlib_the_picture_is_skipped_with_one_line(
     shutil.copy(runs["folder"] / "head" / "metrics.jsonl", run)
     writer = curves.CurvesWriter(run)
     curves._WARNED.clear()
-    with caplog.at_level(logging.WARNING, logger="pockengine.finetune.curves"):
+    with caplog.at_level(logging.WARNING, logger="pockengine.finetune.running.curves"):
         for _ in range(2):  # two validations
             writer.update(curves.RunInfo("run", "head"))
         assert writer.wait() is None

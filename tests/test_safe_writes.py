@@ -19,10 +19,10 @@ import pytest
 
 from pockengine import out_folder, safe_write
 from pockengine.cli import main
-from pockengine.finetune import checkpoint
-from pockengine.finetune.metrics import MetricsLog
-from pockengine.finetune.run_eval import CONFUSION_PNG, EVAL_JSON, write_eval
-from pockengine.finetune.run_lock import check_out_folder
+from pockengine.finetune.run_folder import checkpoint
+from pockengine.finetune.run_folder.metrics_log import MetricsLog
+from pockengine.finetune.running.run_lock import check_out_folder
+from pockengine.finetune.trained.run_eval import CONFUSION_PNG, EVAL_JSON, write_eval
 from pockengine.safe_write import UnsafeWriteError
 from tests.test_export_cli import BAG
 from tests.test_finetune_resume import write_task

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pockengine.finetune import checkpoint
+from pockengine.finetune.run_folder import checkpoint
 from pockengine.safetensors_io import append_tensors, write_safetensors_to
 
 

@@ -11,12 +11,12 @@ import pytest
 
 import pockengine as pe
 from pockengine import cli, zoo
-from pockengine.finetune import recipes
-from pockengine.finetune.config import FinetuneError
 from pockengine.frontend.imported import ModelInfo
 from pockengine.frontend.torch import torch_model_info
 from pockengine.ir import SchemeError
 from pockengine.sparse.schemes import SCHEME_NAMES, scheme_named
+from pockengine.tasks import recipes
+from pockengine.tasks.config import FinetuneError
 
 _DOC = Path(__file__).resolve().parents[1] / "docs" / "sparse_backprop.md"
 

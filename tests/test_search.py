@@ -11,12 +11,11 @@ import pytest
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.finetune.scheme_search import parse_amount
 from pockengine.frontend.torch import torch_model_info
 from pockengine.ir import SchemeError
 from pockengine.plan.report import analyze
-from pockengine.sparse import schemes
-from pockengine.sparse.search import (
+from pockengine.scheme_choice.scheme_search import parse_amount
+from pockengine.scheme_choice.search import (
     Budget,
     Item,
     Selection,
@@ -28,6 +27,7 @@ from pockengine.sparse.search import (
     knapsack,
     scheme_for,
 )
+from pockengine.sparse import schemes
 
 RATIOS = (0.125, 0.25, 0.5, 1.0)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from pockengine.cli import main
 from pockengine.finetune import FinetuneConfig, finetune
-from pockengine.finetune.sensitivity import (
+from pockengine.scheme_choice.sensitivity import (
     COST_FIELDS,
     AnalysisSettings,
     StepBuilder,

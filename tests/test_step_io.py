@@ -27,12 +27,12 @@ import pytest
 import pockengine as pe
 from pockengine import zoo
 from pockengine.cli import main
-from pockengine.finetune.gguf import decode_blocks
 from pockengine.ir import ParseError, print_graph
 from pockengine.ir.parser import parse_graph
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.sparse import schemes
 from pockengine.step.artifact import StepFileError, load_step, read_tensors
+from pockengine.tasks.gguf import decode_blocks
 
 Array = np.ndarray[Any, Any]
 _LAYER = "encoder.encoder.layer.0"

@@ -143,7 +143,7 @@ def _given(model: torch.nn.Module, names: list[str]) -> dict[str, Any]:
     """``names`` as Q8_0 GGUF blocks, used as given."""
     import gguf
 
-    from pockengine.finetune.gguf import decode_blocks
+    from pockengine.tasks.gguf import decode_blocks
 
     state = model.state_dict()
     out = {}
@@ -160,7 +160,7 @@ def test_stand_ins_for_given_weights_compile_the_same_step() -> None:
     weight stays tied (one param under both names)."""
     import copy
 
-    from pockengine.finetune.released import stand_in
+    from pockengine.finetune.run_folder.released import stand_in
     from pockengine.ir import print_graph
 
     w = zoo.llama_lm(layers=1, tied=True)

@@ -21,9 +21,9 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.torch import heap as torch_heap
 from pockengine.backends.torch.backend import TorchBackend, TorchExecutable
-from pockengine.finetune.metrics import classification_eval
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import liveness
+from pockengine.tasks.metrics import classification_eval
 
 Array = np.ndarray[Any, Any]
 

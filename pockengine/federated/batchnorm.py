@@ -61,7 +61,7 @@ class BatchNormStats:
         variances, as train mode computes them. ``model`` is left as it was."""
         import torch
 
-        from pockengine.finetune.recipes import tensor_rows
+        from pockengine.tasks.recipes import tensor_rows
 
         layers = {n: m for n, m in model.named_modules() if f"{n}.running_var" in self.pairs}
         saved = {k: v.clone() for k, v in model.state_dict().items()}

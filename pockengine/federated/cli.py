@@ -19,10 +19,10 @@ from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
 from pockengine.finetune.cli import byte_amount, positive_int
-from pockengine.finetune.config import AUTO_SCORES, DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
 from pockengine.out_folder import FEDERATION, claim, release
 from pockengine.safe_write import write_with
 from pockengine.sparse.schemes import SCHEME_HELP
+from pockengine.tasks.config import AUTO_SCORES, DEFAULT_BACKEND, DEFAULT_RECIPE, FinetuneConfig
 
 __all__ = ["add_arguments", "config_from_args", "plot_rounds", "run", "summary_text"]
 

@@ -23,8 +23,8 @@ from pockengine.federated.server_step import (
     ServerStep,
     default_server_lr,
 )
-from pockengine.finetune.config import FinetuneConfig
 from pockengine.ir import PockEngineError
+from pockengine.tasks.config import FinetuneConfig
 
 __all__ = ["FederatedConfig", "FederatedError"]
 

@@ -37,14 +37,15 @@ from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local_loss import adjusted_batch, local_loss_fn, logit_bias
 from pockengine.federated.partition import partition
 from pockengine.federated.payload import TrainedSet, load_some
-from pockengine.finetune import data as ds
-from pockengine.finetune import recipes
-from pockengine.finetune.config import FinetuneConfig
-from pockengine.finetune.trainer import linear_schedule
+from pockengine.federated.run_folder import GLOBAL_STATE, out_dir
+from pockengine.optim import linear_schedule
 from pockengine.safetensors_io import read_metadata
 from pockengine.sparse import schemes
 from pockengine.sparse.schemes import Scheme
 from pockengine.step.compiler import TrainStep
+from pockengine.tasks import data as ds
+from pockengine.tasks import recipes
+from pockengine.tasks.config import FinetuneConfig
 
 __all__ = [
     "LocalResult",
@@ -145,7 +146,7 @@ def resolve_scheme(
         return config
     if config.resume and (saved := _saved_choice(full)) is not None:
         return dataclasses.replace(config, scheme_choice=saved)
-    from pockengine.finetune.auto_scheme import choose_auto
+    from pockengine.scheme_choice.auto_scheme import choose_auto
 
     if task is None:
         recipes.check_model_files(ft)
@@ -175,8 +176,6 @@ def full_model_floats(model: Any) -> float:
 
 def _saved_choice(config: FederatedConfig) -> dict[str, Any] | None:
     """The scheme choice in the saved global state's config, if there is one."""
-    from pockengine.federated.server import GLOBAL_STATE, out_dir
-
     try:
         header = read_metadata(out_dir(config) / GLOBAL_STATE)
         saved: dict[str, Any] | None = json.loads(header["config"]).get("scheme_choice")

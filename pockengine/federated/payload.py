@@ -35,13 +35,7 @@ def full_model_bytes(step: TrainStep) -> int:
     """Bytes of every param and buffer of ``step`` as ``flat_state_dict()`` gives them
     (quantized weights as floats, tied ones under each name): what full-model FedAvg
     sends. Counted from the step's shapes and dtypes; no tensor is read or dequantized."""
-    # TODO(#18): a public ``TrainStep.state_specs()`` would replace these private reads.
-    total = 0
-    for ir, name in step._state_names.items():
-        shape, dtype = step._spec(ir)
-        copies = len(step._aliases.get(name, (name,)))
-        total += copies * math.prod(shape) * dtype.itemsize
-    return total
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in step.state_specs().values())
 
 
 @dataclass(frozen=True)

@@ -30,19 +30,21 @@ from pockengine.federated.client import RUN_CONFIG_KEY, to_arrays, to_record
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local import prepare
 from pockengine.federated.payload import TrainedSet
+from pockengine.federated.run_folder import GLOBAL_STATE, ROUNDS, SUMMARY, out_dir
 from pockengine.federated.server_step import ServerStep
 from pockengine.federated.strategy import SparseFedAvg
-from pockengine.finetune.checkpoint import write_atomic, write_json_lines
-from pockengine.finetune.metrics import MetricsLog, evaluate
-from pockengine.finetune.recipes import Task
+from pockengine.finetune.run_folder.checkpoint import write_json_lines
+from pockengine.finetune.run_folder.metrics_log import MetricsLog
+from pockengine.safe_write import write_bytes
 from pockengine.safetensors_io import metadata_of
 from pockengine.step.compiler import TrainStep
+from pockengine.tasks.metrics import evaluate
+from pockengine.tasks.recipes import Task
 
 __all__ = ["GLOBAL_STATE", "ROUNDS", "SUMMARY", "app", "out_dir", "run_server"]
 
 log = logging.getLogger(__name__)
 
-GLOBAL_STATE, ROUNDS, SUMMARY = "global.safetensors", "rounds.jsonl", "summary.json"
 
 app = ServerApp()
 
@@ -51,11 +53,6 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Flower's entry point: the run's config travels in the run config."""
     run_server(grid, FederatedConfig.from_json(str(context.run_config[RUN_CONFIG_KEY])))
-
-
-def out_dir(config: FederatedConfig) -> Path:
-    ft = config.finetune
-    return Path(ft.out or Path("runs") / f"federated-{ft.recipe or 'generic'}")
 
 
 def run_server(grid: Grid, config: FederatedConfig) -> dict[str, Any]:
@@ -85,7 +82,7 @@ def run_server(grid: Grid, config: FederatedConfig) -> dict[str, Any]:
     else:
         round_log.initial = round_log.evaluate(arrays)
     summary = round_log.summary(done)
-    write_atomic(out / SUMMARY, json.dumps(summary, indent=2).encode())
+    write_bytes(out / SUMMARY, json.dumps(summary, indent=2).encode())
     return summary
 
 
@@ -183,7 +180,7 @@ class _RoundLog:
         from safetensors.numpy import save
 
         meta = {"round": str(r), "config": json.dumps(self.config.training_dict())}
-        write_atomic(self.out / GLOBAL_STATE, save({**arrays, **server_state}, metadata=meta))
+        write_bytes(self.out / GLOBAL_STATE, save({**arrays, **server_state}, metadata=meta))
 
     def summary(self, resumed_at: int) -> dict[str, Any]:
         rows = self.log.rows()

@@ -7,24 +7,37 @@
     print(result.summary())
 
 ``pockengine finetune --help`` lists the same options and the recipes (minilm-bbc,
-minilm-tweets, lite0-fashion, smollm2-pydocs, or your model on your data). The
-modules: ``config`` (options, ``FinetuneError``, ``DEFAULT_BACKEND``), ``data``
-(datasets, splits, tokenisation), ``models``, ``vision``, ``causal_lm``, ``recipe_table``
-and ``recipes`` (what trains on what), ``launch`` (checks, lock, the compile child),
-``trainer`` (the loop), ``metrics`` (evaluation, the JSONL
-log), ``checkpoint`` (safetensors, atomic), ``progress`` (the bar), ``result`` and
-``cli`` (the command's options). Only this module is imported by ``pockengine``
-itself; torch is imported when a run compiles (``--compile-in process``) or once
-its compile child is done (``--compile-in child``, the default).
+minilm-tweets, lite0-fashion, smollm2-pydocs, or your model on your data). The options,
+models, data and recipes a run trains are ``pockengine.tasks`` (``FinetuneConfig`` and
+``FinetuneError`` are re-exported here); choosing the scheme (``--scheme auto``) is
+``pockengine.scheme_choice``. This package is the run built on them:
+
+- ``running``: ``launch`` (checks, lock, the compile child), ``trainer`` and ``loop`` (the
+  training loop), ``progress`` (the bar), ``curves``, ``result``, ``run_lock``;
+- ``compiling``: compiling the run's step (``task_step``), in a child process
+  (``compile_child``, ``child``, ``child_folder``, ``compiled_task``, ``model_skeleton``);
+- ``run_folder``: what a run writes and how it is read back (``home``, ``home_load``,
+  ``checkpoint``, ``best``, ``metrics_log``, ``adapter``, ``released``, ``run_files``,
+  ``run_meta``);
+- ``trained``: tools for a trained run (``generation``, ``lm_chat``, ``run_eval``,
+  ``lm_eval``, ``gguf_lora``);
+- ``cli``: the command's options.
+
+``import pockengine`` does not import this package; ``pe.finetune`` does on first use
+(it is this module, which calls as ``finetune``). torch is imported when a run compiles
+(``--compile-in process``) or once its compile child is done (``--compile-in child``, the
+default).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
-from pockengine.finetune.config import (
+from pockengine.tasks.config import (
     DEFAULT_BACKEND,
     DEFAULT_RECIPE,
     FinetuneConfig,
@@ -32,7 +45,7 @@ from pockengine.finetune.config import (
 )
 
 if TYPE_CHECKING:
-    from pockengine.finetune.result import FinetuneResult
+    from pockengine.finetune.running.result import FinetuneResult
 
 __all__ = [
     "DEFAULT_BACKEND",
@@ -56,6 +69,18 @@ def finetune(config: FinetuneConfig | None = None, /, **options: Any) -> Finetun
     config = dataclasses.replace(config or FinetuneConfig(), **{**options, **paths})
     if ("model" in options or "data" in options) and "recipe" not in options:
         config = dataclasses.replace(config, recipe=None)
-    from pockengine.finetune import launch  # torch is imported once the compile is done
+    from pockengine.finetune.running import launch  # torch is imported once the compile is done
 
     return launch.run(config)
+
+
+class _CallableModule(types.ModuleType):
+    """This package, callable as ``finetune``: ``pe.finetune(...)`` runs a fine-tune
+    whether ``pe.finetune`` was first reached through ``pockengine`` or by importing a
+    submodule (which binds the package, not the function, to ``pockengine.finetune``)."""
+
+    def __call__(self, config: FinetuneConfig | None = None, /, **options: Any) -> FinetuneResult:
+        return finetune(config, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -9,7 +9,10 @@ import signal
 from collections.abc import Callable
 
 from pockengine.cli_help import BACKEND_HELP, RECIPE_HELP, THREADS_HELP
-from pockengine.finetune.config import (
+from pockengine.ir import CompileError
+from pockengine.passes.remat_budget import parse_budget
+from pockengine.sparse.schemes import SCHEME_HELP
+from pockengine.tasks.config import (
     AUTO_SCORES,
     BATCHNORM_CHOICES,
     DATA_FORMATS,
@@ -20,9 +23,6 @@ from pockengine.finetune.config import (
     TASK_CHOICES,
     FinetuneConfig,
 )
-from pockengine.ir import CompileError
-from pockengine.passes.remat_budget import parse_budget
-from pockengine.sparse.schemes import SCHEME_HELP
 
 __all__ = [
     "EPILOG",

@@ -22,7 +22,7 @@ from pockengine.plan.memory import MemoryPlan, plan_memory
 from pockengine.plan.placement import Placement
 
 if TYPE_CHECKING:
-    from pockengine.passes.remat_budget import Recomputation
+    from pockengine.plan.recomputation import Recomputation
 
 __all__ = ["Figures", "KernelChoice", "LayerFigures", "Report", "analyze"]
 

@@ -21,8 +21,8 @@ from pockengine import optim
 from pockengine.frontend.imported import ModelInfo, ParamInfo
 from pockengine.ir import DType, TensorType
 from pockengine.passes.quantize import QuantizedParam
-from pockengine.passes.remat_budget import Recomputation, Segment
 from pockengine.plan.index_bounds import IndexBound
+from pockengine.plan.recomputation import Recomputation, Segment
 from pockengine.plan.report import Figures, LayerFigures, Report
 from pockengine.sparse import schemes
 from pockengine.sparse.lora import Adapter

@@ -189,7 +189,7 @@ def compile(
     and offsets; None: float) stores the frozen weights of linear and embedding layers
     low-bit, dequantized one layer at a time inside the step (``pockengine.passes.quantize``,
     docs/quant.md); ``quantized`` gives weights already quantized (GGUF blocks, by model
-    name: ``pockengine.finetune.gguf``), used as they are.
+    name: ``pockengine.tasks.gguf``), used as they are.
     ``memory_budget`` ("600MB", binary units, or bytes) caps the planned peak: saved
     activations, whole transformer blocks included, are recomputed in the backward pass at
     the least FLOPs until the plan fits (``pockengine.passes.remat_budget``; bit-identical

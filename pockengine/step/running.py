@@ -85,7 +85,7 @@ class StepFacts:
 def copies_deferred() -> Iterator[None]:
     """Steps bound inside share every value they write (the torch model's trained params
     included) until their first step: for a process that compiles a step to save it
-    (``finetune.compile_child``), which then never holds the trained params twice. The
+    (``finetune.compiling.compile_child``), which then never holds the trained params twice. The
     caller must not change the model's params before that step."""
     token = _DEFERRED.set(True)
     try:
@@ -301,6 +301,17 @@ class CompiledStep(ABC):
             value = self._read(ir, copy)
             for i, alias in enumerate(self._aliases.get(name, (name,))):
                 out[alias] = value.copy() if copy and i else value
+        return out
+
+    def state_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        """The shape and dtype of every entry of ``flat_state_dict()`` (quantized weights as
+        their floats, tied ones under each name), from the step's types: no value is
+        dequantized or copied."""
+        out = {}
+        for ir, name in self._state_names.items():
+            spec = self._spec(ir)
+            for alias in self._aliases.get(name, (name,)):
+                out[alias] = spec
         return out
 
     def optimizer_state(self, *, copy: bool = True) -> dict[str, Array]:
