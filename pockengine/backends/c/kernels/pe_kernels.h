@@ -90,6 +90,9 @@ size_t pe_dtype_size(int dtype);
     void pe_depthwise_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);      \
     void pe_depthwise_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);        \
     void pe_depthwise_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);       \
+    int pe_dw_flat_forward_##S(const T *x, const T *w, const T *bias, T *y, const long *geom); \
+    int pe_dw_flat_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);           \
+    int pe_dw_flat_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);          \
     void pe_batch_norm_##S(const T *x, const T *w, const T *b, T *y, T *mean, T *var,          \
                            long N, long C, long S_, double eps);                               \
     void pe_batch_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
