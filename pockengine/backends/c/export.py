@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.backends.c.backend import KERNELS, check_claims
+from pockengine.backends.c.conv_table import conv_slots, conv_table_source
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
 from pockengine.ir import CompileError, DType, Graph, Role, Value
@@ -34,7 +35,7 @@ __all__ = ["bounds_source", "export_c", "read_safetensors", "write_safetensors"]
 Array = np.ndarray[Any, Any]
 TRAINER_DIR = Path(__file__).with_name("trainer")
 TRAINER_FILES = ("main.c", "pe_io.c", "pe_io.h", "pe_save.c", "pe_check.c", "pe_check.h",
-                 "Makefile")  # fmt: skip
+                 "pe_tune.c", "pe_tune.h", "Makefile")  # fmt: skip
 _ST_DTYPES = SAFETENSORS_DTYPES
 
 
@@ -190,7 +191,9 @@ def export_c(
     make_dirs(out / "kernels", inside=out)
     plan = plan_memory(graph)
     names = _file_names(graph, state_names)
-    write_text(out / "step.c", emit_step(graph, plan, KERNELS, names), inside=out)
+    step = emit_step(graph, plan, KERNELS, names, conv_slots=conv_slots(graph))
+    write_text(out / "step.c", step, inside=out)
+    write_text(out / "convs.c", conv_table_source(graph), inside=out)
     write_text(out / "bounds.c", bounds_source(graph, bounds), inside=out)
     for src in sorted(KERNEL_DIR.iterdir()):
         if src.suffix in (".c", ".h"):

@@ -119,14 +119,17 @@ static void PE_S(pe_dw_flat_pitch)(const PE_T *gy, long OH, long OW, long Bw, PE
 static void PE_S(pe_dw_flat_sum)(const PE_T *src, const long *off, const PE_T *w, long taps,
                                  PE_T bias, long n, PE_T *restrict out) {
     enum { V = PE_DWF_V };
+    /* the taps as vectors once: a scalar times a vector wider than the target's registers
+     * is built element by element at every use (GCC, portable builds) */
+    PE_S(pe_dwf_vec) wv[taps], b = {0};
+    b += bias;
+    for (long t = 0; t < taps; t++) wv[t] = (PE_S(pe_dwf_vec)){0} + w[t];
     for (long k = 0; k < n; k += 2 * V) {
-        PE_S(pe_dwf_vec) a0 = {0}, a1 = {0};
-        a0 += bias;
-        a1 += bias;
+        PE_S(pe_dwf_vec) a0 = b, a1 = b;
         for (long t = 0; t < taps; t++) {
             const PE_T *s = src + off[t] + k;
-            a0 += w[t] * PE_DWF_LOAD(s);
-            a1 += w[t] * PE_DWF_LOAD(s + V);
+            a0 += wv[t] * PE_DWF_LOAD(s);
+            a1 += wv[t] * PE_DWF_LOAD(s + V);
         }
         memcpy(out + k, &a0, sizeof(a0));
         memcpy(out + k + V, &a1, sizeof(a1));

@@ -151,6 +151,10 @@ void pe_topk_f32(const float *x, float *values, int64_t *indices, long outer, lo
 void pe_topk_f64(const double *x, double *values, int64_t *indices, long outer, long n,
                  long inner, long k, int largest);
 
+/* The exported trainer's kernel choice of each tunable conv node (its convs.c; -1: the
+ * rule's kernel). In-process steps never read it. */
+extern int pe_conv_choice[];
+
 /* Geometry of a 2-D window op, as the emitter writes it (one static array per node). */
 enum {
     PE_G_N, PE_G_C, PE_G_H, PE_G_W, PE_G_O, PE_G_KH, PE_G_KW, PE_G_OH, PE_G_OW,

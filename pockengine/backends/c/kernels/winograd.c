@@ -33,16 +33,26 @@
 #define PE_WG_OB (PE_TSIZE == 4 ? 32 : 16) /* output channels a block */
 #define PE_WG_CB (PE_TSIZE == 4 ? 32 : 16) /* input channels a block */
 
-typedef PE_T PE_S(pe_wg_vec) __attribute__((vector_size(64), aligned(PE_TSIZE)));
-#define PE_WG_V (64 / PE_TSIZE)
-#define PE_WG_NV (PE_WG_TB / PE_WG_V)
-/* Output channels a register block: 16 accumulators of 64 bytes with AVX-512's 32
- * registers, 8 elsewhere (AVX2's and NEON's registers are smaller). */
-#ifdef __AVX512F__
-#define PE_WG_R (PE_TSIZE == 4 ? 8 : 4)
+/* The vector: the target's widest register (a wider generic vector is split, and its
+ * broadcasts built element by element, on a narrower target). */
+#if defined(__AVX512F__)
+#define PE_WG_BYTES 64
+#elif defined(__AVX__)
+#define PE_WG_BYTES 32
 #else
-#define PE_WG_R (PE_TSIZE == 4 ? 4 : 2)
+#define PE_WG_BYTES 16
 #endif
+typedef PE_T PE_S(pe_wg_vec) __attribute__((vector_size(PE_WG_BYTES), aligned(PE_TSIZE)));
+#define PE_WG_V (PE_WG_BYTES / PE_TSIZE)
+#define PE_WG_NV (PE_WG_TB / PE_WG_V)
+/* Output channels a register block: 16 accumulators where there are 32 vector registers
+ * (AVX-512, NEON), 8 where there are 16 (AVX2, SSE). */
+#if defined(__AVX512F__) || defined(__ARM_NEON) || defined(__aarch64__)
+#define PE_WG_ACC 16
+#else
+#define PE_WG_ACC 8
+#endif
+#define PE_WG_R (PE_WG_ACC / PE_WG_NV > 0 ? PE_WG_ACC / PE_WG_NV : 1)
 /* The 16 planes of V, U and M lie this many elements apart: one cache line more than
  * their size, so the 16 elements of one tile's transform do not alias in the cache. */
 #define PE_WG_VS (PE_WG_CB * PE_WG_TB + PE_WG_V)
@@ -243,6 +253,8 @@ void PE_S(pe_conv2d_input_grad_winograd)(const PE_T *gy, const PE_T *w, PE_T *gx
 #undef PE_WG_V
 #undef PE_WG_NV
 #undef PE_WG_R
+#undef PE_WG_ACC
+#undef PE_WG_BYTES
 #undef PE_WG_VS
 #undef PE_WG_US
 #undef PE_WG_MS
