@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,46 @@ def test_winograd_trains_a_torch_initialised_cnn_as_numpy() -> None:
         assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
     for name, value in steps["numpy"].state_dict().items():
         np.testing.assert_allclose(steps["c"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
+
+
+_CHECK = Path(__file__).with_name("c_kernels") / "conv_check.c"
+
+
+def _conv_check(tmp_path: Path, flags: list[str], compiler: str = "cc",
+                runner: list[str] | None = None) -> str:  # fmt: skip
+    from pockengine.backends.c.driver import KERNEL_DIR
+
+    files = ["winograd.c", "depthwise.c", "dw_flat.c", "common.c"]
+    binary = tmp_path / "conv_check"
+    common = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
+    sources = [str(_CHECK), *(str(KERNEL_DIR / f) for f in files)]
+    subprocess.run([compiler, *flags, *common, *sources, "-o", str(binary), "-lm"],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
+                          check=False, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("ok "), done.stdout + done.stderr
+    assert int(done.stdout.split()[1]) >= 150  # the cases ran
+    return done.stdout
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["-O3", "-march=native"],
+        ["-O3"],  # portable: SSE2 vectors on x86-64
+        ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
+    ],
+    ids=["native", "portable", "sanitized"],
+)
+def test_depthwise_and_winograd_kernels_on_random_geometries(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    _conv_check(tmp_path, flags)
+
+
+def test_depthwise_and_winograd_kernels_on_aarch64(tmp_path: Path) -> None:
+    """Needs Debian's gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
+    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cross is None or qemu is None:
+        pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing")
+    _conv_check(tmp_path, ["-O3"], cross, [qemu, "-L", "/usr/aarch64-linux-gnu"])

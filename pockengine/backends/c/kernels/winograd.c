@@ -19,11 +19,6 @@
  *
  * The geometry array is indexed by the PE_G_* names of pe_kernels.h. */
 #ifndef PE_T
-#if defined(__GNUC__) && !defined(__clang__)
-/* -std=c11 turns GCC's contraction off; the products below are meant as fused
- * multiply-adds (Clang contracts within an expression by default). */
-#pragma GCC optimize("fp-contract=fast")
-#endif
 #include "pe_kernels.h"
 #define PE_SELF "winograd.c"
 #include "pe_instantiate.h"
