@@ -67,38 +67,20 @@ static void PE_S(pe_row_grad_sums)(const PE_T *restrict g, const PE_T *restrict 
     *sw += tw;
 }
 
-/* Each channel's statistics row by row: a row's mean, then its centred squares while it
- * is still in cache, merged across the images by Chan's formula (M2 = sum of the rows' M2
- * + sum of S * (row mean - mean)^2), so the input is read from memory once for the
- * statistics and once for the output. */
 void PE_S(pe_batch_norm)(const PE_T *x, const PE_T *w, const PE_T *b, PE_T *y, PE_T *mean,
                          PE_T *var, long N, long C, long S, double eps) {
     PE_PARALLEL_FOR(N * C * S)
     for (long c = 0; c < C; c++) {
-        double sum = 0, m2 = 0, count = (double)(N * S);
-        double row_mean[N];
+        double sum = 0, sq = 0, count = (double)(N * S);
+        for (long n = 0; n < N; n++) sum += PE_S(pe_row_sum)(x + (n * C + c) * S, S);
+        PE_T mu = (PE_T)(sum / count);
+        for (long n = 0; n < N; n++) sq += PE_S(pe_row_sqdev)(x + (n * C + c) * S, S, mu);
+        PE_T v = (PE_T)(sq / count);
+        PE_T scale = w[c] / (PE_T)sqrt((double)v + eps), shift = b[c];
         for (long n = 0; n < N; n++) {
             const PE_T *row = x + (n * C + c) * S;
-            double rm = PE_S(pe_row_sum)(row, S) / (double)S;
-            m2 += PE_S(pe_row_sqdev)(row, S, (PE_T)rm);
-            PE_T rmt = (PE_T)rm; /* the centre the squares used */
-            row_mean[n] = (double)rmt;
-            sum += (double)S * rm;
-        }
-        double mu_d = sum / count;
-        for (long n = 0; n < N; n++) {
-            /* sum (x - mu)^2 = sum (x - m)^2 + 2 (m - mu) sum (x - m) + S (m - mu)^2, where
-             * sum (x - m) = S (mean_r - m) for the rounded centre m */
-            double d = row_mean[n] - mu_d;
-            m2 += (double)S * d * d;
-        }
-        PE_T mu = (PE_T)mu_d;
-        PE_T v = (PE_T)(m2 / count);
-        PE_T scale = w[c] / (PE_T)sqrt((double)v + eps), shift = b[c] - mu * scale;
-        for (long n = 0; n < N; n++) {
-            const PE_T *restrict row = x + (n * C + c) * S;
             PE_T *restrict out = y + (n * C + c) * S;
-            for (long s = 0; s < S; s++) out[s] = row[s] * scale + shift;
+            for (long s = 0; s < S; s++) out[s] = (row[s] - mu) * scale + shift;
         }
         mean[c] = mu;
         var[c] = v;
