@@ -11,9 +11,10 @@
  * accumulates into one padded row in the same phases and copies it out; the weight
  * gradient keeps a vector of partial sums a tap (conv.c keeps its direct loops for maps
  * narrower than a vector, where they are faster). The geometry array is indexed by the
- * PE_G_* names of pe_kernels.h. A plane whose scratch fits PE_DW_FLAT_BYTES (160 KiB: maps
- * up to about 140 x 140 at stride 1) runs dw_flat.c's whole-plane kernels instead, which
- * are faster on every size measured; these row kernels take the larger planes. */
+ * PE_G_* names of pe_kernels.h. Smaller planes run dw_flat.c's whole-plane kernels
+ * instead (the forward and input gradient up to about 40 x 40 at stride 1, the weight
+ * gradient up to about 140 x 140), which measured faster there; these row kernels take
+ * the larger planes. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "depthwise.c"
