@@ -16,10 +16,10 @@ trainers: pointwise, else depthwise where it measured faster than direct loops
 (``_depthwise_wins``: at stride 1 always but for the weight gradient of maps narrower
 than 32 bytes; strided, only the input gradient of output rows of 128 bytes or more and
 the weight gradient of 64 or more), else Winograd for a forward or input gradient it
-computes with at least ``WINOGRAD_MIN`` channels in and out (measured on AVX-512, one thread: 0.85-0.95x the
-implicit GEMM's time from 32 channels, 1.0-2.7x below 16), else im2col when a group has
-at least 4 channels out and a depth (channels x taps) of at least 4 (the input gradient
-at stride 1), else direct.
+computes with at least ``WINOGRAD_MIN`` channels in and out (measured on AVX-512, one
+thread: 0.85-0.95x the implicit GEMM's time from 32 channels, 1.0-2.7x below 16), else
+im2col when a group has at least 4 channels out and a depth (channels x taps) of at
+least 4 (the input gradient at stride 1), else direct.
 """
 
 from __future__ import annotations
