@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -280,6 +281,32 @@ def device_footprint() -> str:
     )
 
 
+def c_vs_eager(name: str) -> Callable[[], str]:
+    """CPU time a step of the C backend, the torch backend and eager (c_vs_eager.py)."""
+
+    def render() -> str:
+        data = load(name)
+        rows = []
+        for r in data["rows"]:
+            if "error" in r:
+                continue
+            engines = ("c", "torch", "eager")
+            cells = [f"{statistics.median(x['cpu_ms'] for x in r['runs'][e]):.1f}" for e in engines]
+            rows.append([r["case"], *cells, f"{r['c_eager_cpu']:.2f}", f"{r['c_torch_cpu']:.2f}",
+                         f"{r['c_eager_wall']:.2f}"])  # fmt: skip
+        header = ("case", "C (CPU ms a step)", "torch backend", "eager", "C / eager",
+                  "C / torch backend", "C / eager, wall time")  # fmt: skip
+        return "\n".join(
+            [
+                f"{generated_by(name)} {data['threads']} thread(s).",
+                "",
+                _markdown_table(header, _align(1, 6), rows),
+            ]
+        )
+
+    return render
+
+
 _LORA_MEMORY = (
     "lora_peer-smollm2-pydocs-workspace-s20-narrow.json",
     "lora_peer-smollm2-pydocs-workspace-s20-narrow2.json",
@@ -462,6 +489,8 @@ TABLES: tuple[Table, ...] = (
     _ours("docs/benchmarks.md", "lora-memory", lora_memory),
     _ours("docs/benchmarks.md", "lora-speed", lora_speed),
     _ours("docs/c_backend.md", "device-footprint", device_footprint),
+    _ours("docs/c_backend.md", "c-vs-eager-1thread", c_vs_eager("c_vs_eager-1thread.json")),
+    _ours("docs/c_backend.md", "c-vs-eager-2thread", c_vs_eager("c_vs_eager-2thread.json")),
 )
 
 

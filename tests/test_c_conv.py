@@ -5,12 +5,16 @@ smaller, equal to and larger than the filter's reach, dilation; direct loops for
 of too few channels and a strided input gradient), each forward, input gradient and
 weight gradient, with the rule's kernels and with each node forced onto direct loops or the
 implicit GEMM wherever valid, float32 (1e-5 relative to the sum of magnitudes) and
-float64 (1e-12), all in one compiled graph."""
+float64 (1e-12), all in one compiled graph. Winograd F(2x2, 3x3) (every 3x3 stride-1
+case forced onto it, and by the rule from 32 channels) meets the same tolerances: its
+transforms add and halve before the products, so it rounds differently from direct
+convolution, by about 1e-6 of the largest output in float32."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,9 @@ CASES = [
     (1, 6, 6, 1, 11, 11, 3, 1, 0, 1),
     (1, 4, 6, 1, 6, 6, 3, 1, 3, 1),
     (2, 12, 16, 4, 9, 9, 3, 2, 1, 1),
+    # Winograd by the rule (>= 32 channels): two blocks of tiles, of input and of output
+    # channels, a remainder of output channels, odd maps (cut tiles)
+    (2, 40, 37, 1, 9, 7, 3, 1, 1, 1),
 ]
 
 
@@ -87,7 +94,11 @@ def test_convolutions_match_numpy(dtype: DType) -> None:
         outs += values
         feeds.update(inputs)
     graph = b.build(outs)
-    got = CBackend().compile(graph).run({}, dict(feeds))
+    step = CBackend().compile(graph)
+    sfx = "f32" if dtype is DType.F32 else "f64"
+    for op in ("conv2d", "conv2d_input_grad"):
+        assert f"pe_{op}_winograd_{sfx}(" in step.source
+    got = step.run({}, dict(feeds))
     want = NumpyBackend().compile(graph).run(dict(feeds))
     tol = 1e-5 if dtype is DType.F32 else 1e-12
     for value, g, w in zip(outs, got, want, strict=True):
@@ -95,7 +106,7 @@ def test_convolutions_match_numpy(dtype: DType) -> None:
         np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
 
 
-@pytest.mark.parametrize("favour", ["direct", "im2col"])
+@pytest.mark.parametrize("favour", ["direct", "im2col", "winograd"])
 def test_every_kernel_candidate_matches_numpy(
     favour: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,3 +130,83 @@ def test_every_kernel_candidate_matches_numpy(
     for value, g, w in zip(outs, got, want, strict=True):
         scale = max(float(np.abs(w).max()), 1.0)
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * scale, err_msg=str(value))
+
+
+def test_winograd_trains_a_torch_initialised_cnn_as_numpy() -> None:
+    """A VGG-style block (3x3 convolutions of 32 channels at stride 1: Winograd by the rule,
+    forward and input gradient) with PyTorch's own initialisation, 5 SGD steps in float32:
+    the losses and weights match NumPy's to rtol 1e-4 (Winograd's rounding differs from
+    direct convolution by about 1e-6 of each output; five steps keep it below 1e-4)."""
+    import torch
+    from torch import nn
+
+    import pockengine as pe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 5),
+    )  # fmt: skip
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x), y)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 3, 10, 10, generator=g), torch.randint(0, 5, (2,), generator=g))
+               for _ in range(5)]  # fmt: skip
+    steps = {
+        b: pe.compile(model, loss_fn, batches[0], pe.optim.SGD(lr=0.05), backend=b)
+        for b in ("numpy", "c")
+    }
+    assert "pe_conv2d_winograd_f32(" in steps["c"]._exec.source
+    assert "pe_conv2d_input_grad_winograd_f32(" in steps["c"]._exec.source
+    for batch in batches:
+        want, got = steps["numpy"](*batch), steps["c"](*batch)
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    for name, value in steps["numpy"].state_dict().items():
+        np.testing.assert_allclose(steps["c"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
+
+
+_CHECK = Path(__file__).with_name("c_kernels") / "conv_check.c"
+
+
+def _conv_check(tmp_path: Path, flags: list[str], compiler: str = "cc",
+                runner: list[str] | None = None) -> str:  # fmt: skip
+    from pockengine.backends.c.driver import KERNEL_DIR
+
+    files = ["winograd.c", "depthwise.c", "dw_flat.c", "common.c"]
+    binary = tmp_path / "conv_check"
+    common = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
+    sources = [str(_CHECK), *(str(KERNEL_DIR / f) for f in files)]
+    subprocess.run([compiler, *flags, *common, *sources, "-o", str(binary), "-lm"],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
+                          check=False, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("ok "), done.stdout + done.stderr
+    assert int(done.stdout.split()[1]) >= 150  # the cases ran
+    return done.stdout
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["-O3", "-march=native"],
+        ["-O3"],  # portable: SSE2 vectors on x86-64
+        ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
+    ],
+    ids=["native", "portable", "sanitized"],
+)
+def test_depthwise_and_winograd_kernels_on_random_geometries(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    _conv_check(tmp_path, flags)
+
+
+def test_depthwise_and_winograd_kernels_on_aarch64(tmp_path: Path) -> None:
+    """Needs Debian's gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
+    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cross is None or qemu is None:
+        pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing")
+    _conv_check(tmp_path, ["-O3"], cross, [qemu, "-L", "/usr/aarch64-linux-gnu"])

@@ -68,12 +68,12 @@ def _rule(step: Any, output: str) -> str:
     return rule_kernel(node.op, conv_geometry(node), node.outputs[0].dtype.itemsize)
 
 
-@pytest.mark.parametrize("favour", [None, "direct", "im2col"])
+@pytest.mark.parametrize("favour", [None, "direct", "im2col", "winograd"])
 def test_tuned_steps_train_as_numpy_does(
     table: Path, monkeypatch: pytest.MonkeyPatch, favour: str | None
 ) -> None:
-    """Measured choices, and every node pushed onto direct loops or the implicit GEMM
-    (off the rule wherever they are valid): 5 SGD steps match NumPy's losses and weights;
+    """Measured choices, and every node pushed onto direct loops, the implicit GEMM or
+    Winograd (off the rule wherever they are valid): 5 SGD steps match NumPy's losses and weights;
     the report lists every tuned node with its kernel."""
     monkeypatch.setattr(tune, "measure", Spy(favour))
     w = zoo.small_cnn()
@@ -172,7 +172,7 @@ def test_malformed_or_impossible_entries_are_measured_again(
     bad = [
         {"kernel": "direct", "seconds": {"direct": -1.0}},
         {"kernel": "direct", "seconds": {"direct": True}},
-        {"kernel": "winograd", "seconds": {"winograd": 1e-6}},
+        {"kernel": "fft", "seconds": {"fft": 1e-6}},
         {"kernel": "direct", "seconds": "1e9"},
         "direct",
     ]

@@ -115,6 +115,8 @@ class EmitContext:
     statics: list[str] = field(default_factory=list)
     # a conv node's first output name -> its kernel (conv_kernels.py); absent: the rule
     conv_kernels: Mapping[str, str] = field(default_factory=dict)
+    # a conv node's first output name -> its slot in the trainer's table (conv_table.py)
+    conv_slots: Mapping[str, int] = field(default_factory=dict)
 
     def ref(self, v: Value) -> str:
         return self.names[v.name]
@@ -253,14 +255,17 @@ def emit_step(
     file_names: Mapping[str, str] | None = None,
     profile: bool = False,
     conv_kernels: Mapping[str, str] | None = None,
+    conv_slots: Mapping[str, int] | None = None,
 ) -> str:
     """The C source of ``graph``'s step: includes, metadata, static geometry, then the nodes
     in functions of ``_NODES_PER_FUNCTION`` that ``pe_step`` calls in order. With
     ``profile``, each node's statement is timed into ``pe_node_seconds[k]``;
-    ``conv_kernels`` names the kernel of conv nodes (by first output; the rest: the rule)."""
+    ``conv_kernels`` names the kernel of conv nodes (by first output; the rest: the rule);
+    ``conv_slots`` makes those conv calls switch on the trainer's table (conv_table.py)."""
     names: dict[str, str] = {}
     decls = _declarations(graph, plan, names)
-    ctx = EmitContext(graph, plan, names, conv_kernels=conv_kernels or {})
+    ctx = EmitContext(graph, plan, names, conv_kernels=conv_kernels or {},
+                      conv_slots=conv_slots or {})  # fmt: skip
     parts: list[str] = []
     for start in range(0, len(graph.nodes), _NODES_PER_FUNCTION):
         nodes = graph.nodes[start : start + _NODES_PER_FUNCTION]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from pockengine.backends.c.conv_kernels import candidates, conv_geometry, rule_kernel
+from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry, rule_kernel
 from pockengine.backends.c.emit import (
     CEmitError,
     EmitContext,
@@ -89,10 +89,21 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
     except ValueError as exc:
         raise CEmitError(f"{node.op}: {exc}") from None
     kernel = ctx.conv_kernels.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize)
-    if kernel not in candidates(node.op, g):
+    names = candidates(node.op, g)
+    if kernel not in names:
         raise CEmitError(f"{node.op}: kernel {kernel!r} cannot compute {out}")
     geom = ctx.longs("conv", g.longs())
-    return f"pe_{node.op}_{kernel}_{_sfx(out)}({args}, {geom});"
+
+    def call(name: str) -> str:
+        return f"pe_{node.op}_{name}_{_sfx(out)}({args}, {geom});"
+
+    slot = ctx.conv_slots.get(out.name)
+    if slot is None:
+        return call(kernel)
+    # the exported trainer: the kernel its table chose (conv_table.py), else this one
+    others = [k for k in names if k != kernel]
+    cases = " ".join(f"case {KERNEL_NAMES.index(k)}: {call(k)} break;" for k in others)
+    return f"switch (pe_conv_choice[{slot}]) {{ {cases} default: {call(kernel)} }}"
 
 
 def _conv2d(ctx: EmitContext, node: Node) -> str:

@@ -78,9 +78,12 @@ def _target() -> str:
 
 
 def _key(op: str, dtype: DType, g: ConvGeometry, toolchain_key: str, threads: int | None) -> str:
+    """The table key: op, dtype, geometry, threads, the candidates timed (a kernel added
+    later makes a new key, so it is timed), target and toolchain."""
     geometry = ",".join(str(x) for x in g.longs()[:16])
     flags = toolchain_key.replace("\n", " ")
-    return f"{op} {dtype} g={geometry} threads={threads or 0} | {_target()} | {flags}"
+    names = ",".join(candidates(op, g))
+    return f"{op} {dtype} g={geometry} threads={threads or 0} k={names} | {_target()} | {flags}"
 
 
 def _valid_entry(entry: Any) -> bool:

@@ -40,6 +40,23 @@ static int pe_is_depthwise(const long *g) {
     return g[PE_G_GROUPS] == g[PE_G_C] && g[PE_G_O] == g[PE_G_C] && g[PE_G_C] > 1;
 }
 
+/* Where the depthwise kernels measured faster than direct loops (conv_kernels.py's
+ * _depthwise_wins): op 0 forward, 1 input gradient, 2 weight gradient; `wide` the output
+ * row in bytes. */
+static int pe_depthwise_wins(int op, const long *g, long wide) {
+    if (g[PE_G_SH] == 1 && g[PE_G_SW] == 1) return op != 2 || wide >= 32;
+    return op == 1 ? wide >= 128 : op == 2 && wide >= 64;
+}
+
+/* Winograd F(2x2, 3x3) (winograd.c): 3x3, stride 1, dilation 1, one group, with at least
+ * PE_WINOGRAD_MIN channels in and out (conv_kernels.WINOGRAD_MIN). */
+#define PE_WINOGRAD_MIN 32
+static int pe_winograd_wins(const long *g) {
+    return g[PE_G_KH] == 3 && g[PE_G_KW] == 3 && g[PE_G_SH] == 1 && g[PE_G_SW] == 1 &&
+           g[PE_G_DH] == 1 && g[PE_G_DW] == 1 && g[PE_G_GROUPS] == 1 &&
+           g[PE_G_C] >= PE_WINOGRAD_MIN && g[PE_G_O] >= PE_WINOGRAD_MIN;
+}
+
 /* The heuristic for the rest: an implicit GEMM (im2col.c) when each group's product has
  * enough rows and depth to fill the micro-kernel (PE_DENSE_MIN channels in and out a
  * group), else direct loops. The input gradient takes the GEMM at stride 1 only. */
@@ -71,12 +88,15 @@ void PE_S(pe_conv2d_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, P
     PE_S(pe_depthwise)(x, w, bias, y, g);
 }
 
-/* Today's rule, for callers that do not choose (the emitter always names a kernel). */
+/* The rule (conv_kernels.rule_kernel), for callers that do not choose (the emitter always
+ * names a kernel). */
 void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
     if (pe_is_pointwise(g))
         PE_S(pe_conv2d_pointwise)(x, w, bias, y, g);
-    else if (pe_is_depthwise(g))
+    else if (pe_is_depthwise(g) && pe_depthwise_wins(0, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_depthwise)(x, w, bias, y, g);
+    else if (pe_winograd_wins(g))
+        PE_S(pe_conv2d_winograd)(x, w, bias, y, g);
     else if (pe_is_dense(g))
         PE_S(pe_conv2d_im2col)(x, w, bias, y, g);
     else
@@ -129,8 +149,10 @@ void PE_S(pe_conv2d_input_grad_depthwise)(const PE_T *gy, const PE_T *w, PE_T *g
 void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
     if (pe_is_pointwise(g))
         PE_S(pe_conv2d_input_grad_pointwise)(gy, w, gx, g);
-    else if (pe_is_depthwise(g))
+    else if (pe_is_depthwise(g) && pe_depthwise_wins(1, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_input_grad_depthwise)(gy, w, gx, g);
+    else if (pe_winograd_wins(g))
+        PE_S(pe_conv2d_input_grad_winograd)(gy, w, gx, g);
     else if (pe_is_dense(g) && g[PE_G_SH] == 1 && g[PE_G_SW] == 1)
         PE_S(pe_conv2d_input_grad_im2col)(gy, w, gx, g);
     else
@@ -186,7 +208,7 @@ void PE_S(pe_conv2d_weight_grad_depthwise)(const PE_T *x, const PE_T *gy, PE_T *
 void PE_S(pe_conv2d_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, const long *g) {
     if (pe_is_pointwise(g))
         PE_S(pe_conv2d_weight_grad_pointwise)(x, gy, gw, g);
-    else if (pe_is_depthwise(g) && g[PE_G_OW] * (long)sizeof(PE_T) >= 64)
+    else if (pe_is_depthwise(g) && pe_depthwise_wins(2, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_weight_grad_depthwise)(x, gy, gw, g);
     else if (pe_is_dense(g))
         PE_S(pe_conv2d_weight_grad_im2col)(x, gy, gw, g);

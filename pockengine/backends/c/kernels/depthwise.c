@@ -11,7 +11,10 @@
  * accumulates into one padded row in the same phases and copies it out; the weight
  * gradient keeps a vector of partial sums a tap (conv.c keeps its direct loops for maps
  * narrower than a vector, where they are faster). The geometry array is indexed by the
- * PE_G_* names of pe_kernels.h. */
+ * PE_G_* names of pe_kernels.h. Smaller planes run dw_flat.c's whole-plane kernels
+ * instead (the forward and input gradient up to about 40 x 40 at stride 1, the weight
+ * gradient up to about 140 x 140), which measured faster there; these row kernels take
+ * the larger planes. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "depthwise.c"
@@ -144,10 +147,12 @@ static void PE_S(pe_dw_planes)(const PE_T *x, const PE_T *w, const PE_T *bias, P
 }
 
 void PE_S(pe_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
+    if (PE_S(pe_dw_flat_forward)(x, w, bias, y, g)) return;
     PE_S(pe_dw_planes)(x, w, bias, y, g, 0);
 }
 
 void PE_S(pe_depthwise_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
+    if (PE_S(pe_dw_flat_input_grad)(gy, w, gx, g)) return;
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W];
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long sh = g[PE_G_SH], ph = g[PE_G_PH], dh = g[PE_G_DH];
@@ -197,6 +202,7 @@ void PE_S(pe_depthwise_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, cons
  * one vector accumulator a tap (V columns at a time, the gradient row zero-padded to a
  * whole vector), summed into double after every 1024 positions or so. */
 void PE_S(pe_depthwise_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, const long *g) {
+    if (PE_S(pe_dw_flat_weight_grad)(x, gy, gw, g)) return;
     enum { V = 64 / PE_TSIZE };
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W];
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];

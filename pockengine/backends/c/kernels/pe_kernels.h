@@ -86,10 +86,15 @@ size_t pe_dtype_size(int dtype);
     void pe_conv2d_input_grad_depthwise_##S(const T *gy, const T *w, T *gx, const long *geom); \
     void pe_conv2d_weight_grad_depthwise_##S(const T *x, const T *gy, T *gw, const long *geom); \
     void pe_conv2d_input_grad_im2col_##S(const T *gy, const T *w, T *gx, const long *geom);    \
+    void pe_conv2d_winograd_##S(const T *x, const T *w, const T *bias, T *y, const long *geom); \
+    void pe_conv2d_input_grad_winograd_##S(const T *gy, const T *w, T *gx, const long *geom);  \
     void pe_conv2d_weight_grad_im2col_##S(const T *x, const T *gy, T *gw, const long *geom);   \
     void pe_depthwise_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);      \
     void pe_depthwise_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);        \
     void pe_depthwise_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);       \
+    int pe_dw_flat_forward_##S(const T *x, const T *w, const T *bias, T *y, const long *geom); \
+    int pe_dw_flat_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);           \
+    int pe_dw_flat_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);          \
     void pe_batch_norm_##S(const T *x, const T *w, const T *b, T *y, T *mean, T *var,          \
                            long N, long C, long S_, double eps);                               \
     void pe_batch_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
@@ -145,6 +150,10 @@ void pe_topk_f32(const float *x, float *values, int64_t *indices, long outer, lo
                  long inner, long k, int largest);
 void pe_topk_f64(const double *x, double *values, int64_t *indices, long outer, long n,
                  long inner, long k, int largest);
+
+/* The exported trainer's kernel choice of each tunable conv node (its convs.c; -1: the
+ * rule's kernel). In-process steps never read it. */
+extern int pe_conv_choice[];
 
 /* Geometry of a 2-D window op, as the emitter writes it (one static array per node). */
 enum {

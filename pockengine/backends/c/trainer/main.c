@@ -1,7 +1,12 @@
 /* The stand-alone trainer: runs the exported training step on .npy batches.
  *
  *   ./train [--steps N] [--save out.safetensors] [--state in.safetensors] [--threads T]
- *           X.npy Y.npy ...
+ *           [--kernels conv-kernels.txt] X.npy Y.npy ...
+ *   ./train --tune [--threads T] [--kernels conv-kernels.txt]
+ *
+ * --tune times each convolution's candidate kernels on this device and writes the
+ * choices to the kernel table (default conv-kernels.txt), which later runs read
+ * (pe_tune.h); without the file every convolution takes the exporter's rule.
  *
  * The .npy files are the step's batch inputs in call order, each either one batch or a
  * stack of batches (a leading axis) used in turn. Memory: one state block (params,
@@ -25,6 +30,7 @@
 #include "pe_check.h"
 #include "pe_io.h"
 #include "pe_kernels.h"
+#include "pe_tune.h"
 
 extern const size_t pe_arena_bytes;
 extern const int pe_num_inputs;
@@ -42,13 +48,16 @@ typedef struct {
     long steps; /* -1: one pass over the batches */
     const char *save, *state;
     long threads;
+    int tune;            /* --tune: time the conv kernels, write the table, train nothing */
+    const char *kernels; /* the kernel table */
     const char *files[PE_MAX_FILES];
     int nfiles;
 } options;
 
 static int usage(FILE *out, const char *argv0) {
     fprintf(out, "usage: %s [--steps N] [--save out.safetensors] [--state in.safetensors] "
-            "[--threads T] BATCH.npy ...\n", argv0);
+            "[--threads T] [--kernels TABLE] BATCH.npy ... | --tune [--threads T] "
+            "[--kernels TABLE]\n", argv0);
     return PE_REFUSED;
 }
 
@@ -71,7 +80,8 @@ static int parse_count(const char *flag, const char *text, long max, long *out) 
 static int parse_option(int argc, char **argv, int *i, options *o) {
     const char *flag = argv[*i];
     int known = !strcmp(flag, "--steps") || !strcmp(flag, "--save") ||
-                !strcmp(flag, "--state") || !strcmp(flag, "--threads");
+                !strcmp(flag, "--state") || !strcmp(flag, "--threads") ||
+                !strcmp(flag, "--kernels");
     if (!known) {
         fprintf(stderr, "error: unknown option '%s'\n", flag);
         return 1;
@@ -84,6 +94,7 @@ static int parse_option(int argc, char **argv, int *i, options *o) {
     if (!strcmp(flag, "--steps")) return parse_count(flag, value, LONG_MAX, &o->steps);
     if (!strcmp(flag, "--threads")) return parse_count(flag, value, 4096, &o->threads);
     if (!strcmp(flag, "--save")) o->save = value;
+    else if (!strcmp(flag, "--kernels")) o->kernels = value;
     else o->state = value;
     return 0;
 }
@@ -92,6 +103,10 @@ static int parse_option(int argc, char **argv, int *i, options *o) {
 static int parse(int argc, char **argv, options *o) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return -1;
+        if (!strcmp(argv[i], "--tune")) {
+            o->tune = 1;
+            continue;
+        }
         if (argv[i][0] == '-' && argv[i][1] != '\0') {
             if (parse_option(argc, argv, &i, o)) return 1;
         } else if (o->nfiles < PE_MAX_FILES) {
@@ -334,17 +349,36 @@ static int train(const options *o, trainer *t, size_t state_bytes) {
     return o->save && save_state(t) ? PE_FAILED : 0;
 }
 
+/* --tune: no batch, state or save file; the table is all it writes. */
+static int tune(const options *o) {
+    if (o->nfiles || o->save || o->steps >= 0) {
+        fprintf(stderr, "error: --tune takes only --threads and --kernels\n");
+        return PE_REFUSED;
+    }
+    if (o->threads > 0 && pe_set_threads((int)o->threads) != o->threads)
+        fprintf(stderr, "warning: built without OpenMP, running on 1 thread\n");
+    char err[1024];
+    if (pe_conv_tune(o->kernels, stdout, err, sizeof(err))) {
+        fprintf(stderr, "error: %s\n", err);
+        return PE_FAILED;
+    }
+    fflush(stdout);
+    fprintf(stderr, "wrote %s (%d convolutions)\n", o->kernels, pe_num_convs);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     /* Past a file size limit a write fails with EFBIG (and the save is undone) instead of
      * the signal ending the process. */
     signal(SIGXFSZ, SIG_IGN);
-    options o = {-1, NULL, "state.safetensors", 0, {0}, 0};
+    options o = {-1, NULL, "state.safetensors", 0, 0, "conv-kernels.txt", {0}, 0};
     int parsed = parse(argc, argv, &o);
     if (parsed < 0) {
         usage(stdout, argv[0]);
         return 0;
     }
     if (parsed) return usage(stderr, argv[0]);
+    if (o.tune) return tune(&o);
     trainer t = {0};
     size_t state_bytes = 0;
     for (int k = 0; k < pe_num_inputs; k++) {
@@ -356,6 +390,13 @@ int main(int argc, char **argv) {
                 o.nfiles);
         return usage(stderr, argv[0]);
     }
+    char err[1024];
+    int found = 0;
+    if (pe_conv_table_read(o.kernels, &found, err, sizeof(err))) {
+        fprintf(stderr, "error: %s\n", err);
+        return PE_REFUSED;
+    }
+    if (found) fprintf(stderr, "conv kernels: %s\n", o.kernels);
     t.save.fd = -1;
     int status = train(&o, &t, state_bytes);
     trainer_free(&t);

@@ -1,0 +1,54 @@
+/* The trainer's convolution kernel table: ``./train --tune`` times every candidate kernel
+ * of each tunable conv node on this device and writes the choices to a text file; a run
+ * reads that file back and sets ``pe_conv_choice`` (declared in pe_kernels.h), which the
+ * step's conv calls switch on. Without a file every node takes the rule's kernel.
+ *
+ * The exporter writes the table (``convs.c``, pockengine/backends/c/conv_table.py): per
+ * node its name, op, dtype, geometry, candidate kernels (a bit mask over
+ * ``pe_conv_kernel_names``) and the rule's kernel, a fingerprint of them all, and the
+ * timing harness ``pe_tune_time``.
+ *
+ * The file is data, checked line by line before it sets anything:
+ *
+ *   pockengine-conv-kernels 1 <fingerprint>
+ *   <slot> <kernel> <seconds> <node name>
+ *
+ * a slot outside [0, pe_num_convs), a kernel that is not one of that slot's candidates,
+ * a repeated slot, a time that is not a non-negative number, a fingerprint of another
+ * step or any other line is refused with the file, line and what is wrong. */
+#ifndef PE_TUNE_H
+#define PE_TUNE_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "pe_kernels.h"
+
+typedef struct {
+    const char *name; /* the node's first output (IR name) */
+    int op;           /* 0 conv2d, 1 conv2d_input_grad, 2 conv2d_weight_grad */
+    int dtype;        /* 0 float32, 1 float64 */
+    const long *geometry;
+    int candidates; /* bit k: pe_conv_kernel_names[k] computes this node */
+    int rule;       /* the kernel taken without a table */
+} pe_conv_node;
+
+extern const int pe_num_convs;
+extern const int pe_num_conv_kernels;
+extern const char *const pe_conv_kernel_names[];
+extern const char pe_conv_fingerprint[];
+extern const pe_conv_node pe_conv_nodes[];
+
+/* The median seconds of ``reps`` runs of one kernel on random operands (after one
+ * warm-up run); -1 when the operands could not be allocated. */
+double pe_tune_time(int op, int kernel, int dtype, const long *geometry, int reps);
+
+/* Read the table at ``path`` into pe_conv_choice. 0 when it was read or does not exist
+ * (``*found`` says which); 1 with the problem in ``err`` (nothing set). */
+int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen);
+
+/* Time every candidate of every slot, print one line a slot to ``report`` and write the
+ * table to ``path`` (a temporary file renamed over it). 0, or 1 with ``err`` set. */
+int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen);
+
+#endif

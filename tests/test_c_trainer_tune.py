@@ -1,0 +1,135 @@
+"""``./train --tune``: the exported trainer times each convolution's candidate kernels on
+the device, writes its kernel table, and later runs read it (checked line by line: a
+slot, kernel or fingerprint that does not fit this step is refused before anything
+runs). A tiny CNN (dense, depthwise and pointwise convolutions, each with both
+gradients) exported, built, tuned and trained end to end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pockengine as pe
+from pockengine import zoo
+from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry
+from pockengine.backends.c.conv_table import TABLE_FILE, conv_slots
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None or shutil.which("make") is None,
+    reason="no C compiler (cc or $CC) or make",
+)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], dict[str, int]]:
+    """The exported, built trainer of a small CNN with 3 batches, the in-process losses
+    and the step's conv slots."""
+    w = zoo.small_cnn()
+    opt = pe.optim.SGD(lr=0.05, momentum=0.9)
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt, backend="c")
+    folder = step.export(tmp_path_factory.mktemp("tune") / "trainer", target="c")
+    batches = [w.make_batch(i) for i in range(3)]
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    losses = [step(*b) for b in batches]
+    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    return folder, losses, conv_slots(step._exec.graph)
+
+
+def _run(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["./train", *args], cwd=folder, capture_output=True, text=True)
+
+
+def _losses(stdout: str) -> list[float]:
+    return [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def test_tune_writes_a_table_that_the_next_run_reads(
+    trainer: tuple[Path, list[float], dict[str, int]],
+) -> None:
+    folder, losses, slots = trainer
+    (folder / TABLE_FILE).unlink(missing_ok=True)
+    assert slots and "switch (pe_conv_choice[" in (folder / "step.c").read_text()
+    plain = _run(folder, "X.npy", "Y.npy")
+    assert plain.returncode == 0 and "conv kernels" not in plain.stderr, plain.stderr
+    tuned = _run(folder, "--tune")
+    assert tuned.returncode == 0, tuned.stderr
+    lines = (folder / TABLE_FILE).read_text().splitlines()
+    assert lines[0].startswith("pockengine-conv-kernels 1 ") and len(lines) == len(slots) + 1
+    for slot, line in enumerate(lines[1:]):
+        k, kernel, seconds, name = line.split()
+        assert int(k) == slot and slots[name] == slot and float(seconds) >= 0
+        assert kernel in KERNEL_NAMES
+    assert len(tuned.stdout.splitlines()) == len(slots)
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 0 and f"conv kernels: {TABLE_FILE}" in run.stderr, run.stderr
+    np.testing.assert_allclose(_losses(run.stdout), losses, rtol=1e-4)
+
+
+def test_a_run_follows_the_table(trainer: tuple[Path, list[float], dict[str, int]]) -> None:
+    """Every slot forced onto direct loops by a hand-written table: the same losses, and
+    a table that names a kernel a slot cannot run is refused (exit 2, file and line)."""
+    folder, losses, slots = trainer
+    _run(folder, "--tune")
+    head = (folder / TABLE_FILE).read_text().splitlines()[0]
+    table = [head, *(f"{k} direct 0 {name}" for name, k in slots.items())]
+    (folder / TABLE_FILE).write_text("\n".join(table) + "\n")
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_allclose(_losses(run.stdout), losses, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("99999 direct 0 x", "outside this step's"),
+        ("-1 direct 0 x", "expected '<slot>"),
+        ("0 pointwise 0 x", "cannot compute slot 0"),
+        ("0 fft 0 x", "cannot compute slot 0"),
+        ("0 direct nan x", "time in seconds"),
+        ("0 direct -1 x", "time in seconds"),
+        ("garbage", "expected '<slot>"),
+    ],
+)
+def test_a_bad_table_is_refused_with_its_line(
+    trainer: tuple[Path, list[float], dict[str, int]], line: str, message: str
+) -> None:
+    folder, _, _ = trainer
+    _run(folder, "--tune")
+    lines = (folder / TABLE_FILE).read_text().splitlines()
+    (folder / TABLE_FILE).write_text("\n".join([*lines[:2], line]) + "\n")
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 2 and f"{TABLE_FILE}:3: " in run.stderr and message in run.stderr
+    assert "step 0" not in run.stdout
+
+
+def test_a_table_of_another_step_or_a_repeated_slot_is_refused(
+    trainer: tuple[Path, list[float], dict[str, int]],
+) -> None:
+    folder, _, _ = trainer
+    _run(folder, "--tune")
+    lines = (folder / TABLE_FILE).read_text().splitlines()
+    (folder / TABLE_FILE).write_text("\n".join(["pockengine-conv-kernels 1 0000", *lines[1:]]))
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 2 and f"{TABLE_FILE}:1: not a kernel table of this step" in run.stderr
+    (folder / TABLE_FILE).write_text("\n".join([*lines, lines[1]]) + "\n")
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 2 and "appears twice" in run.stderr, run.stderr
+    run = _run(folder, "--tune", "X.npy")
+    assert run.returncode == 2 and "--tune takes only" in run.stderr
+
+
+def test_slots_cover_every_conv_node_with_a_choice() -> None:
+    w = zoo.small_cnn()
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=pe.optim.SGD(lr=0.1),
+                      backend="c")  # fmt: skip
+    graph = step._exec.graph
+    slots = conv_slots(graph)
+    convs = [n for n in graph.nodes if n.op.startswith("conv2d")]
+    multi = [n.outputs[0].name for n in convs if len(candidates(n.op, conv_geometry(n))) > 1]
+    assert list(slots) == multi and list(slots.values()) == list(range(len(multi)))
