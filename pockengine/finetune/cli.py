@@ -267,7 +267,15 @@ def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
         "--packing",
         choices=("on", "off"),
         default="on",
-        help="pack short examples into --seq-len rows (default on), or one a row",
+        help="pack short examples into --seq-len rows (default on), or one a row in length buckets",
+    )
+    lm.add_argument(
+        "--buckets",
+        type=int,
+        default=4,
+        metavar="N",
+        help="with --packing off: at most N row lengths, chosen to pad least, one compiled "
+        "step each over one store of weights (default 4; 1: pad to the longest)",
     )
     lm.add_argument(
         "--no-truncate",
@@ -346,6 +354,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         data_format=args.data_format,
         train_on_prompt=args.train_on_prompt,
         packing=args.packing,
+        buckets=args.buckets,
         truncate=args.truncate,
     )
 

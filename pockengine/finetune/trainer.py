@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,18 +234,26 @@ def _compile(
     example = recipes.tensor_rows(task.train, 0, config.batch_size)
     task.model.train()  # dropout on: its seed is the step's "rng.seed" state
     frozen = frozen_weights(config) if frozen is None else frozen
-    return compile(
-        task.model,
-        task.loss_fn,
-        example,
-        optimizer=config.make_optimizer(),
-        scheme=scheme,
-        backend=config.backend,
-        frozen_dtype=frozen.dtype,
-        quantized=frozen.given,
-        memory_budget=remat_budget(config),
-        compile_in="process",  # the fine-tune's own child, or --compile-in process: here
-    )
+
+    def one(batch: Sequence[Any]) -> TrainStep:
+        return compile(
+            task.model,
+            task.loss_fn,
+            batch,
+            optimizer=config.make_optimizer(),
+            scheme=scheme,
+            backend=config.backend,
+            frozen_dtype=frozen.dtype,
+            quantized=frozen.given,
+            memory_budget=remat_budget(config),
+            compile_in="process",  # the fine-tune's own child, or --compile-in process: here
+        )
+
+    if task.buckets:  # a step a length bucket, one store (lm_buckets)
+        from pockengine.finetune.lm_buckets import compile_bucketed
+
+        return compile_bucketed(one, task.train, task.buckets, config.batch_size)
+    return one(example)
 
 
 def remat_budget(config: FinetuneConfig) -> int | None:
