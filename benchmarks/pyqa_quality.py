@@ -3,15 +3,16 @@ pairs, scored on the held-out test split's answers.
 
     python benchmarks/pyqa_quality.py --schemes full lora sparse auto
 
-Each scheme is one ``pockengine finetune --recipe smollm2-pyqa --scheme S`` run in its own
-process (its defaults: 1 epoch of 4 rows x 256 tokens over 384 training pairs, the best
-validation epoch kept); reported: the held-out test loss and perplexity over the answer
-tokens (the run's own final test metric), the trained parameters, the mean step time, the
-step's planned peak and the training process's peak RSS. Before the runs, the untrained
-model's test loss is computed the same way (eager torch, ``lm_pack.packed_lm_eval`` over the
-same packed test rows), and for the first ``--prompts`` test questions the greedy answer
-(``--max-new-tokens``) of the untrained model and of each fine-tuned ``RUN/model``, with the
-model's chat template. Writes benchmarks/results/pyqa_quality.json (after every run).
+Each scheme is one ``pockengine finetune --recipe smollm2-pyqa --scheme S --threads T`` run
+in its own process, ``--parallel`` of them at once (the recipe's defaults: 1 epoch of 4 rows
+x 256 tokens over 192 training pairs, the best validation epoch kept); reported: the
+held-out test loss and perplexity over the answer tokens (the run's own final test metric),
+the trained parameters, the mean step time, the step's planned peak and the training
+process's peak RSS. While the first runs train, the untrained model's test loss is computed
+the same way (eager torch, ``lm_pack.packed_lm_eval`` over the same packed test rows); for
+the first ``--prompts`` test questions, the greedy answer (``--max-new-tokens``) of the
+untrained model and of each fine-tuned ``RUN/model``, with the model's chat template.
+Writes benchmarks/results/pyqa_quality.json (after every run).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from _harness import ROOT, utc_now, write_results
 
 from pockengine.finetune import causal_lm, instruct_data, lm_pack, recipes
 from pockengine.finetune.config import FinetuneConfig
+
+_SCRIPT = "python benchmarks/pyqa_quality.py"
 
 
 def _config(args: argparse.Namespace) -> FinetuneConfig:
@@ -73,14 +76,20 @@ def _load(folder: Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(str(folder))
 
 
-def _run(scheme: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _start(scheme: str, out: Path, args: argparse.Namespace) -> tuple[list[str], Any, float]:
     command = [sys.executable, "-m", "pockengine", "finetune", "--recipe", "smollm2-pyqa",
                "--scheme", scheme, "--out", str(out), "--force", "--progress", "none",
-               "--seed", str(args.seed)]  # fmt: skip
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+               "--seed", str(args.seed), "--threads", str(args.threads)]  # fmt: skip
+    done = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    return command, done, time.perf_counter()
+
+
+def _finish(scheme: str, out: Path, started: tuple[list[str], Any, float]) -> dict[str, Any]:
+    command, process, start = started
+    _, err = process.communicate()
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{err[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     return {
         "scheme": scheme, "command": " ".join(["pockengine", *command[3:]]),
@@ -98,30 +107,41 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each run")
+    p.add_argument("--parallel", type=int, default=2, help="runs at once")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "pyqa-quality")
     args = p.parse_args()
     config = _config(args)
+    torch.set_num_threads(args.threads)
     pairs = instruct_data.split_pairs(instruct_data.pydocs_pairs(causal_lm.pydocs_files()))[2]
+    pairs = pairs[: args.prompts]
     questions = [instruct_data.question(q.name) for q in pairs]
+    every, n = args.schemes, args.parallel
+    waves = [every[i : i + n] for i in range(0, len(every), n)]
+    started = {s: _start(s, args.runs / s, args) for s in waves[0]}  # the untrained one meanwhile
     base, tokenizer = _load(causal_lm.smollm2_folder())
     results: dict[str, Any] = {
-        "when": utc_now(), "args": {k: str(v) for k, v in vars(args).items()},
-        "threads": torch.get_num_threads(), "config": config.training_dict(),
+        "when": utc_now(), "command": " ".join([_SCRIPT, *sys.argv[1:]]),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "threads": args.threads, "config": config.training_dict(),
         "prompts": [{"question": q, "reference": r.answer}
-                    for q, r in zip(questions, pairs, strict=False)],
+                    for q, r in zip(questions, pairs, strict=True)],
         "before": {**_test_loss(base, tokenizer, config),
                    "generations": _generate(base, tokenizer, questions, args.max_new_tokens)},
         "rows": [],
     }  # fmt: skip
     print(json.dumps(results["before"], indent=1), flush=True)
     del base
-    for scheme in args.schemes:
-        row = _run(scheme, args.runs / scheme, args)
-        model, tok = _load(args.runs / scheme / "model")
-        row["generations"] = _generate(model, tok, questions, args.max_new_tokens)
-        results["rows"].append(row)
-        print(json.dumps(row, indent=1), flush=True)
-        write_results("pyqa_quality", results)
+    for i, schemes in enumerate(waves):
+        if i:
+            started = {s: _start(s, args.runs / s, args) for s in schemes}
+        for scheme in schemes:
+            row = _finish(scheme, args.runs / scheme, started[scheme])
+            model, tok = _load(args.runs / scheme / "model")
+            row["generations"] = _generate(model, tok, questions, args.max_new_tokens)
+            results["rows"].append(row)
+            print(json.dumps(row, indent=1), flush=True)
+            write_results("pyqa_quality", results)
 
 
 if __name__ == "__main__":

@@ -257,8 +257,8 @@ RECIPES: dict[str, Recipe] = {
             "smollm2-pyqa",
             "SmolLM2-135M-Instruct (GGUF) instruction-tuned on Python-docs question/answer "
             "pairs",
-            {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 256, "max_train": 384,
-             "max_val": 64},
+            {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 256, "max_train": 192,
+             "max_val": 48},
             lr={"full": 1e-4, "sparse": 5e-4, "auto": 3e-4, "bias": 1e-4, "head": 1e-4,
                 "lora": 5e-4},
             sparse=schemes.select(_LM_SPARSE),
