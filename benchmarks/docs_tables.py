@@ -424,9 +424,16 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+_PYQA = ("pyqa_quality.json",)  # the first has the untrained model
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def pyqa_quality() -> str:
-    name = "pyqa_quality.json"
-    data = load(name)
+    files = [load(name) for name in _PYQA]
+    data = {**files[0], "rows": [r for f in files for r in f["rows"]]}
     before = data["before"]
     header = ("scheme", "trained params", "test loss", "test perplexity", "step (wall)",
               "planned peak", "peak RSS")  # fmt: skip
@@ -437,12 +444,12 @@ def pyqa_quality() -> str:
         rows.append([scheme, f"{r['trained_params'] / 1e6:.1f} M", f"{r['test_loss']:.3f}",
                      f"{r['test_perplexity']:.2f}", f"{r['step_s']:.1f} s",
                      _mib(r["planned_peak_bytes"]), _mib(r["peak_rss_bytes"])])  # fmt: skip
-    lines = [_markdown_table(header, _align(1, 6), rows), "", generated_by(name), ""]
+    lines = [_markdown_table(header, _align(1, 6), rows), "", generated_by(*_PYQA), ""]
     lines.append("Greedy answers to held-out questions, before and after:")
     for i, prompt in enumerate(data["prompts"]):
         lines += ["", f"- **{prompt['question']}** (the docs: {prompt['reference']})",
-                  f"  - untrained: {before['generations'][i]}"]  # fmt: skip
-        lines += [f"  - {r['scheme']}: {r['generations'][i]}" for r in data["rows"]]
+                  f"  - untrained: {_one_line(before['generations'][i])}"]  # fmt: skip
+        lines += [f"  - {r['scheme']}: {_one_line(r['generations'][i])}" for r in data["rows"]]
     return "\n".join(lines)
 
 

@@ -12,7 +12,8 @@ process's peak RSS. While the first runs train, the untrained model's test loss 
 the same way (eager torch, ``lm_pack.packed_lm_eval`` over the same packed test rows); for
 the first ``--prompts`` test questions, the greedy answer (``--max-new-tokens``) of the
 untrained model and of each fine-tuned ``RUN/model``, with the model's chat template.
-Writes benchmarks/results/pyqa_quality.json (after every run).
+Writes benchmarks/results/pyqa_quality.json (``--tag T``: pyqa_quality-T.json) after every
+run.
 """
 
 from __future__ import annotations
@@ -109,6 +110,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each run")
     p.add_argument("--parallel", type=int, default=2, help="runs at once")
+    p.add_argument(
+        "--no-before",
+        dest="before",
+        action="store_false",
+        help="leave out the untrained model (another results file has it)",
+    )
+    p.add_argument("--tag", help="write pyqa_quality-TAG.json")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "pyqa-quality")
     args = p.parse_args()
     config = _config(args)
@@ -119,19 +127,21 @@ def main() -> None:
     every, n = args.schemes, args.parallel
     waves = [every[i : i + n] for i in range(0, len(every), n)]
     started = {s: _start(s, args.runs / s, args) for s in waves[0]}  # the untrained one meanwhile
-    base, tokenizer = _load(causal_lm.smollm2_folder())
     results: dict[str, Any] = {
         "when": utc_now(), "command": " ".join([_SCRIPT, *sys.argv[1:]]),
         "args": {k: str(v) for k, v in vars(args).items()},
         "threads": args.threads, "config": config.training_dict(),
         "prompts": [{"question": q, "reference": r.answer}
                     for q, r in zip(questions, pairs, strict=True)],
-        "before": {**_test_loss(base, tokenizer, config),
-                   "generations": _generate(base, tokenizer, questions, args.max_new_tokens)},
         "rows": [],
     }  # fmt: skip
-    print(json.dumps(results["before"], indent=1), flush=True)
-    del base
+    if args.before:
+        base, tokenizer = _load(causal_lm.smollm2_folder())
+        results["before"] = {**_test_loss(base, tokenizer, config),
+                             "generations": _generate(base, tokenizer, questions,
+                                                      args.max_new_tokens)}  # fmt: skip
+        print(json.dumps(results["before"], indent=1), flush=True)
+        del base
     for i, schemes in enumerate(waves):
         if i:
             started = {s: _start(s, args.runs / s, args) for s in schemes}
@@ -141,7 +151,7 @@ def main() -> None:
             row["generations"] = _generate(model, tok, questions, args.max_new_tokens)
             results["rows"].append(row)
             print(json.dumps(row, indent=1), flush=True)
-            write_results("pyqa_quality", results)
+            write_results("pyqa_quality" + (f"-{args.tag}" if args.tag else ""), results)
 
 
 if __name__ == "__main__":
