@@ -424,7 +424,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-_PYQA = ("pyqa_quality.json",)  # the first has the untrained model
+_PYQA = ("pyqa_quality.json", "pyqa_quality-full-auto.json")  # the first: the untrained model
 
 
 def _one_line(text: str) -> str:
