@@ -79,7 +79,7 @@ def command_of(name: str) -> str:
     if isinstance(data, dict) and isinstance(data.get("command"), str):
         return str(data["command"])
     if isinstance(data, dict) and isinstance(data.get("args"), dict):
-        script = name.split("-", 1)[0]
+        script = name.removesuffix(".json").split("-", 1)[0]
         return rebuilt_command(f"python benchmarks/{script}.py", data["args"])
     raise KeyError(f"{name}: no command stored; add it to _COMMANDS")
 
@@ -426,6 +426,60 @@ def _federated_row(recipe: str) -> list[str]:
     ]
 
 
+def lm_packing() -> str:
+    name = "lm_packing.json"
+    data = load(name)
+    header = ("layout", "rows", "padded tokens", "step (CPU)", "trained tokens/s")
+    rows = []
+    for layout, label in (("packed", "packed"), ("buckets", "length buckets (`--packing off`)"),
+                          ("pad-to-max", "pad-to-max (`--buckets 1`)")):  # fmt: skip
+        r = data[layout]
+        if layout == "buckets":
+            label += f": {len(r['buckets'])} of {', '.join(map(str, r['buckets']))} tokens"
+        step, speed = f"{r['step_s'] * 1000:.0f} ms", f"{r['trained_tokens_per_s']:.0f}"
+        rows.append([label, str(r["rows"]), f"{r['padded_share']:.1%}", step, speed])
+    lo, med, p90, p99, hi = data["lengths"]
+    return "\n".join([
+        _markdown_table(header, _align(1, 4), rows), "",
+        f"Lengths {lo}/{med}/{p90}/{p99}/{hi} tokens (min/median/p90/p99/max). Packing trains "
+        f"{data['speedup']:.2f}x pad-to-max's trained tokens a second, buckets "
+        f"{data['bucket_speedup']:.2f}x. {generated_by(name)}",
+    ])  # fmt: skip
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+_PYQA = ("pyqa_quality.json", "pyqa_quality-full-auto.json")  # the first: the untrained model
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def pyqa_quality() -> str:
+    files = [load(name) for name in _PYQA]
+    data = {**files[0], "rows": [r for f in files for r in f["rows"]]}
+    before = data["before"]
+    header = ("scheme", "trained params", "test loss", "test perplexity", "step (wall)",
+              "planned peak", "peak RSS")  # fmt: skip
+    rows = [["untrained", "0", f"{before['test_loss']:.3f}", f"{before['test_perplexity']:.2f}",
+             "", "", ""]]  # fmt: skip
+    for r in data["rows"]:
+        scheme = r["scheme"] + (f" ({r['auto_scheme']})" if r.get("auto_scheme") else "")
+        rows.append([scheme, f"{r['trained_params'] / 1e6:.1f} M", f"{r['test_loss']:.3f}",
+                     f"{r['test_perplexity']:.2f}", f"{r['step_s']:.1f} s",
+                     _mib(r["planned_peak_bytes"]), _mib(r["peak_rss_bytes"])])  # fmt: skip
+    lines = [_markdown_table(header, _align(1, 6), rows), "", generated_by(*_PYQA), ""]
+    lines.append("Greedy answers to held-out questions, before and after:")
+    for i, prompt in enumerate(data["prompts"]):
+        lines += ["", f"- **{prompt['question']}** (the docs: {prompt['reference']})",
+                  f"  - untrained: {_one_line(before['generations'][i])}"]  # fmt: skip
+        lines += [f"  - {r['scheme']}: {_one_line(r['generations'][i])}" for r in data["rows"]]
+    return "\n".join(lines)
+
+
 def headline() -> str:
     rows = [
         *(
@@ -482,6 +536,8 @@ TABLES: tuple[Table, ...] = (
         _tagged("docs/federated.md", "federated-table", r, federated(r))
         for r in ("minilm-bbc", "lite0-fashion")
     ),
+    _ours("docs/llm.md", "lm-packing", lm_packing),
+    _ours("docs/llm.md", "pyqa-quality", pyqa_quality),
     _ours("docs/sparse_backprop.md", "sparse", sparse),
     _ours("docs/search.md", "estimator", estimator),
     _ours("docs/benchmarks.md", "step-memory", step_memory),

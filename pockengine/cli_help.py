@@ -38,6 +38,7 @@ RECIPE_DATA = {
     "minilm-tweets": "tweet sentiment, 3 classes: 4000 train / 1000 validation of 38158",
     "lite0-fashion": "Fashion-MNIST, 10 classes: 2000 train / 500 validation images",
     "smollm2-pydocs": "Python 3.11 docs, causal LM: 64 train / 32 validation chunks",
+    "smollm2-pyqa": "Python-docs question/answer pairs: 192 train / 48 validation / 128 test",
     "generic": "your --model on your --data",
     "generic-lm": "your causal-LM --model on your text, instructions or chats",
 }

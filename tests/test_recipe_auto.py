@@ -50,7 +50,7 @@ def test_the_recipes_default_to_auto() -> None:
     assert given.with_defaults(recipes.defaults(given)).batchnorm == "batch"
     # a new recipe decides its default here
     assert set(RECIPES) == {"minilm-bbc", "minilm-tweets", "lite0-fashion", "smollm2-pydocs",
-                            "generic", "generic-lm"}  # fmt: skip
+                            "smollm2-pyqa", "generic", "generic-lm"}  # fmt: skip
     # the user's own causal LM on their text, instructions or chats: auto too
     assert _scheme(recipe="generic-lm", model="my-llm", data="chats.jsonl") == "auto"
     assert _scheme(recipe="generic-lm", model="my-llm", data="chats.jsonl", auto=False) == "sparse"

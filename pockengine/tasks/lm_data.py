@@ -24,7 +24,7 @@ off, refused. Every error names the file and line.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ __all__ = [
     "LMExample",
     "load_lm_data",
     "read_records",
+    "records_data",
 ]
 
 Array = np.ndarray[Any, Any]
@@ -291,3 +292,16 @@ def _eos(tokenizer: Any) -> int:
     if eos is None:
         raise FinetuneError("the tokenizer has no end-of-text token")
     return int(eos)
+
+
+def records_data(
+    records: Iterable[tuple[str, dict[str, Any]]], kind: str, tokenizer: Any, seq_len: int,
+    source: str, *, train_on_prompt: bool = False, truncate: bool = True,
+) -> LMData:  # fmt: skip
+    """The examples of ``(where, record)`` pairs of one kind made in code (a recipe's own
+    data), tokenised and cut as ``load_lm_data`` does a file's lines."""
+    data = LMData([], kind, source)
+    for where, record in records:
+        ids, trained = _encode(record, kind, tokenizer, where, train_on_prompt)
+        _add(data, LMExample(ids, trained, where), seq_len, truncate)
+    return data

@@ -5,7 +5,8 @@ It is the ``generic-lm`` recipe, which ``--model``/``--data`` choose when
 ``lm_kind.wants_lm`` says so (``--task lm``, or a causal-LM model). ``build_lm_task(config)``
 loads the model (safetensors only, none of the folder's code; a GGUF file dequantized by
 transformers), reads and tokenises the data, splits the examples with the seed, and packs
-each split (``lm_pack``): the task's arrays are ``lm_pack.PACKED_ARRAYS``, its loss
+each split (``lm_pack``; with ``--packing off`` the training split one example a row in
+length buckets, ``lm_buckets``): the task's arrays are ``lm_pack.PACKED_ARRAYS``, its loss
 ``packed_lm_loss``.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pockengine.tasks import lm_data, lm_pack, models
+from pockengine.tasks import lm_buckets, lm_data, lm_pack, models
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
 from pockengine.tasks.lm_kind import architectures, is_causal_lm_folder
 from pockengine.tasks.model_files import check_model_folder
@@ -93,6 +94,17 @@ def _split(
     return train, val
 
 
+def _bucketed(
+    examples: list[lm_data.LMExample], config: FinetuneConfig, pad: int
+) -> tuple[tuple[np.ndarray[Any, Any], ...], lm_buckets.BucketStats, tuple[int, ...]]:
+    """The training split one example a row in length buckets (``--packing off``)."""
+    assert config.seq_len is not None and config.batch_size is not None
+    lengths = [len(e.ids) for e in examples]
+    buckets = lm_buckets.choose_buckets(lengths, config.buckets, config.batch_size)
+    arrays, stats = lm_buckets.bucket_examples(examples, buckets, pad, config.seq_len)
+    return arrays, stats, buckets
+
+
 def build_lm_task(config: FinetuneConfig) -> Task:
     """The packed causal-LM task of ``config.model`` on ``config.data``."""
     assert config.model is not None and config.data is not None
@@ -109,7 +121,12 @@ def build_lm_task(config: FinetuneConfig) -> Task:
     train_ex, val_ex = _split(data.examples, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     packing = config.packing == "on"
-    train, train_stats = lm_pack.pack_examples(train_ex, seq, int(pad or 0), packing=packing)
+    buckets: tuple[int, ...] = ()
+    train_stats: lm_pack.PackStats | lm_buckets.BucketStats
+    if packing:
+        train, train_stats = lm_pack.pack_examples(train_ex, seq, int(pad or 0))
+    else:
+        train, train_stats, buckets = _bucketed(train_ex, config, int(pad or 0))
     val, val_stats = lm_pack.pack_examples(val_ex, seq, int(pad or 0), packing=packing)
     if train_stats.rows < config.batch_size:
         raise FinetuneError(f"the training split packs into {train_stats.rows} rows of {seq} "
@@ -129,4 +146,5 @@ def build_lm_task(config: FinetuneConfig) -> Task:
     torch.manual_seed(config.seed)
     return Task(name, model, lm_pack.packed_lm_loss, train, val, (), kind="causal-lm",
                 notes=notes, inputs=f"{seq} tokens", tokenizer=tokenizer,
-                home={"format": "hf-causal-lm", "packed": True})  # fmt: skip
+                home={"format": "hf-causal-lm", "packed": True},
+                buckets=buckets)  # fmt: skip

@@ -249,6 +249,20 @@ RECIPES: dict[str, Recipe] = {
             lora_head=False,  # the head is the pretrained (tied) embedding
             remat_budgets=_SMOLLM2_REMAT,
         ),
+        # Instruction tuning on question/answer pairs derived from the Python docs
+        # (instruct_data), the held-out test split never read by a choice; smollm2-pydocs'
+        # scheme rules and learning rates
+        Recipe(
+            "smollm2-pyqa",
+            "SmolLM2-135M-Instruct (GGUF) instruction-tuned on Python-docs question/answer "
+            "pairs",
+            {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 256, "max_train": 192,
+             "max_val": 48},
+            lr={"full": 1e-4, "sparse": 5e-4, "auto": 3e-4, "bias": 1e-4, "head": 1e-4,
+                "lora": 5e-4},
+            sparse=schemes.select(_LM_SPARSE),
+            lora_head=False,  # the head is the pretrained (tied) embedding
+        ),
         # Your own causal LM on your own text, instructions or chats (lm_task): SmolLM2's
         # scheme rules and learning rates (the sweep above), packed 256-token rows
         Recipe(

@@ -221,6 +221,12 @@ def _smollm2_pydocs(config: FinetuneConfig) -> Task:
     )
 
 
+def _smollm2_pyqa(config: FinetuneConfig) -> Task:
+    from pockengine.tasks.instruct_task import build_pyqa_task
+
+    return build_pyqa_task(config)
+
+
 def _generic_lm(config: FinetuneConfig) -> Task:
     from pockengine.tasks.lm_task import build_lm_task
 
@@ -325,6 +331,7 @@ BUILDERS: dict[str, Callable[[FinetuneConfig], Task]] = {
     "minilm-tweets": _minilm_tweets,
     "lite0-fashion": _lite0_fashion,
     "smollm2-pydocs": _smollm2_pydocs,
+    "smollm2-pyqa": _smollm2_pyqa,
     "generic": _generic,
     "generic-lm": _generic_lm,
 }

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pockengine.tasks import data as ds
+from pockengine.tasks import lm_buckets
 
 __all__ = ["Task"]
 
@@ -38,6 +39,8 @@ class Task:
     # fingerprint and size
     train_digest: str = ""
     train_count: int = 0
+    # causal LM, --packing off: the row lengths of the length buckets (``lm_buckets``)
+    buckets: tuple[int, ...] = ()
 
     @property
     def train_size(self) -> int:
@@ -69,6 +72,13 @@ class Task:
         ``EstimateSettings.batches``), and the first ``val`` validation examples."""
         last = min(batches, self.train_size // batch_size) * batch_size
         return self.holding(batch_size, last, val)
+
+    def epoch_order(self, seed: int, epoch: int, batch_size: int) -> Array:
+        """The training rows in the order epoch ``epoch`` reads them: shuffled with the
+        seed, or with length buckets each batch from one bucket (``lm_buckets``)."""
+        if not self.buckets:
+            return ds.epoch_order(self.train_size, seed, epoch)
+        return lm_buckets.epoch_order(self.train[1], self.buckets, batch_size, seed, epoch)
 
     @property
     def val_size(self) -> int:

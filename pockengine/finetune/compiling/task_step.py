@@ -5,6 +5,8 @@ rebuild a run's step (``pockengine export``)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from pockengine.finetune.run_folder import released
 from pockengine.passes.quantize import FrozenWeights
@@ -13,6 +15,7 @@ from pockengine.step.compiler import TrainStep, release_free_memory
 from pockengine.step.evaluator import Evaluator
 from pockengine.tasks import recipes
 from pockengine.tasks.config import FinetuneConfig
+from pockengine.tasks.lm_buckets import compile_bucketed
 from pockengine.tasks.metrics import compile_evaluator
 
 __all__ = ["compile_evaluator_releasing", "compile_task", "remat_budget"]
@@ -34,18 +37,24 @@ def compile_task(
     example = recipes.tensor_rows(task.train, 0, config.batch_size)
     task.model.train()  # dropout on: its seed is the step's "rng.seed" state
     frozen = frozen_weights(config) if frozen is None else frozen
-    return compile(
-        task.model,
-        task.loss_fn,
-        example,
-        optimizer=config.make_optimizer(),
-        scheme=scheme,
-        backend=config.backend,
-        frozen_dtype=frozen.dtype,
-        quantized=frozen.given,
-        memory_budget=remat_budget(config),
-        compile_in="process",  # the fine-tune's own child, or --compile-in process: here
-    )
+
+    def one(batch: Sequence[Any]) -> TrainStep:
+        return compile(
+            task.model,
+            task.loss_fn,
+            batch,
+            optimizer=config.make_optimizer(),
+            scheme=scheme,
+            backend=config.backend,
+            frozen_dtype=frozen.dtype,
+            quantized=frozen.given,
+            memory_budget=remat_budget(config),
+            compile_in="process",  # the fine-tune's own child, or --compile-in process: here
+        )
+
+    if task.buckets:  # a step a length bucket, one store (lm_buckets)
+        return compile_bucketed(one, task.train, task.buckets, config.batch_size)
+    return one(example)
 
 
 def remat_budget(config: FinetuneConfig) -> int | None:

@@ -64,7 +64,7 @@ def _compile_and_train(
     start: float,
 ) -> FinetuneResult:  # fmt: skip
     """Once ``out`` is held: compile in a child and train here, or do both here."""
-    if config.compile_in != "child":
+    if config.compile_in != "child" or _bucketed(config):
         from pockengine.finetune.running.trainer import train_here
 
         return train_here(config, scheme, out, saved, start)
@@ -85,6 +85,13 @@ def _compile_and_train(
             return train_here(config, scheme, out, saved, start)
         return train_compiled(config, chosen, out, saved, (start, compile_start),
                               Path(folder), choice)  # fmt: skip
+
+
+def _bucketed(config: FinetuneConfig) -> bool:
+    """Whether the run compiles a step per length bucket (``--packing off`` on a causal
+    LM), which it does in this process: a compile child hands back one step."""
+    lm = recipe_table.recipe_name(config) in ("generic-lm", "smollm2-pyqa")
+    return lm and config.packing == "off" and config.buckets > 1
 
 
 def _out(config: FinetuneConfig) -> Path:

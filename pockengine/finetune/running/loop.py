@@ -95,7 +95,7 @@ class Loop:
         self.total = config.epochs * self.steps_per_epoch
         self.warmup = round(config.warmup * self.total)
         self.global_step = self.epoch = self.batch = self.examples = 0
-        self.order = ds.epoch_order(task.train_size, config.seed, 0)
+        self.order = task.epoch_order(config.seed, 0, config.batch_size)
         self.history: list[dict[str, Any]] = []
         self.fingerprint = ds.fingerprint(*task.train)
         self.path = out / ckpt_io.CHECKPOINT
@@ -278,7 +278,7 @@ class Loop:
         )
         self.epoch += 1
         self.batch = 0
-        self.order = ds.epoch_order(self.task.train_size, self.config.seed, self.epoch)
+        self.order = self.task.epoch_order(self.config.seed, self.epoch, self.batch_size)
         self.save()
 
     def mean_step_s(self) -> float:
