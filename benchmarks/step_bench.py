@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import statistics
 import sys
 import time
@@ -48,7 +49,7 @@ FRAMEWORKS = (
 ) + (
     ("ort-training",) if ort_training_peer.venv_possible() else ()
 )  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
-WORKLOADS = ("mbv2", "bert", "llama")
+WORKLOADS = ("mbv2", "mcu", "bert", "llama")
 SCHEMES = ("full", "bias-only", "sparse", "head")  # names: pockengine.sparse.names
 
 
@@ -194,6 +195,7 @@ def run_case(
         compile_s = 0.0
         planned = None
     times = []
+    faults = []
     loss = 0.0
     whole = 0
     with torch.no_grad() if framework.startswith("pockengine") else contextlib.nullcontext():
@@ -201,13 +203,16 @@ def run_case(
             if i == warmup:  # the whole-process peak so far, then the steady state's alone
                 whole = _rss_kib("VmHWM")
                 _reset_peak()
+            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             loss = step(*batch)
             dt = time.perf_counter() - t
+            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
             if i == 0 and framework == "torch-compile":
                 compile_s = dt
             if i >= warmup:
                 times.append(dt)
+                faults.append(f)
     steady = _rss_kib("VmHWM")
     peak = max(whole, steady)
     median = statistics.median(times)
@@ -220,6 +225,7 @@ def run_case(
         "train_mem_mib": (peak - base) / 1024, "peak_rss_mib": peak / 1024,
         "step_mem_mib": (steady - base) / 1024,
         "base_rss_mib": base / 1024, "gflop": flops / 1e9, "gflops": flops / median / 1e9,
+        "faults_per_step": statistics.median(faults),
         "planned_train_mib": None if planned is None else planned / 2**20,
         "compile_in": compile_in if framework.startswith("pockengine") else None,
         "in_place": in_place if framework.startswith("pockengine") else None,
