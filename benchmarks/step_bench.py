@@ -7,7 +7,9 @@
 Writes benchmarks/results/step_bench.json (``--json``) and prints a Markdown table
 (``--out FILE`` also writes it there). ``--repeat N`` runs every case in N separate
 processes and reports the median of each figure (all runs stay in the JSON). Per case:
-median step time over ``--steps`` steps after ``--warmup`` steps, compile time (first
+median step time over ``--steps`` steps after ``--warmup`` steps (and the medians of a
+measured step's CPU time, user + system over all threads, and minor page faults,
+``getrusage``), compile time (first
 call for torch.compile; ``load_step`` for the artifact frameworks, step_artifact.py),
 training memory (peak RSS minus the RSS once the framework is imported and the weights
 and batch are loaded), the final loss, and achieved GFLOP/s from the analytic FLOPs of
@@ -195,24 +197,26 @@ def run_case(
         compile_s = 0.0
         planned = None
     times = []
-    faults = []
-    loss = 0.0
+    faults: list[int] = []
+    cpu: list[float] = []  # user + system seconds, all threads: a loaded machine stretches
+    loss = 0.0  # them far less than the wall time
     whole = 0
     with torch.no_grad() if framework.startswith("pockengine") else contextlib.nullcontext():
         for i in range(warmup + steps):
             if i == warmup:  # the whole-process peak so far, then the steady state's alone
                 whole = _rss_kib("VmHWM")
                 _reset_peak()
-            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            before = resource.getrusage(resource.RUSAGE_SELF)
             t = time.perf_counter()
             loss = step(*batch)
             dt = time.perf_counter() - t
-            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
+            after = resource.getrusage(resource.RUSAGE_SELF)
             if i == 0 and framework == "torch-compile":
                 compile_s = dt
             if i >= warmup:
                 times.append(dt)
-                faults.append(f)
+                faults.append(after.ru_minflt - before.ru_minflt)
+                cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     steady = _rss_kib("VmHWM")
     peak = max(whole, steady)
     median = statistics.median(times)
@@ -225,7 +229,7 @@ def run_case(
         "train_mem_mib": (peak - base) / 1024, "peak_rss_mib": peak / 1024,
         "step_mem_mib": (steady - base) / 1024,
         "base_rss_mib": base / 1024, "gflop": flops / 1e9, "gflops": flops / median / 1e9,
-        "faults_per_step": statistics.median(faults),
+        "faults_per_step": statistics.median(faults), "cpu_ms": statistics.median(cpu) * 1e3,
         "planned_train_mib": None if planned is None else planned / 2**20,
         "compile_in": compile_in if framework.startswith("pockengine") else None,
         "in_place": in_place if framework.startswith("pockengine") else None,
@@ -256,7 +260,8 @@ def _subprocess(args: list[str], threads: int) -> dict[str, Any]:
         return {"error": e.last_line}
 
 
-_MEDIANS = ("step_ms", "compile_s", "train_mem_mib", "step_mem_mib", "peak_rss_mib", "base_rss_mib")
+_MEDIANS = ("step_ms", "compile_s", "train_mem_mib", "step_mem_mib", "peak_rss_mib", "base_rss_mib",
+            "cpu_ms", "faults_per_step")  # fmt: skip
 
 
 def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -267,7 +272,8 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return failed[0] if failed else runs[0]
     out = dict(runs[0])
     for key in _MEDIANS:
-        out[key] = statistics.median(r[key] for r in runs)
+        if all(key in r for r in runs):  # (the artifact and ort-training rows have fewer)
+            out[key] = statistics.median(r[key] for r in runs)
     out["gflops"] = out["gflop"] / (out["step_ms"] / 1e3)
     out["runs"] = [{k: r[k] for k in ("step_ms", "train_mem_mib")} for r in runs]
     return out

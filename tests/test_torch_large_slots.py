@@ -151,6 +151,33 @@ def test_a_loss_head_without_rows_gives_zero_gradients(monkeypatch: pytest.Monke
             np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("padding_idx", [None, 3, -2])
+def test_an_embedding_gradient_fills_its_slot(
+    monkeypatch: pytest.MonkeyPatch, padding_idx: int | None
+) -> None:
+    b = ir.GraphBuilder("table")
+    gz = b.input("gz", ir.TensorType((4, 6, 5), F32))
+    ids = b.input("ids", ir.TensorType((4, 6), ir.DType.I64))
+    gw = b.call("embedding_grad", gz, ids, num_rows=9, padding_idx=padding_idx)
+    graph = b.build([b.call("concat", gw, gw, axis=0)])
+    rng = np.random.default_rng(1)
+    feeds = {
+        "gz": rng.standard_normal((4, 6, 5)).astype(np.float32),
+        "ids": rng.integers(-9, 9, (4, 6)),
+    }  # repeated rows, negative ids, the padding row
+    plain = _run(TorchBackend(), graph, feeds)
+    monkeypatch.setattr(torch_backend, "LARGE_SLOT_BYTES", 16)
+    slotted = TorchBackend()
+    exe = slotted.compile(graph)
+    assert exe.workspace is not None and set(exe.workspace.offsets) == {gw.name}
+    reference = _run(NumpyBackend(), graph, feeds)
+    for seed in (2, 1):  # a run over another batch first: the slot is zeroed, not added to
+        other = {**feeds, "gz": np.random.default_rng(seed).standard_normal((4, 6, 5))}
+        (out,) = _run(slotted, graph, {**feeds, **{"gz": other["gz"].astype(np.float32)}})
+    np.testing.assert_allclose(out, plain[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, reference[0], rtol=1e-6, atol=1e-6)
+
+
 _PROBE = textwrap.dedent(
     """
     import json, resource, sys, torch

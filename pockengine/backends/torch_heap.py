@@ -86,15 +86,15 @@ WORKSPACE_OPS = frozenset({
     # the unary elementwise ops (``torch_kernels._UNARY``) and silu
     "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs",
     "reciprocal", "erf", "log1p", "silu",
-    # the fused loss head's gradients (its weight gradient: vocab x hidden, often above
-    # glibc's mmap ceiling)
-    "linear_log_softmax_gather_grad", "linear_log_softmax_gather_with_grad",
+    # the fused loss head's gradients and an embedding table's (vocab x hidden, often
+    # above glibc's mmap ceiling)
+    "linear_log_softmax_gather_grad", "linear_log_softmax_gather_with_grad", "embedding_grad",
 })  # fmt: skip
 COPIED_OPS = frozenset({"layer_norm_grad", "attention", "attention_grad"})
 _LOSS_GRADS = {"linear_log_softmax_gather_grad": 0, "linear_log_softmax_gather_with_grad": 2}
-# ops whose ``out=`` result never casts whatever their inputs' dtypes (a row gather; the
-# loss head's gradients, whose integer input is the class index)
-_ANY_INPUT_DTYPE = COPIED_OPS | {"embedding", *_LOSS_GRADS}
+# ops whose ``out=`` result never casts whatever their inputs' dtypes (a row gather and its
+# gradient; the loss head's gradients, whose integer input is the class index)
+_ANY_INPUT_DTYPE = COPIED_OPS | {"embedding", "embedding_grad", *_LOSS_GRADS}
 # the results of a multi-result op that get slots (not statistics, nor parameter gradients)
 _SLOTTED_RESULTS = {"layer_norm": (0,), "layer_norm_grad": (0,), "attention": (0,),
                     "attention_grad": (0, 1, 2)}  # fmt: skip
