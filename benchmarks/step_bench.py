@@ -155,7 +155,7 @@ def _torch_step(framework: str, work: Any, optimizer: Any, trained: set[str]) ->
 
 def run_case(
     workload: str, scheme_name: str, framework: str, steps: int, warmup: int,
-    compile_in: str = "process", in_place: bool = False,
+    compile_in: str = "process", in_place: bool = False, flops: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """One case, as the device sees it. Training memory is the whole-process peak RSS (over
     compiling, warm-up and the measured steps: nothing is released or reset before it is
@@ -222,13 +222,14 @@ def run_case(
     median = statistics.median(times)
     del step
     gc.collect()
-    flops = _analytic_flops(workload, scheme_name)
+    count = _analytic_flops(workload, scheme_name) if flops else None
     return {
         "workload": workload, "scheme": scheme_name, "framework": framework,
         "step_ms": median * 1e3, "compile_s": compile_s, "loss": loss,
         "train_mem_mib": (peak - base) / 1024, "peak_rss_mib": peak / 1024,
-        "step_mem_mib": (steady - base) / 1024,
-        "base_rss_mib": base / 1024, "gflop": flops / 1e9, "gflops": flops / median / 1e9,
+        "step_mem_mib": (steady - base) / 1024, "base_rss_mib": base / 1024,
+        "gflop": None if count is None else count / 1e9,
+        "gflops": None if count is None else count / median / 1e9,
         "faults_per_step": statistics.median(faults), "cpu_ms": statistics.median(cpu) * 1e3,
         "planned_train_mib": None if planned is None else planned / 2**20,
         "compile_in": compile_in if framework.startswith("pockengine") else None,
@@ -274,7 +275,8 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in _MEDIANS:
         if all(key in r for r in runs):  # (the artifact and ort-training rows have fewer)
             out[key] = statistics.median(r[key] for r in runs)
-    out["gflops"] = out["gflop"] / (out["step_ms"] / 1e3)
+    if out.get("gflop") is not None:
+        out["gflops"] = out["gflop"] / (out["step_ms"] / 1e3)
     out["runs"] = [{k: r[k] for k in ("step_ms", "train_mem_mib")} for r in runs]
     return out
 
@@ -301,14 +303,15 @@ def markdown(results: list[dict[str, Any]], attainable: float) -> str:
             lines.append(f"| {r['workload']} | {r['scheme']} | {r['framework']} | error: "
                          f"{r['error'][:80]} | | | | | | |")  # fmt: skip
             continue
-        share = r["gflops"] / attainable if attainable else 0.0
+        share = r["gflops"] / attainable if attainable and r.get("gflops") is not None else 0.0
+        rate = "n/a" if r.get("gflops") is None else f"{r['gflops']:.0f} ({share:.0%})"
         planned = r.get("planned_train_mib")
         mem = f"{r['train_mem_mib']:.0f}" + ("" if planned is None else f" ({planned:.0f})")
         # ort-training rows: its first two losses against torch eager's (ort_training_peer.py)
         check = f" (vs eager: {r['loss_check']})" if "loss_check" in r else ""
         lines.append(
             f"| {r['workload']} | {r['scheme']} | {_label(r)} | {r['step_ms']:.0f} "
-            f"| {r['gflops']:.0f} ({share:.0%}) | {mem} | {r.get('step_mem_mib', 0):.0f} "
+            f"| {rate} | {mem} | {r.get('step_mem_mib', 0):.0f} "
             f"| {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} | {r['loss']:.4f}{check} |"
         )
     return "\n".join(lines)
@@ -341,6 +344,8 @@ def main() -> int:
                         help="the in-process PockEngine frameworks train the module's own "
                         "tensors (pe.compile(..., in_place=True)), as eager does; default: "
                         "the step copies the params it trains")  # fmt: skip
+    parser.add_argument("--no-flops", action="store_true",
+                        help="no analytic FLOP count (it compiles each case again)")  # fmt: skip
     parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
     parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -353,7 +358,8 @@ def main() -> int:
         _threads(args.threads)
         result = ({"gflops": _matmul_gflops()} if args.matmul
                   else run_case(*args.case, steps=args.steps, warmup=args.warmup,
-                                compile_in=args.compile_in, in_place=args.in_place))  # fmt: skip
+                                compile_in=args.compile_in, in_place=args.in_place,
+                                flops=not args.no_flops))  # fmt: skip
         print(json.dumps(result))
         return 0
     attainable = _subprocess(["--matmul", "--threads", str(args.threads)], args.threads)
@@ -369,13 +375,15 @@ def main() -> int:
                 case = ["--case", w, s, f, "--steps", str(args.steps), "--warmup",
                         str(args.warmup), "--threads", str(args.threads),
                         "--compile-in", args.compile_in,
-                        *(["--in-place"] if args.in_place else [])]  # fmt: skip
+                        *(["--in-place"] if args.in_place else []),
+                        *(["--no-flops"] if args.no_flops else [])]  # fmt: skip
                 runs = [_subprocess(case, args.threads) for _ in range(args.repeat)]
                 r = {"workload": w, "scheme": s, "framework": f, **_combine(runs)}
                 print(json.dumps(r), file=sys.stderr)
                 results.append(r)
     rate = float(attainable.get("gflops", 0.0))
-    payload = {"attainable_gflops": rate, "results": results}
+    command = " ".join(["python benchmarks/step_bench.py", *sys.argv[1:]])
+    payload = {"command": command, "attainable_gflops": rate, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=1))
     table = markdown(results, rate)
