@@ -263,6 +263,45 @@ def step_c() -> str:
     )
 
 
+_TORCH_VS_EAGER = (
+    "step_bench-torch-vs-eager-1thread.json",
+    "step_bench-torch-vs-eager-2thread.json",
+)
+
+
+def _ours_eager(ours: dict[str, Any], eager: dict[str, Any], key: str, fmt: str) -> list[str]:
+    """``ours / eager`` and their ratio, of one figure."""
+    pair = f"{format(ours[key], fmt)} / {format(eager[key], fmt)}"
+    return [pair, f"{ours[key] / eager[key]:.2f}" if eager[key] else "n/a"]
+
+
+def torch_vs_eager() -> str:
+    """The torch backend's default step against eager: time, CPU time, memory, faults."""
+    rows = []
+    for name in _TORCH_VS_EAGER:
+        threads = name.rsplit("-", 1)[1].split("thread")[0]
+        results = load(name)["results"]
+        for r in results:
+            if r["framework"] != "pockengine-torch":
+                continue
+            case = (r["workload"], r["scheme"])
+            eager = next((e for e in results if e["framework"] == "torch-eager"
+                          and (e["workload"], e["scheme"]) == case), None)  # fmt: skip
+            if eager is None:  # a run stopped before the case's eager half
+                continue
+            rows.append([
+                r["workload"], r["scheme"], threads, *_ours_eager(r, eager, "step_ms", ".0f"),
+                *_ours_eager(r, eager, "cpu_ms", ".0f"),
+                *_ours_eager(r, eager, "train_mem_mib", ".1f"),
+                f"{r['faults_per_step']:.0f} / {eager['faults_per_step']:.0f}",
+            ])  # fmt: skip
+    header = ("workload", "scheme", "threads", "step ms: ours / eager", "step ratio",
+              "CPU ms a step: ours / eager", "CPU ratio", "training MiB: ours / eager",
+              "memory ratio", "minor faults a step: ours / eager")  # fmt: skip
+    table = _markdown_table(header, _align(3, 7), rows)
+    return "\n".join([generated_by(*_TORCH_VS_EAGER), "", table])
+
+
 def device_footprint() -> str:
     name = "device_footprint-1thread.json"
     data = load(name)
@@ -542,6 +581,7 @@ TABLES: tuple[Table, ...] = (
     _ours("docs/search.md", "estimator", estimator),
     _ours("docs/benchmarks.md", "step-memory", step_memory),
     _ours("docs/benchmarks.md", "step-c", step_c),
+    _ours("docs/benchmarks.md", "torch-vs-eager", torch_vs_eager),
     _ours("docs/benchmarks.md", "lora-memory", lora_memory),
     _ours("docs/benchmarks.md", "lora-speed", lora_speed),
     _ours("docs/c_backend.md", "device-footprint", device_footprint),

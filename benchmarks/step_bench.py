@@ -7,7 +7,9 @@
 Writes benchmarks/results/step_bench.json (``--json``) and prints a Markdown table
 (``--out FILE`` also writes it there). ``--repeat N`` runs every case in N separate
 processes and reports the median of each figure (all runs stay in the JSON). Per case:
-median step time over ``--steps`` steps after ``--warmup`` steps, compile time (first
+median step time over ``--steps`` steps after ``--warmup`` steps (and the medians of a
+measured step's CPU time, user + system over all threads, and minor page faults,
+``getrusage``), compile time (first
 call for torch.compile; ``load_step`` for the artifact frameworks, step_artifact.py),
 training memory (peak RSS minus the RSS once the framework is imported and the weights
 and batch are loaded), the final loss, and achieved GFLOP/s from the analytic FLOPs of
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import statistics
 import sys
 import time
@@ -48,7 +51,7 @@ FRAMEWORKS = (
 ) + (
     ("ort-training",) if ort_training_peer.venv_possible() else ()
 )  # ONNX Runtime's on-device training, in its own venv (see ort_training_peer.py)
-WORKLOADS = ("mbv2", "bert", "llama")
+WORKLOADS = ("mbv2", "mcu", "bert", "llama")
 SCHEMES = ("full", "bias-only", "sparse", "head")  # names: pockengine.sparse.schemes
 
 
@@ -152,7 +155,7 @@ def _torch_step(framework: str, work: Any, optimizer: Any, trained: set[str]) ->
 
 def run_case(
     workload: str, scheme_name: str, framework: str, steps: int, warmup: int,
-    compile_in: str = "process", in_place: bool = False,
+    compile_in: str = "process", in_place: bool = False, flops: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """One case, as the device sees it. Training memory is the whole-process peak RSS (over
     compiling, warm-up and the measured steps: nothing is released or reset before it is
@@ -194,32 +197,40 @@ def run_case(
         compile_s = 0.0
         planned = None
     times = []
-    loss = 0.0
+    faults: list[int] = []
+    cpu: list[float] = []  # user + system seconds, all threads: a loaded machine stretches
+    loss = 0.0  # them far less than the wall time
     whole = 0
     with torch.no_grad() if framework.startswith("pockengine") else contextlib.nullcontext():
         for i in range(warmup + steps):
             if i == warmup:  # the whole-process peak so far, then the steady state's alone
                 whole = _rss_kib("VmHWM")
                 _reset_peak()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             t = time.perf_counter()
             loss = step(*batch)
             dt = time.perf_counter() - t
+            after = resource.getrusage(resource.RUSAGE_SELF)
             if i == 0 and framework == "torch-compile":
                 compile_s = dt
             if i >= warmup:
                 times.append(dt)
+                faults.append(after.ru_minflt - before.ru_minflt)
+                cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     steady = _rss_kib("VmHWM")
     peak = max(whole, steady)
     median = statistics.median(times)
     del step
     gc.collect()
-    flops = _analytic_flops(workload, scheme_name)
+    count = _analytic_flops(workload, scheme_name) if flops else None
     return {
         "workload": workload, "scheme": scheme_name, "framework": framework,
         "step_ms": median * 1e3, "compile_s": compile_s, "loss": loss,
         "train_mem_mib": (peak - base) / 1024, "peak_rss_mib": peak / 1024,
-        "step_mem_mib": (steady - base) / 1024,
-        "base_rss_mib": base / 1024, "gflop": flops / 1e9, "gflops": flops / median / 1e9,
+        "step_mem_mib": (steady - base) / 1024, "base_rss_mib": base / 1024,
+        "gflop": None if count is None else count / 1e9,
+        "gflops": None if count is None else count / median / 1e9,
+        "faults_per_step": statistics.median(faults), "cpu_ms": statistics.median(cpu) * 1e3,
         "planned_train_mib": None if planned is None else planned / 2**20,
         "compile_in": compile_in if framework.startswith("pockengine") else None,
         "in_place": in_place if framework.startswith("pockengine") else None,
@@ -250,7 +261,8 @@ def _subprocess(args: list[str], threads: int) -> dict[str, Any]:
         return {"error": e.last_line}
 
 
-_MEDIANS = ("step_ms", "compile_s", "train_mem_mib", "step_mem_mib", "peak_rss_mib", "base_rss_mib")
+_MEDIANS = ("step_ms", "compile_s", "train_mem_mib", "step_mem_mib", "peak_rss_mib", "base_rss_mib",
+            "cpu_ms", "faults_per_step")  # fmt: skip
 
 
 def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,8 +273,10 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return failed[0] if failed else runs[0]
     out = dict(runs[0])
     for key in _MEDIANS:
-        out[key] = statistics.median(r[key] for r in runs)
-    out["gflops"] = out["gflop"] / (out["step_ms"] / 1e3)
+        if all(key in r for r in runs):  # (the artifact and ort-training rows have fewer)
+            out[key] = statistics.median(r[key] for r in runs)
+    if out.get("gflop") is not None:
+        out["gflops"] = out["gflop"] / (out["step_ms"] / 1e3)
     out["runs"] = [{k: r[k] for k in ("step_ms", "train_mem_mib")} for r in runs]
     return out
 
@@ -289,14 +303,15 @@ def markdown(results: list[dict[str, Any]], attainable: float) -> str:
             lines.append(f"| {r['workload']} | {r['scheme']} | {r['framework']} | error: "
                          f"{r['error'][:80]} | | | | | | |")  # fmt: skip
             continue
-        share = r["gflops"] / attainable if attainable else 0.0
+        share = r["gflops"] / attainable if attainable and r.get("gflops") is not None else 0.0
+        rate = "n/a" if r.get("gflops") is None else f"{r['gflops']:.0f} ({share:.0%})"
         planned = r.get("planned_train_mib")
         mem = f"{r['train_mem_mib']:.0f}" + ("" if planned is None else f" ({planned:.0f})")
         # ort-training rows: its first two losses against torch eager's (ort_training_peer.py)
         check = f" (vs eager: {r['loss_check']})" if "loss_check" in r else ""
         lines.append(
             f"| {r['workload']} | {r['scheme']} | {_label(r)} | {r['step_ms']:.0f} "
-            f"| {r['gflops']:.0f} ({share:.0%}) | {mem} | {r.get('step_mem_mib', 0):.0f} "
+            f"| {rate} | {mem} | {r.get('step_mem_mib', 0):.0f} "
             f"| {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} | {r['loss']:.4f}{check} |"
         )
     return "\n".join(lines)
@@ -329,6 +344,8 @@ def main() -> int:
                         help="the in-process PockEngine frameworks train the module's own "
                         "tensors (pe.compile(..., in_place=True)), as eager does; default: "
                         "the step copies the params it trains")  # fmt: skip
+    parser.add_argument("--no-flops", action="store_true",
+                        help="no analytic FLOP count (it compiles each case again)")  # fmt: skip
     parser.add_argument("--case", nargs=3, metavar=("WORKLOAD", "SCHEME", "FRAMEWORK"))
     parser.add_argument("--matmul", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -341,7 +358,8 @@ def main() -> int:
         _threads(args.threads)
         result = ({"gflops": _matmul_gflops()} if args.matmul
                   else run_case(*args.case, steps=args.steps, warmup=args.warmup,
-                                compile_in=args.compile_in, in_place=args.in_place))  # fmt: skip
+                                compile_in=args.compile_in, in_place=args.in_place,
+                                flops=not args.no_flops))  # fmt: skip
         print(json.dumps(result))
         return 0
     attainable = _subprocess(["--matmul", "--threads", str(args.threads)], args.threads)
@@ -357,13 +375,15 @@ def main() -> int:
                 case = ["--case", w, s, f, "--steps", str(args.steps), "--warmup",
                         str(args.warmup), "--threads", str(args.threads),
                         "--compile-in", args.compile_in,
-                        *(["--in-place"] if args.in_place else [])]  # fmt: skip
+                        *(["--in-place"] if args.in_place else []),
+                        *(["--no-flops"] if args.no_flops else [])]  # fmt: skip
                 runs = [_subprocess(case, args.threads) for _ in range(args.repeat)]
                 r = {"workload": w, "scheme": s, "framework": f, **_combine(runs)}
                 print(json.dumps(r), file=sys.stderr)
                 results.append(r)
     rate = float(attainable.get("gflops", 0.0))
-    payload = {"attainable_gflops": rate, "results": results}
+    command = " ".join(["python benchmarks/step_bench.py", *sys.argv[1:]])
+    payload = {"command": command, "attainable_gflops": rate, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=1))
     table = markdown(results, rate)

@@ -287,9 +287,11 @@ BENCHMARKS: dict[str, Callable[[], Workload]] = {
     "mlp": mlp,
     "cnn": small_cnn,
     "mbv2-small": lambda: mobilenet_v2(width=0.35, batch=1, size=64, classes=10),
+    # the MCU-class case: MobileNetV2 width 0.35 at 128 px, batch 1
+    "mcu": lambda: mobilenet_v2(width=0.35, batch=1, size=128, classes=10),
 }
 # the last blocks each workload's sparse recipe trains
-RECIPE_BLOCKS = {"mbv2": 4, "bert": 2, "llama": 2, "mlp": 1, "cnn": 1, "mbv2-small": 1}
+RECIPE_BLOCKS = {"mbv2": 4, "bert": 2, "llama": 2, "mlp": 1, "cnn": 1, "mbv2-small": 1, "mcu": 4}
 
 
 def benchmark(name: str) -> tuple[Workload, Any]:
@@ -299,7 +301,7 @@ def benchmark(name: str) -> tuple[Workload, Any]:
     if name not in BENCHMARKS:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(BENCHMARKS)}")
     work = BENCHMARKS[name]()
-    cnn = name.startswith(("mbv2", "cnn"))
+    cnn = name.startswith(("mbv2", "cnn", "mcu"))
     opt = optim.SGD(lr=0.01, momentum=0.9) if cnn else optim.AdamW(lr=1e-4)
     return work, opt
 

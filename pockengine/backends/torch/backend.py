@@ -41,6 +41,7 @@ from pockengine.backends.torch import kernels_select as torch_kernels_select
 from pockengine.backends.torch import kernels_shape as torch_kernels_shape
 from pockengine.backends.torch.codegen import Emitter, PairFinder, generate_source
 from pockengine.backends.torch.heap import (
+    LARGE_SLOT_BYTES,
     MMAP_THRESHOLD_MAX,
     WORKSPACE_OPS,
     Workspace,
@@ -112,7 +113,7 @@ class TorchExecutable(Executable):
 
     def __init__(
         self, graph: Graph, device: torch.device, inplace: bool = True, trim_heap: bool = False,
-        trim_peak: bool = False, workspace: bool = False,
+        trim_peak: bool = False, workspace: bool = False, large_slots: bool = False,
     ) -> None:  # fmt: skip
         check_ops(graph, KERNELS, "torch")
         self.graph = graph
@@ -127,8 +128,12 @@ class TorchExecutable(Executable):
         peak_trim = libc_function("malloc_trim") if points else None
         self.trim_points = points if peak_trim is not None else ()
         after = dict.fromkeys(self.trim_points, "heap_trim(0)")
-        # the large results' slots in one buffer kept between calls (``heap``)
-        planned = plan_workspace(graph, reuse, WORKSPACE_OPS) if workspace else None
+        # the large results' slots in one buffer kept between calls (``heap``); with
+        # ``large_slots`` alone, the results above glibc's mmap ceiling only
+        planned = None
+        if workspace or large_slots:
+            least = None if workspace else LARGE_SLOT_BYTES
+            planned = plan_workspace(graph, reuse, WORKSPACE_OPS, least)
         self.workspace: Workspace | None = planned
         self._arena = _arena(planned, device)
         slots = None if self._arena is None or planned is None else (self._arena, planned.offsets)
@@ -252,7 +257,14 @@ class TorchBackend(Backend):
     at the next (MobileNetV2 sparse, batch 8: 42,000 minor faults a step before, 0 now;
     docs/benchmarks.md, "The torch backend against eager"). Process-wide, as glibc's
     settings are; raised, never lowered, by later compiles; left alone once ``keep_heap``
-    or ``heap_thresholds`` chose thresholds. Opt-in, all of which turn the step heap off:
+    or ``heap_thresholds`` chose thresholds. A block of at least 32 MiB (glibc's ceiling on
+    the mmap threshold) never comes from the heap: with the step heap (unless
+    ``large_slots=False``) the results of at least ``torch_heap.LARGE_SLOT_BYTES`` that the
+    workspace's kernels can write into a given tensor get slots in a buffer the
+    executable keeps (``torch_heap.plan_workspace``), mapped once instead of at every run
+    (the LLaMA benchmark's 62.5 MiB lm_head gradient: 16,000 minor faults a step before,
+    none now); the executable is then not re-entrant. Opt-in, all of which turn the step
+    heap off:
     ``trim_heap`` ends each run by handing the heap pages its freed intermediates held back
     to the OS (glibc's ``malloc_trim``; this call only), so the resident memory between
     steps is what stays live and the next step faults its pages in again (MobileNetV2, 2
@@ -288,6 +300,7 @@ class TorchBackend(Backend):
         workspace: bool = False,
         heap_thresholds: tuple[int, int] | None = None,
         step_heap: bool = True,
+        large_slots: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.workspace = workspace
@@ -301,6 +314,7 @@ class TorchBackend(Backend):
         chosen = keep_heap or self.heap_thresholds is not None  # the user's thresholds
         self.step_heap = (step_heap and self.device.type == "cpu" and not chosen
                           and not self.trim_heap and not self.trim_peak)  # fmt: skip
+        self.large_slots = large_slots and self.step_heap
 
     def compile(self, graph: Graph) -> TorchExecutable:
         if self.keep_heap and self.device.type == "cpu":
@@ -308,8 +322,9 @@ class TorchBackend(Backend):
         if self.heap_thresholds is not None and self.device.type == "cpu":
             fix_heap_thresholds(*self.heap_thresholds)
         executable = TorchExecutable(
-            graph, self.device, self.inplace, self.trim_heap, self.trim_peak, self.workspace
-        )
+            graph, self.device, self.inplace, self.trim_heap, self.trim_peak, self.workspace,
+            large_slots=self.large_slots,
+        )  # fmt: skip
         if self.step_heap:
             keep_step_heap(executable.live_peak)
         return executable

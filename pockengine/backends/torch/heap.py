@@ -59,6 +59,7 @@ from pockengine.plan.liveness import Interval, last_reads, liveness
 from pockengine.plan.memory import place_intervals
 
 __all__ = [
+    "LARGE_SLOT_BYTES",
     "MIN_TRIM_BYTES",
     "MIN_WORKSPACE_BYTES",
     "MMAP_THRESHOLD_MAX",
@@ -85,10 +86,15 @@ WORKSPACE_OPS = frozenset({
     # the unary elementwise ops (``kernels._UNARY``) and silu
     "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs",
     "reciprocal", "erf", "log1p", "silu",
+    # the fused loss head's gradients and an embedding table's (vocab x hidden, often
+    # above glibc's mmap ceiling)
+    "linear_log_softmax_gather_grad", "linear_log_softmax_gather_with_grad", "embedding_grad",
 })  # fmt: skip
 COPIED_OPS = frozenset({"layer_norm_grad", "attention", "attention_grad"})
-# ops whose ``out=`` result never casts whatever their inputs' dtypes (a row gather)
-_ANY_INPUT_DTYPE = COPIED_OPS | {"embedding"}
+_LOSS_GRADS = {"linear_log_softmax_gather_grad": 0, "linear_log_softmax_gather_with_grad": 2}
+# ops whose ``out=`` result never casts whatever their inputs' dtypes (a row gather and its
+# gradient; the loss head's gradients, whose integer input is the class index)
+_ANY_INPUT_DTYPE = COPIED_OPS | {"embedding", "embedding_grad", *_LOSS_GRADS}
 # the results of a multi-result op that get slots (not statistics, nor parameter gradients)
 _SLOTTED_RESULTS = {"layer_norm": (0,), "layer_norm_grad": (0,), "attention": (0,),
                     "attention_grad": (0, 1, 2)}  # fmt: skip
@@ -96,6 +102,10 @@ _SLOTTED_RESULTS = {"layer_norm": (0,), "layer_norm_grad": (0,), "attention": (0
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+# the results the step heap cannot keep: glibc maps every block of at least its mmap
+# threshold on its own and unmaps it at its ``free``, so the step heap gives them
+# workspace slots instead (``TorchBackend``, ``large_slots``)
+LARGE_SLOT_BYTES = MMAP_THRESHOLD_MAX
 
 
 @dataclass
@@ -211,6 +221,8 @@ def _slotted(node: Node, ops: frozenset[str], min_bytes: int) -> tuple[int, ...]
     if node.op not in ops:
         return ()
     picked = _SLOTTED_RESULTS.get(node.op, (0,) if len(node.outputs) == 1 else ())
+    if node.op in _LOSS_GRADS:  # the gradients, from this result on (all of them slotted)
+        picked = tuple(range(_LOSS_GRADS[node.op], len(node.outputs)))
     dtype = node.outputs[0].dtype
     if node.op not in _ANY_INPUT_DTYPE and any(v.dtype != dtype for v in node.inputs):
         return ()

@@ -64,12 +64,13 @@ def _picked_lse_(
 def linear_log_softmax_gather_grad(
     gp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     index: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None, chunk: int,
-    vocab_major: bool, wanted: tuple[bool, bool, bool],
+    vocab_major: bool, wanted: tuple[bool, bool, bool], outs: _Outs = (None, None, None),
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The wanted ones of gx, gw, gb: dz = scale * softmax(z) + gp * onehot(index) per
-    chunk, its logits recomputed; gw in w's own layout, written contiguously."""
+    chunk, its logits recomputed; gw in w's own layout, written contiguously. ``outs``:
+    tensors to write gx, gw, gb into (workspace slots; None: allocated)."""
     rows, kv = x.shape[0], w.t() if vocab_major else w  # kv: [k, vocab]
-    grads = _Grads(x, w, kv, wanted)
+    grads = _Grads(x, w, kv, wanted, outs)
     index, buffer = index.long(), _buffer(x, chunk, kv.shape[1])
     for start in range(0, rows, chunk):
         at = slice(start, min(rows, start + chunk))
@@ -82,13 +83,14 @@ def linear_log_softmax_gather_grad(
 def linear_log_softmax_gather_with_grad(
     gp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     index: torch.Tensor, bias: torch.Tensor | None, chunk: int, vocab_major: bool,
-    wanted: tuple[bool, bool, bool],
+    wanted: tuple[bool, bool, bool], outs: _Outs = (None, None, None),
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """picked, lse and the wanted gradients, each chunk's logits made once: exp(z - top)
-    gives the log-sum-exp's sum and, divided by it, softmax(z) in the same buffer."""
+    gives the log-sum-exp's sum and, divided by it, softmax(z) in the same buffer.
+    ``outs``: as ``linear_log_softmax_gather_grad``'s."""
     rows, kv = x.shape[0], w.t() if vocab_major else w
     picked, lse = x.new_empty(rows), x.new_empty(rows)
-    grads = _Grads(x, w, kv, wanted)
+    grads = _Grads(x, w, kv, wanted, outs)
     index, buffer = index.long(), _buffer(x, chunk, kv.shape[1])
     for start in range(0, rows, chunk):
         at = slice(start, min(rows, start + chunk))
@@ -100,30 +102,49 @@ def linear_log_softmax_gather_with_grad(
     return (picked, lse, *grads.wanted())
 
 
+_Outs = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
 class _Grads:
-    """gx (by rows), gw and gb (accumulated over chunks), those ``wanted`` allocated."""
+    """gx (by rows), gw and gb (accumulated over chunks), those ``wanted`` made: each in
+    its tensor of ``outs`` where given (a workspace slot of the result's shape and dtype),
+    else allocated. gw is the first chunk's product (``mm``), then accumulated (``addmm_``):
+    never zero-filled."""
 
     def __init__(
-        self, x: torch.Tensor, w: torch.Tensor, kv: torch.Tensor, wanted: tuple[bool, bool, bool]
-    ) -> None:
+        self, x: torch.Tensor, w: torch.Tensor, kv: torch.Tensor,
+        wanted: tuple[bool, bool, bool], outs: _Outs,
+    ) -> None:  # fmt: skip
         x_grad, w_grad, b_grad = wanted
-        self.gx = torch.empty_like(x) if x_grad else None
-        self.gw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if w_grad else None
-        self.gb = torch.zeros(kv.shape[1], dtype=w.dtype, device=w.device) if b_grad else None
+        gx_out, self.gw_out, gb_out = outs
+        self.gx = (gx_out if gx_out is not None else torch.empty_like(x)) if x_grad else None
+        self.w_grad, self._w = w_grad, w
+        self.gw: torch.Tensor | None = None
+        self.gb = None
+        if b_grad:
+            self.gb = gb_out.zero_() if gb_out is not None else kv.new_zeros(kv.shape[1])
 
     def add(
         self, dz: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, at: slice, vocab_major: bool
     ) -> None:
         if self.gx is not None:
             torch.mm(dz, kv.t(), out=self.gx[at])
-        if self.gw is not None and vocab_major:
-            self.gw.addmm_(dz.t(), x[at])
-        elif self.gw is not None:
-            self.gw.addmm_(x[at].t(), dz)
+        if self.w_grad:
+            a, b = (dz.t(), x[at]) if vocab_major else (x[at].t(), dz)
+            if self.gw is not None:
+                self.gw.addmm_(a, b)
+            elif self.gw_out is not None:
+                self.gw = torch.mm(a, b, out=self.gw_out)
+            else:
+                self.gw = torch.mm(a, b)
         if self.gb is not None:
             self.gb.add_(dz.sum(0))
 
     def wanted(self) -> tuple[torch.Tensor, ...]:
+        if self.w_grad and self.gw is None:  # no rows: no chunk made it
+            self.gw = (
+                self.gw_out.zero_() if self.gw_out is not None else self._w.new_zeros(self._w.shape)
+            )
         return tuple(g for g in (self.gx, self.gw, self.gb) if g is not None)
 
 
@@ -135,23 +156,32 @@ def _forward(e: Emit) -> list[str]:
 
 def _backward(e: Emit) -> list[str]:
     gp, scale, x, w, index, lse, *bias = e.ins
-    args = f"{gp}, {scale}, {x}, {w}, {index}, {lse}, {_attrs(e, bias, grads=True)}"
+    args = f"{gp}, {scale}, {x}, {w}, {index}, {lse}, {_attrs(e, bias, grads=0)}"
     return [f"{', '.join(e.outs)}, = linear_log_softmax_gather_grad({args})"]
 
 
 def _with_grad(e: Emit) -> list[str]:
     gp, scale, x, w, index, *bias = e.ins
-    args = f"{gp}, {scale}, {x}, {w}, {index}, {_attrs(e, bias, grads=True)}"
+    args = f"{gp}, {scale}, {x}, {w}, {index}, {_attrs(e, bias, grads=2)}"
     return [f"{', '.join(e.outs)} = linear_log_softmax_gather_with_grad({args})"]
 
 
-def _attrs(e: Emit, bias: list[str], grads: bool = False) -> str:
+_GRADS = ("x_grad", "w_grad", "b_grad")
+
+
+def _attrs(e: Emit, bias: list[str], grads: int | None = None) -> str:
     """The call's tail: the bias (or None), chunk, vocab_major and, for the gradient
-    kernels, which of gx, gw, gb are wanted."""
+    kernels (whose gradients are the results from index ``grads`` on), which of gx, gw, gb
+    are wanted and the workspace slots they go to (``Emit.dest``)."""
     tail = [bias[0] if bias else "None", literal(int(e.attr("chunk"))),
             literal(bool(e.attr("vocab_major")))]  # fmt: skip
-    if grads:
-        tail.append(literal(tuple(bool(e.attr(k)) for k in ("x_grad", "w_grad", "b_grad"))))
+    if grads is not None:
+        wanted = tuple(bool(e.attr(k)) for k in _GRADS)
+        tail.append(literal(wanted))
+        results = iter(range(grads, grads + sum(wanted)))
+        slots = [e.dest(result=next(results)) if w else None for w in wanted]
+        if any(slots):
+            tail.append(f"({', '.join(s or 'None' for s in slots)})")
     return ", ".join(tail)
 
 

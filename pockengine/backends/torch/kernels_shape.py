@@ -18,7 +18,7 @@ from pockengine.backends.torch.codegen import Emit, Emitter, literal
 from pockengine.backends.torch.kernels import out_arg
 from pockengine.ops._common import norm_axis
 
-__all__ = ["KERNELS", "NAMESPACE", "index_list", "wrap_index"]
+__all__ = ["KERNELS", "NAMESPACE", "embedding_grad_into", "index_list", "wrap_index"]
 
 _aten = torch.ops.aten
 
@@ -158,8 +158,22 @@ def _embedding_grad(e: Emit) -> list[str]:
     rows = int(e.attr("num_rows"))
     pad = _padding_row(e.attr("padding_idx"), rows)
     ids = f"wrap_index({e.ins[1]}, {rows})"
+    dest = e.dest()
+    if dest is not None:  # a workspace slot (a table gradient can pass glibc's mmap ceiling)
+        return [f"{e.out} = embedding_grad_into({dest}, {e.ins[0]}, {ids}, {pad})"]
     # ATen skips the ids equal to padding_idx: that row stays zero, as the reference.
     return [f"{e.out} = aten_embedding_dense_backward({e.ins[0]}, {ids}, {rows}, {pad}, False)"]
+
+
+def embedding_grad_into(
+    out: torch.Tensor, gz: torch.Tensor, ids: torch.Tensor, pad: int
+) -> torch.Tensor:
+    """ATen's ``embedding_dense_backward`` written into ``out``: the rows of ``gz`` added
+    into the rows ``ids`` name, in order, and row ``pad`` (>= 0) left zero."""
+    out.zero_().index_add_(0, ids.reshape(-1), gz.reshape(-1, gz.shape[-1]))
+    if pad >= 0:
+        out[pad].zero_()
+    return out
 
 
 KERNELS: dict[str, Emitter] = {
@@ -192,5 +206,6 @@ NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_embedding": torch.embedding,
     "aten_index_select": torch.index_select,
     "aten_embedding_dense_backward": _aten.embedding_dense_backward.default,
+    "embedding_grad_into": embedding_grad_into,
     "wrap_index": wrap_index,
 }
