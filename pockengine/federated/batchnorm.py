@@ -23,17 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from torch import nn
 
+from pockengine.ir.arrays import Array
 from pockengine.step.compiler import TrainStep
 from pockengine.step.parts import eval_batchnorms
 
 __all__ = ["BatchNormStats"]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True)

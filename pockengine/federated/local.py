@@ -38,6 +38,7 @@ from pockengine.federated.local_loss import adjusted_batch, local_loss_fn, logit
 from pockengine.federated.partition import partition
 from pockengine.federated.payload import TrainedSet, load_some
 from pockengine.federated.run_folder import GLOBAL_STATE, out_dir
+from pockengine.ir.arrays import Array
 from pockengine.optim import linear_schedule
 from pockengine.safetensors_io import read_metadata
 from pockengine.sparse import schemes
@@ -59,7 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 RNG_SEED = "rng.seed"
 AUTO = "auto"
 

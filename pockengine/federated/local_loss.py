@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from pockengine.ir.arrays import Array
 
 if TYPE_CHECKING:  # torch is imported where a loss runs: the options need only NumPy
     import torch
@@ -40,8 +42,6 @@ __all__ = [
     "logit_adjusted_loss",
     "logit_bias",
 ]
-
-Array = np.ndarray[Any, Any]
 LOCAL_LOSSES = ("plain", "logit-adjusted")
 PSEUDO_COUNT = 1.0  # per class: an absent class has prior 1 / (n + classes), not 0
 

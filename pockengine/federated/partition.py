@@ -10,15 +10,12 @@ redrawn (from the same seeded generator), so the result is reproducible.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from pockengine.federated.config import FederatedError
+from pockengine.ir.arrays import Array
 
 __all__ = ["dirichlet", "iid", "partition"]
-
-Array = np.ndarray[Any, Any]
 _DRAWS = 100
 
 

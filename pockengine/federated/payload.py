@@ -14,16 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from pockengine.federated.config import FederatedError
+from pockengine.ir.arrays import Array
 from pockengine.step.compiler import TrainStep
 
 __all__ = ["TrainedSet", "full_model_bytes", "load_some", "nbytes"]
-
-Array = np.ndarray[Any, Any]
 
 
 def nbytes(arrays: Mapping[str, Array]) -> int:

@@ -24,13 +24,11 @@ kept in float64; the global arrays keep their dtype.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-__all__ = ["ADAPTIVE", "SERVER_OPTIMIZERS", "ServerStep", "default_server_lr"]
+from pockengine.ir.arrays import Array
 
-Array = np.ndarray[Any, Any]
+__all__ = ["ADAPTIVE", "SERVER_OPTIMIZERS", "ServerStep", "default_server_lr"]
 
 SERVER_OPTIMIZERS = ("avg", "avgm", "adam", "yogi", "adagrad")
 ADAPTIVE = frozenset({"adam", "yogi", "adagrad"})

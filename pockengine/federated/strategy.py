@@ -24,7 +24,6 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -34,12 +33,11 @@ from pockengine.federated.client import ARRAYS, METRICS, to_arrays, to_record
 from pockengine.federated.config import FederatedError
 from pockengine.federated.payload import TrainedSet, nbytes
 from pockengine.federated.server_step import ServerStep
+from pockengine.ir.arrays import Array
 
 __all__ = ["SparseFedAvg"]
 
 log = logging.getLogger(__name__)
-
-Array = np.ndarray[Any, Any]
 
 
 class SparseFedAvg(FedAvg):

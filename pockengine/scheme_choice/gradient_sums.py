@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 
 from pockengine.frontend.imported import ImportedModel, ModelInfo
+from pockengine.ir.arrays import Array
 
 __all__ = ["GradientSums", "gradient_step", "gradient_sums", "micro_rows", "only"]
-
-Array = np.ndarray[Any, Any]
 _CHUNK_BYTES = 8 << 20  # float64 scratch of ``GradientSums.rows``
 
 

@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import CompileError, Role
+from pockengine.ir.arrays import Array
 from pockengine.step.compiler import TrainStep
 from pockengine.step.running import BatchError
 
 __all__ = ["BucketedStep", "Shapes"]
-
-Array = np.ndarray[Any, Any]
 Shapes = tuple[tuple[int, ...], ...]
 Fit = Callable[[Sequence[Array]], Sequence[Array]]
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks import models
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
 
@@ -35,8 +36,6 @@ __all__ = [
     "smollm2_gguf",
     "split_docs",
 ]
-
-Array = np.ndarray[Any, Any]
 PYDOCS = Path("/usr/share/doc/python3.11/html/_sources")
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGES = (

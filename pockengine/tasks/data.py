@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks.config import FinetuneError
 
 __all__ = [
@@ -35,8 +36,6 @@ __all__ = [
     "split",
     "split_indices",
 ]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True)

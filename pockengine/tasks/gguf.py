@@ -20,13 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from pockengine.ir.arrays import Array
 from pockengine.ops.quant import Quantized
 from pockengine.passes.quantize import AS_GIVEN, FrozenWeights
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
 
 __all__ = ["BLOCK", "FORMATS", "decode_blocks", "frozen_weights", "llama_weights"]
-
-Array = np.ndarray[Any, Any]
 BLOCK = 32  # elements per block in Q4_0, Q4_1 and Q8_0
 # GGML type name -> (our scheme, block bytes, f16 fields before the codes)
 FORMATS = {"Q4_0": ("int4_sym", 18, 1), "Q4_1": ("int4", 20, 2), "Q8_0": ("int8", 34, 1)}

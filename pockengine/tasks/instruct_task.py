@@ -28,7 +28,6 @@ from pockengine.tasks.task import Task
 __all__ = ["TEST_PAIRS", "build_pyqa_task", "pyqa_examples", "pyqa_task"]
 
 TEST_PAIRS = 128  # the held-out pairs the test metric reads (the split's first, fixed)
-Array = np.ndarray[Any, Any]
 
 
 def build_pyqa_task(config: FinetuneConfig) -> Task:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pockengine.ir.arrays import Array
 from pockengine.step.bucketed import BucketedStep
 from pockengine.step.compiler import TrainStep
 from pockengine.tasks.lm_data import LMExample
@@ -39,8 +40,6 @@ __all__ = [
     "padded_tokens",
     "row_lengths",
 ]
-
-Array = np.ndarray[Any, Any]
 
 
 def padded_tokens(lengths: Sequence[int], buckets: Sequence[int]) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks.config import FinetuneError
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
     "read_records",
     "records_data",
 ]
-
-Array = np.ndarray[Any, Any]
 FORMATS = ("text", "completion", "alpaca", "chat")
 _KEYS = {  # the keys that name each JSONL kind, in the order detection tries them
     "chat": ("messages",),

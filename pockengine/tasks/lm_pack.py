@@ -18,13 +18,13 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks.lm_data import LMExample
 
 __all__ = [
@@ -34,8 +34,6 @@ __all__ = [
     "packed_lm_eval",
     "packed_lm_loss",
 ]
-
-Array = np.ndarray[Any, Any]
 PACKED_ARRAYS = ("ids", "segments", "positions", "targets", "weights")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pockengine.ir import CompileError
+from pockengine.ir.arrays import Array
 from pockengine.step.compiler import TrainStep
 from pockengine.step.evaluator import Evaluator
 from pockengine.step.running import CompiledStep
@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 CLASSIFY_BATCH = 64
 CAUSAL_LM_BATCH = 8  # sequences: the logits are as wide as the vocabulary
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks import data as ds
 from pockengine.tasks import models
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
@@ -53,7 +54,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 
 
 def tensor_rows(arrays: Sequence[Array], start: int, stop: int) -> tuple[torch.Tensor, ...]:

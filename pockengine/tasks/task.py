@@ -11,12 +11,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks import data as ds
 from pockengine.tasks import lm_buckets
 
 __all__ = ["Task"]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks import data as ds
 from pockengine.tasks import models
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
@@ -33,8 +34,6 @@ __all__ = [
     "preprocessing",
     "tasks_arrays",
 ]
-
-Array = np.ndarray[Any, Any]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_LABELS = (
     "t-shirt/top",

@@ -25,14 +25,13 @@ import numpy as np
 
 from pockengine.finetune.run_folder import home
 from pockengine.finetune.run_folder.released import is_released
+from pockengine.ir.arrays import Array
 from pockengine.safe_write import write_text
 from pockengine.safetensors_io import SAFETENSORS_DTYPES, read_header
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
 from pockengine.tasks.recipes import Task
 
 __all__ = ["SKELETON", "write_from_skeleton", "write_skeleton"]
-
-Array = np.ndarray[Any, Any]
 SKELETON = "skeleton.json"
 _PREFIXES = {"hf-classifier": {"model.safetensors": "encoder.", "head.safetensors": "head."}}
 _CHUNK = 8 << 20

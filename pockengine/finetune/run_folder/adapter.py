@@ -17,8 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from pockengine.ir.arrays import Array
 from pockengine.safe_write import make_dirs, write_json, write_with
 from pockengine.safetensors_io import write_safetensors_to
 from pockengine.sparse.lora import Adapter, merge_adapters
@@ -40,7 +39,6 @@ ADAPTER_DIR = "adapter"  # RUN/adapter/ of a fine-tuning run with LoRA
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
-Array = np.ndarray[Any, Any]
 
 
 def save_adapter(

@@ -13,9 +13,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pockengine.finetune.run_folder import checkpoint as ckpt_io
+from pockengine.ir.arrays import Array
 from pockengine.safetensors_io import LazyTensors, write_safetensors_to
 from pockengine.tasks.config import FinetuneError
 
@@ -23,7 +22,6 @@ __all__ = ["BEST", "FORMAT", "BestWeights", "best_metric"]
 
 BEST = "best.safetensors"
 FORMAT = "pockengine-model/1"
-Array = np.ndarray[Any, Any]
 
 
 def best_metric(kind: str) -> tuple[str, bool]:

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from pockengine.ir.arrays import Array
 from pockengine.safe_write import write_bytes, write_with
 from pockengine.safetensors_io import metadata_of, read_metadata, write_safetensors_to
 from pockengine.tasks.config import FinetuneError
@@ -44,8 +45,6 @@ __all__ = [
     "write_atomic_with",
     "write_json_lines",
 ]
-
-Array = np.ndarray[Any, Any]
 CHECKPOINT = "checkpoint.safetensors"
 FORMAT = "pockengine-finetune/1"
 _CHUNK = 8 << 20

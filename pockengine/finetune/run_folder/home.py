@@ -41,6 +41,7 @@ from torch import nn
 
 from pockengine.finetune.run_folder.best import BEST, FORMAT, BestWeights
 from pockengine.finetune.run_folder.released import is_released, write_streamed
+from pockengine.ir.arrays import Array
 from pockengine.out_folder import RUN, install_folder, kind_of
 from pockengine.safe_write import write_json, write_text
 from pockengine.safetensors_io import append_tensors
@@ -66,7 +67,6 @@ __all__ = [
 
 MODEL_DIR = "model"
 META = "pockengine.json"
-Array = np.ndarray[Any, Any]
 
 
 def changed_names(buffers: Iterable[str], trained: Iterable[str]) -> list[str]:

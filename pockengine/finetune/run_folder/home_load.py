@@ -21,14 +21,13 @@ from torch import nn
 
 from pockengine.finetune.run_folder.home import META, MODEL_DIR
 from pockengine.finetune.run_folder.run_meta import named_factory, names_factory, read_model_meta
+from pockengine.ir.arrays import Array
 from pockengine.tasks import models
 from pockengine.tasks.config import FinetuneError
 from pockengine.tasks.data import WordTokenizer, encode_hf
 from pockengine.tasks.model_files import check_model_folder, check_safetensors
 
 __all__ = ["LoadedRun", "load_run"]
-
-Array = np.ndarray[Any, Any]
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pockengine.finetune.run_folder.adapter import merged_state
+from pockengine.ir.arrays import Array
 from pockengine.safetensors_io import write_streamed_to
 from pockengine.step.compiler import TrainStep
 from pockengine.step.running import CompiledStep
@@ -38,8 +39,6 @@ __all__ = [
     "step_values",
     "write_streamed",
 ]
-
-Array = np.ndarray[Any, Any]
 
 
 class StepValues(Mapping[str, Array]):

@@ -13,11 +13,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from pockengine.ir.arrays import Array
 from pockengine.tasks import lm_data, lm_pack
 
 __all__ = ["file_arrays", "is_packed_run", "packed_perplexity"]
-
-Array = np.ndarray[Any, Any]
 
 
 def is_packed_run(meta: dict[str, Any]) -> bool:

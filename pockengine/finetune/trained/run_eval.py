@@ -24,14 +24,13 @@ from pockengine.finetune.run_folder.home import META, MODEL_DIR
 from pockengine.finetune.run_folder.home_load import LoadedRun
 from pockengine.finetune.run_folder.run_meta import RunFileError
 from pockengine.finetune.trained import lm_eval
+from pockengine.ir.arrays import Array
 from pockengine.safe_write import check_no_links, write_json, write_with
 from pockengine.tasks import data as ds
 from pockengine.tasks import recipes
 from pockengine.tasks.config import FinetuneConfig, FinetuneError
 
 __all__ = ["CONFUSION_PNG", "EVAL_JSON", "evaluate_run", "format_eval", "plot_confusion"]
-
-Array = np.ndarray[Any, Any]
 EVAL_JSON = "eval.json"
 CONFUSION_PNG = "confusion.png"
 _TEXT_SUFFIXES = (".txt", ".md", ".rst")
