@@ -10,7 +10,7 @@ group]``, times the scale (plus the offset, or minus 8 for ``int4_sym``).
 from __future__ import annotations
 
 from pockengine.backends.onnx_emit import Emitter, Kernel, onnx_dtype, registrar
-from pockengine.ir import DType, Node
+from pockengine.ir import DType, Node, TensorType
 
 __all__ = ["KERNELS"]
 
@@ -20,8 +20,25 @@ _k = registrar(KERNELS)
 
 @_k("dequantize")
 def _dequantize(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    _matrix(em, node, x, node.output.type, out[0])
+
+
+@_k("dequantize_matmul")
+def _dequantize_matmul(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+    """The C backend's fused product, unfused: dequantize, then MatMul (W or W^T)."""
+    codes_t, result = node.inputs[1].type, node.output.type
+    cols = codes_t.shape[-1] * (1 if node.attrs["scheme"] == "int8" else 2)
+    w = _matrix(em, node, x[1:], TensorType((*codes_t.shape[:-1], cols), result.dtype), None)
+    if node.attrs["transpose"]:
+        w = em.op("Transpose", w, perm=[1, 0])
+    em.op("MatMul", x[0], w, out=out[0])
+
+
+def _matrix(em: Emitter, node: Node, x: list[str], result: TensorType, out: str | None) -> str:
+    """The float tensor of the codes, scales and offsets ``x`` (of ``node``'s attributes)."""
     scheme, group = str(node.attrs["scheme"]), int(str(node.attrs["group"]))
-    codes_t, result = node.inputs[0].type, node.output.type
+    first = 1 if node.op == "dequantize_matmul" else 0
+    codes_t = node.inputs[first].type
     lead, cols = codes_t.shape[:-1], result.shape[-1]
     q = x[0]
     if scheme != "int8":
@@ -34,12 +51,12 @@ def _dequantize(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
     if scheme == "int4_sym":
         w = em.op("Sub", w, em.scalar(8.0, result.dtype))
     axis = em.ints([-1])
-    scales = _as(em, x[1], node.inputs[1].dtype, result.dtype)
+    scales = _as(em, x[1], node.inputs[first + 1].dtype, result.dtype)
     w = em.op("Mul", w, em.op("Unsqueeze", scales, axis))
     if len(x) > 2:
-        offsets = _as(em, x[2], node.inputs[2].dtype, result.dtype)
+        offsets = _as(em, x[2], node.inputs[first + 2].dtype, result.dtype)
         w = em.op("Add", w, em.op("Unsqueeze", offsets, axis))
-    em.op("Reshape", w, em.ints(result.shape), out=out[0])
+    return em.op("Reshape", w, em.ints(result.shape), out=out)
 
 
 def _as(em: Emitter, x: str, dtype: DType, want: DType) -> str:

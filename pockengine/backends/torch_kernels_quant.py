@@ -51,5 +51,16 @@ def _dequantize(e: Emit) -> list[str]:
     return [f"{e.out} = pe_dequantize({codes}, {scales}, {offset}, {scheme}, {group})"]
 
 
-KERNELS: dict[str, Emitter] = {"dequantize": _dequantize}
-NAMESPACE: dict[str, Callable[..., Any]] = {"pe_dequantize": dequantize}
+def _dequantize_matmul(e: Emit) -> list[str]:
+    x, codes, scales, *offsets = e.ins
+    offset = offsets[0] if offsets else "None"
+    scheme, group = literal(e.attr("scheme")), literal(e.attr("group"))
+    w = f"pe_dequantize({codes}, {scales}, {offset}, {scheme}, {group})"
+    return [f"{e.out} = pe_matmul({x}, {w}{'.t()' if e.attr('transpose') else ''})"]
+
+
+KERNELS: dict[str, Emitter] = {
+    "dequantize": _dequantize,
+    "dequantize_matmul": _dequantize_matmul,  # the C backend's fused form, unfused
+}
+NAMESPACE: dict[str, Callable[..., Any]] = {"pe_dequantize": dequantize, "pe_matmul": torch.matmul}

@@ -31,6 +31,7 @@ from pockengine.backends.c import (
 )
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
+from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
 from pockengine.plan import MemoryPlan, plan_memory
@@ -105,6 +106,7 @@ class CExecutable(Executable):
         tune: bool = False,
         threads: int | None = None,
     ) -> None:
+        graph = fuse_lowbit_products(graph)  # low-bit matrices read inside the GEMM
         check_claims(graph)
         self.graph = graph
         self.plan: MemoryPlan = plan_memory(graph)

@@ -16,7 +16,9 @@ from pockengine.ir import DType, Node
 
 __all__ = ["HALF_OPS", "KERNELS", "half_ok"]
 
-HALF_OPS = frozenset({"dequantize", "index"})  # the ops that may read or write f16 bits
+HALF_OPS = frozenset(
+    {"dequantize", "dequantize_matmul", "index"}
+)  # the ops that may read or write f16 bits
 _SCHEMES = {"int8": 0, "int4": 1, "int4_sym": 2}  # enum pe_quant_scheme
 
 
@@ -46,3 +48,32 @@ def _dequantize(ctx: EmitContext, node: Node) -> str:
 
 
 KERNELS: dict[str, Lowering] = {"dequantize": _dequantize}
+
+
+def _dequantize_matmul(ctx: EmitContext, node: Node) -> str:
+    x, codes, scales, *offsets = node.inputs
+    out = node.outputs[0]
+    scheme, group = node.attrs.get("scheme"), node.attrs.get("group")
+    if scheme not in _SCHEMES or not isinstance(group, int) or codes.type.rank != 2:
+        raise CEmitError(f"dequantize_matmul: scheme {scheme!r}, group {group!r}, {codes}")
+    half = scales.dtype is DType.F16
+    if (not half and scales.dtype is not out.dtype) or x.dtype is not out.dtype:
+        raise CEmitError(f"dequantize_matmul: {x.dtype} x, {scales.dtype} scales into {out.dtype}")
+    rows = codes.shape[0]
+    cols = codes.shape[1] * (1 if scheme == "int8" else 2)
+    transpose = bool(node.attrs.get("transpose"))
+    k, n = (cols, rows) if transpose else (rows, cols)
+    m = x.type.numel // k if k else 0
+    offset = ctx.ref(offsets[0]) if offsets else "NULL"
+    matrix = (
+        f"pe_qmat w = {{{ctx.ref(codes)}, {ctx.ref(scales)}, {offset}, {_SCHEMES[scheme]}, "
+        f"{int(half)}, {group}, {rows}, {cols}}};"
+    )
+    call = (
+        f"pe_qgemm_{_sfx(out)}({m}, {n}, {k}, {ctx.ref(x)}, {k}, &w, 0, {int(transpose)}, "
+        f"{ctx.ref(out)}, {n}, 0);"
+    )
+    return f"{{ {matrix} {call} }}"
+
+
+KERNELS["dequantize_matmul"] = _dequantize_matmul

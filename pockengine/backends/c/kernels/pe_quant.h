@@ -30,6 +30,23 @@ static inline float pe_half_to_float(uint16_t h) {
     return f;
 }
 
+/* A low-bit [rows, cols] matrix (groups along each row) as the GEMM reads it: the
+ * ``dequantize`` op's operands and attributes. */
+typedef struct {
+    const void *codes, *scales, *offsets; /* offsets: NULL unless PE_Q_INT4 */
+    int scheme, half_scales;
+    long group, rows, cols;
+} pe_qmat;
+
+/* z = x op(W) with W = rows [row0, ...) of w, dequantised panel by panel as the GEMM
+ * packs them (lowbit_gemm.c): transpose: op(W) = W^T ([K = w->cols, N rows of w]); else
+ * op(W) = W ([K rows of w, N = w->cols]). x is M x K (row stride ldx), z M x N (ldz);
+ * accumulate adds to z. */
+void pe_qgemm_f32(long M, long N, long K, const float *x, long ldx, const pe_qmat *w,
+                  long row0, int transpose, float *z, long ldz, int accumulate);
+void pe_qgemm_f64(long M, long N, long K, const double *x, long ldx, const pe_qmat *w,
+                  long row0, int transpose, double *z, long ldz, int accumulate);
+
 /* ``groups`` groups of ``group`` elements into ``out``. ``half_scales``: scales and
  * offsets are f16 bits (float output only); else they have the output's type. */
 void pe_dequantize_f32(const void *codes, const void *scales, const void *offsets, int scheme,

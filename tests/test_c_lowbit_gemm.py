@@ -1,0 +1,133 @@
+"""Products with low-bit frozen matrices inside the C GEMM (``dequantize_matmul``,
+``backends/c/fuse_lowbit.py``, ``kernels/lowbit_gemm.c``).
+
+- ``X W^T`` and ``dY W`` with W in every scheme (GGUF Q4_0/Q4_1/Q8_0 with f16 scales, our
+  int4/int8 groups, int8 per row), at shapes with partial panels, partial slivers, k
+  blocks and groups cut by the blocking: bit for bit the C GEMM on the float matrix that
+  ``dequantize`` makes, and the NumPy backend's dequantize + matmul to float32 rounding;
+- a LLaMA LoRA step on int4 weights: its C executable holds no float copy of a frozen
+  matrix (no ``dequantize`` of a matrix, no transpose of one), its arena is smaller than
+  the unfused plan's, and it trains as the torch backend does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pockengine as pe
+from pockengine import zoo
+from pockengine.backends import get_backend
+from pockengine.backends.c import CBackend
+from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
+from pockengine.finetune.gguf import decode_blocks
+from pockengine.ir import DType, GraphBuilder, Role, TensorType
+from pockengine.ops.quant import Quantized, dequantize_array, quantize_int4, quantize_int8
+from pockengine.plan import plan_memory
+
+Array = np.ndarray[Any, Any]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KINDS = ["Q4_0", "Q4_1", "Q8_0", "int4", "int8", "int8-rows"]
+
+
+def _quantized(w: Array, kind: str) -> Quantized:
+    if kind.startswith("Q"):
+        from gguf import GGMLQuantizationType, quants
+
+        blocks = quants.quantize(w, GGMLQuantizationType[kind])
+        return decode_blocks(blocks, kind, w.shape)
+    if kind == "int4":
+        return quantize_int4(w, 32)
+    return quantize_int8(w, 32 if kind == "int8" else None)
+
+
+def _product(x: Array, dense: Array, q: Quantized | None, transpose: bool) -> Array:
+    """``x @ W^T`` or ``x @ W`` compiled by the C backend: W dequantized from ``q`` in the
+    graph, or (``q`` None) given as the float input ``dense``."""
+    b = GraphBuilder("product")
+    xv = b.input("x", TensorType(x.shape, DType.F32), Role.INPUT)
+    feeds: dict[str, Array] = {"x": x}
+    if q is None:
+        w = b.input("w", TensorType(dense.shape, DType.F32), Role.INPUT)
+        feeds["w"] = dense
+    else:
+        names = ("codes", "scales", "offsets")[: len(q.arrays)]
+        qs = [b.input(n, TensorType(a.shape, DType.from_numpy(a.dtype)), Role.INPUT)
+              for n, a in zip(names, q.arrays, strict=True)]  # fmt: skip
+        feeds.update(zip(names, q.arrays, strict=True))
+        w = b.call("dequantize", *qs, scheme=q.scheme, group=q.group)
+    y = b.call("transpose", w, perm=(1, 0)) if transpose else w
+    graph = b.build([b.call("matmul", xv, y)])
+    executable = CBackend().compile(graph)
+    fused = q is not None
+    assert [n.op for n in executable.graph.nodes] == (
+        ["dequantize_matmul"] if fused else ["transpose", "matmul"][1 - transpose :]
+    )
+    return executable.run({}, feeds)[0]
+
+
+@pytest.mark.parametrize("transpose", [True, False], ids=["xWT", "dYW"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_lowbit_product_equals_the_gemm_on_the_dequantized_matrix(
+    kind: str, transpose: bool
+) -> None:
+    rng = np.random.default_rng(7)
+    rows, cols = 37, 320  # partial slivers and panels; a k block and groups cut at 256
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    q = _quantized(w, kind)
+    dense = dequantize_array(q.codes, q.scales, q.offsets, scheme=q.scheme, group=q.group)
+    m = 19
+    x = rng.standard_normal((m, cols if transpose else rows)).astype(np.float32)
+    got = _product(x, dense, q, transpose)
+    want = _product(x, dense, None, transpose)  # the same GEMM on the float matrix
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    ref = x @ (dense.T if transpose else dense)  # the NumPy backend's dequantize + matmul
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_numpy_reference_of_dequantize_matmul_is_the_unfused_product() -> None:
+    rng = np.random.default_rng(1)
+    q = quantize_int4(rng.standard_normal((6, 64)).astype(np.float32), 32)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    b = GraphBuilder("ref")
+    xv = b.input("x", TensorType(x.shape, DType.F32), Role.INPUT)
+    names = ("codes", "scales", "offsets")
+    qs = [b.input(n, TensorType(a.shape, DType.from_numpy(a.dtype)), Role.INPUT)
+          for n, a in zip(names, q.arrays, strict=True)]  # fmt: skip
+    w = b.call("dequantize", *qs, scheme="int4", group=32)
+    graph = b.build([b.call("matmul", xv, b.call("transpose", w, perm=(1, 0)))])
+    fused = fuse_lowbit_products(graph)
+    assert [n.op for n in fused.nodes] == ["dequantize_matmul"]
+    feeds = {"x": x, **dict(zip(names, q.arrays, strict=True))}
+    numpy = get_backend("numpy")
+    (a,) = numpy.compile(graph).run({}, feeds)
+    (b2,) = numpy.compile(fused).run({}, feeds)
+    np.testing.assert_array_equal(a, b2)
+
+
+def test_lora_step_on_int4_weights_holds_no_float_matrix() -> None:
+    w = zoo.llama_lm(layers=1, tied=True, vocab=4096)
+    scheme = pe.schemes.lora(rank=4, alpha=8, targets=["*q_proj", "*v_proj"])
+    kw: dict[str, Any] = {"scheme": scheme, "frozen_dtype": "int4"}
+    batch = w.make_batch(0)
+    c_step, torch_step = (pe.compile(w.model, w.loss_fn, batch, backend=b,
+                                     optimizer=pe.optim.AdamW(lr=1e-2), **kw)
+                          for b in ("c", "torch"))  # fmt: skip
+    executable = c_step._exec
+    nodes = executable.graph.nodes
+    products = [n for n in nodes if n.op == "dequantize_matmul"]
+    # forward X W^T of 7 block matrices and the LM head; dY W of the 5 not in the LoRA path
+    # plus the LM head's (q and v: the LoRA branch's input gradient reads the base too)
+    assert {n.attrs["transpose"] for n in products} == {True, False}
+    assert len(products) >= 8 + 5
+    assert all(n.outputs[0].type.rank > 2 for n in nodes if n.op == "dequantize")  # rows only
+    assert not any(n.op == "transpose" and n.inputs[0].type.numel >= 64 * 64 and
+                   n.inputs[0].name.endswith(("dq_0", "re0")) for n in nodes)  # fmt: skip
+    unfused = plan_memory(c_step.graph).arena_bytes
+    assert executable.plan.arena_bytes < 0.8 * unfused  # 1.63 of 2.10 MiB: no f32 LM head
+    for i in range(4):
+        batch = w.make_batch(i)
+        assert c_step(*batch) == pytest.approx(torch_step(*batch), rel=1e-5), i
