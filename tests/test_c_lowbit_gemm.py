@@ -5,6 +5,10 @@
   int4/int8 groups, int8 per row), at shapes with partial panels, partial slivers, k
   blocks and groups cut by the blocking: bit for bit the C GEMM on the float matrix that
   ``dequantize`` makes, and the NumPy backend's dequantize + matmul to float32 rounding;
+- ``tests/c_kernels/lowbit_check.c``: the kernel against ``pe_gemm`` on ``pe_dequantize``'s
+  matrix, bit for bit, every scheme, f16 and float scales, groups of 32, 64 and a row, both
+  orientations, accumulating, a first row other than 0, float and double; built with the
+  backend's flags, for AVX2, portable, and for aarch64 (NEON) run under qemu;
 - a LLaMA LoRA step on int4 weights: its C executable holds no float copy of a frozen
   matrix (no ``dequantize`` of a matrix, no transpose of one), its arena is smaller than
   the unfused plan's, and it trains as the torch backend does.
@@ -12,6 +16,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +28,7 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.c import CBackend
+from pockengine.backends.c.driver import KERNEL_DIR, toolchain
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.finetune.gguf import decode_blocks
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
@@ -131,3 +139,40 @@ def test_lora_step_on_int4_weights_holds_no_float_matrix() -> None:
     for i in range(4):
         batch = w.make_batch(i)
         assert c_step(*batch) == pytest.approx(torch_step(*batch), rel=1e-5), i
+
+
+CHECK = Path(__file__).with_name("c_kernels") / "lowbit_check.c"
+SOURCES = [str(CHECK), *(str(KERNEL_DIR / f) for f in ("linalg.c", "lowbit_gemm.c", "quant.c",
+                                                        "common.c"))]  # fmt: skip
+COMMON = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
+
+
+def _check(tmp_path: Path, flags: list[str], compiler: str = "cc",
+           runner: list[str] | None = None) -> None:  # fmt: skip
+    binary = tmp_path / "lowbit_check"
+    subprocess.run([compiler, *flags, *COMMON, *SOURCES, "-o", str(binary), "-lm"],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
+                          check=False, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok ") and int(done.stdout.split()[1]) >= 400, done.stdout
+
+
+def test_lowbit_gemm_kernel_with_the_backend_flags(tmp_path: Path) -> None:
+    _check(tmp_path, list(toolchain().flags))
+
+
+def test_lowbit_gemm_kernel_avx2_and_portable(tmp_path: Path) -> None:
+    cpu = Path("/proc/cpuinfo")
+    if {"avx2", "fma"} <= set(cpu.read_text().split() if cpu.exists() else ()):
+        _check(tmp_path, ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"])
+    _check(tmp_path, ["-O3", "-DPE_GEMM_PORTABLE"])
+
+
+def test_lowbit_gemm_kernel_neon_under_qemu(tmp_path: Path) -> None:
+    """Needs Debian's gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
+    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cross is None or qemu is None:
+        pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing: apt-get install "
+                    "gcc-aarch64-linux-gnu qemu-user")  # fmt: skip
+    _check(tmp_path, ["-O2"], cross, [qemu, "-L", "/usr/aarch64-linux-gnu"])
