@@ -10,7 +10,7 @@ group]``, times the scale (plus the offset, or minus 8 for ``int4_sym``).
 from __future__ import annotations
 
 from pockengine.backends.onnx_emit import Emitter, Kernel, onnx_dtype, registrar
-from pockengine.ir import DType, Node, TensorType
+from pockengine.ir import DType, Node, TensorType, Value
 
 __all__ = ["KERNELS"]
 
@@ -61,3 +61,28 @@ def _matrix(em: Emitter, node: Node, x: list[str], result: TensorType, out: str 
 
 def _as(em: Emitter, x: str, dtype: DType, want: DType) -> str:
     return x if dtype is want else em.op("Cast", x, to=onnx_dtype(want))
+
+
+def _lowbit_loss(base: str) -> Kernel:
+    """``dequantize_<base>`` (ops/quant_loss.py): the matrix made, then ``base``'s kernel."""
+    from pockengine.backends.onnx_kernels_loss import KERNELS as LOSS
+    from pockengine.ops.quant_loss import LOWBIT_LOSS, split_inputs
+
+    at = LOWBIT_LOSS[base][1]
+
+    def kernel(em: Emitter, node: Node, x: list[str], out: list[str]) -> None:
+        head, quantized = split_inputs(base, node.inputs)
+        names, qnames = split_inputs(base, tuple(x))
+        cols = quantized[0].shape[-1] * (1 if node.attrs["scheme"] == "int8" else 2)
+        w_type = TensorType((*quantized[0].shape[:-1], cols), node.outputs[0].dtype)
+        probe = Node("dequantize", tuple(quantized), (Value("w", w_type),), node.attrs)
+        names[at] = _matrix(em, probe, qnames, w_type, None)
+        head[at] = Value(names[at], w_type)
+        LOSS[base](em, node.replace(op=base, inputs=tuple(head)), names, out)
+
+    return kernel
+
+
+for _base in ("linear_log_softmax_gather", "linear_log_softmax_gather_grad",
+              "linear_log_softmax_gather_with_grad"):  # fmt: skip
+    KERNELS[f"dequantize_{_base}"] = _lowbit_loss(_base)

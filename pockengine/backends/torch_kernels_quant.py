@@ -8,6 +8,7 @@ packed two a byte in the store; the nibbles are split into a u8 temporary here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -64,3 +65,27 @@ KERNELS: dict[str, Emitter] = {
     "dequantize_matmul": _dequantize_matmul,  # the C backend's fused form, unfused
 }
 NAMESPACE: dict[str, Callable[..., Any]] = {"pe_dequantize": dequantize, "pe_matmul": torch.matmul}
+
+
+def _lowbit_loss(base: str) -> Emitter:
+    """``dequantize_<base>`` (ops/quant_loss.py): the matrix made, then ``base``'s kernel."""
+    from pockengine.backends.torch_kernels_loss import KERNELS as LOSS
+    from pockengine.ops.quant_loss import LOWBIT_LOSS, split_inputs
+
+    at = LOWBIT_LOSS[base][1]
+
+    def emit(e: Emit) -> list[str]:
+        head, (codes, scales, *offsets) = split_inputs(base, e.ins)
+        w = e.tmp()
+        offset = offsets[0] if offsets else "None"
+        scheme, group = literal(e.attr("scheme")), literal(e.attr("group"))
+        head[at] = w
+        line = f"{w} = pe_dequantize({codes}, {scales}, {offset}, {scheme}, {group})"
+        return [line, *LOSS[base](dataclasses.replace(e, ins=tuple(head)))]
+
+    return emit
+
+
+for _base in ("linear_log_softmax_gather", "linear_log_softmax_gather_grad",
+              "linear_log_softmax_gather_with_grad"):  # fmt: skip
+    KERNELS[f"dequantize_{_base}"] = _lowbit_loss(_base)

@@ -108,6 +108,10 @@ static void PE_S(pe_qpack_n)(const void *ctx, PE_T *sliver, long ld, long k0, lo
     for (long k = 0; k < kc; k++) PE_S(pe_qrange)(p->w, p->row0 + k0 + k, j0, width, sliver + k * ld);
 }
 
+void PE_S(pe_qrow)(const pe_qmat *w, long row, long c0, long n, PE_T *out) {
+    PE_S(pe_qrange)(w, row, c0, n, out);
+}
+
 void PE_S(pe_qgemm)(long M, long N, long K, const PE_T *x, long ldx, const pe_qmat *w,
                     long row0, int transpose, PE_T *z, long ldz, int accumulate) {
     pe_qpack p = {w, row0};

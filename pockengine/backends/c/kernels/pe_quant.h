@@ -47,6 +47,25 @@ void pe_qgemm_f32(long M, long N, long K, const float *x, long ldx, const pe_qma
 void pe_qgemm_f64(long M, long N, long K, const double *x, long ldx, const pe_qmat *w,
                   long row0, int transpose, double *z, long ldz, int accumulate);
 
+/* out[t] = W[row][c0 + t] for t < n (lowbit_gemm.c). */
+void pe_qrow_f32(const pe_qmat *w, long row, long c0, long n, float *out);
+void pe_qrow_f64(const pe_qmat *w, long row, long c0, long n, double *out);
+
+/* The fused loss head on a low-bit [V, K] table (loss.c; ops/quant_loss.py). */
+#define PE_QLOSS_DECLARE(S, T)                                                                 \
+    void pe_qlinear_log_softmax_gather_##S(const T *x, const pe_qmat *w, const void *index,    \
+                                           int wide, T *picked, T *lse, long rows, long K,      \
+                                           long V);                                             \
+    void pe_qlinear_log_softmax_gather_grad_##S(const T *gp, const T *scale, const T *x,       \
+                                                const pe_qmat *w, const void *index, int wide,  \
+                                                const T *lse, T *gx, long rows, long K, long V); \
+    void pe_qlinear_log_softmax_gather_with_grad_##S(const T *gp, const T *scale, const T *x,  \
+                                                     const pe_qmat *w, const void *index,       \
+                                                     int wide, T *picked, T *lse, T *gx,        \
+                                                     long rows, long K, long V);
+PE_QLOSS_DECLARE(f32, float)
+PE_QLOSS_DECLARE(f64, double)
+
 /* ``groups`` groups of ``group`` elements into ``out``. ``half_scales``: scales and
  * offsets are f16 bits (float output only); else they have the output's type. */
 void pe_dequantize_f32(const void *codes, const void *scales, const void *offsets, int scheme,
