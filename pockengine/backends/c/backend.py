@@ -13,7 +13,7 @@ out of the arena.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +227,12 @@ class CBackend(Backend):
 
     def supported_ops(self) -> frozenset[str]:
         return frozenset(KERNELS)
+
+    def lowering_passes(self) -> tuple[Callable[[Graph], Graph], ...]:
+        """Rewrites the training pipeline ends with for this backend (``pe.compile`` runs
+        them before a memory budget plans): products and the loss head on low-bit frozen
+        matrices read the codes (``fuse_lowbit.py``)."""
+        return (fuse_lowbit_products,)
 
     def claims(self, node: Node) -> bool:
         return claims(node)
