@@ -1,9 +1,12 @@
-"""C lowering of low-bit frozen weights: ``dequantize``, one call of ``kernels/quant.c``.
+"""C lowering of low-bit frozen weights: ``dequantize``, one call of ``kernels/quant.c``;
+``dequantize_matmul``, one ``pe_qgemm`` (``kernels/lowbit_gemm.c``: the GEMM packing its
+panels from the codes); the fused loss head on a low-bit table,
+``dequantize_linear_log_softmax_gather*``, one ``pe_qlinear_*`` call of ``kernels/loss.c``.
 
 Codes are ``int8_t`` (int8) or packed ``uint8_t`` (4-bit); scales and offsets have the
 result's type, or are GGUF's f16 (``uint16_t`` bits in C, converted per group by the
 kernel; the result is then float32). f16 values are raw bits to the emitter: only
-``dequantize``, which converts them, and ``index`` (an embedding's rows of the scales and
+the ops above, whose kernels convert them, and ``index`` (an embedding's rows of the scales and
 offsets, copied as they are) may read them (``HALF_OPS``), so no other op does arithmetic
 on the bits.
 """
