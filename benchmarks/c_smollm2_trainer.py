@@ -1,5 +1,5 @@
-"""SmolLM2-135M from the shipped Q4_1 GGUF, LoRA on q/v, 4 x 128 tokens: the stand-alone C
-trainer against the torch backend's step.
+"""SmolLM2-135M from the shipped Q4_1 GGUF, 4 x 128 tokens, LoRA on q/v (or ``--scheme``,
+``--optimizer-state``): the stand-alone C trainer against the torch backend's step.
 
 Case ``c``: ``pockengine export --recipe smollm2-pydocs --scheme lora --frozen-dtype gguf
 --backend c --target c`` (with ``--remat-budget`` when given), ``make NATIVE=1 STATIC=1
@@ -11,7 +11,8 @@ time after the first, tokens per second, whole-process peak, losses. Each case r
 own process.
 
     PYTHONPATH=$PWD python benchmarks/c_smollm2_trainer.py --steps 4 \
-        [--remat-budget 190MB] [--out benchmarks/results/c_smollm2_trainer.json]
+        [--remat-budget 190MB] [--scheme sparse --optimizer-state int8] \
+        [--out benchmarks/results/c_smollm2_trainer.json]
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from typing import Any
 import numpy as np
 
 TOKENS = 4 * 128
-_EXPORT = ["--recipe", "smollm2-pydocs", "--scheme", "lora", "--frozen-dtype", "gguf",
-           "--batch-size", "4", "--seq-len", "128"]  # fmt: skip
+_EXPORT = ["--recipe", "smollm2-pydocs", "--frozen-dtype", "gguf", "--batch-size", "4",
+           "--seq-len", "128"]  # fmt: skip
 
 
-def _c_case(steps: int, budget: str | None, work: Path) -> dict[str, Any]:
+def _c_case(steps: int, budget: str | None, work: Path, extra: list[str]) -> dict[str, Any]:
     folder = work / "trainer"
-    extra = ["--remat-budget", budget] if budget else []
+    extra = [*extra, *(["--remat-budget", budget] if budget else [])]
     subprocess.run([sys.executable, "-m", "pockengine", "export", *_EXPORT, *extra,
                     "--backend", "c", "--target", "c", "--write-batches", str(steps),
                     "-o", str(folder)], check=True, capture_output=True)  # fmt: skip
@@ -58,13 +59,13 @@ def _c_case(steps: int, budget: str | None, work: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _torch_case(steps: int, budget: str | None) -> dict[str, Any]:
+def _torch_case(steps: int, budget: str | None, extra: list[str]) -> dict[str, Any]:
     import torch
 
     from pockengine import cli, export_cli
 
     torch.set_num_threads(1)
-    extra = ["--remat-budget", budget] if budget else []
+    extra = [*extra, *(["--remat-budget", budget] if budget else [])]
     args = cli.build_parser().parse_args(["export", *_EXPORT, *extra, "--backend", "torch"])
     prepared = export_cli._from_args(args)
     step = prepared.step
@@ -91,20 +92,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--remat-budget")
+    ap.add_argument("--scheme", default="lora")
+    ap.add_argument("--optimizer-state", default="float32")
     ap.add_argument("--cases", nargs="+", default=["c", "torch"])
     ap.add_argument("--case", help=argparse.SUPPRESS)  # one case, in this process
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.case:
+        extra = ["--scheme", args.scheme, "--optimizer-state", args.optimizer_state]
         with tempfile.TemporaryDirectory() as tmp:
-            result = (_c_case(args.steps, args.remat_budget, Path(tmp)) if args.case == "c"
-                      else _torch_case(args.steps, args.remat_budget))  # fmt: skip
+            result = (_c_case(args.steps, args.remat_budget, Path(tmp), extra)
+                      if args.case == "c"
+                      else _torch_case(args.steps, args.remat_budget, extra))  # fmt: skip
+        result.update(scheme=args.scheme, optimizer_state=args.optimizer_state)
         print(json.dumps(result), flush=True)
         return
     results = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for case in args.cases:
-        cmd = [sys.executable, __file__, "--case", case, "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--case",
+            case,
+            "--steps",
+            str(args.steps),
+            "--scheme",
+            args.scheme,
+            "--optimizer-state",
+            args.optimizer_state,
+        ]
         if args.remat_budget:
             cmd += ["--remat-budget", args.remat_budget]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
