@@ -210,6 +210,9 @@ def compile(
     frozen = FrozenWeights(frozen_dtype, dict(quantized or {}))
     engine = get_backend(backend)
     pipeline = DEFAULT_PIPELINE if passes is None else tuple(passes)
+    # the backend's own rewrites (the C backend's low-bit products) last, so that a memory
+    # budget plans the graph the backend runs
+    pipeline = (*pipeline, *getattr(engine, "lowering_passes", lambda: ())())
     pipeline = with_budget(pipeline, parse_budget(memory_budget))
     kind, optim = frontend_of(model), optimizer or SGD()
     if not isinstance(in_place, bool):  # "no" or "false" would be truthy

@@ -13,7 +13,7 @@ out of the arena.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from pockengine.backends.c import (
 )
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
+from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
 from pockengine.plan import MemoryPlan, plan_memory
@@ -105,6 +106,7 @@ class CExecutable(Executable):
         tune: bool = False,
         threads: int | None = None,
     ) -> None:
+        graph = fuse_lowbit_products(graph)  # low-bit matrices read inside the GEMM
         check_claims(graph)
         self.graph = graph
         self.plan: MemoryPlan = plan_memory(graph)
@@ -225,6 +227,12 @@ class CBackend(Backend):
 
     def supported_ops(self) -> frozenset[str]:
         return frozenset(KERNELS)
+
+    def lowering_passes(self) -> tuple[Callable[[Graph], Graph], ...]:
+        """Rewrites the training pipeline ends with for this backend (``pe.compile`` runs
+        them before a memory budget plans): products and the loss head on low-bit frozen
+        matrices read the codes (``fuse_lowbit.py``)."""
+        return (fuse_lowbit_products,)
 
     def claims(self, node: Node) -> bool:
         return claims(node)

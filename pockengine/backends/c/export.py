@@ -24,6 +24,7 @@ from pockengine.backends.c.backend import KERNELS, check_claims
 from pockengine.backends.c.conv_table import conv_slots, conv_table_source
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
+from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.ir import CompileError, DType, Graph, Role, Value
 from pockengine.plan import plan_memory
 from pockengine.plan.index_bounds import IndexBound, index_bounds
@@ -193,8 +194,9 @@ def export_c(
     ``bounds``: the index batch inputs' ranges (a step's ``facts.index_bounds``, derived
     from its forward graph); None derives them from ``graph``. Each file is written
     atomically, and no link inside ``folder`` is followed (``safe_write``)."""
-    check_claims(graph)
     bounds = index_bounds(graph) if bounds is None else bounds
+    graph = fuse_lowbit_products(graph)  # as CExecutable: low-bit matrices read in the GEMM
+    check_claims(graph)
     out = make_dirs(Path(folder))
     make_dirs(out / "kernels", inside=out)
     plan = plan_memory(graph)

@@ -8,12 +8,15 @@ packed two a byte in the store; the nibbles are split into a u8 temporary here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pockengine.backends.torch.codegen import Emit, Emitter, literal
+from pockengine.backends.torch.kernels_loss import KERNELS as LOSS
+from pockengine.ops.quant_loss import LOWBIT_LOSS, split_inputs
 
 __all__ = ["KERNELS", "NAMESPACE", "dequantize"]
 
@@ -51,5 +54,37 @@ def _dequantize(e: Emit) -> list[str]:
     return [f"{e.out} = pe_dequantize({codes}, {scales}, {offset}, {scheme}, {group})"]
 
 
-KERNELS: dict[str, Emitter] = {"dequantize": _dequantize}
-NAMESPACE: dict[str, Callable[..., Any]] = {"pe_dequantize": dequantize}
+def _dequantize_matmul(e: Emit) -> list[str]:
+    x, codes, scales, *offsets = e.ins
+    offset = offsets[0] if offsets else "None"
+    scheme, group = literal(e.attr("scheme")), literal(e.attr("group"))
+    w = f"pe_dequantize({codes}, {scales}, {offset}, {scheme}, {group})"
+    return [f"{e.out} = pe_matmul({x}, {w}{'.t()' if e.attr('transpose') else ''})"]
+
+
+KERNELS: dict[str, Emitter] = {
+    "dequantize": _dequantize,
+    "dequantize_matmul": _dequantize_matmul,  # the C backend's fused form, unfused
+}
+NAMESPACE: dict[str, Callable[..., Any]] = {"pe_dequantize": dequantize, "pe_matmul": torch.matmul}
+
+
+def _lowbit_loss(base: str) -> Emitter:
+    """``dequantize_<base>`` (ops/quant_loss.py): the matrix made, then ``base``'s kernel."""
+    at = LOWBIT_LOSS[base][1]
+
+    def emit(e: Emit) -> list[str]:
+        head, (codes, scales, *offsets) = split_inputs(base, e.ins)
+        w = e.tmp()
+        offset = offsets[0] if offsets else "None"
+        scheme, group = literal(e.attr("scheme")), literal(e.attr("group"))
+        head[at] = w
+        line = f"{w} = pe_dequantize({codes}, {scales}, {offset}, {scheme}, {group})"
+        return [line, *LOSS[base](dataclasses.replace(e, ins=tuple(head)))]
+
+    return emit
+
+
+for _base in ("linear_log_softmax_gather", "linear_log_softmax_gather_grad",
+              "linear_log_softmax_gather_with_grad"):  # fmt: skip
+    KERNELS[f"dequantize_{_base}"] = _lowbit_loss(_base)

@@ -7,7 +7,9 @@
  * serves 128 rows (16 x 1024 tiles re-packed all of w for every 16 rows: 1.9x slower).
  *
  * w is [K, V], or [V, K] when `major` (an nn.Linear weight or a tied embedding); b is
- * [V] or NULL; index holds int64 (`wide`) or int32 targets in [0, V).
+ * [V] or NULL. The pe_qlinear_* entry points take a low-bit [V, K] table (pe_quant.h's
+ * pe_qmat: a tied, quantized LM head) whose tiles of logits and input-gradient products
+ * read the codes through the low-bit GEMM (lowbit_gemm.c), with no weight or bias; index holds int64 (`wide`) or int32 targets in [0, V).
  *
  * Threads never share an output, so results do not depend on the thread count: the
  * forward and the input gradient split the rows, the weight and bias gradients split the
@@ -34,9 +36,12 @@ static long pe_loss_min(long a, long b) { return a < b ? a : b; }
 #endif
 
 /* z[r][c] = x[r0 + r] . w[:, j0 + c] (+ b[j0 + c]): one tile of logits, `cols` a row. */
-static void PE_S(pe_loss_tile)(const PE_T *x, const PE_T *w, const PE_T *b, long K, long V,
-                               int major, long r0, long rows, long j0, long cols, PE_T *z) {
-    if (major)
+static void PE_S(pe_loss_tile)(const PE_T *x, const PE_T *w, const pe_qmat *qw, const PE_T *b,
+                               long K, long V, int major, long r0, long rows, long j0, long cols,
+                               PE_T *z) {
+    if (qw) /* a low-bit [V, K] table: its rows dequantised as the GEMM packs them */
+        PE_S(pe_qgemm)(rows, cols, K, x + r0 * K, K, qw, j0, 1, z, cols, 0);
+    else if (major)
         PE_S(pe_gemm)(rows, cols, K, x + r0 * K, K, 0, w + j0 * K, K, 1, z, cols, 0);
     else
         PE_S(pe_gemm)(rows, cols, K, x + r0 * K, K, 0, w + j0, V, 0, z, cols, 0);
@@ -57,9 +62,19 @@ static void PE_S(pe_loss_dz)(PE_T *z, const PE_T *gp, const PE_T *scale, const P
     }
 }
 
+/* acc += g * W[t] for a low-bit table's row t, dequantised a segment at a time. */
+static void PE_S(pe_loss_add_row)(PE_T *acc, PE_T g, const pe_qmat *w, long t, long K) {
+    PE_T line[256];
+    for (long k0 = 0; k0 < K; k0 += 256) {
+        long n = pe_loss_min(256, K - k0);
+        PE_S(pe_qrow)(w, t, k0, n, line);
+        for (long k = 0; k < n; k++) acc[k0 + k] += g * line[k];
+    }
+}
+
 /* gx = dz w^T, rows split across threads. */
 static void PE_S(pe_loss_grad_x)(const PE_T *gp, const PE_T *scale, const PE_T *x,
-                                 const PE_T *w, const void *index, int wide, const PE_T *lse,
+                                 const PE_T *w, const pe_qmat *qw, const void *index, int wide, const PE_T *lse,
                                  const PE_T *b, PE_T *gx, long rows, long K, long V,
                                  int major) {
     long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
@@ -70,9 +85,11 @@ static void PE_S(pe_loss_grad_x)(const PE_T *gp, const PE_T *scale, const PE_T *
         memset(gx + r0 * K, 0, (size_t)(n * K) * sizeof(PE_T));
         for (long j0 = 0; j0 < V; j0 += PE_LOSS_COLS) {
             long cols = pe_loss_min(PE_LOSS_COLS, V - j0);
-            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
+            PE_S(pe_loss_tile)(x, w, qw, b, K, V, major, r0, n, j0, cols, z);
             PE_S(pe_loss_dz)(z, gp, scale, lse, index, wide, r0, n, j0, cols);
-            if (major)
+            if (qw)
+                PE_S(pe_qgemm)(n, K, cols, z, cols, qw, j0, 0, gx + r0 * K, K, 1);
+            else if (major)
                 PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0 * K, K, 0, gx + r0 * K, K, 1);
             else
                 PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0, V, 1, gx + r0 * K, K, 1);
@@ -83,7 +100,7 @@ static void PE_S(pe_loss_grad_x)(const PE_T *gp, const PE_T *scale, const PE_T *
 /* gw = x^T dz (dz^T x when major) and gb = sum(dz, 0), the vocabulary split across threads;
  * either may be NULL. */
 static void PE_S(pe_loss_grad_w)(const PE_T *gp, const PE_T *scale, const PE_T *x,
-                                 const PE_T *w, const void *index, int wide, const PE_T *lse,
+                                 const PE_T *w, const pe_qmat *qw, const void *index, int wide, const PE_T *lse,
                                  const PE_T *b, PE_T *gw, PE_T *gb, long rows, long K, long V,
                                  int major) {
     long tiles = (V + PE_LOSS_COLS - 1) / PE_LOSS_COLS;
@@ -99,7 +116,7 @@ static void PE_S(pe_loss_grad_w)(const PE_T *gp, const PE_T *scale, const PE_T *
             memset(gb + j0, 0, (size_t)cols * sizeof(PE_T));
         for (long r0 = 0; r0 < rows; r0 += PE_LOSS_ROWS) {
             long n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
-            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
+            PE_S(pe_loss_tile)(x, w, qw, b, K, V, major, r0, n, j0, cols, z);
             PE_S(pe_loss_dz)(z, gp, scale, lse, index, wide, r0, n, j0, cols);
             if (gw && major)
                 PE_S(pe_gemm)(cols, K, n, z, cols, 1, x + r0 * K, K, 0, gw + j0 * K, K, 1);
@@ -112,15 +129,32 @@ static void PE_S(pe_loss_grad_w)(const PE_T *gp, const PE_T *scale, const PE_T *
     }
 }
 
+static void PE_S(pe_loss_grad)(const PE_T *gp, const PE_T *scale, const PE_T *x, const PE_T *w,
+                               const pe_qmat *qw, const void *index, int wide, const PE_T *lse,
+                               const PE_T *b, PE_T *gx, PE_T *gw, PE_T *gb, long rows, long K,
+                               long V, int major) {
+    if (gx)
+        PE_S(pe_loss_grad_x)(gp, scale, x, w, qw, index, wide, lse, b, gx, rows, K, V, major);
+    if (gw || gb)
+        PE_S(pe_loss_grad_w)(gp, scale, x, w, qw, index, wide, lse, b, gw, gb, rows, K, V,
+                             major);
+}
+
 void PE_S(pe_linear_log_softmax_gather_grad)(const PE_T *gp, const PE_T *scale, const PE_T *x,
                                              const PE_T *w, const void *index, int wide,
                                              const PE_T *lse, const PE_T *b, PE_T *gx,
                                              PE_T *gw, PE_T *gb, long rows, long K, long V,
                                              int major) {
-    if (gx)
-        PE_S(pe_loss_grad_x)(gp, scale, x, w, index, wide, lse, b, gx, rows, K, V, major);
-    if (gw || gb)
-        PE_S(pe_loss_grad_w)(gp, scale, x, w, index, wide, lse, b, gw, gb, rows, K, V, major);
+    PE_S(pe_loss_grad)(gp, scale, x, w, NULL, index, wide, lse, b, gx, gw, gb, rows, K, V,
+                       major);
+}
+
+void PE_S(pe_qlinear_log_softmax_gather_grad)(const PE_T *gp, const PE_T *scale, const PE_T *x,
+                                              const pe_qmat *w, const void *index, int wide,
+                                              const PE_T *lse, PE_T *gx, long rows, long K,
+                                              long V) {
+    PE_S(pe_loss_grad)(gp, scale, x, NULL, w, index, wide, lse, NULL, gx, NULL, NULL, rows, K,
+                       V, 1);
 }
 
 /* The forward and the gradients in one op (``linear_log_softmax_gather_with_grad``: the
@@ -134,12 +168,10 @@ void PE_S(pe_linear_log_softmax_gather_grad)(const PE_T *gp, const PE_T *scale, 
  * of kernels takes three. The weight and bias gradients need each row's final log-sum-exp
  * first, so they take a second pass over the vocabulary (pe_loss_grad_w). Rows split
  * across threads; gx is the accumulator, so no scratch. */
-void PE_S(pe_linear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *scale,
-                                                  const PE_T *x, const PE_T *w,
-                                                  const void *index, int wide, const PE_T *b,
-                                                  PE_T *picked, PE_T *lse, PE_T *gx, PE_T *gw,
-                                                  PE_T *gb, long rows, long K, long V,
-                                                  int major) {
+static void PE_S(pe_loss_with_grad)(const PE_T *gp, const PE_T *scale, const PE_T *x,
+                                    const PE_T *w, const pe_qmat *qw, const void *index,
+                                    int wide, const PE_T *b, PE_T *picked, PE_T *lse, PE_T *gx,
+                                    PE_T *gw, PE_T *gb, long rows, long K, long V, int major) {
     long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
     PE_PARALLEL_FOR((gx ? 2 : 1) * rows * V * K)
     for (long ch = 0; ch < chunks; ch++) {
@@ -152,7 +184,7 @@ void PE_S(pe_linear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *sc
         for (long r = 0; r < n; r++) top[r] = -INFINITY, total[r] = 0, hit[r] = NAN;
         for (long j0 = 0; j0 < V; j0 += PE_LOSS_COLS) {
             long cols = pe_loss_min(PE_LOSS_COLS, V - j0);
-            PE_S(pe_loss_tile)(x, w, b, K, V, major, r0, n, j0, cols, z);
+            PE_S(pe_loss_tile)(x, w, qw, b, K, V, major, r0, n, j0, cols, z);
             for (long r = 0; r < n; r++) {
                 PE_T *row = z + r * cols;
                 long t = pe_loss_target(index, wide, r0 + r) - j0;
@@ -166,7 +198,9 @@ void PE_S(pe_linear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *sc
                     for (long k = 0; k < K; k++) acc[r * K + k] *= alpha;
                 top[r] = m, total[r] = s;
             }
-            if (acc && major)
+            if (acc && qw)
+                PE_S(pe_qgemm)(n, K, cols, z, cols, qw, j0, 0, acc, K, 1);
+            else if (acc && major)
                 PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0 * K, K, 0, acc, K, 1);
             else if (acc)
                 PE_S(pe_gemm)(n, K, cols, z, cols, 0, w + j0, V, 1, acc, K, 1);
@@ -179,20 +213,49 @@ void PE_S(pe_linear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *sc
             PE_T f = scale[r0 + r] / total[r], g = gp[r0 + r];
             long t = pe_loss_target(index, wide, r0 + r);
             for (long k = 0; k < K; k++) acc[r * K + k] *= f;
-            if (t >= 0 && t < V)
+            if (t >= 0 && t < V && qw)
+                PE_S(pe_loss_add_row)(acc + r * K, g, qw, t, K);
+            else if (t >= 0 && t < V)
                 for (long k = 0; k < K; k++) acc[r * K + k] += g * (major ? w[t * K + k] : w[k * V + t]);
         }
     }
     if (gw || gb)
-        PE_S(pe_loss_grad_w)(gp, scale, x, w, index, wide, lse, b, gw, gb, rows, K, V, major);
+        PE_S(pe_loss_grad_w)(gp, scale, x, w, qw, index, wide, lse, b, gw, gb, rows, K, V,
+                             major);
+}
+
+void PE_S(pe_linear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *scale,
+                                                  const PE_T *x, const PE_T *w,
+                                                  const void *index, int wide, const PE_T *b,
+                                                  PE_T *picked, PE_T *lse, PE_T *gx, PE_T *gw,
+                                                  PE_T *gb, long rows, long K, long V,
+                                                  int major) {
+    PE_S(pe_loss_with_grad)(gp, scale, x, w, NULL, index, wide, b, picked, lse, gx, gw, gb, rows,
+                            K, V, major);
+}
+
+void PE_S(pe_qlinear_log_softmax_gather_with_grad)(const PE_T *gp, const PE_T *scale,
+                                                   const PE_T *x, const pe_qmat *w,
+                                                   const void *index, int wide, PE_T *picked,
+                                                   PE_T *lse, PE_T *gx, long rows, long K,
+                                                   long V) {
+    PE_S(pe_loss_with_grad)(gp, scale, x, NULL, w, index, wide, NULL, picked, lse, gx, NULL, NULL,
+                            rows, K, V, 1);
 }
 
 /* The forward alone: the merged kernel with no cotangents and no gradient. */
 void PE_S(pe_linear_log_softmax_gather)(const PE_T *x, const PE_T *w, const void *index,
                                         int wide, const PE_T *b, PE_T *picked, PE_T *lse,
                                         long rows, long K, long V, int major) {
-    PE_S(pe_linear_log_softmax_gather_with_grad)(NULL, NULL, x, w, index, wide, b, picked, lse,
-                                                 NULL, NULL, NULL, rows, K, V, major);
+    PE_S(pe_loss_with_grad)(NULL, NULL, x, w, NULL, index, wide, b, picked, lse, NULL, NULL, NULL,
+                            rows, K, V, major);
+}
+
+void PE_S(pe_qlinear_log_softmax_gather)(const PE_T *x, const pe_qmat *w, const void *index,
+                                         int wide, PE_T *picked, PE_T *lse, long rows, long K,
+                                         long V) {
+    PE_S(pe_loss_with_grad)(NULL, NULL, x, NULL, w, index, wide, NULL, picked, lse, NULL, NULL,
+                            NULL, rows, K, V, 1);
 }
 
 #endif

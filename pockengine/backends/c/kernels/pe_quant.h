@@ -30,6 +30,42 @@ static inline float pe_half_to_float(uint16_t h) {
     return f;
 }
 
+/* A low-bit [rows, cols] matrix (groups along each row) as the GEMM reads it: the
+ * ``dequantize`` op's operands and attributes. */
+typedef struct {
+    const void *codes, *scales, *offsets; /* offsets: NULL unless PE_Q_INT4 */
+    int scheme, half_scales;
+    long group, rows, cols;
+} pe_qmat;
+
+/* z = x op(W) with W = rows [row0, ...) of w, dequantised panel by panel as the GEMM
+ * packs them (lowbit_gemm.c): transpose: op(W) = W^T ([K = w->cols, N rows of w]); else
+ * op(W) = W ([K rows of w, N = w->cols]). x is M x K (row stride ldx), z M x N (ldz);
+ * accumulate adds to z. */
+void pe_qgemm_f32(long M, long N, long K, const float *x, long ldx, const pe_qmat *w,
+                  long row0, int transpose, float *z, long ldz, int accumulate);
+void pe_qgemm_f64(long M, long N, long K, const double *x, long ldx, const pe_qmat *w,
+                  long row0, int transpose, double *z, long ldz, int accumulate);
+
+/* out[t] = W[row][c0 + t] for t < n (lowbit_gemm.c). */
+void pe_qrow_f32(const pe_qmat *w, long row, long c0, long n, float *out);
+void pe_qrow_f64(const pe_qmat *w, long row, long c0, long n, double *out);
+
+/* The fused loss head on a low-bit [V, K] table (loss.c; ops/quant_loss.py). */
+#define PE_QLOSS_DECLARE(S, T)                                                                 \
+    void pe_qlinear_log_softmax_gather_##S(const T *x, const pe_qmat *w, const void *index,    \
+                                           int wide, T *picked, T *lse, long rows, long K,      \
+                                           long V);                                             \
+    void pe_qlinear_log_softmax_gather_grad_##S(const T *gp, const T *scale, const T *x,       \
+                                                const pe_qmat *w, const void *index, int wide,  \
+                                                const T *lse, T *gx, long rows, long K, long V); \
+    void pe_qlinear_log_softmax_gather_with_grad_##S(const T *gp, const T *scale, const T *x,  \
+                                                     const pe_qmat *w, const void *index,       \
+                                                     int wide, T *picked, T *lse, T *gx,        \
+                                                     long rows, long K, long V);
+PE_QLOSS_DECLARE(f32, float)
+PE_QLOSS_DECLARE(f64, double)
+
 /* ``groups`` groups of ``group`` elements into ``out``. ``half_scales``: scales and
  * offsets are f16 bits (float output only); else they have the output's type. */
 void pe_dequantize_f32(const void *codes, const void *scales, const void *offsets, int scheme,
