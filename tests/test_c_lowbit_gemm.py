@@ -30,10 +30,10 @@ from pockengine.backends import get_backend
 from pockengine.backends.c import CBackend
 from pockengine.backends.c.driver import KERNEL_DIR, toolchain
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
-from pockengine.tasks.gguf import decode_blocks
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
 from pockengine.ops.quant import Quantized, dequantize_array, quantize_int4, quantize_int8
 from pockengine.plan import plan_memory
+from pockengine.tasks.gguf import decode_blocks
 
 Array = np.ndarray[Any, Any]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import Attrs, OpDef, Sample, ShapeError, TensorType, get_op, register
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 from pockengine.ops.quant import Dequantize, dequantize_array, quantize_int4, quantize_int8
 
 __all__ = ["LOWBIT_LOSS", "split_inputs"]

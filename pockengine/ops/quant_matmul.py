@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.ir import Sample, ShapeError, TensorType, defop
-from pockengine.ops._common import Array
+from pockengine.ir.arrays import Array
 from pockengine.ops.quant import Dequantize, dequantize_array, quantize_int4, quantize_int8
 
 __all__: list[str] = []

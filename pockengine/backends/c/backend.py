@@ -34,11 +34,10 @@ from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
+from pockengine.ir.arrays import Array
 from pockengine.plan import MemoryPlan, plan_memory
 
 __all__ = ["KERNELS", "BoundStep", "CBackend", "CExecutable"]
-
-Array = np.ndarray[Any, Any]
 
 KERNELS: dict[str, Lowering] = {
     **lower_ew.KERNELS,

@@ -16,7 +16,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -26,14 +25,13 @@ from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.ir import CompileError, DType, Graph, Role, Value
+from pockengine.ir.arrays import Array
 from pockengine.plan import plan_memory
 from pockengine.plan.index_bounds import IndexBound, index_bounds
 from pockengine.safe_write import make_dirs, write_bytes, write_text, write_with
 from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
 
 __all__ = ["bounds_source", "export_c", "read_safetensors", "write_safetensors"]
-
-Array = np.ndarray[Any, Any]
 TRAINER_DIR = Path(__file__).with_name("trainer")
 TRAINER_FILES = ("main.c", "pe_io.c", "pe_io.h", "pe_save.c", "pe_check.c", "pe_check.h",
                  "pe_tune.c", "pe_tune.h", "Makefile")  # fmt: skip

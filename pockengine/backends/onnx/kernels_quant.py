@@ -10,8 +10,8 @@ group]``, times the scale (plus the offset, or minus 8 for ``int4_sym``).
 from __future__ import annotations
 
 from pockengine.backends.onnx.emitter import Emitter, Kernel, onnx_dtype, registrar
-from pockengine.ir import DType, Node, TensorType, Value
 from pockengine.backends.onnx.kernels_loss import KERNELS as LOSS
+from pockengine.ir import DType, Node, TensorType, Value
 from pockengine.ops.quant_loss import LOWBIT_LOSS, split_inputs
 
 __all__ = ["KERNELS"]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pockengine.finetune.run_folder.adapter import PEFT_PREFIX, _read_config, _read_safetensors
+from pockengine.ir.arrays import Array
 from pockengine.tasks.config import FinetuneError
 from pockengine.tasks.gguf import _LAYER_NAMES, _TOP_NAMES
 
@@ -45,7 +46,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 _GGUF_LAYER = {hf: gg for gg, hf in _LAYER_NAMES.items()}  # self_attn.q_proj -> attn_q
 _GGUF_TOP = {hf: gg for gg, hf in _TOP_NAMES.items()}
 
