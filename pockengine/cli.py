@@ -83,9 +83,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
     work, optimizer = zoo.benchmark(args.workload)
     step = pe.compile(
-        work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
+        work.model,
+        work.loss_fn,
+        work.make_batch(0),
+        optimizer=optimizer,
         scheme=_scheme(args.scheme, args.workload, args.frozen_bn),
-    )  # fmt: skip
+    )
     report = step.report(depth=args.depth)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -131,20 +134,26 @@ def _search(args: argparse.Namespace) -> int:
         settings=AnalysisSettings(
             steps=args.steps, holdout=args.holdout, lr=args.analysis_lr, threads=args.threads
         ),
-        layers=args.layers, ratios=args.ratios, workers=args.workers, cache_dir=args.cache_dir,
-        out=args.out, plot=args.plot or f"{args.out}.png",
+        layers=args.layers,
+        ratios=args.ratios,
+        workers=args.workers,
+        cache_dir=args.cache_dir,
+        out=args.out,
+        plot=args.plot or f"{args.out}.png",
         progress=args.progress != "none",
-    )  # fmt: skip
+    )
     print(json.dumps(result.to_dict(), indent=2))
     return 0
 
 
 def _add_frozen_bn(parser: Any) -> None:
     parser.add_argument(
-        "--frozen-bn", choices=("eval", "train"), default="eval",
+        "--frozen-bn",
+        choices=("eval", "train"),
+        default="eval",
         help="BatchNorm layers that train nothing under a named scheme: running statistics "
         "(eval, as finetune runs them) or batch statistics (train, the benchmark tables)",
-    )  # fmt: skip
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pockengine.finetune.cli import EPILOG, add_arguments
 
     finetune = sub.add_parser(
-        "finetune", help="fine-tune a recipe or your model on your data, with checkpoints",
+        "finetune",
+        help="fine-tune a recipe or your model on your data, with checkpoints",
         epilog=EPILOG,
-    )  # fmt: skip
+    )
     add_arguments(finetune)
     finetune.add_argument(
         "--report", action="store_true", help="also print the compile-time report (RUN/report.txt)"
@@ -194,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pockengine.finetune.cli import add_search_arguments
 
     search = sub.add_parser(
-        "search", help="contribution analysis, then the best scheme under a memory/FLOPs budget",
+        "search",
+        help="contribution analysis, then the best scheme under a memory/FLOPs budget",
         conflict_handler="resolve",
-    )  # fmt: skip
+    )
     add_search_arguments(search)
     search.set_defaults(run=_search)
     from pockengine.run_cli import register as add_run_commands

@@ -93,33 +93,66 @@ def register(sub: Any) -> None:
     from pockengine.sparse.schemes import SCHEME_HELP
 
     p = sub.add_parser(
-        "export", help="write a training step (a run, a fine-tune, a workload, an .onnx) as "
+        "export",
+        help="write a training step (a run, a fine-tune, a workload, an .onnx) as "
         "ONNX + state for ort_runner, or as a stand-alone C trainer",
-        description=_DESCRIPTION, epilog=EPILOG.split("\n\n")[0], conflict_handler="resolve",
-    )  # fmt: skip
-    p.add_argument("source", nargs="?", help="a run folder, a workload (mlp, cnn, bert, ...) or "
-                   "a model.onnx; leave out to export --recipe or --model/--data")  # fmt: skip
+        description=_DESCRIPTION,
+        epilog=EPILOG.split("\n\n")[0],
+        conflict_handler="resolve",
+    )
+    p.add_argument(
+        "source",
+        nargs="?",
+        help="a run folder, a workload (mlp, cnn, bert, ...) or "
+        "a model.onnx; leave out to export --recipe or --model/--data",
+    )
     add_arguments(p)
-    p.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default, for a fine-tune: "
-                   "full for a module:factory model, sparse for the others, as an export runs "
-                   "no analysis; for a workload or .onnx: full)")  # fmt: skip
-    p.add_argument("-o", "--out", help="the folder to write (default RUN/export_<target>, "
-                   "train_step_<target>); for a workload or .onnx, an .onnx file (default "
-                   "train_step.onnx) or, for --target c, the folder")  # fmt: skip
-    p.add_argument("--target", choices=("onnx", "c", "step", *ADAPTER_TARGETS), default="onnx",
-                   help="onnx: ONNX + state for ort_runner; c: a folder whose make builds ./train; "
-                   "step: a folder pockengine.load_step runs; gguf-lora: a LoRA run's adapter "
-                   "as llama.cpp's GGUF adapter (--lora); peft: as PEFT's adapter folder "
-                   "(default onnx)")  # fmt: skip
-    p.add_argument("--state", metavar="FILE", help="gguf-lora, peft: a ./train --save file "
-                   "whose LoRA factors replace the run's (the device's fine-tune)")  # fmt: skip
-    p.add_argument("--write-batches", type=positive_int, metavar="N",
-                   help="also write the first N training batches of the fine-tune")  # fmt: skip
-    p.add_argument("--frozen-bn", choices=("eval", "train"), default="eval",
-                   help="workloads and .onnx: BatchNorm that trains nothing under a named "
-                   "scheme uses running (eval) or batch (train) statistics")  # fmt: skip
-    p.add_argument("--loss", default="cross_entropy",
-                   help="for an .onnx model: cross_entropy, mse, causal_lm or none")  # fmt: skip
+    p.add_argument(
+        "--scheme",
+        help=f"what trains: {SCHEME_HELP} (default, for a fine-tune: "
+        "full for a module:factory model, sparse for the others, as an export runs "
+        "no analysis; for a workload or .onnx: full)",
+    )
+    p.add_argument(
+        "-o",
+        "--out",
+        help="the folder to write (default RUN/export_<target>, "
+        "train_step_<target>); for a workload or .onnx, an .onnx file (default "
+        "train_step.onnx) or, for --target c, the folder",
+    )
+    p.add_argument(
+        "--target",
+        choices=("onnx", "c", "step", *ADAPTER_TARGETS),
+        default="onnx",
+        help="onnx: ONNX + state for ort_runner; c: a folder whose make builds ./train; "
+        "step: a folder pockengine.load_step runs; gguf-lora: a LoRA run's adapter "
+        "as llama.cpp's GGUF adapter (--lora); peft: as PEFT's adapter folder "
+        "(default onnx)",
+    )
+    p.add_argument(
+        "--state",
+        metavar="FILE",
+        help="gguf-lora, peft: a ./train --save file "
+        "whose LoRA factors replace the run's (the device's fine-tune)",
+    )
+    p.add_argument(
+        "--write-batches",
+        type=positive_int,
+        metavar="N",
+        help="also write the first N training batches of the fine-tune",
+    )
+    p.add_argument(
+        "--frozen-bn",
+        choices=("eval", "train"),
+        default="eval",
+        help="workloads and .onnx: BatchNorm that trains nothing under a named "
+        "scheme uses running (eval) or batch (train) statistics",
+    )
+    p.add_argument(
+        "--loss",
+        default="cross_entropy",
+        help="for an .onnx model: cross_entropy, mse, causal_lm or none",
+    )
     p.add_argument("--output", help="for an .onnx model: the output the loss applies to")
     p.add_argument("--factory", metavar="MODULE:NAME", help=FACTORY_HELP)
     p.set_defaults(optimizer=None, run=_export)
@@ -186,14 +219,17 @@ def _export_adapter(args: argparse.Namespace, kind: str) -> int:
     from pockengine.finetune.trained.gguf_lora import export_run_adapter
 
     if kind != "run" or args.target not in ADAPTER_TARGETS:
-        raise ExportError(f"--target {args.target}{' --state' if args.state else ''}: "
-                          "--target gguf-lora or peft (with --state) takes a run folder of a "
-                          "--scheme lora fine-tune")  # fmt: skip
+        raise ExportError(
+            f"--target {args.target}{' --state' if args.state else ''}: "
+            "--target gguf-lora or peft (with --state) takes a run folder of a "
+            "--scheme lora fine-tune"
+        )
     run = Path(args.source)
     out = _out_folder(args, "", run)
     with building(out) as tmp:
-        written = export_run_adapter(run, tmp, args.target,
-                                     Path(args.state) if args.state else None)  # fmt: skip
+        written = export_run_adapter(
+            run, tmp, args.target, Path(args.state) if args.state else None
+        )
     print(f"wrote {out.path}/: {', '.join(written)} (the LoRA adapter of {run})")
     return 0
 
@@ -209,8 +245,9 @@ def _out_folder(args: argparse.Namespace, default: str, run: Path | None = None)
         path, inside, option = run / f"export_{args.target}", run, "the export folder"
     else:
         path, inside, option = Path(default), None, "the export folder"
-    return claim(path, EXPORT, force=args.force, option=option, inside=inside, create=False,
-                 mark=False)  # fmt: skip
+    return claim(
+        path, EXPORT, force=args.force, option=option, inside=inside, create=False, mark=False
+    )
 
 
 def _kind(args: argparse.Namespace) -> str:
@@ -301,19 +338,29 @@ def _export_model(args: argparse.Namespace, kind: str) -> int:
     if kind == "onnx":
         scheme = scheme_named(args.scheme, frozen_bn=args.frozen_bn) if args.scheme else None
         lr = args.lr
-        optimizer = (pe.optim.AdamW(lr=lr or 1e-3) if args.optimizer == "adamw"
-                     else pe.optim.SGD(lr=lr or 0.01, momentum=0.9))  # fmt: skip
+        optimizer = (
+            pe.optim.AdamW(lr=lr or 1e-3)
+            if args.optimizer == "adamw"
+            else pe.optim.SGD(lr=lr or 0.01, momentum=0.9)
+        )
         output = int(args.output) if args.output and args.output.isdigit() else args.output
-        step = pe.compile(args.source, loss=args.loss, output=output, optimizer=optimizer,
-                          scheme=scheme)  # fmt: skip
+        step = pe.compile(
+            args.source, loss=args.loss, output=output, optimizer=optimizer, scheme=scheme
+        )
     else:
         from pockengine import zoo
 
         work, optimizer = zoo.benchmark(args.source)
-        scheme = (scheme_named(args.scheme, sparse=zoo.workload_sparse(args.source),
-                               frozen_bn=args.frozen_bn) if args.scheme else None)  # fmt: skip
-        step = pe.compile(work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer,
-                          scheme=scheme)  # fmt: skip
+        scheme = (
+            scheme_named(
+                args.scheme, sparse=zoo.workload_sparse(args.source), frozen_bn=args.frozen_bn
+            )
+            if args.scheme
+            else None
+        )
+        step = pe.compile(
+            work.model, work.loss_fn, work.make_batch(0), optimizer=optimizer, scheme=scheme
+        )
     size = f"{len(step.graph.nodes)} nodes, {len(step.trained)} trained params"
     if out is not None:
         with building(out) as tmp:
@@ -323,8 +370,10 @@ def _export_model(args: argparse.Namespace, kind: str) -> int:
         print(f"wrote {folder}/ ({size}); run it with pockengine.load_step({str(folder)!r})")
         return 0
     if args.target == "c":
-        print(f"wrote {folder}/ ({size}); build it with `make -C {folder}` and run "
-              f"{folder}/train X.npy Y.npy ...")  # fmt: skip
+        print(
+            f"wrote {folder}/ ({size}); build it with `make -C {folder}` and run "
+            f"{folder}/train X.npy Y.npy ..."
+        )
         return 0
     path = args.out or "train_step.onnx"
     side = step.export(path)
@@ -378,8 +427,10 @@ def _write_batches(prepared: _Prepared, folder: Path, target: str, count: int) -
     assert config is not None and config.batch_size is not None
     size, n = config.batch_size, len(prepared.train[0])
     if count * size > n:
-        raise ExportError(f"--write-batches {count}: the training split has {n} examples, "
-                          f"{n // size} batches of {size}")  # fmt: skip
+        raise ExportError(
+            f"--write-batches {count}: the training split has {n} examples, "
+            f"{n // size} batches of {size}"
+        )
     rows = ds.epoch_order(n, config.seed, 0)[: count * size]
     stacked = {
         v.name: np.ascontiguousarray(a[rows], dtype=v.dtype.to_numpy()).reshape(count, *v.shape)
@@ -417,27 +468,40 @@ def readme(prepared: _Prepared, target: str, batch_files: list[str]) -> str:
     )
     names = [v.name for v in values]
     if target == "onnx":
-        run = ("python ort_runner.py train_step.onnx --batches batches.npz [--steps N] "
-               "--save trained.safetensors")  # fmt: skip
-        files = ("batches.npz: one array per input, named as above, each with a leading axis "
-                 "of batches [B, *shape]; step k uses batch k modulo B")  # fmt: skip
+        run = (
+            "python ort_runner.py train_step.onnx --batches batches.npz [--steps N] "
+            "--save trained.safetensors"
+        )
+        files = (
+            "batches.npz: one array per input, named as above, each with a leading axis "
+            "of batches [B, *shape]; step k uses batch k modulo B"
+        )
         needs = "needs numpy and onnxruntime (safetensors to save .safetensors)"
     elif target == "step":
-        run = ("python -c \"import numpy as np, pockengine as pe; step = pe.load_step('.'); "
-               "b = np.load('batches.npz'); "
-               "print(step(*(b[n][0] for n in b.files)))\"")  # fmt: skip
-        files = ("batches.npz: one array per input, named as above, each with a leading axis "
-                 "of batches [B, *shape]")  # fmt: skip
+        run = (
+            "python -c \"import numpy as np, pockengine as pe; step = pe.load_step('.'); "
+            "b = np.load('batches.npz'); "
+            'print(step(*(b[n][0] for n in b.files)))"'
+        )
+        files = (
+            "batches.npz: one array per input, named as above, each with a leading axis "
+            "of batches [B, *shape]"
+        )
         needs = "needs numpy and pockengine (and torch for a torch-backend step), no compiler"
     else:
         run = "make && ./train [--steps N] --save trained.safetensors " + " ".join(
             f"batches/{n}.npy" for n in names
         )
-        files = ("one .npy file per input, in the order above, each one batch [*shape] or a "
-                 "stack of B batches [B, *shape] used in turn")  # fmt: skip
+        files = (
+            "one .npy file per input, in the order above, each one batch [*shape] or a "
+            "stack of B batches [B, *shape] used in turn"
+        )
         needs = "needs only a C compiler (make builds ./train, linked with libc and libm)"
-    written = ("\n".join(f"  {f}" for f in batch_files) if batch_files else
-               "  none: add --write-batches N to pockengine export to write some")  # fmt: skip
+    written = (
+        "\n".join(f"  {f}" for f in batch_files)
+        if batch_files
+        else "  none: add --write-batches N to pockengine export to write some"
+    )
     text = prepared.kind == "causal-lm" and values and len(values[0].shape) == 2
     own = _text_batches(values[0], target) if text else ""
     return f"""PockEngine training step: {prepared.what}.
@@ -460,8 +524,11 @@ The step runs at the learning rate it was exported with (a run's schedule is not
 def _text_batches(ids: Value, target: str) -> str:
     """How to make token-id batches of a causal LM's step from a text file."""
     batch, seq = ids.shape
-    save = ("np.save('batches/" + ids.name + ".npy', ids)" if target == "c"
-            else "np.savez('batches.npz', " + ids.name + "=ids)")  # fmt: skip
+    save = (
+        "np.save('batches/" + ids.name + ".npy', ids)"
+        if target == "c"
+        else "np.savez('batches.npz', " + ids.name + "=ids)"
+    )
     return f"""
 Batches from your own text: tokenize it with the model's tokenizer (a run's RUN/model holds
 it), cut the ids into rows of {seq} tokens and stack {batch} rows a batch, as int64

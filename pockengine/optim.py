@@ -192,8 +192,17 @@ class AdamW(Optimizer):
         for param, grad in pairs:
             if self.state_dtype == "int8" and grad.type.numel >= MIN_8BIT_SIZE:
                 state = self._state_8bit(b, param, grad, init)
-                b.effect("adamw8bit_update", param, grad, *state, t, lr, *gate,
-                         block=self.block, **self._hyper(param, grad))  # fmt: skip
+                b.effect(
+                    "adamw8bit_update",
+                    param,
+                    grad,
+                    *state,
+                    t,
+                    lr,
+                    *gate,
+                    block=self.block,
+                    **self._hyper(param, grad),
+                )
                 continue
             m = self._state_like(b, "exp_avg", param, grad, init)
             v = self._state_like(b, "exp_avg_sq", param, grad, init)

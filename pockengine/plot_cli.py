@@ -24,12 +24,15 @@ Needs matplotlib (installed with pockengine)."""
 def register(sub: Any) -> None:
     """Add ``plot`` to the ``pockengine`` subcommands."""
     p = sub.add_parser(
-        "plot", help="the training curves of one or more fine-tuning runs, overlaid in a PNG",
+        "plot",
+        help="the training curves of one or more fine-tuning runs, overlaid in a PNG",
         description=_DESCRIPTION,
-    )  # fmt: skip
+    )
     p.add_argument("runs", nargs="+", metavar="RUN", help="a pockengine finetune run folder")
-    p.add_argument("--out", help="the PNG to write (default: RUN/curves.png for one run, "
-                   "curves.png here for several)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        help="the PNG to write (default: RUN/curves.png for one run, curves.png here for several)",
+    )
     p.set_defaults(run=_plot)
 
 

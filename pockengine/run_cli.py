@@ -102,9 +102,12 @@ def _add_generate(sub: Any) -> Any:
         run_help=f"{_RUN_HELP} (a causal LM)",
     )
     ge.add_argument("--prompt", help="the text to continue (required without --chat)")
-    ge.add_argument("--chat", action="store_true",
-                    help="chat: each line of stdin a user turn, rendered with the run's chat "
-                    "template; the model replies after each")  # fmt: skip
+    ge.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat: each line of stdin a user turn, rendered with the run's chat "
+        "template; the model replies after each",
+    )
     ge.add_argument("--system", help="with --chat: a system turn first")
     ge.add_argument(
         "--max-new-tokens",
@@ -243,8 +246,10 @@ def _chat(loaded: Any, args: argparse.Namespace) -> int:
     replies = chat(loaded, sys.stdin, show, system=args.system, **sampling)
     tokens, seconds = sum(r.tokens for r in replies), sum(r.seconds for r in replies)
     rate = tokens / seconds if seconds > 0 else 0.0
-    print(f"{len(replies)} replies, {tokens} tokens in {seconds:.2f} s ({rate:.1f} tokens/s)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(replies)} replies, {tokens} tokens in {seconds:.2f} s ({rate:.1f} tokens/s)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -262,8 +262,9 @@ class LazyTensors(Mapping[str, Array]):
         array = np.empty([int(d) for d in entry["shape"]], SAFETENSORS_DTYPES[entry["dtype"]])
         begin, end = (int(x) for x in entry["data_offsets"])
         if end - begin != array.nbytes:
-            raise SafetensorsError(f"{self.path}: {name} holds {end - begin} bytes, its shape "
-                                   f"needs {array.nbytes}")  # fmt: skip
+            raise SafetensorsError(
+                f"{self.path}: {name} holds {end - begin} bytes, its shape needs {array.nbytes}"
+            )
         f.seek(self._start + begin)
         if array.nbytes and f.readinto(array.reshape(-1).view(np.uint8).data) != end - begin:
             raise SafetensorsError(f"{self.path}: {name} is cut short")

@@ -68,9 +68,12 @@ def _images(shape: tuple[int, ...], classes: int) -> Callable[[int], tuple[torch
 def mlp(batch: int = 8, features: int = 32, hidden: int = 64, classes: int = 10) -> Workload:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.GELU(),
+        nn.Linear(features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
         nn.Linear(hidden, classes),
-    )  # fmt: skip
+    )
     return Workload("mlp", model, _classify, _images((batch, features), classes))
 
 
@@ -215,17 +218,29 @@ def _tokens(
 
 
 def bert_classifier(
-    layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 128, seq: int = 16,
-    batch: int = 2, vocab: int = 1000, classes: int = 3, dropout: float = 0.0,
-) -> Workload:  # fmt: skip
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    ffn: int = 128,
+    seq: int = 16,
+    batch: int = 2,
+    vocab: int = 1000,
+    classes: int = 3,
+    dropout: float = 0.0,
+) -> Workload:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     cfg = BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=ffn, max_position_embeddings=max(512, seq),
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=max(512, seq),
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     model = SequenceClassifier(BertModel(cfg, add_pooling_layer=False), hidden, classes)
     return Workload("bert", model, _classify_text, _tokens(batch, seq, vocab, classes))
 
@@ -254,17 +269,29 @@ def _causal_lm(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def llama_lm(
-    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
-    vocab: int = 256, seq: int = 16, batch: int = 2, tied: bool = False,
-) -> Workload:  # fmt: skip
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab: int = 256,
+    seq: int = 16,
+    batch: int = 2,
+    tied: bool = False,
+) -> Workload:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, intermediate_size=ffn, max_position_embeddings=max(seq, 64),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=max(seq, 64),
         tie_word_embeddings=tied,
-    )  # fmt: skip
+    )
     model = LlamaForCausalLM(cfg)
 
     def make(seed: int) -> tuple[torch.Tensor, ...]:

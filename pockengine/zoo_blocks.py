@@ -81,9 +81,14 @@ def _next_token(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def gpt2_lm(
-    vocab: int = 64, context: int = 32, hidden: int = 32, heads: int = 4, layers: int = 2,
-    seq: int = 16, batch: int = 2,
-) -> Workload:  # fmt: skip
+    vocab: int = 64,
+    context: int = 32,
+    hidden: int = 32,
+    heads: int = 4,
+    layers: int = 2,
+    seq: int = 16,
+    batch: int = 2,
+) -> Workload:
     """A GPT-2-style causal LM (next-token cross-entropy on ``seq`` of ``context`` positions)."""
     torch.manual_seed(0)
     model = GPT2(vocab, context, hidden, heads, layers)
@@ -136,9 +141,14 @@ class MoEClassifier(nn.Module):
 
 
 def moe_classifier(
-    vocab: int = 50, hidden: int = 16, experts: int = 4, k: int = 2, seq: int = 6,
-    batch: int = 3, classes: int = 3,
-) -> Workload:  # fmt: skip
+    vocab: int = 50,
+    hidden: int = 16,
+    experts: int = 4,
+    k: int = 2,
+    seq: int = 6,
+    batch: int = 3,
+    classes: int = 3,
+) -> Workload:
     """Token classifier over a mixture-of-experts layer with a top-``k`` router."""
     torch.manual_seed(0)
     model = MoEClassifier(vocab, hidden, experts, k, classes)
@@ -176,9 +186,13 @@ class FoldViT(nn.Module):
 
 
 def fold_vit(
-    channels: int = 4, size: int = 8, patch: int = 2, stride: int = 1, batch: int = 2,
+    channels: int = 4,
+    size: int = 8,
+    patch: int = 2,
+    stride: int = 1,
+    batch: int = 2,
     classes: int = 3,
-) -> Workload:  # fmt: skip
+) -> Workload:
     """Image classifier with an unfold/fold patch mixer (``stride < patch``: windows overlap)."""
     torch.manual_seed(0)
     model = FoldViT(channels, size, patch, stride, classes)

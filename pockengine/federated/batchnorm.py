@@ -89,9 +89,11 @@ class BatchNormStats:
             model.train(was_training)
 
     def pool(
-        self, average: dict[str, Array], replies: Sequence[Mapping[str, Array]],
+        self,
+        average: dict[str, Array],
+        replies: Sequence[Mapping[str, Array]],
         weights: Sequence[float],
-    ) -> dict[str, Array]:  # fmt: skip
+    ) -> dict[str, Array]:
         """``average`` (the weighted mean of ``replies``) with each variance widened by
         the weighted spread of the clients' means: the variance of the pooled data."""
         total = float(sum(weights))

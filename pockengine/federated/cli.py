@@ -34,8 +34,9 @@ _FINETUNE_OPTIONS = (
 )  # fmt: skip
 # What a federation writes at the top of its folder (a folder from before the marker holds
 # only these, and its global state).
-_FEDERATION_FILES = frozenset({"rounds.jsonl", "summary.json", "global.safetensors",
-                               "rounds.png", "deployment-logs"})  # fmt: skip
+_FEDERATION_FILES = frozenset(
+    {"rounds.jsonl", "summary.json", "global.safetensors", "rounds.png", "deployment-logs"}
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,46 +44,100 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fed.add_argument("--clients", type=int, default=2, help="client processes (shards)")
     fed.add_argument("--rounds", type=int, default=3, help="rounds of local training and averaging")
     fed.add_argument("--local-epochs", type=int, default=1, help="epochs a client runs a round")
-    fed.add_argument("--partition", choices=("iid", "dirichlet"), default="iid",
-                     help="how the training split is dealt to the clients")  # fmt: skip
+    fed.add_argument(
+        "--partition",
+        choices=("iid", "dirichlet"),
+        default="iid",
+        help="how the training split is dealt to the clients",
+    )
     fed.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
     fed.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx (0: FedAvg)")
-    fed.add_argument("--server-optimizer", choices=SERVER_OPTIMIZERS, default="avg",
-                     help="the server's optimizer over the averaged update: FedAvg, FedAvgM, "
-                     "FedAdam, FedYogi, FedAdagrad (Reddi et al. 2021)")  # fmt: skip
-    fed.add_argument("--server-lr", type=float,
-                     help="the server's learning rate (default 1 for avg/avgm: FedAvg's "
-                     "step; 0.01 for adam/yogi/adagrad)")  # fmt: skip
-    fed.add_argument("--server-momentum", type=float, default=0.0,
-                     help="FedAvgM: momentum of the server's step (0: FedAvg)")  # fmt: skip
-    fed.add_argument("--server-betas", type=float, nargs=2, default=(0.9, 0.99),
-                     metavar=("B1", "B2"), help="adam/yogi/adagrad: moment decays")  # fmt: skip
-    fed.add_argument("--server-tau", type=float, default=1e-3,
-                     help="adam/yogi/adagrad: tau, the adaptivity (epsilon)")  # fmt: skip
-    fed.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute",
-                     help="BatchNorm statistics a client sends: those of its shard under its "
-                     "final weights, or the step's running ones")  # fmt: skip
-    fed.add_argument("--local-loss", choices=LOCAL_LOSSES, default="plain",
-                     help="the clients' loss: the task's, or logit-adjusted against label "
-                     "skew (logits plus tau times the client's log label prior)")  # fmt: skip
-    fed.add_argument("--la-tau", type=float, default=1.0,
-                     help="logit-adjusted: tau, the log prior's weight (0: plain)")  # fmt: skip
+    fed.add_argument(
+        "--server-optimizer",
+        choices=SERVER_OPTIMIZERS,
+        default="avg",
+        help="the server's optimizer over the averaged update: FedAvg, FedAvgM, "
+        "FedAdam, FedYogi, FedAdagrad (Reddi et al. 2021)",
+    )
+    fed.add_argument(
+        "--server-lr",
+        type=float,
+        help="the server's learning rate (default 1 for avg/avgm: FedAvg's "
+        "step; 0.01 for adam/yogi/adagrad)",
+    )
+    fed.add_argument(
+        "--server-momentum",
+        type=float,
+        default=0.0,
+        help="FedAvgM: momentum of the server's step (0: FedAvg)",
+    )
+    fed.add_argument(
+        "--server-betas",
+        type=float,
+        nargs=2,
+        default=(0.9, 0.99),
+        metavar=("B1", "B2"),
+        help="adam/yogi/adagrad: moment decays",
+    )
+    fed.add_argument(
+        "--server-tau",
+        type=float,
+        default=1e-3,
+        help="adam/yogi/adagrad: tau, the adaptivity (epsilon)",
+    )
+    fed.add_argument(
+        "--bn-statistics",
+        choices=("recompute", "running"),
+        default="recompute",
+        help="BatchNorm statistics a client sends: those of its shard under its "
+        "final weights, or the step's running ones",
+    )
+    fed.add_argument(
+        "--local-loss",
+        choices=LOCAL_LOSSES,
+        default="plain",
+        help="the clients' loss: the task's, or logit-adjusted against label "
+        "skew (logits plus tau times the client's log label prior)",
+    )
+    fed.add_argument(
+        "--la-tau",
+        type=float,
+        default=1.0,
+        help="logit-adjusted: tau, the log prior's weight (0: plain)",
+    )
     fed.add_argument("--timeout", type=float, default=600.0, help="seconds a round waits")
     fed.add_argument("--threads", type=int, default=1, help="torch threads per client")
-    fed.add_argument("--parallel", type=positive_int, metavar="N",
-                     help="at most N client processes at once (default: the cores, "
-                     f"{os.cpu_count()} here); a process hosts several clients beyond that, "
-                     "one after another, sharing one compiled step; --deployment needs "
-                     "--clients <= N")  # fmt: skip
+    fed.add_argument(
+        "--parallel",
+        type=positive_int,
+        metavar="N",
+        help="at most N client processes at once (default: the cores, "
+        f"{os.cpu_count()} here); a process hosts several clients beyond that, "
+        "one after another, sharing one compiled step; --deployment needs "
+        "--clients <= N",
+    )
     fed.add_argument("--resume", action="store_true", help="continue from --out's state")
     fed.add_argument("--stop-after-round", type=int, help="stop the server there (for --resume)")
-    fed.add_argument("--fail", nargs="*", default=[], metavar="CLIENT:ROUND",
-                     help="make a client's training raise in a round (faults)")  # fmt: skip
-    fed.add_argument("--delay", nargs="*", default=[], metavar="CLIENT:ROUND:SECONDS",
-                     help="make a client sleep before training in a round")  # fmt: skip
-    fed.add_argument("--deployment", action="store_true",
-                     help="run under Flower's deployment engine: a SuperLink and N SuperNodes "
-                     "on 127.0.0.1, started and stopped by the command")  # fmt: skip
+    fed.add_argument(
+        "--fail",
+        nargs="*",
+        default=[],
+        metavar="CLIENT:ROUND",
+        help="make a client's training raise in a round (faults)",
+    )
+    fed.add_argument(
+        "--delay",
+        nargs="*",
+        default=[],
+        metavar="CLIENT:ROUND:SECONDS",
+        help="make a client sleep before training in a round",
+    )
+    fed.add_argument(
+        "--deployment",
+        action="store_true",
+        help="run under Flower's deployment engine: a SuperLink and N SuperNodes "
+        "on 127.0.0.1, started and stopped by the command",
+    )
     what = p.add_argument_group("local training (as pockengine finetune; defaults: the recipe's)")
     what.add_argument("--recipe", help=f"a built-in recipe (default {DEFAULT_RECIPE})")
     what.add_argument("--model", help="a Hugging Face model folder, or module:factory")
@@ -91,18 +146,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--label-column", default="label", help="the --data column of the label")
     what.add_argument("--tokenizer", help="a Hugging Face tokenizer folder for a factory model")
     what.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: the recipe's)")
-    what.add_argument("--memory-budget", type=byte_amount,
-                      help="--scheme auto: the planned peak of a client's step, e.g. 300MB "
-                      "(default: the sparse scheme's)")  # fmt: skip
+    what.add_argument(
+        "--memory-budget",
+        type=byte_amount,
+        help="--scheme auto: the planned peak of a client's step, e.g. 300MB "
+        "(default: the sparse scheme's)",
+    )
     what.add_argument(
         "--auto-score",
         choices=AUTO_SCORES,
         default="fisher",
         help="--scheme auto: what ranks the weights (as pockengine finetune)",
     )
-    what.add_argument("--upload-budget", type=float,
-                      help="--scheme auto: the most a client sends a round, as a fraction of "
-                      "full-model FedAvg's bytes, e.g. 0.2 (default: no limit)")  # fmt: skip
+    what.add_argument(
+        "--upload-budget",
+        type=float,
+        help="--scheme auto: the most a client sends a round, as a fraction of "
+        "full-model FedAvg's bytes, e.g. 0.2 (default: no limit)",
+    )
     what.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer")
     what.add_argument("--lr", type=float, help="peak learning rate (default: by scheme)")
     what.add_argument("--weight-decay", type=float, default=0.01, help="AdamW or SGD decay")
@@ -114,16 +175,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--val-fraction", type=float, default=0.2, help="held out for central eval")
     what.add_argument("--max-train", type=int, help="at most N training examples in all")
     what.add_argument("--max-val", type=int, help="at most N held-out examples (central eval)")
-    what.add_argument("--no-dedupe", dest="dedupe", action="store_false",
-                      help="keep exact duplicate texts")  # fmt: skip
+    what.add_argument(
+        "--no-dedupe", dest="dedupe", action="store_false", help="keep exact duplicate texts"
+    )
     what.add_argument("--seed", type=int, default=0, help="the split, the shards, the order")
     what.add_argument("--backend", default=DEFAULT_BACKEND, help=BACKEND_HELP)
     what.add_argument("--out", help="output folder (default runs/federated-<recipe>)")
     what.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help="write into --out even if it is not new, empty or a federation of pockengine: "
         "only the files a federation writes are replaced there, nothing else is deleted",
-    )  # fmt: skip
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> FederatedConfig:
@@ -132,17 +195,30 @@ def config_from_args(args: argparse.Namespace) -> FederatedConfig:
         values["recipe"] = DEFAULT_RECIPE
     ft = FinetuneConfig(**values)
     return FederatedConfig(
-        finetune=ft, clients=args.clients, rounds=args.rounds, local_epochs=args.local_epochs,
-        partition=args.partition, alpha=args.alpha, proximal_mu=args.proximal_mu,
+        finetune=ft,
+        clients=args.clients,
+        rounds=args.rounds,
+        local_epochs=args.local_epochs,
+        partition=args.partition,
+        alpha=args.alpha,
+        proximal_mu=args.proximal_mu,
         upload_budget=args.upload_budget,
-        server_optimizer=args.server_optimizer, server_lr=args.server_lr,
-        server_momentum=args.server_momentum, server_betas=tuple(args.server_betas),
+        server_optimizer=args.server_optimizer,
+        server_lr=args.server_lr,
+        server_momentum=args.server_momentum,
+        server_betas=tuple(args.server_betas),
         server_tau=args.server_tau,
-        bn_statistics=args.bn_statistics, local_loss=args.local_loss, la_tau=args.la_tau,
-        timeout=args.timeout, resume=args.resume, threads=args.threads, parallel=args.parallel,
+        bn_statistics=args.bn_statistics,
+        local_loss=args.local_loss,
+        la_tau=args.la_tau,
+        timeout=args.timeout,
+        resume=args.resume,
+        threads=args.threads,
+        parallel=args.parallel,
         stop_after_round=args.stop_after_round,
-        fail=tuple(args.fail), delay=tuple(args.delay),
-    )  # fmt: skip
+        fail=tuple(args.fail),
+        delay=tuple(args.delay),
+    )
 
 
 def run(config: FederatedConfig, deployment: bool = False) -> dict[str, Any]:
@@ -198,8 +274,9 @@ def plot_rounds(
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     acc.set(xlabel="round", ylabel="central accuracy", title="accuracy")
     comm.plot(rounds, [r["bytes_up"] / 2**20 for r in rows], marker="o", label="sent up (sparse)")
-    comm.plot(rounds, [r["bytes_full_model"] / 2**20 for r in rows], marker="x",
-              label="full-model FedAvg")  # fmt: skip
+    comm.plot(
+        rounds, [r["bytes_full_model"] / 2**20 for r in rows], marker="x", label="full-model FedAvg"
+    )
     comm.set(xlabel="round", ylabel="MiB per round", title="communication", yscale="log")
     comm.legend()
     fig.tight_layout()

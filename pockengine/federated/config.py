@@ -131,8 +131,9 @@ class FederatedConfig:
                 "takes its momentum from server_betas"
             )
         if len(self.server_betas) != 2 or not all(0 <= b < 1 for b in self.server_betas):
-            raise FederatedError(f"server_betas must be two numbers in [0, 1), got "
-                                 f"{list(self.server_betas)}")  # fmt: skip
+            raise FederatedError(
+                f"server_betas must be two numbers in [0, 1), got {list(self.server_betas)}"
+            )
         if not self.server_tau > 0:
             raise FederatedError(f"server_tau must be > 0, got {self.server_tau}")
 
@@ -144,8 +145,14 @@ class FederatedConfig:
             else default_server_lr(self.server_optimizer)
         )
         b1, b2 = self.server_betas
-        return ServerStep(statistics, lr, self.server_momentum, optimizer=self.server_optimizer,
-                          betas=(b1, b2), tau=self.server_tau)  # fmt: skip
+        return ServerStep(
+            statistics,
+            lr,
+            self.server_momentum,
+            optimizer=self.server_optimizer,
+            betas=(b1, b2),
+            tau=self.server_tau,
+        )
 
     def processes(self) -> int:
         """Client processes the simulation starts: ``parallel`` (default: the cores), at

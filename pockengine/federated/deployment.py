@@ -215,16 +215,33 @@ class LocalFederation:
         as each SuperNode listens, its ClientApp process; returns when all are started
         (the ServerApp waits for the N nodes)."""
         write_connection(self.home, self.address)
-        self._spawn("superlink", "flower-superlink", "--insecure",
-                    "--host", "127.0.0.1", "--port", str(self.port),
-                    "--disable-runtime-dependency-installation")  # fmt: skip
+        self._spawn(
+            "superlink",
+            "flower-superlink",
+            "--insecure",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-runtime-dependency-installation",
+        )
         node_ports = [free_port() for _ in range(self.clients)]
         for i, port in enumerate(node_ports):
-            self._spawn(f"supernode-{i}", "flower-supernode", "--insecure",
-                        "--superlink", self.address, "--isolation", "process",
-                        "--host", "127.0.0.1", "--port", str(port),
-                        "--node-config",
-                        f"partition-id={i} num-partitions={self.clients}")  # fmt: skip
+            self._spawn(
+                f"supernode-{i}",
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                self.address,
+                "--isolation",
+                "process",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--node-config",
+                f"partition-id={i} num-partitions={self.clients}",
+            )
         self._wait_listening(self.port, "superlink")
         for i, port in enumerate(node_ports):
             self._wait_listening(port, f"supernode-{i}")
@@ -232,10 +249,17 @@ class LocalFederation:
             self._start_clientapp(i)
 
     def _start_clientapp(self, node: int) -> _Process:
-        return self._spawn(f"clientapp-{node}", sys.executable, "-m", "pockengine.federated.node",
-                           "--insecure", "--runtime-api-address",
-                           f"127.0.0.1:{self.node_ports[node]}",
-                           "--parent-pid", str(os.getpid()))  # fmt: skip
+        return self._spawn(
+            f"clientapp-{node}",
+            sys.executable,
+            "-m",
+            "pockengine.federated.node",
+            "--insecure",
+            "--runtime-api-address",
+            f"127.0.0.1:{self.node_ports[node]}",
+            "--parent-pid",
+            str(os.getpid()),
+        )
 
     def submit(self, app: Path) -> _Process:
         """``flwr run APP --stream`` against this SuperLink; it ends with the run."""
@@ -257,8 +281,13 @@ class LocalFederation:
             node = p.name.rpartition("-")[2]
             if node not in self.lost:
                 self.lost.add(node)
-                log.warning("node %s is lost (%s; its log: %s/%s.log); the run goes on "
-                            "without it", node, died, LOGS, p.name)  # fmt: skip
+                log.warning(
+                    "node %s is lost (%s; its log: %s/%s.log); the run goes on without it",
+                    node,
+                    died,
+                    LOGS,
+                    p.name,
+                )
         if len(self.lost) == self.clients:
             raise FederatedError(f"every node has stopped; their logs are in --out's {LOGS}/")
 
@@ -275,8 +304,14 @@ class LocalFederation:
         p.log.rename(p.log.with_name(f"{p.name}.{done}.log"))
         self.processes.remove(p)
         self.retired.append(p)
-        log.warning("%s exited with code %s; started a fresh one (its log: %s/%s.%d.log)",
-                    p.name, p.popen.returncode, LOGS, p.name, done)  # fmt: skip
+        log.warning(
+            "%s exited with code %s; started a fresh one (its log: %s/%s.%d.log)",
+            p.name,
+            p.popen.returncode,
+            LOGS,
+            p.name,
+            done,
+        )
         self._start_clientapp(int(node))
         return True
 
@@ -314,9 +349,13 @@ class LocalFederation:
         log_path = self.folder / f"{name}.log"
         with log_path.open("wb") as sink:
             popen = subprocess.Popen(
-                [_tool(program), *args], stdout=sink, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-            )  # fmt: skip
+                [_tool(program), *args],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
         process = _Process(name, popen, log_path)
         self.processes.append(process)
         return process
@@ -346,9 +385,14 @@ def _follow(run: _Process, federation: LocalFederation, rounds: Path, total: int
             row = json.loads(line)
             log.info(
                 "round %d/%d: accuracy %.4f, loss %.4f, up %d B (full model %d B), clients %s",
-                row["round"], total, row["accuracy"], row["loss"], row["bytes_up"],
-                row["bytes_full_model"], row["clients"],
-            )  # fmt: skip
+                row["round"],
+                total,
+                row["accuracy"],
+                row["loss"],
+                row["bytes_up"],
+                row["bytes_full_model"],
+                row["clients"],
+            )
         if done:
             return
         federation.check(tolerate_nodes=bool(logged))  # a node lost mid-run is dropped

@@ -73,8 +73,14 @@ def simulate(config: FederatedConfig) -> dict[str, Any]:
     return summary
 
 
-def _worker(inbox: Connection, outbox: Connection, nodes: list[tuple[int, int]], clients: int,
-            run: tuple[int, str], path: list[str]) -> None:  # fmt: skip
+def _worker(
+    inbox: Connection,
+    outbox: Connection,
+    nodes: list[tuple[int, int]],
+    clients: int,
+    run: tuple[int, str],
+    path: list[str],
+) -> None:
     """Virtual SuperNodes (``nodes``: node id, partition): call the ClientApp on each
     message, in the order they came, until told to stop. A thread takes the messages off
     the pipe as they come, so the server never waits on a busy worker to send."""
@@ -83,10 +89,15 @@ def _worker(inbox: Connection, outbox: Connection, nodes: list[tuple[int, int]],
     from pockengine.federated.client import app
 
     contexts = {
-        node: Context(run[0], node, {"partition-id": client, "num-partitions": clients},
-                      RecordDict(), {RUN_CONFIG_KEY: run[1]})
+        node: Context(
+            run[0],
+            node,
+            {"partition-id": client, "num-partitions": clients},
+            RecordDict(),
+            {RUN_CONFIG_KEY: run[1]},
+        )
         for node, client in nodes
-    }  # fmt: skip
+    }
     inbound: queue.Queue[Message | None] = queue.Queue()
     threading.Thread(target=_read, args=(inbox, inbound), daemon=True).start()
     while (message := inbound.get()) is not None:
@@ -161,8 +172,12 @@ class ProcessGrid(Grid):
         self._workers[worker] = _Worker(process, to_write, back_read)
 
     def _replace(self, worker: int, why: str) -> None:
-        log.warning("worker %d (nodes %s): %s; starting a fresh client process", worker,
-                    self._nodes_of(worker), why)  # fmt: skip
+        log.warning(
+            "worker %d (nodes %s): %s; starting a fresh client process",
+            worker,
+            self._nodes_of(worker),
+            why,
+        )
         old = self._workers[worker]
         old.process.terminate()
         old.process.join(5)
@@ -178,9 +193,13 @@ class ProcessGrid(Grid):
         return self._run
 
     def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
         ttl: float | None = None,
-    ) -> Message:  # fmt: skip
+    ) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:

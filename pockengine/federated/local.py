@@ -154,8 +154,9 @@ def resolve_scheme(
     assert ft.batch_size is not None
     local = task
     if not pooled:
-        shards = partition(task.train, full.partition, full.clients, full.alpha, ft.seed,
-                           ft.batch_size)  # fmt: skip
+        shards = partition(
+            task.train, full.partition, full.clients, full.alpha, ft.seed, ft.batch_size
+        )
         mine = tuple(np.ascontiguousarray(a[shards[0]]) for a in task.train)
         local = dataclasses.replace(task, train=mine, train_count=0, train_digest="")
     limit = None
@@ -203,10 +204,14 @@ def compile_task(
     opt = ft.make_optimizer()
     loss_fn = local_loss_fn(local_loss, task.loss_fn)
     return compile(
-        task.model, loss_fn, tuple(torch.from_numpy(a) for a in batch), optimizer=opt,
-        scheme=scheme, backend=ft.backend,
+        task.model,
+        loss_fn,
+        tuple(torch.from_numpy(a) for a in batch),
+        optimizer=opt,
+        scheme=scheme,
+        backend=ft.backend,
         compile_in="process",  # a client process beside Flower's gRPC threads: never fork
-    )  # fmt: skip
+    )
 
 
 def _check_adjustable(task: recipes.Task) -> None:

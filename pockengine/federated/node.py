@@ -139,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--runtime-api-address", default="127.0.0.1:9094",
-                   help="the SuperNode's Runtime API (its --host:--port)")  # fmt: skip
+    p.add_argument(
+        "--runtime-api-address",
+        default="127.0.0.1:9094",
+        help="the SuperNode's Runtime API (its --host:--port)",
+    )
     p.add_argument("--insecure", action="store_true", help="plain HTTP to the SuperNode")
     p.add_argument("--root-certificates", type=Path, help="CA of the SuperNode's TLS certificate")
     p.add_argument("--parent-pid", type=int, help="stop when this process ends")
@@ -150,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None:
         start_parent_process_monitor(args.parent_pid)  # raises SIGINT here when it ends
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, or the parent ended
-        serve(args.runtime_api_address, insecure=args.insecure,
-              root_certificates=args.root_certificates)  # fmt: skip
+        serve(
+            args.runtime_api_address,
+            insecure=args.insecure,
+            root_certificates=args.root_certificates,
+        )
     return 0
 
 

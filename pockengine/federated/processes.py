@@ -19,8 +19,11 @@ __all__ = ["live_members", "process_table", "signal_group", "terminate_raises"]
 def live_members(groups: list[int]) -> list[int]:
     """The processes (not zombies) in these process groups."""
     wanted = set(groups)
-    return [pid for pid, (_, group, state) in process_table().items()
-            if group in wanted and state != "Z"]  # fmt: skip
+    return [
+        pid
+        for pid, (_, group, state) in process_table().items()
+        if group in wanted and state != "Z"
+    ]
 
 
 def process_table() -> dict[int, tuple[int, int, str]]:

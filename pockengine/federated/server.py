@@ -68,8 +68,14 @@ def run_server(grid: Grid, config: FederatedConfig) -> dict[str, Any]:
     round_log = _RoundLog(config, task, step, trained, out, start)
     recompute = config.bn_statistics == "recompute"
     batchnorm = BatchNormStats.of(task.model, list(trained.rows)) if recompute else None
-    strategy = SparseFedAvg(trained, config.clients, config.proximal_mu, round_offset=done,
-                            server=server, batchnorm=batchnorm)  # fmt: skip
+    strategy = SparseFedAvg(
+        trained,
+        config.clients,
+        config.proximal_mu,
+        round_offset=done,
+        server=server,
+        batchnorm=batchnorm,
+    )
     last = min(config.rounds, config.stop_after_round or config.rounds)
     if done < last:
         strategy.start(
@@ -123,9 +129,14 @@ class _RoundLog:
     """Central evaluation, the JSONL log and the saved state, round after round."""
 
     def __init__(
-        self, config: FederatedConfig, task: Task, step: TrainStep, trained: TrainedSet,
-        out: Path, start: float,
-    ) -> None:  # fmt: skip
+        self,
+        config: FederatedConfig,
+        task: Task,
+        step: TrainStep,
+        trained: TrainedSet,
+        out: Path,
+        start: float,
+    ) -> None:
         self.config, self.task, self.step, self.trained = config, task, step, trained
         self.out, self.start = out, start
         self.log = MetricsLog(out / ROUNDS)
@@ -165,16 +176,23 @@ class _RoundLog:
         self.log.append(row)
         log.info(
             "round %d/%d: accuracy %.4f, loss %.4f, up %d B (full model %d B), %d client(s)%s",
-            r, self.config.rounds, row["accuracy"], row["loss"], row["bytes_up"],
-            row["bytes_full_model"], len(row["clients"]),
+            r,
+            self.config.rounds,
+            row["accuracy"],
+            row["loss"],
+            row["bytes_up"],
+            row["bytes_full_model"],
+            len(row["clients"]),
             f", dropped {len(row['dropped'])}" if row["dropped"] else "",
-        )  # fmt: skip
+        )
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
     def _save(
-        self, r: int, arrays: dict[str, np.ndarray[Any, Any]],
+        self,
+        r: int,
+        arrays: dict[str, np.ndarray[Any, Any]],
         server_state: dict[str, np.ndarray[Any, Any]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The global state and the server optimizer's moments (``ServerStep.state``,
         named apart from the trained tensors), in one atomic file."""
         from safetensors.numpy import save

@@ -47,9 +47,15 @@ class ServerStep:
     """The server's optimizer over named arrays; see the module docstring."""
 
     def __init__(
-        self, statistics: frozenset[str], lr: float = 1.0, momentum: float = 0.0, *,
-        optimizer: str = "avg", betas: tuple[float, float] = (0.9, 0.99), tau: float = 1e-3,
-    ) -> None:  # fmt: skip
+        self,
+        statistics: frozenset[str],
+        lr: float = 1.0,
+        momentum: float = 0.0,
+        *,
+        optimizer: str = "avg",
+        betas: tuple[float, float] = (0.9, 0.99),
+        tau: float = 1e-3,
+    ) -> None:
         if optimizer not in SERVER_OPTIMIZERS:
             raise ValueError(f"server optimizer must be one of {SERVER_OPTIMIZERS}: {optimizer!r}")
         self.statistics, self.lr, self.momentum = statistics, lr, momentum

@@ -44,9 +44,15 @@ class SparseFedAvg(FedAvg):
     """FedAvg over the trained tensors only; see the module docstring."""
 
     def __init__(
-        self, trained: TrainedSet, clients: int, proximal_mu: float = 0.0, round_offset: int = 0,
-        *, server: ServerStep | None = None, batchnorm: BatchNormStats | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        trained: TrainedSet,
+        clients: int,
+        proximal_mu: float = 0.0,
+        round_offset: int = 0,
+        *,
+        server: ServerStep | None = None,
+        batchnorm: BatchNormStats | None = None,
+    ) -> None:
         super().__init__(
             fraction_train=1.0,
             fraction_evaluate=0.0,  # evaluation is central, on the server's held-out split
@@ -139,10 +145,12 @@ def _train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
     metrics = [r.metric_records[METRICS] for r in records]
     weights = [_number(m, weight_key) for m in metrics]
     losses = [_number(m, "train-loss") for m in metrics]
-    return MetricRecord({
-        "train-loss": sum(w * x for w, x in zip(weights, losses, strict=True)) / sum(weights),
-        "client-time-s": max(_number(m, "client-time-s") for m in metrics),
-    })  # fmt: skip
+    return MetricRecord(
+        {
+            "train-loss": sum(w * x for w, x in zip(weights, losses, strict=True)) / sum(weights),
+            "client-time-s": max(_number(m, "client-time-s") for m in metrics),
+        }
+    )
 
 
 def _number(metrics: MetricRecord, key: str) -> float:

@@ -157,34 +157,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     _add_lm_arguments(p)
     how = p.add_argument_group("how to train (defaults: the recipe's)")
-    how.add_argument("--scheme", help=f"what trains: {SCHEME_HELP} (default: auto for the "
-                     "text recipes and --model/--data, sparse for the others and with a "
-                     "--frozen-dtype; full for a module:factory model)")  # fmt: skip
     how.add_argument(
-        "--memory-budget", type=byte_amount,
+        "--scheme",
+        help=f"what trains: {SCHEME_HELP} (default: auto for the "
+        "text recipes and --model/--data, sparse for the others and with a "
+        "--frozen-dtype; full for a module:factory model)",
+    )
+    how.add_argument(
+        "--memory-budget",
+        type=byte_amount,
         help="planned peak of the step, e.g. 300MB (MiB units): the budget of --scheme auto "
         "(default: the sparse scheme's planned peak) and of pockengine search",
-    )  # fmt: skip
+    )
     how.add_argument(
-        "--auto-score", choices=AUTO_SCORES, default="fisher",
+        "--auto-score",
+        choices=AUTO_SCORES,
+        default="fisher",
         help="what ranks the weights --scheme auto may train, from a few backward passes: "
         "fisher (mean squared batch gradient), taylor (|gradient x weight|, unchanged by "
         "rescaling a weight a normalisation follows) or grad (|gradient|) (default: fisher)",
-    )  # fmt: skip
+    )
     how.add_argument(
-        "--batchnorm", choices=BATCHNORM_CHOICES,
+        "--batchnorm",
+        choices=BATCHNORM_CHOICES,
         help="how the BatchNorm layers the scheme trains normalise: by the batch, or by "
         "their running statistics as frozen ones do (their scale and shift still train; "
         "docs/quality.md) (default: the recipe's: running for lite0-fashion, batch "
         "otherwise)",
-    )  # fmt: skip
+    )
     how.add_argument(
-        "--remat-budget", type=budget_or_none,
+        "--remat-budget",
+        type=budget_or_none,
         help="planned peak the step must fit, e.g. 600MB (MiB units), by recomputing "
         "activations (whole blocks if need be) in the backward pass; results unchanged "
         "(default: none, or the recipe's for its sparse (or auto) step at its own batch shape: "
         "300MB minilm-bbc, 700MB smollm2-pydocs; 'none' turns it off)",
-    )  # fmt: skip
+    )
     how.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="the optimizer")
     how.add_argument("--lr", type=positive_float, help="peak learning rate (default: by scheme)")
     how.add_argument(
@@ -195,10 +203,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     how.add_argument("--momentum", type=fraction, default=0.9, help="SGD momentum")
     how.add_argument(
-        "--optimizer-state", choices=OPTIMIZER_STATE_CHOICES, default="float32",
+        "--optimizer-state",
+        choices=OPTIMIZER_STATE_CHOICES,
+        default="float32",
         help="how AdamW stores its moments: float32, or int8 (bytes with one scale per 256 "
         "elements, bitsandbytes' 8-bit Adam: a quarter of the bytes; docs/quant.md)",
-    )  # fmt: skip
+    )
     how.add_argument("--epochs", type=positive_int, help="passes over the training split")
     how.add_argument("--batch-size", type=positive_int, help="examples a step (one compiled shape)")
     how.add_argument("--seq-len", type=positive_int, help="tokens per example (padded/truncated)")
@@ -206,17 +216,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("--warmup", type=fraction, default=0.1, help="warmup fraction of all steps")
     how.add_argument("--backend", default=DEFAULT_BACKEND, help=BACKEND_HELP)
     how.add_argument(
-        "--frozen-dtype", choices=FROZEN_DTYPE_CHOICES, default="none",
+        "--frozen-dtype",
+        choices=FROZEN_DTYPE_CHOICES,
+        default="none",
         help="store the frozen linear/embedding weights low-bit inside the step: int8 (per "
         "channel), int4 (groups of 32), gguf (a LLaMA .gguf --model or smollm2-pydocs: the "
         "file's Q4_0/Q4_1/Q8_0 blocks as they are); none keeps float32 (docs/quant.md)",
-    )  # fmt: skip
+    )
     split = p.add_argument_group("data split")
     split.add_argument("--val-fraction", type=fraction, default=0.2, help="held out, stratified")
     split.add_argument(
-        "--test-fraction", type=fraction, default=0.0,
+        "--test-fraction",
+        type=fraction,
+        default=0.0,
         help="of the validation split, held out as a test split nothing else reads (default 0)",
-    )  # fmt: skip
+    )
     split.add_argument("--max-train", type=positive_int, help="use at most N training examples")
     split.add_argument("--max-val", type=positive_int, help="use at most N validation examples")
     split.add_argument(
@@ -227,41 +241,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--out", help="output folder (default runs/<recipe or model>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
     run.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help="write into the output folder even if it is not new, empty or of this command's "
         "kind (a run, an export): only the files pockengine writes are replaced there, nothing "
         "else is deleted (docs/errors.md)",
-    )  # fmt: skip
+    )
     run.add_argument("--max-steps", type=positive_int, help="stop with a checkpoint after N steps")
     run.add_argument("--checkpoint-every", type=positive_int, default=50, help="steps")
     run.add_argument("--log-every", type=positive_int, default=10, help="steps per metrics line")
-    run.add_argument("--progress", choices=("auto", "plain", "none"), default="auto",
-                     help="auto: tqdm if installed, else plain lines")  # fmt: skip
     run.add_argument(
-        "--keep", choices=("best", "last"), default="best",
+        "--progress",
+        choices=("auto", "plain", "none"),
+        default="auto",
+        help="auto: tqdm if installed, else plain lines",
+    )
+    run.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        default="best",
         help="the weights RUN/model holds: the best validation's (ties: the latest) or the "
         "last step's (default best)",
-    )  # fmt: skip
+    )
     run.add_argument(
-        "--compile-in", choices=("process", "child"), default="child",
+        "--compile-in",
+        choices=("process", "child"),
+        default="child",
         help="child: import and compile the model (and choose --scheme auto's scheme) in a "
         "child process that writes the step artifact, then train it here, in a process that "
         "never ran the compiler and had not loaded torch meanwhile; a task whose evaluation "
         "does not compile is compiled here instead (docs/finetune.md); process: all in this "
         "one (default child)",
-    )  # fmt: skip
+    )
     run.add_argument("--threads", type=positive_int, help=THREADS_HELP)
 
 
 def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
     lm = p.add_argument_group("your own causal LM (--model a causal-LM folder or .gguf file)")
-    lm.add_argument("--task", choices=TASK_CHOICES,
-                    help="lm or classify (default: lm for a causal-LM model)")  # fmt: skip
     lm.add_argument(
-        "--data-format", choices=DATA_FORMATS,
+        "--task", choices=TASK_CHOICES, help="lm or classify (default: lm for a causal-LM model)"
+    )
+    lm.add_argument(
+        "--data-format",
+        choices=DATA_FORMATS,
         help="text (.txt/.md files, or JSONL {text}), completion {prompt, completion}, alpaca "
         "{instruction, input, output} or chat {messages} (default: from the JSONL keys)",
-    )  # fmt: skip
+    )
     lm.add_argument(
         "--train-on-prompt",
         action="store_true",
@@ -302,12 +327,21 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-dir", default="runs/sensitivity", help="analysis records")
     s.add_argument("--steps", type=positive_int, default=30, help="fine-tune steps a candidate")
     s.add_argument("--analysis-lr", type=positive_float, help="one lr for every candidate")
-    s.add_argument("--holdout", type=positive_int, default=200,
-                   help="training examples held out to score candidates")  # fmt: skip
+    s.add_argument(
+        "--holdout",
+        type=positive_int,
+        default=200,
+        help="training examples held out to score candidates",
+    )
     s.add_argument("--workers", type=positive_int, help="processes (default: cores - 1, >= 1)")
     s.add_argument("--layers", nargs="+", default=["*"], help="module path globs (default: all)")
-    s.add_argument("--ratios", nargs="+", type=float, default=[0.125, 0.25, 0.5, 1.0],
-                   help="fractions of a weight tried as candidates")  # fmt: skip
+    s.add_argument(
+        "--ratios",
+        nargs="+",
+        type=float,
+        default=[0.125, 0.25, 0.5, 1.0],
+        help="fractions of a weight tried as candidates",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:

@@ -86,8 +86,11 @@ def linear_axis(cx: EmitContext, x: Value, axis: int, size: int, ratio: float, m
         raise CompileError(f"linear resizing mode {mode!r} is not supported")
     if size == n and (mode == "align" or ratio == 1.0):
         return x
-    src = cx.call("mul", _positions(cx, size, 0.5 if mode == "half" else 0.0),
-                  cx.full(float(ratio), DType.F32))  # fmt: skip
+    src = cx.call(
+        "mul",
+        _positions(cx, size, 0.5 if mode == "half" else 0.0),
+        cx.full(float(ratio), DType.F32),
+    )
     if mode == "half":
         src = cx.call("sub", src, cx.full(0.5, DType.F32))
         src = cx.call("maximum", src, cx.full(0.0, DType.F32))
@@ -136,12 +139,28 @@ def transposed_conv2d(
     larger than any input reaches, e.g. ONNX's ``output_shape``) is zeros padded on."""
     (bh, bw), (eh, ew) = pads
     if (bh, bw) == (eh, ew) and min(bh, bw) >= 0:
-        return cx.call("conv2d_input_grad", x, w, x_shape=tuple(out_shape), stride=stride,
-                       padding=(bh, bw), dilation=dilation, groups=groups)  # fmt: skip
+        return cx.call(
+            "conv2d_input_grad",
+            x,
+            w,
+            x_shape=tuple(out_shape),
+            stride=stride,
+            padding=(bh, bw),
+            dilation=dilation,
+            groups=groups,
+        )
     n, c, h, wd = out_shape
     padded = (n, c, h + bh + eh, wd + bw + ew)  # the natural output of zero padding
-    y = cx.call("conv2d_input_grad", x, w, x_shape=padded, stride=stride, padding=(0, 0),
-                dilation=dilation, groups=groups)  # fmt: skip
+    y = cx.call(
+        "conv2d_input_grad",
+        x,
+        w,
+        x_shape=padded,
+        stride=stride,
+        padding=(0, 0),
+        dilation=dilation,
+        groups=groups,
+    )
     if min(bh, bw, eh, ew) < 0:
         grow = ((0, 0), (0, 0), (max(-bh, 0), max(-eh, 0)), (max(-bw, 0), max(-ew, 0)))
         y = cx.call("pad", y, pads=grow, value=0.0)
@@ -200,8 +219,14 @@ def _spelled(equation: str, operands: list[Value]) -> tuple[list[str], str]:
     parts = lhs.split(",")
     if len(parts) != len(operands):
         raise CompileError(f"einsum {equation!r} names {len(parts)} operands, got {len(operands)}")
-    widest = max((v.type.rank - len(p.replace("...", "")) for p, v in zip(parts, operands,
-                  strict=True) if "..." in p), default=0)  # fmt: skip
+    widest = max(
+        (
+            v.type.rank - len(p.replace("...", ""))
+            for p, v in zip(parts, operands, strict=True)
+            if "..." in p
+        ),
+        default=0,
+    )
     fill = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[:widest]
     spelled = []
     for p, v in zip(parts, operands, strict=True):
@@ -247,10 +272,12 @@ def einsum(cx: EmitContext, equation: str, operands: list[Value]) -> Value:
         return int(np.prod([dims[c] for c in letters], dtype=np.int64))
 
     lead = (size(batch),) if batch else ()
-    x = _reshape(cx, _arrange(cx, a, a_s, batch + a_free + contract),
-                 (*lead, size(a_free), size(contract)))  # fmt: skip
-    y = _reshape(cx, _arrange(cx, b, b_s, batch + contract + b_free),
-                 (*lead, size(contract), size(b_free)))  # fmt: skip
+    x = _reshape(
+        cx, _arrange(cx, a, a_s, batch + a_free + contract), (*lead, size(a_free), size(contract))
+    )
+    y = _reshape(
+        cx, _arrange(cx, b, b_s, batch + contract + b_free), (*lead, size(contract), size(b_free))
+    )
     got = batch + a_free + b_free
     z = _reshape(cx, cx.call("matmul", x, y), tuple(dims[c] for c in got))
     return _arrange(cx, z, got, out)
@@ -281,11 +308,14 @@ def arg_extreme(
     hit = cx.call("eq", v, cx.call("amax", v, axes=(axis,), keepdims=True))
     n = x.shape[axis]
     shape = tuple(n if i == axis else 1 for i in range(x.type.rank))
-    pos = cx.call("reshape", cx.call("arange", start=0, stop=n, step=1, dtype="i64"),
-                  shape=shape)  # fmt: skip
+    pos = cx.call("reshape", cx.call("arange", start=0, stop=n, step=1, dtype="i64"), shape=shape)
     if last:
-        return cx.call("amax", cx.call("where", hit, pos, cx.full(-1, DType.I64)),
-                       axes=(axis,), keepdims=keepdims)  # fmt: skip
+        return cx.call(
+            "amax",
+            cx.call("where", hit, pos, cx.full(-1, DType.I64)),
+            axes=(axis,),
+            keepdims=keepdims,
+        )
     far = cx.call("where", hit, cx.call("neg", pos), cx.full(-n, DType.I64))
     return cx.call("neg", cx.call("amax", far, axes=(axis,), keepdims=keepdims))
 

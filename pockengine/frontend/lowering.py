@@ -10,9 +10,15 @@ __all__ = ["batch_norm_eval"]
 
 
 def batch_norm_eval(
-    b: GraphBuilder, source: str, x: Value, w: Value, bias: Value, mean: Value, var: Value,
+    b: GraphBuilder,
+    source: str,
+    x: Value,
+    w: Value,
+    bias: Value,
+    mean: Value,
+    var: Value,
     eps: float,
-) -> Value:  # fmt: skip
+) -> Value:
     """Eval-mode BatchNorm over axis 1 as elementwise ops on running statistics:
     y = x * scale + shift, scale = w * rsqrt(var + eps), shift = bias - mean * scale."""
 

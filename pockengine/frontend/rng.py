@@ -43,8 +43,9 @@ class DropoutSeed:
     def dropout(self, x: Value, p: float, source: str) -> tuple[Value, Value]:
         """``x`` with elements dropped at rate ``p`` > 0 and the rest scaled by 1/(1-p)
         (every element dropped at p >= 1), and the bool keep-mask; see the module docstring."""
-        keep = self.b.call("ne", self.mask(x.shape, p, source), self._scalar(0.0, "f32", source),
-                           source=source)  # fmt: skip
+        keep = self.b.call(
+            "ne", self.mask(x.shape, p, source), self._scalar(0.0, "f32", source), source=source
+        )
         scale = float(np.float32(1.0 / (1.0 - p) if p < 1.0 else 0.0))
         dtype = str(x.dtype)
         scaled = self.b.call("mul", x, self._scalar(scale, dtype, source), source=source)
@@ -58,8 +59,9 @@ class DropoutSeed:
         """Advance the seed once per step (call after the last mask is drawn)."""
         if self.seed is not None:
             one = self.b.call("full", shape=(), value=1, dtype="i64", source="rng")
-            self.b.effect("assign", self.seed, self.b.call("add", self.seed, one, source="rng"),
-                          source="rng")  # fmt: skip
+            self.b.effect(
+                "assign", self.seed, self.b.call("add", self.seed, one, source="rng"), source="rng"
+            )
 
     def initial_values(self) -> dict[str, np.ndarray[Any, Any]]:
         return {SEED: np.zeros((), dtype=np.int64)} if self.seed is not None else {}

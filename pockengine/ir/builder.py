@@ -137,8 +137,9 @@ class GraphBuilder:
         self, value: float, dtype: DType = DType.F32, source: str = "", phase: Phase | None = None
     ) -> Value:
         """A 0-d constant; elementwise ops broadcast it."""
-        return self.call("full", source=source, name="c", phase=phase, shape=(), value=value,
-                         dtype=str(dtype))  # fmt: skip
+        return self.call(
+            "full", source=source, name="c", phase=phase, shape=(), value=value, dtype=str(dtype)
+        )
 
     def append(self, node: Node) -> Node:
         """Append a node whose result names are already chosen (rewrites, the parser)."""

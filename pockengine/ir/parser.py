@@ -40,8 +40,11 @@ def _literal(node: ast.expr) -> object:
         items = [_literal(e) for e in node.elts]
         return tuple(items) if isinstance(node, ast.Tuple) else items
     if isinstance(node, ast.Dict):
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)
-                if k is not None}  # fmt: skip
+        return {
+            _literal(k): _literal(v)
+            for k, v in zip(node.keys, node.values, strict=True)
+            if k is not None
+        }
     return ast.literal_eval(node)
 
 

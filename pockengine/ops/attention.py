@@ -208,9 +208,16 @@ class AttentionGrad:
 
     @staticmethod
     def infer(
-        gout: TensorType, q: TensorType, k: TensorType, v: TensorType, out: TensorType,
-        lse: TensorType, *mask: TensorType, scale: float, causal: bool,
-    ) -> tuple[TensorType, ...]:  # fmt: skip
+        gout: TensorType,
+        q: TensorType,
+        k: TensorType,
+        v: TensorType,
+        out: TensorType,
+        lse: TensorType,
+        *mask: TensorType,
+        scale: float,
+        causal: bool,
+    ) -> tuple[TensorType, ...]:
         _check("attention_grad", q, k, v, mask)
         _check_attrs("attention_grad", scale, causal)
         want = TensorType((*q.shape[:3], v.shape[3]), q.dtype)
@@ -220,9 +227,16 @@ class AttentionGrad:
 
     @staticmethod
     def kernel(
-        gout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *mask: Array,
-        scale: float, causal: bool,
-    ) -> tuple[Array, Array, Array]:  # fmt: skip
+        gout: Array,
+        q: Array,
+        k: Array,
+        v: Array,
+        out: Array,
+        lse: Array,
+        *mask: Array,
+        scale: float,
+        causal: bool,
+    ) -> tuple[Array, Array, Array]:
         p = np.exp(_scores(q, k, mask, scale, causal) - lse[..., None])
         gv = np.matmul(np.swapaxes(p, -1, -2), gout)
         delta = np.sum(gout * out, axis=-1, keepdims=True)

@@ -50,9 +50,13 @@ def vocab_of(w: TensorType, vocab_major: bool) -> int:
 
 
 def _check(
-    op: str, x: TensorType, w: TensorType, index: TensorType, bias: Sequence[TensorType],
+    op: str,
+    x: TensorType,
+    w: TensorType,
+    index: TensorType,
+    bias: Sequence[TensorType],
     vocab_major: bool,
-) -> None:  # fmt: skip
+) -> None:
     if not isinstance(vocab_major, bool):
         raise ShapeError(f"{op}: vocab_major must be a bool, got {vocab_major!r}")
     width = w.shape[1] if vocab_major else w.shape[0] if w.rank == 2 else -1
@@ -69,9 +73,14 @@ def _check(
 
 
 def grad_outputs(
-    op: str, x: TensorType, w: TensorType, bias: Sequence[TensorType], x_grad: bool,
-    w_grad: bool, b_grad: bool,
-) -> tuple[TensorType, ...]:  # fmt: skip
+    op: str,
+    x: TensorType,
+    w: TensorType,
+    bias: Sequence[TensorType],
+    x_grad: bool,
+    w_grad: bool,
+    b_grad: bool,
+) -> tuple[TensorType, ...]:
     """The types of the gradients ``x_grad``, ``w_grad``, ``b_grad`` ask for, in that order."""
     if b_grad and not bias:
         raise ShapeError(f"{op}: b_grad without a bias")
@@ -161,9 +170,13 @@ class LinearLogSoftmaxGather:
 
     @staticmethod
     def infer(
-        x: TensorType, w: TensorType, index: TensorType, *bias: TensorType, chunk: int,
+        x: TensorType,
+        w: TensorType,
+        index: TensorType,
+        *bias: TensorType,
+        chunk: int,
         vocab_major: bool,
-    ) -> tuple[TensorType, TensorType]:  # fmt: skip
+    ) -> tuple[TensorType, TensorType]:
         _check("linear_log_softmax_gather", x, w, index, bias, vocab_major)
         _check_chunk("linear_log_softmax_gather", chunk)
         rows = TensorType((x.shape[0],), x.dtype)
@@ -196,11 +209,21 @@ class LinearLogSoftmaxGather:
         _, lse = c.node.outputs
         grads = iter(
             c.call_multi(
-                "linear_log_softmax_gather_grad", gp, scale, x, w, index, lse, *bias,
-                chunk=c.attrs["chunk"], vocab_major=c.attrs["vocab_major"], x_grad=need_x,
-                w_grad=need_w, b_grad=need_b,
+                "linear_log_softmax_gather_grad",
+                gp,
+                scale,
+                x,
+                w,
+                index,
+                lse,
+                *bias,
+                chunk=c.attrs["chunk"],
+                vocab_major=c.attrs["vocab_major"],
+                x_grad=need_x,
+                w_grad=need_w,
+                b_grad=need_b,
             )
-        )  # fmt: skip
+        )
         gx = next(grads) if need_x else None
         gw = next(grads) if need_w else None
         gb = [next(grads) if need_b else None] if bias else []
@@ -227,10 +250,19 @@ class LinearLogSoftmaxGatherGrad:
 
     @staticmethod
     def infer(
-        gp: TensorType, scale: TensorType, x: TensorType, w: TensorType, index: TensorType,
-        lse: TensorType, *bias: TensorType, chunk: int, vocab_major: bool, x_grad: bool,
-        w_grad: bool, b_grad: bool,
-    ) -> tuple[TensorType, ...]:  # fmt: skip
+        gp: TensorType,
+        scale: TensorType,
+        x: TensorType,
+        w: TensorType,
+        index: TensorType,
+        lse: TensorType,
+        *bias: TensorType,
+        chunk: int,
+        vocab_major: bool,
+        x_grad: bool,
+        w_grad: bool,
+        b_grad: bool,
+    ) -> tuple[TensorType, ...]:
         op = "linear_log_softmax_gather_grad"
         _check(op, x, w, index, bias, vocab_major)
         _check_chunk(op, chunk)
@@ -241,9 +273,19 @@ class LinearLogSoftmaxGatherGrad:
 
     @staticmethod
     def kernel(
-        gp: Array, scale: Array, x: Array, w: Array, index: Array, lse: Array, *bias: Array,
-        chunk: int, vocab_major: bool, x_grad: bool, w_grad: bool, b_grad: bool,
-    ) -> tuple[Array, ...]:  # fmt: skip
+        gp: Array,
+        scale: Array,
+        x: Array,
+        w: Array,
+        index: Array,
+        lse: Array,
+        *bias: Array,
+        chunk: int,
+        vocab_major: bool,
+        x_grad: bool,
+        w_grad: bool,
+        b_grad: bool,
+    ) -> tuple[Array, ...]:
         wanted = (x_grad, w_grad, b_grad)
         return _run_chunks(x, w, index, bias, chunk, vocab_major, lse, (gp, scale), wanted)[2]
 
@@ -275,10 +317,18 @@ class LinearLogSoftmaxGatherWithGrad:
 
     @staticmethod
     def infer(
-        gp: TensorType, scale: TensorType, x: TensorType, w: TensorType, index: TensorType,
-        *bias: TensorType, chunk: int, vocab_major: bool, x_grad: bool, w_grad: bool,
+        gp: TensorType,
+        scale: TensorType,
+        x: TensorType,
+        w: TensorType,
+        index: TensorType,
+        *bias: TensorType,
+        chunk: int,
+        vocab_major: bool,
+        x_grad: bool,
+        w_grad: bool,
         b_grad: bool,
-    ) -> tuple[TensorType, ...]:  # fmt: skip
+    ) -> tuple[TensorType, ...]:
         op = "linear_log_softmax_gather_with_grad"
         _check(op, x, w, index, bias, vocab_major)
         _check_chunk(op, chunk)
@@ -289,12 +339,22 @@ class LinearLogSoftmaxGatherWithGrad:
 
     @staticmethod
     def kernel(
-        gp: Array, scale: Array, x: Array, w: Array, index: Array, *bias: Array, chunk: int,
-        vocab_major: bool, x_grad: bool, w_grad: bool, b_grad: bool,
-    ) -> tuple[Array, ...]:  # fmt: skip
+        gp: Array,
+        scale: Array,
+        x: Array,
+        w: Array,
+        index: Array,
+        *bias: Array,
+        chunk: int,
+        vocab_major: bool,
+        x_grad: bool,
+        w_grad: bool,
+        b_grad: bool,
+    ) -> tuple[Array, ...]:
         wanted = (x_grad, w_grad, b_grad)
-        picked, lse, grads = _run_chunks(x, w, index, bias, chunk, vocab_major,
-                                         cotangents=(gp, scale), wanted=wanted)  # fmt: skip
+        picked, lse, grads = _run_chunks(
+            x, w, index, bias, chunk, vocab_major, cotangents=(gp, scale), wanted=wanted
+        )
         return (picked, lse, *grads)
 
     @staticmethod

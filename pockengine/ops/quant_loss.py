@@ -55,8 +55,9 @@ def _make(base: str) -> OpDef:
 
     def kernel(*arrays: Array, scheme: str, group: int, **attrs: Any) -> Any:
         head, (codes, scales, *offsets) = split_inputs(base, arrays)
-        head[at] = dequantize_array(codes, scales, offsets[0] if offsets else None,
-                                    scheme=scheme, group=group)  # fmt: skip
+        head[at] = dequantize_array(
+            codes, scales, offsets[0] if offsets else None, scheme=scheme, group=group
+        )
         return opdef.kernel(*head, **attrs)
 
     def flops(ins: tuple[TensorType, ...], outs: tuple[TensorType, ...], attrs: Any) -> int:
@@ -69,8 +70,7 @@ def _make(base: str) -> OpDef:
         return _samples(base, rng)
 
     doc = f"``{base}`` with w = dequantize(codes, scales[, offsets]) (ops/quant_loss.py)."
-    return OpDef(f"dequantize_{base}", infer, kernel, None, flops, (), opdef.facts, samples,
-                 doc)  # fmt: skip
+    return OpDef(f"dequantize_{base}", infer, kernel, None, flops, (), opdef.facts, samples, doc)
 
 
 def _samples(base: str, rng: np.random.Generator) -> list[Sample]:
@@ -91,8 +91,7 @@ def _samples(base: str, rng: np.random.Generator) -> list[Sample]:
             "linear_log_softmax_gather_with_grad": (gp, scale, x, q.codes, index),
         }[base]
         more = {} if base == "linear_log_softmax_gather" else grads
-        out.append(Sample((*head, *extra), {**attrs, **more, "scheme": q.scheme,
-                                            "group": q.group}))  # fmt: skip
+        out.append(Sample((*head, *extra), {**attrs, **more, "scheme": q.scheme, "group": q.group}))
     return out
 
 

@@ -53,11 +53,17 @@ class DequantizeMatmul:
 
     @staticmethod
     def kernel(
-        x: Array, codes: Array, scales: Array, *offsets: Array, scheme: str, group: int,
+        x: Array,
+        codes: Array,
+        scales: Array,
+        *offsets: Array,
+        scheme: str,
+        group: int,
         transpose: bool,
-    ) -> Array:  # fmt: skip
-        w = dequantize_array(codes, scales, offsets[0] if offsets else None, scheme=scheme,
-                             group=group)  # fmt: skip
+    ) -> Array:
+        w = dequantize_array(
+            codes, scales, offsets[0] if offsets else None, scheme=scheme, group=group
+        )
         return np.asarray(np.matmul(x, w.T if transpose else w))
 
     @staticmethod

@@ -75,9 +75,15 @@ def _unchanged(*written: Array) -> tuple[Array, ...]:
 
 
 def _adam_signature(
-    op: str, w: TensorType, g: TensorType, rows: int | None, t: TensorType, lr: TensorType,
-    skip: TensorType | None, *per_row: TensorType,
-) -> None:  # fmt: skip
+    op: str,
+    w: TensorType,
+    g: TensorType,
+    rows: int | None,
+    t: TensorType,
+    lr: TensorType,
+    skip: TensorType | None,
+    *per_row: TensorType,
+) -> None:
     """The checks every AdamW variant shares: the gradient (and ``per_row`` state) fits
     ``w`` or its first ``rows`` rows; scalar step count and rate; the skip flag."""
     _trained(op, w, rows, g, *per_row)
@@ -87,10 +93,19 @@ def _adam_signature(
 
 
 def _adamw_math(
-    w: Array, g: Array, m: Array, v: Array, t: Array | float, lr: Array | float,
-    rows: int | None, *,
-    beta1: float, beta2: float, eps: float, weight_decay: float,
-) -> tuple[Array, Array, Array, Array]:  # fmt: skip
+    w: Array,
+    g: Array,
+    m: Array,
+    v: Array,
+    t: Array | float,
+    lr: Array | float,
+    rows: int | None,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> tuple[Array, Array, Array, Array]:
     """One AdamW step on ``w`` (its first ``rows`` rows) from float moments: the new
     trained part, ``m``, ``v`` and ``sqrt(v)`` (``adamw_update``'s docstring)."""
     part = (w if rows is None else w[:rows]) * (1 - lr * weight_decay)

@@ -191,9 +191,18 @@ class AdamW8bitUpdate:
         m = dequantize_blockwise(mq, ma, SIGNED_CODE, block)
         root = dequantize_blockwise(vq, va, UNSIGNED_CODE, block)
         part, m, _, root = _adamw_math(
-            w, g, m, root * root, float(t), float(lr), rows,
-            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-        )  # fmt: skip
+            w,
+            g,
+            m,
+            root * root,
+            float(t),
+            float(lr),
+            rows,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
         return (
             _write_rows(w, rows, part),
             *quantize_blockwise(m, SIGNED_CODE, block),

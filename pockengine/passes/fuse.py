@@ -113,11 +113,14 @@ def _match(add: Node, index: NodeIndex) -> _Match | None:
             scale, shift = _other(mul, y), _other(add, t)
             channels = y.shape[1]
             if (
-                scale is not None and shift is not None
-                and _per_channel(scale, channels) and _per_channel(shift, channels)
-                and scale.dtype == shift.dtype == y.dtype and add.output.shape == y.shape
+                scale is not None
+                and shift is not None
+                and _per_channel(scale, channels)
+                and _per_channel(shift, channels)
+                and scale.dtype == shift.dtype == y.dtype
+                and add.output.shape == y.shape
                 and not _reads_trained(scale, index)
-            ):  # fmt: skip
+            ):
                 return _Match(conv, mul, scale, shift)
     return None
 
@@ -144,8 +147,9 @@ def _folded(b: GraphBuilder, m: _Match, renamed: dict[str, Value]) -> Value:
     scale, shift = (renamed.get(v.name, v) for v in (m.scale, m.shift))
     s = b.call("reshape", scale, shape=(channels,), source=src)
     h = b.call("reshape", shift, shape=(channels,), source=src)
-    w_scaled = b.call("mul", w, b.call("reshape", s, shape=(channels, 1, 1, 1), source=src),
-                      source=src)  # fmt: skip
+    w_scaled = b.call(
+        "mul", w, b.call("reshape", s, shape=(channels, 1, 1, 1), source=src), source=src
+    )
     new_bias = b.call("add", b.call("mul", bias[0], s, source=src), h, source=src) if bias else h
     attrs: dict[str, Any] = dict(m.conv.attrs)
     return b.call("conv2d", x, w_scaled, new_bias, source=src, **attrs)

@@ -174,8 +174,14 @@ def _balanced_chunk(tokens: int, most: int) -> int:
     return -(-tokens // count)
 
 
-def _fused(b: GraphBuilder, gather: Node, m: _Match, renamed: dict[str, Value],
-           index: NodeIndex, chunk_elements: int) -> Value:  # fmt: skip
+def _fused(
+    b: GraphBuilder,
+    gather: Node,
+    m: _Match,
+    renamed: dict[str, Value],
+    index: NodeIndex,
+    chunk_elements: int,
+) -> Value:
     # new names derive from the gather's, so none meets a later node's original name
     src, name = gather.source, f"{gather.output.name}_fused"
     x, w = renamed.get(m.x.name, m.x), renamed.get(m.w.name, m.w)
@@ -186,8 +192,17 @@ def _fused(b: GraphBuilder, gather: Node, m: _Match, renamed: dict[str, Value],
     bias = [] if m.bias is None else [renamed.get(m.bias.name, m.bias)]
     chunk = _balanced_chunk(tokens, max(1, chunk_elements // vocab))
     w, major = _vocab_major(w, index.producers)
-    picked, _ = b.call_multi("linear_log_softmax_gather", rows, w, target, *bias, chunk=chunk,
-                             vocab_major=major, source=src, name=name)  # fmt: skip
+    picked, _ = b.call_multi(
+        "linear_log_softmax_gather",
+        rows,
+        w,
+        target,
+        *bias,
+        chunk=chunk,
+        vocab_major=major,
+        source=src,
+        name=name,
+    )
     return b.call("reshape", picked, shape=(tokens, 1), source=src, name=name)
 
 
@@ -242,9 +257,14 @@ def _merge_one(graph: Graph) -> Graph | None:
         if moved is None:
             continue
         attrs = Attrs({**grad.attrs})
-        both = Node(WITH_GRAD_OP, (gp, scale, x, w, index, *bias),
-                    (*forward.outputs, *grad.outputs), attrs, forward.source,
-                    Phase.FORWARD)  # fmt: skip
+        both = Node(
+            WITH_GRAD_OP,
+            (gp, scale, x, w, index, *bias),
+            (*forward.outputs, *grad.outputs),
+            attrs,
+            forward.source,
+            Phase.FORWARD,
+        )
         get_op(WITH_GRAD_OP).infer_types([v.type for v in both.inputs], attrs)
         rest = [n for i, n in enumerate(nodes[fi + 1 :], fi + 1) if i not in moved and i != gi]
         order = [*nodes[:fi], *(nodes[i] for i in sorted(moved)), both, *rest]

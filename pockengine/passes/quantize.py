@@ -79,8 +79,9 @@ class QuantizedParam:
     def dequantized(self, read: Callable[[str], Array]) -> Array:
         """The float values the step computes with, from the stored arrays."""
         codes, scales, *offsets = (read(n) for n in self.inputs)
-        w = dequantize_array(codes, scales, offsets[0] if offsets else None,
-                             scheme=self.scheme, group=self.group)  # fmt: skip
+        w = dequantize_array(
+            codes, scales, offsets[0] if offsets else None, scheme=self.scheme, group=self.group
+        )
         return w.astype(self.type.dtype.to_numpy(), copy=False)
 
     def quantized(self, array: Array, dtypes: Mapping[str, np.dtype[Any]]) -> dict[str, Array]:
@@ -131,8 +132,9 @@ def _eligible(v: Value, readers: list[tuple[Node, int]], group: int) -> bool:
     if v.trainable or v.type.rank != 2 or not v.type.dtype.is_float or not readers:
         return False
     if v.shape[-1] % group:
-        log.info("%s stays float: rows of %d are not whole groups of %d", v.name, v.shape[-1],
-                 group)  # fmt: skip
+        log.info(
+            "%s stays float: rows of %d are not whole groups of %d", v.name, v.shape[-1], group
+        )
         return False
     return all(
         (n.op == "embedding" and k == 0) or (n.op in _READERS and (n.op == "transpose" or k == 1))
@@ -219,8 +221,14 @@ def quantize_frozen(
             continue
         names = tuple(v.name + s for s in _SUFFIXES[: len(q.arrays)])
         for name, array in zip(names, q.arrays, strict=True):
-            new_inputs.append(Value(name, TensorType(array.shape, DType.from_numpy(array.dtype)),
-                                    Role.PARAM, trainable=False))  # fmt: skip
+            new_inputs.append(
+                Value(
+                    name,
+                    TensorType(array.shape, DType.from_numpy(array.dtype)),
+                    Role.PARAM,
+                    trainable=False,
+                )
+            )
             new_values[name] = array
         new_values.pop(v.name, None)
         params[v.name] = QuantizedParam(v.type, names, q.scheme, q.group)

@@ -274,8 +274,17 @@ def recompute(
     alive that is at most a ``NARROW_RATIO``-th of what it recomputes (``_narrower``)."""
     nodes = graph.nodes
     names = {v.name for v in graph.inputs}
-    s = _State(graph, graph.producers(), last_reads(graph), {}, names, recomputable,
-               _from_params(graph), prefer=prefer, narrow=narrow)  # fmt: skip
+    s = _State(
+        graph,
+        graph.producers(),
+        last_reads(graph),
+        {},
+        names,
+        recomputable,
+        _from_params(graph),
+        prefer=prefer,
+        narrow=narrow,
+    )
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
         s.names.update(v.name for v in node.outputs)

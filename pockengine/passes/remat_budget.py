@@ -172,9 +172,12 @@ class FitMemoryBudget:
                 return best
         log.warning(
             "memory budget %.1f MiB not met: the best plan found peaks at %.1f MiB (%.1f MiB "
-            "over; %.1f MiB without recomputation)", self.budget / _MIB, best_peak / _MIB,
-            (best_peak - self.budget) / _MIB, base / _MIB,
-        )  # fmt: skip
+            "over; %.1f MiB without recomputation)",
+            self.budget / _MIB,
+            best_peak / _MIB,
+            (best_peak - self.budget) / _MIB,
+            base / _MIB,
+        )
         return best
 
     def _picks(
@@ -190,15 +193,20 @@ class FitMemoryBudget:
                 for v in node.inputs:
                     first.setdefault(v.name, i)
         at_peak = [v.name for v in live.live_at(live.peak_index)]
-        options = {n for n in at_peak if n in saved.saved and n not in tried
-                   and first.get(n, -1) > live.peak_index}  # fmt: skip
+        options = {
+            n
+            for n in at_peak
+            if n in saved.saved and n not in tried and first.get(n, -1) > live.peak_index
+        }
         order = {name: k for k, name in enumerate(saved.saved)}  # ties: the earliest saved
         picks: list[str] = []
         freed = 0
         while options and freed < peak - self.budget:  # each costed with the picks before it
             chosen = {*dropped, *picks}
-            best = min(options, key=lambda n: (
-                saved.estimate(n, chosen) / saved.saved[n].type.nbytes, order[n]))  # fmt: skip
+            best = min(
+                options,
+                key=lambda n: (saved.estimate(n, chosen) / saved.saved[n].type.nbytes, order[n]),
+            )
             options.remove(best)
             picks.append(best)
             freed += saved.saved[best].type.nbytes

@@ -128,10 +128,14 @@ def _embedding_grad(s: _Sinker, node: Node, axis: int, k: int) -> Value | None:
     kind = ids.type.dtype.value
     keep = s.emit("lt", ids, s.emit("full", shape=(), value=k, dtype=kind))
     ids_in = s.emit("where", keep, ids, s.emit("full", shape=(), value=0, dtype=kind))
-    mask = s.emit("reshape", s.emit("cast", keep, dtype=gz.type.dtype.value),
-                  shape=(*ids.shape, 1))  # fmt: skip
-    return s.emit("embedding_grad", s.emit("mul", gz, mask), ids_in, num_rows=k,
-                  padding_idx=row if row is not None and row < k else None)  # fmt: skip
+    mask = s.emit("reshape", s.emit("cast", keep, dtype=gz.type.dtype.value), shape=(*ids.shape, 1))
+    return s.emit(
+        "embedding_grad",
+        s.emit("mul", gz, mask),
+        ids_in,
+        num_rows=k,
+        padding_idx=row if row is not None and row < k else None,
+    )
 
 
 _RULES: dict[str, Callable[[_Sinker, Node, int, int], Value | None]] = {

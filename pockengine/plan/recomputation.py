@@ -51,8 +51,10 @@ class Recomputation:
             f"segments, {self.extra_flops / 1e9:.3f} GFLOP extra ({share:.1%} of the step)",
         ]
         for s in self.segments:
-            lines.append(f"    {s.layer:<40} {len(s.ops):>3} ops {s.flops / 1e6:>10.1f} MFLOP  "
-                         + ", ".join(_counted(s.ops)))  # fmt: skip
+            lines.append(
+                f"    {s.layer:<40} {len(s.ops):>3} ops {s.flops / 1e6:>10.1f} MFLOP  "
+                + ", ".join(_counted(s.ops))
+            )
         return lines
 
     def to_dict(self) -> dict[str, object]:

@@ -175,8 +175,14 @@ _ROWS = (
 def _wrapped(text: str, width: int = 100) -> list[str]:
     """``text`` in lines of at most ``width`` columns (a long name stays whole), indented
     under the report's title."""
-    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ",
-                         break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    return textwrap.wrap(
+        text,
+        width,
+        initial_indent="  ",
+        subsequent_indent="      ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 @dataclass
@@ -239,9 +245,12 @@ class Report:
             lines += ["", *(f"  {line}" for line in self.recomputation.lines())]
         if self.kernels:
             total = sum(k.time for k in self.kernels)
-            lines += ["", f"  C kernels (measured at compile time, median; tuned nodes "
-                      f"{total * 1e3:.1f} ms a step)", f"    {'op':<20}{'node':<28}"
-                      f"{'kernel':<11}{'time':>13}"]  # fmt: skip
+            lines += [
+                "",
+                f"  C kernels (measured at compile time, median; tuned nodes "
+                f"{total * 1e3:.1f} ms a step)",
+                f"    {'op':<20}{'node':<28}{'kernel':<11}{'time':>13}",
+            ]
             lines += [f"    {k.line()}" for k in self.kernels]
         return "\n".join(lines)
 

@@ -101,8 +101,10 @@ class AutoChoice:
             f"{self.seconds:.1f} s{' (cached)' if self.cached else ''}",
         ]
         if self.upload_limit is not None:
-            lines.append(f"  auto scheme: {self.trained_elements:,.0f} trained elements of an "
-                         f"upload budget of {self.upload_limit:,.0f}")  # fmt: skip
+            lines.append(
+                f"  auto scheme: {self.trained_elements:,.0f} trained elements of an "
+                f"upload budget of {self.upload_limit:,.0f}"
+            )
         for c in sorted(self.candidates, key=lambda c: -c["share"])[:top]:
             mark = f"trained at ratio {c['ratio']:g}" if c["ratio"] else "frozen"
             lines.append(
@@ -169,11 +171,13 @@ def choose_auto(
     try:
         choice = AutoChoice.from_dict(json.loads(path.read_text()))
         choice.cached = True
-        status_lines.say(f"--scheme auto: the choice made before for this model, data and budget "
-                   f"({path})")  # fmt: skip
+        status_lines.say(
+            f"--scheme auto: the choice made before for this model, data and budget ({path})"
+        )
     except (OSError, ValueError, KeyError, TypeError, SchemeError):
-        status_lines.say("--scheme auto: choosing what to train (planning the base scheme and the "
-                   "budget)")  # fmt: skip
+        status_lines.say(
+            "--scheme auto: choosing what to train (planning the base scheme and the budget)"
+        )
         choice = _choose(config, task, sparse, settings, upload_limit)
         save_cached(path, choice.to_dict())
     choice.seconds = time.perf_counter() - start
@@ -207,9 +211,17 @@ def _choose(
     base_figures = planner.figures(base)
     base_peak = float(base_figures.planned_peak_bytes)
     budget, source = _budget(config, planner, sparse)
-    choice = AutoChoice(base, budget, source, base_peak, base_name, base_peak, score=settings.score,
-                        upload_limit=upload_limit,
-                        trained_elements=float(base_figures.trained_elements))  # fmt: skip
+    choice = AutoChoice(
+        base,
+        budget,
+        source,
+        base_peak,
+        base_name,
+        base_peak,
+        score=settings.score,
+        upload_limit=upload_limit,
+        trained_elements=float(base_figures.trained_elements),
+    )
     if upload_limit is not None and base_figures.trained_elements > upload_limit:
         raise FinetuneError(
             f"the upload budget ({upload_limit:,.0f} trained elements) is below what the "
@@ -231,8 +243,9 @@ def _choose(
         if budget >= full_peak and uploads:
             choice.scheme, choice.planned_peak_bytes = full, full_peak
             choice.trained_elements = float(full_figures.trained_elements)
-            choice.notes.append(f"analysis skipped: the budget allows full fine-tuning "
-                                f"({full_peak / _MIB:.1f} MiB)")  # fmt: skip
+            choice.notes.append(
+                f"analysis skipped: the budget allows full fine-tuning ({full_peak / _MIB:.1f} MiB)"
+            )
             return choice
     _search(choice, config, task, planner, settings)
     log.info("auto scheme: %d planner calls", planner.calls)
@@ -268,12 +281,18 @@ def _search(
     items = items_from_estimate(estimate, settings.score, settings.ratios, planner.optimizer)
     budget = Budget({"memory": choice.budget_bytes}, {"memory": choice.base_peak_bytes})
     if choice.upload_limit is not None:
-        budget = Budget({**budget.limits, "trained": choice.upload_limit},
-                        {**budget.base, "trained": choice.trained_elements})  # fmt: skip
+        budget = Budget(
+            {**budget.limits, "trained": choice.upload_limit},
+            {**budget.base, "trained": choice.trained_elements},
+        )
     _, chosen, measured = choose_within(
-        items, budget, base_names, lambda s: planner.figures(_mode(s, config)),
-        seed=config.seed, max_additions=4,
-    )  # fmt: skip
+        items,
+        budget,
+        base_names,
+        lambda s: planner.figures(_mode(s, config)),
+        seed=config.seed,
+        max_additions=4,
+    )
     choice.scheme = _mode(scheme_for(base_names, chosen), config)
     choice.planned_peak_bytes = float(measured["memory"])
     if "trained" in measured:

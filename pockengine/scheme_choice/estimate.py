@@ -95,8 +95,10 @@ class EstimateSettings:
             raise FinetuneError(f"unknown score {self.score!r}: one of {', '.join(SCORES)}")
         counts = (self.batches, self.micro_batch, self.group_bytes, self.max_groups)
         if min(counts) < 1 or not all(0 < r <= 1 for r in self.ratios):
-            raise FinetuneError(f"bad estimate settings {self}: batches, micro_batch, "
-                                "group_bytes and max_groups >= 1, ratios in (0, 1]")  # fmt: skip
+            raise FinetuneError(
+                f"bad estimate settings {self}: batches, micro_batch, "
+                "group_bytes and max_groups >= 1, ratios in (0, 1]"
+            )
         return self
 
 
@@ -150,8 +152,15 @@ class Estimate:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: Path) -> Estimate:
         weights = [WeightScore(**w) for w in data["weights"]]
-        return cls(weights, data["seconds"], data["examples"], data["key"], True, str(path),
-                   rows=int(data.get("rows", 0)))  # fmt: skip
+        return cls(
+            weights,
+            data["seconds"],
+            data["examples"],
+            data["key"],
+            True,
+            str(path),
+            rows=int(data.get("rows", 0)),
+        )
 
 
 def optimizer_of(config: FinetuneConfig, lr: float = 1e-3) -> Optimizer:
@@ -180,8 +189,13 @@ def cache_key(
     """What the scores depend on: the model, data and shapes of the config (not its lr,
     epochs or scheme), the data's fingerprint, the number of batches, and ``more``."""
     facts = {k: v for k, v in config.training_dict().items() if k not in _NOT_IN_KEY}
-    facts |= {"data": data_fingerprint, "batches": settings.batches,
-              "micro_batch": settings.micro_batch, "v": 5, **more}  # fmt: skip
+    facts |= {
+        "data": data_fingerprint,
+        "batches": settings.batches,
+        "micro_batch": settings.micro_batch,
+        "v": 5,
+        **more,
+    }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -352,8 +366,10 @@ def estimate_scores(
     groups = _groups(weights, most)
     rows = _micro_rows(planner, groups, size, settings, budget)
     passes = len(groups) * n * (size // rows)
-    status_lines.say(f"--scheme auto: scoring {len(weights)} weights on {n * size:,} training "
-               f"examples: {len(groups)} group(s), {passes} backward passes")  # fmt: skip
+    status_lines.say(
+        f"--scheme auto: scoring {len(weights)} weights on {n * size:,} training "
+        f"examples: {len(groups)} group(s), {passes} backward passes"
+    )
     for i, group in enumerate(groups, 1):
         if i > 1:
             status_lines.say(f"--scheme auto: {i - 1} of {len(groups)} groups scored")
@@ -361,11 +377,15 @@ def estimate_scores(
         step = planner.gradient_step(config.backend, names, rows)
         sums = gradient_sums(step, tail, rows, set(names))
         values = step.flat_state_dict(sums.total, copy=False)
-        scores += [_weight_score(p, sums.rows(p.name, np.asarray(values[p.name])), reads)
-                   for p in group if p.name in sums.total]  # fmt: skip
+        scores += [
+            _weight_score(p, sums.rows(p.name, np.asarray(values[p.name])), reads)
+            for p in group
+            if p.name in sums.total
+        ]
         del step, sums, values  # this group's activations and sums, before the next's
-    estimate = Estimate(scores, time.perf_counter() - start, n * size, key, path=str(path),
-                        rows=rows)  # fmt: skip
+    estimate = Estimate(
+        scores, time.perf_counter() - start, n * size, key, path=str(path), rows=rows
+    )
     save_cached(path, estimate.to_dict())
     return estimate
 
@@ -401,10 +421,15 @@ def _micro_rows(
     weights = sum(_nbytes(p) for p in planner.info.params)
     peak = planner.gradient_peak([p.name for p in groups[0]]) + sums
     fits = peak <= budget - weights
-    log.info("the estimate's whole-batch step plans %.1f MiB with its sums, %s the %.1f MiB "
-             "budget less the model's %.1f MiB of weights: %d example(s) a pass",
-             peak / 2**20, "within" if fits else "over", budget / 2**20, weights / 2**20,
-             size if fits else floor)  # fmt: skip
+    log.info(
+        "the estimate's whole-batch step plans %.1f MiB with its sums, %s the %.1f MiB "
+        "budget less the model's %.1f MiB of weights: %d example(s) a pass",
+        peak / 2**20,
+        "within" if fits else "over",
+        budget / 2**20,
+        weights / 2**20,
+        size if fits else floor,
+    )
     return size if fits else floor
 
 

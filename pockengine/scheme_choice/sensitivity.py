@@ -219,8 +219,15 @@ class StepBuilder:
         example = recipes.tensor_rows(self.task.train, 0, self.config.batch_size)
         self.task.model.train()
         optimizer = self.config.make_optimizer(lr)
-        return compile_step(self.task.model, self.task.loss_fn, example, optimizer, scheme,
-                            backend=self.config.backend, compile_in="process")  # fmt: skip
+        return compile_step(
+            self.task.model,
+            self.task.loss_fn,
+            example,
+            optimizer,
+            scheme,
+            backend=self.config.backend,
+            compile_in="process",
+        )
 
     def figures(self, scheme: Scheme) -> Figures:
         """The compiler's report of ``scheme`` (``TrainStep.report().ours``)."""

@@ -98,9 +98,11 @@ def _linear_weights(info: ModelInfo) -> list[ParamInfo]:
     return [
         p
         for p in info.params
-        if len(p.shape) == 2 and p.local in ("weight", "kernel") and not p.is_norm
+        if len(p.shape) == 2
+        and p.local in ("weight", "kernel")
+        and not p.is_norm
         and "embed" not in p.module_type.lower()
-    ]  # fmt: skip
+    ]
 
 
 def _targeted(info: ModelInfo, targets: Sequence[str] | None) -> list[ParamInfo]:

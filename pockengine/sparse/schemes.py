@@ -91,12 +91,20 @@ class Scheme:
         that."""
         if not isinstance(other, Scheme):
             return NotImplemented
-        parts = [p for s in (self, other) for p in (s.options["schemes"] if s.kind == "union"
-                                                   else [s.to_dict()])]  # fmt: skip
+        parts = [
+            p
+            for s in (self, other)
+            for p in (s.options["schemes"] if s.kind == "union" else [s.to_dict()])
+        ]
         eval_bn = "eval" in (self.frozen_bn, other.frozen_bn)
         running = "running" in (self.batchnorm, other.batchnorm)
-        return Scheme("union", {"schemes": parts}, {}, "eval" if eval_bn else "train",
-                      "running" if running else "batch")  # fmt: skip
+        return Scheme(
+            "union",
+            {"schemes": parts},
+            {},
+            "eval" if eval_bn else "train",
+            "running" if running else "batch",
+        )
 
     def resolve(self, info: ModelInfo) -> Resolution:
         if self.kind == "union":
@@ -109,8 +117,11 @@ class Scheme:
         if not chosen:
             raise SchemeError(f"scheme {self.kind!r} trains no parameter of this model")
         rows: dict[str, int | None] = {name: None for name in chosen}
-        partial = [(p, r) for pattern, r in self.channels.items() for p in
-                   matching(info, [pattern], "channels")]  # fmt: skip
+        partial = [
+            (p, r)
+            for pattern, r in self.channels.items()
+            for p in matching(info, [pattern], "channels")
+        ]
         block_ratio = self.options.get("channels")
         if self.kind == "sparse" and block_ratio is not None:
             blocks = block_params(info, options.get("blocks", 2), options.get("container"))
@@ -137,17 +148,21 @@ def _resolve_union(scheme: Scheme, info: ModelInfo) -> Resolution:
         adapters += [a for a in resolved.adapters if a not in adapters]
     if len({a.weight for a in adapters}) != len(adapters):
         raise SchemeError("two lora parts of a union adapt the same weight")
-    return Resolution(rows, scheme.frozen_bn == "eval", tuple(adapters),
-                      scheme.batchnorm == "running")  # fmt: skip
+    return Resolution(
+        rows, scheme.frozen_bn == "eval", tuple(adapters), scheme.batchnorm == "running"
+    )
 
 
 # -- factories ---------------------------------------------------------------------
 
 
 def _scheme(
-    kind: str, channel_map: Mapping[str, float] | None, frozen_bn: str,
-    batchnorm: str = "batch", **opts: Any,
-) -> Scheme:  # fmt: skip
+    kind: str,
+    channel_map: Mapping[str, float] | None,
+    frozen_bn: str,
+    batchnorm: str = "batch",
+    **opts: Any,
+) -> Scheme:
     if frozen_bn not in ("train", "eval"):
         raise SchemeError(f"frozen_bn must be 'train' or 'eval', got {shown(frozen_bn)}")
     if batchnorm not in BATCHNORM_MODES:
@@ -184,35 +199,59 @@ def head(*, frozen_bn: str = "train") -> Scheme:
 
 
 def last_blocks(
-    k: int, *, container: str | None = None, head: bool = True,
-    channels: Mapping[str, float] | None = None, frozen_bn: str = "train",
-) -> Scheme:  # fmt: skip
+    k: int,
+    *,
+    container: str | None = None,
+    head: bool = True,
+    channels: Mapping[str, float] | None = None,
+    frozen_bn: str = "train",
+) -> Scheme:
     """Every parameter of the last ``k`` repeated blocks (plus the head)."""
     return _scheme("last_blocks", channels, frozen_bn, k=k, container=container, head=head)
 
 
 def select(
-    train: Sequence[str] = ("*",), freeze: Sequence[str] = (), *,
-    channels: Mapping[str, float] | None = None, frozen_bn: str = "train",
-) -> Scheme:  # fmt: skip
+    train: Sequence[str] = ("*",),
+    freeze: Sequence[str] = (),
+    *,
+    channels: Mapping[str, float] | None = None,
+    frozen_bn: str = "train",
+) -> Scheme:
     """Parameters matching a ``train`` glob and no ``freeze`` glob."""
     return _scheme("select", channels, frozen_bn, train=list(train), freeze=list(freeze))
 
 
 def sparse(
-    bias: str = "all", blocks: int = 2, channels: float | None = None, head: bool = True, *,
-    container: str | None = None, frozen_bn: str = "train",
-) -> Scheme:  # fmt: skip
+    bias: str = "all",
+    blocks: int = 2,
+    channels: float | None = None,
+    head: bool = True,
+    *,
+    container: str | None = None,
+    frozen_bn: str = "train",
+) -> Scheme:
     """The PockEngine recipe: biases and norms everywhere, the weights of the last
     ``blocks`` blocks (at output-channel ratio ``channels``), the head (whole)."""
-    return _scheme("sparse", None, frozen_bn, bias=bias, blocks=blocks, head=head,
-                   container=container, channels=channels)  # fmt: skip
+    return _scheme(
+        "sparse",
+        None,
+        frozen_bn,
+        bias=bias,
+        blocks=blocks,
+        head=head,
+        container=container,
+        channels=channels,
+    )
 
 
 def lora(
-    rank: int = 8, alpha: float = 16, targets: Sequence[str] | None = None,
-    dropout: float = 0.0, *, seed: int = 0,
-) -> Scheme:  # fmt: skip
+    rank: int = 8,
+    alpha: float = 16,
+    targets: Sequence[str] | None = None,
+    dropout: float = 0.0,
+    *,
+    seed: int = 0,
+) -> Scheme:
     """Low-rank adapters on the linear layers ``targets`` (module globs such as
     ``"*q_proj"``, or PEFT-style names such as ``"q_proj"``; None: the model family's
     attention query/value projections, ``pockengine.sparse.lora.DEFAULT_TARGETS``). The
@@ -292,9 +331,13 @@ def from_dict(data: Mapping[str, Any]) -> Scheme:
         parts = [from_dict(d) for d in data.get("schemes", [])]
         if not parts:
             raise SchemeError("scheme 'union' needs a non-empty list of schemes")
-        return _scheme("union", None, str(data.get("frozen_bn", "train")),
-                       str(data.get("batchnorm", "batch")),
-                       schemes=[p.to_dict() for p in parts])  # fmt: skip
+        return _scheme(
+            "union",
+            None,
+            str(data.get("frozen_bn", "train")),
+            str(data.get("batchnorm", "batch")),
+            schemes=[p.to_dict() for p in parts],
+        )
     for key in ("train", "freeze", "targets"):
         if isinstance(data.get(key), str):
             data[key] = [data[key]]

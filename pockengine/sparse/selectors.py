@@ -65,8 +65,10 @@ def block_params(info: ModelInfo, k: int, container: str | None) -> list[str]:
     if k == 0 and container is None:  # the last 0 blocks: none, whether the model has any
         return []
     if container is None and info.blocks is None:
-        log.warning("the model has no repeated blocks: the scheme trains no block weights "
-                    "(only what else it names: biases, norms, the head)")  # fmt: skip
+        log.warning(
+            "the model has no repeated blocks: the scheme trains no block weights "
+            "(only what else it names: biases, norms, the head)"
+        )
         return []
     path = container if container is not None else info.blocks
     if path is None or path not in info.containers:
@@ -76,8 +78,13 @@ def block_params(info: ModelInfo, k: int, container: str | None) -> list[str]:
         )
     children = info.containers[path]
     if k > len(children):
-        log.warning("%s has %d blocks, fewer than %d: training all %d", path, len(children), k,
-                    len(children))  # fmt: skip
+        log.warning(
+            "%s has %d blocks, fewer than %d: training all %d",
+            path,
+            len(children),
+            k,
+            len(children),
+        )
         k = len(children)
     last = children[len(children) - k :] if k else ()
     return [p.name for p in info.params if any(_inside(p.module, c) for c in last)]
@@ -116,9 +123,12 @@ def _match(p: ParamInfo, pattern: str, info: ModelInfo) -> bool:
 
 
 def _sparse(
-    info: ModelInfo, bias: str = "all", blocks: int = 2, head: bool = True,
+    info: ModelInfo,
+    bias: str = "all",
+    blocks: int = 2,
+    head: bool = True,
     container: str | None = None,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     # The block channel ratio ("channels" option) is applied by Scheme.resolve.
     names: set[str] = set()
     if bias == "all":

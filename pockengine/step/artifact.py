@@ -127,8 +127,10 @@ def _check_round_trip(graph: Graph, text: str, name: str) -> None:
     lines = text.splitlines()
     if back != lines:
         bad = next((a for a, b in zip(lines, back, strict=False) if a != b), "its length")
-        raise StepFileError(f"{name}: {graph.name} does not print as text that parses back "
-                            f"to it (first differing line: {bad})")  # fmt: skip
+        raise StepFileError(
+            f"{name}: {graph.name} does not print as text that parses back "
+            f"to it (first differing line: {bad})"
+        )
 
 
 def _digest(text: str) -> str:
@@ -205,8 +207,10 @@ def read_graph_text(path: Path, digest: str) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise StepFileError(f"{path}: cannot be read ({exc})") from None
     if _digest(text) != digest:
-        raise StepFileError(f"{path}: not the graph {META} was written with (its SHA-256 "
-                            "differs): files of two artifacts, or an edited one")  # fmt: skip
+        raise StepFileError(
+            f"{path}: not the graph {META} was written with (its SHA-256 "
+            "differs): files of two artifacts, or an edited one"
+        )
     return text
 
 
@@ -227,8 +231,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise StepFileError(f"{path}: not readable JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         got = meta.get("format") if isinstance(meta, dict) else None
-        raise StepFileError(f"{path}: step artifact format {got!r}, this PockEngine reads "
-                            f"{' and '.join(map(str, READABLE_FORMATS))}")  # fmt: skip
+        raise StepFileError(
+            f"{path}: step artifact format {got!r}, this PockEngine reads "
+            f"{' and '.join(map(str, READABLE_FORMATS))}"
+        )
     return meta
 
 
@@ -241,8 +247,9 @@ def check_state(graph: Graph, values: Mapping[str, Array], path: Path) -> None:
         if array is None:
             raise StepFileError(f"{path}: has no {v.name}, which the graph reads")
         if array.shape != v.shape or array.dtype != v.dtype.to_numpy():
-            raise StepFileError(f"{path}: {v.name} is {array.dtype}{list(array.shape)}, the "
-                                f"graph reads {v.type}")  # fmt: skip
+            raise StepFileError(
+                f"{path}: {v.name} is {array.dtype}{list(array.shape)}, the graph reads {v.type}"
+            )
 
 
 class LoadedStep(CompiledStep):
@@ -251,8 +258,14 @@ class LoadedStep(CompiledStep):
     ``load_state``, ``report``, ``export``, ``save``...) without the compiler. What needs
     the compiler (``gradients``, compiling another evaluator) is not there."""
 
-    def __init__(self, folder: Path, saved: Saved, graph: Graph, values: dict[str, Array],
-                 backend: BackendSpec) -> None:  # fmt: skip
+    def __init__(
+        self,
+        folder: Path,
+        saved: Saved,
+        graph: Graph,
+        values: dict[str, Array],
+        backend: BackendSpec,
+    ) -> None:
         self.folder = folder
         self.optimizer, self.info = saved.optimizer, saved.info
         self.resolution, self.scheme = saved.resolution, saved.scheme
@@ -273,8 +286,9 @@ class LoadedStep(CompiledStep):
     def evaluator(self) -> Evaluator:
         """The compiled evaluator saved with the step; a ``StepFileError`` if none was."""
         if self._evaluator is None:
-            raise StepFileError(f"{self.folder}: the artifact holds no evaluator "
-                                f"({EVAL_GRAPH} was not saved)")  # fmt: skip
+            raise StepFileError(
+                f"{self.folder}: the artifact holds no evaluator ({EVAL_GRAPH} was not saved)"
+            )
         return self._evaluator
 
     @property
@@ -317,8 +331,7 @@ def _batch_values(graph: Graph, names: list[str], path: Path) -> tuple[Value, ..
 
 def _load_evaluator(step: LoadedStep, where: Path, meta: Mapping[str, Any]) -> Evaluator:
     graph = read_graph(where / EVAL_GRAPH, str(meta["sha256"]))
-    own = _with_zeros(graph, read_tensors(where / EVAL_STATE), meta.get("zeros", []),
-                      where / META)  # fmt: skip
+    own = _with_zeros(graph, read_tensors(where / EVAL_STATE), meta.get("zeros", []), where / META)
     check_state(graph, {**own, **_store_types(step)}, where / EVAL_STATE)
     batch = _batch_values(graph, list(meta["batch"]), where / META)
     shared = {k: step.backend.share_numpy(v) for k, v in own.items()}

@@ -48,9 +48,10 @@ __all__ = [
 STEP_FORMAT = 2  # 2: all-zero tensors listed in "zeros", not in the safetensors files
 READABLE_FORMATS = (1, 2)
 _OPTIMIZERS = {  # every optimizer class in pockengine.optim, by class name
-    name: cls for name, cls in vars(optim).items()
+    name: cls
+    for name, cls in vars(optim).items()
     if isinstance(cls, type) and issubclass(cls, optim.Optimizer) and cls is not optim.Optimizer
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,12 @@ def read_facts(meta: dict[str, Any]) -> tuple[StepFacts, list[str], ModelInfo, R
     table and the resolution."""
     aliases = {k: tuple(v) for k, v in meta["aliases"].items()}
     quantized = {k: _quantized(q) for k, q in meta["quantized"].items()}
-    bounds = tuple(IndexBound(b["input"], int(b["high"]), frozenset(b["ignored"]), b["what"],
-                              int(b.get("low", 0)))  # older steps: no "low", all were 0
-                   for b in meta["index_bounds"])  # fmt: skip
+    bounds = tuple(
+        IndexBound(
+            b["input"], int(b["high"]), frozenset(b["ignored"]), b["what"], int(b.get("low", 0))
+        )  # older steps: no "low", all were 0
+        for b in meta["index_bounds"]
+    )
     state_names = {str(k): str(v) for k, v in meta["state_names"].items()}
     facts = StepFacts((), state_names, aliases, quantized, bounds, tuple(meta["trained"]))
     return facts, list(meta["batch"]), _info(meta["info"]), _resolution(meta["resolution"])
@@ -149,9 +153,19 @@ def read_facts(meta: dict[str, Any]) -> tuple[StepFacts, list[str], ModelInfo, R
 def from_json(meta: dict[str, Any]) -> Saved:
     facts, batch, info, resolution = read_facts(meta)
     scheme = None if meta["scheme"] is None else schemes.from_dict(meta["scheme"])
-    return Saved(facts, batch, _optimizer(meta["optimizer"]), info, resolution, scheme,
-                 _report(meta["report"]), meta["backend"], str(meta["on_nonfinite"]),
-                 str(meta["graph_sha256"]), meta["evaluator"])  # fmt: skip
+    return Saved(
+        facts,
+        batch,
+        _optimizer(meta["optimizer"]),
+        info,
+        resolution,
+        scheme,
+        _report(meta["report"]),
+        meta["backend"],
+        str(meta["on_nonfinite"]),
+        str(meta["graph_sha256"]),
+        meta["evaluator"],
+    )
 
 
 def _quantized_json(q: QuantizedParam) -> dict[str, Any]:
@@ -192,7 +206,7 @@ def _resolution(data: dict[str, Any]) -> Resolution:
         bool(data["frozen_bn_eval"]),
         adapters,
         bool(data.get("running_bn", False)),
-    )  # fmt: skip (older steps: absent)
+    )  # (older steps: absent)
 
 
 def _report_json(report: Report) -> dict[str, Any]:
@@ -212,9 +226,13 @@ def _report(data: dict[str, Any]) -> SavedReport:
     recomputation = None
     if data["recomputation"] is not None:
         r = data["recomputation"]
-        segments = tuple(Segment(s["layer"], tuple(s["values"]), tuple(s["ops"]), s["flops"])
-                         for s in r["segments"])  # fmt: skip
-        recomputation = Recomputation(r["budget"], r["peak_before"], r["peak_after"],
-                                      r["step_flops"], segments)  # fmt: skip
-    return SavedReport(data["scheme"], _figures(data["ours"]), _figures(data["full"]),
-                       recomputation)  # fmt: skip
+        segments = tuple(
+            Segment(s["layer"], tuple(s["values"]), tuple(s["ops"]), s["flops"])
+            for s in r["segments"]
+        )
+        recomputation = Recomputation(
+            r["budget"], r["peak_before"], r["peak_after"], r["step_flops"], segments
+        )
+    return SavedReport(
+        data["scheme"], _figures(data["ours"]), _figures(data["full"]), recomputation
+    )

@@ -53,8 +53,10 @@ class BucketedStep(TrainStep):
             raise CompileError("BucketedStep.sharing needs at least one step")
         largest = max(steps, key=lambda s: sum(int(np.prod(x)) for x in _shapes(s)))
         if any(s._homes is not None for s in steps):
-            raise CompileError("steps compiled with in_place=True train the module's own "
-                               "tensors and cannot share one store")  # fmt: skip
+            raise CompileError(
+                "steps compiled with in_place=True train the module's own "
+                "tensors and cannot share one store"
+            )
         step = cls.__new__(cls)
         step.__dict__.update(largest.__dict__)
         step._own_written()  # nothing in the shared store is still the model's memory
@@ -66,8 +68,10 @@ class BucketedStep(TrainStep):
                 raise CompileError(f"two steps of the batch shapes {list(shapes)}")
             if _state_types(other) != types:
                 diff = sorted(set(_state_types(other).items()) ^ set(types.items()))[:4]
-                raise CompileError("steps that share a store must hold the same state "
-                                   f"(names, shapes, dtypes); they differ in {diff}")  # fmt: skip
+                raise CompileError(
+                    "steps that share a store must hold the same state "
+                    f"(names, shapes, dtypes); they differ in {diff}"
+                )
             if other is not largest:
                 other._store = step._store  # one dict: every update seen by every shape
                 other._lent.clear()
@@ -89,8 +93,10 @@ class BucketedStep(TrainStep):
         step = self._by_shape.get(shapes)
         if step is None:
             compiled = [[list(x) for x in s] for s in self.shapes]
-            raise BatchError(f"batch shapes {[list(s) for s in shapes]} are none of the "
-                             f"compiled ones: {compiled}")  # fmt: skip
+            raise BatchError(
+                f"batch shapes {[list(s) for s in shapes]} are none of the "
+                f"compiled ones: {compiled}"
+            )
         return step, tuple(arrays)
 
     def __call__(self, *batch: Any) -> float:

@@ -149,8 +149,11 @@ def compile_forked(
             raise_error(relay.error)
         read = time.perf_counter()
         parts = _read_parts(folder, module, optimizer, scheme, passes)
-    log.debug("compiled in a child in %.2f s, read back in %.2f s",
-              read - start, time.perf_counter() - read)  # fmt: skip
+    log.debug(
+        "compiled in a child in %.2f s, read back in %.2f s",
+        read - start,
+        time.perf_counter() - read,
+    )
     return parts
 
 
@@ -225,8 +228,10 @@ def _run_forked(work: Callable[[], None]) -> Relay:
     code = os.waitstatus_to_exitcode(status)
     if code != 0 or not data:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        raise CompileError(f"the compile child {how} before it reported a result (its output "
-                           "is above); compile_in='process' compiles in this process")  # fmt: skip
+        raise CompileError(
+            f"the compile child {how} before it reported a result (its output "
+            "is above); compile_in='process' compiles in this process"
+        )
     return Relay.from_json(json.loads(data))
 
 
@@ -249,8 +254,10 @@ def _read_until_eof(fd: int, pid: int, timeout: float) -> bytes:
         left = deadline - time.monotonic()
         ready = select.select([fd], [], [], max(left, 0.0))[0] if left > 0 else []
         if not ready:
-            raise CompileError(f"the compile child (pid {pid}) did not finish in {timeout:g} s "
-                               "(PE_COMPILE_TIMEOUT); it was stopped")  # fmt: skip
+            raise CompileError(
+                f"the compile child (pid {pid}) did not finish in {timeout:g} s "
+                "(PE_COMPILE_TIMEOUT); it was stopped"
+            )
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             return b"".join(chunks)
@@ -282,9 +289,12 @@ def _child_main(work: Callable[[], None], fd: int) -> NoReturn:
 
 # -- the parent ----------------------------------------------------------------------------
 def _read_parts(
-    folder: Path, module: Any | None, optimizer: Optimizer, scheme: Scheme | None,
+    folder: Path,
+    module: Any | None,
+    optimizer: Optimizer,
+    scheme: Scheme | None,
     passes: Sequence[Pass],
-) -> StepParts:  # fmt: skip
+) -> StepParts:
     """The parts the child wrote into ``folder``, the module's tensors bound by name."""
     meta = json.loads((folder / META).read_text(encoding="utf-8"))
     graph = read_graph(folder / GRAPH, meta["graph_sha256"])
@@ -297,8 +307,9 @@ def _read_parts(
     check_state(graph, values, folder / STATE)
     inputs = {v.name: v for v in graph.inputs if v.role is Role.INPUT}
     facts = dataclasses.replace(facts, batch=tuple(inputs[n] for n in batch_names))
-    return StepParts(forward, graph, facts, values, optimizer, resolution, info, scheme,
-                     tuple(passes))  # fmt: skip
+    return StepParts(
+        forward, graph, facts, values, optimizer, resolution, info, scheme, tuple(passes)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

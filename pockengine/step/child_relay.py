@@ -76,11 +76,26 @@ def capture(work: Callable[[], None]) -> Relay:
         logger.handlers = []
     logging.getLogger().addHandler(_Collect(relay.events))
 
-    def record_warning(message: Warning | str, category: type[Warning], filename: str,
-                       lineno: int, file: Any = None, line: str | None = None) -> None:  # fmt: skip
-        relay.events.append(("warning", {"module": category.__module__,
-                                         "name": category.__qualname__, "message": str(message),
-                                         "filename": filename, "lineno": lineno}))  # fmt: skip
+    def record_warning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        relay.events.append(
+            (
+                "warning",
+                {
+                    "module": category.__module__,
+                    "name": category.__qualname__,
+                    "message": str(message),
+                    "filename": filename,
+                    "lineno": lineno,
+                },
+            )
+        )
 
     with warnings.catch_warnings():
         warnings.showwarning = record_warning
@@ -109,15 +124,22 @@ def replay(relay: Relay) -> None:
     for kind, fields in relay.events:
         if kind == "warning":
             category = _find_class(fields["module"], fields["name"], Warning) or UserWarning
-            warnings.warn_explicit(fields["message"], category, fields["filename"],
-                                   int(fields["lineno"]))  # fmt: skip
+            warnings.warn_explicit(
+                fields["message"], category, fields["filename"], int(fields["lineno"])
+            )
             continue
-        record = logging.makeLogRecord({
-            "name": fields["name"], "levelno": fields["levelno"],
-            "levelname": logging.getLevelName(fields["levelno"]), "msg": fields["message"],
-            "args": None, "pathname": fields["pathname"], "lineno": fields["lineno"],
-            "funcName": fields["funcName"],
-        })  # fmt: skip
+        record = logging.makeLogRecord(
+            {
+                "name": fields["name"],
+                "levelno": fields["levelno"],
+                "levelname": logging.getLevelName(fields["levelno"]),
+                "msg": fields["message"],
+                "args": None,
+                "pathname": fields["pathname"],
+                "lineno": fields["lineno"],
+                "funcName": fields["funcName"],
+            }
+        )
         logging.getLogger(fields["name"]).handle(record)
 
 

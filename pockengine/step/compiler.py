@@ -131,8 +131,9 @@ class TrainStep(CompiledStep):
     def report(self, depth: int | None = None) -> Report:
         """Trained params, FLOPs, saved activations, memory: this scheme beside full
         backprop of the same model (layers cut to ``depth`` path components)."""
-        full = apply_resolution(self.forward, Resolution(dict.fromkeys(
-            (p.name for p in self.forward.params), None)))  # fmt: skip
+        full = apply_resolution(
+            self.forward, Resolution(dict.fromkeys((p.name for p in self.forward.params), None))
+        )
         full_graph, _, _ = training_graph(full, self.optimizer)
         # full backprop as it is, without this step's recomputation budget (which it could
         # miss, with a warning about a step nobody runs); ``recomputation`` says what it did
@@ -143,8 +144,9 @@ class TrainStep(CompiledStep):
         placement = mixed.placement(self.graph) if mixed is not None else None
         ours, full_figures = analyze(self.graph, depth), analyze(full_graph, depth)
         kernels = tuple(getattr(self._exec, "kernel_choices", ()))  # CBackend(tune=True)
-        return Report(label, ours, full_figures, placement,
-                      recomputation(self.passes, self.stages), kernels)  # fmt: skip
+        return Report(
+            label, ours, full_figures, placement, recomputation(self.passes, self.stages), kernels
+        )
 
 
 def compile(
@@ -218,13 +220,27 @@ def compile(
     if not isinstance(in_place, bool):  # "no" or "false" would be truthy
         raise CompileError(f"in_place must be True or False, got {in_place!r}")
     if in_place and kind != "torch":
-        raise CompileError(f"in_place=True trains a torch module's own tensors; a {kind} "
-                           "model has none the step can write (leave in_place out)")  # fmt: skip
+        raise CompileError(
+            f"in_place=True trains a torch module's own tensors; a {kind} "
+            "model has none the step can write (leave in_place out)"
+        )
     module = model if in_place else None
 
     def build() -> StepParts:
-        return parts_of(kind, model, loss_fn, example_batch, optim, scheme, engine, pipeline,
-                      frozen, loss, output, params)  # fmt: skip
+        return parts_of(
+            kind,
+            model,
+            loss_fn,
+            example_batch,
+            optim,
+            scheme,
+            engine,
+            pipeline,
+            frozen,
+            loss,
+            output,
+            params,
+        )
 
     if compile_mode(compile_in, kind) == "child":
         named = model if kind == "torch" else None

@@ -88,8 +88,10 @@ class Evaluator:
         for i, (value, item) in enumerate(zip(self._batch, batch, strict=True)):
             array = np.asarray(item)
             if array.shape != value.shape or array.dtype != value.dtype.to_numpy():
-                raise BatchError(f"evaluator batch entry {i}: compiled for {value.type}, got "
-                                 f"{array.dtype}{list(array.shape)}")  # fmt: skip
+                raise BatchError(
+                    f"evaluator batch entry {i}: compiled for {value.type}, got "
+                    f"{array.dtype}{list(array.shape)}"
+                )
             feeds[value.name] = backend.from_numpy(array)
         state = {n: store[n] if n in store else self._own[n] for n in self._state}
         out = self._exec.run(state, feeds)[0]
@@ -109,8 +111,10 @@ def compile_evaluator(
     the model cannot give an evaluation graph."""
     kind = frontend_of(model)
     if kind != "torch":
-        raise CompileError(f"compiled evaluation is not supported for the {kind} frontend "
-                           "(evaluate the model eagerly)")  # fmt: skip
+        raise CompileError(
+            f"compiled evaluation is not supported for the {kind} frontend "
+            "(evaluate the model eagerly)"
+        )
     from pockengine.frontend.torch import import_torch
 
     with _eval_mode(model):
@@ -172,13 +176,13 @@ def _own_values(
             continue
         if v.name in step._store:
             if v.name in types and types[v.name] != v.type:
-                raise CompileError(f"the eval graph reads {v.name} as {v.type}, the step holds "
-                                   f"{types[v.name]}")  # fmt: skip
+                raise CompileError(
+                    f"the eval graph reads {v.name} as {v.type}, the step holds {types[v.name]}"
+                )
             continue
         if v.name not in values:
             raise CompileError(f"the eval graph reads {v.name}, which the step does not hold")
         if v.role is Role.PARAM:
-            log.info("evaluation reads param %s from the model (the step does not hold it)",
-                     v.name)  # fmt: skip
+            log.info("evaluation reads param %s from the model (the step does not hold it)", v.name)
         own[v.name] = step.backend.share_numpy(values[v.name])
     return own

@@ -57,8 +57,10 @@ class InPlace:
     def note(self) -> str | None:
         """One line on what is copied and why, or None when everything is shared."""
         parts = []
-        for how, table in (("written back after every step", self.written_back),
-                           ("held by the step (load_into writes them)", self.held)):  # fmt: skip
+        for how, table in (
+            ("written back after every step", self.written_back),
+            ("held by the step (load_into writes them)", self.held),
+        ):
             by_reason: dict[str, list[str]] = {}
             for name, why in table.items():
                 by_reason.setdefault(why, []).append(name)
@@ -83,8 +85,9 @@ class ModuleHomes:
         self.back: dict[str, Array] = {}
         self.report = InPlace()
 
-    def sync(self, store: MutableMapping[str, Any], backend: Backend,
-             names: Iterable[str] | None = None) -> None:  # fmt: skip
+    def sync(
+        self, store: MutableMapping[str, Any], backend: Backend, names: Iterable[str] | None = None
+    ) -> None:
         """After a step (or a ``load_state``) replaced or wrote ``names`` (default: all):
         the module's tensors hold the step's values, and the store holds the shared ones."""
         for ir in self.shared if names is None else names:

@@ -63,8 +63,16 @@ def _trained_rows(
     out = dict(grads)
     for name, k in rows.items():
         if k is not None and name in out:
-            out[name] = b.call("slice", out[name], axis=0, start=0, stop=k, step=1,
-                               source=f"{GRAD_PREFIX}{name}", phase=Phase.BACKWARD)  # fmt: skip
+            out[name] = b.call(
+                "slice",
+                out[name],
+                axis=0,
+                start=0,
+                stop=k,
+                step=1,
+                source=f"{GRAD_PREFIX}{name}",
+                phase=Phase.BACKWARD,
+            )
     return out
 
 
@@ -148,8 +156,9 @@ def build_parts(
 ) -> StepParts:
     """Quantize, fuse for ``backend``'s ops, add backward and updates, run ``passes``."""
     bounds = index_bounds(forward, imported.values)  # class targets, token ids (before quantizing)
-    given = {ir: frozen.given[name] for ir, name in imported.state_names.items()
-             if name in frozen.given}  # fmt: skip
+    given = {
+        ir: frozen.given[name] for ir, name in imported.state_names.items() if name in frozen.given
+    }
     quant = quantize_frozen(verify(forward), imported.values, frozen.dtype, prequantized=given)
     fused = run_pipeline(quant.graph, forward_passes(backend.supported_ops()))
     graph, init, unreached = training_graph(fused.graph, optimizer, resolution.rows)
@@ -157,11 +166,28 @@ def build_parts(
         log.warning("the loss does not depend on %s: they get no update", list(unreached))
     result = run_pipeline(verify(graph), passes)
     trained = tuple(p.name for p in fused.graph.trainable_params)
-    facts = StepFacts(imported.batch, dict(imported.state_names), dict(imported.aliases),
-                      quant.params, tuple(bounds), trained, imported.restructure)  # fmt: skip
-    return StepParts(fused.graph, result.graph, facts, {**quant.values, **init}, optimizer,
-                     resolution, info, scheme, tuple(passes), fused.stages,
-                     result.stages)  # fmt: skip
+    facts = StepFacts(
+        imported.batch,
+        dict(imported.state_names),
+        dict(imported.aliases),
+        quant.params,
+        tuple(bounds),
+        trained,
+        imported.restructure,
+    )
+    return StepParts(
+        fused.graph,
+        result.graph,
+        facts,
+        {**quant.values, **init},
+        optimizer,
+        resolution,
+        info,
+        scheme,
+        tuple(passes),
+        fused.stages,
+        result.stages,
+    )
 
 
 def parts_of(
@@ -180,12 +206,15 @@ def parts_of(
 ) -> StepParts:
     """Import ``model`` with the frontend ``kind`` names and build the step's parts."""
     if kind in _NAMED_LOSS and loss is None:
-        raise CompileError(f'{_NAMED_LOSS[kind]} model needs a named loss: '
-                           'loss="cross_entropy", "mse", "causal_lm" or "none"')  # fmt: skip
+        raise CompileError(
+            f"{_NAMED_LOSS[kind]} model needs a named loss: "
+            'loss="cross_entropy", "mse", "causal_lm" or "none"'
+        )
     if kind == "onnx":
         assert loss is not None
-        return _onnx_parts(model, loss, example_batch, optimizer, scheme, engine, output,
-                           params, pipeline, frozen)  # fmt: skip
+        return _onnx_parts(
+            model, loss, example_batch, optimizer, scheme, engine, output, params, pipeline, frozen
+        )
     if kind == "keras":
         from pockengine.frontend.keras import import_keras, keras_model_info
 
@@ -195,8 +224,12 @@ def parts_of(
         return _imported_parts(
             keras_model_info(model),
             lambda ev: import_keras(model, named, batch, output=output, eval_modules=ev),
-            optimizer, scheme, engine, pipeline, frozen,
-        )  # fmt: skip
+            optimizer,
+            scheme,
+            engine,
+            pipeline,
+            frozen,
+        )
     if loss_fn is None or example_batch is None:
         raise CompileError("compile(model, loss_fn, example_batch) needs loss_fn and example_batch")
     fn, batch = loss_fn, example_batch
@@ -206,15 +239,23 @@ def parts_of(
         return _imported_parts(
             jax_model_info(model),
             lambda ev: import_jax(model, fn, batch, eval_modules=ev),
-            optimizer, scheme, engine, pipeline, frozen,
-        )  # fmt: skip
+            optimizer,
+            scheme,
+            engine,
+            pipeline,
+            frozen,
+        )
     from pockengine.frontend.torch import import_torch, torch_model_info
 
     return _imported_parts(
         torch_model_info(model),
         lambda ev: import_torch(model, fn, batch, eval_modules=ev),
-        optimizer, scheme, engine, pipeline, frozen,
-    )  # fmt: skip
+        optimizer,
+        scheme,
+        engine,
+        pipeline,
+        frozen,
+    )
 
 
 def _imported_parts(
@@ -236,8 +277,9 @@ def _imported_parts(
 
         imported = insert_adapters(imported, resolution.adapters)
     forward = apply_resolution(imported.graph, resolution)
-    return build_parts(imported, forward, optimizer, engine, resolution, info, scheme, passes,
-                       frozen)  # fmt: skip
+    return build_parts(
+        imported, forward, optimizer, engine, resolution, info, scheme, passes, frozen
+    )
 
 
 def _onnx_parts(
@@ -258,8 +300,12 @@ def _onnx_parts(
     return _imported_parts(
         onnx_model_info(loaded),
         lambda ev: import_onnx(loaded, loss, example_batch, output, ev),
-        optimizer, scheme, engine, passes, frozen,
-    )  # fmt: skip
+        optimizer,
+        scheme,
+        engine,
+        passes,
+        frozen,
+    )
 
 
 def batchnorm_modules(info: ModelInfo) -> set[str]:

@@ -106,9 +106,13 @@ class CompiledStep(ABC):
     scheme: Scheme | None
 
     def _bind(
-        self, graph: Graph, backend: Backend, facts: StepFacts, values: dict[str, Array],
+        self,
+        graph: Graph,
+        backend: Backend,
+        facts: StepFacts,
+        values: dict[str, Array],
         module: Any | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Bind ``graph`` to ``backend`` with ``values`` as its state, shared (``values``
         is emptied as it goes). A value the step writes is copied once: a writable array
         (handed over: the optimizer state's zeros, values read from a file) just before
@@ -135,8 +139,9 @@ class CompiledStep(ABC):
         self._lent: set[str] = set()  # written values still shared with their source
         self._homes: ModuleHomes | None = None
         if module is not None:
-            self._homes = bind_in_place(module, graph, facts.state_names, values, backend,
-                                        self._store)  # fmt: skip
+            self._homes = bind_in_place(
+                module, graph, facts.state_names, values, backend, self._store
+            )
         for name in list(values):
             value = values.pop(name)
             late = np.ndim(value) != 4 and (_DEFERRED.get() or np.asarray(value).flags.writeable)
@@ -154,9 +159,15 @@ class CompiledStep(ABC):
     @property
     def facts(self) -> StepFacts:
         bounds = tuple(b for group in self._index_bounds.values() for b in group)
-        return StepFacts(self._batch, dict(self._state_names), dict(self._aliases),
-                         dict(self._quantized), bounds, self._trained_ir,
-                         self._restructure)  # fmt: skip
+        return StepFacts(
+            self._batch,
+            dict(self._state_names),
+            dict(self._aliases),
+            dict(self._quantized),
+            bounds,
+            self._trained_ir,
+            self._restructure,
+        )
 
     @abstractmethod
     def report(self, depth: int | None = None) -> Report:
@@ -349,15 +360,18 @@ class CompiledStep(ABC):
         if params is not None:
             expected = {ir: self._spec(ir) for ir in self._state_names}
             fitting, result = match_arrays(
-                params, expected, what="params and buffers", strict=strict, key=by_model.get,
+                params,
+                expected,
+                what="params and buffers",
+                strict=strict,
+                key=by_model.get,
                 label=lambda ir: self._state_names[ir],
-            )  # fmt: skip
+            )
             updates.update(fitting)
             results.append(result)
         if optimizer is not None:
             state = {v.name: self._spec(v.name) for v in self.graph.inputs_with_role(Role.STATE)}
-            fitting, result = match_arrays(optimizer, state, what="optimizer state",
-                                           strict=strict)  # fmt: skip
+            fitting, result = match_arrays(optimizer, state, what="optimizer state", strict=strict)
             updates.update(fitting)
             results.append(result)
         for ir, array in updates.items():

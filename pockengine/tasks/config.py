@@ -138,8 +138,10 @@ class FinetuneConfig:
         _choice("optimizer", self.optimizer, ("adamw", "sgd"))
         _choice("optimizer_state", self.optimizer_state, OPTIMIZER_STATE_CHOICES)
         if self.optimizer_state != "float32" and self.optimizer != "adamw":
-            raise FinetuneError(f"optimizer_state={self.optimizer_state!r} needs the adamw "
-                                f"optimizer, got {self.optimizer!r}")  # fmt: skip
+            raise FinetuneError(
+                f"optimizer_state={self.optimizer_state!r} needs the adamw "
+                f"optimizer, got {self.optimizer!r}"
+            )
         _choice("backend", self.backend, (*BACKENDS, "torch-cpu"))
         _choice("frozen_dtype", self.frozen_dtype, FROZEN_DTYPE_CHOICES)
         _choice("progress", self.progress, ("auto", "plain", "none"))
@@ -187,8 +189,9 @@ class FinetuneConfig:
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise FinetuneError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
         if self.remat_budget is not None and not self.remat_budget >= 0:
-            raise FinetuneError(f"remat_budget must be >= 0 bytes (0: none), got "
-                                f"{self.remat_budget}")  # fmt: skip
+            raise FinetuneError(
+                f"remat_budget must be >= 0 bytes (0: none), got {self.remat_budget}"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,14 +221,36 @@ def _positive(name: str, value: int | None) -> None:
 
 def _numbers(config: FinetuneConfig) -> None:
     """The float options are numbers and the text options text (the API takes any value)."""
-    for name in ("lr", "weight_decay", "momentum", "warmup", "val_fraction", "test_fraction",
-                 "memory_budget", "remat_budget"):  # fmt: skip
+    for name in (
+        "lr",
+        "weight_decay",
+        "momentum",
+        "warmup",
+        "val_fraction",
+        "test_fraction",
+        "memory_budget",
+        "remat_budget",
+    ):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
             raise FinetuneError(f"{name} must be a number, got {value!r}")
-    for name in ("recipe", "model", "data", "tokenizer", "scheme", "out", "backend", "encoding",
-                 "frozen_dtype", "optimizer_state", "auto_score", "batchnorm", "task",
-                 "data_format", "packing"):  # fmt: skip
+    for name in (
+        "recipe",
+        "model",
+        "data",
+        "tokenizer",
+        "scheme",
+        "out",
+        "backend",
+        "encoding",
+        "frozen_dtype",
+        "optimizer_state",
+        "auto_score",
+        "batchnorm",
+        "task",
+        "data_format",
+        "packing",
+    ):
         value = getattr(config, name)
         if value is not None and not isinstance(value, str | os.PathLike):
             raise FinetuneError(f"{name} must be a string, got {value!r}")

@@ -197,8 +197,13 @@ def _with_text(
             f"{every} of {p} is empty ({len(texts)} in all): nothing to train on "
             "(choose the text with --text-column)"
         )
-    return TextDataset(tuple(texts[i] for i in keep), tuple(labels[i] for i in keep), str(p),
-                       replaced, len(texts) - len(keep))  # fmt: skip
+    return TextDataset(
+        tuple(texts[i] for i in keep),
+        tuple(labels[i] for i in keep),
+        str(p),
+        replaced,
+        len(texts) - len(keep),
+    )
 
 
 def load_jsonl(

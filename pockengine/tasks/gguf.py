@@ -157,6 +157,8 @@ def _llama_file(path: Path) -> Path:
     except (OSError, ValueError, KeyError) as e:
         raise FinetuneError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     if arch != "llama":
-        raise FinetuneError(f"{path}: --frozen-dtype gguf reads the blocks of LLaMA GGUF "
-                            f"files; this one is {arch!r}: use int8 or int4")  # fmt: skip
+        raise FinetuneError(
+            f"{path}: --frozen-dtype gguf reads the blocks of LLaMA GGUF "
+            f"files; this one is {arch!r}: use int8 or int4"
+        )
     return path

@@ -50,19 +50,28 @@ def pyqa_examples(
     chosen = ([train_p[i] for i in order][: config.max_train], val_p[: config.max_val],
               test_p[:TEST_PAIRS])  # fmt: skip
     if not all(chosen):
-        raise FinetuneError(f"{len(pairs)} question/answer pairs in {len(files)} files: too "
-                            "few for a training, validation and test split")  # fmt: skip
+        raise FinetuneError(
+            f"{len(pairs)} question/answer pairs in {len(files)} files: too "
+            "few for a training, validation and test split"
+        )
     notes = [f"{len(pairs)} question/answer pairs from the library reference: "
              f"{len(train_p)} train / {len(val_p)} validation / {len(test_p)} held-out test "
              f"(by name); using {' / '.join(str(len(c)) for c in chosen)}"]  # fmt: skip
     splits = []
     for what, part in zip(("train", "validation", "test"), chosen, strict=True):
-        data = lm_data.records_data(((p.where, p.record) for p in part), "completion",
-                                    tokenizer, config.seq_len, f"pyqa {what}",
-                                    train_on_prompt=config.train_on_prompt)  # fmt: skip
+        data = lm_data.records_data(
+            ((p.where, p.record) for p in part),
+            "completion",
+            tokenizer,
+            config.seq_len,
+            f"pyqa {what}",
+            train_on_prompt=config.train_on_prompt,
+        )
         if data.truncated:
-            notes.append(f"{what}: {data.truncated} pairs longer than {config.seq_len} tokens "
-                         f"cut ({data.dropped} dropped)")  # fmt: skip
+            notes.append(
+                f"{what}: {data.truncated} pairs longer than {config.seq_len} tokens "
+                f"cut ({data.dropped} dropped)"
+            )
         splits.append(data.examples)
     return splits, notes
 
@@ -80,19 +89,36 @@ def pyqa_task(
     if config.packing == "on":
         train, train_stats = lm_pack.pack_examples(train_ex, seq, pad)
     else:
-        buckets = lm_buckets.choose_buckets([len(e.ids) for e in train_ex], config.buckets,
-                                            config.batch_size)  # fmt: skip
+        buckets = lm_buckets.choose_buckets(
+            [len(e.ids) for e in train_ex], config.buckets, config.batch_size
+        )
         train, train_stats = lm_buckets.bucket_examples(train_ex, buckets, pad, seq)
     packing = config.packing == "on"
     val, val_stats = lm_pack.pack_examples(val_ex, seq, pad, packing=packing)
     test, test_stats = lm_pack.pack_examples(test_ex, seq, pad, packing=packing)
     if train_stats.rows < config.batch_size:
-        raise FinetuneError(f"the training split packs into {train_stats.rows} rows, fewer "
-                            f"than one batch of {config.batch_size}")  # fmt: skip
-    notes += [train_stats.describe("train"), val_stats.describe("validation"),
-              test_stats.describe("test")]  # fmt: skip
+        raise FinetuneError(
+            f"the training split packs into {train_stats.rows} rows, fewer "
+            f"than one batch of {config.batch_size}"
+        )
+    notes += [
+        train_stats.describe("train"),
+        val_stats.describe("validation"),
+        test_stats.describe("test"),
+    ]
     torch.manual_seed(config.seed)
-    return Task("smollm2-pyqa", model, lm_pack.packed_lm_loss, train, val, (),
-                kind="causal-lm", notes=notes, inputs=f"{seq} tokens", test=test,
-                tokenizer=tokenizer, home={"format": "hf-causal-lm", "packed": True},
-                buckets=buckets)  # fmt: skip
+    return Task(
+        "smollm2-pyqa",
+        model,
+        lm_pack.packed_lm_loss,
+        train,
+        val,
+        (),
+        kind="causal-lm",
+        notes=notes,
+        inputs=f"{seq} tokens",
+        test=test,
+        tokenizer=tokenizer,
+        home={"format": "hf-causal-lm", "packed": True},
+        buckets=buckets,
+    )

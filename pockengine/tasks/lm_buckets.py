@@ -170,9 +170,11 @@ def epoch_order(
 
 
 def compile_bucketed(
-    compile_one: Callable[[Sequence[Any]], TrainStep], train: Sequence[Array],
-    buckets: Sequence[int], batch_size: int,
-) -> BucketedStep:  # fmt: skip
+    compile_one: Callable[[Sequence[Any]], TrainStep],
+    train: Sequence[Array],
+    buckets: Sequence[int],
+    batch_size: int,
+) -> BucketedStep:
     """A step a bucket (``compile_one`` of a batch of its rows, cut to its length), all
     over the store of the largest (``BucketedStep.sharing``)."""
     edges = sorted(buckets)
@@ -182,6 +184,9 @@ def compile_bucketed(
         rows = np.flatnonzero(which == b)[:batch_size]
         if len(rows) < batch_size:  # a bucket smaller than a batch: any rows, cut
             rows = np.arange(batch_size)
-        steps.append(compile_one(tuple(
-            torch.from_numpy(np.ascontiguousarray(a[rows, :width])) for a in train)))  # fmt: skip
+        steps.append(
+            compile_one(
+                tuple(torch.from_numpy(np.ascontiguousarray(a[rows, :width])) for a in train)
+            )
+        )
     return BucketedStep.sharing(steps, lambda batch: fit_batch(batch, edges))

@@ -117,9 +117,14 @@ def detect_kind(record: dict[str, Any], where: str) -> str:
 
 
 def load_lm_data(
-    path: str | Path, tokenizer: Any, seq_len: int, *, kind: str | None = None,
-    train_on_prompt: bool = False, truncate: bool = True,
-) -> LMData:  # fmt: skip
+    path: str | Path,
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    kind: str | None = None,
+    train_on_prompt: bool = False,
+    truncate: bool = True,
+) -> LMData:
     """The examples of ``path`` (a text file, a folder of them, or JSONL), tokenised."""
     path = Path(path)
     if kind is not None and kind not in FORMATS:
@@ -159,9 +164,13 @@ def _add(data: LMData, ex: LMExample, seq_len: int, truncate: bool) -> None:
 def _raw_text(path: Path, tokenizer: Any, seq_len: int) -> LMData:
     from pockengine.tasks.causal_lm import pack
 
-    files = [path] if path.is_file() else sorted(
-        f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in _TEXT_SUFFIXES
-    )  # fmt: skip
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in _TEXT_SUFFIXES
+        )
+    )
     if not files:
         raise FinetuneError(f"{path}: no .txt or .md files")
     texts = []
@@ -246,9 +255,11 @@ def render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_prompt
     """``messages`` rendered by the tokenizer's chat template, or ``PLAIN_TEMPLATE``, in
     transformers' sandboxed Jinja."""
     text: Any = tokenizer.apply_chat_template(
-        list(messages), chat_template=chat_template(tokenizer) or PLAIN_TEMPLATE,
-        tokenize=False, add_generation_prompt=generation_prompt,
-    )  # fmt: skip
+        list(messages),
+        chat_template=chat_template(tokenizer) or PLAIN_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
     return str(text)
 
 
@@ -272,8 +283,9 @@ def _rendered(tokenizer: Any, messages: list[dict[str, str]], where: str) -> lis
         done = upto
     full = _render_checked(tokenizer, messages, False, where)
     if not full.startswith(done):
-        raise FinetuneError(f"{where}: the chat template renders the whole conversation "
-                            "differently from its turns")  # fmt: skip
+        raise FinetuneError(
+            f"{where}: the chat template renders the whole conversation differently from its turns"
+        )
     return [*pieces, full[len(done) :]]
 
 
@@ -294,9 +306,15 @@ def _eos(tokenizer: Any) -> int:
 
 
 def records_data(
-    records: Iterable[tuple[str, dict[str, Any]]], kind: str, tokenizer: Any, seq_len: int,
-    source: str, *, train_on_prompt: bool = False, truncate: bool = True,
-) -> LMData:  # fmt: skip
+    records: Iterable[tuple[str, dict[str, Any]]],
+    kind: str,
+    tokenizer: Any,
+    seq_len: int,
+    source: str,
+    *,
+    train_on_prompt: bool = False,
+    truncate: bool = True,
+) -> LMData:
     """The examples of ``(where, record)`` pairs of one kind made in code (a recipe's own
     data), tokenised and cut as ``load_lm_data`` does a file's lines."""
     data = LMData([], kind, source)

@@ -101,8 +101,9 @@ def pack_examples(
             weights[r, start : end - 1] = ex.trained[1:]
             start = end
         pos[r, start:] = np.arange(seq_len - start)  # padding: a causal segment of its own
-    stats = PackStats(len(examples), n, seq_len, sum(lengths), int(weights.sum()),
-                      _quantiles(lengths))  # fmt: skip
+    stats = PackStats(
+        len(examples), n, seq_len, sum(lengths), int(weights.sum()), _quantiles(lengths)
+    )
     return (ids, seg, pos, targets, weights), stats
 
 
@@ -118,9 +119,12 @@ def _quantiles(lengths: Sequence[int]) -> tuple[int, int, int, int, int]:
 
 
 def _token_losses(
-    model: nn.Module, ids: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor,
+    model: nn.Module,
+    ids: torch.Tensor,
+    seg: torch.Tensor,
+    pos: torch.Tensor,
     targets: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``[rows, seq]`` next-token losses, attention kept inside each example."""
     same = seg.unsqueeze(2) == seg.unsqueeze(1)
     causal = pos.unsqueeze(1) <= pos.unsqueeze(2)
@@ -133,18 +137,27 @@ def _token_losses(
 
 
 def packed_lm_loss(
-    model: nn.Module, ids: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor,
-    targets: torch.Tensor, weights: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    model: nn.Module,
+    ids: torch.Tensor,
+    seg: torch.Tensor,
+    pos: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
     """Mean next-token loss over the batch's trained targets (``weights`` 1)."""
     losses = _token_losses(model, ids, seg, pos, targets)
     return (losses * weights).sum() / torch.clamp(weights.sum(), min=1.0)
 
 
 def packed_lm_eval(
-    model: nn.Module, ids: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor,
-    targets: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+    model: nn.Module,
+    ids: torch.Tensor,
+    seg: torch.Tensor,
+    pos: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
     """``[summed loss, trained targets]`` over a batch, each row weighted by ``rows``."""
     w = weights * rows.unsqueeze(1)
     losses = _token_losses(model, ids, seg, pos, targets)

@@ -56,17 +56,21 @@ def load_causal_lm(spec: str) -> tuple[nn.Module, Any]:
             raise FinetuneError(f"{path}: no such GGUF file")
         arch = gguf_architecture(path)
         if arch not in GGUF_ARCHITECTURES:
-            raise FinetuneError(f"{path}: GGUF architecture {arch!r} is not one this reads "
-                                f"({', '.join(GGUF_ARCHITECTURES)})")  # fmt: skip
+            raise FinetuneError(
+                f"{path}: GGUF architecture {arch!r} is not one this reads "
+                f"({', '.join(GGUF_ARCHITECTURES)})"
+            )
         models.require("accelerate", "pip install accelerate", f"the GGUF model {path}")
         where: dict[str, Any] = {"gguf_file": path.name, **safe}
         folder = path.parent
     else:
         check_model_folder(path)
         if not is_causal_lm_folder(path):
-            raise FinetuneError(f"{path}: not a causal LM (its config.json names "
-                                f"{architectures(path) or 'no architectures'}); "
-                                "leave out --task lm to train a classifier")  # fmt: skip
+            raise FinetuneError(
+                f"{path}: not a causal LM (its config.json names "
+                f"{architectures(path) or 'no architectures'}); "
+                "leave out --task lm to train a classifier"
+            )
         where, folder = {"use_safetensors": True, **safe}, path
     try:
         with models.quiet_transformers():
@@ -115,9 +119,13 @@ def build_lm_task(config: FinetuneConfig) -> Task:
     if seq > longest:
         raise FinetuneError(f"seq_len {seq} is longer than the model's {longest} positions")
     data = lm_data.load_lm_data(
-        config.data, tokenizer, seq, kind=config.data_format,
-        train_on_prompt=config.train_on_prompt, truncate=config.truncate,
-    )  # fmt: skip
+        config.data,
+        tokenizer,
+        seq,
+        kind=config.data_format,
+        train_on_prompt=config.train_on_prompt,
+        truncate=config.truncate,
+    )
     train_ex, val_ex = _split(data.examples, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     packing = config.packing == "on"
@@ -129,14 +137,17 @@ def build_lm_task(config: FinetuneConfig) -> Task:
         train, train_stats, buckets = _bucketed(train_ex, config, int(pad or 0))
     val, val_stats = lm_pack.pack_examples(val_ex, seq, int(pad or 0), packing=packing)
     if train_stats.rows < config.batch_size:
-        raise FinetuneError(f"the training split packs into {train_stats.rows} rows of {seq} "
-                            f"tokens, fewer than one batch of {config.batch_size}; lower "
-                            "--batch-size or --seq-len")  # fmt: skip
+        raise FinetuneError(
+            f"the training split packs into {train_stats.rows} rows of {seq} "
+            f"tokens, fewer than one batch of {config.batch_size}; lower "
+            "--batch-size or --seq-len"
+        )
     notes = [f"{len(data.examples)} {data.kind} examples from {data.source}", *data.notes]
     if data.truncated:
-        notes.append(f"{data.truncated} examples longer than {seq} tokens cut to {seq}"
-                     + (f", {data.dropped} of them dropped (no trained token left)"
-                        if data.dropped else ""))  # fmt: skip
+        notes.append(
+            f"{data.truncated} examples longer than {seq} tokens cut to {seq}"
+            + (f", {data.dropped} of them dropped (no trained token left)" if data.dropped else "")
+        )
     template = "its own" if lm_data.chat_template(tokenizer) else "the plain template"
     if data.kind != "text":
         on = "every token" if config.train_on_prompt else "assistant tokens only"
@@ -144,7 +155,17 @@ def build_lm_task(config: FinetuneConfig) -> Task:
     notes += [train_stats.describe("train"), val_stats.describe("validation")]
     name = Path(config.model).stem if Path(config.model).suffix else Path(config.model).name
     torch.manual_seed(config.seed)
-    return Task(name, model, lm_pack.packed_lm_loss, train, val, (), kind="causal-lm",
-                notes=notes, inputs=f"{seq} tokens", tokenizer=tokenizer,
-                home={"format": "hf-causal-lm", "packed": True},
-                buckets=buckets)  # fmt: skip
+    return Task(
+        name,
+        model,
+        lm_pack.packed_lm_loss,
+        train,
+        val,
+        (),
+        kind="causal-lm",
+        notes=notes,
+        inputs=f"{seq} tokens",
+        tokenizer=tokenizer,
+        home={"format": "hf-causal-lm", "packed": True},
+        buckets=buckets,
+    )

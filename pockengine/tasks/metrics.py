@@ -87,9 +87,11 @@ def compile_evaluator(step: TrainStep, task: Task) -> Evaluator | None:
 
 
 def evaluate(
-    step: CompiledStep, task: Task, batch_size: int = CLASSIFY_BATCH,
+    step: CompiledStep,
+    task: Task,
+    batch_size: int = CLASSIFY_BATCH,
     evaluator: Evaluator | None = None,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Validation metrics of the step's current weights: through ``evaluator`` (from
     ``compile_evaluator``) when given, else in eager torch (in batches of ``batch_size``;
     a causal LM in batches of at most 8 sequences)."""

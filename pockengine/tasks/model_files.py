@@ -123,9 +123,12 @@ def check_safetensors(path: Path, data: bytes | None = None) -> None:
         if name == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(o, int) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] <= held):  # fmt: skip
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= held
+        ):
             raise FinetuneError(
                 f"{path} is truncated or corrupt: tensor {name!r} lies at {offsets}, the file "
                 f"holds {held} bytes of data"

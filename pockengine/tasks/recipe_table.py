@@ -213,13 +213,15 @@ RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe(
-            "minilm-bbc", "all-MiniLM-L6-v2 + linear head on BBC News topics (5 classes)",
+            "minilm-bbc",
+            "all-MiniLM-L6-v2 + linear head on BBC News topics (5 classes)",
             {**_SEQ, **_AUTO, "epochs": 2, "seq_len": 128},
             remat_budgets=(({}, _MINILM_BBC_REMAT),),
         ),
         # 37k tweets: a subset by default, so that a NumPy-backend run ends the same day
         Recipe(
-            "minilm-tweets", "all-MiniLM-L6-v2 + linear head on tweet sentiment (3 classes)",
+            "minilm-tweets",
+            "all-MiniLM-L6-v2 + linear head on tweet sentiment (3 classes)",
             {**_SEQ, **_AUTO, "seq_len": 64, "max_train": 4000, "max_val": 1000},
         ),
         # Every BatchNorm on its running statistics: at these defaults sparse's validation
@@ -230,8 +232,14 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "lite0-fashion",
             "EfficientNet-Lite0 (ImageNet) + new head on Fashion-MNIST (10 classes)",
-            {**_SEQ, **_AUTO, "image_size": 64, "max_train": 2000, "max_val": 500,
-             "batchnorm": "running"},
+            {
+                **_SEQ,
+                **_AUTO,
+                "image_size": 64,
+                "max_train": 2000,
+                "max_val": 500,
+                "batchnorm": "running",
+            },
         ),
         # 135M params: a few steps of a few chunks by default (about 20 s a step on NumPy).
         # Learning rates from 100-step sweeps (docs/finetune.md); auto's chosen on
@@ -241,10 +249,15 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "smollm2-pydocs",
             "SmolLM2-135M-Instruct (GGUF) as a causal LM on the Python 3.11 docs",
-            {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 128, "max_train": 64,
-             "max_val": 32},
-            lr={"full": 1e-4, "sparse": 5e-4, "auto": 3e-4, "bias": 1e-4, "head": 1e-4,
-                "lora": 5e-4},
+            {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 128, "max_train": 64, "max_val": 32},
+            lr={
+                "full": 1e-4,
+                "sparse": 5e-4,
+                "auto": 3e-4,
+                "bias": 1e-4,
+                "head": 1e-4,
+                "lora": 5e-4,
+            },
             sparse=schemes.select(_LM_SPARSE),
             lora_head=False,  # the head is the pretrained (tied) embedding
             remat_budgets=_SMOLLM2_REMAT,
@@ -254,12 +267,23 @@ RECIPES: dict[str, Recipe] = {
         # scheme rules and learning rates
         Recipe(
             "smollm2-pyqa",
-            "SmolLM2-135M-Instruct (GGUF) instruction-tuned on Python-docs question/answer "
-            "pairs",
-            {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 256, "max_train": 192,
-             "max_val": 48},
-            lr={"full": 1e-4, "sparse": 5e-4, "auto": 3e-4, "bias": 1e-4, "head": 1e-4,
-                "lora": 5e-4},
+            "SmolLM2-135M-Instruct (GGUF) instruction-tuned on Python-docs question/answer pairs",
+            {
+                **_AUTO,
+                "epochs": 1,
+                "batch_size": 4,
+                "seq_len": 256,
+                "max_train": 192,
+                "max_val": 48,
+            },
+            lr={
+                "full": 1e-4,
+                "sparse": 5e-4,
+                "auto": 3e-4,
+                "bias": 1e-4,
+                "head": 1e-4,
+                "lora": 5e-4,
+            },
             sparse=schemes.select(_LM_SPARSE),
             lora_head=False,  # the head is the pretrained (tied) embedding
         ),
@@ -270,8 +294,14 @@ RECIPES: dict[str, Recipe] = {
             "--model (a causal-LM folder or .gguf) on --data (text, prompt/completion, "
             "Alpaca or chat JSONL; .txt/.md)",
             {**_AUTO, "epochs": 1, "batch_size": 4, "seq_len": 256},
-            lr={"full": 1e-4, "sparse": 5e-4, "auto": 3e-4, "bias": 1e-4, "head": 1e-4,
-                "lora": 5e-4},
+            lr={
+                "full": 1e-4,
+                "sparse": 5e-4,
+                "auto": 3e-4,
+                "bias": 1e-4,
+                "head": 1e-4,
+                "lora": 5e-4,
+            },
             sparse=schemes.select(_LM_SPARSE),
             lora_head=False,  # the head is the pretrained output projection
         ),
@@ -281,4 +311,4 @@ RECIPES: dict[str, Recipe] = {
             {**_AUTO, "epochs": 3, "batch_size": 16, "seq_len": 128},
         ),
     )
-}  # fmt: skip
+}

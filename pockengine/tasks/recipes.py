@@ -92,8 +92,9 @@ def with_test_split(task: Task, fraction: float, seed: int) -> Task:
     keep, test = np.sort(order[:cut]), np.sort(order[cut:])
     val = tuple(a[keep] for a in task.val)
     note = f"{cut} validation / {n - cut} test examples (a seeded {fraction:g} of validation)"
-    return dataclasses.replace(task, val=val, test=tuple(a[test] for a in task.val),
-                               notes=[*task.notes, note])  # fmt: skip
+    return dataclasses.replace(
+        task, val=val, test=tuple(a[test] for a in task.val), notes=[*task.notes, note]
+    )
 
 
 # -- recipes -------------------------------------------------------------------------
@@ -296,8 +297,18 @@ def _hf_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, path:
     ]
     inputs = f"{config.seq_len} tokens"
     home = {"format": "hf-classifier", "source": path, "pooling": "mean"}
-    return Task(name, model, classify_loss, arrays[0], arrays[1], labels, notes=notes,
-                inputs=inputs, tokenizer=tokenizer, home=home)  # fmt: skip
+    return Task(
+        name,
+        model,
+        classify_loss,
+        arrays[0],
+        arrays[1],
+        labels,
+        notes=notes,
+        inputs=inputs,
+        tokenizer=tokenizer,
+        home=home,
+    )
 
 
 def _factory_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, spec: str) -> Task:
@@ -321,8 +332,18 @@ def _factory_text_task(name: str, config: FinetuneConfig, data: ds.TextDataset, 
     ]
     inputs = f"{config.seq_len} tokens"
     home = {"format": "factory", "factory": spec, "factory_kwargs": offered}
-    return Task(name, model, classify_loss, arrays[0], arrays[1], labels, notes=notes,
-                inputs=inputs, tokenizer=tokenizer, home=home)  # fmt: skip
+    return Task(
+        name,
+        model,
+        classify_loss,
+        arrays[0],
+        arrays[1],
+        labels,
+        notes=notes,
+        inputs=inputs,
+        tokenizer=tokenizer,
+        home=home,
+    )
 
 
 # The task builders by recipe name (``recipe_table.RECIPES`` holds the rest of each recipe).

@@ -59,10 +59,13 @@ class Task:
         if self.train_size > first + last:
             keep = tuple(np.concatenate([a[:first], a[len(a) - last :]]) for a in self.train)
         return dataclasses.replace(
-            self, train=keep, val=tuple(a[:val] for a in self.val),
-            test=tuple(a[:0] for a in self.test), train_digest=self.train_fingerprint(),
+            self,
+            train=keep,
+            val=tuple(a[:val] for a in self.val),
+            test=tuple(a[:0] for a in self.test),
+            train_digest=self.train_fingerprint(),
             train_count=self.train_size,
-        )  # fmt: skip
+        )
 
     def for_analysis(self, batch_size: int, batches: int, val: int = 0) -> Task:
         """What ``--scheme auto``'s analysis reads of the data (``holding``): the first

@@ -137,8 +137,9 @@ class CExecutable(Executable):
     @property
     def source(self) -> str:
         """The step's C source (emitted again on each read; the library is built from it)."""
-        return emit_step(self.graph, self.plan, KERNELS, profile=self.profiled,
-                         conv_kernels=self._conv_kernels)  # fmt: skip
+        return emit_step(
+            self.graph, self.plan, KERNELS, profile=self.profiled, conv_kernels=self._conv_kernels
+        )
 
     def _view(self, name: str) -> Array:
         """The arena bytes of value ``name`` as an array of its type."""

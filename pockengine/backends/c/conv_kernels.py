@@ -74,7 +74,14 @@ class ConvGeometry:
     @property
     def pointwise(self) -> bool:
         return (self.kh, self.kw, self.sh, self.sw, self.ph, self.pw, self.groups) == (
-            1, 1, 1, 1, 0, 0, 1)  # fmt: skip
+            1,
+            1,
+            1,
+            1,
+            0,
+            0,
+            1,
+        )
 
     @property
     def depthwise(self) -> bool:
@@ -84,12 +91,22 @@ class ConvGeometry:
     def winograd(self) -> bool:
         """3x3, stride 1, dilation 1, one group: what winograd.c computes."""
         return (self.kh, self.kw, self.sh, self.sw, self.dh, self.dw, self.groups) == (
-            3, 3, 1, 1, 1, 1, 1)  # fmt: skip
+            3,
+            3,
+            1,
+            1,
+            1,
+            1,
+            1,
+        )
 
     @property
     def dense(self) -> bool:
-        return (not self.depthwise and self.o // self.groups >= _DENSE_MIN
-                and self.c // self.groups * self.kh * self.kw >= _DENSE_MIN)  # fmt: skip
+        return (
+            not self.depthwise
+            and self.o // self.groups >= _DENSE_MIN
+            and self.c // self.groups * self.kh * self.kw >= _DENSE_MIN
+        )
 
 
 def _pair(node: Node, key: str) -> tuple[int, int]:
@@ -114,8 +131,9 @@ def conv_geometry(node: Node) -> ConvGeometry:
     groups = node.attrs.get("groups", 1)
     if not isinstance(groups, int):
         raise ValueError(f"attribute groups={groups!r} is not an int")
-    return ConvGeometry(x[0], x[1], x[2], x[3], w[0], w[2], w[3], y[2], y[3],
-                        sh, sw, ph, pw, dh, dw, groups)  # fmt: skip
+    return ConvGeometry(
+        x[0], x[1], x[2], x[3], w[0], w[2], w[3], y[2], y[3], sh, sw, ph, pw, dh, dw, groups
+    )
 
 
 def implemented(op: str, kernel: str) -> bool:

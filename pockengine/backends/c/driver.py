@@ -145,8 +145,20 @@ def _kernel_objects(tc: Toolchain) -> list[Path]:
         if obj.exists():
             continue
         tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
-        _run([tc.compiler, *tc.flags, *_COMMON, "-I", str(KERNEL_DIR), "-c", str(src), "-o",
-              str(tmp)], f"compiling kernel {src.name}")  # fmt: skip
+        _run(
+            [
+                tc.compiler,
+                *tc.flags,
+                *_COMMON,
+                "-I",
+                str(KERNEL_DIR),
+                "-c",
+                str(src),
+                "-o",
+                str(tmp),
+            ],
+            f"compiling kernel {src.name}",
+        )
         os.replace(tmp, obj)
     return objects
 
@@ -164,7 +176,21 @@ def build_library(source: str, portable: bool | None = None, openmp: bool | None
     staged.write_text(source)
     os.replace(staged, src)
     tmp = library.with_suffix(f".{os.getpid()}.tmp.so")
-    _run([tc.compiler, *tc.flags, *_COMMON, "-shared", "-I", str(KERNEL_DIR), str(src),
-          *(str(o) for o in objects), "-o", str(tmp), "-lm"], "compiling the step")  # fmt: skip
+    _run(
+        [
+            tc.compiler,
+            *tc.flags,
+            *_COMMON,
+            "-shared",
+            "-I",
+            str(KERNEL_DIR),
+            str(src),
+            *(str(o) for o in objects),
+            "-o",
+            str(tmp),
+            "-lm",
+        ],
+        "compiling the step",
+    )
     os.replace(tmp, library)
     return library

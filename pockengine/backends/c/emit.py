@@ -264,8 +264,9 @@ def emit_step(
     ``conv_slots`` makes those conv calls switch on the trainer's table (conv_table.py)."""
     names: dict[str, str] = {}
     decls = _declarations(graph, plan, names)
-    ctx = EmitContext(graph, plan, names, conv_kernels=conv_kernels or {},
-                      conv_slots=conv_slots or {})  # fmt: skip
+    ctx = EmitContext(
+        graph, plan, names, conv_kernels=conv_kernels or {}, conv_slots=conv_slots or {}
+    )
     parts: list[str] = []
     for start in range(0, len(graph.nodes), _NODES_PER_FUNCTION):
         nodes = graph.nodes[start : start + _NODES_PER_FUNCTION]

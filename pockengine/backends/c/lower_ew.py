@@ -274,8 +274,10 @@ def index_access(
         if adjacent
         else (*batch, *(target[a] for a in rest))
     )
-    place = {a: (a if a < first else a - len(axes) + len(batch)) if adjacent else len(batch) + k
-             for k, a in enumerate(rest)}  # fmt: skip
+    place = {
+        a: (a if a < first else a - len(axes) + len(batch)) if adjacent else len(batch) + k
+        for k, a in enumerate(rest)
+    }
     own = strides(target)
     terms = [f"o{place[a]} * {own[a]}" for a in rest]
     for a, v in zip(axes, indices, strict=True):

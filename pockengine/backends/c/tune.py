@@ -50,9 +50,14 @@ _BUDGET_S = 0.05  # a candidate's timed runs: about this long, 3 to 9 of them
 
 
 def measure(
-    op: str, kernel: str, dtype: DType, g: ConvGeometry, portable: bool | None,
-    threads: int | None, best: float,
-) -> float:  # fmt: skip
+    op: str,
+    kernel: str,
+    dtype: DType,
+    g: ConvGeometry,
+    portable: bool | None,
+    threads: int | None,
+    best: float,
+) -> float:
     """The median seconds of ``kernel`` on ``g`` (inf when its warm-up alone exceeds
     ``_GIVE_UP * best``, or its operands could not be allocated)."""
     warm = tune_harness.harness_time(op, kernel, dtype, g, 1, portable, threads)
@@ -94,11 +99,13 @@ def _valid_entry(entry: Any) -> bool:
         entry["kernel"] in KERNEL_NAMES
         and isinstance(seconds, dict)
         and all(k in KERNEL_NAMES for k in seconds)
-        and all(isinstance(v, float | int) and not isinstance(v, bool) and v >= 0
-                for v in seconds.values())
+        and all(
+            isinstance(v, float | int) and not isinstance(v, bool) and v >= 0
+            for v in seconds.values()
+        )
         and entry["kernel"] in seconds
         and math.isfinite(seconds[entry["kernel"]])
-    )  # fmt: skip
+    )
 
 
 def _read(path: Path, quiet: bool = False) -> tuple[dict[str, Any], bool]:
@@ -110,14 +117,17 @@ def _read(path: Path, quiet: bool = False) -> tuple[dict[str, Any], bool]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        warn("ignoring the C kernel table %s (not JSON: %s); it is written anew",
-                    path, exc)  # fmt: skip
+        warn("ignoring the C kernel table %s (not JSON: %s); it is written anew", path, exc)
         return {}, True
     ok = isinstance(data, dict) and data.get("format") == _FORMAT
     ok = ok and data.get("version") == _VERSION and isinstance(data.get("entries"), dict)
     if not ok:
-        warn("ignoring the C kernel table %s (not a %s table, version %d); it is "
-                    "written anew", path, _FORMAT, _VERSION)  # fmt: skip
+        warn(
+            "ignoring the C kernel table %s (not a %s table, version %d); it is written anew",
+            path,
+            _FORMAT,
+            _VERSION,
+        )
         return {}, True
     entries = {k: v for k, v in data["entries"].items() if isinstance(k, str) and _valid_entry(v)}
     if len(entries) != len(data["entries"]):
@@ -139,14 +149,19 @@ def _write(path: Path, entries: dict[str, Any]) -> None:
 
 
 def _conv_nodes(graph: Graph) -> list[Node]:
-    return [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].dtype in
-            tune_harness.DTYPES]  # fmt: skip
+    return [
+        n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].dtype in tune_harness.DTYPES
+    ]
 
 
 def _measure_all(
-    op: str, dtype: DType, g: ConvGeometry, names: tuple[str, ...], portable: bool | None,
+    op: str,
+    dtype: DType,
+    g: ConvGeometry,
+    names: tuple[str, ...],
+    portable: bool | None,
     threads: int | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     # the rule's kernel first: its median is the bar the others' warm-ups must clear
     rule = rule_kernel(op, g, dtype.itemsize)
     order = [rule, *(k for k in names if k != rule)]
@@ -185,8 +200,9 @@ def choose_kernels(
             entry = fresh[key]
         else:
             entry = fresh[key] = _measure_all(node.op, out.dtype, g, names, portable, threads)
-        choices.append(KernelChoice(node.op, out.name, entry["kernel"],
-                                    dict(entry["seconds"]), cached))  # fmt: skip
+        choices.append(
+            KernelChoice(node.op, out.name, entry["kernel"], dict(entry["seconds"]), cached)
+        )
     if fresh or dirty:
         _write(path, {**table, **fresh})
     return choices

@@ -130,9 +130,14 @@ def _library(portable: bool | None) -> Any:
 
 
 def harness_time(
-    op: str, kernel: str, dtype: DType, g: ConvGeometry, reps: int, portable: bool | None,
+    op: str,
+    kernel: str,
+    dtype: DType,
+    g: ConvGeometry,
+    reps: int,
+    portable: bool | None,
     threads: int | None = None,
-) -> float:  # fmt: skip
+) -> float:
     """The median seconds of ``reps`` runs of ``kernel`` for ``op`` on ``g`` (after one
     warm-up run); -1 when the operands could not be allocated."""
     lib = _library(portable)

@@ -74,8 +74,11 @@ def _grads(
     classes = em.const(np.arange(vocab, dtype=np.int64).reshape(1, vocab))
     target = em.op("Unsqueeze", em.op("Cast", index, to=7), axis)  # 7: int64
     onehot = em.op("Cast", em.op("Equal", classes, target), to=onnx_dtype(node.inputs[2].dtype))
-    dz = em.op("Add", em.op("Mul", p, em.op("Unsqueeze", scale, axis)),
-               em.op("Mul", onehot, em.op("Unsqueeze", gp, axis)))  # fmt: skip
+    dz = em.op(
+        "Add",
+        em.op("Mul", p, em.op("Unsqueeze", scale, axis)),
+        em.op("Mul", onehot, em.op("Unsqueeze", gp, axis)),
+    )
     results = iter(out)
     if node.attrs["x_grad"]:
         em.op("MatMul", dz, em.op("Transpose", kv, perm=[1, 0]), out=next(results))

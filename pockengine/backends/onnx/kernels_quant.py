@@ -48,8 +48,11 @@ def _matrix(em: Emitter, node: Node, x: list[str], result: TensorType, out: str 
         low = em.op("BitwiseAnd", g, em.scalar(0x0F, DType.U8))
         high = em.op("BitShift", g, em.scalar(4, DType.U8), direction="RIGHT")
         q = em.op("Concat", low, high, axis=-1)
-    w = em.op("Cast", em.op("Reshape", q, em.ints([*lead, cols // group, group])),
-              to=onnx_dtype(result.dtype))  # fmt: skip
+    w = em.op(
+        "Cast",
+        em.op("Reshape", q, em.ints([*lead, cols // group, group])),
+        to=onnx_dtype(result.dtype),
+    )
     if scheme == "int4_sym":
         w = em.op("Sub", w, em.scalar(8.0, result.dtype))
     axis = em.ints([-1])
@@ -82,6 +85,9 @@ def _lowbit_loss(base: str) -> Kernel:
     return kernel
 
 
-for _base in ("linear_log_softmax_gather", "linear_log_softmax_gather_grad",
-              "linear_log_softmax_gather_with_grad"):  # fmt: skip
+for _base in (
+    "linear_log_softmax_gather",
+    "linear_log_softmax_gather_grad",
+    "linear_log_softmax_gather_with_grad",
+):
     KERNELS[f"dequantize_{_base}"] = _lowbit_loss(_base)

@@ -112,9 +112,15 @@ class TorchExecutable(Executable):
     """One graph as a generated function; ``run`` calls it once."""
 
     def __init__(
-        self, graph: Graph, device: torch.device, inplace: bool = True, trim_heap: bool = False,
-        trim_peak: bool = False, workspace: bool = False, large_slots: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        graph: Graph,
+        device: torch.device,
+        inplace: bool = True,
+        trim_heap: bool = False,
+        trim_peak: bool = False,
+        workspace: bool = False,
+        large_slots: bool = False,
+    ) -> None:
         check_ops(graph, KERNELS, "torch")
         self.graph = graph
         self.device = device
@@ -312,8 +318,13 @@ class TorchBackend(Backend):
         self.frozen_channels_last = frozen_channels_last
         self.trim_peak = trim_peak and not keep_heap and self.device.type == "cpu"
         chosen = keep_heap or self.heap_thresholds is not None  # the user's thresholds
-        self.step_heap = (step_heap and self.device.type == "cpu" and not chosen
-                          and not self.trim_heap and not self.trim_peak)  # fmt: skip
+        self.step_heap = (
+            step_heap
+            and self.device.type == "cpu"
+            and not chosen
+            and not self.trim_heap
+            and not self.trim_peak
+        )
         self.large_slots = large_slots and self.step_heap
 
     def compile(self, graph: Graph) -> TorchExecutable:
@@ -322,9 +333,14 @@ class TorchBackend(Backend):
         if self.heap_thresholds is not None and self.device.type == "cpu":
             fix_heap_thresholds(*self.heap_thresholds)
         executable = TorchExecutable(
-            graph, self.device, self.inplace, self.trim_heap, self.trim_peak, self.workspace,
+            graph,
+            self.device,
+            self.inplace,
+            self.trim_heap,
+            self.trim_peak,
+            self.workspace,
             large_slots=self.large_slots,
-        )  # fmt: skip
+        )
         if self.step_heap:
             keep_step_heap(executable.live_peak)
         return executable

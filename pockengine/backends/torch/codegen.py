@@ -352,8 +352,10 @@ def generate_source(
     gen = _Generator(graph, device, finders, reuse, workspace)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
     lines = [f"def {function}({', '.join(gen.locals[n] for n in gen.inputs)}):"]
-    lines += [gen.line(i, node, kernels[node.op], (after or {}).get(i))
-              for i, node in enumerate(graph.nodes)]  # fmt: skip
+    lines += [
+        gen.line(i, node, kernels[node.op], (after or {}).get(i))
+        for i, node in enumerate(graph.nodes)
+    ]
     results = "".join(f"{gen.returned(v.name)}, " for v in graph.outputs)
     lines.append(f"    return ({results})")
     return GeneratedSource("\n".join(lines) + "\n", function, gen.constants, 2)

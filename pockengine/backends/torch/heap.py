@@ -79,17 +79,48 @@ _BAND = 1 / 2  # ... while the live bytes are at least half of it
 MIN_WORKSPACE_BYTES = 64 << 10  # smaller results stay with the allocator
 # the ops whose torch kernels put a result into a given tensor (``Emit.dest``): ``out=``, or
 # a copy at once (``COPIED_OPS``)
-WORKSPACE_OPS = frozenset({
-    "linear", "matmul", "gelu", "gelu_grad", "add", "sub", "mul", "div", "layer_norm",
-    "layer_norm_grad", "attention", "attention_grad", "embedding", "concat", "pad",
-    "slice_grad", "sum",
-    # the unary elementwise ops (``kernels._UNARY``) and silu
-    "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "sin", "cos", "abs",
-    "reciprocal", "erf", "log1p", "silu",
-    # the fused loss head's gradients and an embedding table's (vocab x hidden, often
-    # above glibc's mmap ceiling)
-    "linear_log_softmax_gather_grad", "linear_log_softmax_gather_with_grad", "embedding_grad",
-})  # fmt: skip
+WORKSPACE_OPS = frozenset(
+    {
+        "linear",
+        "matmul",
+        "gelu",
+        "gelu_grad",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "layer_norm",
+        "layer_norm_grad",
+        "attention",
+        "attention_grad",
+        "embedding",
+        "concat",
+        "pad",
+        "slice_grad",
+        "sum",
+        # the unary elementwise ops (``kernels._UNARY``) and silu
+        "neg",
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "tanh",
+        "sigmoid",
+        "relu",
+        "sin",
+        "cos",
+        "abs",
+        "reciprocal",
+        "erf",
+        "log1p",
+        "silu",
+        # the fused loss head's gradients and an embedding table's (vocab x hidden, often
+        # above glibc's mmap ceiling)
+        "linear_log_softmax_gather_grad",
+        "linear_log_softmax_gather_with_grad",
+        "embedding_grad",
+    }
+)
 COPIED_OPS = frozenset({"layer_norm_grad", "attention", "attention_grad"})
 _LOSS_GRADS = {"linear_log_softmax_gather_grad": 0, "linear_log_softmax_gather_with_grad": 2}
 # ops whose ``out=`` result never casts whatever their inputs' dtypes (a row gather and its

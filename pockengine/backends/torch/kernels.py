@@ -63,8 +63,9 @@ def _dense_layout(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill ``t.numel()`` consecutive places (row-major up to an
     order of its axes)."""
     expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)
-                               if sz != 1):  # fmt: skip
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1
+    ):
         if stride != expected:
             return False
         expected *= size

@@ -73,9 +73,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, *,
-    attn_mask: torch.Tensor | None, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    *,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse from ATen's fused CPU kernel."""
     out, lse = _flash.default(
         _rows(q), _rows(k), _rows(v), 0.0, causal, attn_mask=attn_mask, scale=scale
@@ -84,9 +89,17 @@ def flash_attention(
 
 
 def flash_attention_grad(
-    gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, causal: bool, *, attn_mask: torch.Tensor | None, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    gout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    *,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gq, gk, gv from ATen's fused CPU backward kernel."""
     tensors = (_rows(t) for t in (gout, q, k, v, out))
     gq, gk, gv = _flash_backward.default(
@@ -108,9 +121,14 @@ def _scores(
 
 
 def attention_math(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, *,
-    attn_mask: torch.Tensor | None, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    *,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of attention as matmuls and a softmax (the op's semantics exactly)."""
     s = _scores(q, k, attn_mask, scale, causal)
     top = s.amax(-1, keepdim=True)
@@ -123,9 +141,17 @@ def attention_math(
 
 
 def attention_grad_math(
-    gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, causal: bool, *, attn_mask: torch.Tensor | None, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    gout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    *,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gq, gk, gv of attention from the saved lse (the op's backward exactly)."""
     p = _scores(q, k, attn_mask, scale, causal).sub_(lse.unsqueeze(-1)).exp_()
     gv = torch.matmul(p.transpose(-1, -2), gout)

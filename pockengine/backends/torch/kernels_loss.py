@@ -33,9 +33,13 @@ def _buffer(x: torch.Tensor, chunk: int, vocab: int) -> torch.Tensor:
 
 
 def linear_log_softmax_gather(
-    x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None,
-    chunk: int, vocab_major: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    w: torch.Tensor,
+    index: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk: int,
+    vocab_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """picked and lse of x @ w (+ bias), ``chunk`` rows at a time (w [vocab, k] when
     ``vocab_major``: its transpose is a view)."""
     rows = x.shape[0]
@@ -62,10 +66,18 @@ def _picked_lse_(
 
 
 def linear_log_softmax_gather_grad(
-    gp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-    index: torch.Tensor, lse: torch.Tensor, bias: torch.Tensor | None, chunk: int,
-    vocab_major: bool, wanted: tuple[bool, bool, bool], outs: _Outs = (None, None, None),
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    gp: torch.Tensor,
+    scale: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    index: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk: int,
+    vocab_major: bool,
+    wanted: tuple[bool, bool, bool],
+    outs: _Outs = (None, None, None),
+) -> tuple[torch.Tensor, ...]:
     """The wanted ones of gx, gw, gb: dz = scale * softmax(z) + gp * onehot(index) per
     chunk, its logits recomputed; gw in w's own layout, written contiguously. ``outs``:
     tensors to write gx, gw, gb into (workspace slots; None: allocated)."""
@@ -81,10 +93,17 @@ def linear_log_softmax_gather_grad(
 
 
 def linear_log_softmax_gather_with_grad(
-    gp: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-    index: torch.Tensor, bias: torch.Tensor | None, chunk: int, vocab_major: bool,
-    wanted: tuple[bool, bool, bool], outs: _Outs = (None, None, None),
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    gp: torch.Tensor,
+    scale: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    index: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk: int,
+    vocab_major: bool,
+    wanted: tuple[bool, bool, bool],
+    outs: _Outs = (None, None, None),
+) -> tuple[torch.Tensor, ...]:
     """picked, lse and the wanted gradients, each chunk's logits made once: exp(z - top)
     gives the log-sum-exp's sum and, divided by it, softmax(z) in the same buffer.
     ``outs``: as ``linear_log_softmax_gather_grad``'s."""
@@ -112,9 +131,13 @@ class _Grads:
     never zero-filled."""
 
     def __init__(
-        self, x: torch.Tensor, w: torch.Tensor, kv: torch.Tensor,
-        wanted: tuple[bool, bool, bool], outs: _Outs,
-    ) -> None:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        kv: torch.Tensor,
+        wanted: tuple[bool, bool, bool],
+        outs: _Outs,
+    ) -> None:
         x_grad, w_grad, b_grad = wanted
         gx_out, self.gw_out, gb_out = outs
         self.gx = (gx_out if gx_out is not None else torch.empty_like(x)) if x_grad else None

@@ -113,9 +113,21 @@ def adamw8bit_(
     # ATen's fused AdamW on the float temporaries: one pass instead of a dozen (it indexes
     # raw memory, so the gradient and the moments take the param's layout)
     w_dense = w if w.is_contiguous() else w.contiguous()
-    torch._fused_adamw_([w_dense], [g.contiguous()], [m], [v], [], [t], lr=lr,
-                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                        amsgrad=False, maximize=False)  # fmt: skip
+    torch._fused_adamw_(
+        [w_dense],
+        [g.contiguous()],
+        [m],
+        [v],
+        [],
+        [t],
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
     if w_dense is not w:
         w.copy_(w_dense)
     _quantize_(m, mq, ma, True, block)

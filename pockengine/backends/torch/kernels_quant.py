@@ -85,6 +85,9 @@ def _lowbit_loss(base: str) -> Emitter:
     return emit
 
 
-for _base in ("linear_log_softmax_gather", "linear_log_softmax_gather_grad",
-              "linear_log_softmax_gather_with_grad"):  # fmt: skip
+for _base in (
+    "linear_log_softmax_gather",
+    "linear_log_softmax_gather_grad",
+    "linear_log_softmax_gather_with_grad",
+):
     KERNELS[f"dequantize_{_base}"] = _lowbit_loss(_base)

@@ -26,13 +26,20 @@ __all__ = ["child_main", "read_job", "run_child"]
 
 _ERRORS: dict[str, type[errors.PockEngineError]] = {  # raised here as the child raised them
     cls.__name__: cls
-    for cls in (FinetuneError, errors.CompileError, errors.SchemeError, errors.ShapeError,
-                errors.UnsupportedOpError, errors.PockEngineError)
-}  # fmt: skip
+    for cls in (
+        FinetuneError,
+        errors.CompileError,
+        errors.SchemeError,
+        errors.ShapeError,
+        errors.UnsupportedOpError,
+        errors.PockEngineError,
+    )
+}
 
 
-def run_child(module: str, folder: Path, job_file: str, job: dict[str, Any],
-              error_file: str, what: str) -> None:  # fmt: skip
+def run_child(
+    module: str, folder: Path, job_file: str, job: dict[str, Any], error_file: str, what: str
+) -> None:
     """Write ``job`` (plus the caller's torch thread count) and run ``module`` on
     ``folder``; raise the child's error here. ``what`` names the work in messages."""
     folder.mkdir(parents=True, exist_ok=True)

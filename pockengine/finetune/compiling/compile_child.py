@@ -81,8 +81,10 @@ def compile_in_child(
         try:
             choice = json.loads((folder / CHOICE).read_text())
         except (OSError, ValueError) as e:
-            raise FinetuneError(f"{folder / CHOICE}: the auto choice the compile child "
-                                f"wrote is missing or damaged ({e})") from e  # fmt: skip
+            raise FinetuneError(
+                f"{folder / CHOICE}: the auto choice the compile child "
+                f"wrote is missing or damaged ({e})"
+            ) from e
     return not (folder / NEEDS_MODEL).exists(), choice
 
 
@@ -208,8 +210,12 @@ def _write_task(folder: Path, step: TrainStep, task: Task) -> None:
     from pockengine.finetune.run_folder import released
 
     save_task_info(folder, task)  # (its data was written first: compile_into)
-    write_skeleton(folder / MODEL_DIR, task, released.step_values(step, copy=False),
-                   released.quantized_stand_ins(step))  # fmt: skip
+    write_skeleton(
+        folder / MODEL_DIR,
+        task,
+        released.step_values(step, copy=False),
+        released.quantized_stand_ins(step),
+    )
 
 
 def main(argv: list[str]) -> int:

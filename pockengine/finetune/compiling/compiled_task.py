@@ -46,8 +46,10 @@ class _CompiledElsewhere(nn.Module):
     no weights, and running it is an error (evaluation runs on the compiled step)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise FinetuneError("the model was compiled in a child process and is not here; "
-                            "run with --compile-in process to use it eagerly")  # fmt: skip
+        raise FinetuneError(
+            "the model was compiled in a child process and is not here; "
+            "run with --compile-in process to use it eagerly"
+        )
 
 
 def _no_loss(*args: Any) -> Any:
@@ -64,12 +66,24 @@ def _load_task(folder: Path) -> tuple[recipes.Task, tuple[str, ...]]:
     try:
         info = json.loads((folder / TASK_JSON).read_text())
         arrays = read_tensors(folder / TASK_DATA)
-        splits = {s: tuple(_expanded(arrays, f"{s}.{i}") for i in range(info["arrays"][s]))
-                  for s in _SPLITS}  # fmt: skip
-        task = recipes.Task(info["name"], _CompiledElsewhere(), _no_loss, splits["train"],
-                            splits["val"], tuple(info["labels"]), info["kind"],
-                            list(info["notes"]), info["inputs"], splits["test"], None,
-                            dict(info["home"]))  # fmt: skip
+        splits = {
+            s: tuple(_expanded(arrays, f"{s}.{i}") for i in range(info["arrays"][s]))
+            for s in _SPLITS
+        }
+        task = recipes.Task(
+            info["name"],
+            _CompiledElsewhere(),
+            _no_loss,
+            splits["train"],
+            splits["val"],
+            tuple(info["labels"]),
+            info["kind"],
+            list(info["notes"]),
+            info["inputs"],
+            splits["test"],
+            None,
+            dict(info["home"]),
+        )
         return task, tuple(info["buffers"])
     except FinetuneError:
         raise

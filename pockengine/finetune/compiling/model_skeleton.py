@@ -136,8 +136,10 @@ def refill(
                 raise FinetuneError(f"{src}: {name} does not follow the tensor before it")
             value = read(name)
             if value is None and name in zeroed:
-                raise FinetuneError(f"{src}: {name} holds zeros in place of a weight the step "
-                                    "stored quantized, and the step gave no value")  # fmt: skip
+                raise FinetuneError(
+                    f"{src}: {name} holds zeros in place of a weight the step "
+                    "stored quantized, and the step gave no value"
+                )
             if value is None:
                 f.seek(8 + size + start)
                 _copy(f, out, stop - start)
@@ -152,8 +154,10 @@ def _cast(src: Path, name: str, entry: Mapping[str, Any], value: Array) -> Array
     if dtype is None:
         raise FinetuneError(f"{src}: {name} is {entry['dtype']}, which NumPy cannot write")
     if value.shape != shape:
-        raise FinetuneError(f"the trained values do not fit the model: {name} is "
-                            f"{list(value.shape)}, the model's {list(shape)}")  # fmt: skip
+        raise FinetuneError(
+            f"the trained values do not fit the model: {name} is "
+            f"{list(value.shape)}, the model's {list(shape)}"
+        )
     return np.asarray(value, dtype=dtype, order="C")
 
 

@@ -73,7 +73,9 @@ def compile_evaluator_releasing(step: TrainStep, task: recipes.Task) -> Evaluato
         trained = [n for n in step.trained if n in own]
         freed = released.release_held(task.model, step, also=trained)
         if freed:
-            log.info("released %.1f MiB of model weights the step holds (quantized or trained)",
-                     freed / 2**20)  # fmt: skip
+            log.info(
+                "released %.1f MiB of model weights the step holds (quantized or trained)",
+                freed / 2**20,
+            )
             release_free_memory()
     return evaluator

@@ -70,16 +70,19 @@ def load_adapter(step: CompiledStep, folder: str | Path) -> LoadResult:
     folder = Path(folder)
     config = _read_config(folder / ADAPTER_CONFIG)
     if config.get("peft_type") != "LORA":
-        raise StateError(f"{folder / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}, "
-                         "not 'LORA'")  # fmt: skip
+        raise StateError(
+            f"{folder / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}, not 'LORA'"
+        )
     arrays = _read_safetensors(folder / ADAPTER_WEIGHTS)
     bare = {k.removeprefix(PEFT_PREFIX): v for k, v in arrays.items()}
     bare = {_without_adapter_name(k): v for k, v in bare.items()}
     wanted = {n for a in step.resolution.adapters for n in (a.a_name, a.b_name)}
     absent = sorted(wanted - set(bare))
     if absent:
-        raise StateError(f"{folder}: the adapter lacks {len(absent)} of the step's LoRA "
-                         f"factors ({', '.join(absent[:5])}); nothing was loaded")  # fmt: skip
+        raise StateError(
+            f"{folder}: the adapter lacks {len(absent)} of the step's LoRA "
+            f"factors ({', '.join(absent[:5])}); nothing was loaded"
+        )
     result = step.load_state(bare, strict=False)
     if result.unexpected or result.mismatched:
         raise StateError(f"{folder} does not fit the step: {result.describe()}")

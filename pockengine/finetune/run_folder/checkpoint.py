@@ -126,9 +126,11 @@ def load_into_step(step: Any, saved: Checkpoint, what: str) -> None:
     optimizer state. ``what``: the model, as the error names it."""
     lacking = [n for n in step.written if n not in saved.params]
     if lacking:
-        raise FinetuneError(f"the checkpoint does not fit {what}: {len(lacking)} "
-                            f"missing ({', '.join(lacking[:5])}), values training "
-                            "changes")  # fmt: skip
+        raise FinetuneError(
+            f"the checkpoint does not fit {what}: {len(lacking)} "
+            f"missing ({', '.join(lacking[:5])}), values training "
+            "changes"
+        )
     try:
         step.load_state(optimizer=saved.optimizer)
         result = step.load_state(saved.params, strict=False)

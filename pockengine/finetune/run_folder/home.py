@@ -130,9 +130,13 @@ def chosen_weights(
 
 
 def model_meta(
-    home: Mapping[str, Any], kind: str, labels: Iterable[str], config: FinetuneConfig,
-    keep: str, row: Mapping[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+    home: Mapping[str, Any],
+    kind: str,
+    labels: Iterable[str],
+    config: FinetuneConfig,
+    keep: str,
+    row: Mapping[str, Any],
+) -> dict[str, Any]:
     """``pockengine.json`` of ``RUN/model`` (the writers add what their format needs)."""
     return {
         "format": FORMAT,
@@ -273,18 +277,25 @@ def _stream_hf(folder: Path, model: nn.Module, state: Mapping[str, Array], prefi
     generation: Any = getattr(model, "generation_config", None)
     if generation is not None and getattr(model, "can_generate", lambda: False)():
         generation.save_pretrained(str(folder))
-    write_streamed(folder / "model.safetensors", model, lambda n: state.get(prefix + n),
-                   each_tensor_once=True, metadata={"format": "pt"})  # fmt: skip
+    write_streamed(
+        folder / "model.safetensors",
+        model,
+        lambda n: state.get(prefix + n),
+        each_tensor_once=True,
+        metadata={"format": "pt"},
+    )
 
 
-def _streamed_causal_lm(folder: Path, task: Task, meta: dict[str, Any],
-                        state: Mapping[str, Array]) -> None:  # fmt: skip
+def _streamed_causal_lm(
+    folder: Path, task: Task, meta: dict[str, Any], state: Mapping[str, Array]
+) -> None:
     _stream_hf(folder, task.model, state, "")
     task.tokenizer.save_pretrained(str(folder))
 
 
-def _streamed_classifier(folder: Path, task: Task, meta: dict[str, Any],
-                         state: Mapping[str, Array]) -> None:  # fmt: skip
+def _streamed_classifier(
+    folder: Path, task: Task, meta: dict[str, Any], state: Mapping[str, Array]
+) -> None:
     encoder, head = task.model.encoder, task.model.head
     assert isinstance(encoder, nn.Module) and isinstance(head, nn.Module)
     _stream_hf(folder, encoder, state, "encoder.")
@@ -292,10 +303,10 @@ def _streamed_classifier(folder: Path, task: Task, meta: dict[str, Any],
     _classifier_files(folder, task, meta)
 
 
-def _streamed_module(folder: Path, task: Task, meta: dict[str, Any],
-                     state: Mapping[str, Array]) -> None:  # fmt: skip
-    write_streamed(folder / "model.safetensors", task.model, state.get,
-                   metadata={"format": "pt"})  # fmt: skip
+def _streamed_module(
+    folder: Path, task: Task, meta: dict[str, Any], state: Mapping[str, Array]
+) -> None:
+    write_streamed(folder / "model.safetensors", task.model, state.get, metadata={"format": "pt"})
     _module_tokenizer(folder, task, meta)
 
 

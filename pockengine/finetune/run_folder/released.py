@@ -98,8 +98,9 @@ def release_held(model: nn.Module, step: TrainStep, also: Iterable[str] = ()) ->
         old = model.get_parameter(names[0])
         if old.device.type == "meta":
             continue
-        empty = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"),
-                             requires_grad=False)  # fmt: skip
+        empty = nn.Parameter(
+            torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=False
+        )
         for alias in names:
             module, _, local = alias.rpartition(".")
             setattr(model.get_submodule(module), local, empty)
@@ -151,8 +152,10 @@ def write_streamed(
     if each_tensor_once:
         firsts: dict[int, str] = {}
         state = {k: v for k, v in state.items() if firsts.setdefault(id(v), k) == k}
-    specs = {k: np.broadcast_to(np.zeros((), _numpy_dtype(v.dtype)), tuple(v.shape))
-             for k, v in state.items()}  # fmt: skip
+    specs = {
+        k: np.broadcast_to(np.zeros((), _numpy_dtype(v.dtype)), tuple(v.shape))
+        for k, v in state.items()
+    }
     with path.open("wb") as f:
         write_streamed_to(f, specs, lambda n: _value(n, state[n], read(n), specs[n]), metadata)
 
@@ -163,8 +166,10 @@ def _value(name: str, tensor: torch.Tensor, given: Array | None, spec: Array) ->
             raise FinetuneError(f"{name}: the model's copy was released and the step has none")
         given = tensor.detach().cpu().numpy()  # a buffer or param the step does not hold
     if given.shape != spec.shape:
-        raise FinetuneError(f"the trained values do not fit the model: {name} is "
-                            f"{list(given.shape)}, the model's {list(spec.shape)}")  # fmt: skip
+        raise FinetuneError(
+            f"the trained values do not fit the model: {name} is "
+            f"{list(given.shape)}, the model's {list(spec.shape)}"
+        )
     return np.asarray(given, dtype=spec.dtype)  # cast if need be, not copied otherwise
 
 

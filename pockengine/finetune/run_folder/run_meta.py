@@ -104,9 +104,12 @@ def read_model_meta(path: Path) -> dict[str, Any]:
 
 
 def _entry(
-    meta: Mapping[str, Any], name: str, path: Path, rule: Callable[[Any], str | None],
+    meta: Mapping[str, Any],
+    name: str,
+    path: Path,
+    rule: Callable[[Any], str | None],
     required: bool = True,
-) -> Any:  # fmt: skip
+) -> Any:
     if name not in meta or meta[name] is None:
         if required:
             raise RunFileError(f"{path} has no {name!r} entry")
@@ -161,8 +164,12 @@ def _tokenizer(value: Any) -> str | None:
 def _preprocessing(value: Any) -> str | None:
     size = value.get("resize", {}).get("size") if isinstance(value, dict) else None
     resize = value.get("resize") if isinstance(value, dict) else None
-    ok = (isinstance(resize, dict) and isinstance(size, list) and len(size) == 2
-          and all(_positive_int(s) is None for s in size))  # fmt: skip
+    ok = (
+        isinstance(resize, dict)
+        and isinstance(size, list)
+        and len(size) == 2
+        and all(_positive_int(s) is None for s in size)
+    )
     return None if ok else 'an object with "resize": {"size": [side, side]}'
 
 

@@ -159,8 +159,13 @@ def render(runs: Sequence[Curves], title: str = "") -> bytes:
     for run, colour in zip(runs, colours, strict=True):
         loss_ax.plot(run.loss_steps, run.losses, color=colour, alpha=0.25, linewidth=1)
         few = len(run.losses) <= 30  # dots show where the few logged points are
-        loss_ax.plot(run.loss_steps, ema(run.losses), color=colour, label=run.info.label(),
-                     marker="." if few else None)  # fmt: skip
+        loss_ax.plot(
+            run.loss_steps,
+            ema(run.losses),
+            color=colour,
+            label=run.info.label(),
+            marker="." if few else None,
+        )
         val_ax.plot(run.val_steps, run.val_values, color=colour, marker="o", markersize=4)
     loss_title = f"training loss: logged (faint), moving average {SMOOTHING} (solid)"
     loss_ax.set(xlabel="step", ylabel="training loss", title=loss_title)
@@ -210,9 +215,12 @@ class CurvesWriter:
         command = [sys.executable, "-m", __name__, str(self.run), json.dumps(asdict(info))]
         try:  # its own session: a Ctrl-C meant for the run does not kill the drawing
             self._child = subprocess.Popen(
-                command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         except OSError as exc:
             log.warning("%s not written: cannot start %s (%s)", CURVES, sys.executable, exc)
 

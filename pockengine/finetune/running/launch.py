@@ -50,9 +50,11 @@ def run(config: FinetuneConfig) -> FinetuneResult:
     config = config.with_defaults(recipe_table.defaults(config)).validate()
     assert config.scheme is not None, "filled in by the recipe's defaults"
     given = config.scheme
-    scheme = (None if given == _AUTO
-              else recipe_table.parse_scheme(given, recipe_table.recipe_name(config),
-                                            config.batchnorm))  # fmt: skip
+    scheme = (
+        None
+        if given == _AUTO
+        else recipe_table.parse_scheme(given, recipe_table.recipe_name(config), config.batchnorm)
+    )
     recipe_table.check_model_files(config)
     out = _out(config)
     with RunLock(out, config.force):
@@ -60,9 +62,12 @@ def run(config: FinetuneConfig) -> FinetuneResult:
 
 
 def _compile_and_train(
-    config: FinetuneConfig, scheme: Scheme | None, out: Path, saved: ckpt_io.Checkpoint | None,
+    config: FinetuneConfig,
+    scheme: Scheme | None,
+    out: Path,
+    saved: ckpt_io.Checkpoint | None,
     start: float,
-) -> FinetuneResult:  # fmt: skip
+) -> FinetuneResult:
     """Once ``out`` is held: compile in a child and train here, or do both here."""
     if config.compile_in != "child" or _bucketed(config):
         from pockengine.finetune.running.trainer import train_here
@@ -80,11 +85,14 @@ def _compile_and_train(
         from pockengine.finetune.running.trainer import train_compiled, train_here
 
         if not compiled:  # auto: the choice is read back from its cache, for the summary
-            log.warning("the task's evaluation does not compile and runs on the model: "
-                        "compiling here (--compile-in process)")  # fmt: skip
+            log.warning(
+                "the task's evaluation does not compile and runs on the model: "
+                "compiling here (--compile-in process)"
+            )
             return train_here(config, scheme, out, saved, start)
-        return train_compiled(config, chosen, out, saved, (start, compile_start),
-                              Path(folder), choice)  # fmt: skip
+        return train_compiled(
+            config, chosen, out, saved, (start, compile_start), Path(folder), choice
+        )
 
 
 def _bucketed(config: FinetuneConfig) -> bool:

@@ -105,8 +105,11 @@ class Loop:
         self.info = RunInfo(out.name)  # its legend (the trainer adds the report's figures)
         self.stopped: str | None = None
         self.evaluator: Evaluator | None = None  # compiled validation (else eager torch)
-        self.buffers = (tuple(buffers) if buffers is not None
-                        else tuple(n for n, _ in task.model.named_buffers()))  # fmt: skip
+        self.buffers = (
+            tuple(buffers)
+            if buffers is not None
+            else tuple(n for n, _ in task.model.named_buffers())
+        )
         self._losses: list[float] = []
         self._times: list[float] = []
         self._all_times: list[float] = []
@@ -292,8 +295,10 @@ def _warn_if_machine_differs(info: dict[str, Any], backend: str) -> None:
     now = {"backend": backend, "threads": torch.get_num_threads()}
     diffs = [f"{k} {info[k]} -> {v}" for k, v in now.items() if k in info and info[k] != v]
     if diffs:
-        log.warning("resuming with %s: results may differ from an uninterrupted run in the "
-                    "last bits", ", ".join(diffs))  # fmt: skip
+        log.warning(
+            "resuming with %s: results may differ from an uninterrupted run in the last bits",
+            ", ".join(diffs),
+        )
 
 
 def _count(value: int | None) -> int:

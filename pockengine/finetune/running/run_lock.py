@@ -27,9 +27,20 @@ __all__ = ["LOCK", "RUN_FILES", "RunLock", "check_out_folder"]
 log = logging.getLogger(__name__)
 LOCK = ".pockengine.lock"
 # What a run writes at the top of its folder (result._FILES, and pockengine evaluate's).
-RUN_FILES = frozenset({"model", "adapter", CHECKPOINT, "best.safetensors", "metrics.jsonl",
-                       "summary.json", "report.txt", "curves.png", "eval.json",
-                       "confusion.png"})  # fmt: skip
+RUN_FILES = frozenset(
+    {
+        "model",
+        "adapter",
+        CHECKPOINT,
+        "best.safetensors",
+        "metrics.jsonl",
+        "summary.json",
+        "report.txt",
+        "curves.png",
+        "eval.json",
+        "confusion.png",
+    }
+)
 
 
 def _run_before_the_marker(out: Path) -> bool:

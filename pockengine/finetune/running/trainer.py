@@ -66,9 +66,12 @@ class _Prepared:
 
 
 def train_here(
-    config: FinetuneConfig, given: Scheme | None, out: Path, saved: ckpt_io.Checkpoint | None,
+    config: FinetuneConfig,
+    given: Scheme | None,
+    out: Path,
+    saved: ckpt_io.Checkpoint | None,
     start: float,
-) -> FinetuneResult:  # fmt: skip
+) -> FinetuneResult:
     """``launch.run`` once ``out`` is held: build the task, choose the scheme (``given``;
     None: ``--scheme auto``), compile here, train."""
     compile_start = time.perf_counter()
@@ -77,9 +80,14 @@ def train_here(
 
 
 def train_compiled(
-    config: FinetuneConfig, scheme: Scheme, out: Path, saved: ckpt_io.Checkpoint | None,
-    starts: tuple[float, float], folder: Path, choice: dict[str, Any] | None = None,
-) -> FinetuneResult:  # fmt: skip
+    config: FinetuneConfig,
+    scheme: Scheme,
+    out: Path,
+    saved: ckpt_io.Checkpoint | None,
+    starts: tuple[float, float],
+    folder: Path,
+    choice: dict[str, Any] | None = None,
+) -> FinetuneResult:
     """``launch.run`` once its compile child has written ``folder``: load it, train.
     ``starts``: when the run and its compile started; ``choice``: ``--scheme auto``'s
     (``AutoChoice.to_dict``), made in a child too."""
@@ -87,8 +95,15 @@ def train_compiled(
     auto = AutoChoice.from_dict(choice) if choice is not None else None
     if auto is None and saved is not None and config.scheme == AUTO:
         auto = _resumed_choice(config, scheme)
-    prepared = _Prepared(compiled.task, scheme, auto, compiled.step, compiled.evaluator,
-                         compiled.buffers, compiled.skeleton)  # fmt: skip
+    prepared = _Prepared(
+        compiled.task,
+        scheme,
+        auto,
+        compiled.step,
+        compiled.evaluator,
+        compiled.buffers,
+        compiled.skeleton,
+    )
     compile_s = time.perf_counter() - starts[1]
     return _train(config, prepared, out, saved, starts[0], compile_s)
 
@@ -107,9 +122,13 @@ def _prepare_here(
 
 
 def _train(
-    config: FinetuneConfig, prepared: _Prepared, out: Path, saved: ckpt_io.Checkpoint | None,
-    start: float, compile_s: float,
-) -> FinetuneResult:  # fmt: skip
+    config: FinetuneConfig,
+    prepared: _Prepared,
+    out: Path,
+    saved: ckpt_io.Checkpoint | None,
+    start: float,
+    compile_s: float,
+) -> FinetuneResult:
     """Train the prepared step, write ``RUN/model``, the adapter, the test metrics and the
     summary."""
     task, scheme, choice, step, evaluator = (prepared.task, prepared.scheme, prepared.choice,
@@ -117,19 +136,39 @@ def _train(
     report = step.report()
     loop = Loop(config, task, step, scheme, out, prepared.buffers)
     loop.evaluator = evaluator
-    loop.info = RunInfo(out.name, _given(config.scheme), report.ours.trained_elements,
-                        planned_peak_bytes=report.ours.planned_peak_bytes)  # fmt: skip
+    loop.info = RunInfo(
+        out.name,
+        _given(config.scheme),
+        report.ours.trained_elements,
+        planned_peak_bytes=report.ours.planned_peak_bytes,
+    )
     if saved is not None:
         loop.restore(saved)  # a refused resume changes nothing in the folder
     write_report(out, str(report))
     with stop_on_signals() as stop:
         loop.train(stop)
     if prepared.skeleton is not None:
-        write_from_skeleton(out, prepared.skeleton, task, released.step_values(step), config,
-                            loop.best, loop.history, loop.global_step)  # fmt: skip
+        write_from_skeleton(
+            out,
+            prepared.skeleton,
+            task,
+            released.step_values(step),
+            config,
+            loop.best,
+            loop.history,
+            loop.global_step,
+        )
     else:
-        home.write_model(out, task, released.step_values(step), config, loop.best,
-                         loop.history, loop.global_step, changed=loop.changed)  # fmt: skip
+        home.write_model(
+            out,
+            task,
+            released.step_values(step),
+            config,
+            loop.best,
+            loop.history,
+            loop.global_step,
+            changed=loop.changed,
+        )
     adapter.save_adapter(step, out / adapter.ADAPTER_DIR, base_model=task.home.get("source"))
     result = FinetuneResult(
         config=config,
@@ -184,8 +223,9 @@ def _scheme_of_run(
 
 def _resumed_choice(config: FinetuneConfig, scheme: Scheme) -> AutoChoice:
     """What a resumed ``--scheme auto`` run reports: the scheme its checkpoint trained."""
-    choice = AutoChoice(scheme, float(config.memory_budget or 0), "the checkpoint", 0.0,
-                        "resumed", 0.0)  # fmt: skip
+    choice = AutoChoice(
+        scheme, float(config.memory_budget or 0), "the checkpoint", 0.0, "resumed", 0.0
+    )
     choice.notes.append("analysis skipped: --resume trains the scheme the run chose first")
     return choice
 

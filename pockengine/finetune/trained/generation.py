@@ -69,8 +69,9 @@ def generate(
         stream.add(token)
     seconds = time.perf_counter() - start
     full = room < max_new_tokens and len(stream.tokens) == room
-    return Generated(stream.finish(), len(stream.tokens), seconds, context if full else None,
-                     prompt_tokens)  # fmt: skip
+    return Generated(
+        stream.finish(), len(stream.tokens), seconds, context if full else None, prompt_tokens
+    )
 
 
 def prompt_ids(loaded: LoadedRun, prompt: str) -> torch.Tensor:

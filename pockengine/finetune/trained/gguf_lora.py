@@ -78,8 +78,9 @@ def permute_rows(w: Array, heads: int) -> Array:
     """llama.cpp's row order of a query/key projection (rows ``[heads * dim, ...]``): each
     head's two rotary halves interleaved."""
     dim = w.shape[0] // heads // 2
-    return np.ascontiguousarray(w.reshape(heads, 2, dim, *w.shape[1:]).swapaxes(1, 2)
-                                .reshape(w.shape))  # fmt: skip
+    return np.ascontiguousarray(
+        w.reshape(heads, 2, dim, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def lora_pairs(tensors: Mapping[str, Array]) -> dict[str, tuple[Array, Array]]:
@@ -127,8 +128,10 @@ def write_gguf_lora(
     for module, (a, b) in lora_pairs(factors or {}).items():
         if module in pairs:
             if (a.shape, b.shape) != tuple(x.shape for x in pairs[module]):
-                raise FinetuneError(f"{module}: the state file's LoRA factors are {a.shape}, "
-                                    f"{b.shape}; the run's adapter has others")  # fmt: skip
+                raise FinetuneError(
+                    f"{module}: the state file's LoRA factors are {a.shape}, "
+                    f"{b.shape}; the run's adapter has others"
+                )
             pairs[module] = (a, b)
     alphas = _alphas(config, list(pairs))
     alpha = float(config["lora_alpha"])
@@ -183,15 +186,18 @@ def export_run_adapter(run: Path, folder: Path, target: str, state: Path | None)
 
     adapter = run / ADAPTER_DIR
     if not (adapter / ADAPTER_CONFIG).is_file():
-        raise FinetuneError(f"{run} has no LoRA adapter ({adapter}/{ADAPTER_CONFIG}): "
-                            "export --target gguf-lora/peft takes a --scheme lora run")  # fmt: skip
+        raise FinetuneError(
+            f"{run} has no LoRA adapter ({adapter}/{ADAPTER_CONFIG}): "
+            "export --target gguf-lora/peft takes a --scheme lora run"
+        )
     factors = None if state is None else _read_safetensors(state)
     if factors is not None and not lora_pairs(factors):
         raise FinetuneError(f"{state} holds no LoRA factors (*.lora_A.weight, *.lora_B.weight)")
     if target == "gguf-lora":
         heads, kv_heads = _heads(run)
-        write_gguf_lora(adapter, folder / "adapter.gguf", heads=heads, kv_heads=kv_heads,
-                        factors=factors)  # fmt: skip
+        write_gguf_lora(
+            adapter, folder / "adapter.gguf", heads=heads, kv_heads=kv_heads, factors=factors
+        )
         return ["adapter.gguf"]
     tensors = _read_safetensors(adapter / ADAPTER_WEIGHTS)
     for module, (a, b) in lora_pairs(factors or {}).items():

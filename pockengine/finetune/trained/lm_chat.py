@@ -20,8 +20,11 @@ def end_of_turn(tokenizer: Any) -> set[int]:
     """The special token the template puts right after an assistant turn (ChatML's
     ``<|im_end|>``, LLaMA 3's ``<|eot_id|>``), if it puts one there; end-of-text too."""
     marker = "\x00reply\x00"
-    text = lm_data.render(tokenizer, [{"role": "user", "content": "hi"},
-                                      {"role": "assistant", "content": marker}], False)  # fmt: skip
+    text = lm_data.render(
+        tokenizer,
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+        False,
+    )
     stops = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     after = text.split(marker, 1)[-1]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
@@ -32,9 +35,13 @@ def end_of_turn(tokenizer: Any) -> set[int]:
 
 
 def chat(
-    loaded: LoadedRun, lines: Iterable[str], on_text: Callable[[str], None], *,
-    system: str | None = None, **sampling: Any,
-) -> list[Generated]:  # fmt: skip
+    loaded: LoadedRun,
+    lines: Iterable[str],
+    on_text: Callable[[str], None],
+    *,
+    system: str | None = None,
+    **sampling: Any,
+) -> list[Generated]:
     """Reply to each non-blank line of ``lines`` in turn; ``sampling``: ``generate``'s
     settings (max_new_tokens, temperature, top_k, seed)."""
     messages = [{"role": "system", "content": system}] if system else []

@@ -29,10 +29,13 @@ def file_arrays(tokenizer: Any, meta: dict[str, Any], path: Path) -> tuple[Array
     config = meta.get("config", {})
     seq_len = int(meta["seq_len"])
     data = lm_data.load_lm_data(
-        path, tokenizer, seq_len, kind=config.get("data_format"),
+        path,
+        tokenizer,
+        seq_len,
+        kind=config.get("data_format"),
         train_on_prompt=bool(config.get("train_on_prompt", False)),
         truncate=bool(config.get("truncate", True)),
-    )  # fmt: skip
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     packing = config.get("packing", "on") == "on"
     arrays, _ = lm_pack.pack_examples(data.examples, seq_len, int(pad or 0), packing=packing)

@@ -40,8 +40,11 @@ def evaluate_run(loaded: LoadedRun, data: str | None = None) -> dict[str, Any]:
     """Metrics of the loaded model on ``data`` (default: the run's validation split)."""
     where = data or "the run's validation split"
     if lm_eval.is_packed_run(loaded.meta):
-        arrays = (lm_eval.file_arrays(loaded.tokenizer, loaded.meta, Path(data)) if data
-                  else _validation(loaded))  # fmt: skip
+        arrays = (
+            lm_eval.file_arrays(loaded.tokenizer, loaded.meta, Path(data))
+            if data
+            else _validation(loaded)
+        )
         result = lm_eval.packed_perplexity(loaded.model, arrays)
         return {"data": where, "weights": loaded.meta.get("weights", {}), **result}
     arrays = _file_arrays(loaded, Path(data)) if data else _validation(loaded)

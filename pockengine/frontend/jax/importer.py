@@ -124,8 +124,9 @@ class _Translator:
 
     def const(self, array: Any) -> Value:
         value = np.asarray(array)
-        v = self.b.input(f"const.{self.consts}", TensorType(value.shape, ir_dtype(value.dtype)),
-                         Role.CONST)  # fmt: skip
+        v = self.b.input(
+            f"const.{self.consts}", TensorType(value.shape, ir_dtype(value.dtype)), Role.CONST
+        )
         self.consts += 1
         self.values[v.name] = value
         if value.size <= FOLD_LIMIT:
@@ -199,9 +200,14 @@ class _Translator:
         steps = range(int(p["length"]))
         ys: dict[int, list[Value]] = {}
         for t in reversed(steps) if p["reverse"] else steps:
-            x_t = [self.cx.call("reshape", self.cx.call("slice", x, axis=0, start=t, stop=t + 1,
-                                                        step=1), shape=x.shape[1:])
-                   for x in xs]  # fmt: skip
+            x_t = [
+                self.cx.call(
+                    "reshape",
+                    self.cx.call("slice", x, axis=0, start=t, stop=t + 1, step=1),
+                    shape=x.shape[1:],
+                )
+                for x in xs
+            ]
             outs = self.run(body.jaxpr, body.consts, [*consts, *carry, *x_t], path)
             carry, ys[t] = outs[:n_carry], outs[n_carry:]
         stacked = []
@@ -217,8 +223,9 @@ class _Translator:
         known = self.cx.known
         name = eqn.primitive.name
         if not all(v.name in known for v in ins):
-            raise CompileError(f"{name} at {source}: no converter, and its operands are "
-                               "computed at run time")  # fmt: skip
+            raise CompileError(
+                f"{name} at {source}: no converter, and its operands are computed at run time"
+            )
         results = eqn.primitive.bind(*(known[v.name] for v in ins), **eqn.params)
         results = results if eqn.primitive.multiple_results else [results]
         outs = []

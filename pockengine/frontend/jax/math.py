@@ -86,10 +86,18 @@ def _unary(op: str) -> Callable[..., Value]:
 
 
 for _prim, _op in (
-    ("neg", "neg"), ("exp", "exp"), ("log", "log"), ("sqrt", "sqrt"), ("rsqrt", "rsqrt"),
-    ("tanh", "tanh"), ("logistic", "sigmoid"), ("erf", "erf"), ("abs", "abs"), ("sin", "sin"),
+    ("neg", "neg"),
+    ("exp", "exp"),
+    ("log", "log"),
+    ("sqrt", "sqrt"),
+    ("rsqrt", "rsqrt"),
+    ("tanh", "tanh"),
+    ("logistic", "sigmoid"),
+    ("erf", "erf"),
+    ("abs", "abs"),
+    ("sin", "sin"),
     ("cos", "cos"),
-):  # fmt: skip
+):
     primitive(_prim)(_unary(_op))
 
 

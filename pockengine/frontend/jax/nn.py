@@ -59,8 +59,15 @@ def _conv(cx: JCtx, lhs: Value, rhs: Value) -> Value:
     if padding is None:
         x = cx.call("pad", x, pads=((0, 0), (0, 0), *pads), value=0.0)
         padding = (0, 0)
-    y = cx.call("conv2d", x, w, stride=strides, padding=padding, dilation=dilation,
-                groups=int(p["feature_group_count"]))  # fmt: skip
+    y = cx.call(
+        "conv2d",
+        x,
+        w,
+        stride=strides,
+        padding=padding,
+        dilation=dilation,
+        groups=int(p["feature_group_count"]),
+    )
     y = cx.reshape(y, (y.shape[0], y.shape[1], *spatial))
     return cx.transpose(y, _inverse(out_spec))
 
@@ -95,8 +102,9 @@ def _lhs_dilated(
     out = (1, *spatial) if len(spatial) == 1 else spatial
     shape = (x.shape[0], w.shape[1] * groups, *out)
     pairs = ((begin[0], begin[1]), (end[0], end[1]))
-    return compose.transposed_conv2d(cx, x, w, shape, (lhs[0], lhs[1]), pairs,
-                                     (dilation[0], dilation[1]), groups)  # fmt: skip
+    return compose.transposed_conv2d(
+        cx, x, w, shape, (lhs[0], lhs[1]), pairs, (dilation[0], dilation[1]), groups
+    )
 
 
 def _window_layout(cx: JCtx, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -104,10 +112,12 @@ def _window_layout(cx: JCtx, rank: int) -> tuple[tuple[int, ...], tuple[int, ...
     one spatial axis) input whose batch and channel axes have trivial windows."""
     p = cx.params
     trivial = {
-        d for d in range(rank)
-        if int(p["window_dimensions"][d]) == 1 and int(p["window_strides"][d]) == 1
+        d
+        for d in range(rank)
+        if int(p["window_dimensions"][d]) == 1
+        and int(p["window_strides"][d]) == 1
         and tuple(p["padding"][d]) == (0, 0)
-    }  # fmt: skip
+    }
     if any(int(d) != 1 for d in p.get("base_dilation", ())):
         raise CompileError("pooling with base dilation is not supported")
     last = rank - 1

@@ -143,8 +143,7 @@ def _take(cx: JCtx, x: Value, idx: Value, dn: object) -> Value:
     if collapsed != tuple(sorted(axes)) or any(sizes[d] != x.shape[d] for d in kept):
         raise CompileError(f"gather with dimension numbers {dn} is not supported")
     order = sorted(range(len(axes)), key=lambda k: axes[k])
-    picks = [cx.reshape(_crop(cx, idx, idx.type.rank - 1, k, k + 1), idx.shape[:-1])
-             for k in order]  # fmt: skip
+    picks = [cx.reshape(_crop(cx, idx, idx.type.rank - 1, k, k + 1), idx.shape[:-1]) for k in order]
     out = cx.call("index", x, *picks, axes=tuple(sorted(axes)))
     return _to_gather_layout(cx, out, sorted(axes), kept, tuple(getattr(dn, "offset_dims", ())))
 

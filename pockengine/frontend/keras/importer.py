@@ -108,10 +108,13 @@ def check_supported(traced: Traced, nodes: list[TfNode]) -> None:
             missing[(node.op, traced.layer_of(node.name) or "<model>")] = None
     if missing:
         loops = any(op in ("While", "StatelessWhile") for op, _ in missing)
-        hint = ("A Keras recurrent layer (LSTM, GRU, SimpleRNN) traces to a While loop over "
-                "its time steps: build it with unroll=True, which traces each step.")  # fmt: skip
-        raise UnsupportedOpError("TF ops (the Keras frontend has no converter)", list(missing),
-                                 hint if loops else "")  # fmt: skip
+        hint = (
+            "A Keras recurrent layer (LSTM, GRU, SimpleRNN) traces to a While loop over "
+            "its time steps: build it with unroll=True, which traces each step."
+        )
+        raise UnsupportedOpError(
+            "TF ops (the Keras frontend has no converter)", list(missing), hint if loops else ""
+        )
 
 
 class _Translator:
@@ -226,13 +229,16 @@ def _classes_on_axis_1(cx: KerasCtx, out: Value, loss: str) -> Value:
 def _targets(tr: _Translator, loss: str, out: Value, extra: list[Array]) -> list[Value]:
     types = target_types(loss, out, have_labels=bool(extra))
     if len(extra) != len(types):
-        raise CompileError(f"loss {loss!r} takes {len(types)} target tensors after the "
-                           f"model's inputs, got {len(extra)}")  # fmt: skip
+        raise CompileError(
+            f"loss {loss!r} takes {len(types)} target tensors after the "
+            f"model's inputs, got {len(extra)}"
+        )
     targets = []
     for i, (t, array) in enumerate(zip(types, extra, strict=True)):
         if array.shape != t.shape or array.dtype != t.dtype.to_numpy():
-            raise CompileError(f"loss {loss!r} needs a target {t}, got "
-                               f"{array.dtype}{list(array.shape)}")  # fmt: skip
+            raise CompileError(
+                f"loss {loss!r} needs a target {t}, got {array.dtype}{list(array.shape)}"
+            )
         name = "labels" if loss == "causal_lm" else "target"
         targets.append(tr.b.input(name if i == 0 else f"{name}{i}", t, Role.INPUT))
     return targets

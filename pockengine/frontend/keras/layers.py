@@ -106,8 +106,9 @@ def _batch_norm(cx: KerasCtx, layer: Any, x: Value, training: bool) -> Value:
 @_layer_converter("LayerNormalization")
 def _layer_norm(cx: KerasCtx, layer: Any, x: Value, training: bool) -> Value:
     rank = x.type.rank
-    axes = sorted({a % rank for a in (layer.axis if isinstance(layer.axis, list | tuple)
-                                        else [layer.axis])})  # fmt: skip
+    axes = sorted(
+        {a % rank for a in (layer.axis if isinstance(layer.axis, list | tuple) else [layer.axis])}
+    )
     if axes != list(range(rank - len(axes), rank)) or getattr(layer, "rms_scaling", False):
         raise CompileError(
             f"LayerNormalization {layer.path}: only trailing axes without rms_scaling, "
@@ -170,8 +171,12 @@ def _channel_axis(local: str, shape: tuple[int, ...]) -> int:
 
 def owners(model: Any) -> dict[int, Any]:
     """id(variable) -> the layer that holds it."""
-    return {id(v): layer for layer in model._flatten_layers(include_self=True, recursive=True)
-            for kind in own_variables(layer) for v in kind}  # fmt: skip
+    return {
+        id(v): layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for kind in own_variables(layer)
+        for v in kind
+    }
 
 
 def keras_info(model: Any) -> ModelInfo:
@@ -187,8 +192,9 @@ def keras_info(model: Any) -> ModelInfo:
         kind, name = type(owner[id(v)]).__name__, ir_name(v.path)
         module, _, local = name.rpartition(".")
         shape = tuple(int(d) for d in v.shape)
-        params.append(ParamInfo(name, shape, module, kind, bool(v.trainable),
-                                _channel_axis(local, shape)))  # fmt: skip
+        params.append(
+            ParamInfo(name, shape, module, kind, bool(v.trainable), _channel_axis(local, shape))
+        )
         aliases.update({str(v.path): name} if v.path != name else {})
         head = module if kind == "Dense" else head
     containers, blocks = _containers(model)

@@ -71,8 +71,9 @@ def _conv(cx: Ctx, x: Value, w_oihw: Value, attrs: Attrs, groups: int) -> Value:
     begin, end = _pads(attrs, x4.shape[2:], kernel, stride, dilation)
     if begin != end:
         x4, begin = _explicit(cx, x4, begin, end, 0.0), (0, 0)
-    y = cx.call("conv2d", x4, w_oihw, stride=stride, padding=begin, dilation=dilation,
-                groups=groups)  # fmt: skip
+    y = cx.call(
+        "conv2d", x4, w_oihw, stride=stride, padding=begin, dilation=dilation, groups=groups
+    )
     return _back(cx, y, channels_last)
 
 
@@ -113,8 +114,15 @@ def _max_pool(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
     kernel, stride, begin, end = _pool_geometry(x4, attrs, channels_last)
     if begin != end or any(p > k // 2 for p, k in zip(begin, kernel, strict=True)):
         x4, begin = _explicit(cx, x4, begin, end, -math.inf), (0, 0)
-    y = cx.call("max_pool2d", x4, kernel=kernel, stride=stride, padding=begin,
-                dilation=(1, 1), ceil_mode=False)  # fmt: skip
+    y = cx.call(
+        "max_pool2d",
+        x4,
+        kernel=kernel,
+        stride=stride,
+        padding=begin,
+        dilation=(1, 1),
+        ceil_mode=False,
+    )
     return _back(cx, y, channels_last)
 
 
@@ -125,6 +133,14 @@ def _avg_pool(cx: Ctx, ins: list[Operand], attrs: Attrs) -> Value:
     kernel, stride, begin, end = _pool_geometry(x4, attrs, channels_last)
     if begin != end:
         raise CompileError("AvgPool with SAME padding that differs per side is not supported")
-    y = cx.call("avg_pool2d", x4, kernel=kernel, stride=stride, padding=begin, ceil_mode=False,
-                count_include_pad=False, divisor_override=None)  # fmt: skip
+    y = cx.call(
+        "avg_pool2d",
+        x4,
+        kernel=kernel,
+        stride=stride,
+        padding=begin,
+        ceil_mode=False,
+        count_include_pad=False,
+        divisor_override=None,
+    )
     return _back(cx, y, channels_last)

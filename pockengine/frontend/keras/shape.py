@@ -185,8 +185,10 @@ def _identity_n(cx: Ctx, ins: list[Operand], attrs: Attrs) -> tuple[Operand, ...
     ``_gradient_op_type`` set: autodiff then differentiates the function's own ops, which is
     its custom gradient only where that gradient is exact, so this says so once per node."""
     if attrs.get("_gradient_op_type"):
-        log.warning("%s: a tf.custom_gradient is replaced by the gradient of the ops it wraps",
-                    cx.source or "IdentityN")  # fmt: skip
+        log.warning(
+            "%s: a tf.custom_gradient is replaced by the gradient of the ops it wraps",
+            cx.source or "IdentityN",
+        )
     return tuple(ins)
 
 

@@ -175,8 +175,9 @@ def _output_names(model: Any, structured: Any, count: int) -> list[str]:
 def trace(model: Any, batch: list[Array], replaced: Collection[str]) -> Traced:
     """The training-mode TF graph of ``model`` called on arrays shaped like ``batch``."""
     tf = require_tensorflow()
-    specs = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype), name=f"input_{i}")
-             for i, a in enumerate(batch)]  # fmt: skip
+    specs = [
+        tf.TensorSpec(a.shape, tf.as_dtype(a.dtype), name=f"input_{i}") for i, a in enumerate(batch)
+    ]
 
     def forward(*xs: Any) -> Any:
         return model(xs[0] if len(xs) == 1 else list(xs), training=True)

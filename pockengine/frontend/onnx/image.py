@@ -142,8 +142,11 @@ def _conv_transpose(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value
             f"ConvTranspose output shape {wanted} is larger than its input {sizes} can make "
             f"({full}: by stride, kernel, output_padding)"
         )
-    begin, end = _transpose_pads(attrs, [f - o for f, o in zip(full, wanted, strict=True)],
-                                 ints_attr(attrs, "pads", [0] * 2 * nd))  # fmt: skip
+    begin, end = _transpose_pads(
+        attrs,
+        [f - o for f, o in zip(full, wanted, strict=True)],
+        ints_attr(attrs, "pads", [0] * 2 * nd),
+    )
     out = [f - b - e for f, b, e in zip(full, begin, end, strict=True)]
     groups = int(attrs.get("group", 1))
     shape = (x.shape[0], w.shape[1] * groups, *([1] if flat else []), *out)
@@ -152,8 +155,9 @@ def _conv_transpose(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value
         return (fill, v[0]) if flat else (v[0], v[1])
 
     pads = (pair(begin, 0), pair(end, 0))
-    y = compose.transposed_conv2d(cx, x, w, shape, pair(strides, 1), pads, pair(dilations, 1),
-                                  groups)  # fmt: skip
+    y = compose.transposed_conv2d(
+        cx, x, w, shape, pair(strides, 1), pads, pair(dilations, 1), groups
+    )
     if len(ins) > 2 and ins[2] is not None:
         y = cx.call("add", y, cx.call("reshape", cx.like(ins[2], x), shape=(1, shape[1], 1, 1)))
     return cx.call("reshape", y, shape=(shape[0], shape[1], shape[3])) if flat else y
@@ -208,8 +212,9 @@ def _resize(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
     if int(attrs.get("antialias", 0)):
         raise CompileError("Resize with antialias is not supported")
     mode = _text(attrs, "mode", "nearest")
-    coords = _text(attrs, "coordinate_transformation_mode",
-                   "half_pixel" if cx.opset >= 11 else "asymmetric")  # fmt: skip
+    coords = _text(
+        attrs, "coordinate_transformation_mode", "half_pixel" if cx.opset >= 11 else "asymmetric"
+    )
     nearest = _text(attrs, "nearest_mode", "round_prefer_floor" if cx.opset >= 11 else "floor")
     if len(ins) == 2 and cx.opset < 11:  # Upsample / Resize-10: (X, scales)
         ins = [ins[0], None, ins[1]]
@@ -222,8 +227,12 @@ def _resize(cx: Ctx, ins: list[Operand], attrs: dict[str, Any]) -> Value:
             src = _source(coords, nearest, n, size, scale)
             x = _take(cx, x, axis, src, 1.0 / scale)
         elif mode == "linear":
-            kind = {"half_pixel": "half", "pytorch_half_pixel": "half", "align_corners": "align",
-                    "asymmetric": "asymmetric"}.get(coords)  # fmt: skip
+            kind = {
+                "half_pixel": "half",
+                "pytorch_half_pixel": "half",
+                "align_corners": "align",
+                "asymmetric": "asymmetric",
+            }.get(coords)
             if kind is None:
                 raise CompileError(f"linear Resize with {coords!r} coordinates is not supported")
             ratio = (n - 1) / (size - 1) if kind == "align" and size > 1 else 1.0 / scale

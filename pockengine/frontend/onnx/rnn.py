@@ -81,9 +81,11 @@ class _Direction:
     def _gru(self, cx: Ctx, xt: Value) -> Value:
         xz, xr, xh = (_part(cx, xt, 1, k, 3) for k in range(3))  # ONNX order: z, r, h
         rz, rr, rh = (_part(cx, self.r, 0, k, 3) for k in range(3))
-        bz, br, bh = (None, None, None) if self.rb is None else (
-            _part(cx, self.rb, 0, k, 3) for k in range(3)
-        )  # fmt: skip
+        bz, br, bh = (
+            (None, None, None)
+            if self.rb is None
+            else (_part(cx, self.rb, 0, k, 3) for k in range(3))
+        )
         z = cx.call("sigmoid", cx.call("add", xz, self.recur(cx, self.h, rz, bz)))
         r = cx.call("sigmoid", cx.call("add", xr, self.recur(cx, self.h, rr, br)))
         if self.before_reset:
@@ -91,8 +93,9 @@ class _Direction:
         else:
             cand = cx.call("add", xh, self.recur(cx, cx.call("mul", r, self.h), rh, bh))
         keep = cx.call("sub", cx.full(1.0, self.h.dtype), z)
-        self.h = cx.call("add", cx.call("mul", keep, cx.call("tanh", cand)),
-                         cx.call("mul", z, self.h))  # fmt: skip
+        self.h = cx.call(
+            "add", cx.call("mul", keep, cx.call("tanh", cand)), cx.call("mul", z, self.h)
+        )
         return self.h
 
 
@@ -143,8 +146,14 @@ def _direction(
         proj, rb = cx.call("add", proj, _part(cx, b, 0, 0, 2)), _part(cx, b, 0, 1, 2)
     h0, c0 = (inp.of(k, d, (batch, hidden)) for k in (5, 6))
     zeros = cx.full(0.0, xs.dtype, (batch, hidden))
-    cell = _Direction(kind, r, rb, zeros if h0 is None else h0, act=act,
-                      before_reset=bool(int(attrs.get("linear_before_reset", 0))))  # fmt: skip
+    cell = _Direction(
+        kind,
+        r,
+        rb,
+        zeros if h0 is None else h0,
+        act=act,
+        before_reset=bool(int(attrs.get("linear_before_reset", 0))),
+    )
     if kind == "LSTM":
         cell.c = zeros if c0 is None else c0
         peep = inp.of(7, d, (3 * hidden,))
@@ -173,13 +182,16 @@ def _layer(kind: str) -> Any:
             for t in reversed(range(seq)) if reverse else range(seq):
                 xt = cx.call("slice", proj, axis=0, start=t, stop=t + 1, step=1)
                 hs[t] = cell.step(cx, cx.call("reshape", xt, shape=(batch, proj.shape[2])))
-            per_dir.append([cx.call("reshape", hs[t], shape=(1, 1, *hs[t].shape))
-                            for t in range(seq)])  # fmt: skip
+            per_dir.append(
+                [cx.call("reshape", hs[t], shape=(1, 1, *hs[t].shape)) for t in range(seq)]
+            )
             cells.append(cell)
         y = _cat(cx, [_cat(cx, list(step), 1) for step in zip(*per_dir, strict=True)], 0)
-        last = [_cat(cx, [cx.call("reshape", v, shape=(1, *v.shape)) for v in vs], 0)
-                for vs in ([c.h for c in cells], [c.c for c in cells if c.c is not None])
-                if vs]  # fmt: skip
+        last = [
+            _cat(cx, [cx.call("reshape", v, shape=(1, *v.shape)) for v in vs], 0)
+            for vs in ([c.h for c in cells], [c.c for c in cells if c.c is not None])
+            if vs
+        ]
         if first:
             y = cx.call("transpose", y, perm=(2, 0, 1, 3))
             last = [cx.call("transpose", v, perm=(1, 0, 2)) for v in last]

@@ -21,10 +21,16 @@ __all__: list[str] = []
 
 @aten("scaled_dot_product_attention.default")
 def _sdpa(
-    cx: Ctx, q: Value, k: Value, v: Value, attn_mask: Value | None = None,
-    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+    cx: Ctx,
+    q: Value,
+    k: Value,
+    v: Value,
+    attn_mask: Value | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
     enable_gqa: bool = False,
-) -> Value:  # fmt: skip
+) -> Value:
     if not (q.dtype == k.dtype == v.dtype and q.dtype.is_float):
         raise CompileError(f"attention needs q, k, v of one float dtype, got {q}, {k}, {v}")
     if q.type.rank < 2 or k.type.rank != q.type.rank or v.type.rank != q.type.rank:
@@ -69,9 +75,15 @@ def _repeat_heads(cx: Ctx, x: Value, heads: int) -> Value:
 
 
 def _explicit(
-    cx: Ctx, q: Value, k: Value, v: Value, masks: list[Value], scale: float, causal: bool,
+    cx: Ctx,
+    q: Value,
+    k: Value,
+    v: Value,
+    masks: list[Value],
+    scale: float,
+    causal: bool,
     dropout_p: float,
-) -> Value:  # fmt: skip
+) -> Value:
     s = attention_scores(cx.call, q, k, masks, cx.full(scale, q.dtype), causal)
     p = cx.call("safe_softmax", s, axis=-1)
     if dropout_p >= 1:

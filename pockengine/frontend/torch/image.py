@@ -49,8 +49,15 @@ def _adaptive_max_pool(cx: Ctx, x: Value, output_size: list[int]) -> tuple[Value
     if h % oh or w % ow:
         raise CompileError(f"adaptive max pooling of {h}x{w} to {oh}x{ow} needs divisible sizes")
     kernel = (h // oh, w // ow)
-    y = cx.call("max_pool2d", x, kernel=kernel, stride=kernel, padding=(0, 0), dilation=(1, 1),
-                ceil_mode=False)  # fmt: skip
+    y = cx.call(
+        "max_pool2d",
+        x,
+        kernel=kernel,
+        stride=kernel,
+        padding=(0, 0),
+        dilation=(1, 1),
+        ceil_mode=False,
+    )
     return y, None  # the indices only serve ATen's own backward
 
 
@@ -105,7 +112,11 @@ def _bilinear_vec(cx: Ctx, x: Value, output_size: Any, align_corners: bool, scal
 
 @aten("upsample_bilinear2d.default")
 def _bilinear_default(
-    cx: Ctx, x: Value, output_size: Any, align_corners: bool, scales_h: Any = None,
+    cx: Ctx,
+    x: Value,
+    output_size: Any,
+    align_corners: bool,
+    scales_h: Any = None,
     scales_w: Any = None,
-) -> Value:  # fmt: skip
+) -> Value:
     return _bilinear(cx, x, [_scales(scales_h, 1)[0], _scales(scales_w, 1)[0]], bool(align_corners))

@@ -41,9 +41,14 @@ def _repeat(cx: Ctx, a: Value, repeats: list[int]) -> Value:
 
 @aten("slice_scatter.default")
 def _slice_scatter(
-    cx: Ctx, a: Value, src: Value, dim: int = 0, start: Any = None, end: Any = None,
+    cx: Ctx,
+    a: Value,
+    src: Value,
+    dim: int = 0,
+    start: Any = None,
+    end: Any = None,
     step: int = 1,
-) -> Value:  # fmt: skip
+) -> Value:
     """``a`` with ``a[start:end]`` along ``dim`` replaced by ``src``: the untouched parts
     and ``src`` joined (what ``x[:, 1:] = y`` exports as)."""
     axis = norm_dim(dim, a.type.rank)
@@ -102,8 +107,9 @@ def _gathered(cx: Ctx, size: tuple[int, ...], stride: tuple[int, ...], offset: A
     fake = cx.node.args[0].meta["val"]
     in_shape = tuple(int(d) for d in fake.shape)
     start = int(fake.storage_offset()) if offset is None else int(offset)
-    held = _storage_positions(in_shape, tuple(int(s) for s in fake.stride()),
-                              int(fake.storage_offset())).reshape(-1)  # fmt: skip
+    held = _storage_positions(
+        in_shape, tuple(int(s) for s in fake.stride()), int(fake.storage_offset())
+    ).reshape(-1)
     order = np.argsort(held, kind="stable")
     wanted = _storage_positions(size, stride, start).reshape(-1)
     found = np.searchsorted(held[order], wanted)

@@ -123,9 +123,22 @@ def _unary(op: str) -> Any:
 
 
 for _op in (
-    "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "silu", "sin", "cos",
-    "abs", "reciprocal", "erf", "log1p",
-):  # fmt: skip
+    "neg",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "silu",
+    "sin",
+    "cos",
+    "abs",
+    "reciprocal",
+    "erf",
+    "log1p",
+):
     aten(f"{_op}.default")(_unary(_op))
 
 

@@ -273,13 +273,17 @@ def _even_offsets(cx: Ctx, count: int) -> int:
     node = cx.node.args[2] if cx.node is not None and len(cx.node.args) > 2 else None
     target = str(getattr(node, "target", ""))
     if node is None or not target.startswith("aten.arange"):
-        raise CompileError("EmbeddingBag needs a 2-D input (bags of one length); offsets "
-                           "computed at run time give bags of unknown shape")  # fmt: skip
+        raise CompileError(
+            "EmbeddingBag needs a 2-D input (bags of one length); offsets "
+            "computed at run time give bags of unknown shape"
+        )
     args = [a for a in node.args if isinstance(a, int)]
     start, end, step = [*args, 1][:3] if len(args) >= 2 else (0, args[0] if args else 0, 1)
     if start != 0 or end != count or step <= 0 or count % step:
-        raise CompileError(f"EmbeddingBag offsets arange({start}, {end}, {step}) do not cut "
-                           f"{count} ids into bags of one length")  # fmt: skip
+        raise CompileError(
+            f"EmbeddingBag offsets arange({start}, {end}, {step}) do not cut "
+            f"{count} ids into bags of one length"
+        )
     return int(step)
 
 
@@ -299,8 +303,9 @@ def _embedding_bag(
     """Bags of one length L: the lookups as [bags, L, dim], then their sum (mode 0), mean
     (1) or max (2); ids equal to ``padding_idx`` are left out of a bag, as ATen's."""
     if scale_grad_by_freq or include_last_offset:
-        raise CompileError("EmbeddingBag with scale_grad_by_freq or include_last_offset "
-                           "is not supported")  # fmt: skip
+        raise CompileError(
+            "EmbeddingBag with scale_grad_by_freq or include_last_offset is not supported"
+        )
     count = ids.type.numel
     length = _even_offsets(cx, count)
     bags = cx.call("reshape", cx.cast(ids, DType.I64), shape=(count // length, length))
@@ -321,8 +326,14 @@ def _embedding_bag(
         return cx.call("amax", rows, axes=(1,), keepdims=False), None, None, None
     total = cx.call("sum", rows, axes=(1,), keepdims=False)
     if mode == 1:
-        n = cx.full(float(length), weight.dtype) if keep is None else cx.call(
-            "maximum", cx.call("sum", keep, axes=(1,), keepdims=False), cx.full(1.0, weight.dtype)
-        )  # fmt: skip
+        n = (
+            cx.full(float(length), weight.dtype)
+            if keep is None
+            else cx.call(
+                "maximum",
+                cx.call("sum", keep, axes=(1,), keepdims=False),
+                cx.full(1.0, weight.dtype),
+            )
+        )
         total = cx.call("div", total, n)
     return total, None, None, None
