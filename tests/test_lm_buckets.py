@@ -54,6 +54,27 @@ def test_buckets_pad_least() -> None:
             assert lm_buckets.padded_tokens(lengths, buckets) == best
 
 
+def test_enough_padding_takes_the_fewest_buckets_that_reach_it() -> None:
+    """With a padded share to reach, the fewest buckets whose least padding is within it
+    (each bucket is one more compiled step); the least padding when no count reaches it."""
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        lengths = [int(x) for x in rng.integers(1, 60, rng.integers(2, 24))]
+        k, min_count, enough = int(rng.integers(1, 6)), int(rng.integers(1, 3)), 0.15
+        buckets = lm_buckets.choose_buckets(lengths, k, min_count, enough)
+        pad = lm_buckets.padded_tokens(lengths, buckets)
+        least = {n: _brute_force(lengths, n, min_count) for n in range(1, k + 1)}
+        within = [n for n, p in least.items() if p is not None and p <= enough * (sum(lengths) + p)]
+        if within:
+            assert len(buckets) == min(within) and pad <= enough * (sum(lengths) + pad)
+        elif least[k] is not None:
+            assert pad == least[k]
+    # a long tail: ten lengths, each its own bucket pads nothing, but two reach 15%
+    lengths = [10] * 40 + [12] * 30 + list(range(100, 108))
+    assert len(lm_buckets.choose_buckets(lengths, 10, 1)) == 10
+    assert lm_buckets.choose_buckets(lengths, 10, 1, 0.15) == (12, 107)
+
+
 def _examples(n: int, seed: int = 0) -> list[LMExample]:
     """A long-tailed mix: many short examples, a few long; the first 3 tokens a prompt."""
     rng = np.random.default_rng(seed)

@@ -301,10 +301,11 @@ def _add_lm_arguments(p: argparse.ArgumentParser) -> None:
     lm.add_argument(
         "--buckets",
         type=int,
-        default=8,
+        default=16,
         metavar="N",
-        help="with --packing off: at most N row lengths, chosen to pad least, one compiled "
-        "step each over one store of weights (default 8; 1: pad to the longest)",
+        help="with --packing off: at most N row lengths, one compiled step each over one "
+        "store of weights: the fewest that pad at most 8%% of the rows' tokens, or the least "
+        "padding of N (default 16; 1: pad to the longest)",
     )
     lm.add_argument(
         "--no-truncate",

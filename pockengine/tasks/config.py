@@ -119,7 +119,7 @@ class FinetuneConfig:
     data_format: str | None = None  # causal LM: text, completion, alpaca, chat (None: detected)
     train_on_prompt: bool = False  # causal LM: the loss covers the prompt tokens too
     packing: str = "on"  # causal LM: examples packed into rows, or "off": one a row
-    buckets: int = 8  # causal LM, packing off: at most this many row lengths (lm_buckets)
+    buckets: int = 16  # causal LM, packing off: at most this many row lengths (lm_buckets)
     truncate: bool = True  # causal LM: cut an example longer than seq_len (False: refuse it)
 
     def make_optimizer(self, lr: float | None = None) -> Optimizer:

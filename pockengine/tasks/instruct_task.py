@@ -90,7 +90,10 @@ def pyqa_task(
         train, train_stats = lm_pack.pack_examples(train_ex, seq, pad)
     else:
         buckets = lm_buckets.choose_buckets(
-            [len(e.ids) for e in train_ex], config.buckets, config.batch_size
+            [len(e.ids) for e in train_ex],
+            config.buckets,
+            config.batch_size,
+            lm_buckets.ENOUGH_PADDING,
         )
         train, train_stats = lm_buckets.bucket_examples(train_ex, buckets, pad, seq)
     packing = config.packing == "on"

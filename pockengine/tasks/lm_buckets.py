@@ -30,7 +30,12 @@ from pockengine.step.compiler import TrainStep
 from pockengine.tasks.lm_data import LMExample
 from pockengine.tasks.lm_pack import _quantiles, pack_examples
 
+# The padded share of the buckets' rows at which the default run stops adding buckets: below
+# 10%, since each bucket's left-over rows run in batches as wide as their longest row needs.
+ENOUGH_PADDING = 0.08
+
 __all__ = [
+    "ENOUGH_PADDING",
     "BucketStats",
     "bucket_examples",
     "choose_buckets",
@@ -48,10 +53,14 @@ def padded_tokens(lengths: Sequence[int], buckets: Sequence[int]) -> int:
     return sum(edges[bisect.bisect_left(edges, n)] - n for n in lengths)
 
 
-def choose_buckets(lengths: Sequence[int], max_buckets: int, min_count: int = 1) -> tuple[int, ...]:
+def choose_buckets(
+    lengths: Sequence[int], max_buckets: int, min_count: int = 1, enough: float | None = None
+) -> tuple[int, ...]:
     """At most ``max_buckets`` bucket lengths, ascending, the last the longest of
     ``lengths``, that minimise ``padded_tokens``; each bucket holds at least ``min_count``
-    examples (fewer buckets where the data cannot fill them)."""
+    examples (fewer buckets where the data cannot fill them). With ``enough`` (a share of
+    the padded rows' tokens, e.g. 0.1), the fewest buckets whose least padding is at most
+    that share, each bucket one compiled step; the least padding where none reaches it."""
     if not lengths:
         return ()
     s = np.sort(np.asarray(lengths, dtype=np.int64))
@@ -76,6 +85,9 @@ def choose_buckets(lengths: Sequence[int], max_buckets: int, min_count: int = 1)
     if not feasible:  # fewer examples than min_count: one bucket
         return (int(s[-1]),)
     k = min(feasible, key=lambda k: (best[k, last], k))
+    if enough is not None:  # padding <= enough * (tokens + padding)
+        allowed = enough / (1.0 - enough) * float(prefix[-1])
+        k = min((f for f in feasible if best[f, last] <= allowed), default=k)
     out, e = [], last
     while k >= 1 and e >= 0:
         out.append(int(top[e]))

@@ -104,7 +104,9 @@ def _bucketed(
     """The training split one example a row in length buckets (``--packing off``)."""
     assert config.seq_len is not None and config.batch_size is not None
     lengths = [len(e.ids) for e in examples]
-    buckets = lm_buckets.choose_buckets(lengths, config.buckets, config.batch_size)
+    buckets = lm_buckets.choose_buckets(
+        lengths, config.buckets, config.batch_size, lm_buckets.ENOUGH_PADDING
+    )
     arrays, stats = lm_buckets.bucket_examples(examples, buckets, pad, config.seq_len)
     return arrays, stats, buckets
 
