@@ -178,7 +178,7 @@ def test_finetune_flag_reaches_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pockengine.step.compiler.compile", lambda *a, **kw: seen.update(kw))
     work = _llama()
     task = argparse.Namespace(train=(work.make_batch(0)[0].numpy(),), model=work.model,
-                              loss_fn=work.loss_fn)  # fmt: skip
+                              loss_fn=work.loss_fn, buckets=())  # fmt: skip
     config = dataclasses.replace(config, batch_size=1)
     task_step.compile_task(config, task, pe.schemes.full())  # type: ignore[arg-type]
     assert seen["memory_budget"] == 600 << 20
