@@ -164,9 +164,9 @@ class FinetuneConfig:
             "max_val",
             "max_steps",
             "buckets",
+            "checkpoint_every",
+            "log_every",
         ):
-            _positive(name, getattr(self, name))
-        for name in ("checkpoint_every", "log_every"):
             _positive(name, getattr(self, name))
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise FinetuneError(f"lr must be a finite number > 0, got {self.lr}")
