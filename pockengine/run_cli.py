@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from pockengine.finetune.cli import non_negative_float, positive_int
+from pockengine.finetune.arg_types import non_negative_float, positive_int
 from pockengine.finetune.run_folder.run_files import RunFileError, shown
 
 __all__ = ["FACTORY_HELP", "register"]

@@ -465,6 +465,15 @@ def test_full_model_bytes_come_from_shapes_without_reading_a_tensor(
     state = step.flat_state_dict()
     assert {"out.weight", "emb.weight"} <= set(state)  # tied: counted under both names
     expected = sum(a.nbytes for a in state.values())
+    # the public per-name reads the run folder's writers use
+    tied = step.aliases("emb.weight")
+    assert set(tied) == {"emb.weight", "out.weight"} and tied[0] == "emb.weight"
+    assert step.aliases("fc.bias") == ("fc.bias",)
+    assert set(step.quantized) == {"emb.weight", "fc.weight"}
+    for name in state:
+        np.testing.assert_array_equal(step.value(name), state[name])
+    with pytest.raises(KeyError, match="no param or buffer named 'nope'"):
+        step.value("nope")
 
     def no_read(ir: str) -> None:
         raise AssertionError(f"read {ir}")

@@ -18,7 +18,7 @@ from pockengine.cli_help import BACKEND_HELP
 from pockengine.federated.config import FederatedConfig, FederatedError
 from pockengine.federated.local_loss import LOCAL_LOSSES
 from pockengine.federated.server_step import SERVER_OPTIMIZERS
-from pockengine.finetune.cli import byte_amount, positive_int
+from pockengine.finetune.arg_types import byte_amount, positive_int
 from pockengine.out_folder import FEDERATION, claim, release
 from pockengine.safe_write import write_with
 from pockengine.sparse.schemes import SCHEME_HELP

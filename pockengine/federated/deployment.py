@@ -4,10 +4,10 @@
 state) and N SuperNodes with ``--node-config "partition-id=i num-partitions=N"``,
 each SuperNode with ``--isolation process`` and one long-lived ClientApp process
 (``node.serve``) beside it, so a client compiles its step once for the whole run.
-It writes a Flower App project (``write_app``: a ``pyproject.toml`` naming
+It writes a Flower App project (``flower_project.write_app``: a ``pyproject.toml`` naming
 ``pockengine.federated.server:app`` and ``pockengine.federated.client:app``, the run's
 ``FederatedConfig`` as JSON under the run config key ``pockengine-config``) and a
-Flower configuration naming the SuperLink (``write_connection``) into a temporary
+Flower configuration naming the SuperLink (``flower_project.write_connection``) into a temporary
 folder, and submits the app with ``flwr run --stream``. It logs a line per round as
 ``rounds.jsonl`` grows, and stops every process it started when the run ends, fails,
 or is interrupted (Ctrl-C, SIGTERM): the process groups of those processes and of
@@ -34,10 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pockengine.federated.client import RUN_CONFIG_KEY
 from pockengine.federated.config import FederatedConfig, FederatedError
+from pockengine.federated.flower_project import (
+    CONNECTION,
+    free_port,
+    write_app,
+    write_connection,
+)
 from pockengine.federated.local import check_shards, resolve_scheme
-from pockengine.federated.node import CLIENT_APP
 from pockengine.federated.processes import (
     live_members,
     process_table,
@@ -53,70 +57,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SERVER_APP = "pockengine.federated.server:app"
-CONNECTION = "pockengine-local"
 LOGS = "deployment-logs"  # in --out: each process's log
 _STARTUP_S = 180.0  # imports of torch and Flower on a loaded machine
 _STOP_S = 10.0
 _RESTARTS = 3  # fresh ClientApp processes a node gets while its SuperNode lives
-
-_PYPROJECT = """\
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "pockengine-federated"
-version = "1.0.0"
-description = "A PockEngine federated run (written by pockengine federated --deployment)"
-license = "MIT"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "pockengine"
-
-[tool.flwr.app.components]
-serverapp = "{server}"
-clientapp = "{client}"
-
-[tool.flwr.app.config]
-{key} = {config}
-"""
-
-
-def write_app(folder: Path, config: FederatedConfig) -> Path:
-    """A Flower App project whose run config carries ``config`` (as JSON); its folder."""
-    folder.mkdir(parents=True, exist_ok=True)
-    # JSON's string escapes are TOML's basic-string escapes, so the JSON text of the
-    # JSON text is a valid TOML string
-    text = _PYPROJECT.format(
-        server=SERVER_APP,
-        client=CLIENT_APP,
-        key=RUN_CONFIG_KEY,
-        config=json.dumps(config.to_json()),
-    )
-    (folder / "pyproject.toml").write_text(text)
-    return folder
-
-
-def write_connection(home: Path, address: str) -> Path:
-    """A Flower configuration (``$FLWR_HOME/config.toml``) whose default SuperLink
-    connection is ``address``, insecure; its path."""
-    home.mkdir(parents=True, exist_ok=True)
-    path = home / "config.toml"
-    path.write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-        f'[superlink.{CONNECTION}]\naddress = "{address}"\ninsecure = true\n'
-    )
-    return path
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def deploy(config: FederatedConfig) -> dict[str, Any]:

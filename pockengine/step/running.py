@@ -127,6 +127,7 @@ class CompiledStep(ABC):
         self._batch = facts.batch
         self._state_names = dict(facts.state_names)
         self._aliases = dict(facts.aliases)
+        self._ir_by_name: dict[str, str] | None = None
         self._quantized = dict(facts.quantized)
         self._trained_ir = facts.trained
         self._restructure = facts.restructure
@@ -313,6 +314,33 @@ class CompiledStep(ABC):
             for i, alias in enumerate(self._aliases.get(name, (name,))):
                 out[alias] = value.copy() if copy and i else value
         return out
+
+    def aliases(self, name: str) -> tuple[str, ...]:
+        """Every model name of the tensor first named ``name`` (a tied tensor has several;
+        the first is ``name``)."""
+        return self._aliases.get(name, (name,))
+
+    @property
+    def quantized(self) -> tuple[str, ...]:
+        """The weights the step stores quantized, by model name (tied ones under their first
+        name)."""
+        return tuple(self._state_names.get(ir, ir) for ir in self._quantized)
+
+    def value(self, name: str, *, copy: bool = True) -> Array:
+        """One param or persistent buffer by model name (any of a tied tensor's names), as
+        ``flat_state_dict`` gives it (a quantized weight as its floats; ``copy=False`` lends
+        the step's own memory where the backend can)."""
+        ir = self._ir_of_name().get(name)
+        if ir is None:
+            raise KeyError(f"the step holds no param or buffer named {name!r}")
+        return self._read(ir, copy)
+
+    def _ir_of_name(self) -> dict[str, str]:
+        if self._ir_by_name is None:
+            self._ir_by_name = {
+                alias: ir for ir, name in self._state_names.items() for alias in self.aliases(name)
+            }
+        return self._ir_by_name
 
     def state_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
         """The shape and dtype of every entry of ``flat_state_dict()`` (quantized weights as

@@ -49,20 +49,16 @@ class StepValues(Mapping[str, Array]):
 
     def __init__(self, step: CompiledStep, copy: bool = True) -> None:
         self._step, self._copy = step, copy
-        self._ir = {
-            alias: ir
-            for ir, name in step._state_names.items()
-            for alias in step._aliases.get(name, (name,))
-        }
+        self._names = tuple(step.state_specs())
 
     def __getitem__(self, name: str) -> Array:
-        return self._step._read(self._ir[name], copy=self._copy)
+        return self._step.value(name, copy=self._copy)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._ir)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._ir)
+        return len(self._names)
 
 
 def step_values(step: CompiledStep, copy: bool = True) -> Mapping[str, Array]:
@@ -74,17 +70,18 @@ def step_values(step: CompiledStep, copy: bool = True) -> Mapping[str, Array]:
 
 def quantized_names(step: TrainStep) -> list[str]:
     """The model names of the weights ``step`` stores quantized."""
-    return [step._state_names.get(ir, ir) for ir in step._quantized]
+    return list(step.quantized)
 
 
 def quantized_stand_ins(step: TrainStep) -> dict[str, Array]:
     """Broadcast zeros (no memory) of the float shape and dtype of each weight ``step``
     stores quantized, under each of its model names."""
+    specs = step.state_specs()
     out = {}
-    for ir, q in step._quantized.items():
-        name = step._state_names.get(ir, ir)
-        zero = np.broadcast_to(np.zeros((), q.type.dtype.to_numpy()), q.type.shape)
-        out.update(dict.fromkeys(step._aliases.get(name, (name,)), zero))
+    for name in step.quantized:
+        shape, dtype = specs[name]
+        zero = np.broadcast_to(np.zeros((), dtype), shape)
+        out.update(dict.fromkeys(step.aliases(name), zero))
     return out
 
 
@@ -94,7 +91,7 @@ def release_held(model: nn.Module, step: TrainStep, also: Iterable[str] = ()) ->
     copies of), with storage-less ``meta`` parameters; the bytes released."""
     released = 0
     for name in dict.fromkeys([*quantized_names(step), *also]):
-        names = step._aliases.get(name, (name,))
+        names = step.aliases(name)
         old = model.get_parameter(names[0])
         if old.device.type == "meta":
             continue
