@@ -102,6 +102,9 @@ def main() -> int:
         help="process CPU time (default with one thread: a loaded machine moves it less) "
         "or wall time (default with more)",
     )  # fmt: skip
+    parser.add_argument(
+        "--only", default="", help="time only the shapes whose 'workload product' holds this"
+    )
     args = parser.parse_args()
     import torch
 
@@ -110,8 +113,9 @@ def main() -> int:
     lib.pe_set_threads(args.threads)
     args.clock = args.clock or ("cpu" if args.threads == 1 else "wall")
     clock = _clock(args.clock)
+    shapes = [s for s in SHAPES if args.only in f"{s[0]} {s[1]}"]
     cases: list[tuple[Callable[[], None], Callable[[], None]]] = [
-        (_ours(lib, m, n, k, ta, tb), _torch(m, n, k, ta, tb)) for _, _, m, n, k, ta, tb in SHAPES
+        (_ours(lib, m, n, k, ta, tb), _torch(m, n, k, ta, tb)) for _, _, m, n, k, ta, tb in shapes
     ]
     probe = _torch(2048, 2048, 2048, 0, 0)
     times: list[tuple[list[float], list[float]]] = [([], []) for _ in cases]
@@ -130,7 +134,7 @@ def main() -> int:
     print(f"probe: torch.mm 2048^3 at {args.threads} thread(s): {probe_rate:.1f} GFLOP/s")
     print(f"{'workload':8} {'product':16} {'M x N x K':>18} {'op':>5} {'C':>7} {'torch':>7} "
           f"{'C/probe':>8} {'C/torch':>8}")  # fmt: skip
-    for (work, what, m, n, k, ta, tb), (mine, torch_t) in zip(SHAPES, times, strict=True):
+    for (work, what, m, n, k, ta, tb), (mine, torch_t) in zip(shapes, times, strict=True):
         flops = 2 * m * n * k
         rate = flops / statistics.median(mine[1:]) / 1e9
         theirs = flops / statistics.median(torch_t[1:]) / 1e9

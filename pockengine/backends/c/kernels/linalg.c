@@ -15,7 +15,7 @@
  * OpenMP the tiles (row blocks, and column groups when there are fewer row blocks than
  * threads) are split across threads; inside another parallel region it runs on one.
  * Nothing is allocated on the heap: the panels and the sliver are on the stack (at most
- * PE_MC x PE_KC + PE_KC x PE_NR elements, 224 KiB in float with AVX-512). */
+ * PE_MC x PE_KC + PE_KC x PE_NR elements, 296 KiB in float with AVX-512). */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "linalg.c"
@@ -46,12 +46,97 @@ static inline pe_layout pe_plain(long ld, int trans) {
 }
 
 static inline long pe_min(long a, long b) { return a < b ? a : b; }
+
+#if defined(__GNUC__)
+#define PE_PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PE_PREFETCH(p) ((void)0)
+#endif
+
+#if defined(PE_GEMM_ISA_AVX512) || defined(PE_GEMM_ISA_AVX2)
+/* Columns k .. k+7 of rows r .. r+7 (src, rows ld apart) to dst[t * R + i] = row i's t. */
+static inline void pe_transpose8x8(const float *src, long ld, float *dst, long R) {
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + ld);
+    __m256 r2 = _mm256_loadu_ps(src + 2 * ld), r3 = _mm256_loadu_ps(src + 3 * ld);
+    __m256 r4 = _mm256_loadu_ps(src + 4 * ld), r5 = _mm256_loadu_ps(src + 5 * ld);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * ld), r7 = _mm256_loadu_ps(src + 7 * ld);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + R, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * R, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * R, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * R, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * R, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * R, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * R, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* The same for 4 rows and 4 columns. */
+static inline void pe_transpose4x4(const float *src, long ld, float *dst, long R) {
+    __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + ld);
+    __m128 r2 = _mm_loadu_ps(src + 2 * ld), r3 = _mm_loadu_ps(src + 3 * ld);
+    _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+    _mm_storeu_ps(dst, r0);
+    _mm_storeu_ps(dst + R, r1);
+    _mm_storeu_ps(dst + 2 * R, r2);
+    _mm_storeu_ps(dst + 3 * R, r3);
+}
+#define PE_GEMM_TRANSPOSE_PACK 1
+#elif defined(PE_GEMM_ISA_NEON)
+static inline void pe_transpose4x4(const float *src, long ld, float *dst, long R) {
+    float32x4x2_t p01 = vtrnq_f32(vld1q_f32(src), vld1q_f32(src + ld));
+    float32x4x2_t p23 = vtrnq_f32(vld1q_f32(src + 2 * ld), vld1q_f32(src + 3 * ld));
+    vst1q_f32(dst, vcombine_f32(vget_low_f32(p01.val[0]), vget_low_f32(p23.val[0])));
+    vst1q_f32(dst + R, vcombine_f32(vget_low_f32(p01.val[1]), vget_low_f32(p23.val[1])));
+    vst1q_f32(dst + 2 * R, vcombine_f32(vget_high_f32(p01.val[0]), vget_high_f32(p23.val[0])));
+    vst1q_f32(dst + 3 * R, vcombine_f32(vget_high_f32(p01.val[1]), vget_high_f32(p23.val[1])));
+}
+#define PE_GEMM_TRANSPOSE_PACK 1
+#endif
+
+#ifdef PE_GEMM_TRANSPOSE_PACK
+/* dst[k * R + r] = src[r * ld + k] for r < rows, k < kc: a block whose k axis is
+ * contiguous packed k-major, transposed in register tiles (contiguous loads and stores). */
+static void pe_pack_transposed_f32(float *restrict dst, long R, const float *src, long ld,
+                                   long rows, long kc) {
+    long r = 0;
+#if defined(PE_GEMM_ISA_AVX512) || defined(PE_GEMM_ISA_AVX2)
+    for (; r + 8 <= rows; r += 8) {
+        long k = 0;
+        for (; k + 8 <= kc; k += 8) pe_transpose8x8(src + r * ld + k, ld, dst + k * R + r, R);
+        for (; k < kc; k++)
+            for (long i = r; i < r + 8; i++) dst[k * R + i] = src[i * ld + k];
+    }
+#endif
+    for (; r + 4 <= rows; r += 4) {
+        long k = 0;
+        for (; k + 4 <= kc; k += 4) pe_transpose4x4(src + r * ld + k, ld, dst + k * R + r, R);
+        for (; k < kc; k++)
+            for (long i = r; i < r + 4; i++) dst[k * R + i] = src[i * ld + k];
+    }
+    for (; r < rows; r++)
+        for (long k = 0; k < kc; k++) dst[k * R + r] = src[r * ld + k];
+}
+#endif
 #endif
 
 /* The k block: the sliver (PE_KC x PE_NR) stays in L1 beside a panel's stream. */
 #define PE_KC (PE_TSIZE == 4 ? 256 : 128)
-/* The row block: PE_MC x PE_KC of packed A stays in L2 (about 192 rows). */
+/* The row block: PE_MC x PE_KC of packed A stays in L2 (about 192 rows; 264 with AVX-512,
+ * whose cores have at least 1 MiB of L2, so a 256-row product is one block and each sliver
+ * of op(B) is packed once per k block). */
+#if defined(PE_GEMM_ISA_AVX512)
+#define PE_MC (PE_MR * (264 / PE_MR))
+#else
 #define PE_MC (PE_MR * (192 / PE_MR))
+#endif
 
 /* dst[(r - r0) * drs + (c - c0) * dcs] = M(r, c) for the block [r0, r0+nr) x [c0, c0+nc)
  * of the matrix at src with layout l; runs along the axis of smaller stride. */
@@ -63,6 +148,13 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
     long i0 = cols_inner ? c0 : r0, ni = cols_inner ? nc : nr;
     long dout = cols_inner ? drs : dcs, din = cols_inner ? dcs : drs;
     long sin = cols_inner ? l->cs : l->rs;
+#if PE_TSIZE == 4 && defined(PE_GEMM_TRANSPOSE_PACK)
+    if (sin == 1 && dout == 1 && din > 1 && l->split == 0) {
+        pe_pack_transposed_f32(dst, din, src + pe_axis_offset(l, outer, o0) + i0,
+                               cols_inner ? l->rs : l->cs, no, ni);
+        return;
+    }
+#endif
     for (long o = o0; o < o0 + no; o++) {
         const PE_T *line = src + pe_axis_offset(l, outer, o);
         PE_T *dline = dst + (o - o0) * dout;
@@ -70,8 +162,12 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
             long run = pe_axis_run(l, inner, i, i0 + ni);
             const PE_T *s = line + pe_axis_offset(l, inner, i);
             PE_T *restrict d = dline + (i - i0) * din;
-            if (sin == 1 && din == 1)
+            if (sin == 1 && din == 1) {
+                /* A short run of a long line: fetch the next block's run of it meanwhile. */
+                PE_PREFETCH(s + run);
+                PE_PREFETCH(s + run + 64 / sizeof(PE_T));
                 memcpy(d, s, (size_t)run * sizeof(PE_T));
+            }
             else if (sin == 1)
                 for (long t = 0; t < run; t++) d[t * din] = s[t];
             else
