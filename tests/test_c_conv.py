@@ -113,7 +113,9 @@ def test_every_kernel_candidate_matches_numpy(
     """Every case with each conv node on ``favour`` wherever that kernel is valid (the
     tuner's measurement replaced by times that rank it first): float32 as NumPy."""
     monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(tune, "measure", lambda op, kernel, *a: 1e-6 if kernel == favour else 1.0)
+    monkeypatch.setattr(
+        tune, "measure", lambda op, kernels, *a: {k: 1e-6 if k == favour else 1.0 for k in kernels}
+    )
     b = GraphBuilder("convs")
     outs: list[Value] = []
     feeds: dict[str, Any] = {}

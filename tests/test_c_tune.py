@@ -33,19 +33,20 @@ def table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 class Spy:
-    """Stands for ``tune.measure``: counts calls; with ``favour``, that kernel takes 1 us
-    and every other 2 us (so it wins wherever it is a candidate), else the real timing."""
+    """Stands for ``tune.measure``: counts the kernels timed; with ``favour``, that kernel
+    takes 1 us and every other 2 us (so it wins wherever it is a candidate), else the real
+    timing."""
 
     def __init__(self, favour: str | None = None) -> None:
         self.favour = favour
         self.calls = 0
         self.real = tune.measure
 
-    def __call__(self, op: str, kernel: str, *args: Any) -> float:
-        self.calls += 1
+    def __call__(self, op: str, kernels: list[str], *args: Any) -> dict[str, float]:
+        self.calls += len(kernels)
         if self.favour is None:
-            return self.real(op, kernel, *args)
-        return 1e-6 if kernel == self.favour else 2e-6
+            return self.real(op, kernels, *args)
+        return {k: 1e-6 if k == self.favour else 2e-6 for k in kernels}
 
 
 def _compile(w: zoo.Workload, backend: Any) -> Any:
@@ -193,3 +194,19 @@ def test_malformed_or_impossible_entries_are_measured_again(
     assert all(c.kernel == "direct" for c in step._exec.kernel_choices)
     entries = json.loads(table.read_text())["entries"]
     assert all(isinstance(e, dict) and e["kernel"] == "direct" for e in entries.values())
+
+
+def test_a_node_s_candidates_are_timed_on_one_set_of_operands_with_an_early_stop() -> None:
+    """``measure`` times a node's candidates in turn in one harness call: each a finite
+    median when none is given up; with a give-up factor of 0 every candidate after the
+    first is dropped on its warm-up run alone (inf)."""
+    step = _compile(zoo.small_cnn(), CBackend())
+    node = next(n for n in _tunable(step) if n.op == "conv2d")
+    g, dtype = conv_geometry(node), node.outputs[0].dtype
+    names = list(candidates(node.op, g))
+    assert list(tune.measure(node.op, names, dtype, g, None, 1)) == names
+    harness_times = tune.tune_harness.harness_times
+    seconds = harness_times(node.op, names, dtype, g, 0.001, float("inf"), None, 1)
+    assert len(seconds) == len(names) and all(0 < t < 1 for t in seconds)
+    dropped = harness_times(node.op, names, dtype, g, 0.001, 0.0, None, 1)
+    assert 0 < dropped[0] < 1 and all(t == float("inf") for t in dropped[1:])

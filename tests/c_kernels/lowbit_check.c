@@ -5,8 +5,9 @@
  * For every scheme (int8, int4 with offsets, int4_sym), f16 and float scales, groups of
  * 32, 64 and a whole row, both orientations (x W^T and x W), accumulating or not, on
  * shapes with partial panels, partial slivers, k blocks cut inside a group and a first
- * row other than 0: pe_qgemm equals pe_gemm on the matrix pe_dequantize makes, bit for
- * bit, in float and double (the double build reads float scales only). */
+ * row other than 0: pe_dequantize equals the scalar formula bit for bit (the SIMD groups
+ * included), and pe_qgemm equals pe_gemm on the matrix pe_dequantize makes, bit for bit,
+ * in float and double (the double build reads float scales only). */
 #include "pe_kernels.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,6 +42,23 @@ static unsigned long mix(unsigned long h) {
         const void *offs = scheme == PE_Q_INT4 ? offsets : NULL;                               \
         T *w = malloc(sizeof(T) * (size_t)(rows * cols));                                     \
         pe_dequantize_##S(codes, scales, offs, scheme, half, groups, group, w);                \
+        checks++;                                                                              \
+        for (long i = 0; i < rows * cols; i++) { /* the scalar formula, operation by operation */ \
+            long g = i / group, e = i % group;                                                 \
+            T sc = half ? (T)pe_half_to_float(((uint16_t *)scales)[g]) : ((T *)scales)[g];     \
+            T of = half ? (T)pe_half_to_float(((uint16_t *)offsets)[g]) : ((T *)offsets)[g];   \
+            const unsigned char *b = codes + g * (group / 2);                                  \
+            T code = scheme == PE_Q_INT8 ? (T)(signed char)codes[i]                            \
+                     : (T)(e < group / 2 ? b[e] & 0x0F : b[e - group / 2] >> 4);                \
+            T ref = scheme == PE_Q_INT8 ? code * sc                                            \
+                    : scheme == PE_Q_INT4 ? code * sc + of : (code - (T)8) * sc;               \
+            if (memcmp(&ref, &w[i], sizeof(T)) != 0) {                                         \
+                failures++;                                                                    \
+                fprintf(stderr, #S " dequantize scheme %d half %d group %ld element %ld\n",   \
+                        scheme, half, group, i);                                               \
+                break;                                                                         \
+            }                                                                                  \
+        }                                                                                      \
         pe_qmat q = {codes, scales, offs, scheme, half, group, rows, cols};                    \
         long K = transpose ? cols : nrows, N = transpose ? nrows : cols;                       \
         T *x = malloc(sizeof(T) * (size_t)(M * K));                                            \

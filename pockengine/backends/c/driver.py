@@ -5,12 +5,12 @@ alone for a portable build (``portable=True`` or ``PE_C_PORTABLE=1``), plus ``-f
 when the compiler takes it (probed once) unless turned off (``openmp=False`` or
 ``PE_C_OPENMP=0``), and always ``-std=c11 -fno-math-errno`` (no contraction into fused
 multiply-adds, which ISO C mode turns off, and vectorised square roots). The kernel files
-(``kernels/*.c``) compile once per compiler and flags into object files; each step
-compiles its one source and links them into a shared library. Both are cached by the hash
-of everything that goes in (the sources, the compiler's version line, the flags) under
-``$PE_C_CACHE``, else ``$XDG_CACHE_HOME/pockengine/c``, else ``~/.cache/pockengine/c``;
-files are written under a temporary name and renamed, so concurrent processes share the
-cache safely.
+(``kernels/*.c``) compile once per compiler and flags into object files, one compiler
+process per core at once; each step compiles its one source and links them into a shared
+library. Both are cached by the hash of everything that goes in (the sources, the
+compiler's version line, the flags) under ``$PE_C_CACHE``, else
+``$XDG_CACHE_HOME/pockengine/c``, else ``~/.cache/pockengine/c``; files are written under
+a temporary name and renamed, so concurrent processes share the cache safely.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,26 +143,25 @@ def _kernel_objects(tc: Toolchain) -> list[Path]:
     if all(o.exists() for o in objects):
         return objects
     folder.mkdir(parents=True, exist_ok=True)
-    for src, obj in zip((p for p in sources if p.suffix == ".c"), objects, strict=True):
-        if obj.exists():
-            continue
-        tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
-        _run(
-            [
-                tc.compiler,
-                *tc.flags,
-                *_COMMON,
-                "-I",
-                str(KERNEL_DIR),
-                "-c",
-                str(src),
-                "-o",
-                str(tmp),
-            ],
-            f"compiling kernel {src.name}",
-        )
-        os.replace(tmp, obj)
+    todo = [
+        (src, obj)
+        for src, obj in zip((p for p in sources if p.suffix == ".c"), objects, strict=True)
+        if not obj.exists()
+    ]
+    # one compiler process per core at once; the first failure is raised
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        for done in [pool.submit(_compile_kernel, tc, src, obj) for src, obj in todo]:
+            done.result()
     return objects
+
+
+def _compile_kernel(tc: Toolchain, src: Path, obj: Path) -> None:
+    tmp = obj.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp.o")
+    _run(
+        [tc.compiler, *tc.flags, *_COMMON, "-I", str(KERNEL_DIR), "-c", str(src), "-o", str(tmp)],
+        f"compiling kernel {src.name}",
+    )
+    os.replace(tmp, obj)
 
 
 def build_library(source: str, portable: bool | None = None, openmp: bool | None = None) -> Path:

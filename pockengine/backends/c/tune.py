@@ -4,7 +4,8 @@ For each conv node (``conv_kernels.CONV_OPS``) with more than one valid kernel, 
 candidate is timed on the node's exact geometry and dtype by the timing harness
 (``tune_harness``; a warm-up run, then the median of a few) and the fastest is kept. A
 candidate whose warm-up already takes more than ``_GIVE_UP`` times the best median so far
-is dropped without further runs. Nodes of one geometry are measured once.
+is dropped without further runs. The candidates of a node share one set of operands, and
+nodes of one geometry are measured once.
 
 The choices are kept in ``conv-kernels.json`` under the C cache dir (``driver.cache_dir``),
 keyed by op, dtype, geometry (shapes, strides, padding, dilation, groups), target (machine
@@ -46,26 +47,23 @@ CACHE_NAME = "conv-kernels.json"
 _FORMAT = "pockengine-conv-kernels"
 _VERSION = 1
 _GIVE_UP = 3.0  # a warm-up this many times the best median ends a candidate's timing
-_BUDGET_S = 0.05  # a candidate's timed runs: about this long, 3 to 9 of them
+_BUDGET_S = 0.02  # a candidate's timed runs: about this long, 3 to 9 of them
 
 
 def measure(
     op: str,
-    kernel: str,
+    kernels: list[str],
     dtype: DType,
     g: ConvGeometry,
     portable: bool | None,
     threads: int | None,
-    best: float,
-) -> float:
-    """The median seconds of ``kernel`` on ``g`` (inf when its warm-up alone exceeds
-    ``_GIVE_UP * best``, or its operands could not be allocated)."""
-    warm = tune_harness.harness_time(op, kernel, dtype, g, 1, portable, threads)
-    if warm < 0 or warm > _GIVE_UP * best:
-        return math.inf
-    reps = max(3, min(9, int(_BUDGET_S / max(warm, 1e-6)) | 1))
-    seconds = tune_harness.harness_time(op, kernel, dtype, g, reps, portable, threads)
-    return seconds if seconds >= 0 else math.inf
+) -> dict[str, float]:
+    """The median seconds of each of ``kernels`` on ``g``, timed in turn on one set of
+    operands (inf for one whose warm-up alone exceeds ``_GIVE_UP`` times the best median
+    before it, or when the operands could not be allocated)."""
+    seconds = tune_harness.harness_times(op, kernels, dtype, g, _BUDGET_S, _GIVE_UP,
+                                         portable, threads)  # fmt: skip
+    return dict(zip(kernels, seconds, strict=True))
 
 
 @functools.cache
@@ -164,12 +162,7 @@ def _measure_all(
 ) -> dict[str, Any]:
     # the rule's kernel first: its median is the bar the others' warm-ups must clear
     rule = rule_kernel(op, g, dtype.itemsize)
-    order = [rule, *(k for k in names if k != rule)]
-    seconds: dict[str, float] = {}
-    best = math.inf
-    for kernel in order:
-        seconds[kernel] = t = measure(op, kernel, dtype, g, portable, threads, best)
-        best = min(best, t)
+    seconds = measure(op, [rule, *(k for k in names if k != rule)], dtype, g, portable, threads)
     timed = {k: v for k, v in seconds.items() if math.isfinite(v)}
     if not timed:  # nothing could be timed: the rule, unmeasured
         return {"kernel": rule, "seconds": {rule: 0.0}}

@@ -4,7 +4,9 @@ convolution kernel on one geometry.
 ``pe_tune_time(op, kernel, dtype, geometry, reps)`` allocates the operands (64-byte
 aligned, filled with values in [-1, 1)), runs the kernel once to warm the caches and
 fault the pages in, then ``reps`` times, and returns the median of those runs in seconds
-of process CPU time (-1 when the operands could not be allocated). CPU time, not wall
+of process CPU time (-1 when the operands could not be allocated). ``pe_tune_times``
+times a node's candidate kernels in turn on one set of operands, each warm-up run timed
+so that a candidate clearly slower than the best so far is dropped at once. CPU time, not wall
 time: on a shared machine it moves far less with the load (with several OpenMP threads
 it counts the work of all of them, so it prefers the kernel that does the least work).
 The harness links the same kernel objects as the step (``driver.build_library``, so it
@@ -15,13 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from typing import Any
 
 from pockengine.backends.c.conv_kernels import CONV_OPS, KERNEL_NAMES, ConvGeometry, implemented
 from pockengine.backends.c.driver import build_library
 from pockengine.ir import DType
 
-__all__ = ["DTYPES", "harness_time"]
+__all__ = ["DTYPES", "harness_time", "harness_times"]
 
 DTYPES = (DType.F32, DType.F64)
 _CTYPE = {DType.F32: "float", DType.F64: "double"}
@@ -58,33 +61,75 @@ static int pe_tune_cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-double pe_tune_time(int op, int kernel, int dt, const long *g, int reps) {
+/* The operands of op on geometry g (a, b, c, out); 0 when one could not be allocated. */
+static int pe_tune_operands(int op, int dt, const long *g, void *p[4]) {
     size_t e = dt ? sizeof(double) : sizeof(float);
     size_t nx = (size_t)(g[0] * g[1] * g[2] * g[3]);
     size_t nw = (size_t)(g[4] * (g[1] / g[15]) * g[5] * g[6]);
     size_t ny = (size_t)(g[0] * g[4] * g[7] * g[8]);
     size_t na = op == 1 ? ny : nx, nb = op == 0 ? nw : op == 1 ? nw : ny;
     size_t nc = op == 0 ? (size_t)g[4] : 1, nout = op == 0 ? ny : op == 1 ? nx : nw;
-    void *a = pe_tune_alloc(na * e, 1, dt), *b = pe_tune_alloc(nb * e, 2, dt);
-    void *c = pe_tune_alloc(nc * e, 3, dt), *out = pe_tune_alloc(nout * e, 4, dt);
-    double times[64], result = -1;
-    if (reps > 64) reps = 64;
-    if (a && b && c && out && reps > 0) {
-        int code = (op * PE_TUNE_KERNELS + kernel) * 2 + dt;
-        pe_tune_call(code, a, b, c, out, g);
-        for (int r = 0; r < reps; r++) {
-            double t0 = pe_tune_now();
-            pe_tune_call(code, a, b, c, out, g);
-            times[r] = pe_tune_now() - t0;
-        }
-        qsort(times, (size_t)reps, sizeof(double), pe_tune_cmp);
-        result = reps % 2 ? times[reps / 2] : 0.5 * (times[reps / 2 - 1] + times[reps / 2]);
+    p[0] = pe_tune_alloc(na * e, 1, dt);
+    p[1] = pe_tune_alloc(nb * e, 2, dt);
+    p[2] = pe_tune_alloc(nc * e, 3, dt);
+    p[3] = pe_tune_alloc(nout * e, 4, dt);
+    return p[0] && p[1] && p[2] && p[3];
+}
+
+static void pe_tune_release(void *p[4]) {
+    for (int i = 0; i < 4; i++) free(p[i]);
+}
+
+/* The median of reps timed runs (reps <= 64). */
+static double pe_tune_median(int code, void *p[4], const long *g, int reps) {
+    double times[64];
+    for (int r = 0; r < reps; r++) {
+        double t0 = pe_tune_now();
+        pe_tune_call(code, p[0], p[1], p[2], p[3], g);
+        times[r] = pe_tune_now() - t0;
     }
-    free(a);
-    free(b);
-    free(c);
-    free(out);
+    qsort(times, (size_t)reps, sizeof(double), pe_tune_cmp);
+    return reps % 2 ? times[reps / 2] : 0.5 * (times[reps / 2 - 1] + times[reps / 2]);
+}
+
+double pe_tune_time(int op, int kernel, int dt, const long *g, int reps) {
+    void *p[4];
+    double result = -1;
+    if (reps > 64) reps = 64;
+    if (pe_tune_operands(op, dt, g, p) && reps > 0) {
+        int code = (op * PE_TUNE_KERNELS + kernel) * 2 + dt;
+        pe_tune_call(code, p[0], p[1], p[2], p[3], g);
+        result = pe_tune_median(code, p, g, reps);
+    }
+    pe_tune_release(p);
     return result;
+}
+
+/* kernels[0..n) of op on geometry g, on one set of operands, in turn: a timed warm-up
+ * run; seconds[i] = -2 when it took more than give_up times the best median so far,
+ * else the median of an odd 3 to 9 runs, about budget seconds in all. Returns 0, or -1
+ * when the operands could not be allocated. */
+int pe_tune_times(int op, int dt, const long *g, int n, const int *kernels, double budget,
+                  double give_up, double *seconds) {
+    void *p[4];
+    int ok = pe_tune_operands(op, dt, g, p);
+    double best = -1;
+    for (int i = 0; ok && i < n; i++) {
+        int code = (op * PE_TUNE_KERNELS + kernels[i]) * 2 + dt;
+        double t0 = pe_tune_now();
+        pe_tune_call(code, p[0], p[1], p[2], p[3], g);
+        double warm = pe_tune_now() - t0;
+        if (best >= 0 && warm > give_up * best) {
+            seconds[i] = -2;
+            continue;
+        }
+        int reps = warm > 0 ? (int)(budget / warm) : 9;
+        reps = reps < 3 ? 3 : reps > 9 ? 9 : reps | 1;
+        seconds[i] = pe_tune_median(code, p, g, reps);
+        if (best < 0 || seconds[i] < best) best = seconds[i];
+    }
+    pe_tune_release(p);
+    return ok ? 0 : -1;
 }
 """
 
@@ -125,6 +170,10 @@ def _library(portable: bool | None) -> Any:
     c_int = ctypes.c_int
     lib.pe_tune_time.argtypes = [c_int, c_int, c_int, ctypes.POINTER(ctypes.c_long), c_int]
     lib.pe_tune_time.restype = ctypes.c_double
+    lib.pe_tune_times.argtypes = [c_int, c_int, ctypes.POINTER(ctypes.c_long), c_int,
+                                  ctypes.POINTER(c_int), ctypes.c_double, ctypes.c_double,
+                                  ctypes.POINTER(ctypes.c_double)]  # fmt: skip
+    lib.pe_tune_times.restype = c_int
     lib.pe_set_threads.argtypes = [ctypes.c_int]
     return lib
 
@@ -147,3 +196,31 @@ def harness_time(
     geometry = (ctypes.c_long * len(longs))(*longs)
     code = (CONV_OPS.index(op), KERNEL_NAMES.index(kernel), DTYPES.index(dtype))
     return float(lib.pe_tune_time(*code, geometry, reps))
+
+
+def harness_times(
+    op: str,
+    kernels: list[str],
+    dtype: DType,
+    g: ConvGeometry,
+    budget: float,
+    give_up: float,
+    portable: bool | None,
+    threads: int | None = None,
+) -> list[float]:
+    """The median seconds of each of ``kernels`` for ``op`` on ``g``, timed in turn on one
+    set of operands (``pe_tune_times``): after a warm-up run, an odd 3 to 9 runs of about
+    ``budget`` seconds in all; inf for a kernel whose warm-up took more than ``give_up``
+    times the best median before it, and for all when the operands could not be
+    allocated."""
+    lib = _library(portable)
+    if threads is not None:
+        lib.pe_set_threads(threads)
+    longs = g.longs()
+    geometry = (ctypes.c_long * len(longs))(*longs)
+    codes = (ctypes.c_int * len(kernels))(*(KERNEL_NAMES.index(k) for k in kernels))
+    seconds = (ctypes.c_double * len(kernels))()
+    op_code, dt = CONV_OPS.index(op), DTYPES.index(dtype)
+    if lib.pe_tune_times(op_code, dt, geometry, len(kernels), codes, budget, give_up, seconds):
+        return [math.inf] * len(kernels)
+    return [t if t >= 0 else math.inf for t in seconds]

@@ -13,26 +13,10 @@
  * b[k * NR + j] over r < MR, j < NR, with a and b packed panels: every element sums its
  * products in k order, so a result does not depend on blocking, tile position or threads.
  * Included by linalg.c inside its PE_T instantiation; PE_MR and PE_NR name the block. */
-#if defined(PE_GEMM_PORTABLE)
-#define PE_GEMM_ISA_C 1
-#elif defined(__AVX512F__)
-#define PE_GEMM_ISA_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PE_GEMM_ISA_AVX2 1
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-#define PE_GEMM_ISA_NEON 1
-#else
-#define PE_GEMM_ISA_C 1
-#endif
+#include "pe_simd.h"
 
 #ifndef PE_GEMM_MICRO_ONCE
 #define PE_GEMM_MICRO_ONCE
-#if defined(PE_GEMM_ISA_AVX512) || defined(PE_GEMM_ISA_AVX2)
-#include <immintrin.h>
-#elif defined(PE_GEMM_ISA_NEON)
-#include <arm_neon.h>
-#endif
-
 #if defined(PE_GEMM_ISA_AVX512)
 #define PE_MR_F32 12
 #define PE_NR_F32 32

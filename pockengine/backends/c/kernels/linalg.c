@@ -15,7 +15,7 @@
  * OpenMP the tiles (row blocks, and column groups when there are fewer row blocks than
  * threads) are split across threads; inside another parallel region it runs on one.
  * Nothing is allocated on the heap: the panels and the sliver are on the stack (at most
- * PE_MC x PE_KC + PE_KC x PE_NR elements, 224 KiB in float with AVX-512). */
+ * PE_MC x PE_KC + PE_KC x PE_NR elements, 296 KiB in float with AVX-512). */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "linalg.c"
@@ -46,12 +46,25 @@ static inline pe_layout pe_plain(long ld, int trans) {
 }
 
 static inline long pe_min(long a, long b) { return a < b ? a : b; }
+
+#if defined(__GNUC__)
+#define PE_PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PE_PREFETCH(p) ((void)0)
+#endif
+
 #endif
 
 /* The k block: the sliver (PE_KC x PE_NR) stays in L1 beside a panel's stream. */
 #define PE_KC (PE_TSIZE == 4 ? 256 : 128)
-/* The row block: PE_MC x PE_KC of packed A stays in L2 (about 192 rows). */
+/* The row block: PE_MC x PE_KC of packed A stays in L2 (about 192 rows; 264 with AVX-512,
+ * whose cores have at least 1 MiB of L2, so a 256-row product is one block and each sliver
+ * of op(B) is packed once per k block). */
+#if defined(PE_GEMM_ISA_AVX512)
+#define PE_MC (PE_MR * (264 / PE_MR))
+#else
 #define PE_MC (PE_MR * (192 / PE_MR))
+#endif
 
 /* dst[(r - r0) * drs + (c - c0) * dcs] = M(r, c) for the block [r0, r0+nr) x [c0, c0+nc)
  * of the matrix at src with layout l; runs along the axis of smaller stride. */
@@ -63,6 +76,13 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
     long i0 = cols_inner ? c0 : r0, ni = cols_inner ? nc : nr;
     long dout = cols_inner ? drs : dcs, din = cols_inner ? dcs : drs;
     long sin = cols_inner ? l->cs : l->rs;
+#if PE_TSIZE == 4 && defined(PE_GEMM_TRANSPOSE_PACK)
+    if (sin == 1 && dout == 1 && din > 1 && l->split == 0) {
+        pe_pack_transposed_f32(dst, din, src + pe_axis_offset(l, outer, o0) + i0,
+                               cols_inner ? l->rs : l->cs, no, ni);
+        return;
+    }
+#endif
     for (long o = o0; o < o0 + no; o++) {
         const PE_T *line = src + pe_axis_offset(l, outer, o);
         PE_T *dline = dst + (o - o0) * dout;
@@ -70,8 +90,12 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
             long run = pe_axis_run(l, inner, i, i0 + ni);
             const PE_T *s = line + pe_axis_offset(l, inner, i);
             PE_T *restrict d = dline + (i - i0) * din;
-            if (sin == 1 && din == 1)
+            if (sin == 1 && din == 1) {
+                /* A short run of a long line: fetch the next block's run of it meanwhile. */
+                PE_PREFETCH(s + run);
+                PE_PREFETCH(s + run + 64 / sizeof(PE_T));
                 memcpy(d, s, (size_t)run * sizeof(PE_T));
+            }
             else if (sin == 1)
                 for (long t = 0; t < run; t++) d[t * din] = s[t];
             else

@@ -18,6 +18,8 @@
 #include "pe_instantiate.h"
 #else
 
+#include "pe_simd.h"
+
 #ifndef PE_LOWBIT_HELPERS
 #define PE_LOWBIT_HELPERS
 /* A product's packing context: the matrix, its first row, the orientation. */
@@ -39,6 +41,12 @@ static inline PE_T PE_S(pe_qscale)(const void *p, int half, long g) {
 static void PE_S(pe_q4_part)(const uint8_t *restrict bytes, long half, long e, long n, PE_T s,
                              PE_T m, int asym, PE_T *restrict out) {
     long lo_end = pe_qmin(half, e + n), t = 0;
+#if PE_TSIZE == 4
+    if (half == 16 && n == 16 && (e == 0 || e == 16)) { /* a sliver of 16: one nibble half */
+        pe_dequant_q4_16_f32(bytes, s, m, asym, e == 16, out);
+        return;
+    }
+#endif
     if (asym) {
         for (long i = e; i < lo_end; i++, t++) out[t] = (PE_T)(bytes[i] & 0x0F) * s + m;
         for (long i = (e > half ? e : half); i < e + n; i++, t++)
@@ -54,6 +62,11 @@ static void PE_S(pe_q4_part)(const uint8_t *restrict bytes, long half, long e, l
 /* A whole 4-bit group of 32, constant trip counts. */
 static inline void PE_S(pe_q4_32)(const uint8_t *restrict c, PE_T s, PE_T m, int asym,
                                   PE_T *restrict o) {
+#if PE_TSIZE == 4
+    pe_dequant_q4_16_f32(c, s, m, asym, 0, o);
+    pe_dequant_q4_16_f32(c, s, m, asym, 1, o + 16);
+    return;
+#endif
     if (asym) {
         for (int j = 0; j < 16; j++) o[j] = (PE_T)(c[j] & 0x0F) * s + m;
         for (int j = 0; j < 16; j++) o[16 + j] = (PE_T)(c[j] >> 4) * s + m;
@@ -72,7 +85,11 @@ static void PE_S(pe_qrange)(const pe_qmat *w, long row, long c0, long n, PE_T *r
         PE_T s = PE_S(pe_qscale)(w->scales, w->half_scales, g);
         if (w->scheme == PE_Q_INT8) {
             const int8_t *restrict c = (const int8_t *)w->codes + row * w->cols + c0;
+#if PE_TSIZE == 4
+            pe_dequant_i8_f32(c, s, take, out);
+#else
             for (long t = 0; t < take; t++) out[t] = (PE_T)c[t] * s;
+#endif
         } else {
             PE_T m = asym ? PE_S(pe_qscale)(w->offsets, w->half_scales, g) : (PE_T)0;
             const uint8_t *bytes = (const uint8_t *)w->codes + g * (group / 2);
@@ -91,6 +108,20 @@ static void PE_S(pe_qrange)(const pe_qmat *w, long row, long c0, long n, PE_T *r
 static void PE_S(pe_qpack_t)(const void *ctx, PE_T *sliver, long ld, long k0, long kc, long j0,
                              long width) {
     const pe_qpack *p = (const pe_qpack *)ctx;
+#if PE_TSIZE == 4 && defined(PE_GEMM_TRANSPOSE_PACK)
+    /* eight rows of W dequantised side by side, then transposed in register tiles */
+    _Alignas(64) float rows[8 * 256];
+    for (long j = 0; j < width; j += 8) {
+        long nj = pe_qmin(8, width - j);
+        for (long k = 0; k < kc; k += 256) {
+            long n = pe_qmin(256, kc - k);
+            for (long i = 0; i < nj; i++)
+                PE_S(pe_qrange)(p->w, p->row0 + j0 + j + i, k0 + k, n, rows + i * 256);
+            pe_pack_transposed_f32(sliver + k * ld + j, ld, rows, 256, nj, n);
+        }
+    }
+    return;
+#endif
     _Alignas(64) PE_T line[256];
     for (long j = 0; j < width; j++) {
         for (long k = 0; k < kc; k += 256) {

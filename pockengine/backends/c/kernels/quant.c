@@ -1,13 +1,15 @@
 /* The ``dequantize`` op (pe_quant.h): low-bit codes and per-group scales to floats, in the
  * NumPy reference's order of operations (the code as a float, minus 8 for Q4_0, times the
- * scale, plus the offset; no fused multiply-add), so results equal it bit for bit. A group
- * is one pass of independent lanes, which the compiler vectorises; large tensors split
- * their groups across threads. */
+ * scale, plus the offset; no fused multiply-add), so results equal it bit for bit. A float
+ * group of 32 runs pe_simd.h's AVX2 or NEON code, others one pass of independent lanes that
+ * the compiler vectorises; large tensors split their groups across threads. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "quant.c"
 #include "pe_instantiate.h"
 #else
+
+#include "pe_simd.h"
 
 static inline PE_T PE_S(pe_scale_at)(const void *p, int half, long k) {
     if (half) return (PE_T)pe_half_to_float(((const uint16_t *)p)[k]);
@@ -17,18 +19,32 @@ static inline PE_T PE_S(pe_scale_at)(const void *p, int half, long k) {
 /* One group of GGUF's 32 elements, with constant trip counts the compiler vectorises. */
 static inline void PE_S(pe_dequantize_int4_32)(const uint8_t *restrict c, PE_T s, PE_T m,
                                                PE_T *restrict o) {
+#if PE_TSIZE == 4
+    pe_dequant_q4_16_f32(c, s, m, 1, 0, o);
+    pe_dequant_q4_16_f32(c, s, m, 1, 1, o + 16);
+    return;
+#endif
     for (int j = 0; j < 16; j++) o[j] = (PE_T)(c[j] & 0x0F) * s + m;
     for (int j = 0; j < 16; j++) o[16 + j] = (PE_T)(c[j] >> 4) * s + m;
 }
 
 static inline void PE_S(pe_dequantize_sym4_32)(const uint8_t *restrict c, PE_T s,
                                                PE_T *restrict o) {
+#if PE_TSIZE == 4
+    pe_dequant_q4_16_f32(c, s, 0.0f, 0, 0, o);
+    pe_dequant_q4_16_f32(c, s, 0.0f, 0, 1, o + 16);
+    return;
+#endif
     for (int j = 0; j < 16; j++) o[j] = ((PE_T)(c[j] & 0x0F) - (PE_T)8) * s;
     for (int j = 0; j < 16; j++) o[16 + j] = ((PE_T)(c[j] >> 4) - (PE_T)8) * s;
 }
 
 static inline void PE_S(pe_dequantize_int8_32)(const int8_t *restrict c, PE_T s,
                                                PE_T *restrict o) {
+#if PE_TSIZE == 4
+    pe_dequant_i8_f32(c, s, 32, o);
+    return;
+#endif
     for (int j = 0; j < 32; j++) o[j] = (PE_T)c[j] * s;
 }
 
