@@ -244,10 +244,10 @@ class Agreement:
     def summary(self) -> str:
         return (
             f"{self.tokens} tokens: adapter effect max|ours_ft - ours_base| = "
-            f"{self.effect_ours:.3f} (llama.cpp: {self.effect_cpp:.3f}); "
-            f"max|cpp_ft - ours_ft| = {self.mismatch_ft:.3f} "
-            f"(base: {self.mismatch_base:.3f}); effect error max {self.effect_error:.3f}, "
-            f"RMS {self.effect_error_rms:.1%} of the effect's; top-1 ours/cpp "
+            f"{self.effect_ours:.3g} (llama.cpp: {self.effect_cpp:.3g}); "
+            f"max|cpp_ft - ours_ft| = {self.mismatch_ft:.2g} "
+            f"(base: {self.mismatch_base:.2g}); effect error max {self.effect_error:.2g}, "
+            f"RMS {self.effect_error_rms:.2g} of the effect's; top-1 ours/cpp "
             f"{self.top1_ft[0]}/{self.top1_ft[1]} (base {self.top1_base[0]}/"
             f"{self.top1_base[1]}), top-5 overlap {self.top5_overlap_ft}/5"
         )
@@ -327,23 +327,39 @@ def load_gguf_model(gguf: Path) -> Any:
 
 
 def compare_run(
-    run: Path, base: Path, prompt: str, *, threads: int = 1, version: str = VERSION
+    run: Path,
+    base: Path,
+    prompt: str,
+    *,
+    chat: bool = False,
+    float32: bool = False,
+    threads: int = 1,
+    version: str = VERSION,
 ) -> Agreement:
     """Export ``run``'s adapter (``--target gguf-lora``) and compare llama.cpp's logits on
-    ``base`` (+ adapter) with PyTorch's on the same weights (``RUN/model``: merged)."""
+    ``base`` (+ adapter) with PyTorch's on the same weights (``RUN/model``: merged).
+    ``chat``: the prompt is a user turn in the run's chat template; ``float32``: llama.cpp
+    runs on ``base`` dequantized to float32 (``dequantized_gguf``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pockengine.cli import main
 
     cpp = LlamaCpp(build(version))
     folder = run / "model"
-    tokens = AutoTokenizer.from_pretrained(str(folder))(prompt)["input_ids"]
+    tok: Any = AutoTokenizer.from_pretrained(str(folder))
+    if chat:
+        turn = [{"role": "user", "content": prompt}]
+        ids = tok.apply_chat_template(turn, add_generation_prompt=True, return_dict=True)
+        tokens = list(ids["input_ids"])
+    else:
+        tokens = list(tok(prompt)["input_ids"])
     with tempfile.TemporaryDirectory() as tmp:
         if main(["export", str(run), "--target", "gguf-lora", "-o", f"{tmp}/out"]) != 0:
             raise SystemExit(f"export of {run} failed")
         adapter = Path(tmp) / "out" / "adapter.gguf"
-        cpp_base = cpp.last_logits(base, tokens, threads=threads)
-        cpp_ft = cpp.last_logits(base, tokens, lora=adapter, threads=threads)
+        model = dequantized_gguf(base, Path(tmp) / "base-f32.gguf") if float32 else base
+        cpp_base = cpp.last_logits(model, tokens, threads=threads)
+        cpp_ft = cpp.last_logits(model, tokens, lora=adapter, threads=threads)
     ours_base = torch_last_logits(load_gguf_model(base), tokens)
     ft = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32")
     ft.eval()  # type: ignore[no-untyped-call]
@@ -359,7 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("compare", help="llama.cpp's logits with a run's adapter against ours")
     c.add_argument("run", type=Path)
     c.add_argument("--base", type=Path, help="the base GGUF (default: the run's --model)")
-    c.add_argument("--prompt", default="The capital of France is")
+    c.add_argument("--prompt", default="What is 5 plus 3?")
+    c.add_argument("--chat", action="store_true", help="the prompt as a user turn")
+    c.add_argument("--float32", action="store_true", help="llama.cpp on the base dequantized")
     c.add_argument("--threads", type=int, default=1)
     c.add_argument("--version", default=VERSION)
     args = parser.parse_args(argv)
@@ -373,7 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     meta = json.loads((args.run / "model" / "pockengine.json").read_text())
     base = args.base or Path(meta["config"]["model"])
-    result = compare_run(args.run, base, args.prompt, threads=args.threads, version=args.version)
+    result = compare_run(args.run, base, args.prompt, chat=args.chat, float32=args.float32,
+                         threads=args.threads, version=args.version)  # fmt: skip
     print(result.summary())
     print(json.dumps(asdict(result)))
     return 0
