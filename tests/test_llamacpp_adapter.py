@@ -23,8 +23,9 @@ the adapter (``llama_adapter_lora_init`` + ``llama_set_adapter_lora``, as
 - PEFT (when installed) on our ``--target peft`` export gives the same logits as
   ``RUN/model``, and llama.cpp's within the same bounds.
 
-Model-scale (the fine-tune compiles SmolLM2): slow-marked. Where llama.cpp cannot be
-built (no cmake, the sdist not downloadable, a failed build) it skips naming the cause;
+Model-scale (the fine-tune compiles SmolLM2; llama.cpp's build takes minutes once):
+slow-marked. Where llama.cpp cannot be built (no cmake, the sdist not downloadable, a
+failed build) they skip naming the cause, which the default run checks;
 ``tests/test_gguf_lora.py`` checks the file's layout by default.
 """
 
@@ -39,7 +40,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 _TOOL = Path(__file__).resolve().parents[1] / "tools" / "llamacpp.py"
 _PROMPT = "What is 5 plus 3?"
 
@@ -136,6 +137,7 @@ def _compare(tool: Any, cpp: Any, model: Path, adapter: Path, got: dict[str, Any
     return result
 
 
+@pytest.mark.slow
 def test_on_float32_weights_llamacpp_with_our_adapter_is_our_fine_tuned_model(
     tool: Any, cpp: Any, logits: dict[str, Any], f32_base: Path, tmp_path: Path
 ) -> None:
@@ -169,6 +171,7 @@ def test_on_float32_weights_llamacpp_with_our_adapter_is_our_fine_tuned_model(
     assert bad.effect_error_rms > 0.05
 
 
+@pytest.mark.slow
 def test_on_the_q4_1_gguf_llamacpps_adapter_effect_is_ours_within_its_q8_arithmetic(
     tool: Any, cpp: Any, logits: dict[str, Any], base: Path
 ) -> None:
@@ -180,6 +183,7 @@ def test_on_the_q4_1_gguf_llamacpps_adapter_effect_is_ours_within_its_q8_arithme
     assert got.top1_ft[0] == got.top1_ft[1] and got.top5_overlap_ft >= 4
 
 
+@pytest.mark.slow
 def test_peft_on_our_peft_export_gives_the_same_logits(
     tool: Any, cpp: Any, logits: dict[str, Any], run: Path, f32_base: Path, base: Path
 ) -> None:
@@ -199,6 +203,22 @@ def test_peft_on_our_peft_export_gives_the_same_logits(
     assert f32.mismatch_ft < 1e-3 and f32.effect_error_rms < 1e-4
     q4 = _compare(tool, cpp, base, logits["adapter"], peft)
     assert q4.mismatch_ft <= q4.effect_ours / 10 and q4.effect_error_rms <= 0.10
+
+
+def test_where_llama_cpp_cannot_be_built_the_reason_is_named(
+    tool: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the slow tests skip with: no build tools, or a failed step with its log."""
+    monkeypatch.setenv("PE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.raises(tool.LlamaCppUnavailable, match="no cmake on PATH"):
+        tool.build()
+    log = tmp_path / "build.log"
+    with pytest.raises(tool.LlamaCppUnavailable, match=r"cmake configure failed \(exit 3"):
+        tool._run([sys.executable, "-c", "print('CMake Error'); raise SystemExit(3)"], log,
+                  "cmake configure")  # fmt: skip
+    assert "CMake Error" in str(log.read_text())
+    assert not (tmp_path / f"llamacpp-{tool.VERSION}").exists()
 
 
 def _write_gguf(folder: Path, path: Path, arch: str, permute: bool) -> Path:
@@ -254,6 +274,7 @@ def _write_gguf(folder: Path, path: Path, arch: str, permute: bool) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_qwen2_adapter_loads_in_llamacpp_and_gives_our_fine_tuned_logits(
     tool: Any, cpp: Any, tmp_path: Path
 ) -> None:
