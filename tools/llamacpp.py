@@ -31,6 +31,7 @@ import ctypes
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -380,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--float32", action="store_true", help="llama.cpp on the base dequantized")
     c.add_argument("--threads", type=int, default=1)
     c.add_argument("--version", default=VERSION)
+    c.add_argument("--json", type=Path, help="also write the figures, command and build here")
     args = parser.parse_args(argv)
     try:
         lib = build(args.version)
@@ -395,6 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                          threads=args.threads, version=args.version)  # fmt: skip
     print(result.summary())
     print(json.dumps(asdict(result)))
+    if args.json is not None:
+        command = "PYTHONPATH=$PWD python tools/llamacpp.py " + shlex.join(
+            sys.argv[1:] if argv is None else argv
+        )
+        record = {"command": command, "build": build_info(args.version), **asdict(result)}
+        args.json.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

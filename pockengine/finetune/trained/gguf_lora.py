@@ -222,7 +222,9 @@ def _model(run: Path) -> _Model:
         architecture = str((config.get("architectures") or ["LlamaForCausalLM"])[0])
         tied = bool(config.get("tie_word_embeddings", False))
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise FinetuneError(f"{path}: cannot read the model's head counts ({exc})") from exc
+        raise FinetuneError(
+            f"{path}: cannot read the model's head counts and architecture ({exc})"
+        ) from exc
     if heads <= 0 or kv_heads <= 0:
         raise FinetuneError(f"{path}: head counts {heads}, {kv_heads} are not positive")
     return _Model(heads, kv_heads, architecture, tied)
