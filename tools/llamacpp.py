@@ -11,7 +11,8 @@ python tools/llamacpp.py compare RUN            # llama.cpp's logits against our
 llama-cpp-python==VERSION``), unpacks its vendored llama.cpp into
 ``~/.cache/pockengine/llamacpp-VERSION/src`` (``$PE_CACHE`` moves the cache), builds only
 the ``llama`` shared library with CMake (CPU, ``GGML_NATIVE``, Release, no tests, tools,
-examples or server) and compiles a small C shim against ``llama.h``: one call loads a
+examples or server) and compiles a small C shim against ``llama.h``
+(``tools/llamacpp_shim.c``): one call loads a
 GGUF model, optionally a LoRA adapter (``llama_adapter_lora_init`` and
 ``llama_set_adapter_lora``, the calls ``llama-cli --lora`` makes), evaluates a prompt of
 token ids and copies out the last position's logits. The shim keeps ctypes away from
