@@ -146,3 +146,111 @@ def test_what_is_not_a_lora_run_is_one_clear_error(
     (headed / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     assert main(["export", str(headed), "--target", "gguf-lora", "-o", str(tmp_path / "h")]) != 0
     assert "also trains lm_head" in capsys.readouterr().err
+
+
+def _edited(run: Path, into: Path, config: dict[str, Any] | None = None,
+            adapter: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """A copy of ``run`` with keys of RUN/model/config.json and RUN/adapter's config set."""
+    shutil.copytree(run, into)
+    for path, keys in ((into / "model" / "config.json", config),
+                       (into / "adapter" / "adapter_config.json", adapter)):  # fmt: skip
+        data = json.loads(path.read_text())
+        data.update(keys or {})
+        path.write_text(json.dumps(data))
+    return into
+
+
+def test_the_metadata_has_the_types_llama_cpp_reads(
+    lora_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """llama.cpp reads ``general.type``, ``general.architecture`` and ``adapter.type`` as
+    strings and ``adapter.lora.alpha`` with ``gguf_get_val_f32``, which asserts a FLOAT32
+    value (src/llama-adapter.cpp:166-192, ggml/src/gguf.cpp:866-869 and its ``get_val``'s
+    type assert at :183, llama.cpp 4227c9be as llama-cpp-python 0.3.16 vendors it); it
+    pairs tensors by the ``.lora_a``/``.lora_b`` suffixes (:227-245) and wants A's ne[0] to
+    be the weight's ne[0] and A's ne[1] B's ne[0] (:316-321); the factors are F32."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+    run, _ = lora_run
+    assert main(["export", str(run), "--target", "gguf-lora", "-o", str(tmp_path / "o")]) == 0
+    reader = GGUFReader(str(tmp_path / "o" / "adapter.gguf"))
+    types = {name: field.types for name, field in reader.fields.items()}
+    assert types["adapter.lora.alpha"] == [GGUFValueType.FLOAT32]
+    for key in ("general.type", "general.architecture", "adapter.type"):
+        assert types[key] == [GGUFValueType.STRING]
+    assert {t.tensor_type for t in reader.tensors} == {GGMLQuantizationType.F32}
+    for t in reader.tensors:
+        if t.name.endswith(".lora_a"):
+            b = next(u for u in reader.tensors if u.name == t.name[:-1] + "b")
+            assert t.shape[1] == b.shape[0] == 4  # ne: A [in, r], B [r, out]
+
+
+def test_qwen_adapters_name_llama_cpps_architecture_and_keep_the_row_order(
+    lora_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """llama.cpp refuses an adapter whose ``general.architecture`` is not the base model's
+    (src/llama-adapter.cpp:181-185): a Qwen2 GGUF says ``qwen2``. And its converter permutes
+    the query/key rows only for LlamaModel (convert_hf_to_gguf.py:1952-1954 undo_permute,
+    applied at :2108-2112); Qwen2Model (:2891) and Qwen3Model (:3591) do not, so the
+    adapter's B rows stay in Hugging Face's order."""
+    run, pairs = lora_run
+    for arch, name in (("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3")):
+        qwen = _edited(run, tmp_path / name, config={"architectures": [arch]})
+        assert main(["export", str(qwen), "--target", "gguf-lora", "-o", str(qwen / "o")]) == 0
+        fields, tensors = _read(qwen / "o" / "adapter.gguf")
+        assert fields["general.architecture"] == name
+        for layer in range(2):
+            for kind, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k")):
+                b = pairs[f"model.layers.{layer}.self_attn.{kind}"][1]
+                got = np.asarray(tensors[f"blk.{layer}.{gg}.weight.lora_b"].data)
+                np.testing.assert_array_equal(got.reshape(b.shape), b)
+    mistral = _edited(run, tmp_path / "mistral", config={"architectures": ["MistralForCausalLM"]})
+    assert main(["export", str(mistral), "--target", "gguf-lora", "-o", str(mistral / "o")]) == 0
+    assert _read(mistral / "o" / "adapter.gguf")[0]["general.architecture"] == "llama"
+
+
+def test_rslora_and_per_module_alphas_give_peft_s_product_at_llama_cpps_scale(
+    lora_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """llama.cpp scales each pair by ``alpha / rank`` with rank B's ne[0]
+    (src/llama-adapter.h:51-53, used at src/llama-graph.cpp:555); PEFT by ``alpha / r``, or
+    ``alpha / sqrt(r)`` with ``use_rslora``: B carries the difference."""
+    run, pairs = lora_run
+    module = "model.layers.0.self_attn.v_proj"
+    rs = _edited(run, tmp_path / "rs", adapter={"use_rslora": True, "alpha_pattern": {module: 2.0}})
+    assert main(["export", str(rs), "--target", "gguf-lora", "-o", str(rs / "o")]) == 0
+    fields, tensors = _read(rs / "o" / "adapter.gguf")
+    alpha, rank = float(fields["adapter.lora.alpha"]), 4
+    for m, own in ((module, 2.0), ("model.layers.1.self_attn.v_proj", 8.0)):
+        a, b = pairs[m]
+        layer = m.split(".")[2]
+        got_a = np.asarray(tensors[f"blk.{layer}.attn_v.weight.lora_a"].data).reshape(a.shape)
+        got_b = np.asarray(tensors[f"blk.{layer}.attn_v.weight.lora_b"].data).reshape(b.shape)
+        np.testing.assert_allclose(
+            alpha / rank * got_b @ got_a, own / np.sqrt(rank) * b @ a, rtol=1e-5, atol=1e-7
+        )
+
+
+def test_what_llama_cpp_cannot_load_is_refused_before_anything_is_written(
+    lora_run: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An architecture without known GGUF names; DoRA (magnitude vectors llama.cpp has no
+    place for); LoRA on a head tied to the embedding, which the GGUF does not store
+    (llama.cpp: src/llama-adapter.cpp:284-287 'does not exist in base model'; its own
+    converter refuses it too, convert_lora_to_gguf.py:419-424)."""
+    run, pairs = lora_run
+    gemma = _edited(run, tmp_path / "gemma", config={"architectures": ["Gemma2ForCausalLM"]})
+    dora = _edited(run, tmp_path / "dora", adapter={"use_dora": True})
+    tied = _edited(run, tmp_path / "tied", config={"tie_word_embeddings": True})
+    a, b = pairs["model.layers.0.self_attn.v_proj"]
+    weights = tied / "adapter" / "adapter_model.safetensors"
+    tensors = dict(pe.backends.c.read_safetensors(weights))
+    tensors["base_model.model.lm_head.lora_A.weight"] = a
+    tensors["base_model.model.lm_head.lora_B.weight"] = np.zeros((b.shape[0] * 2, 4), np.float32)
+    write_safetensors(weights, tensors)
+    for folder, message in ((gemma, "of a Gemma2ForCausalLM model is not written"),
+                            (dora, "a DoRA adapter"), (tied, "ties to the embedding")):  # fmt: skip
+        out = tmp_path / f"{folder.name}-out"
+        assert main(["export", str(folder), "--target", "gguf-lora", "-o", str(out)]) != 0
+        assert message in capsys.readouterr().err
+        assert not out.exists()
