@@ -3,9 +3,11 @@
 ``export_c`` writes ``step.c`` (the emitted step, state names as the model gives them),
 ``bounds.c`` (the range each index batch input must lie in, which ``./train`` checks every
 batch file against before the first step), ``kernels/`` (the kernel files), ``main.c``,
-``pe_io.[ch]``, ``pe_save.c`` and ``pe_check.[ch]`` (the command line, .npy and
-safetensors I/O, the index check), a ``Makefile``, the initial state as
-``state.safetensors`` and a ``README.md``. ``make`` builds ``./train`` with libc and libm
+``pe_io.[ch]``, ``pe_save.c``, ``pe_check.[ch]`` and ``pe_frozen.[ch]`` (the command line,
+.npy and safetensors I/O, the index check, the mapping of the frozen tensors), a
+``Makefile``, the trained params, buffers and optimizer state as ``state.safetensors``,
+the frozen tensors as ``frozen.bin`` with their layout as ``frozen.c`` (``frozen_file``:
+``./train`` maps them read-only) and a ``README.md``. ``make`` builds ``./train`` with libc and libm
 only; the README gives its interface. ``write_safetensors``/``read_safetensors`` are the
 Python side of the format.
 """
@@ -23,6 +25,13 @@ from pockengine.backends.c.backend import KERNELS, check_claims
 from pockengine.backends.c.conv_table import conv_slots, conv_table_source
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
+from pockengine.backends.c.frozen_file import (
+    FROZEN_FILE,
+    frozen_layout,
+    frozen_source,
+    is_frozen,
+    write_frozen_to,
+)
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.ir import CompileError, DType, Graph, Role, Value
 from pockengine.ir.arrays import Array
@@ -31,10 +40,16 @@ from pockengine.plan.index_bounds import IndexBound, index_bounds
 from pockengine.safe_write import make_dirs, write_bytes, write_text, write_with
 from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
 
-__all__ = ["bounds_source", "export_c", "read_safetensors", "write_safetensors"]
+__all__ = [
+    "bounds_source",
+    "export_c",
+    "read_safetensors",
+    "read_trainer_state",
+    "write_safetensors",
+]
 TRAINER_DIR = Path(__file__).with_name("trainer")
 TRAINER_FILES = ("main.c", "pe_io.c", "pe_io.h", "pe_save.c", "pe_check.c", "pe_check.h",
-                 "pe_tune.c", "pe_tune.h", "Makefile")  # fmt: skip
+                 "pe_tune.c", "pe_tune.h", "pe_frozen.c", "pe_frozen.h", "Makefile")  # fmt: skip
 _ST_DTYPES = SAFETENSORS_DTYPES
 
 
@@ -57,6 +72,14 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, Array]:
         dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
         out[name] = np.frombuffer(data, dtype=dtype).reshape(entry["shape"]).copy()
     return out
+
+
+def read_trainer_state(folder: str | os.PathLike[str]) -> dict[str, Array]:
+    """Every tensor of an exported trainer folder: its state file and, when the step has
+    frozen tensors, the frozen file."""
+    out = read_safetensors(Path(folder) / "state.safetensors")
+    frozen = Path(folder) / FROZEN_FILE
+    return {**out, **read_safetensors(frozen)} if frozen.exists() else out
 
 
 def _file_names(graph: Graph, state_names: Mapping[str, str]) -> dict[str, str]:
@@ -97,12 +120,19 @@ along a new leading axis, used in turn):
 `./train` runs N steps (default: one pass over the batches), prints `step K loss L`, and
 with `--save` writes the trained params, buffers and optimizer state as safetensors
 (`pockengine.backends.c.read_safetensors` reads them; `step.load_state` takes them).
+`state.safetensors` (or `--state`) holds only those; the frozen weights (frozen params,
+low-bit codes and scales, constants), when the step has any, are in `frozen.bin`, which
+`./train` maps read-only from the folder it runs in (a write to one would be a crash, so
+a run that ends proves the step wrote none), never copying it: the pages are the page
+cache's, shared, and read again after memory pressure drops them.
 
 Before the first step it checks everything it is given: the options (`--steps` and
 `--threads` are non-negative integers; unknown flags and missing values are refused), each
 `.npy` file (format version, header, little-endian dtype, C order, the input's shape or a
 stack of it, a size of exactly header + data), the state file (each tensor's dtype, shape
-and offsets), the values of the index inputs (below: a value outside would index outside a
+and offsets), `frozen.bin` (a regular file, not a link, of exactly the exported size,
+each tensor at the dtype, shape and 64-byte aligned offset the step was compiled for), the
+values of the index inputs (below: a value outside would index outside a
 tensor), and that the `--save` folder can be written (it creates `NAME.tmp` there).
 `--save` writes `NAME.tmp`, syncs it and renames it over `NAME`, so a failed save leaves
 the previous file as it was.
@@ -209,8 +239,13 @@ def export_c(
     for name in TRAINER_FILES:
         write_bytes(out / name, (TRAINER_DIR / name).read_bytes(), inside=out)
     persistent = [v for v in graph.inputs if v.role not in (None, Role.INPUT)]
-    tensors = {names[v.name]: _typed(state[v.name], v) for v in persistent}
+    tensors = {names[v.name]: _typed(state[v.name], v) for v in persistent if not is_frozen(v)}
     write_with(out / "state.safetensors", lambda f: write_safetensors_to(f, tensors), inside=out)
+    frozen = {names[v.name]: _typed(state[v.name], v) for v in persistent if is_frozen(v)}
+    layout = frozen_layout(frozen)
+    write_text(out / "frozen.c", frozen_source(graph, names, layout), inside=out)
+    if frozen:
+        write_with(out / FROZEN_FILE, lambda f: write_frozen_to(f, layout, frozen), inside=out)
     write_text(out / "README.md", _readme(graph, batch, str(plan), bounds), inside=out)
     return out
 
