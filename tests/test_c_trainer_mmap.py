@@ -9,7 +9,8 @@ UBSan:
 - ``./train`` maps ``frozen.bin`` ``PROT_READ``: 5 steps give the losses of the in-process
   C step (which holds its weights in memory) and of the torch backend, so the step wrote
   no frozen tensor (a write would be a SIGSEGV); ``--save`` writes and ``--state`` reads
-  the trained state only;
+  the trained state only; ``--memory-report`` splits the peak into anonymous and file
+  pages, the whole frozen file among the latter;
 - a truncated or lengthened file, a tensor's offset past the end or off the 64-byte grid,
   an altered dtype or shape, and a symbolic link to a copy outside the folder are each
   refused with one ``error:`` line naming the file (and the tensor), exit status 2, no
@@ -19,6 +20,7 @@ UBSan:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -122,8 +124,15 @@ def test_state_file_holds_only_what_the_step_writes(case: _Case) -> None:
 
 
 def test_mapped_trainer_gives_the_in_memory_losses(case: _Case) -> None:
-    run = _train(case.folder, "--steps", str(STEPS), "--save", "out.safetensors", "ids.npy")
+    run = _train(case.folder, "--steps", str(STEPS), "--save", "out.safetensors",
+                 "--memory-report", "ids.npy")  # fmt: skip
     assert run.returncode == 0, run.stderr
+    report = re.search(r"memory MiB: peak ([\d.]+) rss [\d.]+ anon ([\d.]+) file ([\d.]+) \| "
+                       r"arena [\d.]+ state ([\d.]+) mapped ([\d.]+)", run.stderr)  # fmt: skip
+    assert report, run.stderr
+    peak, anon, file, state, mapped = (float(x) for x in report.groups())
+    assert mapped == pytest.approx((case.folder / "frozen.bin").stat().st_size / 2**20, abs=0.06)
+    assert file >= mapped - 0.1 and peak >= anon > state >= 0
     got = _losses(run.stdout)
     np.testing.assert_allclose(got, case.losses["c"], rtol=1e-6)
     np.testing.assert_allclose(got, case.losses["torch"], rtol=1e-5)

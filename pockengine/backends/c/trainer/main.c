@@ -1,7 +1,7 @@
 /* The stand-alone trainer: runs the exported training step on .npy batches.
  *
  *   ./train [--steps N] [--save out.safetensors] [--state in.safetensors] [--threads T]
- *           [--kernels conv-kernels.txt] X.npy Y.npy ...
+ *           [--kernels conv-kernels.txt] [--memory-report] X.npy Y.npy ...
  *   ./train --tune [--threads T] [--kernels conv-kernels.txt]
  *
  * --tune times each convolution's candidate kernels on this device and writes the
@@ -32,6 +32,7 @@
 #include "pe_frozen.h"
 #include "pe_io.h"
 #include "pe_kernels.h"
+#include "pe_memory.h"
 #include "pe_tune.h"
 
 extern const size_t pe_arena_bytes;
@@ -54,11 +55,12 @@ typedef struct {
     const char *kernels; /* the kernel table */
     const char *files[PE_MAX_FILES];
     int nfiles;
+    int memory_report; /* --memory-report: the peak and its split after the last step */
 } options;
 
 static int usage(FILE *out, const char *argv0) {
     fprintf(out, "usage: %s [--steps N] [--save out.safetensors] [--state in.safetensors] "
-            "[--threads T] [--kernels TABLE] BATCH.npy ... | --tune [--threads T] "
+            "[--threads T] [--kernels TABLE] [--memory-report] BATCH.npy ... | --tune [--threads T] "
             "[--kernels TABLE]\n", argv0);
     return PE_REFUSED;
 }
@@ -107,6 +109,10 @@ static int parse(int argc, char **argv, options *o) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return -1;
         if (!strcmp(argv[i], "--tune")) {
             o->tune = 1;
+            continue;
+        }
+        if (!strcmp(argv[i], "--memory-report")) {
+            o->memory_report = 1;
             continue;
         }
         if (argv[i][0] == '-' && argv[i][1] != '\0') {
@@ -356,6 +362,7 @@ static int train(const options *o, trainer *t, size_t state_bytes) {
     if (steps > 1)
         fprintf(stderr, "mean step time %.3f ms (steps 1..%ld)\n", 1e3 * timed / (double)(steps - 1),
                 steps - 1);
+    if (o->memory_report) pe_memory_report(stderr, pe_arena_bytes, state_bytes, t->frozen.size);
     return o->save && save_state(t) ? PE_FAILED : 0;
 }
 
