@@ -185,11 +185,7 @@ def _c_case(args: argparse.Namespace, work: Path, gguf_path: Path) -> dict[str, 
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     mean = re.search(r"mean step time ([\d.]+) ms", run.stderr)
     report = re.search(r"memory MiB: (.*)", run.stderr)
-    split = (
-        dict(zip(*[iter(re.findall(r"(\w+) ([\d.]+)", report[1]))] * 2, strict=True))
-        if report
-        else {}
-    )
+    split = dict(re.findall(r"(\w+) ([\d.]+)", report[1])) if report else {}
     step_s = float(mean[1]) / 1000 if mean else float("nan")
     plan = re.search(r"planned peak [^*]*", (folder / "step.c").read_text()[:2000])
     return {
