@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pockengine as pe
-from pockengine.backends.c.export import read_safetensors
+from pockengine.backends.c.export import read_trainer_state
 from pockengine.cli import main
 from pockengine.finetune.run_folder import checkpoint
 from pockengine.out_folder import MARKER
@@ -135,7 +135,7 @@ def test_export_of_a_run_holds_its_checkpoint(tmp_path: Path, options: list[str]
     assert main([*export, "--target", "c", "--write-batches", "1"]) == 0
     folder = run / "export_c"
     saved = checkpoint.load(run / checkpoint.CHECKPOINT)
-    state = read_safetensors(folder / "state.safetensors")
+    state = read_trainer_state(folder)
     for name, value in {**saved.params, **saved.optimizer}.items():
         np.testing.assert_array_equal(state[name], value, err_msg=name)
     assert "at step 2" in (folder / "README.txt").read_text()
@@ -177,7 +177,7 @@ def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 def _exported_state(folder: Path, target: str) -> dict[str, np.ndarray]:
     if target == "c":
-        return read_safetensors(folder / "state.safetensors")
+        return read_trainer_state(folder)
     return dict(pe.load_step(folder).flat_state_dict())
 
 
@@ -215,7 +215,7 @@ def test_export_c_takes_the_finetune_options_that_change_the_step(
     args = ["export", *options, "--scheme", "head", "--frozen-dtype", "int8",
             "--target", "c", "-o", str(folder), "--write-batches", "2"]  # fmt: skip
     assert main(args) == 0
-    state = read_safetensors(folder / "state.safetensors")
+    state = read_trainer_state(folder)
     codes = [name for name, a in state.items() if a.dtype == np.int8]
     assert codes and all(name.startswith("emb.weight") for name in codes)
     assert "emb.weight" not in state
@@ -258,7 +258,7 @@ def test_export_c_of_a_quantized_run_keeps_its_codes_and_checkpoint(
     assert main(trained) == 0
     export = ["export", str(run), "--factory", "export_bag:bag", "--target", "c"]
     assert main([*export, "--write-batches", "1"]) == 0
-    state = read_safetensors(run / "export_c" / "state.safetensors")
+    state = read_trainer_state(run / "export_c")
     assert state["emb.weight.codes"].dtype == np.int8 and "emb.weight" not in state
     saved = checkpoint.load(run / checkpoint.CHECKPOINT)
     assert saved.params

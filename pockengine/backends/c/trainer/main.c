@@ -1,7 +1,7 @@
 /* The stand-alone trainer: runs the exported training step on .npy batches.
  *
  *   ./train [--steps N] [--save out.safetensors] [--state in.safetensors] [--threads T]
- *           [--kernels conv-kernels.txt] X.npy Y.npy ...
+ *           [--kernels conv-kernels.txt] [--memory-report] X.npy Y.npy ...
  *   ./train --tune [--threads T] [--kernels conv-kernels.txt]
  *
  * --tune times each convolution's candidate kernels on this device and writes the
@@ -9,9 +9,10 @@
  * (pe_tune.h); without the file every convolution takes the exporter's rule.
  *
  * The .npy files are the step's batch inputs in call order, each either one batch or a
- * stack of batches (a leading axis) used in turn. Memory: one state block (params,
- * buffers, optimizer state, read from the state file), one arena of the planned size,
- * and the .npy files; the step itself allocates nothing.
+ * stack of batches (a leading axis) used in turn. Memory: one state block (trained
+ * params, buffers, optimizer state, read from the state file), the frozen tensors mapped
+ * read-only from frozen.bin (pe_frozen.h), one arena of the planned size, and the .npy
+ * files; the step itself allocates nothing.
  *
  * --help prints the usage. Everything the trainer is given is checked before the first
  * step: the options, each file's format, type and shape, every index batch file's values
@@ -28,8 +29,10 @@
 #include <time.h>
 
 #include "pe_check.h"
+#include "pe_frozen.h"
 #include "pe_io.h"
 #include "pe_kernels.h"
+#include "pe_memory.h"
 #include "pe_tune.h"
 
 extern const size_t pe_arena_bytes;
@@ -52,11 +55,12 @@ typedef struct {
     const char *kernels; /* the kernel table */
     const char *files[PE_MAX_FILES];
     int nfiles;
+    int memory_report; /* --memory-report: the peak and its split after the last step */
 } options;
 
 static int usage(FILE *out, const char *argv0) {
     fprintf(out, "usage: %s [--steps N] [--save out.safetensors] [--state in.safetensors] "
-            "[--threads T] [--kernels TABLE] BATCH.npy ... | --tune [--threads T] "
+            "[--threads T] [--kernels TABLE] [--memory-report] BATCH.npy ... | --tune [--threads T] "
             "[--kernels TABLE]\n", argv0);
     return PE_REFUSED;
 }
@@ -107,6 +111,10 @@ static int parse(int argc, char **argv, options *o) {
             o->tune = 1;
             continue;
         }
+        if (!strcmp(argv[i], "--memory-report")) {
+            o->memory_report = 1;
+            continue;
+        }
         if (argv[i][0] == '-' && argv[i][1] != '\0') {
             if (parse_option(argc, argv, &i, o)) return 1;
         } else if (o->nfiles < PE_MAX_FILES) {
@@ -151,11 +159,13 @@ typedef struct {
     long *counts, batches;
     int nbatch;
     pe_save save;
+    pe_frozen_map frozen;
 } trainer;
 
 static void trainer_free(trainer *t) {
     pe_save_abort(&t->save);
     for (int b = 0; t->npys && b < t->nbatch; b++) pe_npy_close(&t->npys[b]);
+    pe_frozen_close(&t->frozen);
     free(t->arena);
     free(t->state);
     free(t->args);
@@ -184,10 +194,15 @@ static int open_batch(const options *o, trainer *t, int k, int b) {
     return 0;
 }
 
-/* Read the params, buffers and optimizer state from the state file into the state block. */
+/* Read the trained params, buffers and optimizer state from the state file into the state
+ * block, and map the frozen tensors. */
 static int read_state(const options *o, trainer *t) {
     pe_safetensors st;
     char err[1024];
+    if (pe_frozen_open("frozen.bin", &t->frozen, t->args, err, sizeof(err))) {
+        fprintf(stderr, "error: %s\n", err);
+        return 1;
+    }
     if (pe_safetensors_open(o->state, &st, err, sizeof(err))) {
         fprintf(stderr, "error: %s\n", err);
         return 1;
@@ -196,7 +211,7 @@ static int read_state(const options *o, trainer *t) {
     int bad = 0;
     for (int k = 0; k < pe_num_inputs && !bad; k++) {
         const pe_input_info *v = &pe_inputs[k];
-        if (v->role == PE_INPUT) continue;
+        if (v->role == PE_INPUT || pe_is_frozen(k)) continue;
         size_t n = input_bytes(v);
         t->args[k] = t->state + at;
         at += (n + 63) / 64 * 64;
@@ -300,7 +315,8 @@ static double run_step(const options *o, trainer *t, long s) {
     return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 }
 
-/* Params, buffers (under the model's names) and optimizer state into the --save file. */
+/* Trained params, buffers (under the model's names) and optimizer state into the --save
+ * file (the frozen tensors stay in frozen.bin). */
 static int save_state(trainer *t) {
     size_t most = (size_t)(pe_num_inputs > 0 ? pe_num_inputs : 1);
     const char **names = calloc(most, sizeof(*names));
@@ -311,7 +327,7 @@ static int save_state(trainer *t) {
     int count = 0, failed = !names || !dtypes || !ranks || !shapes || !data;
     for (int k = 0; k < pe_num_inputs && !failed; k++) {
         const pe_input_info *v = &pe_inputs[k];
-        if (v->role == PE_INPUT) continue;
+        if (v->role == PE_INPUT || pe_is_frozen(k)) continue;
         names[count] = v->file_name;
         dtypes[count] = v->dtype;
         ranks[count] = v->rank;
@@ -346,6 +362,7 @@ static int train(const options *o, trainer *t, size_t state_bytes) {
     if (steps > 1)
         fprintf(stderr, "mean step time %.3f ms (steps 1..%ld)\n", 1e3 * timed / (double)(steps - 1),
                 steps - 1);
+    if (o->memory_report) pe_memory_report(stderr, pe_arena_bytes, state_bytes, t->frozen.size);
     return o->save && save_state(t) ? PE_FAILED : 0;
 }
 
@@ -383,7 +400,7 @@ int main(int argc, char **argv) {
     size_t state_bytes = 0;
     for (int k = 0; k < pe_num_inputs; k++) {
         if (pe_inputs[k].role == PE_INPUT) t.nbatch++;
-        else state_bytes += (input_bytes(&pe_inputs[k]) + 63) / 64 * 64;
+        else if (!pe_is_frozen(k)) state_bytes += (input_bytes(&pe_inputs[k]) + 63) / 64 * 64;
     }
     if (o.nfiles != t.nbatch) {
         fprintf(stderr, "error: the step takes %d batch inputs (.npy files), got %d\n", t.nbatch,

@@ -247,10 +247,19 @@ void pe_npy_close(pe_npy *npy) {
 
 /* -- safetensors, reading ------------------------------------------------------------------ */
 int pe_safetensors_open(const char *path, pe_safetensors *st, char *err, size_t errlen) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        memset(st, 0, sizeof(*st));
+        return pe_fail(err, errlen, "%s: cannot open (%s)", path, strerror(errno));
+    }
+    return pe_safetensors_attach(path, f, st, err, errlen);
+}
+
+int pe_safetensors_attach(const char *path, FILE *file, pe_safetensors *st, char *err,
+                          size_t errlen) {
     memset(st, 0, sizeof(*st));
     st->path = path;
-    st->file = fopen(path, "rb");
-    if (!st->file) return pe_fail(err, errlen, "%s: cannot open (%s)", path, strerror(errno));
+    st->file = file;
     int64_t size = file_size(st->file);
     unsigned char raw[8];
     if (size < 8 || fread(raw, 1, 8, st->file) != 8) {
@@ -305,8 +314,9 @@ static int find_key(const cursor *entry, const char *key, cursor *at) {
     return 0;
 }
 
-int pe_safetensors_read(pe_safetensors *st, const char *name, int dtype, int rank,
-                        const long *shape, size_t nbytes, void *dst, char *err, size_t errlen) {
+int pe_safetensors_locate(const pe_safetensors *st, const char *name, int dtype, int rank,
+                          const long *shape, size_t nbytes, int64_t *offset, char *err,
+                          size_t errlen) {
     cursor entry, c;
     if (!find_entry(st, name, &entry))
         return pe_fail(err, errlen, "%s: no tensor \"%s\"", st->path, name);
@@ -330,8 +340,15 @@ int pe_safetensors_read(pe_safetensors *st, const char *name, int dtype, int ran
         return pe_fail(err, errlen, "%s: tensor \"%s\" has data offsets [%lld, %lld]: not its %zu "
                     "bytes inside the file's %lld bytes of data", st->path, name, (long long)lo,
                     (long long)hi, nbytes, (long long)st->data_bytes);
-    off_t at = (off_t)(8 + st->header_len) + (off_t)lo;
-    if (fseeko(st->file, at, SEEK_SET) != 0 || fread(dst, 1, nbytes, st->file) != nbytes)
+    *offset = (int64_t)(8 + st->header_len) + lo;
+    return 0;
+}
+
+int pe_safetensors_read(pe_safetensors *st, const char *name, int dtype, int rank,
+                        const long *shape, size_t nbytes, void *dst, char *err, size_t errlen) {
+    int64_t at;
+    if (pe_safetensors_locate(st, name, dtype, rank, shape, nbytes, &at, err, errlen)) return 1;
+    if (fseeko(st->file, (off_t)at, SEEK_SET) != 0 || fread(dst, 1, nbytes, st->file) != nbytes)
         return pe_fail(err, errlen, "%s: read failed in the data of \"%s\"", st->path, name);
     return 0;
 }

@@ -51,6 +51,16 @@ typedef struct {
 /* Open ``path`` and read its header (at most 256 MiB, inside the file). */
 int pe_safetensors_open(const char *path, pe_safetensors *st, char *err, size_t errlen);
 
+/* The same on a file already open as ``file`` (taken over: closed by the close). */
+int pe_safetensors_attach(const char *path, FILE *file, pe_safetensors *st, char *err,
+                          size_t errlen);
+
+/* Where tensor ``name``'s data starts in the file (bytes from its start) into ``offset``,
+ * after the checks of pe_safetensors_read. */
+int pe_safetensors_locate(const pe_safetensors *st, const char *name, int dtype, int rank,
+                          const long *shape, size_t nbytes, int64_t *offset, char *err,
+                          size_t errlen);
+
 /* Read tensor ``name`` into ``dst``: it must have ``dtype`` and ``shape`` (``rank``
  * axes; ``nbytes`` in all) and data offsets inside the file. */
 int pe_safetensors_read(pe_safetensors *st, const char *name, int dtype, int rank,
