@@ -1,7 +1,7 @@
-"""The C backend's fused batch norm + hardtanh kernels (kernels/norm.c) against the unfused
-kernels they replace, bit for bit, in float and double (tests/c_kernels/norm_check.c),
-built with the backend's flags, portably, with the address and undefined-behaviour
-sanitizers, and for aarch64 under qemu."""
+"""The C backend's fused batch norm kernels (kernels/norm.c: batch norm + hardtanh, its
+gradient, batch_norm_apply) against the unfused kernels they replace, bit for bit, in
+float and double (tests/c_kernels/norm_check.c), built with the backend's flags, portably,
+with the address and undefined-behaviour sanitizers, and for aarch64 under qemu."""
 
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ KNOWN_ABSENT: dict[str, dict[str, str]] = {
         "(searchsorted) has no ONNX op; a step using it runs its updates on torch or NumPy",
         "batch_norm_hardtanh": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
         "batch_norm_hardtanh_grad": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
+        "batch_norm_apply": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
     },
     "c": {},
 }

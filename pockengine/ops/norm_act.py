@@ -6,7 +6,10 @@ never stored. ``batch_norm_hardtanh_grad(gz, x, w, b, mean, var, ...)`` is
 ``batch_norm_grad(hardtanh_grad(gz, y), x, w, mean, var)`` with ``y`` the normalised
 tensor recomputed from ``x`` and the saved statistics inside the kernel, so neither ``y``
 nor the masked gradient is stored. The C backend rewrites the unfused chains into these
-after autodiff (``backends/c/fuse_bn.py``); the NumPy kernels are the unfused definitions.
+after autodiff (``backends/c/fuse_bn.py``), and a batch norm that rematerialisation
+repeats in the backward pass into ``batch_norm_apply(x, w, b, mean, var, ...)``, which
+reads the statistics the forward pass saved instead of computing them again. The NumPy
+kernels are the unfused definitions.
 """
 
 from __future__ import annotations
@@ -137,4 +140,65 @@ class BatchNormHardtanhGrad:
             gz = np.asarray(rng.standard_normal(x.shape))
             attrs = {"eps": 1e-5, "min_val": 0.0, "max_val": 1.0}
             out.append(Sample((gz, x, w, b, mean, var), attrs))
+        return out
+
+
+@defop("batch_norm_apply", facts=Fact.CHEAP)
+class BatchNormApply:
+    """Batch norm's output from statistics it is given (a rematerialised batch norm in the
+    backward pass, whose statistics the forward pass saved), clipped when both bounds are
+    numbers: inputs x, w, b, mean, var; attributes eps, min_val, max_val (None: no clip).
+
+    Forward: y = (x - mean) / sqrt(var + eps) * w + b; z = min(max(y, min_val), max_val).
+    Made after autodiff (the C backend's rewrite), so it has no VJP.
+    """
+
+    @staticmethod
+    def infer(
+        x: TensorType,
+        w: TensorType,
+        b: TensorType,
+        mean: TensorType,
+        var: TensorType,
+        *,
+        eps: float,
+        min_val: float | None,
+        max_val: float | None,
+    ) -> TensorType:
+        if (min_val is None) != (max_val is None):
+            raise ShapeError("batch_norm_apply: give both bounds or neither")
+        if min_val is not None:
+            _check_bounds("batch_norm_apply", min_val, max_val)
+        BatchNorm.infer(x, w, b, eps=eps)
+        BatchNormGrad.infer(x, x, w, mean, var, eps=eps)
+        return x
+
+    @staticmethod
+    def kernel(
+        x: Array,
+        w: Array,
+        b: Array,
+        mean: Array,
+        var: Array,
+        *,
+        eps: float,
+        min_val: float | None,
+        max_val: float | None,
+    ) -> Array:
+        y = _normalised(x, w, b, mean, var, eps)
+        if min_val is None or max_val is None:
+            return y
+        return np.minimum(np.maximum(y, min_val), max_val).astype(y.dtype, copy=False)
+
+    @staticmethod
+    def flops(ins: tuple[TensorType, ...], outs: tuple[TensorType, ...], attrs: object) -> int:
+        return 4 * ins[0].numel
+
+    @staticmethod
+    def samples(rng: np.random.Generator) -> list[Sample]:
+        out = []
+        for (x, w, b), bounds in zip(_samples(rng), ((0.0, 1.0), (None, None)), strict=True):
+            _, mean, var = BatchNorm.kernel(x, w, b, eps=1e-5)
+            attrs = {"eps": 1e-5, "min_val": bounds[0], "max_val": bounds[1]}
+            out.append(Sample((x, w, b, mean, var), attrs))
         return out

@@ -3,7 +3,8 @@
  * both sides of the bounds, a NaN now and then): pe_batch_norm_hardtanh equals
  * pe_batch_norm then the clip, and pe_batch_norm_hardtanh_grad equals pe_hardtanh_grad of
  * the clipped output then pe_batch_norm_grad, bit for bit (the same operations in the same
- * order). Prints "ok <cases>" and exits 0, or names each case that differs and exits 1.
+ * order), and pe_batch_norm_apply of the saved statistics equals pe_batch_norm's output,
+ * clipped or not. Prints "ok <cases>" and exits 0, or names each case that differs and exits 1.
  * tests/test_c_norm.py builds it with the backend's flags, portably, with the address and
  * undefined-behaviour sanitizers, and for aarch64 (run under qemu). */
 #include <stdio.h>
@@ -31,13 +32,17 @@ static int rnd(int n) { s_ = s_ * 1103515245u + 12345u; return (int)((s_ >> 8) %
             b[c] = (T)(rnd(2000) / 1000.0);                                                  \
         }                                                                                    \
         pe_batch_norm_##S(x, w, b, y, m, v, N, C, L, 1e-5);                                  \
+        pe_batch_norm_apply_##S(x, w, b, m, v, z, N, C, L, 1e-5, 0, 0.0, 0.0);               \
+        int bad = memcmp(y, z, sizeof(T) * n);                                               \
         for (long i = 0; i < n; i++) y[i] = pe_clip_##S(y[i], (T)0, (T)1.5);                 \
+        pe_batch_norm_apply_##S(x, w, b, m, v, z, N, C, L, 1e-5, 1, 0.0, 1.5);               \
+        bad |= memcmp(y, z, sizeof(T) * n);                                                  \
         pe_batch_norm_hardtanh_##S(x, w, b, z, m2, v2, N, C, L, 1e-5, 0.0, 1.5);             \
         for (long i = 0; i < n; i++) hg[i] = pe_hardtanh_grad_##S(g[i], y[i], (T)0, (T)1.5); \
         pe_batch_norm_grad_##S(hg, x, w, m, v, gx, gw, gb, N, C, L, 1e-5);                   \
         pe_batch_norm_hardtanh_grad_##S(g, x, w, b, m, v, gx2, gw2, gb2, N, C, L, 1e-5, 0.0,  \
                                         1.5);                                                \
-        int bad = memcmp(y, z, sizeof(T) * n) || memcmp(m, m2, sizeof(T) * C) ||            \
+        bad |= memcmp(y, z, sizeof(T) * n) || memcmp(m, m2, sizeof(T) * C) ||            \
                   memcmp(v, v2, sizeof(T) * C) || memcmp(gx, gx2, sizeof(T) * n) ||          \
                   memcmp(gw, gw2, sizeof(T) * C) || memcmp(gb, gb2, sizeof(T) * C);          \
         if (bad) printf(#S " differs: N%ld C%ld L%ld nan%d\n", N, C, L, nan);                 \

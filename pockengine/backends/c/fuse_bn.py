@@ -8,7 +8,11 @@ recomputes ``y`` from ``x`` and the statistics to mask the gradient, so the mask
 gradient is never stored, and a ``batch_norm`` and ``hardtanh`` that rematerialisation
 put in the backward only for this mask are read by nothing and go. Then the forward:
 ``hardtanh(y)`` with ``y`` read by nothing else becomes one ``batch_norm_hardtanh(x, w,
-b)`` at the batch norm's place, whose output pass clips, so ``y`` is never stored.
+b)`` at the batch norm's place, whose output pass clips, so ``y`` is never stored. Last,
+a batch norm (fused or not) that repeats an earlier one on the same ``x``, ``w`` and ``b``
+(rematerialisation's copy in the backward pass) and whose statistics nothing reads
+becomes ``batch_norm_apply(x, w, b, mean, var)`` of the earlier one's statistics: one
+read of ``x`` instead of three.
 
 The memory plan runs on the rewritten graph, so it holds neither ``y`` nor the masked
 gradient of a fused pair.
@@ -116,7 +120,35 @@ def _fuse_forward(graph: Graph) -> Graph:
     return graph.replace(nodes=tuple(nodes))
 
 
+def _reuse_statistics(graph: Graph) -> Graph:
+    """Each repeat of a batch norm (same x, w, b and eps) whose statistics nothing reads
+    as a ``batch_norm_apply`` of the first one's statistics."""
+    users, returned = graph.users(), {v.name for v in graph.outputs}
+    first: dict[tuple[str, ...], Node] = {}
+    written: set[str] = set()
+    nodes, changed = [], False
+    for node in graph.nodes:
+        if node.op in ("batch_norm", "batch_norm_hardtanh"):
+            key = (*(v.name for v in node.inputs), repr(node.attrs.get("eps")))
+            made = first.setdefault(key, node)
+            stats = {v.name for v in node.outputs[1:]}
+            unread = not any(users.get(name) for name in stats) and not stats & returned
+            fresh = not any(v.name in written for v in node.inputs)
+            if made is not node and unread and fresh:
+                clip = _bounds(node) if node.op == "batch_norm_hardtanh" else (None, None)
+                attrs = Attrs(eps=node.attrs["eps"], min_val=clip[0], max_val=clip[1])
+                inputs = (*node.inputs, *made.outputs[1:])
+                fused = node.replace(
+                    op="batch_norm_apply", inputs=inputs, outputs=node.outputs[:1], attrs=attrs
+                )
+                node, changed = _checked(fused, node.outputs[:1]), True
+        written.update(node.inputs[k].name for k in get_op(node.op).mutates)
+        nodes.append(node)
+    return graph.replace(nodes=tuple(nodes)) if changed else graph
+
+
 def fuse_batch_norm_hardtanh(graph: Graph) -> Graph:
-    """``graph`` with its batch_norm -> hardtanh chains fused, backward and forward (the
-    module docstring); ``graph`` itself when it has none."""
-    return _fuse_forward(_fuse_backward(graph))
+    """``graph`` with its batch_norm -> hardtanh chains fused, backward and forward, and
+    repeated batch norms reading the saved statistics (the module docstring); ``graph``
+    itself when it has none."""
+    return _reuse_statistics(_fuse_forward(_fuse_backward(graph)))

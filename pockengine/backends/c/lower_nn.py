@@ -168,6 +168,18 @@ def _batch_norm_hardtanh_grad(ctx: EmitContext, node: Node) -> str:
     )
 
 
+def _batch_norm_apply(ctx: EmitContext, node: Node) -> str:
+    x = node.inputs[0]
+    ins = ", ".join(ctx.ref(v) for v in node.inputs)
+    eps = attr_float(node, "eps")
+    clip = node.attrs.get("min_val") is not None
+    bounds = _clip_bounds(node) if clip else "0.0, 0.0"
+    return (
+        f"pe_batch_norm_apply_{_sfx(x)}({ins}, {ctx.ref(node.outputs[0])}, {_bn_dims(x)}, "
+        f"{eps!r}, {int(clip)}, {bounds});"
+    )
+
+
 def _ln_dims(x: Value, node: Node) -> str:
     ndim = attr_int(node, "ndim")
     return f"{math.prod(x.shape[: x.type.rank - ndim])}, {math.prod(x.shape[x.type.rank - ndim :])}"
@@ -379,6 +391,7 @@ KERNELS: dict[str, Lowering] = {
     "batch_norm": _batch_norm,
     "batch_norm_grad": _batch_norm_grad,
     "batch_norm_hardtanh": _batch_norm_hardtanh,
+    "batch_norm_apply": _batch_norm_apply,
     "batch_norm_hardtanh_grad": _batch_norm_hardtanh_grad,
     "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad,

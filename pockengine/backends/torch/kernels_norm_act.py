@@ -1,4 +1,5 @@
-"""The torch kernels of ``batch_norm_hardtanh`` and its gradient (``ops/norm_act.py``).
+"""The torch kernels of ``batch_norm_hardtanh``, its gradient and ``batch_norm_apply``
+(``ops/norm_act.py``).
 
 Only the C backend makes these ops (``backends/c/fuse_bn.py``); here they are the unfused
 ATen calls, so a graph holding them (an op-table test, a rewritten graph) runs on torch too.
@@ -47,7 +48,20 @@ def _batch_norm_hardtanh_grad(e: Emit) -> list[str]:
     ]
 
 
+def _batch_norm_apply(e: Emit) -> list[str]:
+    """y from x and the given statistics (batch_norm's operations), clipped when bounded."""
+    x, w, b, mean, var = e.ins
+    eps = literal(float(e.attr("eps")))
+    view = literal((-1, *([1] * (e.node.inputs[0].type.rank - 2))))
+    scale = f"({w} / aten_add({var}, {eps}).sqrt()).view({view})"
+    stmts = [f"{e.out} = ({x} - {mean}.view({view})) * {scale} + {b}.view({view})"]
+    if e.attr("min_val") is not None:
+        stmts.append(f"{e.out} = aten_clamp({e.out}, {_bounds(e)})")
+    return stmts
+
+
 KERNELS: dict[str, Emitter] = {
     "batch_norm_hardtanh": _batch_norm_hardtanh,
     "batch_norm_hardtanh_grad": _batch_norm_hardtanh_grad,
+    "batch_norm_apply": _batch_norm_apply,
 }

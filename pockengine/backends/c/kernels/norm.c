@@ -143,6 +143,30 @@ void PE_S(pe_batch_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
     }
 }
 
+/* batch_norm's output from given statistics (a rematerialised batch norm reading what the
+ * forward pass saved), clipped to [lo, hi] when `clip`: one read of x, one write. */
+void PE_S(pe_batch_norm_apply)(const PE_T *x, const PE_T *w, const PE_T *b, const PE_T *mean,
+                               const PE_T *var, PE_T *z, long N, long C, long S, double eps,
+                               int clip, double lo_, double hi_) {
+    const PE_T lo = (PE_T)lo_, hi = (PE_T)hi_;
+    PE_PARALLEL_FOR(N * C * S)
+    for (long nc = 0; nc < N * C; nc++) {
+        long c = nc % C;
+        PE_T mu = mean[c], scale = PE_BN_SCALE(w[c], var[c], eps), shift = b[c];
+        const PE_T *row = x + nc * S;
+        PE_T *restrict out = z + nc * S;
+        if (!clip) {
+            for (long s = 0; s < S; s++) out[s] = (row[s] - mu) * scale + shift;
+            continue;
+        }
+        for (long s = 0; s < S; s++) {
+            PE_T t = (row[s] - mu) * scale + shift;
+            t = t < lo ? lo : t;
+            out[s] = t > hi ? hi : t;
+        }
+    }
+}
+
 /* The gradient through hardtanh(lo, hi) of batch_norm: gy = gz where lo < y < hi (y
  * recomputed from x, w, b and the saved statistics as pe_batch_norm forms it), then
  * batch_norm_grad of gy; neither y nor gy is stored in the graph. Each row's gy goes into
