@@ -5,7 +5,9 @@ it matches the NumPy backend over 5 steps."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,3 +99,21 @@ def test_fused_training_matches_numpy(steps: Any) -> None:
         assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (i, got, want)
     for name, value in ref.state_dict().items():
         np.testing.assert_allclose(ours.state_dict()[name], value, rtol=1e-8, atol=1e-10)
+
+
+def test_the_exported_trainer_runs_the_fused_graph(tmp_path: Path) -> None:
+    """A step compiled on NumPy, exported to C: the trainer's step calls the fused kernels
+    and trains as the NumPy step does."""
+    w = _block_net()
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=_sgd())
+    folder = step.export(tmp_path / "trainer", target="c")
+    source = (folder / "step.c").read_text()
+    assert "pe_batch_norm_hardtanh_grad_f64(" in source and "pe_hardtanh_grad" not in source
+    batches = [w.make_batch(i) for i in range(2)]
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    losses = [float(ln.split()[-1]) for ln in run.stdout.splitlines() if ln.startswith("step ")]
+    np.testing.assert_allclose(losses, [step(*b) for b in batches], rtol=1e-6)
