@@ -79,10 +79,13 @@ def _checked(fused: Node, outputs: tuple[Value, ...]) -> Node:
 
 def _fuse_backward(graph: Graph) -> Graph:
     producers, users = graph.producers(), graph.users()
+    returned = {v.name for v in graph.outputs}
     written: set[str] = set()  # values a parameter update wrote so far
     nodes, changed = [], False
     for node in graph.nodes:
-        fused = _grad(node, producers, users) if node.op == "batch_norm_grad" else None
+        fused = None
+        if node.op == "batch_norm_grad" and node.inputs[0].name not in returned:
+            fused = _grad(node, producers, users)
         if fused is not None and not any(v.name in written for v in fused.inputs):
             node, changed = _checked(fused, node.outputs), True
         opdef = get_op(node.op)
