@@ -2,8 +2,11 @@
 
     OMP_NUM_THREADS=1 python benchmarks/c_kernels_ab.py --rev HEAD --workload mbv2 \
         --scheme sparse --rounds 8
+    OMP_NUM_THREADS=1 python benchmarks/c_kernels_ab.py --unfused --workload mbv2 --rounds 8
 
-Both steps are compiled in this process (the revision's ``kernels/`` extracted with
+With ``--unfused`` the baseline is instead the working tree's kernels with the C backend's
+batch-norm fusion (``backends/c/fuse_bn.py``) turned off, so the two steps differ by that
+rewrite alone. Both steps are compiled in this process (the revision's ``kernels/`` extracted with
 ``git show`` to a temporary folder), then stepped in turn, ``--rounds`` times each, on the
 same batch. Prints the median and best CPU seconds a step (``time.process_time``: on a
 shared machine it moves less than wall time) and whether every loss and every trained
@@ -13,12 +16,14 @@ value came out the same, bit for bit. One JSON object on the last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +56,21 @@ def _compile(workload: str, scheme_name: str, kernels: Path) -> tuple[Any, list[
     return pe.compile(work.model, work.loss_fn, batch, optimizer, scheme, backend=backend), batch
 
 
+@contextlib.contextmanager
+def _without_bn_fusion() -> Iterator[None]:
+    """The C backend with its batch-norm rewrite replaced by the identity."""
+    from pockengine.backends.c import backend
+
+    saved = backend.fuse_batch_norm_hardtanh, backend.CBackend.lowering_passes
+    backend.fuse_batch_norm_hardtanh = lambda graph: graph
+    unfused = lambda self: (backend.fuse_lowbit_products,)  # noqa: E731
+    backend.CBackend.lowering_passes = unfused  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        backend.fuse_batch_norm_hardtanh, backend.CBackend.lowering_passes = saved
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,14 +79,22 @@ def main() -> int:
     parser.add_argument("--workload", default="mbv2")
     parser.add_argument("--scheme", default="sparse")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--unfused", action="store_true", help="baseline: the tree without batch-norm fusion"
+    )
     args = parser.parse_args()
     from pockengine.backends.c import driver
 
     worktree = driver.KERNEL_DIR
     with tempfile.TemporaryDirectory(prefix="pe-kernels-") as tmp:
-        _extract(args.rev, Path(tmp))
-        steps = {args.rev: _compile(args.workload, args.scheme, Path(tmp)),
-                 "worktree": _compile(args.workload, args.scheme, worktree)}  # fmt: skip
+        if args.unfused:
+            args.rev = "unfused"
+            with _without_bn_fusion():
+                base = _compile(args.workload, args.scheme, worktree)
+        else:
+            _extract(args.rev, Path(tmp))
+            base = _compile(args.workload, args.scheme, Path(tmp))
+        steps = {args.rev: base, "worktree": _compile(args.workload, args.scheme, worktree)}
         seconds: dict[str, list[float]] = {k: [] for k in steps}
         losses: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(args.rounds + 1):  # the first round is a warm-up

@@ -31,6 +31,7 @@ from pockengine.backends.c import (
 )
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
+from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
@@ -106,6 +107,7 @@ class CExecutable(Executable):
         threads: int | None = None,
     ) -> None:
         graph = fuse_lowbit_products(graph)  # low-bit matrices read inside the GEMM
+        graph = fuse_batch_norm_hardtanh(graph)  # batch norm clips; its gradient masks
         check_claims(graph)
         self.graph = graph
         self.plan: MemoryPlan = plan_memory(graph)
@@ -231,8 +233,9 @@ class CBackend(Backend):
     def lowering_passes(self) -> tuple[Callable[[Graph], Graph], ...]:
         """Rewrites the training pipeline ends with for this backend (``pe.compile`` runs
         them before a memory budget plans): products and the loss head on low-bit frozen
-        matrices read the codes (``fuse_lowbit.py``)."""
-        return (fuse_lowbit_products,)
+        matrices read the codes (``fuse_lowbit.py``); batch norm and the hardtanh after it
+        run as one kernel each way (``fuse_bn.py``)."""
+        return (fuse_lowbit_products, fuse_batch_norm_hardtanh)
 
     def claims(self, node: Node) -> bool:
         return claims(node)

@@ -32,6 +32,7 @@ from pockengine.backends.c.frozen_file import (
     is_frozen,
     write_frozen_to,
 )
+from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.ir import CompileError, DType, Graph, Role, Value
 from pockengine.ir.arrays import Array
@@ -228,6 +229,7 @@ def export_c(
     atomically, and no link inside ``folder`` is followed (``safe_write``)."""
     bounds = index_bounds(graph) if bounds is None else bounds
     graph = fuse_lowbit_products(graph)  # as CExecutable: low-bit matrices read in the GEMM
+    graph = fuse_batch_norm_hardtanh(graph)  # and batch norm fused with its hardtanh
     check_claims(graph)
     out = make_dirs(Path(folder))
     make_dirs(out / "kernels", inside=out)

@@ -145,6 +145,41 @@ def _batch_norm_grad(ctx: EmitContext, node: Node) -> str:
     )
 
 
+def _clip_bounds(node: Node) -> str:
+    return f"{attr_float(node, 'min_val')!r}, {attr_float(node, 'max_val')!r}"
+
+
+def _batch_norm_hardtanh(ctx: EmitContext, node: Node) -> str:
+    x, w, b = node.inputs
+    z, mean, var = (ctx.ref(v) for v in node.outputs)
+    eps = attr_float(node, "eps")
+    args = f"{ctx.ref(x)}, {ctx.ref(w)}, {ctx.ref(b)}, {z}, {mean}, {var}, {_bn_dims(x)}, {eps!r}"
+    return f"pe_batch_norm_hardtanh_{_sfx(x)}({args}, {_clip_bounds(node)});"
+
+
+def _batch_norm_hardtanh_grad(ctx: EmitContext, node: Node) -> str:
+    ins = ", ".join(ctx.ref(v) for v in node.inputs)
+    outs = ", ".join(ctx.ref(v) for v in node.outputs)
+    dims = _bn_dims(node.inputs[1])
+    eps = attr_float(node, "eps")
+    return (
+        f"pe_batch_norm_hardtanh_grad_{_sfx(node.inputs[1])}({ins}, {outs}, {dims}, {eps!r}, "
+        f"{_clip_bounds(node)});"
+    )
+
+
+def _batch_norm_apply(ctx: EmitContext, node: Node) -> str:
+    x = node.inputs[0]
+    ins = ", ".join(ctx.ref(v) for v in node.inputs)
+    eps = attr_float(node, "eps")
+    clip = node.attrs.get("min_val") is not None
+    bounds = _clip_bounds(node) if clip else "0.0, 0.0"
+    return (
+        f"pe_batch_norm_apply_{_sfx(x)}({ins}, {ctx.ref(node.outputs[0])}, {_bn_dims(x)}, "
+        f"{eps!r}, {int(clip)}, {bounds});"
+    )
+
+
 def _ln_dims(x: Value, node: Node) -> str:
     ndim = attr_int(node, "ndim")
     return f"{math.prod(x.shape[: x.type.rank - ndim])}, {math.prod(x.shape[x.type.rank - ndim :])}"
@@ -355,6 +390,9 @@ KERNELS: dict[str, Lowering] = {
     "conv2d_weight_grad": _conv2d_weight_grad,
     "batch_norm": _batch_norm,
     "batch_norm_grad": _batch_norm_grad,
+    "batch_norm_hardtanh": _batch_norm_hardtanh,
+    "batch_norm_apply": _batch_norm_apply,
+    "batch_norm_hardtanh_grad": _batch_norm_hardtanh_grad,
     "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad,
     "max_pool2d": _max_pool,

@@ -35,6 +35,7 @@ from pockengine.backends.torch import kernels as torch_kernels
 from pockengine.backends.torch import kernels_attn as torch_kernels_attn
 from pockengine.backends.torch import kernels_loss as torch_kernels_loss
 from pockengine.backends.torch import kernels_nn as torch_kernels_nn
+from pockengine.backends.torch import kernels_norm_act as torch_kernels_norm_act
 from pockengine.backends.torch import kernels_optim as torch_kernels_optim
 from pockengine.backends.torch import kernels_quant as torch_kernels_quant
 from pockengine.backends.torch import kernels_select as torch_kernels_select
@@ -66,6 +67,7 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_attn.KERNELS,
     **torch_kernels_loss.KERNELS,
     **torch_kernels_quant.KERNELS,
+    **torch_kernels_norm_act.KERNELS,
     **torch_kernels_optim.KERNELS,
     **torch_kernels_select.KERNELS,
 }

@@ -67,20 +67,55 @@ static void PE_S(pe_row_grad_sums)(const PE_T *restrict g, const PE_T *restrict 
     *sw += tw;
 }
 
+/* Channel c's statistics over its N rows of S (two passes in double: the mean, then the
+ * centred sum of squares); returns the mean, the biased variance into *var. */
+static PE_T PE_S(pe_bn_stats)(const PE_T *x, long N, long C, long S, long c, PE_T *var) {
+    double sum = 0, sq = 0, count = (double)(N * S);
+    for (long n = 0; n < N; n++) sum += PE_S(pe_row_sum)(x + (n * C + c) * S, S);
+    PE_T mu = (PE_T)(sum / count);
+    for (long n = 0; n < N; n++) sq += PE_S(pe_row_sqdev)(x + (n * C + c) * S, S, mu);
+    *var = (PE_T)(sq / count);
+    return mu;
+}
+
+/* batch_norm's scale of channel c: w / sqrt(var + eps), the same expression everywhere the
+ * normalised value is formed (the fused gradient recomputes it bit for bit). */
+#define PE_BN_SCALE(w, v, eps) ((w) / (PE_T)sqrt((double)(v) + (eps)))
+
 void PE_S(pe_batch_norm)(const PE_T *x, const PE_T *w, const PE_T *b, PE_T *y, PE_T *mean,
                          PE_T *var, long N, long C, long S, double eps) {
     PE_PARALLEL_FOR(N * C * S)
     for (long c = 0; c < C; c++) {
-        double sum = 0, sq = 0, count = (double)(N * S);
-        for (long n = 0; n < N; n++) sum += PE_S(pe_row_sum)(x + (n * C + c) * S, S);
-        PE_T mu = (PE_T)(sum / count);
-        for (long n = 0; n < N; n++) sq += PE_S(pe_row_sqdev)(x + (n * C + c) * S, S, mu);
-        PE_T v = (PE_T)(sq / count);
-        PE_T scale = w[c] / (PE_T)sqrt((double)v + eps), shift = b[c];
+        PE_T v, mu = PE_S(pe_bn_stats)(x, N, C, S, c, &v);
+        PE_T scale = PE_BN_SCALE(w[c], v, eps), shift = b[c];
         for (long n = 0; n < N; n++) {
             const PE_T *row = x + (n * C + c) * S;
             PE_T *restrict out = y + (n * C + c) * S;
             for (long s = 0; s < S; s++) out[s] = (row[s] - mu) * scale + shift;
+        }
+        mean[c] = mu;
+        var[c] = v;
+    }
+}
+
+/* batch_norm then hardtanh(lo, hi) in the output pass: the normalised tensor is never
+ * stored. NaN passes through the clip, as in pe_clip. */
+void PE_S(pe_batch_norm_hardtanh)(const PE_T *x, const PE_T *w, const PE_T *b, PE_T *z,
+                                  PE_T *mean, PE_T *var, long N, long C, long S, double eps,
+                                  double lo_, double hi_) {
+    const PE_T lo = (PE_T)lo_, hi = (PE_T)hi_;
+    PE_PARALLEL_FOR(N * C * S)
+    for (long c = 0; c < C; c++) {
+        PE_T v, mu = PE_S(pe_bn_stats)(x, N, C, S, c, &v);
+        PE_T scale = PE_BN_SCALE(w[c], v, eps), shift = b[c];
+        for (long n = 0; n < N; n++) {
+            const PE_T *row = x + (n * C + c) * S;
+            PE_T *restrict out = z + (n * C + c) * S;
+            for (long s = 0; s < S; s++) {
+                PE_T t = (row[s] - mu) * scale + shift;
+                t = t < lo ? lo : t;
+                out[s] = t > hi ? hi : t;
+            }
         }
         mean[c] = mu;
         var[c] = v;
@@ -102,6 +137,65 @@ void PE_S(pe_batch_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
             const PE_T *g = gy + (i * C + c) * S, *row = x + (i * C + c) * S;
             PE_T *restrict out = gx + (i * C + c) * S;
             for (long s = 0; s < S; s++) out[s] = (g[s] - mb - (row[s] - mu) * rstd * mw) * k;
+        }
+        gw[c] = (PE_T)sw;
+        gb[c] = (PE_T)sb;
+    }
+}
+
+/* batch_norm's output from given statistics (a rematerialised batch norm reading what the
+ * forward pass saved), clipped to [lo, hi] when `clip`: one read of x, one write. */
+void PE_S(pe_batch_norm_apply)(const PE_T *x, const PE_T *w, const PE_T *b, const PE_T *mean,
+                               const PE_T *var, PE_T *z, long N, long C, long S, double eps,
+                               int clip, double lo_, double hi_) {
+    const PE_T lo = (PE_T)lo_, hi = (PE_T)hi_;
+    PE_PARALLEL_FOR(N * C * S)
+    for (long nc = 0; nc < N * C; nc++) {
+        long c = nc % C;
+        PE_T mu = mean[c], scale = PE_BN_SCALE(w[c], var[c], eps), shift = b[c];
+        const PE_T *row = x + nc * S;
+        PE_T *restrict out = z + nc * S;
+        if (!clip) {
+            for (long s = 0; s < S; s++) out[s] = (row[s] - mu) * scale + shift;
+            continue;
+        }
+        for (long s = 0; s < S; s++) {
+            PE_T t = (row[s] - mu) * scale + shift;
+            t = t < lo ? lo : t;
+            out[s] = t > hi ? hi : t;
+        }
+    }
+}
+
+/* The gradient through hardtanh(lo, hi) of batch_norm: gy = gz where lo < y < hi (y
+ * recomputed from x, w, b and the saved statistics as pe_batch_norm forms it), then
+ * batch_norm_grad of gy; neither y nor gy is stored in the graph. Each row's gy goes into
+ * its gx row first (a branch-free select), where the two reductions and the final pass
+ * read it back while the channel is still in cache. */
+void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T *w,
+                                       const PE_T *b, const PE_T *mean, const PE_T *var,
+                                       PE_T *gx, PE_T *gw, PE_T *gb, long N, long C, long S,
+                                       double eps, double lo_, double hi_) {
+    const PE_T lo = (PE_T)lo_, hi = (PE_T)hi_;
+    PE_PARALLEL_FOR(N * C * S)
+    for (long c = 0; c < C; c++) {
+        PE_T rstd = (PE_T)(1.0 / sqrt((double)var[c] + eps)), mu = mean[c];
+        PE_T scale = PE_BN_SCALE(w[c], var[c], eps), shift = b[c];
+        double sb = 0, sw = 0, count = (double)(N * S);
+        for (long i = 0; i < N; i++) {
+            const PE_T *restrict g = gz + (i * C + c) * S, *restrict row = x + (i * C + c) * S;
+            PE_T *restrict out = gx + (i * C + c) * S;
+            for (long s = 0; s < S; s++) {
+                PE_T y = (row[s] - mu) * scale + shift;
+                out[s] = (y > lo) & (y < hi) ? g[s] : (PE_T)0;
+            }
+            PE_S(pe_row_grad_sums)(out, row, S, mu, rstd, &sb, &sw);
+        }
+        PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
+        for (long i = 0; i < N; i++) {
+            const PE_T *row = x + (i * C + c) * S;
+            PE_T *restrict out = gx + (i * C + c) * S;
+            for (long s = 0; s < S; s++) out[s] = (out[s] - mb - (row[s] - mu) * rstd * mw) * k;
         }
         gw[c] = (PE_T)sw;
         gb[c] = (PE_T)sb;
@@ -159,4 +253,5 @@ void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
 #undef PE_LANES
 #undef PE_BLOCK
 #undef PE_LANE_SUM
+#undef PE_BN_SCALE
 #endif

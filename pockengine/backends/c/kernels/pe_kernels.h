@@ -100,6 +100,16 @@ size_t pe_dtype_size(int dtype);
     void pe_batch_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
                                 const T *var, T *gx, T *gw, T *gb, long N, long C, long S_,    \
                                 double eps);                                                   \
+    void pe_batch_norm_hardtanh_##S(const T *x, const T *w, const T *b, T *z, T *mean,        \
+                                    T *var, long N, long C, long S_, double eps, double lo,   \
+                                    double hi);                                              \
+    void pe_batch_norm_hardtanh_grad_##S(const T *gz, const T *x, const T *w, const T *b,     \
+                                         const T *mean, const T *var, T *gx, T *gw, T *gb,    \
+                                         long N, long C, long S_, double eps, double lo,      \
+                                         double hi);                                         \
+    void pe_batch_norm_apply_##S(const T *x, const T *w, const T *b, const T *mean,           \
+                                 const T *var, T *z, long N, long C, long S_, double eps,     \
+                                 int clip, double lo, double hi);                             \
     void pe_layer_norm_##S(const T *x, const T *w, const T *b, T *y, T *mean, T *rstd,         \
                            long rows, long cols, double eps);                                  \
     void pe_layer_norm_grad_##S(const T *gy, const T *x, const T *w, const T *mean,            \
