@@ -69,7 +69,7 @@ def _torch_case(steps: int, budget: str | None, extra: list[str]) -> dict[str, A
     args = cli.build_parser().parse_args(["export", *_EXPORT, *extra, "--backend", "torch"])
     prepared = export_cli._from_args(args)
     step = prepared.step
-    from pockengine.finetune import data as ds
+    from pockengine.tasks import data as ds
 
     size = 4
     rows = ds.epoch_order(len(prepared.train[0]), prepared.config.seed, 0)[: steps * size]

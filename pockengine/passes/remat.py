@@ -49,6 +49,7 @@ node's source), so cost and the report count them as backward work.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ KEEP_BYTES = 64 << 10  # a forward value this small may be kept alive for a chai
 KEEP_RATIO = 16  # ... when the value the chain recomputes is this many times larger
 NARROW_RATIO = 2  # forward values kept for a chain: at most this share of what it makes,
 NARROW_MIN_SAVING = 64 << 10  # ... and at least this many bytes fewer (no churn for masks)
+_RECOMPUTED = re.compile(r"_re[0-9]+$")  # a copy's name (``_State.fresh``)
 _STORED = (Role.PARAM, Role.BUFFER, Role.CONST, Role.STATE)
 
 # May the value (an output of the node) be recomputed by repeating the node?
@@ -215,12 +217,15 @@ def _plan_node(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value |
 def _insertion_point(s: _State, readers: dict[str, list[int]], j: int) -> int:
     """Before backward node ``j``, or before an earlier backward node reading a backward
     value that ``j`` reads (its sibling: the input gradient of the same ``gy`` as a weight
-    gradient), so that a backend computing siblings together has every operand."""
+    gradient), so that a backend computing siblings together has every operand. A
+    recomputed copy is no such value: one that every layer's attention backward reads (a
+    mask made once) would move each layer's recomputation to the first layer's backward,
+    and keep all of them alive across the blocks between."""
     nodes = s.graph.nodes
     at = j
     for g in nodes[j].inputs:
         made = s.producers.get(g.name)
-        if made is None or not _backward(made):
+        if made is None or not _backward(made) or _RECOMPUTED.search(g.name):
             continue
         at = min(at, *(i for i in readers.get(g.name, []) if _backward(nodes[i])))
     return at

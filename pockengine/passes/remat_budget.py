@@ -3,7 +3,17 @@
 ``FitMemoryBudget(budget)`` is a training-graph pass. When the planned peak of the step
 (``plan.memory``, after the passes that follow it, ``finish``) is above ``budget`` bytes,
 it chooses saved forward values to recompute in the backward pass instead of keeping them
-alive from the forward pass, greedily: the saved values alive at the planned peak, one by
+alive from the forward pass.
+
+First by blocks (activation checkpointing of a transformer's layers): a repeated block is
+a module path with a numeric component (``model.layers.3``), and its targets are the
+saved values it makes that no forward node outside it reads (``block_targets``). What
+crosses a boundary stays saved: the residual stream, and a mask or rotary table made once
+for all layers. Recomputing the targets of the first ``k`` blocks repeats each block from
+its input inside its own backward pass (each value at its first backward reader), and
+its copies die there, before the next block's backward; the smallest ``k`` whose plan
+meets the budget is taken (a binary search: a few plans). When even every block does
+not meet it, greedily, from the graph as it was: the saved values alive at the planned peak, one by
 one the one whose recomputation costs the fewest FLOPs per byte it frees there (its own
 size), costed with the values chosen before it, enough to cover the excess over the
 budget, each kept only if it and the earlier choices can all still be recomputed; then it
@@ -19,7 +29,8 @@ value's recomputation repeats (its producer, and the producers of its inputs tha
 alive in the backward pass, recursively); the peak is measured by planning again.
 
 A budget the best plan cannot meet is not an error: the pass keeps the plan with the
-lowest peak it found and logs a warning that names it and how far it is from the budget;
+lowest peak it found (of every block checkpointed and the greedy choice) and logs a
+warning that names that peak, the smallest it reached, and how far it is from the budget;
 ``step.report()`` says the same (``recomputation``).
 
 Recomputation repeats the original nodes (``passes.remat.recompute``): the same op,
@@ -56,6 +67,7 @@ __all__ = [
     "FitMemoryBudget",
     "Recomputation",
     "Segment",
+    "block_targets",
     "parse_budget",
     "recomputation",
     "with_budget",
@@ -154,8 +166,32 @@ class FitMemoryBudget:
         base = plan.planned_peak_bytes
         if base <= self.budget:
             return graph
-        best, best_peak = graph, base
-        saved, dropped, tried = _Saved.of(graph), set[str](), set[str]()
+        saved = _Saved.of(graph)
+        blocked, blocked_plan = self._blocks(graph, saved, plan)
+        if blocked_plan.planned_peak_bytes <= self.budget:
+            return blocked
+        best, best_peak = self._greedy(graph, saved, finished, plan)
+        if best_peak <= self.budget:
+            return best
+        if blocked_plan.planned_peak_bytes < best_peak:
+            best, best_peak = blocked, blocked_plan.planned_peak_bytes
+        log.warning(
+            "memory budget %.1f MiB not met: the best plan found peaks at %.1f MiB (%.1f MiB "
+            "over; %.1f MiB without recomputation)",
+            self.budget / _MIB,
+            best_peak / _MIB,
+            (best_peak - self.budget) / _MIB,
+            base / _MIB,
+        )
+        return best
+
+    def _greedy(
+        self, graph: Graph, saved: _Saved, finished: Graph, plan: MemoryPlan
+    ) -> tuple[Graph, int]:
+        """Saved values chosen one by one (the module doc); the lowest plan found, and its
+        planned peak."""
+        best, best_peak = graph, plan.planned_peak_bytes
+        dropped, tried = set[str](), set[str]()
         while picks := self._picks(finished, plan, saved, dropped, tried):
             while True:  # fewer picks while they lower nothing: half of them, down to one
                 current, now_dropped = _recompute(graph, dropped, picks)
@@ -169,16 +205,34 @@ class FitMemoryBudget:
                 best, best_peak = current, now_plan.planned_peak_bytes
                 dropped, finished, plan = now_dropped, now_finished, now_plan
             if best_peak <= self.budget:
-                return best
-        log.warning(
-            "memory budget %.1f MiB not met: the best plan found peaks at %.1f MiB (%.1f MiB "
-            "over; %.1f MiB without recomputation)",
-            self.budget / _MIB,
-            best_peak / _MIB,
-            (best_peak - self.budget) / _MIB,
-            base / _MIB,
-        )
-        return best
+                break
+        return best, best_peak
+
+    def _blocks(self, graph: Graph, saved: _Saved, plan: MemoryPlan) -> tuple[Graph, MemoryPlan]:
+        """Block checkpointing: the internals of the first ``k`` repeated blocks recomputed
+        from their inputs (``block_targets``), the smallest ``k`` whose plan meets the
+        budget, or every block when none does (``graph`` itself when that plans no lower);
+        the graph and its finished plan."""
+        blocks = block_targets(graph, saved)
+
+        def trial(k: int) -> tuple[Graph, MemoryPlan]:
+            current = recompute(graph, _pure, BUDGET_DEPTH, set().union(*blocks[:k]))
+            return current, plan_memory(_finished(current, self.finish))
+
+        lo, hi = 0, len(blocks)  # the plan with ``hi`` blocks meets the budget, ``lo``'s not
+        if hi == 0:
+            return graph, plan
+        found = trial(hi)
+        if found[1].planned_peak_bytes > self.budget:
+            return found if found[1].planned_peak_bytes < plan.planned_peak_bytes else (graph, plan)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            now = trial(mid)
+            if now[1].planned_peak_bytes <= self.budget:
+                hi, found = mid, now
+            else:
+                lo = mid
+        return found
 
     def _picks(
         self, graph: Graph, plan: MemoryPlan, saved: _Saved, dropped: set[str], tried: set[str]
@@ -211,6 +265,41 @@ class FitMemoryBudget:
             picks.append(best)
             freed += saved.saved[best].type.nbytes
         return picks
+
+
+def _block_of(source: str) -> str | None:
+    """The repeated block a node belongs to: its module path through the first numeric
+    component (``model.layers.3`` of ``model.layers.3.mlp.up_proj``), or None."""
+    m = _BLOCK.match(source)
+    return m.group(1) if m else None
+
+
+_BLOCK = re.compile(r"^(.*?\.[0-9]+)(?:\.|$)")
+
+
+def block_targets(graph: Graph, saved: _Saved | None = None) -> list[set[str]]:
+    """The saved values inside each repeated block (a module path with a numeric
+    component: a transformer layer), in forward order: made by the block and read by no
+    forward node outside it. What crosses a block boundary (the residual stream, a mask
+    or rotary table made once for all blocks) stays saved; recomputing the rest repeats the
+    block from its input inside its backward, and frees it before the next block's."""
+    saved = saved or _Saved.of(graph)
+    outside: set[str] = set()  # read in the forward pass by a node of another block
+    for node in graph.nodes:
+        if node.phase is Phase.BACKWARD or get_op(node.op).effectful:
+            continue
+        block = _block_of(node.source)
+        for v in node.inputs:
+            made = saved.producers.get(v.name)
+            if made is not None and _block_of(made.source) != block:
+                outside.add(v.name)
+    blocks: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        block = _block_of(node.source)
+        for v in node.outputs:
+            if block is not None and v.name in saved.saved and v.name not in outside:
+                blocks.setdefault(block, set()).add(v.name)
+    return list(blocks.values())
 
 
 def _recompute(graph: Graph, dropped: set[str], picks: Sequence[str]) -> tuple[Graph, set[str]]:
