@@ -74,10 +74,11 @@ def _permuted(w: Any, heads: int) -> Any:
     )
 
 
-def write_llama_gguf(folder: Path, path: Path, *, q8: bool = False) -> Path:
-    """The LLaMA model and byte-level BPE tokenizer of ``folder`` as a float32 GGUF file, as
-    llama.cpp's converter writes one (q/k rows permuted, the tokenizer and chat template in
-    the metadata); ``q8``: the block matrices as Q8_0."""
+def write_llama_gguf(folder: Path, path: Path, *, q8: bool = False, arch: str = "llama") -> Path:
+    """The LLaMA-like model and byte-level BPE tokenizer of ``folder`` as a float32 GGUF file,
+    as llama.cpp's converter writes one for ``arch`` (q/k rows permuted for ``llama`` only,
+    biases as ``.bias``, the tokenizer and chat template in the metadata); ``q8``: the block
+    matrices as Q8_0."""
     import json
 
     import gguf
@@ -86,7 +87,7 @@ def write_llama_gguf(folder: Path, path: Path, *, q8: bool = False) -> Path:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -121,17 +122,17 @@ def write_llama_gguf(folder: Path, path: Path, *, q8: bool = False) -> Path:
             writer.add_tensor("output.weight", w)
         else:
             _, _, layer, rest = name.split(".", 3)
-            part = rest.rsplit(".", 1)[0]
-            if part == "self_attn.q_proj":
+            part, kind = rest.rsplit(".", 1)
+            if arch == "llama" and part == "self_attn.q_proj":
                 w = _permuted(w, cfg.num_attention_heads)
-            elif part == "self_attn.k_proj":
+            elif arch == "llama" and part == "self_attn.k_proj":
                 w = _permuted(w, cfg.num_key_value_heads)
             if q8 and w.ndim == 2:
                 kind = gguf.GGMLQuantizationType.Q8_0
                 writer.add_tensor(f"blk.{layer}.{names[part]}.weight",
                                   gguf.quants.quantize(w, kind), raw_dtype=kind)  # fmt: skip
                 continue
-            writer.add_tensor(f"blk.{layer}.{names[part]}.weight", w)
+            writer.add_tensor(f"blk.{layer}.{names[part]}.{kind}", w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -221,59 +221,6 @@ def test_where_llama_cpp_cannot_be_built_the_reason_is_named(
     assert not (tmp_path / f"llamacpp-{tool.VERSION}").exists()
 
 
-def _write_gguf(folder: Path, path: Path, arch: str, permute: bool) -> Path:
-    """The tiny model of ``folder`` as a float32 GGUF as llama.cpp's converter lays out
-    ``arch`` (query/key rows permuted for LLaMA only; biases as ``.bias``)."""
-    import gguf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_eos_token_id(tok.eos_token_id)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
-    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-           "model.norm.weight": "output_norm.weight"}  # fmt: skip
-    heads = {
-        "self_attn.q_proj": cfg.num_attention_heads,
-        "self_attn.k_proj": cfg.num_key_value_heads,
-    }
-    for name, p in model.state_dict().items():
-        w = p.detach().float().numpy()
-        if name in top:
-            writer.add_tensor(top[name], w)
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        part, kind = rest.rsplit(".", 1)
-        if permute and part in heads:
-            n = heads[part]
-            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        writer.add_tensor(f"blk.{layer}.{names[part]}.{kind}", np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.slow
 def test_a_qwen2_adapter_loads_in_llamacpp_and_gives_our_fine_tuned_logits(
     tool: Any, cpp: Any, tmp_path: Path
@@ -284,7 +231,7 @@ def test_a_qwen2_adapter_loads_in_llamacpp_and_gives_our_fine_tuned_logits(
     from transformers import AutoModelForCausalLM
 
     from pockengine.cli import main
-    from tests.lm_folders import SENTENCES, make_lm_folder
+    from tests.lm_folders import SENTENCES, make_lm_folder, write_llama_gguf
 
     folder = make_lm_folder(tmp_path / "qwen2", "qwen2")
     data = tmp_path / "text.jsonl"
@@ -295,7 +242,7 @@ def test_a_qwen2_adapter_loads_in_llamacpp_and_gives_our_fine_tuned_logits(
             "--compile-in", "process", "--progress", "none", "--out", str(run)]  # fmt: skip
     assert main(argv) == 0
     assert main(["export", str(run), "--target", "gguf-lora", "-o", str(tmp_path / "o")]) == 0
-    base = _write_gguf(folder, tmp_path / "qwen2.gguf", "qwen2", permute=False)
+    base = write_llama_gguf(folder, tmp_path / "qwen2.gguf", arch="qwen2")
     tokens = list(range(5, 30))
     ours = {}
     for key, source in (("ours_base", folder), ("ours_ft", run / "model")):
