@@ -10,14 +10,22 @@ on the torch backend (``--frozen-dtype gguf``, one thread), the same batches: me
 time after the first, tokens per second, whole-process peak, losses. Each case runs in its
 own process.
 
+``--eval K``: after the run, the validation perplexity (exp of the mean next-token loss) of
+both on the first K batches (8 sequences each) of the recipe's validation split, through
+the compiled evaluator a fine-tune run uses (``pockengine.tasks.metrics``): case ``c``
+runs ``./train --save`` and loads the saved trained state into the recipe's step compiled
+on the torch backend (also reporting the untrained perplexity), case ``torch`` evaluates
+its own step after its steps; a last line gives both and their ratio.
+
     PYTHONPATH=$PWD python benchmarks/c_smollm2_trainer.py --steps 4 \
-        [--remat-budget 190MB] [--scheme sparse --optimizer-state int8] \
+        [--remat-budget 190MB] [--scheme sparse --optimizer-state int8] [--eval 4] \
         [--out benchmarks/results/c_smollm2_trainer.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -35,7 +43,56 @@ _EXPORT = ["--recipe", "smollm2-pydocs", "--frozen-dtype", "gguf", "--batch-size
            "--seq-len", "128"]  # fmt: skip
 
 
-def _c_case(steps: int, budget: str | None, work: Path, extra: list[str]) -> dict[str, Any]:
+def _step_and_task(extra: list[str], backend: str) -> tuple[Any, Any, Any]:
+    """The recipe's step (as ``pockengine export`` with these options compiles it), its
+    task and its config."""
+    from pockengine import cli
+    from pockengine.finetune.cli import config_from_args
+    from pockengine.finetune.running import trainer
+    from pockengine.tasks import recipes
+
+    args = cli.build_parser().parse_args(["export", *_EXPORT, *extra, "--backend", backend])
+    args.optimizer = args.optimizer or "adamw"
+    config = config_from_args(args).validate()
+    config = config.with_defaults(recipes.defaults(config, auto=False)).validate()
+    assert config.scheme is not None, "filled in by the recipe's defaults"
+    scheme = recipes.parse_scheme(config.scheme, recipes.recipe_name(config), config.batchnorm)
+    task = recipes.build(config)
+    return trainer.compile_task(config, task, scheme), task, config
+
+
+def _perplexity(step: Any, task: Any, batches: int) -> float:
+    """Validation perplexity of the step's current values on the first ``batches``
+    evaluation batches of the task's validation split."""
+    from pockengine.tasks import metrics
+
+    held_out = dataclasses.replace(
+        task, val=tuple(a[: batches * metrics.CAUSAL_LM_BATCH] for a in task.val)
+    )
+    evaluator = metrics.compile_evaluator(step, held_out)
+    return float(metrics.evaluate(step, held_out, evaluator=evaluator)["val_perplexity"])
+
+
+def _load_trainer_state(step: Any, path: Path) -> None:
+    """The trained params (model names) and optimizer state (IR names) ``./train --save``
+    wrote, into ``step``."""
+    from pockengine.backends.c.export import read_safetensors
+
+    saved = read_safetensors(path)
+    names = set(step.state_names)
+    params = {n: a for n, a in saved.items() if n in names}
+    missing = set(step.trained) - set(params)
+    if missing:
+        raise SystemExit(f"{path}: no value for the trained {sorted(missing)[:3]}")
+    result = step.load_state(params, strict=False)
+    if result.unexpected or result.mismatched:
+        raise SystemExit(f"{path}: {result.describe()}")
+    step.load_state(optimizer={n: a for n, a in saved.items() if n not in names})
+
+
+def _c_case(
+    steps: int, budget: str | None, work: Path, extra: list[str], evals: int = 0
+) -> dict[str, Any]:
     folder = work / "trainer"
     extra = [*extra, *(["--remat-budget", budget] if budget else [])]
     subprocess.run([sys.executable, "-m", "pockengine", "export", *_EXPORT, *extra,
@@ -43,13 +100,24 @@ def _c_case(steps: int, budget: str | None, work: Path, extra: list[str]) -> dic
                     "-o", str(folder)], check=True, capture_output=True)  # fmt: skip
     subprocess.run(["make", "-s", "-C", str(folder), "NATIVE=1", "STATIC=1", "SMALL=1"],
                    check=True, capture_output=True)  # fmt: skip
-    run = subprocess.run(["/usr/bin/time", "-v", "./train", "batches/batch.0.npy"], cwd=folder,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    save = ["--save", "trained.safetensors"] if evals else []
+    run = subprocess.run(["/usr/bin/time", "-v", "./train", *save, "batches/batch.0.npy"],
+                         cwd=folder, capture_output=True, text=True, check=True)  # fmt: skip
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     mean = re.search(r"mean step time ([\d.]+) ms", run.stderr)
     plan = re.search(r"planned peak [^*]*", (folder / "step.c").read_text()[:2000])
     step_s = float(mean[1]) / 1000 if mean else float("nan")
+    quality: dict[str, float] = {}
+    if evals:
+        import torch
+
+        torch.set_num_threads(1)
+        step, task, _ = _step_and_task(extra, "torch")
+        quality["untrained_perplexity"] = _perplexity(step, task, evals)
+        _load_trainer_state(step, folder / "trained.safetensors")
+        quality["val_perplexity"] = _perplexity(step, task, evals)
     return {
+        **quality,
         "case": "c", "remat_budget": budget, "peak_mib": int(peak[1]) / 1024 if peak else None,
         "step_s": step_s, "tokens_per_s": TOKENS / step_s,
         "plan": plan[0].strip() if plan else None,
@@ -59,22 +127,18 @@ def _c_case(steps: int, budget: str | None, work: Path, extra: list[str]) -> dic
     }  # fmt: skip
 
 
-def _torch_case(steps: int, budget: str | None, extra: list[str]) -> dict[str, Any]:
+def _torch_case(steps: int, budget: str | None, extra: list[str], evals: int = 0) -> dict[str, Any]:
     import torch
-
-    from pockengine import cli, export_cli
 
     torch.set_num_threads(1)
     extra = [*extra, *(["--remat-budget", budget] if budget else [])]
-    args = cli.build_parser().parse_args(["export", *_EXPORT, *extra, "--backend", "torch"])
-    prepared = export_cli._from_args(args)
-    step = prepared.step
+    step, task, config = _step_and_task(extra, "torch")
     from pockengine.tasks import data as ds
 
     size = 4
-    rows = ds.epoch_order(len(prepared.train[0]), prepared.config.seed, 0)[: steps * size]
+    rows = ds.epoch_order(len(task.train[0]), config.seed, 0)[: steps * size]
     stacked = [np.ascontiguousarray(a[rows]).reshape(steps, size, *a.shape[1:])
-               for a in prepared.train]  # fmt: skip
+               for a in task.train]  # fmt: skip
     batches = [tuple(a[i] for a in stacked) for i in range(steps)]
     losses, times = [], []
     for batch in batches:
@@ -84,7 +148,8 @@ def _torch_case(steps: int, budget: str | None, extra: list[str]) -> dict[str, A
     with open("/proc/self/status") as f:
         peak = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM"))
     step_s = float(np.median(times[1:])) if len(times) > 1 else times[0]
-    return {"case": "torch", "remat_budget": budget, "peak_mib": peak / 1024,
+    quality = {"val_perplexity": _perplexity(step, task, evals)} if evals else {}
+    return {**quality, "case": "torch", "remat_budget": budget, "peak_mib": peak / 1024,
             "step_s": step_s, "tokens_per_s": TOKENS / step_s, "losses": losses}  # fmt: skip
 
 
@@ -95,15 +160,18 @@ def main() -> None:
     ap.add_argument("--scheme", default="lora")
     ap.add_argument("--optimizer-state", default="float32")
     ap.add_argument("--cases", nargs="+", default=["c", "torch"])
+    ap.add_argument("--eval", type=int, default=0, metavar="K",
+                    help="validation perplexity of both on K held-out batches")  # fmt: skip
     ap.add_argument("--case", help=argparse.SUPPRESS)  # one case, in this process
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.case:
         extra = ["--scheme", args.scheme, "--optimizer-state", args.optimizer_state]
         with tempfile.TemporaryDirectory() as tmp:
-            result = (_c_case(args.steps, args.remat_budget, Path(tmp), extra)
+            budget, evals = args.remat_budget, args.eval
+            result = (_c_case(args.steps, budget, Path(tmp), extra, evals)
                       if args.case == "c"
-                      else _torch_case(args.steps, args.remat_budget, extra))  # fmt: skip
+                      else _torch_case(args.steps, budget, extra, evals))  # fmt: skip
         result.update(scheme=args.scheme, optimizer_state=args.optimizer_state)
         print(json.dumps(result), flush=True)
         return
@@ -124,9 +192,20 @@ def main() -> None:
         ]
         if args.remat_budget:
             cmd += ["--remat-budget", args.remat_budget]
+        if args.eval:
+            cmd += ["--eval", str(args.eval)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(results[-1]), flush=True)
+    ppl = {r["case"]: r["val_perplexity"] for r in results if "val_perplexity" in r}
+    if len(ppl) == 2:
+        results.append({"case": "perplexity", "eval_batches": args.eval, "c": ppl["c"],
+                        "torch": ppl["torch"], "ratio": ppl["c"] / ppl["torch"]})  # fmt: skip
+        print(
+            f"validation perplexity, {args.eval} batches: ./train {ppl['c']:.4f}  "
+            f"torch {ppl['torch']:.4f}  ratio {ppl['c'] / ppl['torch']:.5f}",
+            flush=True,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
