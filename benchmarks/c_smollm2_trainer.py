@@ -18,7 +18,8 @@ on the torch backend (also reporting the untrained perplexity), case ``torch`` e
 its own step after its steps; a last line gives both and their ratio.
 
     PYTHONPATH=$PWD python benchmarks/c_smollm2_trainer.py --steps 4 \
-        [--remat-budget 190MB] [--scheme sparse --optimizer-state int8] [--eval 4] \
+        [--remat-budget 190MB [--torch-remat-budget recipe]] \
+        [--scheme sparse --optimizer-state int8] [--eval 4] \
         [--out benchmarks/results/c_smollm2_trainer.json]
 """
 
@@ -157,6 +158,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--remat-budget")
+    ap.add_argument("--torch-remat-budget", metavar="BUDGET",
+                    help="the torch case's budget when it differs from --remat-budget "
+                         "('recipe': the recipe's own)")  # fmt: skip
     ap.add_argument("--scheme", default="lora")
     ap.add_argument("--optimizer-state", default="float32")
     ap.add_argument("--cases", nargs="+", default=["c", "torch"])
@@ -190,8 +194,11 @@ def main() -> None:
             "--optimizer-state",
             args.optimizer_state,
         ]
-        if args.remat_budget:
-            cmd += ["--remat-budget", args.remat_budget]
+        budget = args.remat_budget
+        if case == "torch" and args.torch_remat_budget:
+            budget = None if args.torch_remat_budget == "recipe" else args.torch_remat_budget
+        if budget:
+            cmd += ["--remat-budget", budget]
         if args.eval:
             cmd += ["--eval", str(args.eval)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
