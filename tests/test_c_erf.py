@@ -1,6 +1,7 @@
-"""The C backend's float erf (kernels/elementwise.h's pe_erf32, which the float GELU and its
-gradient call so their loops vectorise) against libm's double erf: within 1 ulp of the
-correctly rounded value on a dense grid of floats, exact on the specials, NaN through
+"""The C backend's float erf and exp(-x^2 / 2) (kernels/elementwise.h's pe_erf32 and
+pe_gauss32, which the float GELU and its gradient call so their loops vectorise) against
+libm's double erf and exp: within 1 ulp of the correctly rounded value on a dense grid of
+floats, exact on the specials, NaN through
 (tests/c_kernels/erf_check.c), built with the backend's flags, portably, with the address
 and undefined-behaviour sanitizers, and for aarch64 under qemu (the GELU op samples of a
 compiled step against NumPy: tests/test_c_backend.py)."""
@@ -32,7 +33,7 @@ def _erf_check(tmp_path: Path, flags: list[str], step: int = 61, compiler: str =
     done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
                           check=False, timeout=300)  # fmt: skip
     assert done.returncode == 0 and done.stdout.startswith("ok "), done.stdout + done.stderr
-    grid = 0x40900000 // step + 1  # every step-th float in [0, 4.5]
+    grid = 0x40900000 // step + 1 + 0x41A00000 // step + 1  # floats in [0, 4.5], [0, 20]
     assert int(done.stdout.split()[1]) == grid + 10 + 96001  # every case ran
 
 
@@ -45,7 +46,7 @@ def _erf_check(tmp_path: Path, flags: list[str], step: int = 61, compiler: str =
     ],
     ids=["native", "portable", "sanitized"],
 )
-def test_float_erf_within_one_ulp_of_libm(tmp_path: Path, flags: list[str], step: int) -> None:
+def test_float_erf_and_gauss_within_one_ulp(tmp_path: Path, flags: list[str], step: int) -> None:
     _erf_check(tmp_path, flags, step)
 
 
