@@ -1,6 +1,6 @@
 """The C backend: the whole step as compiled C over one arena, called through ctypes.
 
-``CExecutable`` plans the graph's memory (``plan_memory``), emits its C source
+``CExecutable`` plans the graph's memory (``plan_step.plan_step_memory``), emits its C source
 (``.source``, emitted again when read rather than kept), compiles it
 (``driver.build_library``, cached by hash) and allocates the arena once:
 ``plan.arena_bytes``, 64-byte aligned. The ``Store`` holds C-contiguous NumPy
@@ -33,10 +33,11 @@ from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
+from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
 from pockengine.ir.arrays import Array
-from pockengine.plan import MemoryPlan, plan_memory
+from pockengine.plan import MemoryPlan
 
 __all__ = ["KERNELS", "BoundStep", "CBackend", "CExecutable"]
 
@@ -110,7 +111,7 @@ class CExecutable(Executable):
         graph = fuse_batch_norm_hardtanh(graph)  # batch norm clips; its gradient masks
         check_claims(graph)
         self.graph = graph
-        self.plan: MemoryPlan = plan_memory(graph)
+        self.plan: MemoryPlan = plan_step_memory(graph)
         self.profiled = profile
         # tune: each conv node's kernel by measurement (tune.py); else the rule for all
         self.kernel_choices: list[KernelChoice] = (

@@ -34,9 +34,9 @@ from pockengine.backends.c.frozen_file import (
 )
 from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
+from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.ir import CompileError, DType, Graph, Role, Value
 from pockengine.ir.arrays import Array
-from pockengine.plan import plan_memory
 from pockengine.plan.index_bounds import IndexBound, index_bounds
 from pockengine.safe_write import make_dirs, write_bytes, write_text, write_with
 from pockengine.safetensors_io import SAFETENSORS_DTYPES, write_safetensors_to
@@ -233,7 +233,7 @@ def export_c(
     check_claims(graph)
     out = make_dirs(Path(folder))
     make_dirs(out / "kernels", inside=out)
-    plan = plan_memory(graph)
+    plan = plan_step_memory(graph)
     names = _file_names(graph, state_names)
     step = emit_step(graph, plan, KERNELS, names, conv_slots=conv_slots(graph))
     write_text(out / "step.c", step, inside=out)
