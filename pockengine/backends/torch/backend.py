@@ -40,7 +40,6 @@ from pockengine.backends.torch import kernels_optim as torch_kernels_optim
 from pockengine.backends.torch import kernels_quant as torch_kernels_quant
 from pockengine.backends.torch import kernels_select as torch_kernels_select
 from pockengine.backends.torch import kernels_shape as torch_kernels_shape
-from pockengine.backends.torch import kernels_update as torch_kernels_update
 from pockengine.backends.torch.codegen import Emitter, PairFinder, generate_source
 from pockengine.backends.torch.heap import (
     LARGE_SLOT_BYTES,
@@ -70,7 +69,6 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_quant.KERNELS,
     **torch_kernels_norm_act.KERNELS,
     **torch_kernels_optim.KERNELS,
-    **torch_kernels_update.KERNELS,
     **torch_kernels_select.KERNELS,
 }
 _FINDERS: dict[str, PairFinder] = {**torch_kernels.FINDERS, **torch_kernels_nn.FINDERS}
@@ -82,7 +80,6 @@ _NAMESPACE: dict[str, Any] = {
     **torch_kernels_quant.NAMESPACE,
     **torch_kernels_loss.NAMESPACE,
     **torch_kernels_optim.NAMESPACE,
-    **torch_kernels_update.NAMESPACE,
     **torch_kernels_select.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,

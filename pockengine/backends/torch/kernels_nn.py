@@ -1,4 +1,4 @@
-"""The torch kernel table, part three: matmul, convolution, pooling, normalisation.
+"""The torch kernel table, part three: matmul, convolution, pooling, normalisation, updates.
 
 Backward kernels call ATen's own backward ops (``convolution_backward``,
 ``native_batch_norm_backward``, ...). Where one wants a tensor only for its shape
@@ -7,8 +7,9 @@ expanded to that shape. Nodes ATen computes together are paired (``FINDERS``): m
 pooling hands its backward the argmax indices, batch norm its 1/std, a convolution's
 input gradient the weight gradient of the same ``gy``.
 
-``assign`` copies into a buffer in place (the optimizer updates: ``kernels_update``), so the
-tensors in the store keep their storage from step to step.
+Update ops write the param and the optimizer state in place, each in one pass (ATen's
+fused SGD and AdamW kernels, ``addcmul_``, ``copy_``), so the tensors in the store keep
+their storage from step to step.
 """
 
 from __future__ import annotations
@@ -240,7 +241,33 @@ def _layer_norm_grad(e: Emit) -> list[str]:
     return [f"{', '.join(e.outs)} = aten_native_layer_norm_backward({args})", *slot_copies(e)]
 
 
-# -- assign and the non-finite flag (the optimizer updates: kernels_update) ---------------
+# -- updates (in place) ----------------------------------------------------------------------
+def _trained_part(e: Emit, stmts: list[str]) -> str:
+    """The param, or the view of its first ``rows`` rows that a partial update writes."""
+    rows = e.get("rows")
+    if rows is None:
+        return e.ins[0]
+    part = e.tmp()
+    stmts.append(f"{part} = {e.ins[0]}.narrow(0, 0, {int(rows)})")
+    return part
+
+
+def _direction(e: Emit, w: str, g: str, stmts: list[str]) -> str:
+    """d = g + weight_decay * w."""
+    decay = float(e.attr("weight_decay"))
+    if not decay:
+        return g
+    d = e.tmp()
+    stmts.append(f"{d} = aten_add({g}, {w}, alpha={literal(decay)})")
+    return d
+
+
+def _skip(e: Emit, position: int) -> str:
+    """The optional ``skip`` flag (1.0: a non-finite step, write nothing) as the fused
+    kernels' ``found_inf`` argument, or nothing."""
+    return f", found_inf={e.ins[position]}" if len(e.ins) > position else ""
+
+
 def _nonfinite(e: Emit) -> list[str]:
     return [f"{e.outs[0]} = aten_nonfinite({e.ins[0]})"]
 
@@ -250,6 +277,26 @@ def _assign(e: Emit) -> list[str]:
     if len(e.ins) > 2:  # a skipped step leaves dst as it is
         return [f"gated_copy_({dst}, {src}, {e.ins[2]})"]
     return [f"{dst}.copy_({src})"]
+
+
+def _sgd_update(e: Emit) -> list[str]:
+    stmts: list[str] = []
+    w = _trained_part(e, stmts)
+    g, lr = e.ins[1], e.ins[2]
+    if len(e.ins) > 3:  # ATen's fused SGD without momentum skips on found_inf
+        args = (
+            f"[{w}], [laid_out_as({g}, {w})], []"
+            f", weight_decay={literal(float(e.attr('weight_decay')))}, momentum=0.0, lr={lr}"
+            ", dampening=0.0, nesterov=False, maximize=False, is_first_step=False"
+        )
+        return [*stmts, f"aten_fused_sgd_({args}{_skip(e, 3)})"]
+    d = _direction(e, w, g, stmts)
+    return [*stmts, f"{w}.addcmul_({d}, {lr}, value=-1)"]
+
+
+def _laid_out_as(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``g`` with the strides of ``w`` (a dense param): the fused kernels index raw memory."""
+    return g if g.stride() == w.stride() else torch.empty_like(w).copy_(g)
 
 
 def _gated_copy(dst: torch.Tensor, src: torch.Tensor, skip: torch.Tensor) -> None:
@@ -266,6 +313,33 @@ def _gated_copy(dst: torch.Tensor, src: torch.Tensor, skip: torch.Tensor) -> Non
 def _nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     """1.0 when ``x`` holds a NaN or an inf, else 0.0 (f32, on x's device: no host read)."""
     return torch.isfinite(x).all().logical_not().to(torch.float32)
+
+
+def _sgd_momentum_update(e: Emit) -> list[str]:
+    """ATen's fused SGD (one pass; dampening 0, and a zero buffer makes step 1 buf = d)."""
+    stmts: list[str] = []
+    w = _trained_part(e, stmts)
+    g, buf, lr = e.ins[1:4]
+    args = (
+        f"[{w}], [laid_out_as({g}, {w})], [{buf}]"
+        f", weight_decay={literal(float(e.attr('weight_decay')))}"
+        f", momentum={literal(float(e.attr('momentum')))}, lr={lr}, dampening=0.0"
+        f", nesterov={bool(e.attr('nesterov'))}, maximize=False, is_first_step=False"
+    )
+    return [*stmts, f"aten_fused_sgd_({args}{_skip(e, 4)})"]
+
+
+def _adamw_update(e: Emit) -> list[str]:
+    """ATen's fused AdamW (one pass over w, g, m, v; the step count t is read from a tensor).
+    Its kernel indexes raw memory, so the gradient is laid out as the param first."""
+    stmts: list[str] = []
+    w = _trained_part(e, stmts)
+    g, m, v, t, lr = e.ins[1:6]
+    hyper = ", ".join(
+        f"{k}={literal(float(e.attr(k)))}" for k in ("beta1", "beta2", "weight_decay", "eps")
+    )
+    args = f"[{w}], [laid_out_as({g}, {w})], [{m}], [{v}], [], [{t}], lr={lr}, {hyper}"
+    return [*stmts, f"aten_fused_adamw_({args}, amsgrad=False, maximize=False{_skip(e, 6)})"]
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -285,6 +359,9 @@ KERNELS: dict[str, Emitter] = {
     "layer_norm_grad": _layer_norm_grad,
     "nonfinite": _nonfinite,
     "assign": _assign,
+    "sgd_update": _sgd_update,
+    "sgd_momentum_update": _sgd_momentum_update,
+    "adamw_update": _adamw_update,
 }
 
 FINDERS: dict[str, PairFinder] = {
@@ -313,6 +390,9 @@ NAMESPACE: dict[str, Callable[..., Any]] = {
     "aten_native_layer_norm_backward": _aten.native_layer_norm_backward.default,
     "aten_rsqrt": torch.rsqrt,
     "aten_add": torch.add,
+    "aten_fused_sgd_": torch._fused_sgd_,
+    "laid_out_as": _laid_out_as,
     "aten_nonfinite": _nonfinite_flag,
     "gated_copy_": _gated_copy,
+    "aten_fused_adamw_": torch._fused_adamw_,
 }
