@@ -59,16 +59,17 @@ def _compile(workload: str, scheme_name: str, kernels: Path) -> tuple[Any, list[
 @contextlib.contextmanager
 def _without_bn_fusion() -> Iterator[None]:
     """The C backend with its batch-norm rewrite replaced by the identity."""
-    from pockengine.backends.c import backend
+    from pockengine.backends.c import backend, lowering
+    from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
 
-    saved = backend.fuse_batch_norm_hardtanh, backend.CBackend.lowering_passes
-    backend.fuse_batch_norm_hardtanh = lambda graph: graph
-    unfused = lambda self: (backend.fuse_lowbit_products,)  # noqa: E731
-    backend.CBackend.lowering_passes = unfused  # type: ignore[method-assign]
+    saved = lowering.LOWERING_PASSES, backend.CBackend.lowering_passes
+    unfused = tuple(p for p in saved[0] if p is not fuse_batch_norm_hardtanh)
+    lowering.LOWERING_PASSES = unfused  # what CExecutable runs
+    backend.CBackend.lowering_passes = lambda self: unfused  # type: ignore[method-assign]
     try:
         yield
     finally:
-        backend.fuse_batch_norm_hardtanh, backend.CBackend.lowering_passes = saved
+        lowering.LOWERING_PASSES, backend.CBackend.lowering_passes = saved
 
 
 def main() -> int:

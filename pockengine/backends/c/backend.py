@@ -31,8 +31,7 @@ from pockengine.backends.c import (
 )
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
-from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
-from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
+from pockengine.backends.c.lowering import LOWERING_PASSES, lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
@@ -107,8 +106,7 @@ class CExecutable(Executable):
         tune: bool = False,
         threads: int | None = None,
     ) -> None:
-        graph = fuse_lowbit_products(graph)  # low-bit matrices read inside the GEMM
-        graph = fuse_batch_norm_hardtanh(graph)  # batch norm clips; its gradient masks
+        graph = lower_for_c(graph)  # low-bit products, batch norm with its hardtanh
         check_claims(graph)
         self.graph = graph
         self.plan: MemoryPlan = plan_step_memory(graph)
@@ -236,7 +234,7 @@ class CBackend(Backend):
         them before a memory budget plans): products and the loss head on low-bit frozen
         matrices read the codes (``fuse_lowbit.py``); batch norm and the hardtanh after it
         run as one kernel each way (``fuse_bn.py``)."""
-        return (fuse_lowbit_products, fuse_batch_norm_hardtanh)
+        return LOWERING_PASSES
 
     def claims(self, node: Node) -> bool:
         return claims(node)

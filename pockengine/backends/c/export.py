@@ -32,8 +32,7 @@ from pockengine.backends.c.frozen_file import (
     is_frozen,
     write_frozen_to,
 )
-from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
-from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
+from pockengine.backends.c.lowering import lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.ir import CompileError, DType, Graph, Role, Value
 from pockengine.ir.arrays import Array
@@ -228,8 +227,7 @@ def export_c(
     from its forward graph); None derives them from ``graph``. Each file is written
     atomically, and no link inside ``folder`` is followed (``safe_write``)."""
     bounds = index_bounds(graph) if bounds is None else bounds
-    graph = fuse_lowbit_products(graph)  # as CExecutable: low-bit matrices read in the GEMM
-    graph = fuse_batch_norm_hardtanh(graph)  # and batch norm fused with its hardtanh
+    graph = lower_for_c(graph)  # as CExecutable: the graph C runs
     check_claims(graph)
     out = make_dirs(Path(folder))
     make_dirs(out / "kernels", inside=out)

@@ -1,0 +1,27 @@
+"""The rewrites the C backend runs on a step's graph before it plans and emits it: products
+and the loss head on low-bit frozen matrices read the codes (``fuse_lowbit.py``); batch
+norm and the hardtanh after it run as one kernel each way (``fuse_bn.py``). The same list
+serves ``CBackend.lowering_passes`` (``pe.compile`` runs it before a memory budget plans),
+``CExecutable`` and the exported trainer, so all three plan the graph C runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
+from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
+from pockengine.ir import Graph
+
+__all__ = ["LOWERING_PASSES", "lower_for_c"]
+
+LOWERING_PASSES: tuple[Callable[[Graph], Graph], ...] = (
+    fuse_lowbit_products,
+    fuse_batch_norm_hardtanh,
+)
+
+
+def lower_for_c(graph: Graph) -> Graph:
+    """``graph`` after every pass of ``LOWERING_PASSES``, in order."""
+    for rewrite in LOWERING_PASSES:
+        graph = rewrite(graph)
+    return graph
