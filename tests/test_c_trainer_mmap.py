@@ -12,7 +12,8 @@ UBSan:
   the trained state only; ``--memory-report`` splits the peak into anonymous and file
   pages, the whole frozen file among the latter;
 - a truncated or lengthened file, a tensor's offset past the end or off the 64-byte grid,
-  an altered dtype or shape, and a symbolic link to a copy outside the folder are each
+  an altered dtype or shape, a byte of a tensor changed (the exported digest of the
+  tensors' bytes), and a symbolic link to a copy outside the folder are each
   refused with one ``error:`` line naming the file (and the tensor), exit status 2, no
   sanitizer report.
 """
@@ -188,7 +189,13 @@ def _hostile(raw: bytes, name: str) -> dict[str, tuple[bytes, str]]:
         "dtype": (_rewrite(raw, dtype, f'"dtype":"{other}"'), name),
         "shape": (_rewrite(raw, f'"shape":[{shape}]', f'"shape":[{reversed_shape}]'), name),
         "garbage": (b"\xff" * len(raw), "not a safetensors file"),
+        "one byte changed": (_flip(raw, 8 + _header(raw)[0] + hi - 1), "differ from the exported"),
+        "first byte changed": (_flip(raw, 8 + _header(raw)[0] + lo), "differ from the exported"),
     }
+
+
+def _flip(raw: bytes, at: int) -> bytes:
+    return raw[:at] + bytes([raw[at] ^ 0x5A]) + raw[at + 1 :]
 
 
 def test_hostile_frozen_files_are_refused(case: _Case, tmp_path: Path) -> None:

@@ -135,7 +135,8 @@ Before the first step it checks everything it is given: the options (`--steps` a
 `.npy` file (format version, header, little-endian dtype, C order, the input's shape or a
 stack of it, a size of exactly header + data), the state file (each tensor's dtype, shape
 and offsets), `frozen.bin` (a regular file, not a link, of exactly the exported size,
-each tensor at the dtype, shape and 64-byte aligned offset the step was compiled for), the
+each tensor at the dtype, shape and 64-byte aligned offset the step was compiled for, and
+its bytes with the exported digest), the
 values of the index inputs (below: a value outside would index outside a
 tensor), and that the `--save` folder can be written (it creates `NAME.tmp` there).
 `--save` writes `NAME.tmp`, syncs it and renames it over `NAME`, so a failed save leaves

@@ -13,7 +13,8 @@ weights came from: the step reads the blocks split into separate code and scale 
 (``tasks.gguf.decode_blocks``), not GGUF's interleaved 18- or 20-byte blocks, and int4/int8
 groups have no GGUF at all. ``frozen.c`` is the layout the step was compiled for: each
 frozen input's position in ``pe_inputs`` and its byte offset in the file, and the file's
-size; ``./train`` refuses a file whose header, offsets or size differ.
+size, and a 64-bit digest of the tensors' bytes (``frozen_digest``); ``./train`` refuses
+a file whose header, offsets, size or digest differ.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "ALIGN",
     "FROZEN_FILE",
     "FrozenLayout",
+    "frozen_digest",
     "frozen_inputs",
     "frozen_layout",
     "frozen_source",
@@ -43,6 +45,9 @@ __all__ = [
 FROZEN_FILE = "frozen.bin"
 ALIGN = 64
 _ST_NAME = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
+_STEP = np.uint64(0x9E3779B97F4A7C15)
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
+_CHUNK_WORDS = 1 << 20
 
 
 def is_frozen(v: Value) -> bool:
@@ -62,6 +67,7 @@ class FrozenLayout:
     header: bytes
     offsets: dict[str, int]
     size: int
+    digest: int
 
 
 def frozen_layout(tensors: Mapping[str, Array]) -> FrozenLayout:
@@ -79,7 +85,34 @@ def frozen_layout(tensors: Mapping[str, Array]) -> FrozenLayout:
     header = (start - 8).to_bytes(8, "little") + text + b" " * (start - 8 - len(text))
     offsets = {name: start + lo for name, lo in relative.items()}
     last = max((offsets[n] + a.nbytes for n, a in tensors.items()), default=start)
-    return FrozenLayout(header, offsets, last)
+    return FrozenLayout(header, offsets, last, frozen_digest(list(tensors.values())))
+
+
+def frozen_digest(arrays: Sequence[Array]) -> int:
+    """A 64-bit digest of the arrays' bytes, in order (``pe_frozen_digest`` in C).
+
+    Each array's bytes, zero-padded to whole little-endian 64-bit words, are numbered on
+    from the previous array's; word ``j`` adds ``mix(w + (j + 1) * STEP)`` (mod 2**64), where
+    ``mix(x)`` is ``x ^= x >> 32; x *= MIX; x ^= x >> 29``. A sum of independently mixed
+    words: position-dependent, computed chunk by chunk here and in one vectorisable loop by
+    ``./train``. It detects a changed or exchanged file, not a crafted one."""
+    total = np.uint64(0)
+    j = 0
+    with np.errstate(over="ignore"):
+        for a in arrays:
+            raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            for lo in range(0, raw.size, 8 * _CHUNK_WORDS):
+                part = raw[lo : lo + 8 * _CHUNK_WORDS]
+                if part.size % 8:
+                    part = np.concatenate([part, np.zeros(8 - part.size % 8, np.uint8)])
+                w = part.view("<u8").astype(np.uint64)
+                x = w + (np.arange(j + 1, j + 1 + w.size, dtype=np.uint64) * _STEP)
+                x ^= x >> np.uint64(32)
+                x *= _MIX
+                x ^= x >> np.uint64(29)
+                total += np.add.reduce(x, dtype=np.uint64)
+                j += w.size
+    return int(total)
 
 
 def write_frozen_to(f: IO[bytes], layout: FrozenLayout, tensors: Mapping[str, Array]) -> None:
@@ -94,7 +127,7 @@ def write_frozen_to(f: IO[bytes], layout: FrozenLayout, tensors: Mapping[str, Ar
 
 def frozen_source(graph: Graph, names: Mapping[str, str], layout: FrozenLayout) -> str:
     """``frozen.c``: the table ``pe_frozen`` (pe_frozen.h) of each frozen input's position
-    in ``graph.inputs`` and its offset in the file, and the file's size."""
+    in ``graph.inputs`` and its offset in the file, the file's size and its digest."""
     rows = [
         f"    {{{k}, INT64_C({layout.offsets[names[v.name]]})}},"
         for k, v in enumerate(graph.inputs)
@@ -107,6 +140,7 @@ def frozen_source(graph: Graph, names: Mapping[str, str], layout: FrozenLayout) 
         "",
         f"const int pe_num_frozen = {len(rows)};",
         f"const int64_t pe_frozen_file_bytes = INT64_C({layout.size if rows else 0});",
+        f"const uint64_t pe_frozen_digest = UINT64_C({layout.digest if rows else 0});",
         f"const pe_frozen_info pe_frozen[{max(len(rows), 1)}] = {{",
         *(rows or ["    {-1, 0},"]),
         "};",

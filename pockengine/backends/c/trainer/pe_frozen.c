@@ -60,6 +60,50 @@ static int check_layout(pe_safetensors *st, char *err, size_t errlen) {
     return 0;
 }
 
+static uint64_t mix_word(uint64_t w, uint64_t j) {
+    uint64_t x = w + j * UINT64_C(0x9E3779B97F4A7C15);
+    x ^= x >> 32;
+    x *= UINT64_C(0xBF58476D1CE4E5B9);
+    return x ^ (x >> 29);
+}
+
+/* Little-endian word ``i`` of ``n`` bytes at ``p`` (the last one zero-padded). */
+static uint64_t word_at(const unsigned char *p, int64_t n, int64_t i) {
+    uint64_t w = 0;
+    int64_t take = n - 8 * i < 8 ? n - 8 * i : 8;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(&w, p + 8 * i, (size_t)take);
+#else
+    for (int64_t b = 0; b < take; b++) w |= (uint64_t)p[8 * i + b] << (8 * b);
+#endif
+    return w;
+}
+
+/* frozen_file.frozen_digest over ``n`` bytes at ``p``, its words numbered on from ``*j``. */
+static uint64_t digest_bytes(const unsigned char *p, int64_t n, uint64_t *j) {
+    int64_t full = n / 8, words = (n + 7) / 8;
+    uint64_t sum = 0, first = *j + 1;
+    for (int64_t i = 0; i < full; i++) sum += mix_word(word_at(p, 8 * full, i), first + (uint64_t)i);
+    if (words > full) sum += mix_word(word_at(p, n, full), first + (uint64_t)full);
+    *j += (uint64_t)words;
+    return sum;
+}
+
+static int check_digest(const char *path, const unsigned char *base, char *err, size_t errlen) {
+    uint64_t sum = 0, j = 0;
+    for (int i = 0; i < pe_num_frozen; i++) {
+        const pe_input_info *v = &pe_inputs[pe_frozen[i].input];
+        int64_t n = pe_array_bytes(v->dtype, v->rank, v->shape, INT64_MAX / 2);
+        sum += digest_bytes(base + pe_frozen[i].offset, n, &j);
+    }
+    if (sum != pe_frozen_digest)
+        return pe_fail(err, errlen, "%s: its tensors' bytes differ from the exported ones "
+                    "(digest %016llx, exported %016llx): changed since the export, or another "
+                    "export's frozen file; export again", path, (unsigned long long)sum,
+                    (unsigned long long)pe_frozen_digest);
+    return 0;
+}
+
 int pe_frozen_open(const char *path, pe_frozen_map *map, void **args, char *err, size_t errlen) {
     map->base = NULL;
     map->size = 0;
@@ -87,6 +131,10 @@ int pe_frozen_open(const char *path, pe_frozen_map *map, void **args, char *err,
     if (!bad && base == MAP_FAILED)
         bad = pe_fail(err, errlen, "%s: cannot map (%s)", path, strerror(errno));
     close(fd);
+    if (!bad && check_digest(path, base, err, errlen)) {
+        munmap(base, (size_t)size);
+        bad = 1;
+    }
     if (bad) return 1;
     map->base = base;
     map->size = (size_t)size;

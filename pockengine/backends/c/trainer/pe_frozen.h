@@ -20,6 +20,7 @@ typedef struct {
 
 extern const int pe_num_frozen;
 extern const int64_t pe_frozen_file_bytes;
+extern const uint64_t pe_frozen_digest; /* frozen_file.frozen_digest of the tensors' bytes */
 extern const pe_frozen_info pe_frozen[];
 
 /* The mapping of the frozen file (NULL and 0 when the step has no frozen tensor). */
@@ -32,8 +33,9 @@ typedef struct {
 int pe_is_frozen(int k);
 
 /* Map ``path`` and point ``args[k]`` of each frozen input into it. The file must be a
- * regular file (not a symbolic link) of exactly the exported size, and its header must
- * give each frozen tensor the dtype, shape and offset this step was compiled for. On
+ * regular file (not a symbolic link) of exactly the exported size, its header must
+ * give each frozen tensor the dtype, shape and offset this step was compiled for, and the
+ * tensors' bytes must have the exported digest (a changed or exchanged file). On
  * failure write one message naming the file (and the tensor) to ``err``, map nothing and
  * return non-zero. Nothing is opened when the step has no frozen tensor. */
 int pe_frozen_open(const char *path, pe_frozen_map *map, void **args, char *err, size_t errlen);
