@@ -23,6 +23,7 @@ from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.backends.c import (
     lower_ew,
+    lower_layout,
     lower_loss,
     lower_nn,
     lower_quant,
@@ -47,6 +48,7 @@ KERNELS: dict[str, Lowering] = {
     **lower_loss.KERNELS,
     **lower_select.KERNELS,
     **lower_quant.KERNELS,
+    **lower_layout.KERNELS,
 }
 
 
