@@ -12,7 +12,8 @@ NCHW; and with the heuristic's layouts), then steps the four in turn, ``--rounds
 each after one warm-up round, on the same batch, in one process. Prints and writes
 (``--out``) one JSON object: the compile times (the second one's layout measurement
 included), the median process CPU and wall seconds a step and their ratios, the largest
-loss difference between the steps, the conversions
+loss difference between the steps (float32 MobileNetV2 trained on one batch drifts
+apart after a few steps; the first step's difference is the rounding), the conversions
 and NHWC convolutions in the step, and every candidate node's measured NCHW and NHWC
 times with the layout chosen.
 """
@@ -100,6 +101,7 @@ def main() -> int:
         "cpu_s": {k: statistics.median(v[1:]) for k, v in cpu.items()},
         "wall_s": {k: statistics.median(v[1:]) for k, v in wall.items()},
         "max_loss_diff": max(max(v) - min(v) for v in zip(*losses.values(), strict=True)),
+        "first_loss_diff": max(v[0] for v in losses.values()) - min(v[0] for v in losses.values()),
         "conversions": ops["layout_convert"],
         "nhwc_convolutions": sum(v for k, v in ops.items() if k.startswith("conv2d_nhwc")),
         "candidates": len(layouts),

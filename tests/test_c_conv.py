@@ -114,8 +114,11 @@ def test_every_kernel_candidate_matches_numpy(
     tuner's measurement replaced by times that rank it first): float32 as NumPy."""
     monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(layout_tune, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(layout_tune, "measure_layouts",
-                        lambda op, nchw, *a: {nchw: 1e-6, layout_tune.NHWC_KERNEL: 1.0})  # fmt: skip
+    monkeypatch.setattr(
+        layout_tune,
+        "measure_layouts",
+        lambda op, nchw, *a: {nchw: 1e-6, layout_tune.NHWC_KERNEL: 1.0},
+    )
     monkeypatch.setattr(
         tune, "measure", lambda op, kernels, *a: {k: 1e-6 if k == favour else 1.0 for k in kernels}
     )

@@ -25,7 +25,7 @@ import pytest
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.c import CBackend, layout_tune, tune
+from pockengine.backends.c import CBackend, layout, layout_tune, tune
 from pockengine.backends.c.layout import (
     HEURISTIC_MAX_MAP,
     NHWC,
@@ -153,6 +153,8 @@ def test_the_small_cnn_trains_as_numpy_in_every_layout(
 ) -> None:
     if how == "forced":
         monkeypatch.setattr(layout_tune, "measure_layouts", _favour_nhwc)
+    if how == "heuristic":  # the depthwise layer's map is 16x16
+        monkeypatch.setattr(layout, "HEURISTIC_MAX_MAP", 256)
     want, _ = _train(zoo.small_cnn(), "numpy")
     got, step = _train(zoo.small_cnn(), CBackend(tune=how != "heuristic"))
     np.testing.assert_allclose(got, want, rtol=1e-4)
@@ -160,6 +162,8 @@ def test_the_small_cnn_trains_as_numpy_in_every_layout(
     nhwc = [n for n in nodes if n.op.startswith("conv2d_nhwc")]
     if how == "forced":  # the depthwise and pointwise layers, forward and both gradients
         assert len(nhwc) == 6 and any(n.op == "layout_convert" for n in nodes)
+    if how == "heuristic":  # the depthwise layer, forward and both gradients
+        assert len(nhwc) == 3
     if how != "heuristic":
         report = step.report()
         assert all(layout_tune.NHWC_KERNEL in c.seconds for c in report.kernels if
@@ -189,3 +193,31 @@ def test_mobilenet_trains_as_numpy_with_every_candidate_in_nhwc(
     np.testing.assert_allclose(got, want, rtol=1e-5)
     ops = _ops(step._exec.graph)
     assert ops.count("conv2d_nhwc") > 10 and "conv2d_nhwc_weight_grad" in ops
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_an_exported_trainer_runs_the_heuristic_layouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The small CNN with the heuristic's limit raised to its depthwise layer's 16x16 map:
+    the step and the exported trainer both run that layer in NHWC, and ./train's losses
+    are the step's."""
+    import subprocess
+
+    monkeypatch.setattr(layout, "HEURISTIC_MAX_MAP", 256)
+    w = zoo.small_cnn()
+    opt = pe.optim.SGD(lr=0.05, momentum=0.9)
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt, backend="c")
+    assert any(n.op == "conv2d_nhwc" for n in step._exec.graph.nodes)
+    folder = step.export(tmp_path / "trainer", target="c")
+    assert "pe_conv2d_nhwc_depthwise_f32(" in (folder / "step.c").read_text()
+    batches = [w.make_batch(i) for i in range(3)]
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    losses = [step(*b) for b in batches]
+    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = [float(x.split()[-1]) for x in run.stdout.splitlines() if x.startswith("step ")]
+    np.testing.assert_allclose(got, losses, rtol=1e-4)

@@ -31,8 +31,11 @@ def table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     convolution stays NCHW (the layout choice is tested in test_c_layout.py)."""
     monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(layout_tune, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(layout_tune, "measure_layouts",
-                        lambda op, nchw, *a: {nchw: 1e-6, layout_tune.NHWC_KERNEL: 1.0})  # fmt: skip
+    monkeypatch.setattr(
+        layout_tune,
+        "measure_layouts",
+        lambda op, nchw, *a: {nchw: 1e-6, layout_tune.NHWC_KERNEL: 1.0},
+    )
     return tmp_path / tune.CACHE_NAME
 
 
