@@ -65,10 +65,10 @@ def heuristic_layout(op: str, g: ConvGeometry) -> str:
     ``HEURISTIC_MAX_MAP`` positions, else NCHW.
 
     Measured on MobileNetV2's shapes (one thread, AVX-512, conversions included): on 4x4
-    output maps NHWC took 0.2-0.3x the time of the NCHW kernels (a vector across channels
+    output maps NHWC took 0.15-0.5x the time of the NCHW kernels (a vector across channels
     wastes nothing, where a plane of 16 positions fills one vector at most); on 8x8 maps
-    0.4-1.5x, a toss-up; from 16x16 it lost (1.3-3x). Pointwise convolutions are GEMMs
-    either way and measured within 10%, not worth two conversions.
+    0.5-1.7x, a toss-up; from 16x16 it lost (1.3x to more than 3x). Pointwise convolutions
+    are GEMMs either way and mostly measured within 10%, not worth two conversions.
     """
     wins = g.depthwise and g.o == g.c and g.oh * g.ow <= HEURISTIC_MAX_MAP
     return NHWC if wins else NCHW
