@@ -215,8 +215,9 @@ class CBackend(Backend):
     without ``-march=native``, ``threads`` sets the OpenMP thread count, ``profile`` times
     every node (``CExecutable.node_seconds``). ``tune`` times every valid kernel of each
     convolution node at compile time and keeps the fastest (``tune.py``; cached, so a
-    second compile measures nothing); off by default, when each node takes the kernel of
-    ``conv_kernels.rule_kernel``."""
+    second compile measures nothing), then times NHWC against it where an NHWC kernel
+    exists (``layout_tune.py``); off by default, when each node takes the kernel of
+    ``conv_kernels.rule_kernel`` and the layout of ``layout.heuristic_layout``."""
 
     name = "c"
 
