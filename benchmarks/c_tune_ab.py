@@ -113,11 +113,16 @@ def main() -> int:
 
 def _rule(choice: Any, step: Any) -> str:
     from pockengine.backends.c.conv_kernels import conv_geometry, rule_kernel
+    from pockengine.backends.c.lower_layout import nhwc_geometry
 
-    node = next(
-        n for n in step._exec.graph.nodes if n.outputs and n.outputs[0].name == choice.output
+    nodes = step._exec.graph.nodes
+    node = next(  # an NHWC convolution's own output, or the conversion of it back to NCHW
+        n for n in nodes if n.outputs and n.outputs[0].name == choice.output
     )
-    return rule_kernel(node.op, conv_geometry(node), node.outputs[0].dtype.itemsize)
+    if node.op == "layout_convert":
+        node = next(n for n in nodes if n.outputs[0] == node.inputs[0])
+    geometry = nhwc_geometry(node) if "nhwc" in node.op else conv_geometry(node)
+    return rule_kernel(choice.op, geometry, node.outputs[0].dtype.itemsize)
 
 
 if __name__ == "__main__":

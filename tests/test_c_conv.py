@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pockengine.backends.c import CBackend, tune
+from pockengine.backends.c import CBackend, layout_tune, tune
 from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
 
@@ -113,6 +113,12 @@ def test_every_kernel_candidate_matches_numpy(
     """Every case with each conv node on ``favour`` wherever that kernel is valid (the
     tuner's measurement replaced by times that rank it first): float32 as NumPy."""
     monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(layout_tune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(
+        layout_tune,
+        "measure_layouts",
+        lambda op, nchw, *a: {nchw: 1e-6, layout_tune.NHWC_KERNEL: 1.0},
+    )
     monkeypatch.setattr(
         tune, "measure", lambda op, kernels, *a: {k: 1e-6 if k == favour else 1.0 for k in kernels}
     )

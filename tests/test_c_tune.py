@@ -18,7 +18,7 @@ import pytest
 
 import pockengine as pe
 from pockengine import zoo
-from pockengine.backends.c import CBackend, tune
+from pockengine.backends.c import CBackend, layout_tune, tune
 from pockengine.backends.c.conv_kernels import candidates, conv_geometry, rule_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -27,8 +27,15 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is No
 
 @pytest.fixture
 def table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The kernel table in ``tmp_path`` (kernel objects stay in the shared cache)."""
+    """The kernel table in ``tmp_path`` (kernel objects stay in the shared cache); every
+    convolution stays NCHW (the layout choice is tested in test_c_layout.py)."""
     monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(layout_tune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(
+        layout_tune,
+        "measure_layouts",
+        lambda op, nchw, *a: {nchw: 1e-6, layout_tune.NHWC_KERNEL: 1.0},
+    )
     return tmp_path / tune.CACHE_NAME
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pockengine.ops import (
     activation,
     attention,
+    conv_nhwc,
     elementwise,
     fused_loss,
     indexing,
+    layout,
     linalg,
     nn,
     norm,
@@ -28,9 +30,11 @@ from pockengine.ops import (
 __all__ = [
     "activation",
     "attention",
+    "conv_nhwc",
     "elementwise",
     "fused_loss",
     "indexing",
+    "layout",
     "linalg",
     "nn",
     "norm",

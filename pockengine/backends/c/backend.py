@@ -23,6 +23,7 @@ from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.backends.c import (
     lower_ew,
+    lower_layout,
     lower_loss,
     lower_nn,
     lower_quant,
@@ -31,6 +32,8 @@ from pockengine.backends.c import (
 )
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
+from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
+from pockengine.backends.c.layout_tune import NHWC_KERNEL, choose_layouts, merge_choices
 from pockengine.backends.c.lowering import LOWERING_PASSES, lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
@@ -47,6 +50,7 @@ KERNELS: dict[str, Lowering] = {
     **lower_loss.KERNELS,
     **lower_select.KERNELS,
     **lower_quant.KERNELS,
+    **lower_layout.KERNELS,
 }
 
 
@@ -108,14 +112,22 @@ class CExecutable(Executable):
     ) -> None:
         graph = lower_for_c(graph)  # low-bit products, batch norm with its hardtanh
         check_claims(graph)
+        # tune: each conv node's kernel and layout by measurement (tune.py, layout_tune.py);
+        # else the rule's kernels and heuristic_layout's layouts (layout.py)
+        choices = choose_kernels(graph, portable, threads) if tune else []
+        kernels = {c.output: c.kernel for c in choices}
+        if tune:
+            layouts = choose_layouts(graph, kernels, portable, threads)
+            choices = merge_choices(choices, layouts)
+            nhwc = {c.output for c in layouts if c.kernel == NHWC_KERNEL}
+        else:
+            nhwc = heuristic_nhwc(graph)
+        graph = apply_layouts(graph, nhwc)
         self.graph = graph
         self.plan: MemoryPlan = plan_step_memory(graph)
         self.profiled = profile
-        # tune: each conv node's kernel by measurement (tune.py); else the rule for all
-        self.kernel_choices: list[KernelChoice] = (
-            choose_kernels(graph, portable, threads) if tune else []
-        )
-        self._conv_kernels = {c.output: c.kernel for c in self.kernel_choices}
+        self.kernel_choices: list[KernelChoice] = choices
+        self._conv_kernels = {k: v for k, v in kernels.items() if k not in nhwc}
         # The source (0.5 MB for MobileNetV2) is not kept: ``source`` emits it again.
         self.library_path = build_library(self.source, portable)
         self._lib = ctypes.CDLL(str(self.library_path))
@@ -203,8 +215,9 @@ class CBackend(Backend):
     without ``-march=native``, ``threads`` sets the OpenMP thread count, ``profile`` times
     every node (``CExecutable.node_seconds``). ``tune`` times every valid kernel of each
     convolution node at compile time and keeps the fastest (``tune.py``; cached, so a
-    second compile measures nothing); off by default, when each node takes the kernel of
-    ``conv_kernels.rule_kernel``."""
+    second compile measures nothing), then times NHWC against it where an NHWC kernel
+    exists (``layout_tune.py``); off by default, when each node takes the kernel of
+    ``conv_kernels.rule_kernel`` and the layout of ``layout.heuristic_layout``."""
 
     name = "c"
 

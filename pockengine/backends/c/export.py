@@ -32,6 +32,7 @@ from pockengine.backends.c.frozen_file import (
     is_frozen,
     write_frozen_to,
 )
+from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
 from pockengine.backends.c.lowering import lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.ir import CompileError, DType, Graph, Role, Value
@@ -230,6 +231,7 @@ def export_c(
     bounds = index_bounds(graph) if bounds is None else bounds
     graph = lower_for_c(graph)  # as CExecutable: the graph C runs
     check_claims(graph)
+    graph = apply_layouts(graph, heuristic_nhwc(graph))  # the untuned layouts (layout.py)
     out = make_dirs(Path(folder))
     make_dirs(out / "kernels", inside=out)
     plan = plan_step_memory(graph)

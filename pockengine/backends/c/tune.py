@@ -39,7 +39,8 @@ from pockengine.backends.c.driver import cache_dir, toolchain
 from pockengine.ir import DType, Graph, Node
 from pockengine.plan.report import KernelChoice
 
-__all__ = ["CACHE_NAME", "KernelChoice", "choose_kernels", "measure"]
+__all__ = ["CACHE_NAME", "KernelChoice", "choose_kernels", "measure", "read_table", "table_key",
+           "write_table"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +81,30 @@ def _target() -> str:
     return f"{platform.machine()} {model}".strip()
 
 
-def _key(op: str, dtype: DType, g: ConvGeometry, toolchain_key: str, threads: int | None) -> str:
+def _key(
+    op: str,
+    dtype: DType,
+    g: ConvGeometry,
+    toolchain_key: str,
+    threads: int | None,
+    timed: tuple[str, ...] | None = None,
+) -> str:
     """The table key: op, dtype, geometry, threads, the candidates timed (a kernel added
-    later makes a new key, so it is timed), target and toolchain."""
+    later makes a new key, so it is timed; default: ``candidates``), target and toolchain."""
     geometry = ",".join(str(x) for x in g.longs()[:16])
     flags = toolchain_key.replace("\n", " ")
-    names = ",".join(candidates(op, g))
+    names = ",".join(candidates(op, g) if timed is None else timed)
     return f"{op} {dtype} g={geometry} threads={threads or 0} k={names} | {_target()} | {flags}"
 
 
-def _valid_entry(entry: Any) -> bool:
+def _valid_entry(entry: Any, names: tuple[str, ...] = KERNEL_NAMES) -> bool:
     if not isinstance(entry, dict) or set(entry) != {"kernel", "seconds"}:
         return False
     seconds = entry["seconds"]
     return (
-        entry["kernel"] in KERNEL_NAMES
+        entry["kernel"] in names
         and isinstance(seconds, dict)
-        and all(k in KERNEL_NAMES for k in seconds)
+        and all(k in names for k in seconds)
         and all(
             isinstance(v, float | int) and not isinstance(v, bool) and v >= 0
             for v in seconds.values()
@@ -106,9 +114,11 @@ def _valid_entry(entry: Any) -> bool:
     )
 
 
-def _read(path: Path, quiet: bool = False) -> tuple[dict[str, Any], bool]:
-    """The valid entries of the table at ``path`` and whether the file needs rewriting
-    (each problem logged as a warning unless ``quiet``)."""
+def _read(
+    path: Path, quiet: bool = False, names: tuple[str, ...] = KERNEL_NAMES
+) -> tuple[dict[str, Any], bool]:
+    """The valid entries (kernels among ``names``) of the table at ``path`` and whether the
+    file needs rewriting (each problem logged as a warning unless ``quiet``)."""
     warn = (lambda *args: None) if quiet else log.warning
     if not path.exists():
         return {}, False
@@ -127,7 +137,9 @@ def _read(path: Path, quiet: bool = False) -> tuple[dict[str, Any], bool]:
             _VERSION,
         )
         return {}, True
-    entries = {k: v for k, v in data["entries"].items() if isinstance(k, str) and _valid_entry(v)}
+    entries = {
+        k: v for k, v in data["entries"].items() if isinstance(k, str) and _valid_entry(v, names)
+    }
     if len(entries) != len(data["entries"]):
         dropped = len(data["entries"]) - len(entries)
         warn("ignoring %d malformed entries of the C kernel table %s", dropped, path)
@@ -135,10 +147,10 @@ def _read(path: Path, quiet: bool = False) -> tuple[dict[str, Any], bool]:
     return entries, False
 
 
-def _write(path: Path, entries: dict[str, Any]) -> None:
+def _write(path: Path, entries: dict[str, Any], names: tuple[str, ...] = KERNEL_NAMES) -> None:
     """Merge ``entries`` into the table on disk (another process may have added some) and
     replace it atomically."""
-    current, _ = _read(path, quiet=True)
+    current, _ = _read(path, quiet=True, names=names)
     current.update(entries)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     body = {"format": _FORMAT, "version": _VERSION, "entries": current}
@@ -199,3 +211,7 @@ def choose_kernels(
     if fresh or dirty:
         _write(path, {**table, **fresh})
     return choices
+
+
+# The table's helpers under public names, for the layout choice's own table (layout_tune.py)
+read_table, write_table, table_key = _read, _write, _key

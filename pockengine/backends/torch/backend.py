@@ -33,6 +33,7 @@ from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, NotShareableError, Store, check_ops
 from pockengine.backends.torch import kernels as torch_kernels
 from pockengine.backends.torch import kernels_attn as torch_kernels_attn
+from pockengine.backends.torch import kernels_layout as torch_kernels_layout
 from pockengine.backends.torch import kernels_loss as torch_kernels_loss
 from pockengine.backends.torch import kernels_nn as torch_kernels_nn
 from pockengine.backends.torch import kernels_norm_act as torch_kernels_norm_act
@@ -68,6 +69,7 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_loss.KERNELS,
     **torch_kernels_quant.KERNELS,
     **torch_kernels_norm_act.KERNELS,
+    **torch_kernels_layout.KERNELS,
     **torch_kernels_optim.KERNELS,
     **torch_kernels_select.KERNELS,
 }
@@ -81,6 +83,7 @@ _NAMESPACE: dict[str, Any] = {
     **torch_kernels_loss.NAMESPACE,
     **torch_kernels_optim.NAMESPACE,
     **torch_kernels_select.NAMESPACE,
+    **torch_kernels_layout.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
     "nan": math.nan,

@@ -192,5 +192,6 @@ static inline uint64_t pe_mask_key(int64_t seed, int64_t salt) {
 }
 
 #include "pe_quant.h" /* low-bit frozen weights */
+#include "pe_layout.h" /* channels-last kernels and layout conversions */
 
 #endif

@@ -1,0 +1,203 @@
+"""Each convolution's layout chosen by measurement (``CBackend(tune=True)``).
+
+For every conv node that has an NHWC kernel (``layout.nhwc_candidate``), two candidates are
+timed in one harness call on one set of NCHW operands: the node's NCHW kernel (the
+measured choice of ``tune.choose_kernels``) and ``nhwc``, which converts the node's
+activations to NHWC, runs the NHWC kernel and converts its activation result back, so
+the conversions' cost is counted in full (in the step, a layer's forward convolution and
+weight gradient share one conversion of x, so this is the pessimistic side). NHWC is kept
+where it takes less than ``MARGIN`` (0.9) of the NCHW kernel's time. The choices are
+cached in ``conv-layouts.json`` beside the kernel table, keyed and validated the same way
+(``tune.table_key``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from pockengine.backends.c import tune, tune_harness
+from pockengine.backends.c.conv_kernels import CONV_OPS, KERNEL_NAMES, ConvGeometry, rule_kernel
+from pockengine.backends.c.driver import cache_dir, toolchain
+from pockengine.backends.c.layout import nhwc_candidate
+from pockengine.ir import DType, Graph
+from pockengine.plan.report import KernelChoice
+
+__all__ = [
+    "CACHE_NAME",
+    "MARGIN",
+    "NHWC_KERNEL",
+    "choose_layouts",
+    "measure_layouts",
+    "merge_choices",
+]
+
+CACHE_NAME = "conv-layouts.json"
+NHWC_KERNEL = "nhwc"  # the candidate's name in the report and the table
+_NAMES = (*KERNEL_NAMES, NHWC_KERNEL)
+_CODE = len(KERNEL_NAMES)  # the nhwc variant's number in the harness
+# NHWC must take less than this fraction of NCHW's time: a near tie is within the timing's
+# noise on a loaded machine, and each NHWC node adds conversions and their buffers
+MARGIN = 0.9
+
+# The nhwc candidates: convert in, compute in NHWC, convert out (g: conv.c's geometry).
+_PRELUDE = r"""
+static void *pe_lt_scratch[2];
+static size_t pe_lt_bytes[2];
+static void *pe_lt_buffer(int i, size_t bytes) {
+    if (bytes > pe_lt_bytes[i]) {
+        free(pe_lt_scratch[i]);
+        pe_lt_scratch[i] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        pe_lt_bytes[i] = pe_lt_scratch[i] ? bytes : 0;
+    }
+    return pe_lt_scratch[i];
+}
+"""
+
+_TIMED = r"""
+static void pe_lt_conv2d_{S}(const {T} *x, const {T} *w, const {T} *b, {T} *y, const long *g) {
+    long N = g[0], C = g[1], H = g[2], W = g[3], O = g[4], OH = g[7], OW = g[8];
+    {T} *xs = pe_lt_buffer(0, N * C * H * W * sizeof({T}));
+    {T} *ys = pe_lt_buffer(1, N * O * OH * OW * sizeof({T}));
+    if (!xs || !ys) return;
+    pe_layout_convert_{S}(x, xs, N, C, H, W, 0, -1);
+    if (g[15] == 1) {
+        pe_gemm_{S}(N * H * W, O, C, xs, C, 0, w, C, 1, ys, O, 0);
+        for (long i = 0; i < N * H * W; i++)
+            for (long j = 0; j < O; j++) ys[i * O + j] += b[j];
+    } else {
+        pe_conv2d_nhwc_depthwise_{S}(xs, w, b, ys, g);
+    }
+    pe_layout_convert_{S}(ys, y, N, O, OH, OW, -1, 0);
+}
+
+static void pe_lt_conv2d_input_grad_{S}(const {T} *gy, const {T} *w, {T} *gx, const long *g) {
+    long N = g[0], C = g[1], H = g[2], W = g[3], O = g[4], OH = g[7], OW = g[8];
+    {T} *gys = pe_lt_buffer(0, N * O * OH * OW * sizeof({T}));
+    {T} *gxs = pe_lt_buffer(1, N * C * H * W * sizeof({T}));
+    if (!gys || !gxs) return;
+    pe_layout_convert_{S}(gy, gys, N, O, OH, OW, 0, -1);
+    if (g[15] == 1)
+        pe_gemm_{S}(N * H * W, C, O, gys, O, 0, w, C, 0, gxs, C, 0);
+    else
+        pe_conv2d_nhwc_input_grad_depthwise_{S}(gys, w, gxs, g);
+    pe_layout_convert_{S}(gxs, gx, N, C, H, W, -1, 0);
+}
+
+static void pe_lt_conv2d_weight_grad_{S}(const {T} *x, const {T} *gy, {T} *gw, const long *g) {
+    long N = g[0], C = g[1], H = g[2], W = g[3], O = g[4], OH = g[7], OW = g[8];
+    {T} *xs = pe_lt_buffer(0, N * C * H * W * sizeof({T}));
+    {T} *gys = pe_lt_buffer(1, N * O * OH * OW * sizeof({T}));
+    if (!xs || !gys) return;
+    pe_layout_convert_{S}(x, xs, N, C, H, W, 0, -1);
+    pe_layout_convert_{S}(gy, gys, N, O, OH, OW, 0, -1);
+    if (g[15] == 1)
+        pe_gemm_{S}(O, C, N * H * W, gys, O, 1, xs, C, 0, gw, C, 0);
+    else
+        pe_conv2d_nhwc_weight_grad_depthwise_{S}(xs, gys, gw, g);
+}
+"""
+
+_ARGS = {
+    "conv2d": "(const {T} *)a, (const {T} *)b, (const {T} *)c, ({T} *)out, g",
+    "conv2d_input_grad": "(const {T} *)a, (const {T} *)b, ({T} *)out, g",
+    "conv2d_weight_grad": "(const {T} *)a, (const {T} *)b, ({T} *)out, g",
+}
+_TYPES = {DType.F32: ("f32", "float"), DType.F64: ("f64", "double")}
+
+
+def _source() -> str:
+    prelude = _PRELUDE + "".join(
+        _TIMED.replace("{S}", s).replace("{T}", t) for s, t in _TYPES.values()
+    )
+    cases = []
+    for i, op in enumerate(CONV_OPS):
+        for d, dtype in enumerate(tune_harness.DTYPES):
+            s, t = _TYPES[dtype]
+            code = (i * len(_NAMES) + _CODE) * 2 + d
+            args = _ARGS[op].replace("{T}", t)
+            cases.append(f"    case {code}: pe_lt_{op}_{s}({args}); break;")
+    return tune_harness.harness_source((NHWC_KERNEL,), tuple(cases), prelude)
+
+
+def measure_layouts(
+    op: str,
+    nchw_kernel: str,
+    dtype: DType,
+    g: ConvGeometry,
+    portable: bool | None,
+    threads: int | None,
+) -> dict[str, float]:
+    """The median seconds of ``nchw_kernel`` and of the ``nhwc`` candidate on ``g``, timed
+    in turn on one set of operands (inf for one that could not be timed)."""
+    library = tune_harness.harness_library(_source(), portable)
+    kernels = [nchw_kernel, NHWC_KERNEL]
+    codes = (KERNEL_NAMES.index(nchw_kernel), _CODE)
+    seconds = tune_harness.harness_times(op, kernels, dtype, g, 0.02, 3.0, portable, threads,
+                                         library, codes)  # fmt: skip
+    return dict(zip(kernels, seconds, strict=True))
+
+
+def _entry(seconds: Mapping[str, float], nchw_kernel: str) -> dict[str, Any]:
+    timed = {k: v for k, v in seconds.items() if math.isfinite(v)}
+    if nchw_kernel not in timed:  # NCHW unmeasured: keep it
+        return {"kernel": nchw_kernel, "seconds": {nchw_kernel: 0.0}}
+    nhwc = timed.get(NHWC_KERNEL, math.inf)
+    kernel = NHWC_KERNEL if nhwc < MARGIN * timed[nchw_kernel] else nchw_kernel
+    return {"kernel": kernel, "seconds": timed}
+
+
+def choose_layouts(
+    graph: Graph,
+    kernels: Mapping[str, str],
+    portable: bool | None = None,
+    threads: int | None = None,
+) -> list[KernelChoice]:
+    """The measured (or cached) layout of each conv node of ``graph`` that has an NHWC
+    kernel: kernel ``nhwc`` where that won, else the node's NCHW kernel (``kernels`` by
+    first output name, else the rule's). The table under the cache dir gains what was
+    measured."""
+    path = cache_dir() / CACHE_NAME
+    table, dirty = tune.read_table(path, names=_NAMES)
+    tc_key = toolchain(portable).key
+    fresh: dict[str, Any] = {}
+    choices = []
+    for node in graph.nodes:
+        g = nhwc_candidate(node)
+        if g is None:
+            continue
+        out = node.outputs[0]
+        nchw = kernels.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize)
+        key = tune.table_key(node.op, out.dtype, g, tc_key, threads, (nchw, NHWC_KERNEL))
+        cached = key not in fresh and key in table and table[key]["kernel"] in (nchw, NHWC_KERNEL)
+        if cached:
+            entry = table[key]
+        elif key not in fresh:
+            seconds = measure_layouts(node.op, nchw, out.dtype, g, portable, threads)
+            entry = fresh[key] = _entry(seconds, nchw)
+        else:
+            entry = fresh[key]
+        choices.append(
+            KernelChoice(node.op, out.name, entry["kernel"], dict(entry["seconds"]), cached)
+        )
+    if fresh or dirty:
+        tune.write_table(path, {**table, **fresh}, names=_NAMES)
+    return choices
+
+
+def merge_choices(kernels: list[KernelChoice], layouts: list[KernelChoice]) -> list[KernelChoice]:
+    """One choice a node for the report: the kernel choice with the ``nhwc`` candidate's
+    time added (its NCHW kernel's time as the layout measurement took it), or the layout
+    choice where the node has no kernel choice; in the graph's order."""
+    by_layout = {c.output: c for c in layouts}
+    merged = []
+    for choice in kernels:
+        layout = by_layout.pop(choice.output, None)
+        if layout is not None:
+            seconds = {**choice.seconds, **layout.seconds}
+            kernel = layout.kernel if layout.kernel == NHWC_KERNEL else choice.kernel
+            cached = choice.cached and layout.cached
+            choice = KernelChoice(choice.op, choice.output, kernel, seconds, cached)
+        merged.append(choice)
+    return merged + list(by_layout.values())

@@ -1,0 +1,122 @@
+"""C lowerings of the layout ops: ``layout_convert`` and the NHWC convolutions
+(``ops/layout.py``, ``ops/conv_nhwc.py``), which the layout pass (``layout.py``) makes.
+
+A conversion is one ``pe_layout_convert`` call (tiled transposes between NCHW and NHWC).
+A depthwise NHWC convolution (groups = in = out channels) calls ``kernels/conv_nhwc.c``;
+a pointwise one (1x1, stride 1, no padding, one group) is one GEMM over every image's
+positions, which NHWC lays out as one [N*H*W, C] matrix: ``Y = X W^T`` (+ bias),
+``GX = GY W``, ``GW = GY^T X``. Other NHWC convolutions have no C kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pockengine.backends.c.conv_kernels import ConvGeometry
+from pockengine.backends.c.emit import CEmitError, EmitContext, Lowering, attr_int
+from pockengine.backends.c.emit import kernel_suffix as _sfx
+from pockengine.ir import Node
+from pockengine.ops.layout import block_of
+
+__all__ = ["KERNELS", "nhwc_geometry", "nhwc_kernel"]
+
+
+def _pair(node: Node, key: str) -> tuple[int, int]:
+    value = node.attrs[key]
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise CEmitError(f"{node.op}: attribute {key}={value!r} is not a pair")
+    return int(value[0]), int(value[1])
+
+
+def nhwc_geometry(node: Node) -> ConvGeometry:
+    """The geometry (conv.c's order: NCHW sizes) of an NHWC convolution node."""
+    if node.op == "conv2d_nhwc":
+        x, w, y = node.inputs[0].shape, node.inputs[1].shape, node.outputs[0].shape
+    elif node.op == "conv2d_nhwc_input_grad":
+        x, w, y = node.outputs[0].shape, node.inputs[1].shape, node.inputs[0].shape
+    else:
+        x, w, y = node.inputs[0].shape, node.outputs[0].shape, node.inputs[1].shape
+    (sh, sw), (ph, pw), (dh, dw) = (_pair(node, k) for k in ("stride", "padding", "dilation"))
+    groups = attr_int(node, "groups")
+    return ConvGeometry(
+        x[0], x[3], x[1], x[2], w[0], w[2], w[3], y[1], y[2], sh, sw, ph, pw, dh, dw, groups
+    )
+
+
+def nhwc_kernel(g: ConvGeometry) -> str | None:
+    """``pointwise`` or ``depthwise`` (multiplier 1) when ``g`` has an NHWC kernel, else None."""
+    if g.pointwise:
+        return "pointwise"
+    return "depthwise" if g.depthwise and g.o == g.c else None
+
+
+def _kernel(node: Node) -> tuple[ConvGeometry, str]:
+    g = nhwc_geometry(node)
+    kernel = nhwc_kernel(g)
+    if kernel is None:
+        raise CEmitError(f"{node.op}: only depthwise and pointwise NHWC convolutions run in C")
+    return g, kernel
+
+
+def _layout_convert(ctx: EmitContext, node: Node) -> str:
+    x, out = node.inputs[0], node.outputs[0]
+    src, dst = (block_of(node.op, node.attrs[k]) for k in ("src", "dst"))
+    channels = attr_int(node, "channels")
+    h, w = (x.shape[1], x.shape[2]) if src < 0 else (x.shape[2], x.shape[3])
+    dims = f"{x.shape[0]}, {channels}, {h}, {w}"
+    return f"pe_layout_convert_{_sfx(out)}({ctx.ref(x)}, {ctx.ref(out)}, {dims}, {src}, {dst});"
+
+
+def _gemm(out: str, m: int, n: int, k: int, a: str, lda: int, ta: int, b: str, ldb: int, tb: int,
+          c: str) -> str:  # fmt: skip
+    return f"pe_gemm_{out}({m}, {n}, {k}, {a}, {lda}, {ta}, {b}, {ldb}, {tb}, {c}, {n}, 0);"
+
+
+def _conv2d_nhwc(ctx: EmitContext, node: Node) -> str:
+    x, w = node.inputs[:2]
+    out = node.outputs[0]
+    g, kernel = _kernel(node)
+    bias = ctx.ref(node.inputs[2]) if len(node.inputs) > 2 else "NULL"
+    if kernel == "depthwise":
+        geom = ctx.longs("conv", g.longs())
+        args = f"{ctx.ref(x)}, {ctx.ref(w)}, {bias}, {ctx.ref(out)}, {geom}"
+        return f"pe_conv2d_nhwc_depthwise_{_sfx(out)}({args});"
+    rows = math.prod(x.shape[:3])
+    y = ctx.ref(out)
+    call = _gemm(_sfx(out), rows, g.o, g.c, ctx.ref(x), g.c, 0, ctx.ref(w), g.c, 1, y)
+    if bias == "NULL":
+        return call
+    add = f"for (long i = 0; i < {rows}; i++) for (long j = 0; j < {g.o}; j++) "
+    return f"{{ {call} {add}{y}[i * {g.o} + j] += {bias}[j]; }}"
+
+
+def _conv2d_nhwc_input_grad(ctx: EmitContext, node: Node) -> str:
+    gy, w = node.inputs
+    out = node.outputs[0]
+    g, kernel = _kernel(node)
+    if kernel == "depthwise":
+        geom = ctx.longs("conv", g.longs())
+        args = f"{ctx.ref(gy)}, {ctx.ref(w)}, {ctx.ref(out)}, {geom}"
+        return f"pe_conv2d_nhwc_input_grad_depthwise_{_sfx(out)}({args});"
+    rows = math.prod(gy.shape[:3])
+    return _gemm(_sfx(out), rows, g.c, g.o, ctx.ref(gy), g.o, 0, ctx.ref(w), g.c, 0, ctx.ref(out))
+
+
+def _conv2d_nhwc_weight_grad(ctx: EmitContext, node: Node) -> str:
+    x, gy = node.inputs
+    out = node.outputs[0]
+    g, kernel = _kernel(node)
+    if kernel == "depthwise":
+        geom = ctx.longs("conv", g.longs())
+        args = f"{ctx.ref(x)}, {ctx.ref(gy)}, {ctx.ref(out)}, {geom}"
+        return f"pe_conv2d_nhwc_weight_grad_depthwise_{_sfx(out)}({args});"
+    rows = math.prod(x.shape[:3])
+    return _gemm(_sfx(out), g.o, g.c, rows, ctx.ref(gy), g.o, 1, ctx.ref(x), g.c, 0, ctx.ref(out))
+
+
+KERNELS: dict[str, Lowering] = {
+    "layout_convert": _layout_convert,
+    "conv2d_nhwc": _conv2d_nhwc,
+    "conv2d_nhwc_input_grad": _conv2d_nhwc_input_grad,
+    "conv2d_nhwc_weight_grad": _conv2d_nhwc_weight_grad,
+}

@@ -1,0 +1,236 @@
+"""The C backend's layout pass (``backends/c/layout.py``) and its measured choice
+(``layout_tune.py``).
+
+- On a small graph (two depthwise convolutions in a row with both gradients, and a
+  pointwise one), ``apply_layouts`` converts each chosen node's activations once (the
+  forward convolution and its weight gradient share one NHWC copy of x), cancels the
+  NHWC -> NCHW -> NHWC pair between the two depthwise convolutions, keeps every original
+  result's name and type, computes what the graph computed (NumPy), and the C memory plan
+  places every converted buffer; ``cancel_inverse_conversions`` drops an explicit pair.
+- The heuristic puts depthwise convolutions on maps of at most 16 positions in NHWC.
+- Whole models train as NumPy does over 5 steps with every candidate forced onto NHWC, with
+  measured layouts, and with the heuristic's: the small CNN and MobileNetV2 (width 0.35);
+  the report lists the ``nhwc`` candidate's time, a second compile measures nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pockengine as pe
+from pockengine import zoo
+from pockengine.backends.c import CBackend, layout, layout_tune, tune
+from pockengine.backends.c.layout import (
+    HEURISTIC_MAX_MAP,
+    NHWC,
+    apply_layouts,
+    cancel_inverse_conversions,
+    heuristic_layout,
+    heuristic_nhwc,
+    nhwc_candidate,
+)
+from pockengine.backends.c.plan_step import plan_step_memory
+from pockengine.backends.numpy.backend import NumpyBackend
+from pockengine.ir import CompileError, DType, Graph, GraphBuilder, Role, TensorType, verify
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
+                                reason="no C compiler (cc or $CC)")  # fmt: skip
+
+_GEOM = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1)}
+
+
+def _chain() -> tuple[Graph, dict[str, Any]]:
+    """x -> depthwise a -> depthwise b -> pointwise p, with the input and weight gradients
+    of a and b for an incoming gy (no autodiff: the pass sees the nodes as written)."""
+    b = GraphBuilder("chain")
+    f32 = DType.F32
+    x = b.input("x", TensorType((2, 8, 4, 4), f32), Role.INPUT)
+    wa = b.input("wa", TensorType((8, 1, 3, 3), f32), Role.INPUT)
+    wb = b.input("wb", TensorType((8, 1, 3, 3), f32), Role.INPUT)
+    wp = b.input("wp", TensorType((6, 8, 1, 1), f32), Role.INPUT)
+    gy = b.input("gy", TensorType((2, 8, 4, 4), f32), Role.INPUT)
+    a = b.call("conv2d", x, wa, groups=8, **_GEOM)
+    y = b.call("conv2d", a, wb, groups=8, **_GEOM)
+    p = b.call("conv2d", y, wp, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
+    ga = b.call("conv2d_input_grad", gy, wb, x_shape=a.shape, groups=8, **_GEOM)
+    gwb = b.call("conv2d_weight_grad", a, gy, w_shape=(8, 1, 3, 3), groups=8, **_GEOM)
+    gwa = b.call("conv2d_weight_grad", x, ga, w_shape=(8, 1, 3, 3), groups=8, **_GEOM)
+    rng = np.random.default_rng(0)
+    feeds = {v.name: rng.standard_normal(v.shape).astype(np.float32) for v in b.build([p]).inputs}
+    return b.build([p, ga, gwb, gwa]), feeds
+
+
+def _ops(graph: Graph) -> list[str]:
+    return [n.op for n in graph.nodes]
+
+
+def test_the_pass_converts_once_cancels_pairs_and_keeps_the_values() -> None:
+    graph, feeds = _chain()
+    convs = [n.outputs[0].name for n in graph.nodes if n.op.startswith("conv2d")]
+    assert all(nhwc_candidate(n) is not None for n in graph.nodes)
+    after = verify(apply_layouts(graph, convs))
+    assert "conv2d" not in " ".join(_ops(after)).replace("conv2d_nhwc", "")
+    converts = [n for n in after.nodes if n.op == "layout_convert"]
+    into = sorted(n.inputs[0].name for n in converts if n.attrs["dst"] == NHWC)
+    # one NHWC copy of x (read by a and by gwa), one of gy (ga and gwb); a's NHWC result
+    # feeds b and gwb directly: its NCHW copy is read by nothing and went
+    assert into == ["gy", "x"]
+    a_name = graph.nodes[0].outputs[0].name
+    assert all(v.name != a_name for n in after.nodes for v in n.outputs)
+    # every returned value keeps its name and type
+    assert [(v.name, v.type) for v in after.outputs] == [(v.name, v.type) for v in graph.outputs]
+    want = NumpyBackend().compile(graph).run(dict(feeds))
+    got = NumpyBackend().compile(after).run(dict(feeds))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    ran = CBackend().compile(after).run({}, dict(feeds))
+    for g, w in zip(ran, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    # the memory plan places every converted buffer
+    plan = plan_step_memory(after)
+    made = [v.name for n in after.nodes for v in n.outputs if v.name.endswith(".nhwc")]
+    assert made and all(name in plan.offsets for name in made)
+
+
+def test_an_explicit_inverse_pair_cancels() -> None:
+    b = GraphBuilder("pair")
+    x = b.input("x", TensorType((1, 3, 2, 2), DType.F32), Role.INPUT)
+    t = b.call("layout_convert", x, src="NCHW", dst="NCHW8c", channels=3)
+    u = b.call("layout_convert", t, src="NCHW8c", dst="NCHW", channels=3)
+    r = b.call("relu", u)
+    after = cancel_inverse_conversions(b.build([r]))
+    assert _ops(after) == ["relu"] and after.nodes[0].inputs[0].name == "x"
+
+
+def test_a_convolution_without_an_nhwc_kernel_is_refused() -> None:
+    b = GraphBuilder("dense")
+    x = b.input("x", TensorType((1, 4, 5, 5), DType.F32), Role.INPUT)
+    w = b.input("w", TensorType((6, 4, 3, 3), DType.F32), Role.INPUT)
+    y = b.call("conv2d", x, w, groups=1, **_GEOM)
+    with pytest.raises(CompileError, match=y.name):
+        apply_layouts(b.build([y]), [y.name])
+
+
+def test_the_heuristic_takes_nhwc_for_depthwise_convolutions_on_small_maps() -> None:
+    graph, _ = _chain()
+    chosen = heuristic_nhwc(graph)
+    kinds = {n.outputs[0].name: n for n in graph.nodes}
+    assert chosen and all(kinds[name].attrs["groups"] == 8 for name in chosen)
+    for node in graph.nodes:
+        g = nhwc_candidate(node)
+        assert g is not None
+        small = g.depthwise and g.oh * g.ow <= HEURISTIC_MAX_MAP
+        assert (heuristic_layout(node.op, g) == NHWC) == small
+
+
+@pytest.fixture
+def tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(tune, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(layout_tune, "cache_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def _train(w: zoo.Workload, backend: Any, scheme: Any = None, opt: Any = None) -> Any:
+    opt = opt or pe.optim.SGD(lr=0.05, momentum=0.9)
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt, backend=backend,
+                      scheme=scheme)  # fmt: skip
+    return [step(*w.make_batch(i)) for i in range(5)], step
+
+
+def _favour_nhwc(op: str, nchw: str, *args: Any) -> dict[str, float]:
+    return {nchw: 2e-6, layout_tune.NHWC_KERNEL: 1e-6}
+
+
+def _favour_nchw(op: str, nchw: str, *args: Any) -> dict[str, float]:
+    return {nchw: 1e-6, layout_tune.NHWC_KERNEL: 2e-6}
+
+
+@pytest.mark.parametrize("how", ["forced", "measured", "heuristic"])
+def test_the_small_cnn_trains_as_numpy_in_every_layout(
+    how: str, tables: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if how == "forced":
+        monkeypatch.setattr(layout_tune, "measure_layouts", _favour_nhwc)
+    if how == "heuristic":  # the depthwise layer's map is 16x16
+        monkeypatch.setattr(layout, "HEURISTIC_MAX_MAP", 256)
+    want, _ = _train(zoo.small_cnn(), "numpy")
+    got, step = _train(zoo.small_cnn(), CBackend(tune=how != "heuristic"))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    nodes = step._exec.graph.nodes
+    nhwc = [n for n in nodes if n.op.startswith("conv2d_nhwc")]
+    if how == "forced":  # the depthwise and pointwise layers, forward and both gradients
+        assert len(nhwc) == 6 and any(n.op == "layout_convert" for n in nodes)
+    if how == "heuristic":  # the depthwise layer, forward and both gradients
+        assert len(nhwc) == 3
+    if how != "heuristic":
+        report = step.report()
+        assert all(layout_tune.NHWC_KERNEL in c.seconds for c in report.kernels if
+                   c.output in {n.outputs[0].name for n in nhwc})  # fmt: skip
+        assert layout_tune.NHWC_KERNEL in str(report) or how == "measured"
+        again = pe.compile(zoo.small_cnn().model, zoo.small_cnn().loss_fn,
+                           zoo.small_cnn().make_batch(0), backend=CBackend(tune=True))  # fmt: skip
+        assert all(c.cached for c in again._exec.kernel_choices)
+
+
+@pytest.mark.parametrize("scheme_name", ["sparse", pytest.param("full", marks=pytest.mark.slow)])
+def test_mobilenet_trains_as_numpy_with_every_candidate_in_nhwc(
+    scheme_name: str, tables: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MobileNetV2 (width 0.35, 32 px; float64 and AdamW at 1e-4, as test_c_backend's,
+    since float32 gradients of this random network are ill-conditioned): every depthwise
+    and pointwise layer NHWC gives the NCHW C step's losses (to 1e-9), and NumPy's
+    (sparse, to 1e-5; full training of this batch of 2 is ill-conditioned enough that the
+    NCHW C step itself is 3e-3 from NumPy by step 4)."""
+    monkeypatch.setattr(tune, "measure", lambda op, kernels, *a: {k: 1e-6 for k in kernels})
+    scheme = pe.schemes.sparse(blocks=4) if scheme_name == "sparse" else None
+
+    def run(backend: Any) -> Any:
+        w = zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=2, size=32))
+        return _train(w, backend, scheme, pe.optim.AdamW(lr=1e-4))
+
+    monkeypatch.setattr(layout_tune, "measure_layouts", _favour_nchw)
+    nchw, _ = run(CBackend(tune=True))
+    monkeypatch.setattr(layout_tune, "measure_layouts", _favour_nhwc)
+    monkeypatch.setattr(layout_tune, "cache_dir", lambda: tables / "nhwc")
+    (tables / "nhwc").mkdir()
+    got, step = run(CBackend(tune=True))
+    np.testing.assert_allclose(got, nchw, rtol=1e-9)
+    if scheme_name == "sparse":
+        want, _ = run("numpy")
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    ops = _ops(step._exec.graph)
+    assert ops.count("conv2d_nhwc") > 10 and "conv2d_nhwc_weight_grad" in ops
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_an_exported_trainer_runs_the_heuristic_layouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The small CNN with the heuristic's limit raised to its depthwise layer's 16x16 map:
+    the step and the exported trainer both run that layer in NHWC, and ./train's losses
+    are the step's."""
+    import subprocess
+
+    monkeypatch.setattr(layout, "HEURISTIC_MAX_MAP", 256)
+    w = zoo.small_cnn()
+    opt = pe.optim.SGD(lr=0.05, momentum=0.9)
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt, backend="c")
+    assert any(n.op == "conv2d_nhwc" for n in step._exec.graph.nodes)
+    folder = step.export(tmp_path / "trainer", target="c")
+    assert "pe_conv2d_nhwc_depthwise_f32(" in (folder / "step.c").read_text()
+    batches = [w.make_batch(i) for i in range(3)]
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    losses = [step(*b) for b in batches]
+    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = [float(x.split()[-1]) for x in run.stdout.splitlines() if x.startswith("step ")]
+    np.testing.assert_allclose(got, losses, rtol=1e-4)
