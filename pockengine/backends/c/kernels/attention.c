@@ -5,7 +5,10 @@
  * the probabilities from q, k and lse.
  *
  * geom: B, H, L, S, E, Ev, then the additive mask's element strides over [B, H, L, S]
- * (0 on broadcast axes). A query whose keys are all masked gets out 0 and lse 0. */
+ * (0 on broadcast axes), then the batch, head and row strides of q, k, v and the output
+ * gradient (a head's rows need not be contiguous: q as [B, L, H, E] reads at a row stride
+ * of H * E, so the head split's transpose is never written). out, lse and the gradients
+ * are contiguous [B, H, rows, E]. A query whose keys are all masked gets out 0 and lse 0. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #include <tgmath.h>
@@ -28,7 +31,7 @@ static void PE_S(pe_attention_scores)(const PE_T *qh, const PE_T *kh, const PE_T
                                       const long *g, long b, long h, long i0, long rows,
                                       PE_T scale, int causal, PE_T *tile) {
     long S = g[3], E = g[4];
-    PE_S(pe_gemm)(rows, S, E, qh + i0 * E, E, 0, kh, E, 1, tile, S, 0);
+    PE_S(pe_gemm)(rows, S, E, qh + i0 * g[12], g[12], 0, kh, g[15], 1, tile, S, 0);
     for (long r = 0; r < rows; r++) {
         PE_T *row = tile + r * S;
         const PE_T *m = mask ? mask + b * g[6] + h * g[7] + (i0 + r) * g[8] : NULL;
@@ -45,7 +48,9 @@ void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T 
     PE_PARALLEL_FOR(B * H * L * S * (E + Ev))
     for (long bh = 0; bh < B * H; bh++) {
         PE_T tile[T * S]; /* on the stack: scores, then probabilities, of T queries */
-        const PE_T *qh = q + bh * L * E, *kh = k + bh * S * E, *vh = v + bh * S * Ev;
+        long b = bh / H, h = bh % H;
+        const PE_T *qh = q + b * g[10] + h * g[11], *kh = k + b * g[13] + h * g[14];
+        const PE_T *vh = v + b * g[16] + h * g[17];
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
             PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
@@ -65,7 +70,7 @@ void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T 
                 for (long j = 0; j < S; j++) row[j] /= total;
                 lse[bh * L + i0 + r] = top + log(total);
             }
-            PE_S(pe_gemm)(rows, Ev, S, tile, S, 0, vh, Ev, 0, out + (bh * L + i0) * Ev, Ev, 0);
+            PE_S(pe_gemm)(rows, Ev, S, tile, S, 0, vh, g[18], 0, out + (bh * L + i0) * Ev, Ev, 0);
         }
     }
 }
@@ -78,15 +83,17 @@ void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const
     PE_PARALLEL_FOR(B * H * L * S * (E + Ev))
     for (long bh = 0; bh < B * H; bh++) {
         PE_T p[T * S], ds[T * S]; /* on the stack: probabilities and their gradient */
-        const PE_T *qh = q + bh * L * E, *kh = k + bh * S * E, *vh = v + bh * S * Ev;
+        long b = bh / H, h = bh % H, gs = g[21];
+        const PE_T *qh = q + b * g[10] + h * g[11], *kh = k + b * g[13] + h * g[14];
+        const PE_T *vh = v + b * g[16] + h * g[17];
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
-            const PE_T *gor = go + (bh * L + i0) * Ev;
+            const PE_T *gor = go + b * g[19] + h * g[20] + i0 * gs;
             PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
                                       p);
-            PE_S(pe_gemm)(rows, S, Ev, gor, Ev, 0, vh, Ev, 1, ds, S, 0); /* dp = go v^T */
+            PE_S(pe_gemm)(rows, S, Ev, gor, gs, 0, vh, g[18], 1, ds, S, 0); /* dp = go v^T */
             for (long r = 0; r < rows; r++) {
-                const PE_T *o = out + (bh * L + i0 + r) * Ev, *gr = gor + r * Ev;
+                const PE_T *o = out + (bh * L + i0 + r) * Ev, *gr = gor + r * gs;
                 PE_T m = lse[bh * L + i0 + r], delta = 0;
                 for (long e = 0; e < Ev; e++) delta += gr[e] * o[e];
                 for (long j = 0; j < S; j++) {
@@ -95,9 +102,10 @@ void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const
                     ds[r * S + j] = pj * (ds[r * S + j] - delta) * scale;
                 }
             }
-            PE_S(pe_gemm)(rows, E, S, ds, S, 0, kh, E, 0, gq + (bh * L + i0) * E, E, 0);
-            PE_S(pe_gemm)(S, E, rows, ds, S, 1, qh + i0 * E, E, 0, gk + bh * S * E, E, i0 > 0);
-            PE_S(pe_gemm)(S, Ev, rows, p, S, 1, gor, Ev, 0, gv + bh * S * Ev, Ev, i0 > 0);
+            PE_S(pe_gemm)(rows, E, S, ds, S, 0, kh, g[15], 0, gq + (bh * L + i0) * E, E, 0);
+            PE_S(pe_gemm)(S, E, rows, ds, S, 1, qh + i0 * g[12], g[12], 0, gk + bh * S * E, E,
+                          i0 > 0);
+            PE_S(pe_gemm)(S, Ev, rows, p, S, 1, gor, gs, 0, gv + bh * S * Ev, Ev, i0 > 0);
         }
     }
 }
