@@ -11,19 +11,56 @@
  * are contiguous [B, H, rows, E]. A query whose keys are all masked gets out 0 and lse 0. */
 #ifndef PE_T
 #include "pe_kernels.h"
+#include "pe_exp.h"
 #include <tgmath.h>
 #define PE_SELF "attention.c"
 #include "pe_instantiate.h"
 #else
 
+#if PE_TSIZE == 4
+#define PE_EXP pe_exp32 /* pe_exp.h: the probabilities' loops vectorise */
+#else
+#define PE_EXP exp
+#endif
+
 #ifndef PE_ATTN_HELPERS
 #define PE_ATTN_HELPERS
-/* Queries per tile: a tile of scores (queries x keys) stays within 16 Ki elements. */
+/* Queries per tile: a tile of scores (queries x keys) stays within 16 Ki elements (128
+ * queries of 128 keys: each head's k and v are packed once). */
 static long pe_attention_tile(long S) {
     long t = 16384 / (S > 0 ? S : 1);
-    return t < 1 ? 1 : (t > 64 ? 64 : t);
+    return t < 1 ? 1 : (t > 128 ? 128 : t);
 }
 #endif
+
+#define PE_LANES 16
+/* The largest of row[0..n): in PE_LANES independent lanes, so the loop vectorises (the
+ * maximum does not depend on the order it is taken in). */
+static inline PE_T PE_S(pe_row_max)(const PE_T *restrict row, long n) {
+    PE_T lane[PE_LANES];
+    for (int l = 0; l < PE_LANES; l++) lane[l] = -INFINITY;
+    long j = 0;
+    for (; j + PE_LANES <= n; j += PE_LANES)
+        for (int l = 0; l < PE_LANES; l++) lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
+    PE_T top = -INFINITY;
+    for (int l = 0; l < PE_LANES; l++) top = lane[l] > top ? lane[l] : top;
+    for (; j < n; j++) top = row[j] > top ? row[j] : top;
+    return top;
+}
+
+/* The sum of row[0..n): PE_LANES partial sums, added in order at the end, so the loop
+ * vectorises; the rounding is fixed by n alone. */
+static inline PE_T PE_S(pe_row_sum)(const PE_T *restrict row, long n) {
+    PE_T lane[PE_LANES] = {0};
+    long j = 0;
+    for (; j + PE_LANES <= n; j += PE_LANES)
+        for (int l = 0; l < PE_LANES; l++) lane[l] += row[j + l];
+    PE_T total = 0;
+    for (int l = 0; l < PE_LANES; l++) total += lane[l];
+    for (; j < n; j++) total += row[j];
+    return total;
+}
+#undef PE_LANES
 
 /* Scores of queries [i0, i0+rows) of head (b, h) against every key, into tile[rows][S]:
  * q k^T * scale + mask, -inf above the diagonal when causal. */
@@ -56,17 +93,14 @@ void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T 
             PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
                                       tile);
             for (long r = 0; r < rows; r++) {
-                PE_T *row = tile + r * S, top = -INFINITY, total = 0;
-                for (long j = 0; j < S; j++) top = row[j] > top ? row[j] : top;
+                PE_T *row = tile + r * S, top = PE_S(pe_row_max)(row, S);
                 if (top == -INFINITY) { /* every key masked: out 0, lse 0 */
                     for (long j = 0; j < S; j++) row[j] = 0;
                     lse[bh * L + i0 + r] = 0;
                     continue;
                 }
-                for (long j = 0; j < S; j++) {
-                    row[j] = exp(row[j] - top);
-                    total += row[j];
-                }
+                for (long j = 0; j < S; j++) row[j] = PE_EXP(row[j] - top);
+                PE_T total = PE_S(pe_row_sum)(row, S);
                 for (long j = 0; j < S; j++) row[j] /= total;
                 lse[bh * L + i0 + r] = top + log(total);
             }
@@ -97,7 +131,7 @@ void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const
                 PE_T m = lse[bh * L + i0 + r], delta = 0;
                 for (long e = 0; e < Ev; e++) delta += gr[e] * o[e];
                 for (long j = 0; j < S; j++) {
-                    PE_T pj = exp(p[r * S + j] - m);
+                    PE_T pj = PE_EXP(p[r * S + j] - m);
                     p[r * S + j] = pj;
                     ds[r * S + j] = pj * (ds[r * S + j] - delta) * scale;
                 }
@@ -110,4 +144,5 @@ void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const
     }
 }
 
+#undef PE_EXP
 #endif
