@@ -587,6 +587,16 @@ TABLES: tuple[Table, ...] = (
     _ours("docs/c_backend.md", "device-footprint", device_footprint),
     _ours("docs/c_backend.md", "c-vs-eager-1thread", c_vs_eager("c_vs_eager-1thread.json")),
     _ours("docs/c_backend.md", "c-vs-eager-2thread", c_vs_eager("c_vs_eager-2thread.json")),
+    _ours(
+        "docs/c_backend.md",
+        "c-vs-eager-tf-1thread",
+        c_vs_eager("c_vs_eager-transformers-1thread.json"),
+    ),
+    _ours(
+        "docs/c_backend.md",
+        "c-vs-eager-tf-2thread",
+        c_vs_eager("c_vs_eager-transformers-2thread.json"),
+    ),
 )
 
 

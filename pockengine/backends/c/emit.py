@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from pockengine.backends.c.views import View, step_views
 from pockengine.ir import DType, Graph, Node, PockEngineError, Role, Value, print_node
 from pockengine.plan import MemoryPlan
 
@@ -117,9 +118,19 @@ class EmitContext:
     conv_kernels: Mapping[str, str] = field(default_factory=dict)
     # a conv node's first output name -> its slot in the trainer's table (conv_table.py)
     conv_slots: Mapping[str, int] = field(default_factory=dict)
+    # a result run as a view of another value's memory (views.py) -> how
+    views: Mapping[str, View] = field(default_factory=dict)
 
     def ref(self, v: Value) -> str:
         return self.names[v.name]
+
+    def transposed(self, v: Value) -> Value | None:
+        """The input of the transpose ``v`` is a strided view of (``ref(v)`` points at its
+        memory), or None where ``v`` has its own elements in row-major order."""
+        view = self.views.get(v.name)
+        if view is None or not view.transposed:
+            return None
+        return self.graph.nodes[view.node].inputs[0]
 
     def longs(self, label: str, values: tuple[int, ...] | list[int]) -> str:
         """A static const long array holding ``values``; returns its name."""
@@ -188,20 +199,28 @@ def _identifier(name: str, taken: set[str]) -> str:
     return ident
 
 
-def _declarations(graph: Graph, plan: MemoryPlan, names: dict[str, str]) -> dict[str, str]:
-    """Value name -> the declaration of its pointer (an input's slot, or its arena offset)."""
+def _declarations(
+    graph: Graph, plan: MemoryPlan, names: dict[str, str], views: Mapping[str, View]
+) -> dict[str, str]:
+    """Value name -> the declaration of its pointer (an input's slot, or its arena offset;
+    a view's: its root's)."""
     lines: dict[str, str] = {}
+    where: dict[str, str] = {}
     taken: set[str] = set()
     for k, v in enumerate(graph.inputs):
-        names[v.name] = ident = _identifier(v.name, taken)
-        lines[v.name] = f"{CTYPES[v.dtype]} *const {ident} = ({CTYPES[v.dtype]} *)in[{k}];"
+        names[v.name] = _identifier(v.name, taken)
+        where[v.name] = f"in[{k}]"
     for node in graph.nodes:
         for v in node.outputs:
-            names[v.name] = ident = _identifier(v.name, taken)
-            offset = plan.offsets.get(v.name, 0)
-            lines[v.name] = (
-                f"{CTYPES[v.dtype]} *const {ident} = ({CTYPES[v.dtype]} *)(A + {offset});"
-            )
+            names[v.name] = _identifier(v.name, taken)
+            view = views.get(v.name)
+            if view is not None:
+                where[v.name] = where[view.root]
+            else:
+                where[v.name] = f"(A + {plan.offsets.get(v.name, 0)})"
+    for v in (*graph.inputs, *(v for node in graph.nodes for v in node.outputs)):
+        ctype = CTYPES[v.dtype]
+        lines[v.name] = f"{ctype} *const {names[v.name]} = ({ctype} *){where[v.name]};"
     return lines
 
 
@@ -263,9 +282,15 @@ def emit_step(
     ``conv_kernels`` names the kernel of conv nodes (by first output; the rest: the rule);
     ``conv_slots`` makes those conv calls switch on the trainer's table (conv_table.py)."""
     names: dict[str, str] = {}
-    decls = _declarations(graph, plan, names)
+    views = step_views(graph)
+    decls = _declarations(graph, plan, names, views)
     ctx = EmitContext(
-        graph, plan, names, conv_kernels=conv_kernels or {}, conv_slots=conv_slots or {}
+        graph,
+        plan,
+        names,
+        conv_kernels=conv_kernels or {},
+        conv_slots=conv_slots or {},
+        views=views,
     )
     parts: list[str] = []
     for start in range(0, len(graph.nodes), _NODES_PER_FUNCTION):
@@ -305,6 +330,8 @@ def _statement(
 ) -> str:
     """Node ``k``'s C statement under its IR text (timed into slot ``k`` with ``profile``)."""
     text = print_node(node).replace("*/", "* /")
+    if len(node.outputs) == 1 and node.outputs[0].name in ctx.views:
+        return f"    /* {text} */\n    (void)0; /* a view: no statement */"
     try:
         statement = kernels[node.op](ctx, node)
     except (KeyError, TypeError, ValueError) as exc:

@@ -39,14 +39,22 @@ def _batch_offsets(shape: tuple[int, ...], batch: tuple[int, ...], size: int) ->
     )
 
 
+def _operand(ctx: EmitContext, v: Value) -> tuple[int, int]:
+    """(leading dimension, transposed) of matrix operand ``v`` as the GEMM reads it: a view of
+    a transpose (``views.py``) is read from its source's rows."""
+    src = ctx.transposed(v)
+    return (v.shape[-1], 0) if src is None else (src.shape[-1], 1)
+
+
 def _matmul(ctx: EmitContext, node: Node) -> str:
     x, y = node.inputs
     out = node.outputs[0]
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
     fn = f"pe_gemm_{_sfx(out)}"
+    (lda, ta), (ldb, tb) = _operand(ctx, x), _operand(ctx, y)
     if y.type.rank == 2:  # x's batch axes fold into its rows
         rows = math.prod(x.shape[:-1])
-        args = f"{ctx.ref(x)}, {k}, 0, {ctx.ref(y)}, {n}, 0, {ctx.ref(out)}, {n}, 0"
+        args = f"{ctx.ref(x)}, {lda}, {ta}, {ctx.ref(y)}, {ldb}, {tb}, {ctx.ref(out)}, {n}, 0"
         return f"{fn}({rows}, {n}, {k}, {args});"
     batch = out.shape[:-2]
     ops = [
@@ -57,7 +65,7 @@ def _matmul(ctx: EmitContext, node: Node) -> str:
 
     def call(r: list[str]) -> str:
         z, a, b = (f"&{ref}" for ref in r)
-        return f"{fn}({m}, {n}, {k}, {a}, {k}, 0, {b}, {n}, 0, {z}, {n}, 0)"
+        return f"{fn}({m}, {n}, {k}, {a}, {lda}, {ta}, {b}, {ldb}, {tb}, {z}, {n}, 0)"
 
     return ctx.loops(batch, ops, call)
 
@@ -66,10 +74,11 @@ def _linear(ctx: EmitContext, node: Node) -> str:
     x, w, b = node.inputs
     out = node.outputs[0]
     rows, k, n = math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
+    ldw, tw = _operand(ctx, w)
     z = ctx.ref(out)
     return (
-        f"{{ pe_gemm_{_sfx(out)}({rows}, {n}, {k}, {ctx.ref(x)}, {k}, 0, {ctx.ref(w)}, {n}, 0, "
-        f"{z}, {n}, 0); for (long i = 0; i < {rows}; i++) for (long j = 0; j < {n}; j++) "
+        f"{{ pe_gemm_{_sfx(out)}({rows}, {n}, {k}, {ctx.ref(x)}, {k}, 0, {ctx.ref(w)}, {ldw}, "
+        f"{tw}, {z}, {n}, 0); for (long i = 0; i < {rows}; i++) for (long j = 0; j < {n}; j++) "
         f"{z}[i * {n} + j] += {ctx.ref(b)}[j]; }}"
     )
 
@@ -274,12 +283,30 @@ def _embedding_grad(ctx: EmitContext, node: Node) -> str:
     )
 
 
-def _attention_geometry(ctx: EmitContext, q: Value, k: Value, v: Value, mask: list[Value]) -> str:
-    """B, H, L, S, E, Ev and the mask's strides over [B, H, L, S] (0: broadcast)."""
+def _head_strides(ctx: EmitContext, v: Value) -> list[int]:
+    """Element strides of [B, H, rows, E] operand ``v`` over batch, head and row: its own,
+    or its source's where it is a view of a [B, rows, H, E] tensor (``views.HEAD_PERM``)."""
+    _, h, rows, e = v.shape
+    if ctx.transposed(v) is None:
+        return [h * rows * e, rows * e, e]
+    return [rows * h * e, e, h * e]
+
+
+def _attention_geometry(
+    ctx: EmitContext, q: Value, k: Value, v: Value, mask: list[Value], go: Value | None = None
+) -> str:
+    """B, H, L, S, E, Ev, the mask's strides over [B, H, L, S] (0: broadcast), then the
+    batch, head and row strides of q, k, v and the output gradient (the output's own in the
+    forward)."""
     full = (*q.shape[:3], k.shape[2])
     strides4 = _bcast4(mask[0].shape, full) if mask else (0, 0, 0, 0)
     b, h, length, e = q.shape
-    return ctx.longs("attn", [b, h, length, k.shape[2], e, v.shape[3], *strides4])
+    heads = [_head_strides(ctx, x) for x in (q, k, v)]
+    ev = v.shape[3]
+    heads.append(_head_strides(ctx, go) if go is not None else [h * length * ev, length * ev, ev])
+    return ctx.longs(
+        "attn", [b, h, length, k.shape[2], e, ev, *strides4, *(s for hs in heads for s in hs)]
+    )
 
 
 def _bcast4(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[int, ...]:
@@ -303,7 +330,7 @@ def _attention(ctx: EmitContext, node: Node) -> str:
 def _attention_grad(ctx: EmitContext, node: Node) -> str:
     go, q, k, v, out, lse, *mask = node.inputs
     gq, gk, gv = (ctx.ref(x) for x in node.outputs)
-    geom = _attention_geometry(ctx, q, k, v, mask)
+    geom = _attention_geometry(ctx, q, k, v, mask, go)
     m = ctx.ref(mask[0]) if mask else "NULL"
     scale, causal = attr_float(node, "scale"), int(bool(node.attrs["causal"]))
     ins = ", ".join(ctx.ref(x) for x in (go, q, k, v))

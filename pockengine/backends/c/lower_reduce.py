@@ -43,6 +43,9 @@ def _reduce(ctx: EmitContext, x: Value, out: Value, axes: tuple[int, ...], kind:
         "max": "acc = ({x} > acc || {x} != {x}) ? {x} : acc;",
         "any": "acc = acc || ({x} != 0);",
     }[kind]
+    if kind in ("sum", "mean") and is_float and kept and gone and max(gone) < min(kept):
+        rows, cols = math.prod(x.shape[a] for a in gone), math.prod(kept_sizes)
+        return _column_sums(ctx.ref(x), ctx.ref(out), CTYPES[out.dtype], rows, cols, kind)
     index = " + ".join([f"j{a} * {own[a]}" for a in kept + gone]) or "0"
     text = step.format(x=f"{ctx.ref(x)}[{index}]")
     for a in reversed(gone):
@@ -57,6 +60,25 @@ def _reduce(ctx: EmitContext, x: Value, out: Value, axes: tuple[int, ...], kind:
     for a in reversed(kept):
         text = f"for (long j{a} = 0; j{a} < {x.shape[a]}; j{a}++) {text}"
     return text
+
+
+_BLOCK = 2048  # columns summed at once: their double accumulators (16 KiB) stay in L1
+
+
+def _column_sums(x: str, out: str, ctype: str, rows: int, cols: int, kind: str) -> str:
+    """out[c] = sum over r of x[r, c] (mean: / rows) for x seen as [rows, cols]: a block of
+    columns' double accumulators, the rows added in order, so each output sums in the same
+    order as the strided loop (the same bits) while every row is read contiguously and the
+    loop vectorises across columns (a bias gradient: [tokens, features] -> [features])."""
+    value = f"acc[c] / {rows}.0" if kind == "mean" else "acc[c]"
+    return (
+        f"for (long c0 = 0; c0 < {cols}; c0 += {_BLOCK}) {{ "
+        f"long w = {cols} - c0 < {_BLOCK} ? {cols} - c0 : {_BLOCK}; double acc[{_BLOCK}]; "
+        f"for (long c = 0; c < w; c++) acc[c] = 0; "
+        f"for (long r = 0; r < {rows}; r++) for (long c = 0; c < w; c++) "
+        f"acc[c] += {x}[r * {cols} + c0 + c]; "
+        f"for (long c = 0; c < w; c++) {out}[c0 + c] = ({ctype})({value}); }}"
+    )
 
 
 def _reduction(kind: str) -> Lowering:

@@ -5,22 +5,62 @@
  * the probabilities from q, k and lse.
  *
  * geom: B, H, L, S, E, Ev, then the additive mask's element strides over [B, H, L, S]
- * (0 on broadcast axes). A query whose keys are all masked gets out 0 and lse 0. */
+ * (0 on broadcast axes), then the batch, head and row strides of q, k, v and the output
+ * gradient (a head's rows need not be contiguous: q as [B, L, H, E] reads at a row stride
+ * of H * E, so the head split's transpose is never written). out, lse and the gradients
+ * are contiguous [B, H, rows, E]. A query whose keys are all masked gets out 0 and lse 0. */
 #ifndef PE_T
 #include "pe_kernels.h"
+#include "pe_exp.h"
 #include <tgmath.h>
 #define PE_SELF "attention.c"
 #include "pe_instantiate.h"
 #else
 
+#if PE_TSIZE == 4
+#define PE_EXP pe_exp32 /* pe_exp.h: the probabilities' loops vectorise */
+#else
+#define PE_EXP exp
+#endif
+
 #ifndef PE_ATTN_HELPERS
 #define PE_ATTN_HELPERS
-/* Queries per tile: a tile of scores (queries x keys) stays within 16 Ki elements. */
+/* Queries per tile: a tile of scores (queries x keys) stays within 16 Ki elements (128
+ * queries of 128 keys: each head's k and v are packed once). */
 static long pe_attention_tile(long S) {
     long t = 16384 / (S > 0 ? S : 1);
-    return t < 1 ? 1 : (t > 64 ? 64 : t);
+    return t < 1 ? 1 : (t > 128 ? 128 : t);
 }
 #endif
+
+#define PE_LANES 16
+/* The largest of row[0..n): in PE_LANES independent lanes, so the loop vectorises (the
+ * maximum does not depend on the order it is taken in). */
+static inline PE_T PE_S(pe_row_max)(const PE_T *restrict row, long n) {
+    PE_T lane[PE_LANES];
+    for (int l = 0; l < PE_LANES; l++) lane[l] = -INFINITY;
+    long j = 0;
+    for (; j + PE_LANES <= n; j += PE_LANES)
+        for (int l = 0; l < PE_LANES; l++) lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
+    PE_T top = -INFINITY;
+    for (int l = 0; l < PE_LANES; l++) top = lane[l] > top ? lane[l] : top;
+    for (; j < n; j++) top = row[j] > top ? row[j] : top;
+    return top;
+}
+
+/* The sum of row[0..n): PE_LANES partial sums, added in order at the end, so the loop
+ * vectorises; the rounding is fixed by n alone. */
+static inline PE_T PE_S(pe_row_sum)(const PE_T *restrict row, long n) {
+    PE_T lane[PE_LANES] = {0};
+    long j = 0;
+    for (; j + PE_LANES <= n; j += PE_LANES)
+        for (int l = 0; l < PE_LANES; l++) lane[l] += row[j + l];
+    PE_T total = 0;
+    for (int l = 0; l < PE_LANES; l++) total += lane[l];
+    for (; j < n; j++) total += row[j];
+    return total;
+}
+#undef PE_LANES
 
 /* Scores of queries [i0, i0+rows) of head (b, h) against every key, into tile[rows][S]:
  * q k^T * scale + mask, -inf above the diagonal when causal. */
@@ -28,7 +68,7 @@ static void PE_S(pe_attention_scores)(const PE_T *qh, const PE_T *kh, const PE_T
                                       const long *g, long b, long h, long i0, long rows,
                                       PE_T scale, int causal, PE_T *tile) {
     long S = g[3], E = g[4];
-    PE_S(pe_gemm)(rows, S, E, qh + i0 * E, E, 0, kh, E, 1, tile, S, 0);
+    PE_S(pe_gemm)(rows, S, E, qh + i0 * g[12], g[12], 0, kh, g[15], 1, tile, S, 0);
     for (long r = 0; r < rows; r++) {
         PE_T *row = tile + r * S;
         const PE_T *m = mask ? mask + b * g[6] + h * g[7] + (i0 + r) * g[8] : NULL;
@@ -45,27 +85,26 @@ void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T 
     PE_PARALLEL_FOR(B * H * L * S * (E + Ev))
     for (long bh = 0; bh < B * H; bh++) {
         PE_T tile[T * S]; /* on the stack: scores, then probabilities, of T queries */
-        const PE_T *qh = q + bh * L * E, *kh = k + bh * S * E, *vh = v + bh * S * Ev;
+        long b = bh / H, h = bh % H;
+        const PE_T *qh = q + b * g[10] + h * g[11], *kh = k + b * g[13] + h * g[14];
+        const PE_T *vh = v + b * g[16] + h * g[17];
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
             PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
                                       tile);
             for (long r = 0; r < rows; r++) {
-                PE_T *row = tile + r * S, top = -INFINITY, total = 0;
-                for (long j = 0; j < S; j++) top = row[j] > top ? row[j] : top;
+                PE_T *row = tile + r * S, top = PE_S(pe_row_max)(row, S);
                 if (top == -INFINITY) { /* every key masked: out 0, lse 0 */
                     for (long j = 0; j < S; j++) row[j] = 0;
                     lse[bh * L + i0 + r] = 0;
                     continue;
                 }
-                for (long j = 0; j < S; j++) {
-                    row[j] = exp(row[j] - top);
-                    total += row[j];
-                }
+                for (long j = 0; j < S; j++) row[j] = PE_EXP(row[j] - top);
+                PE_T total = PE_S(pe_row_sum)(row, S);
                 for (long j = 0; j < S; j++) row[j] /= total;
                 lse[bh * L + i0 + r] = top + log(total);
             }
-            PE_S(pe_gemm)(rows, Ev, S, tile, S, 0, vh, Ev, 0, out + (bh * L + i0) * Ev, Ev, 0);
+            PE_S(pe_gemm)(rows, Ev, S, tile, S, 0, vh, g[18], 0, out + (bh * L + i0) * Ev, Ev, 0);
         }
     }
 }
@@ -78,28 +117,32 @@ void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const
     PE_PARALLEL_FOR(B * H * L * S * (E + Ev))
     for (long bh = 0; bh < B * H; bh++) {
         PE_T p[T * S], ds[T * S]; /* on the stack: probabilities and their gradient */
-        const PE_T *qh = q + bh * L * E, *kh = k + bh * S * E, *vh = v + bh * S * Ev;
+        long b = bh / H, h = bh % H, gs = g[21];
+        const PE_T *qh = q + b * g[10] + h * g[11], *kh = k + b * g[13] + h * g[14];
+        const PE_T *vh = v + b * g[16] + h * g[17];
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
-            const PE_T *gor = go + (bh * L + i0) * Ev;
+            const PE_T *gor = go + b * g[19] + h * g[20] + i0 * gs;
             PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
                                       p);
-            PE_S(pe_gemm)(rows, S, Ev, gor, Ev, 0, vh, Ev, 1, ds, S, 0); /* dp = go v^T */
+            PE_S(pe_gemm)(rows, S, Ev, gor, gs, 0, vh, g[18], 1, ds, S, 0); /* dp = go v^T */
             for (long r = 0; r < rows; r++) {
-                const PE_T *o = out + (bh * L + i0 + r) * Ev, *gr = gor + r * Ev;
+                const PE_T *o = out + (bh * L + i0 + r) * Ev, *gr = gor + r * gs;
                 PE_T m = lse[bh * L + i0 + r], delta = 0;
                 for (long e = 0; e < Ev; e++) delta += gr[e] * o[e];
                 for (long j = 0; j < S; j++) {
-                    PE_T pj = exp(p[r * S + j] - m);
+                    PE_T pj = PE_EXP(p[r * S + j] - m);
                     p[r * S + j] = pj;
                     ds[r * S + j] = pj * (ds[r * S + j] - delta) * scale;
                 }
             }
-            PE_S(pe_gemm)(rows, E, S, ds, S, 0, kh, E, 0, gq + (bh * L + i0) * E, E, 0);
-            PE_S(pe_gemm)(S, E, rows, ds, S, 1, qh + i0 * E, E, 0, gk + bh * S * E, E, i0 > 0);
-            PE_S(pe_gemm)(S, Ev, rows, p, S, 1, gor, Ev, 0, gv + bh * S * Ev, Ev, i0 > 0);
+            PE_S(pe_gemm)(rows, E, S, ds, S, 0, kh, g[15], 0, gq + (bh * L + i0) * E, E, 0);
+            PE_S(pe_gemm)(S, E, rows, ds, S, 1, qh + i0 * g[12], g[12], 0, gk + bh * S * E, E,
+                          i0 > 0);
+            PE_S(pe_gemm)(S, Ev, rows, p, S, 1, gor, gs, 0, gv + bh * S * Ev, Ev, i0 > 0);
         }
     }
 }
 
+#undef PE_EXP
 #endif

@@ -8,6 +8,7 @@
 #define PE_ELEMENTWISE_H
 #include <tgmath.h>
 #include "pe_kernels.h"
+#include "pe_exp.h"
 
 /* erf for float32 without a libm call, so the loops that call it (GELU and its gradient)
  * vectorise: x * P(x^2) / Q(x^2), a rational fit of degrees 6 and 5 in x^2 on
@@ -79,11 +80,13 @@ static inline float pe_gauss32(float xf) {
 #define PE_C(x) ((PE_T)(x))
 #if PE_TSIZE == 4
 #define PE_ERF pe_erf32
+#define PE_EXP pe_exp32
 #else
 #define PE_ERF erf
+#define PE_EXP exp
 #endif
 
-static inline PE_T PE_S(pe_sigmoid)(PE_T x) { return PE_C(1) / (exp(-x) + PE_C(1)); }
+static inline PE_T PE_S(pe_sigmoid)(PE_T x) { return PE_C(1) / (PE_EXP(-x) + PE_C(1)); }
 static inline PE_T PE_S(pe_silu)(PE_T x) { return x * PE_S(pe_sigmoid)(x); }
 static inline PE_T PE_S(pe_rsqrt)(PE_T x) { return PE_C(1) / sqrt(x); }
 /* NaN passes through, as np.maximum(x, 0) and torch.relu propagate it */
@@ -124,5 +127,6 @@ static inline PE_T PE_S(pe_gelu_grad)(PE_T gz, PE_T x, int tanh_mode) {
 }
 
 #undef PE_ERF
+#undef PE_EXP
 #undef PE_C
 #endif

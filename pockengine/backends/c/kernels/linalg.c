@@ -91,10 +91,15 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
             const PE_T *s = line + pe_axis_offset(l, inner, i);
             PE_T *restrict d = dline + (i - i0) * din;
             if (sin == 1 && din == 1) {
-                /* A short run of a long line: fetch the next block's run of it meanwhile. */
+                /* A short run of a long line: fetch the next block's run of it meanwhile.
+                 * A sliver's row (PE_NR elements) is a few vector moves inline, where a
+                 * call of memcpy per row cost more than the copy (attention's products). */
                 PE_PREFETCH(s + run);
                 PE_PREFETCH(s + run + 64 / sizeof(PE_T));
-                memcpy(d, s, (size_t)run * sizeof(PE_T));
+                if (run <= PE_NR)
+                    for (long t = 0; t < run; t++) d[t] = s[t];
+                else
+                    memcpy(d, s, (size_t)run * sizeof(PE_T));
             }
             else if (sin == 1)
                 for (long t = 0; t < run; t++) d[t * din] = s[t];
