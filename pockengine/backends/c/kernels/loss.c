@@ -1,15 +1,19 @@
 /* The large-vocabulary loss head (ops/fused_loss.py): the final linear layer, log-softmax
  * and target gather as one op, and its backward kernel, so the [rows, vocab] logits and
  * their gradient never exist. Logits are made one tile at a time (PE_LOSS_ROWS rows x
- * PE_LOSS_COLS vocabulary entries, 16 Ki elements on the stack) by the GEMM; the forward
- * keeps a running max and sum per row (online log-sum-exp), the backward recomputes each
- * tile's probabilities from the saved log-sum-exp. Square tiles: each packed slice of w
- * serves 128 rows (16 x 1024 tiles re-packed all of w for every 16 rows: 1.9x slower).
+ * PE_LOSS_COLS vocabulary entries, on the stack) by the GEMM; the forward keeps a running
+ * max and sum per row (online log-sum-exp), the backward recomputes each tile's
+ * probabilities from the saved log-sum-exp. Square tiles: each packed slice of w serves
+ * 128 rows (16 x 1024 tiles re-packed all of w for every 16 rows: 1.9x slower). The
+ * exponentials are pe_loss_expf in float (branch-free, so a tile's loop vectorises).
  *
  * w is [K, V], or [V, K] when `major` (an nn.Linear weight or a tied embedding); b is
  * [V] or NULL. The pe_qlinear_* entry points take a low-bit [V, K] table (pe_quant.h's
  * pe_qmat: a tied, quantized LM head) whose tiles of logits and input-gradient products
- * read the codes through the low-bit GEMM (lowbit_gemm.c), with no weight or bias; index holds int64 (`wide`) or int32 targets in [0, V).
+ * read the codes through the low-bit GEMM (lowbit_gemm.c), with no weight or bias, in
+ * chunks of PE_QLOSS_ROWS rows (64 Ki elements of logits on the stack) so that each tile
+ * of codes is dequantised once per product for a step's tokens; index holds int64
+ * (`wide`) or int32 targets in [0, V).
  *
  * Threads never share an output, so results do not depend on the thread count: the
  * forward and the input gradient split the rows, the weight and bias gradients split the
