@@ -8,14 +8,18 @@ SMALL=1`` (one thread), then ``./train`` over the written batches under ``/usr/b
 tokens per second, the plan, the losses. Case ``torch``: the same recipe's step compiled
 on the torch backend (``--frozen-dtype gguf``, one thread), the same batches: median step
 time after the first, tokens per second, whole-process peak, losses. Each case runs in its
-own process.
+own process. Beside the wall-clock figures, each case reports its CPU time a step
+(``cpu_step_s``, ``cpu_tokens_per_s``), which a loaded machine disturbs less: the torch
+step's median process time after the first; ``./train``'s user + system time over all
+steps less a one-step run's, over the steps after the first.
 
 ``--eval K``: after the run, the validation perplexity (exp of the mean next-token loss) of
 both on the first K batches (8 sequences each) of the recipe's validation split, through
 the compiled evaluator a fine-tune run uses (``pockengine.tasks.metrics``): case ``c``
 runs ``./train --save`` and loads the saved trained state into the recipe's step compiled
 on the torch backend (also reporting the untrained perplexity), case ``torch`` evaluates
-its own step after its steps; a last line gives both and their ratio.
+its own step after its steps; a last line gives both and their ratio. With both cases, a
+line gives ./train's tokens per second over the torch step's (wall clock and CPU time).
 
     PYTHONPATH=$PWD python benchmarks/c_smollm2_trainer.py --steps 4 \
         [--remat-budget 190MB [--torch-remat-budget recipe]] \
@@ -91,6 +95,12 @@ def _load_trainer_state(step: Any, path: Path) -> None:
     step.load_state(optimizer={n: a for n, a in saved.items() if n not in names})
 
 
+def _cpu_seconds(time_v: str) -> float:
+    """User + system seconds from ``/usr/bin/time -v``'s report."""
+    found = re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", time_v)
+    return sum(float(f) for f in found)
+
+
 def _c_case(
     steps: int, budget: str | None, work: Path, extra: list[str], evals: int = 0
 ) -> dict[str, Any]:
@@ -102,8 +112,12 @@ def _c_case(
     subprocess.run(["make", "-s", "-C", str(folder), "NATIVE=1", "STATIC=1", "SMALL=1"],
                    check=True, capture_output=True)  # fmt: skip
     save = ["--save", "trained.safetensors"] if evals else []
+    one = subprocess.run(["/usr/bin/time", "-v", "./train", "--steps", "1",
+                          "batches/batch.0.npy"],
+                         cwd=folder, capture_output=True, text=True, check=True)  # fmt: skip
     run = subprocess.run(["/usr/bin/time", "-v", "./train", *save, "batches/batch.0.npy"],
                          cwd=folder, capture_output=True, text=True, check=True)  # fmt: skip
+    cpu_step_s = (_cpu_seconds(run.stderr) - _cpu_seconds(one.stderr)) / max(steps - 1, 1)
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     mean = re.search(r"mean step time ([\d.]+) ms", run.stderr)
     plan = re.search(r"planned peak [^*]*", (folder / "step.c").read_text()[:2000])
@@ -121,6 +135,7 @@ def _c_case(
         **quality,
         "case": "c", "remat_budget": budget, "peak_mib": int(peak[1]) / 1024 if peak else None,
         "step_s": step_s, "tokens_per_s": TOKENS / step_s,
+        "cpu_step_s": cpu_step_s, "cpu_tokens_per_s": TOKENS / cpu_step_s,
         "plan": plan[0].strip() if plan else None,
         "state_mib": (folder / "state.safetensors").stat().st_size / 2**20,
         "losses": [float(ln.split()[-1]) for ln in run.stdout.splitlines()
@@ -141,17 +156,20 @@ def _torch_case(steps: int, budget: str | None, extra: list[str], evals: int = 0
     stacked = [np.ascontiguousarray(a[rows]).reshape(steps, size, *a.shape[1:])
                for a in task.train]  # fmt: skip
     batches = [tuple(a[i] for a in stacked) for i in range(steps)]
-    losses, times = [], []
+    losses, times, cpu = [], [], []
     for batch in batches:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         losses.append(float(step(*batch)))
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     with open("/proc/self/status") as f:
         peak = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM"))
     step_s = float(np.median(times[1:])) if len(times) > 1 else times[0]
+    cpu_step_s = float(np.median(cpu[1:])) if len(cpu) > 1 else cpu[0]
     quality = {"val_perplexity": _perplexity(step, task, evals)} if evals else {}
     return {**quality, "case": "torch", "remat_budget": budget, "peak_mib": peak / 1024,
-            "step_s": step_s, "tokens_per_s": TOKENS / step_s, "losses": losses}  # fmt: skip
+            "step_s": step_s, "tokens_per_s": TOKENS / step_s, "cpu_step_s": cpu_step_s,
+            "cpu_tokens_per_s": TOKENS / cpu_step_s, "losses": losses}  # fmt: skip
 
 
 def main() -> None:
@@ -203,6 +221,11 @@ def main() -> None:
             cmd += ["--eval", str(args.eval)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
+        print(json.dumps(results[-1]), flush=True)
+    speed = {r["case"]: r for r in results}
+    if {"c", "torch"} <= set(speed):
+        ratio = {k: speed["c"][k] / speed["torch"][k] for k in ("tokens_per_s", "cpu_tokens_per_s")}
+        results.append({"case": "speed ratio (./train / torch)", **ratio})
         print(json.dumps(results[-1]), flush=True)
     ppl = {r["case"]: r["val_perplexity"] for r in results if "val_perplexity" in r}
     if len(ppl) == 2:

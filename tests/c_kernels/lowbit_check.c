@@ -4,10 +4,13 @@
  *
  * For every scheme (int8, int4 with offsets, int4_sym), f16 and float scales, groups of
  * 32, 64 and a whole row, both orientations (x W^T and x W), accumulating or not, on
- * shapes with partial panels, partial slivers, k blocks cut inside a group and a first
- * row other than 0: pe_dequantize equals the scalar formula bit for bit (the SIMD groups
+ * shapes with partial panels, partial slivers, k blocks cut inside a group, more rows of x
+ * than one packed block and a first row other than 0: pe_dequantize equals the scalar formula bit for bit (the SIMD groups
  * included), and pe_qgemm equals pe_gemm on the matrix pe_dequantize makes, bit for bit,
- * in float and double (the double build reads float scales only). */
+ * in float and double (the double build reads float scales only). The fused loss head on
+ * a low-bit [V, K] table (loss.c's pe_qlinear_*: forward, gradient, both merged) equals
+ * the float kernels on the dequantised table bit for bit, over more rows than one chunk
+ * and vocabulary tiles with a short last one. */
 #include "pe_kernels.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -83,13 +86,75 @@ static unsigned long mix(unsigned long h) {
 DEFINE_CHECK(f32, float)
 DEFINE_CHECK(f64, double)
 
+static int same(const void *a, const void *b, size_t bytes, const char *what, int scheme) {
+    checks++;
+    if (!memcmp(a, b, bytes)) return 1;
+    failures++;
+    fprintf(stderr, "loss head %s differs (scheme %d)\n", what, scheme);
+    return 0;
+}
+
+#define DEFINE_LOSS_CHECK(S, T)                                                                \
+    static void check_loss_##S(int scheme, int half) {                                         \
+        enum { V = 300, K = 96, R = 600 };                                                     \
+        long groups = V * K / 32, width = scheme == PE_Q_INT8 ? K : K / 2;                     \
+        unsigned char *codes = malloc((size_t)(V * width));                                    \
+        for (long i = 0; i < V * width; i++) codes[i] = (unsigned char)mix((unsigned long)i + 3u); \
+        size_t ss = half ? sizeof(uint16_t) : sizeof(T);                                       \
+        unsigned char *scales = malloc(ss * (size_t)groups), *offsets = malloc(ss * (size_t)groups); \
+        for (long g = 0; g < groups; g++) {                                                    \
+            unsigned long h = mix((unsigned long)g * 17u + 1u);                                \
+            if (half) {                                                                        \
+                ((uint16_t *)scales)[g] = (uint16_t)(0x2C00u | (h & 0x03FFu));                 \
+                ((uint16_t *)offsets)[g] = (uint16_t)(0xAC00u | ((h >> 12) & 0x03FFu));        \
+            } else {                                                                           \
+                ((T *)scales)[g] = (T)((double)(h % 1000) / 4000.0 + 0.01);                    \
+                ((T *)offsets)[g] = (T)(-(double)((h >> 10) % 1000) / 3000.0);                 \
+            }                                                                                  \
+        }                                                                                      \
+        const void *offs = scheme == PE_Q_INT4 ? offsets : NULL;                               \
+        pe_qmat q = {codes, scales, offs, scheme, half, 32, V, K};                             \
+        T *w = malloc(sizeof(T) * V * K), *x = malloc(sizeof(T) * R * K);                      \
+        T *gp = malloc(sizeof(T) * R), *sc = malloc(sizeof(T) * R);                            \
+        T *out = malloc(sizeof(T) * 2 * (2 * R + R * K));                                      \
+        T *got = out, *want = out + 2 * R + R * K;                                             \
+        int64_t *index = malloc(sizeof(int64_t) * R);                                          \
+        pe_dequantize_##S(codes, scales, offs, scheme, half, groups, 32, w);                   \
+        for (long i = 0; i < R * K; i++) x[i] = (T)((double)(mix((unsigned long)i) % 2001) / 500.0 - 2.0); \
+        for (long r = 0; r < R; r++) {                                                         \
+            index[r] = (int64_t)(mix((unsigned long)r + 11u) % V);                             \
+            gp[r] = (T)(-1.0 / R), sc[r] = (T)(r % 7 ? 1.0 / R : 0.0);                         \
+        }                                                                                      \
+        index[0] = V - 1, index[1] = 128;                                                      \
+        T *gl = got + 2 * R, *wl = want + 2 * R;                                               \
+        pe_qlinear_log_softmax_gather_with_grad_##S(gp, sc, x, &q, index, 1, got, got + R, gl, \
+                                                    R, K, V);                                  \
+        pe_linear_log_softmax_gather_with_grad_##S(gp, sc, x, w, index, 1, NULL, want,        \
+                                                   want + R, wl, NULL, NULL, R, K, V, 1);     \
+        same(got, want, sizeof(T) * (2 * R + R * K), #S " with_grad", scheme);                 \
+        pe_qlinear_log_softmax_gather_grad_##S(gp, sc, x, &q, index, 1, want + R, gl, R, K, V); \
+        pe_linear_log_softmax_gather_grad_##S(gp, sc, x, w, index, 1, want + R, NULL, wl, NULL, \
+                                              NULL, R, K, V, 1);                               \
+        same(gl, wl, sizeof(T) * R * K, #S " grad", scheme);                                   \
+        pe_qlinear_log_softmax_gather_##S(x, &q, index, 1, got, got + R, R, K, V);             \
+        pe_linear_log_softmax_gather_##S(x, w, index, 1, NULL, want, want + R, R, K, V, 1);    \
+        same(got, want, sizeof(T) * 2 * R, #S " forward", scheme);                             \
+        free(codes); free(scales); free(offsets); free(w); free(x); free(gp); free(sc);        \
+        free(out); free(index);                                                                \
+    }
+
+DEFINE_LOSS_CHECK(f32, float)
+DEFINE_LOSS_CHECK(f64, double)
+
 int main(void) {
+    /* rows, cols of W, rows of x: the last has more rows of x than one packed block (528)
+     * and K split in two blocks of 144 */
     static const long shapes[][3] = {{37, 320, 19}, {16, 256, 6}, {5, 64, 1}, {70, 576, 64},
-                                     {33, 96, 13}};
+                                     {33, 96, 13}, {40, 288, 545}};
     for (int scheme = 0; scheme < 3; scheme++)
         for (int half = 0; half < 2; half++)
             for (int gi = 0; gi < 3; gi++)
-                for (int s = 0; s < 5; s++) {
+                for (int s = 0; s < 6; s++) {
                     long rows = shapes[s][0], cols = shapes[s][1], M = shapes[s][2];
                     long group = gi == 0 ? 32 : gi == 1 ? 64 : cols;
                     if (cols % group || group % 2) continue;
@@ -100,6 +165,11 @@ int main(void) {
                             if (!half) check_f64(scheme, 0, group, rows, cols, M, row0, n, t, acc);
                         }
                 }
+    for (int scheme = 0; scheme < 3; scheme++) {
+        check_loss_f32(scheme, 1);
+        check_loss_f32(scheme, 0);
+        check_loss_f64(scheme, 0);
+    }
     if (failures) {
         printf("%d of %d checks failed\n", failures, checks);
         return 1;

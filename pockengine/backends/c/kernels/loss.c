@@ -1,15 +1,19 @@
 /* The large-vocabulary loss head (ops/fused_loss.py): the final linear layer, log-softmax
  * and target gather as one op, and its backward kernel, so the [rows, vocab] logits and
  * their gradient never exist. Logits are made one tile at a time (PE_LOSS_ROWS rows x
- * PE_LOSS_COLS vocabulary entries, 16 Ki elements on the stack) by the GEMM; the forward
- * keeps a running max and sum per row (online log-sum-exp), the backward recomputes each
- * tile's probabilities from the saved log-sum-exp. Square tiles: each packed slice of w
- * serves 128 rows (16 x 1024 tiles re-packed all of w for every 16 rows: 1.9x slower).
+ * PE_LOSS_COLS vocabulary entries, on the stack) by the GEMM; the forward keeps a running
+ * max and sum per row (online log-sum-exp), the backward recomputes each tile's
+ * probabilities from the saved log-sum-exp. Square tiles: each packed slice of w serves
+ * 128 rows (16 x 1024 tiles re-packed all of w for every 16 rows: 1.9x slower). The
+ * exponentials are pe_loss_expf in float (branch-free, so a tile's loop vectorises).
  *
  * w is [K, V], or [V, K] when `major` (an nn.Linear weight or a tied embedding); b is
  * [V] or NULL. The pe_qlinear_* entry points take a low-bit [V, K] table (pe_quant.h's
  * pe_qmat: a tied, quantized LM head) whose tiles of logits and input-gradient products
- * read the codes through the low-bit GEMM (lowbit_gemm.c), with no weight or bias; index holds int64 (`wide`) or int32 targets in [0, V).
+ * read the codes through the low-bit GEMM (lowbit_gemm.c), with no weight or bias, in
+ * chunks of PE_QLOSS_ROWS rows (64 Ki elements of logits on the stack) so that each tile
+ * of codes is dequantised once per product for a step's tokens; index holds int64
+ * (`wide`) or int32 targets in [0, V).
  *
  * Threads never share an output, so results do not depend on the thread count: the
  * forward and the input gradient split the rows, the weight and bias gradients split the
@@ -26,7 +30,59 @@
 
 #ifndef PE_LOSS_HELPERS
 #define PE_LOSS_HELPERS
-enum { PE_LOSS_ROWS = 128, PE_LOSS_COLS = 128 };
+/* Rows a chunk: 128 for a float w; 512 for a low-bit table, whose tiles of codes are
+ * dequantised once per chunk and product (a training step's 512 tokens: once each). */
+enum { PE_LOSS_ROWS = 128, PE_LOSS_COLS = 128, PE_QLOSS_ROWS = 512 };
+
+/* Rows a chunk: at most `cap`, and few enough that every thread gets a chunk. */
+static long pe_loss_chunk(long rows, long cap) {
+    long threads = 1;
+#ifdef _OPENMP
+    if (!omp_in_parallel()) threads = omp_get_max_threads();
+#endif
+    long even = (rows + threads - 1) / threads;
+    return even < cap ? (even > 0 ? even : 1) : cap;
+}
+
+/* e^x in float without a libm call or a branch, so the loops over a tile vectorise (as
+ * elementwise.h's pe_gauss32): |x| clamped to 104 on its bits (beyond, the float result is
+ * 0 or infinity anyway), e^x = 2^k e^r in double with k = round(x / ln 2) (the 1.5 * 2^52
+ * shift), |r| <= ln 2 / 2, a degree-8 Taylor polynomial (error under 3e-10) and 2^k made
+ * from k's bits; rounded once to float, so within 0.51 ulp of the exact value. NaN gives
+ * NaN; infinities give infinity and 0. Masks, not selects: GCC's -O2 vectorises these. */
+static inline float pe_loss_expf(float x) {
+    uint32_t u, mag;
+    memcpy(&u, &x, sizeof u);
+    mag = u & 0x7fffffffu;
+    uint32_t big = (uint32_t)0 - (uint32_t)(mag > 0x42D00000u); /* |x| > 104, inf or NaN */
+    uint32_t nan = (uint32_t)0 - (uint32_t)(mag > 0x7F800000u);
+    u = (u & 0x80000000u) | (mag & ~big) | (0x42D00000u & big);
+    float c;
+    memcpy(&c, &u, sizeof c);
+    double v = (double)c, kd = v * 1.4426950408889634 + 6755399441055744.0;
+    uint64_t kb;
+    memcpy(&kb, &kd, sizeof kb);
+    kd -= 6755399441055744.0;
+    double r = v - kd * 0.6931471805599453;
+    double e = 1.0 / 40320;
+    e = e * r + 1.0 / 5040;
+    e = e * r + 1.0 / 720;
+    e = e * r + 1.0 / 120;
+    e = e * r + 1.0 / 24;
+    e = e * r + 1.0 / 6;
+    e = e * r + 0.5;
+    e = e * r + 1.0;
+    e = e * r + 1.0;
+    uint64_t sb = (kb - UINT64_C(0x4338000000000000) + 1023u) << 52;
+    double two;
+    memcpy(&two, &sb, sizeof two);
+    float y = (float)(e * two);
+    uint32_t yb;
+    memcpy(&yb, &y, sizeof yb);
+    yb = (yb & ~nan) | (0x7FC00000u & nan);
+    memcpy(&y, &yb, sizeof y);
+    return y;
+}
 
 static long pe_loss_target(const void *index, int wide, long r) {
     return wide ? (long)((const int64_t *)index)[r] : (long)((const int32_t *)index)[r];
@@ -34,6 +90,38 @@ static long pe_loss_target(const void *index, int wide, long r) {
 
 static long pe_loss_min(long a, long b) { return a < b ? a : b; }
 #endif
+
+/* e^x: pe_loss_expf in float (vectorised loops), libm's in double. */
+static inline PE_T PE_S(pe_loss_exp)(PE_T x) {
+#if PE_TSIZE == 4
+    return pe_loss_expf(x);
+#else
+    return exp(x);
+#endif
+}
+
+/* row[c] = s * e^(row[c] - m) for c < n: blocks of 16 independent lanes (a constant trip
+ * count, which -O2 vectorises too). */
+static void PE_S(pe_loss_exp_row)(PE_T *restrict row, long n, PE_T m, PE_T s) {
+    long c = 0;
+    for (; c + 16 <= n; c += 16) {
+        PE_T *restrict p = row + c;
+        for (int l = 0; l < 16; l++) p[l] = s * PE_S(pe_loss_exp)(p[l] - m);
+    }
+    for (; c < n; c++) row[c] = s * PE_S(pe_loss_exp)(row[c] - m);
+}
+
+/* The largest of m and row[0 .. n) (NaN entries skipped), in 16 lanes. */
+static PE_T PE_S(pe_loss_max)(const PE_T *row, long n, PE_T m) {
+    PE_T lane[16];
+    long c = 0;
+    for (int l = 0; l < 16; l++) lane[l] = m;
+    for (; c + 16 <= n; c += 16)
+        for (int l = 0; l < 16; l++) lane[l] = row[c + l] > lane[l] ? row[c + l] : lane[l];
+    for (; c < n; c++) m = row[c] > m ? row[c] : m;
+    for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
+    return m;
+}
 
 /* z[r][c] = x[r0 + r] . w[:, j0 + c] (+ b[j0 + c]): one tile of logits, `cols` a row. */
 static void PE_S(pe_loss_tile)(const PE_T *x, const PE_T *w, const pe_qmat *qw, const PE_T *b,
@@ -55,8 +143,8 @@ static void PE_S(pe_loss_dz)(PE_T *z, const PE_T *gp, const PE_T *scale, const P
                              const void *index, int wide, long r0, long rows, long j0,
                              long cols) {
     for (long r = 0; r < rows; r++) {
-        PE_T *row = z + r * cols, l = lse[r0 + r], s = scale[r0 + r];
-        for (long c = 0; c < cols; c++) row[c] = s * exp(row[c] - l);
+        PE_T *row = z + r * cols;
+        PE_S(pe_loss_exp_row)(row, cols, lse[r0 + r], scale[r0 + r]);
         long t = pe_loss_target(index, wide, r0 + r) - j0;
         if (t >= 0 && t < cols) row[t] += gp[r0 + r];
     }
@@ -77,11 +165,12 @@ static void PE_S(pe_loss_grad_x)(const PE_T *gp, const PE_T *scale, const PE_T *
                                  const PE_T *w, const pe_qmat *qw, const void *index, int wide, const PE_T *lse,
                                  const PE_T *b, PE_T *gx, long rows, long K, long V,
                                  int major) {
-    long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
+    long step = pe_loss_chunk(rows, qw ? PE_QLOSS_ROWS : PE_LOSS_ROWS);
+    long chunks = (rows + step - 1) / step;
     PE_PARALLEL_FOR(2 * rows * V * K)
     for (long ch = 0; ch < chunks; ch++) {
-        PE_T z[PE_LOSS_ROWS * PE_LOSS_COLS];
-        long r0 = ch * PE_LOSS_ROWS, n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
+        PE_T z[PE_QLOSS_ROWS * PE_LOSS_COLS];
+        long r0 = ch * step, n = pe_loss_min(step, rows - r0);
         memset(gx + r0 * K, 0, (size_t)(n * K) * sizeof(PE_T));
         for (long j0 = 0; j0 < V; j0 += PE_LOSS_COLS) {
             long cols = pe_loss_min(PE_LOSS_COLS, V - j0);
@@ -172,12 +261,13 @@ static void PE_S(pe_loss_with_grad)(const PE_T *gp, const PE_T *scale, const PE_
                                     const PE_T *w, const pe_qmat *qw, const void *index,
                                     int wide, const PE_T *b, PE_T *picked, PE_T *lse, PE_T *gx,
                                     PE_T *gw, PE_T *gb, long rows, long K, long V, int major) {
-    long chunks = (rows + PE_LOSS_ROWS - 1) / PE_LOSS_ROWS;
+    long step = pe_loss_chunk(rows, qw ? PE_QLOSS_ROWS : PE_LOSS_ROWS);
+    long chunks = (rows + step - 1) / step;
     PE_PARALLEL_FOR((gx ? 2 : 1) * rows * V * K)
     for (long ch = 0; ch < chunks; ch++) {
-        PE_T z[PE_LOSS_ROWS * PE_LOSS_COLS]; /* on the stack: one tile of logits */
-        PE_T top[PE_LOSS_ROWS], total[PE_LOSS_ROWS], hit[PE_LOSS_ROWS];
-        long r0 = ch * PE_LOSS_ROWS, n = pe_loss_min(PE_LOSS_ROWS, rows - r0);
+        PE_T z[PE_QLOSS_ROWS * PE_LOSS_COLS]; /* on the stack: one tile of logits */
+        PE_T top[PE_QLOSS_ROWS], total[PE_QLOSS_ROWS], hit[PE_QLOSS_ROWS];
+        long r0 = ch * step, n = pe_loss_min(step, rows - r0);
         PE_T *acc = gx ? gx + r0 * K : NULL;
         if (acc)
             memset(acc, 0, (size_t)(n * K) * sizeof(PE_T));
@@ -189,11 +279,12 @@ static void PE_S(pe_loss_with_grad)(const PE_T *gp, const PE_T *scale, const PE_
                 PE_T *row = z + r * cols;
                 long t = pe_loss_target(index, wide, r0 + r) - j0;
                 if (t >= 0 && t < cols) hit[r] = row[t];
-                PE_T m = top[r];
-                for (long c = 0; c < cols; c++) m = row[c] > m ? row[c] : m;
-                PE_T alpha = top[r] == -INFINITY ? 0 : exp(top[r] - m); /* 0 on the first tile */
+                PE_T m = PE_S(pe_loss_max)(row, cols, top[r]);
+                /* 0 on the first tile */
+                PE_T alpha = top[r] == -INFINITY ? 0 : PE_S(pe_loss_exp)(top[r] - m);
                 PE_T s = total[r] * alpha;
-                for (long c = 0; c < cols; c++) s += row[c] = exp(row[c] - m);
+                PE_S(pe_loss_exp_row)(row, cols, m, 1);
+                for (long c = 0; c < cols; c++) s += row[c];
                 if (acc && alpha != 1)
                     for (long k = 0; k < K; k++) acc[r * K + k] *= alpha;
                 top[r] = m, total[r] = s;
