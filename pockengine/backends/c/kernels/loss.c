@@ -5,7 +5,7 @@
  * max and sum per row (online log-sum-exp), the backward recomputes each tile's
  * probabilities from the saved log-sum-exp. Square tiles: each packed slice of w serves
  * 128 rows (16 x 1024 tiles re-packed all of w for every 16 rows: 1.9x slower). The
- * exponentials are pe_loss_expf in float (branch-free, so a tile's loop vectorises).
+ * exponentials are pe_exp32 in float (pe_exp.h: branch-free, so a tile's loop vectorises).
  *
  * w is [K, V], or [V, K] when `major` (an nn.Linear weight or a tied embedding); b is
  * [V] or NULL. The pe_qlinear_* entry points take a low-bit [V, K] table (pe_quant.h's
@@ -23,6 +23,7 @@
  * the forward and the input gradient (pe_linear_log_softmax_gather_with_grad). */
 #ifndef PE_T
 #include "pe_kernels.h"
+#include "pe_exp.h"
 #include <tgmath.h>
 #define PE_SELF "loss.c"
 #include "pe_instantiate.h"
@@ -44,46 +45,6 @@ static long pe_loss_chunk(long rows, long cap) {
     return even < cap ? (even > 0 ? even : 1) : cap;
 }
 
-/* e^x in float without a libm call or a branch, so the loops over a tile vectorise (as
- * elementwise.h's pe_gauss32): |x| clamped to 104 on its bits (beyond, the float result is
- * 0 or infinity anyway), e^x = 2^k e^r in double with k = round(x / ln 2) (the 1.5 * 2^52
- * shift), |r| <= ln 2 / 2, a degree-8 Taylor polynomial (error under 3e-10) and 2^k made
- * from k's bits; rounded once to float, so within 0.51 ulp of the exact value. NaN gives
- * NaN; infinities give infinity and 0. Masks, not selects: GCC's -O2 vectorises these. */
-static inline float pe_loss_expf(float x) {
-    uint32_t u, mag;
-    memcpy(&u, &x, sizeof u);
-    mag = u & 0x7fffffffu;
-    uint32_t big = (uint32_t)0 - (uint32_t)(mag > 0x42D00000u); /* |x| > 104, inf or NaN */
-    uint32_t nan = (uint32_t)0 - (uint32_t)(mag > 0x7F800000u);
-    u = (u & 0x80000000u) | (mag & ~big) | (0x42D00000u & big);
-    float c;
-    memcpy(&c, &u, sizeof c);
-    double v = (double)c, kd = v * 1.4426950408889634 + 6755399441055744.0;
-    uint64_t kb;
-    memcpy(&kb, &kd, sizeof kb);
-    kd -= 6755399441055744.0;
-    double r = v - kd * 0.6931471805599453;
-    double e = 1.0 / 40320;
-    e = e * r + 1.0 / 5040;
-    e = e * r + 1.0 / 720;
-    e = e * r + 1.0 / 120;
-    e = e * r + 1.0 / 24;
-    e = e * r + 1.0 / 6;
-    e = e * r + 0.5;
-    e = e * r + 1.0;
-    e = e * r + 1.0;
-    uint64_t sb = (kb - UINT64_C(0x4338000000000000) + 1023u) << 52;
-    double two;
-    memcpy(&two, &sb, sizeof two);
-    float y = (float)(e * two);
-    uint32_t yb;
-    memcpy(&yb, &y, sizeof yb);
-    yb = (yb & ~nan) | (0x7FC00000u & nan);
-    memcpy(&y, &yb, sizeof y);
-    return y;
-}
-
 static long pe_loss_target(const void *index, int wide, long r) {
     return wide ? (long)((const int64_t *)index)[r] : (long)((const int32_t *)index)[r];
 }
@@ -91,10 +52,10 @@ static long pe_loss_target(const void *index, int wide, long r) {
 static long pe_loss_min(long a, long b) { return a < b ? a : b; }
 #endif
 
-/* e^x: pe_loss_expf in float (vectorised loops), libm's in double. */
+/* e^x: pe_exp32 in float (pe_exp.h: the loops over a tile vectorise), libm's in double. */
 static inline PE_T PE_S(pe_loss_exp)(PE_T x) {
 #if PE_TSIZE == 4
-    return pe_loss_expf(x);
+    return pe_exp32(x);
 #else
     return exp(x);
 #endif
