@@ -208,7 +208,11 @@ def _plan_node(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value |
         inputs.append(r)
     results = tuple(Value(s.fresh(w.name), w.type) for w in made.outputs)
     source = GRAD_PREFIX + made.source
-    result = s.planned[v.name] = results[made.outputs.index(v)]
+    # every result of the node is made again (attention's output and its log-sum-exp): a
+    # chain needing the other one reads this copy instead of repeating the node
+    for w, r in zip(made.outputs, results, strict=True):
+        s.planned.setdefault(w.name, r)
+    s.planned[v.name] = result = results[made.outputs.index(v)]
     node = Node(made.op, tuple(inputs), results, made.attrs, source, Phase.BACKWARD)
     out.append((node, v.name, result))
     return result
@@ -339,8 +343,9 @@ def recompute(
         s.inserted.setdefault(at, []).extend(n for n, _, _ in chain)
         for j in later:
             renamed.setdefault(j, {})[z.name] = copy
-        for n, original, made in chain:  # later recomputations at or after ``at`` may reuse
-            s.copies[original] = (made, at)
+        for n, original, _ in chain:  # later recomputations at or after ``at`` may reuse
+            for w, made in zip(s.producers[original].outputs, n.outputs, strict=True):
+                s.copies[w.name] = (made, at)
             s.last.update(dict.fromkeys((w.name for w in n.outputs), at))
             for u in n.inputs:  # read at ``at``
                 s.last[u.name] = max(s.last.get(u.name, -1), at)
