@@ -73,6 +73,7 @@ __all__ = [
     "FitMemoryBudget",
     "Recomputation",
     "Segment",
+    "block_inputs",
     "block_targets",
     "parse_budget",
     "recomputation",
@@ -246,6 +247,22 @@ def _block_of(source: str) -> str | None:
 _BLOCK = re.compile(r"^(.*?\.[0-9]+)(?:\.|$)")
 
 
+def block_inputs(graph: Graph) -> set[str]:
+    """The forward values made outside a repeated block that a forward node of it reads:
+    its input (the residual stream), a mask or rotary table made once for all blocks."""
+    producers = graph.producers()
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.phase is Phase.BACKWARD or get_op(node.op).effectful:
+            continue
+        block = _block_of(node.source)
+        for v in node.inputs:
+            made = producers.get(v.name)
+            if block is not None and made is not None and _block_of(made.source) != block:
+                out.add(v.name)
+    return out
+
+
 def block_targets(graph: Graph, saved: SavedValues | None = None) -> list[set[str]]:
     """The saved values inside each repeated block (a module path with a numeric
     component: a transformer layer), in forward order: made by the block and read by no
@@ -272,9 +289,11 @@ def block_targets(graph: Graph, saved: SavedValues | None = None) -> list[set[st
 
 
 def _checkpointed(graph: Graph, targets: set[str]) -> Graph:
-    """``graph`` with ``targets`` recomputed (any pure node repeated), each repeated node
-    made once per block (``merge_recomputations``)."""
-    return merge_recomputations(recompute(graph, _pure, BUDGET_DEPTH, targets))
+    """``graph`` with ``targets`` recomputed (any pure node repeated) from the blocks'
+    inputs, kept alive where the backward does not read them (``block_inputs``), each
+    recomputed value made once while a copy lives (``merge_recomputations``)."""
+    out = recompute(graph, _pure, BUDGET_DEPTH, targets, keep=block_inputs(graph))
+    return merge_recomputations(out)
 
 
 def _recompute(graph: Graph, dropped: set[str], picks: Sequence[str]) -> tuple[Graph, set[str]]:
