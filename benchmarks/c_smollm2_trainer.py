@@ -7,7 +7,9 @@ SMALL=1`` (one thread), then ``./train`` over the written batches under ``/usr/b
 -v``: whole-process peak (max RSS), the trainer's mean step time (steps after the first),
 tokens per second, the plan, the losses. Case ``torch``: the same recipe's step compiled
 on the torch backend (``--frozen-dtype gguf``, one thread), the same batches: median step
-time after the first, tokens per second, whole-process peak, losses. Each case runs in its
+time after the first, tokens per second, whole-process peak, losses. Both also give the
+CPU seconds per step of all their steps (``cpu_s_per_step``; the trainer's include its
+start-up), the figure to compare on a loaded machine. Each case runs in its
 own process.
 
 ``--eval K``: after the run, the validation perplexity (exp of the mean next-token loss) of
@@ -106,6 +108,9 @@ def _c_case(
                          cwd=folder, capture_output=True, text=True, check=True)  # fmt: skip
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     mean = re.search(r"mean step time ([\d.]+) ms", run.stderr)
+    cpu = sum(
+        float(m) for m in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", run.stderr)
+    )
     plan = re.search(r"planned peak [^*]*", (folder / "step.c").read_text()[:2000])
     step_s = float(mean[1]) / 1000 if mean else float("nan")
     quality: dict[str, float] = {}
@@ -121,6 +126,7 @@ def _c_case(
         **quality,
         "case": "c", "remat_budget": budget, "peak_mib": int(peak[1]) / 1024 if peak else None,
         "step_s": step_s, "tokens_per_s": TOKENS / step_s,
+        "cpu_s_per_step": cpu / steps,  # the whole run's, start-up and first step included
         "plan": plan[0].strip() if plan else None,
         "state_mib": (folder / "state.safetensors").stat().st_size / 2**20,
         "losses": [float(ln.split()[-1]) for ln in run.stdout.splitlines()
@@ -141,17 +147,19 @@ def _torch_case(steps: int, budget: str | None, extra: list[str], evals: int = 0
     stacked = [np.ascontiguousarray(a[rows]).reshape(steps, size, *a.shape[1:])
                for a in task.train]  # fmt: skip
     batches = [tuple(a[i] for a in stacked) for i in range(steps)]
-    losses, times = [], []
+    losses, times, cpu = [], [], time.process_time()
     for batch in batches:
         start = time.perf_counter()
         losses.append(float(step(*batch)))
         times.append(time.perf_counter() - start)
+    cpu = time.process_time() - cpu
     with open("/proc/self/status") as f:
         peak = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM"))
     step_s = float(np.median(times[1:])) if len(times) > 1 else times[0]
     quality = {"val_perplexity": _perplexity(step, task, evals)} if evals else {}
     return {**quality, "case": "torch", "remat_budget": budget, "peak_mib": peak / 1024,
-            "step_s": step_s, "tokens_per_s": TOKENS / step_s, "losses": losses}  # fmt: skip
+            "step_s": step_s, "tokens_per_s": TOKENS / step_s, "cpu_s_per_step": cpu / steps,
+            "losses": losses}  # fmt: skip
 
 
 def main() -> None:
