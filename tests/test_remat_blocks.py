@@ -87,9 +87,9 @@ def test_checkpointed_blocks_meet_the_budget_one_block_at_a_time(backend: str) -
                   and any(_ORIGINAL.search(v.name) for v in n.outputs)]  # fmt: skip
     layers = {_layer(n.source) for _, n in recomputed}
     assert layers == set(range(LAYERS))  # every block repeated from its input
-    assert {"attention", "dequantize_matmul" if backend == "c" else "matmul"} <= {
-        n.op for _, n in recomputed
-    }
+    # projections are repeated; the attention's output, dearer per byte than a projection's
+    # here (a 64-token sequence, 32 wide), is what the budget's room keeps
+    assert ("dequantize_matmul" if backend == "c" else "matmul") in {n.op for _, n in recomputed}
     # block k's copies of its own internals are dead before block k-1 recomputes
     targets = block_targets(reference)
     last = {name: i for i, n in enumerate(graph.nodes) for name in (v.name for v in n.inputs)}

@@ -100,6 +100,7 @@ class _State:
     pending: set[str] = field(default_factory=set)  # candidates not yet tried
     kept: dict[str, int] = field(default_factory=dict)  # narrow values the chain keeps: bytes
     narrow: bool = False  # may a chain keep narrower forward values alive (``_narrower``)?
+    keep: frozenset[str] = frozenset()  # forward values a chain may keep alive and read
 
     def fresh(self, base: str) -> str:
         k = 0
@@ -121,6 +122,8 @@ def _available(s: _State, v: Value, at: int) -> bool:
     if made is not None and get_op(made.op).has(Fact.CONSTANT):
         return True
     if s.last.get(v.name, -1) >= at:
+        return True
+    if v.name in s.keep and v.name not in s.dropped:
         return True
     # A small value made from params alone (a per-channel scale or shift) is kept alive
     # for the chain (its reads at ``at`` extend its life once the chain is committed): it
@@ -208,7 +211,11 @@ def _plan_node(s: _State, v: Value, at: int, depth: int, out: _Chain) -> Value |
         inputs.append(r)
     results = tuple(Value(s.fresh(w.name), w.type) for w in made.outputs)
     source = GRAD_PREFIX + made.source
-    result = s.planned[v.name] = results[made.outputs.index(v)]
+    # every result of the node is made again (attention's output and its log-sum-exp): a
+    # chain needing the other one reads this copy instead of repeating the node
+    for w, r in zip(made.outputs, results, strict=True):
+        s.planned.setdefault(w.name, r)
+    s.planned[v.name] = result = results[made.outputs.index(v)]
     node = Node(made.op, tuple(inputs), results, made.attrs, source, Phase.BACKWARD)
     out.append((node, v.name, result))
     return result
@@ -269,6 +276,7 @@ def recompute(
     targets: Collection[str] | None = None,
     prefer: Recomputable | None = None,
     narrow: bool = False,
+    keep: Collection[str] = (),
 ) -> Graph:
     """Recompute saved forward values at their first backward reader, by repeating nodes that
     ``recomputable`` admits, up to ``depth`` ops deep. ``targets=None``: every saved value
@@ -276,7 +284,10 @@ def recompute(
     others' recomputations from the start, so a chain through them repeats them too).
     ``prefer``: the saved values that a chain recomputes rather than reads while their own
     turn is still to come (``_saved_only``). ``narrow``: a chain may keep a forward value
-    alive that is at most a ``NARROW_RATIO``-th of what it recomputes (``_narrower``)."""
+    alive that is at most a ``NARROW_RATIO``-th of what it recomputes (``_narrower``).
+    ``keep``: forward values a chain may read, kept alive to the backward for it (a
+    checkpointed block's input that its own backward does not read: the first layer's,
+    the embedding output, where the embedding is frozen)."""
     nodes = graph.nodes
     names = {v.name for v in graph.inputs}
     s = _State(
@@ -289,6 +300,7 @@ def recompute(
         _from_params(graph),
         prefer=prefer,
         narrow=narrow,
+        keep=frozenset(keep),
     )
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
@@ -339,8 +351,9 @@ def recompute(
         s.inserted.setdefault(at, []).extend(n for n, _, _ in chain)
         for j in later:
             renamed.setdefault(j, {})[z.name] = copy
-        for n, original, made in chain:  # later recomputations at or after ``at`` may reuse
-            s.copies[original] = (made, at)
+        for n, original, _ in chain:  # later recomputations at or after ``at`` may reuse
+            for w, made in zip(s.producers[original].outputs, n.outputs, strict=True):
+                s.copies[w.name] = (made, at)
             s.last.update(dict.fromkeys((w.name for w in n.outputs), at))
             for u in n.inputs:  # read at ``at``
                 s.last[u.name] = max(s.last.get(u.name, -1), at)

@@ -9,18 +9,22 @@ First by blocks (activation checkpointing of a transformer's layers): a repeated
 a module path with a numeric component (``model.layers.3``), and its targets are the
 saved values it makes that no forward node outside it reads (``block_targets``). What
 crosses a boundary stays saved: the residual stream, and a mask or rotary table made once
-for all layers. Recomputing the targets of the first ``k`` blocks repeats each block from
-its input inside its own backward pass (each value at its first backward reader), and
-its copies die there, before the next block's backward; the smallest ``k`` whose plan
-meets the budget is taken (a binary search: a few plans). When even every block does
-not meet it, greedily, from the graph as it was: the saved values alive at the planned peak, one by
-one the one whose recomputation costs the fewest FLOPs per byte it frees there (its own
-size), costed with the values chosen before it, enough to cover the excess over the
-budget, each kept only if it and the earlier choices can all still be recomputed; then it
-plans again, until the plan fits or nothing alive at the peak is left to try. Choices that
-lower no peak are not kept: the pass tries the first half of them, down to one, and goes
-on from the lowest plan found (recomputing many values at once can raise the peak where
-their chains' operands are kept alive, and a budget far below reach asks for them all).
+for all layers. Recomputing a block's targets repeats the block from its input inside its
+own backward pass (each value at its first backward reader), and its copies die there,
+before the next block's backward. With every block checkpointed, the budget's room is
+spent on keeping targets, in the order of ``passes.remat_select.keep_order`` (the last
+block's first; in a block, the values that cost the most FLOPs per byte to recompute
+first): the most of them whose plan meets the budget are kept (a binary search: a few
+plans). A recomputed value is not made again while a copy of it lives
+(``passes.remat_merge``). When even every block does not meet it, greedily, from the
+graph as it was: the saved values alive at the planned peak, one by one the one whose
+recomputation costs the fewest FLOPs per byte it frees there (its own size), costed with
+the values chosen before it, enough to cover the excess over the budget, each kept only if
+it and the earlier choices can all still be recomputed; then it plans again, until the
+plan fits or nothing alive at the peak is left to try. Choices that lower no peak are not
+kept: the pass tries the first half of them, down to one, and goes on from the lowest
+plan found (recomputing many values at once can raise the peak where their chains'
+operands are kept alive, and a budget far below reach asks for them all).
 Unlike ``passes.remat`` any pure forward node may be repeated, matmuls and attention
 included, through chains of values that died in the forward pass or were chosen
 before, so choosing a transformer block's internals one by one ends in recomputing the
@@ -56,8 +60,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pockengine.ir import GRAD_PREFIX, CompileError, Fact, Graph, Node, Phase, Value, get_op
+from pockengine.ir import GRAD_PREFIX, CompileError, Graph, Node, Phase, Value, get_op
 from pockengine.passes.remat import recompute
+from pockengine.passes.remat_merge import merge_recomputations
+from pockengine.passes.remat_select import SavedValues, keep_order
 from pockengine.plan.cost import cost
 from pockengine.plan.memory import MemoryPlan, plan_memory
 from pockengine.plan.recomputation import Recomputation, Segment
@@ -67,6 +73,7 @@ __all__ = [
     "FitMemoryBudget",
     "Recomputation",
     "Segment",
+    "block_inputs",
     "block_targets",
     "parse_budget",
     "recomputation",
@@ -107,48 +114,6 @@ def _finished(graph: Graph, finish: Sequence[Pass]) -> Graph:
 
 
 @dataclass(frozen=True)
-class _Saved:
-    """The saved forward values of a graph and what recomputing each would repeat."""
-
-    producers: dict[str, Node]
-    flops: dict[str, int]  # value -> FLOPs of its producer
-    saved: dict[str, Value]  # read by the backward, made by a pure forward node
-    alive: frozenset[str]  # read by the backward at all (saved, params, batch inputs)
-
-    @classmethod
-    def of(cls, graph: Graph) -> _Saved:
-        producers, flops = graph.producers(), {}
-        for node, c in zip(graph.nodes, cost(graph).nodes, strict=True):
-            flops.update(dict.fromkeys((v.name for v in node.outputs), c.flops))
-        returned = {v.name for v in graph.outputs}
-        read = {v.name: v for n in graph.nodes if n.phase is Phase.BACKWARD for v in n.inputs}
-        saved = {
-            name: v
-            for name, v in read.items()
-            if name in producers
-            and producers[name].phase is not Phase.BACKWARD
-            and _pure(producers[name], v)
-            and name not in returned
-            and v.type.nbytes > 0
-        }
-        return cls(producers, flops, saved, frozenset(read))
-
-    def estimate(self, name: str, dropped: set[str]) -> int:
-        """FLOPs of recomputing ``name`` while the ``dropped`` values are not kept."""
-        total, seen, stack = 0, set(), [name]
-        while stack:
-            node = self.producers.get(stack.pop())
-            if node is None or id(node) in seen or get_op(node.op).has(Fact.CONSTANT):
-                continue
-            seen.add(id(node))
-            total += self.flops[node.outputs[0].name]
-            stack.extend(
-                u.name for u in node.inputs if u.name in dropped or u.name not in self.alive
-            )
-        return total
-
-
-@dataclass(frozen=True)
 class FitMemoryBudget:
     """The pass: recompute saved values until the planned peak of ``finish(graph)`` is at
     most ``budget`` bytes (see the module doc)."""
@@ -166,7 +131,7 @@ class FitMemoryBudget:
         base = plan.planned_peak_bytes
         if base <= self.budget:
             return graph
-        saved = _Saved.of(graph)
+        saved = SavedValues.of(graph)
         blocked, blocked_plan = self._blocks(graph, saved, plan)
         if blocked_plan.planned_peak_bytes <= self.budget:
             return blocked
@@ -186,7 +151,7 @@ class FitMemoryBudget:
         return best
 
     def _greedy(
-        self, graph: Graph, saved: _Saved, finished: Graph, plan: MemoryPlan
+        self, graph: Graph, saved: SavedValues, finished: Graph, plan: MemoryPlan
     ) -> tuple[Graph, int]:
         """Saved values chosen one by one (the module doc); the lowest plan found, and its
         planned peak."""
@@ -208,34 +173,39 @@ class FitMemoryBudget:
                 break
         return best, best_peak
 
-    def _blocks(self, graph: Graph, saved: _Saved, plan: MemoryPlan) -> tuple[Graph, MemoryPlan]:
-        """Block checkpointing: the internals of the first ``k`` repeated blocks recomputed
-        from their inputs (``block_targets``), the smallest ``k`` whose plan meets the
-        budget, or every block when none does (``graph`` itself when that plans no lower);
-        the graph and its finished plan."""
+    def _blocks(
+        self, graph: Graph, saved: SavedValues, plan: MemoryPlan
+    ) -> tuple[Graph, MemoryPlan]:
+        """Block checkpointing: every repeated block's internals recomputed from its input
+        (``block_targets``), less the most groups of ``keep_order`` (the values whose
+        recomputation costs the most FLOPs per byte) that the budget leaves room for: a
+        binary search over how many. With every block checkpointed over the budget, that
+        plan (``graph`` itself when it plans no lower); the graph and its finished plan."""
         blocks = block_targets(graph, saved)
+        if not blocks:
+            return graph, plan
+        every = set().union(*blocks)
+        order = keep_order(saved, blocks)
 
-        def trial(k: int) -> tuple[Graph, MemoryPlan]:
-            current = recompute(graph, _pure, BUDGET_DEPTH, set().union(*blocks[:k]))
+        def trial(m: int) -> tuple[Graph, MemoryPlan]:
+            current = _checkpointed(graph, every.difference(*order[:m]))
             return current, plan_memory(_finished(current, self.finish))
 
-        lo, hi = 0, len(blocks)  # the plan with ``hi`` blocks meets the budget, ``lo``'s not
-        if hi == 0:
-            return graph, plan
-        found = trial(hi)
+        found = trial(0)
         if found[1].planned_peak_bytes > self.budget:
             return found if found[1].planned_peak_bytes < plan.planned_peak_bytes else (graph, plan)
+        lo, hi = 0, len(order) + 1  # keeping ``lo`` groups meets the budget, ``hi`` not
         while hi - lo > 1:
             mid = (lo + hi) // 2
             now = trial(mid)
             if now[1].planned_peak_bytes <= self.budget:
-                hi, found = mid, now
+                lo, found = mid, now
             else:
-                lo = mid
+                hi = mid
         return found
 
     def _picks(
-        self, graph: Graph, plan: MemoryPlan, saved: _Saved, dropped: set[str], tried: set[str]
+        self, graph: Graph, plan: MemoryPlan, saved: SavedValues, dropped: set[str], tried: set[str]
     ) -> list[str]:
         """The saved values alive at the planned peak of ``graph`` (finished) and first read
         by the backward after it, cheapest to recompute per byte first, enough of them to
@@ -277,13 +247,29 @@ def _block_of(source: str) -> str | None:
 _BLOCK = re.compile(r"^(.*?\.[0-9]+)(?:\.|$)")
 
 
-def block_targets(graph: Graph, saved: _Saved | None = None) -> list[set[str]]:
+def block_inputs(graph: Graph) -> set[str]:
+    """The forward values made outside a repeated block that a forward node of it reads:
+    its input (the residual stream), a mask or rotary table made once for all blocks."""
+    producers = graph.producers()
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.phase is Phase.BACKWARD or get_op(node.op).effectful:
+            continue
+        block = _block_of(node.source)
+        for v in node.inputs:
+            made = producers.get(v.name)
+            if block is not None and made is not None and _block_of(made.source) != block:
+                out.add(v.name)
+    return out
+
+
+def block_targets(graph: Graph, saved: SavedValues | None = None) -> list[set[str]]:
     """The saved values inside each repeated block (a module path with a numeric
     component: a transformer layer), in forward order: made by the block and read by no
     forward node outside it. What crosses a block boundary (the residual stream, a mask
     or rotary table made once for all blocks) stays saved; recomputing the rest repeats the
     block from its input inside its backward, and frees it before the next block's."""
-    saved = saved or _Saved.of(graph)
+    saved = saved or SavedValues.of(graph)
     outside: set[str] = set()  # read in the forward pass by a node of another block
     for node in graph.nodes:
         if node.phase is Phase.BACKWARD or get_op(node.op).effectful:
@@ -302,14 +288,22 @@ def block_targets(graph: Graph, saved: _Saved | None = None) -> list[set[str]]:
     return list(blocks.values())
 
 
+def _checkpointed(graph: Graph, targets: set[str]) -> Graph:
+    """``graph`` with ``targets`` recomputed (any pure node repeated) from the blocks'
+    inputs, kept alive where the backward does not read them (``block_inputs``), each
+    recomputed value made once while a copy lives (``merge_recomputations``)."""
+    out = recompute(graph, _pure, BUDGET_DEPTH, targets, keep=block_inputs(graph))
+    return merge_recomputations(out)
+
+
 def _recompute(graph: Graph, dropped: set[str], picks: Sequence[str]) -> tuple[Graph, set[str]]:
     """``graph`` with ``dropped`` and as many of ``picks`` (in order) as can join them
     recomputed, and the values recomputed. A pick is left saved when it cannot be
     recomputed with the others (its chain too deep: through a residual stream chosen
     before, back to the embedding; or an operand gone)."""
-    out = recompute(graph, _pure, BUDGET_DEPTH, dropped)
+    out = _checkpointed(graph, dropped)
     for name in picks:
-        trial = recompute(graph, _pure, BUDGET_DEPTH, dropped | {name})
+        trial = _checkpointed(graph, dropped | {name})
         read = {v.name for n in trial.nodes if n.phase is Phase.BACKWARD for v in n.inputs}
         if not (dropped | {name}) & read:
             out, dropped = trial, dropped | {name}
