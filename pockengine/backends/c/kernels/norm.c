@@ -37,6 +37,46 @@
         OUT = total_;                                                         \
     } while (0)
 
+/* Two sums over one row in the same loop, lane by lane as PE_LANE_SUM takes each of them
+ * (each result equals PE_LANE_SUM's bit for bit): one read of the row for both. EXPR(i)
+ * sets the two terms of element i, `ta` and `tb` (PE_T), for the two sums. */
+#define PE_LANE_SUM2(EXPR, OUT_A, OUT_B)                                      \
+    do {                                                                      \
+        double ta_ = 0, tb_ = 0;                                              \
+        long s = 0;                                                           \
+        for (long b0 = 0; n >= 8 * PE_LANES && b0 + PE_LANES <= n; b0 += PE_BLOCK) { \
+            long b1 = b0 + PE_BLOCK < n ? b0 + PE_BLOCK : n;                  \
+            PE_T la[PE_LANES] = {0}, lb[PE_LANES] = {0};                      \
+            for (s = b0; s + PE_LANES <= b1; s += PE_LANES)                   \
+                for (int l = 0; l < PE_LANES; l++) {                          \
+                    PE_T ta, tb;                                              \
+                    EXPR(s + l);                                              \
+                    la[l] += ta;                                              \
+                    lb[l] += tb;                                              \
+                }                                                             \
+            for (int l = 0; l < 8; l++) {                                     \
+                ta_ += la[l] + la[l + 8] + (la[l + 16] + la[l + 24]);         \
+                tb_ += lb[l] + lb[l + 8] + (lb[l + 16] + lb[l + 24]);         \
+            }                                                                 \
+            if (b1 < n) s = b1;                                               \
+        }                                                                     \
+        PE_T la8[8] = {0}, lb8[8] = {0};                                      \
+        for (; s + 8 <= n; s += 8)                                            \
+            for (int l = 0; l < 8; l++) {                                     \
+                PE_T ta, tb;                                                  \
+                EXPR(s + l);                                                  \
+                la8[l] += ta;                                                 \
+                lb8[l] += tb;                                                 \
+            }                                                                 \
+        for (int l = 0; l < 8; l++) ta_ += la8[l], tb_ += lb8[l];             \
+        for (; s < n; s++) {                                                  \
+            PE_T ta, tb;                                                      \
+            EXPR(s);                                                          \
+            ta_ += (double)ta, tb_ += (double)tb;                             \
+        }                                                                     \
+        OUT_A = ta_, OUT_B = tb_;                                             \
+    } while (0)
+
 static double PE_S(pe_row_sum)(const PE_T *restrict x, long n) {
     double out;
 #define PE_X(i) x[i]
@@ -53,16 +93,31 @@ static double PE_S(pe_row_sqdev)(const PE_T *restrict x, long n, PE_T mu) {
     return out;
 }
 
-/* sum g and sum g * (x - mu) * rstd over a row. */
+/* sum g and sum g * (x - mu) * rstd over a row, in one pass. */
 static void PE_S(pe_row_grad_sums)(const PE_T *restrict g, const PE_T *restrict x, long n,
                                    PE_T mu, PE_T rstd, double *sb, double *sw) {
     double tb, tw;
-#define PE_G(i) g[i]
-#define PE_GX(i) (g[i] * ((x[i] - mu) * rstd))
-    PE_LANE_SUM(PE_G, tb);
-    PE_LANE_SUM(PE_GX, tw);
-#undef PE_G
+#define PE_GX(i) (ta = g[i], tb = g[i] * ((x[i] - mu) * rstd))
+    PE_LANE_SUM2(PE_GX, tb, tw);
 #undef PE_GX
+    *sb += tb;
+    *sw += tw;
+}
+
+/* The same two sums of gy = gz where lo < y < hi (else 0), y = (x - mu) * scale + shift
+ * formed as pe_batch_norm forms it: gy is never stored. */
+static void PE_S(pe_row_masked_grad_sums)(const PE_T *restrict gz, const PE_T *restrict x,
+                                          long n, PE_T mu, PE_T rstd, PE_T scale, PE_T shift,
+                                          PE_T lo, PE_T hi, double *sb, double *sw) {
+    double tb, tw;
+#define PE_MGX(i)                                                  \
+    do {                                                           \
+        PE_T y_ = (x[i] - mu) * scale + shift;                     \
+        ta = (y_ > lo) & (y_ < hi) ? gz[i] : (PE_T)0;              \
+        tb = ta * ((x[i] - mu) * rstd);                            \
+    } while (0)
+    PE_LANE_SUM2(PE_MGX, tb, tw);
+#undef PE_MGX
     *sb += tb;
     *sw += tw;
 }
@@ -169,9 +224,9 @@ void PE_S(pe_batch_norm_apply)(const PE_T *x, const PE_T *w, const PE_T *b, cons
 
 /* The gradient through hardtanh(lo, hi) of batch_norm: gy = gz where lo < y < hi (y
  * recomputed from x, w, b and the saved statistics as pe_batch_norm forms it), then
- * batch_norm_grad of gy; neither y nor gy is stored in the graph. Each row's gy goes into
- * its gx row first (a branch-free select), where the two reductions and the final pass
- * read it back while the channel is still in cache. */
+ * batch_norm_grad of gy; neither y nor gy is stored anywhere. Two passes over gz and x: the
+ * two per-channel sums together (the mask formed on the fly), then gx with the mask formed
+ * again (the same operations, so the same mask). */
 void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T *w,
                                        const PE_T *b, const PE_T *mean, const PE_T *var,
                                        PE_T *gx, PE_T *gw, PE_T *gb, long N, long C, long S,
@@ -182,20 +237,18 @@ void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T
         PE_T rstd = (PE_T)(1.0 / sqrt((double)var[c] + eps)), mu = mean[c];
         PE_T scale = PE_BN_SCALE(w[c], var[c], eps), shift = b[c];
         double sb = 0, sw = 0, count = (double)(N * S);
+        for (long i = 0; i < N; i++)
+            PE_S(pe_row_masked_grad_sums)(gz + (i * C + c) * S, x + (i * C + c) * S, S, mu, rstd,
+                                          scale, shift, lo, hi, &sb, &sw);
+        PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
         for (long i = 0; i < N; i++) {
             const PE_T *restrict g = gz + (i * C + c) * S, *restrict row = x + (i * C + c) * S;
             PE_T *restrict out = gx + (i * C + c) * S;
             for (long s = 0; s < S; s++) {
                 PE_T y = (row[s] - mu) * scale + shift;
-                out[s] = (y > lo) & (y < hi) ? g[s] : (PE_T)0;
+                PE_T gy = (y > lo) & (y < hi) ? g[s] : (PE_T)0;
+                out[s] = (gy - mb - (row[s] - mu) * rstd * mw) * k;
             }
-            PE_S(pe_row_grad_sums)(out, row, S, mu, rstd, &sb, &sw);
-        }
-        PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
-        for (long i = 0; i < N; i++) {
-            const PE_T *row = x + (i * C + c) * S;
-            PE_T *restrict out = gx + (i * C + c) * S;
-            for (long s = 0; s < S; s++) out[s] = (out[s] - mb - (row[s] - mu) * rstd * mw) * k;
         }
         gw[c] = (PE_T)sw;
         gb[c] = (PE_T)sb;
@@ -253,5 +306,6 @@ void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
 #undef PE_LANES
 #undef PE_BLOCK
 #undef PE_LANE_SUM
+#undef PE_LANE_SUM2
 #undef PE_BN_SCALE
 #endif
