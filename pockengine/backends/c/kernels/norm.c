@@ -1,136 +1,125 @@
 /* Normalisation: training-mode batch norm over (N, C, S) and layer norm over the last
- * ``cols`` elements of each row, with their backward kernels. Statistics accumulate in
- * double (two passes: mean, then the centred sum of squares), as the NumPy oracle's
- * pairwise sums are more accurate than a float running sum. */
+ * ``cols`` elements of each row, with their backward kernels. Batch norm's statistics
+ * and its gradient's two sums are taken in one pass over each row, in lanes added into
+ * double, as the NumPy oracle's pairwise sums are more accurate than a float running sum. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "norm.c"
 #include "pe_instantiate.h"
 #else
 
-/* Sums of a row, of its squared deviations from mu, and of the products of two rows, in
- * PE_LANES independent lanes (the compiler vectorises them into several registers, so
- * the additions do not wait on each other; a single double accumulator would serialise
- * the loop; rows of at least 8 * PE_LANES), 8 lanes for what is left, then added in
- * double. Blocks of PE_BLOCK elements go into double one by one, so float lanes never sum
- * many terms. */
-#define PE_LANES 32
 #define PE_BLOCK 1024
-#define PE_LANE_SUM(EXPR, OUT)                                                \
-    do {                                                                      \
-        double total_ = 0;                                                    \
-        long s = 0;                                                           \
-        for (long b0 = 0; n >= 8 * PE_LANES && b0 + PE_LANES <= n; b0 += PE_BLOCK) { \
-            long b1 = b0 + PE_BLOCK < n ? b0 + PE_BLOCK : n;                  \
-            PE_T lane[PE_LANES] = {0};                                        \
-            for (s = b0; s + PE_LANES <= b1; s += PE_LANES)                   \
-                for (int l = 0; l < PE_LANES; l++) lane[l] += EXPR(s + l);    \
-            for (int l = 0; l < 8; l++)                                       \
-                total_ += lane[l] + lane[l + 8] + (lane[l + 16] + lane[l + 24]); \
-            if (b1 < n) s = b1;                                               \
-        }                                                                     \
-        PE_T lane8[8] = {0};                                                  \
-        for (; s + 8 <= n; s += 8)                                            \
-            for (int l = 0; l < 8; l++) lane8[l] += EXPR(s + l);              \
-        for (int l = 0; l < 8; l++) total_ += lane8[l];                       \
-        for (; s < n; s++) total_ += (double)(EXPR(s));                       \
-        OUT = total_;                                                         \
+/* Two sums over a row of n elements in one loop: each in two 64-byte vector accumulators
+ * (GCC/Clang vector types, any target: a zmm register, two ymm or four NEON registers), so
+ * the additions do not wait on each other (a single double accumulator would serialise
+ * the loop) and the accumulators stay in registers; blocks of PE_BLOCK elements go into
+ * double one by one, so float lanes never sum many terms; the last elements (fewer than
+ * a vector) one by one in double. VEXPR(p) sets the vectors `ta` and `tb` of the terms
+ * of elements p .. p + PE_NV - 1, SEXPR(i) the scalars `ta` and `tb` of element i, with the
+ * same operations. */
+typedef PE_T PE_S(pe_nv) __attribute__((vector_size(64), aligned(PE_TSIZE)));
+#define PE_NV (64 / PE_TSIZE)
+#define PE_NLOAD(p) (*(const PE_S(pe_nv) *)(p))
+#define PE_SPLAT(v) ((PE_S(pe_nv)){0} + (v))
+#define PE_LANE_SUM2(VEXPR, SEXPR, OUT_A, OUT_B)                                 \
+    do {                                                                         \
+        double ta_ = 0, tb_ = 0;                                                 \
+        long s = 0;                                                              \
+        while (s + PE_NV <= n) {                                                 \
+            long b1_ = s + PE_BLOCK < n ? s + PE_BLOCK : n;                      \
+            PE_S(pe_nv) a0_ = {0}, a1_ = {0}, c0_ = {0}, c1_ = {0}, ta, tb;      \
+            for (; s + 2 * PE_NV <= b1_; s += 2 * PE_NV) {                       \
+                VEXPR(s);                                                        \
+                a0_ += ta, c0_ += tb;                                            \
+                VEXPR(s + PE_NV);                                                \
+                a1_ += ta, c1_ += tb;                                            \
+            }                                                                    \
+            if (s + PE_NV <= b1_) {                                              \
+                VEXPR(s);                                                        \
+                a0_ += ta, c0_ += tb;                                            \
+                s += PE_NV;                                                      \
+            }                                                                    \
+            for (int l = 0; l < PE_NV; l++) {                                    \
+                ta_ += (double)(a0_[l] + a1_[l]);                                \
+                tb_ += (double)(c0_[l] + c1_[l]);                                \
+            }                                                                    \
+        }                                                                        \
+        for (; s < n; s++) {                                                     \
+            PE_T ta, tb;                                                         \
+            SEXPR(s);                                                            \
+            ta_ += (double)ta, tb_ += (double)tb;                                \
+        }                                                                        \
+        OUT_A = ta_, OUT_B = tb_;                                                \
     } while (0)
-
-/* Two sums over one row in the same loop, lane by lane as PE_LANE_SUM takes each of them
- * (each result equals PE_LANE_SUM's bit for bit): one read of the row for both. EXPR(i)
- * sets the two terms of element i, `ta` and `tb` (PE_T), for the two sums. */
-#define PE_LANE_SUM2(EXPR, OUT_A, OUT_B)                                      \
-    do {                                                                      \
-        double ta_ = 0, tb_ = 0;                                              \
-        long s = 0;                                                           \
-        for (long b0 = 0; n >= 8 * PE_LANES && b0 + PE_LANES <= n; b0 += PE_BLOCK) { \
-            long b1 = b0 + PE_BLOCK < n ? b0 + PE_BLOCK : n;                  \
-            PE_T la[PE_LANES] = {0}, lb[PE_LANES] = {0};                      \
-            for (s = b0; s + PE_LANES <= b1; s += PE_LANES)                   \
-                for (int l = 0; l < PE_LANES; l++) {                          \
-                    PE_T ta, tb;                                              \
-                    EXPR(s + l);                                              \
-                    la[l] += ta;                                              \
-                    lb[l] += tb;                                              \
-                }                                                             \
-            for (int l = 0; l < 8; l++) {                                     \
-                ta_ += la[l] + la[l + 8] + (la[l + 16] + la[l + 24]);         \
-                tb_ += lb[l] + lb[l + 8] + (lb[l + 16] + lb[l + 24]);         \
-            }                                                                 \
-            if (b1 < n) s = b1;                                               \
-        }                                                                     \
-        PE_T la8[8] = {0}, lb8[8] = {0};                                      \
-        for (; s + 8 <= n; s += 8)                                            \
-            for (int l = 0; l < 8; l++) {                                     \
-                PE_T ta, tb;                                                  \
-                EXPR(s + l);                                                  \
-                la8[l] += ta;                                                 \
-                lb8[l] += tb;                                                 \
-            }                                                                 \
-        for (int l = 0; l < 8; l++) ta_ += la8[l], tb_ += lb8[l];             \
-        for (; s < n; s++) {                                                  \
-            PE_T ta, tb;                                                      \
-            EXPR(s);                                                          \
-            ta_ += (double)ta, tb_ += (double)tb;                             \
-        }                                                                     \
-        OUT_A = ta_, OUT_B = tb_;                                             \
-    } while (0)
-
-static double PE_S(pe_row_sum)(const PE_T *restrict x, long n) {
-    double out;
-#define PE_X(i) x[i]
-    PE_LANE_SUM(PE_X, out);
-#undef PE_X
-    return out;
-}
-
-static double PE_S(pe_row_sqdev)(const PE_T *restrict x, long n, PE_T mu) {
-    double out;
-#define PE_SQ(i) ((x[i] - mu) * (x[i] - mu))
-    PE_LANE_SUM(PE_SQ, out);
-#undef PE_SQ
-    return out;
-}
 
 /* sum g and sum g * (x - mu) * rstd over a row, in one pass. */
 static void PE_S(pe_row_grad_sums)(const PE_T *restrict g, const PE_T *restrict x, long n,
                                    PE_T mu, PE_T rstd, double *sb, double *sw) {
+    const PE_S(pe_nv) muv = PE_SPLAT(mu), rv = PE_SPLAT(rstd);
     double tb, tw;
-#define PE_GX(i) (ta = g[i], tb = g[i] * ((x[i] - mu) * rstd))
-    PE_LANE_SUM2(PE_GX, tb, tw);
+#define PE_GXV(p) (ta = PE_NLOAD(g + (p)), tb = ta * ((PE_NLOAD(x + (p)) - muv) * rv))
+#define PE_GX(i) (ta = g[i], tb = ta * ((x[i] - mu) * rstd))
+    PE_LANE_SUM2(PE_GXV, PE_GX, tb, tw);
+#undef PE_GXV
 #undef PE_GX
     *sb += tb;
     *sw += tw;
 }
 
 /* The same two sums of gy = gz where lo < y < hi (else 0), y = (x - mu) * scale + shift
- * formed as pe_batch_norm forms it: gy is never stored. */
+ * formed as pe_batch_norm forms it: gy is never stored. The vector select is a bitwise and
+ * with the comparisons' mask (a NaN y compares false: 0, as the scalar select). */
 static void PE_S(pe_row_masked_grad_sums)(const PE_T *restrict gz, const PE_T *restrict x,
                                           long n, PE_T mu, PE_T rstd, PE_T scale, PE_T shift,
                                           PE_T lo, PE_T hi, double *sb, double *sw) {
+    const PE_S(pe_nv) muv = PE_SPLAT(mu), rv = PE_SPLAT(rstd), sv = PE_SPLAT(scale);
+    const PE_S(pe_nv) bv = PE_SPLAT(shift), lov = PE_SPLAT(lo), hiv = PE_SPLAT(hi);
+    typedef __typeof__(muv < rv) mask_t;
     double tb, tw;
-#define PE_MGX(i)                                                  \
-    do {                                                           \
-        PE_T y_ = (x[i] - mu) * scale + shift;                     \
-        ta = (y_ > lo) & (y_ < hi) ? gz[i] : (PE_T)0;              \
-        tb = ta * ((x[i] - mu) * rstd);                            \
+#define PE_MGXV(p)                                                         \
+    do {                                                                   \
+        PE_S(pe_nv) d_ = PE_NLOAD(x + (p)) - muv, y_ = d_ * sv + bv;       \
+        mask_t m_ = (y_ > lov) & (y_ < hiv);                               \
+        ta = (PE_S(pe_nv))((mask_t)PE_NLOAD(gz + (p)) & m_);               \
+        tb = ta * (d_ * rv);                                               \
     } while (0)
-    PE_LANE_SUM2(PE_MGX, tb, tw);
+#define PE_MGX(i)                                                          \
+    do {                                                                   \
+        PE_T y_ = (x[i] - mu) * scale + shift;                             \
+        ta = (y_ > lo) & (y_ < hi) ? gz[i] : (PE_T)0;                      \
+        tb = ta * ((x[i] - mu) * rstd);                                    \
+    } while (0)
+    PE_LANE_SUM2(PE_MGXV, PE_MGX, tb, tw);
+#undef PE_MGXV
 #undef PE_MGX
     *sb += tb;
     *sw += tw;
 }
 
-/* Channel c's statistics over its N rows of S (two passes in double: the mean, then the
- * centred sum of squares); returns the mean, the biased variance into *var. */
+/* Channel c's statistics over its N rows of S in one pass: the sums of d = x - k and of
+ * d * d, k the channel's first element (a shift that keeps the two sums small where the
+ * mean is far from zero: the variance's cancellation is of the order of (mean - k)^2 /
+ * var ulps, a few, where the raw sum of squares would lose mean^2 / var of them), in
+ * PE_LANE_SUM2's lanes, into double. Returns the mean, the biased variance into *var. */
 static PE_T PE_S(pe_bn_stats)(const PE_T *x, long N, long C, long S, long c, PE_T *var) {
-    double sum = 0, sq = 0, count = (double)(N * S);
-    for (long n = 0; n < N; n++) sum += PE_S(pe_row_sum)(x + (n * C + c) * S, S);
-    PE_T mu = (PE_T)(sum / count);
-    for (long n = 0; n < N; n++) sq += PE_S(pe_row_sqdev)(x + (n * C + c) * S, S, mu);
-    *var = (PE_T)(sq / count);
-    return mu;
+    double s1 = 0, s2 = 0, count = (double)(N * S);
+    const PE_T k = x[c * S];
+    const PE_S(pe_nv) kv = PE_SPLAT(k);
+    for (long i = 0; i < N; i++) {
+        const PE_T *restrict row = x + (i * C + c) * S;
+        double a, b;
+        long n = S;
+#define PE_DV(p) (ta = PE_NLOAD(row + (p)) - kv, tb = ta * ta)
+#define PE_D(i) (ta = row[i] - k, tb = ta * ta)
+        PE_LANE_SUM2(PE_DV, PE_D, a, b);
+#undef PE_DV
+#undef PE_D
+        s1 += a;
+        s2 += b;
+    }
+    double m = s1 / count, v = s2 / count - m * m;
+    *var = (PE_T)(v > 0 ? v : v == v ? 0 : v); /* NaN stays NaN */
+    return (PE_T)((double)k + m);
 }
 
 /* batch_norm's scale of channel c: w / sqrt(var + eps), the same expression everywhere the
@@ -303,9 +292,10 @@ void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
     }
 }
 
-#undef PE_LANES
 #undef PE_BLOCK
-#undef PE_LANE_SUM
 #undef PE_LANE_SUM2
+#undef PE_NV
+#undef PE_NLOAD
+#undef PE_SPLAT
 #undef PE_BN_SCALE
 #endif
