@@ -14,8 +14,8 @@ kernel, ``pe_<op>_<kernel>_<f32|f64>``:
 ``rule_kernel`` is the heuristic used without tuning, by exports and by cross-compiled
 trainers: pointwise, else depthwise where it measured faster than direct loops
 (``_depthwise_wins``: at stride 1 always but for the weight gradient of maps narrower
-than 32 bytes; strided, only the input gradient of output rows of 128 bytes or more and
-the weight gradient of 64 or more), else Winograd for a forward or input gradient it
+than 32 bytes; strided, the forward and the input gradient of output rows of 128 bytes or
+more and the weight gradient of 64 or more), else Winograd for a forward or input gradient it
 computes with at least ``WINOGRAD_MIN`` channels in and out (measured on AVX-512, one
 thread: 0.85-0.95x the implicit GEMM's time from 32 channels, 1.0-2.7x below 16), else
 im2col when a group has at least 4 channels out and a depth (channels x taps) of at
@@ -24,7 +24,6 @@ least 4 (the input gradient at stride 1), else direct.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from pockengine.ir import Node
@@ -156,12 +155,12 @@ def candidates(op: str, g: ConvGeometry) -> tuple[str, ...]:
 def _depthwise_wins(op: str, g: ConvGeometry, itemsize: int) -> bool:
     """Where the depthwise kernels measured faster than direct loops (MobileNetV2's
     shapes, AVX-512): at stride 1 the forward and input gradient always, the weight
-    gradient on output rows of at least 32 bytes; strided, the forward never, the input
+    gradient on output rows of at least 32 bytes; strided, the forward and the input
     gradient on output rows of at least 128 bytes, the weight gradient of at least 64."""
     wide = g.ow * itemsize
     if (g.sh, g.sw) == (1, 1):
         return op != "conv2d_weight_grad" or wide >= 32
-    return wide >= {"conv2d": math.inf, "conv2d_input_grad": 128}.get(op, 64)
+    return wide >= (64 if op == "conv2d_weight_grad" else 128)
 
 
 def rule_kernel(op: str, g: ConvGeometry, itemsize: int) -> str:

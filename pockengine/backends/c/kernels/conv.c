@@ -45,7 +45,7 @@ static int pe_is_depthwise(const long *g) {
  * row in bytes. */
 static int pe_depthwise_wins(int op, const long *g, long wide) {
     if (g[PE_G_SH] == 1 && g[PE_G_SW] == 1) return op != 2 || wide >= 32;
-    return op == 1 ? wide >= 128 : op == 2 && wide >= 64;
+    return wide >= (op == 2 ? 64 : 128);
 }
 
 /* Winograd F(2x2, 3x3) (winograd.c): 3x3, stride 1, dilation 1, one group, with at least

@@ -17,6 +17,7 @@
  * the larger planes. */
 #ifndef PE_T
 #include "pe_kernels.h"
+#include "pe_rowcopy.h"
 #define PE_SELF "depthwise.c"
 #include "pe_instantiate.h"
 #else
@@ -45,16 +46,26 @@ static PE_S(pe_dw_rows) PE_S(pe_dw_shape)(const long *g, long width) {
 static void PE_S(pe_dw_phases)(const PE_T *row, const PE_S(pe_dw_rows) *r, PE_T *restrict ph) {
     if (r->s == 1 && r->pw >= 0 && r->pw + r->W <= r->pl) {
         long right = r->pl - r->pw - r->W;
-        memset(ph, 0, (size_t)r->pw * sizeof(PE_T));
-        memcpy(ph + r->pw, row, (size_t)r->W * sizeof(PE_T));
-        if (right > 0) memset(ph + r->pw + r->W, 0, (size_t)right * sizeof(PE_T));
+        pe_zero_run(ph, (size_t)r->pw * sizeof(PE_T));
+        pe_copy_run(ph + r->pw, row, (size_t)r->W * sizeof(PE_T));
+        if (right > 0) pe_zero_run(ph + r->pw + r->W, (size_t)right * sizeof(PE_T));
         return;
     }
-    for (long q = 0; q < r->s; q++)
-        for (long t = 0; t < r->pl; t++) {
-            long u = t * r->s + q - r->pw;
-            ph[q * r->pl + t] = u >= 0 && u < r->W ? row[u] : (PE_T)0;
-        }
+    for (long q = 0; q < r->s; q++) {
+        /* phase q's columns t whose input column t*s + q - pw is inside the row: [lo, hi) */
+        long off = q - r->pw, lo = off >= 0 ? 0 : (-off + r->s - 1) / r->s;
+        long hi = r->W - 1 - off < 0 ? 0 : (r->W - 1 - off) / r->s + 1;
+        hi = hi < r->pl ? hi : r->pl;
+        lo = lo < hi ? lo : hi;
+        PE_T *restrict dst = ph + q * r->pl;
+        const PE_T *src = row + off; /* column t at src[t * s], read for t in [lo, hi) */
+        pe_zero_run(dst, (size_t)lo * sizeof(PE_T));
+        if (r->s == 2) /* a constant stride: the compiler's shuffles */
+            for (long t = lo; t < hi; t++) dst[t] = src[2 * t];
+        else
+            for (long t = lo; t < hi; t++) dst[t] = src[t * r->s];
+        pe_zero_run(dst + hi, (size_t)(r->pl - hi) * sizeof(PE_T));
+    }
 }
 
 /* Where tap column j reads in a row's phases: phase (j*d) % s, shifted by (j*d) / s. */
@@ -96,7 +107,7 @@ static void PE_S(pe_dw_forward_row)(const PE_T *const *rows, const PE_T *w, long
         PE_T acc[PE_DW_CH];
         memcpy(acc, &a0, sizeof(a0));
         memcpy(acc + V, &a1, sizeof(a1));
-        memcpy(out + ow0, acc, (size_t)n * sizeof(PE_T));
+        pe_copy_run(out + ow0, acc, (size_t)n * sizeof(PE_T));
     }
 }
 
@@ -176,7 +187,7 @@ void PE_S(pe_depthwise_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, cons
         PE_S(pe_dw_taps)(&r, toff);
         const PE_T *wc = w + nc % C * KH * KW;
         for (long h = 0; h < H; h++) {
-            memset(acc, 0, sizeof(acc));
+            pe_zero_run(acc, sizeof(acc));
             for (long i = 0; i < KH; i++) {
                 long t = h + ph - i * dh;
                 if (t < 0 || t % sh != 0 || t / sh >= OH) continue;
@@ -226,7 +237,8 @@ void PE_S(pe_depthwise_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, con
                 const PE_T *grow = gy + ((n * C + c) * OH + oh) * OW;
                 for (long ow0 = 0; ow0 < OW; ow0 += V) {
                     PE_S(pe_dw_vec) gv = {0};
-                    memcpy(&gv, grow + ow0, (size_t)(OW - ow0 < V ? OW - ow0 : V) * sizeof(PE_T));
+                    long m = OW - ow0 < V ? OW - ow0 : V;
+                    pe_copy_run(&gv, grow + ow0, (size_t)m * sizeof(PE_T));
                     for (long i = 0; i < KH; i++) {
                         if (!rows[i]) continue;
                         for (long j = 0; j < KW; j++)

@@ -22,6 +22,7 @@
  * The geometry array is indexed by the PE_G_* names of pe_kernels.h. */
 #ifndef PE_T
 #include "pe_kernels.h"
+#include "pe_rowcopy.h"
 #define PE_SELF "dw_flat.c"
 #include "pe_instantiate.h"
 #else
@@ -92,31 +93,31 @@ static void PE_S(pe_dw_flat_phases)(const PE_T *x, const long *g, const pe_dw_fl
                 PE_T *restrict dst = base + a * f->Bw;
                 long r = a * f->sh + qh - ph;
                 if (r < 0 || r >= H || lo == hi) {
-                    memset(dst, 0, (size_t)f->Bw * sizeof(PE_T));
+                    pe_zero_run(dst, (size_t)f->Bw * sizeof(PE_T));
                     continue;
                 }
                 const PE_T *src = x + r * W + qw - pw; /* column b at src[b * sw] */
-                memset(dst, 0, (size_t)lo * sizeof(PE_T));
+                pe_zero_run(dst, (size_t)lo * sizeof(PE_T));
                 if (f->sw == 1)
-                    memcpy(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(PE_T));
+                    pe_copy_run(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(PE_T));
                 else if (f->sw == 2) /* a constant stride: the compiler's shuffles */
                     for (long b = lo; b < hi; b++) dst[b] = src[2 * b];
                 else
                     for (long b = lo; b < hi; b++) dst[b] = src[b * f->sw];
-                memset(dst + hi, 0, (size_t)(f->Bw - hi) * sizeof(PE_T));
+                pe_zero_run(dst + hi, (size_t)(f->Bw - hi) * sizeof(PE_T));
             }
         }
-    memset(P + f->sh * f->sw * f->phase, 0, (size_t)tail * sizeof(PE_T));
+    pe_zero_run(P + f->sh * f->sw * f->phase, (size_t)tail * sizeof(PE_T));
 }
 
 /* gy (OH x OW) at pitch Bw into dst, zeros between rows and for `tail` elements after. */
 static void PE_S(pe_dw_flat_pitch)(const PE_T *gy, long OH, long OW, long Bw, PE_T *restrict dst,
                                    long tail) {
     for (long oh = 0; oh < OH; oh++) {
-        memcpy(dst + oh * Bw, gy + oh * OW, (size_t)OW * sizeof(PE_T));
-        memset(dst + oh * Bw + OW, 0, (size_t)(Bw - OW) * sizeof(PE_T));
+        pe_copy_run(dst + oh * Bw, gy + oh * OW, (size_t)OW * sizeof(PE_T));
+        pe_zero_run(dst + oh * Bw + OW, (size_t)(Bw - OW) * sizeof(PE_T));
     }
-    memset(dst + OH * Bw, 0, (size_t)tail * sizeof(PE_T));
+    pe_zero_run(dst + OH * Bw, (size_t)tail * sizeof(PE_T));
 }
 
 /* out[k] = bias + sum_t w[t] src[k + off[t]] for k in [0, n) (n a multiple of 2V). */
@@ -152,20 +153,18 @@ int PE_S(pe_dw_flat_forward)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_
     long OH = g[PE_G_OH], OW = g[PE_G_OW], C = g[PE_G_C], HW = g[PE_G_H] * g[PE_G_W];
     long n = pe_ceil_div(OH * f.Bw, 2 * V) * 2 * V, tail = f.Bw + 2 * V;
     if (!PE_S(pe_dw_flat_fits)(&f, n, PE_DW_FLAT_L1)) return 0;
+    long off[f.taps], phase[f.taps]; /* the geometry's, once: shared by every plane */
+    pe_dw_flat_taps(&f, g, off, phase);
+    for (long t = 0; t < f.taps; t++) off[t] += phase[t] * f.phase;
     PE_PARALLEL_FOR(g[PE_G_N] * C * OH * OW * f.taps)
     for (long nc = 0; nc < g[PE_G_N] * C; nc++) {
-        PE_T P[f.sh * f.sw * f.phase + tail], flat[n], taps[f.taps];
-        long off[f.taps], phase[f.taps];
-        pe_dw_flat_taps(&f, g, off, phase);
+        PE_T P[f.sh * f.sw * f.phase + tail], flat[n];
         long c = nc % C;
-        for (long t = 0; t < f.taps; t++) {
-            off[t] += phase[t] * f.phase;
-            taps[t] = w[c * f.taps + t];
-        }
+        const PE_T *taps = w + c * f.taps;
         PE_S(pe_dw_flat_phases)(x + nc * HW, g, &f, P, tail);
         PE_S(pe_dw_flat_sum)(P, off, taps, f.taps, bias ? bias[c] : (PE_T)0, n, flat);
         for (long oh = 0; oh < OH; oh++)
-            memcpy(y + (nc * OH + oh) * OW, flat + oh * f.Bw, (size_t)OW * sizeof(PE_T));
+            pe_copy_run(y + (nc * OH + oh) * OW, flat + oh * f.Bw, (size_t)OW * sizeof(PE_T));
     }
     return 1;
 }
@@ -178,13 +177,14 @@ int PE_S(pe_dw_flat_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
     long front = (f.Ah - 1) * f.Bw + f.Bw; /* more than any tap's offset */
     long lead = front + n + 2 * V;          /* the laid-out gradient with its margins */
     if (!PE_S(pe_dw_flat_fits)(&f, lead + 2 * V, PE_DW_FLAT_L1)) return 0;
+    long off[f.taps], phase[f.taps]; /* the geometry's, once: shared by every plane */
+    pe_dw_flat_taps(&f, g, off, phase);
     PE_PARALLEL_FOR(g[PE_G_N] * C * OH * OW * f.taps)
     for (long nc = 0; nc < g[PE_G_N] * C; nc++) {
         PE_T P[nq * f.phase + 2 * V], G[lead], taps[f.taps];
-        long off[f.taps], phase[f.taps], neg[f.taps];
-        pe_dw_flat_taps(&f, g, off, phase);
+        long neg[f.taps];
         long c = nc % C;
-        memset(G, 0, (size_t)front * sizeof(PE_T));
+        pe_zero_run(G, (size_t)front * sizeof(PE_T));
         PE_S(pe_dw_flat_pitch)(gy + nc * OH * OW, OH, OW, f.Bw, G + front, lead - front - OH * f.Bw);
         for (long q = 0; q < nq; q++) {
             long k = 0; /* phase q's taps: Pq[m] = sum w[t] G[front + m - off[t]] */
@@ -194,7 +194,7 @@ int PE_S(pe_dw_flat_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
                     neg[k++] = front - off[t];
                 }
             if (k == 0)
-                memset(P + q * f.phase, 0, (size_t)f.phase * sizeof(PE_T));
+                pe_zero_run(P + q * f.phase, (size_t)f.phase * sizeof(PE_T));
             else
                 PE_S(pe_dw_flat_sum)(G, neg, taps, k, (PE_T)0, n, P + q * f.phase);
         }
@@ -203,7 +203,7 @@ int PE_S(pe_dw_flat_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
             long r = h + g[PE_G_PH], qh = r % f.sh;
             PE_T *restrict out = gx + (nc * H + h) * W;
             if (r / f.sh >= f.Ah) { /* rows no window reaches */
-                memset(out, 0, (size_t)W * sizeof(PE_T));
+                pe_zero_run(out, (size_t)W * sizeof(PE_T));
                 continue;
             }
             for (long qw = 0; qw < f.sw; qw++) {
@@ -212,7 +212,7 @@ int PE_S(pe_dw_flat_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
                 pe_dw_flat_run(f.Bw, f.sw, qw, g[PE_G_PW], W, &lo, &hi);
                 PE_T *dst = out + qw - g[PE_G_PW];
                 if (f.sw == 1)
-                    memcpy(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(PE_T));
+                    pe_copy_run(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(PE_T));
                 else
                     for (long b = lo; b < hi; b++) dst[b * f.sw] = src[b];
                 /* columns past the windows' reach get no gradient */

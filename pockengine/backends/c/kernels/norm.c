@@ -1,81 +1,131 @@
 /* Normalisation: training-mode batch norm over (N, C, S) and layer norm over the last
- * ``cols`` elements of each row, with their backward kernels. Statistics accumulate in
- * double (two passes: mean, then the centred sum of squares), as the NumPy oracle's
- * pairwise sums are more accurate than a float running sum. */
+ * ``cols`` elements of each row, with their backward kernels. Batch norm's statistics
+ * and its gradient's two sums are taken in one pass over each row, in lanes added into
+ * double, as the NumPy oracle's pairwise sums are more accurate than a float running sum. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #define PE_SELF "norm.c"
 #include "pe_instantiate.h"
 #else
 
-/* Sums of a row, of its squared deviations from mu, and of the products of two rows, in
- * PE_LANES independent lanes (the compiler vectorises them into several registers, so
- * the additions do not wait on each other; a single double accumulator would serialise
- * the loop; rows of at least 8 * PE_LANES), 8 lanes for what is left, then added in
- * double. Blocks of PE_BLOCK elements go into double one by one, so float lanes never sum
- * many terms. */
-#define PE_LANES 32
 #define PE_BLOCK 1024
-#define PE_LANE_SUM(EXPR, OUT)                                                \
-    do {                                                                      \
-        double total_ = 0;                                                    \
-        long s = 0;                                                           \
-        for (long b0 = 0; n >= 8 * PE_LANES && b0 + PE_LANES <= n; b0 += PE_BLOCK) { \
-            long b1 = b0 + PE_BLOCK < n ? b0 + PE_BLOCK : n;                  \
-            PE_T lane[PE_LANES] = {0};                                        \
-            for (s = b0; s + PE_LANES <= b1; s += PE_LANES)                   \
-                for (int l = 0; l < PE_LANES; l++) lane[l] += EXPR(s + l);    \
-            for (int l = 0; l < 8; l++)                                       \
-                total_ += lane[l] + lane[l + 8] + (lane[l + 16] + lane[l + 24]); \
-            if (b1 < n) s = b1;                                               \
-        }                                                                     \
-        PE_T lane8[8] = {0};                                                  \
-        for (; s + 8 <= n; s += 8)                                            \
-            for (int l = 0; l < 8; l++) lane8[l] += EXPR(s + l);              \
-        for (int l = 0; l < 8; l++) total_ += lane8[l];                       \
-        for (; s < n; s++) total_ += (double)(EXPR(s));                       \
-        OUT = total_;                                                         \
+/* Two sums over a channel's `rows` rows of n elements (row r at r * pitch) in one loop:
+ * each in two 64-byte vector accumulators (GCC/Clang vector types, any target: a zmm
+ * register, two ymm or four NEON registers), so the additions do not wait on each other (a
+ * single double accumulator would serialise the loop) and the accumulators stay in
+ * registers across rows (short rows too fill whole vectors); every PE_BLOCK elements the
+ * lanes go into double, so float lanes never sum many terms; a row's last elements (fewer
+ * than a vector) go one by one into double. VEXPR(p) sets the vectors `ta` and `tb` of the
+ * terms of elements p .. p + PE_NV - 1 (p = r * pitch + s), SEXPR(p) the scalars `ta` and
+ * `tb` of element p, with the same operations. */
+typedef PE_T PE_S(pe_nv) __attribute__((vector_size(64), aligned(PE_TSIZE)));
+#define PE_NV (64 / PE_TSIZE)
+#define PE_NLOAD(p) (*(const PE_S(pe_nv) *)(p))
+#define PE_SPLAT(v) ((PE_S(pe_nv)){0} + (v))
+#define PE_LANES_OUT()                                                           \
+    do {                                                                         \
+        for (int l = 0; l < PE_NV; l++) {                                        \
+            ta_ += (double)(a0_[l] + a1_[l]);                                    \
+            tb_ += (double)(c0_[l] + c1_[l]);                                    \
+        }                                                                        \
+        a0_ = a1_ = c0_ = c1_ = (PE_S(pe_nv)){0};                                \
+        since_ = 0;                                                              \
+    } while (0)
+#define PE_LANE_SUM2(VEXPR, SEXPR, rows, pitch, OUT_A, OUT_B)                    \
+    do {                                                                         \
+        double ta_ = 0, tb_ = 0;                                                 \
+        PE_S(pe_nv) a0_ = {0}, a1_ = {0}, c0_ = {0}, c1_ = {0}, ta, tb;          \
+        long since_ = 0; /* elements in the lanes */                             \
+        for (long r_ = 0; r_ < (rows); r_++) {                                   \
+            long at_ = r_ * (pitch), s = 0;                                      \
+            while (s + PE_NV <= n) {                                             \
+                long room_ = PE_BLOCK - since_, s0_ = s;                         \
+                long b1_ = s + room_ < n ? s + room_ : n;                        \
+                for (; s + 2 * PE_NV <= b1_; s += 2 * PE_NV) {                   \
+                    VEXPR(at_ + s);                                              \
+                    a0_ += ta, c0_ += tb;                                        \
+                    VEXPR(at_ + s + PE_NV);                                      \
+                    a1_ += ta, c1_ += tb;                                        \
+                }                                                                \
+                if (s + PE_NV <= b1_) {                                          \
+                    VEXPR(at_ + s);                                              \
+                    a0_ += ta, c0_ += tb;                                        \
+                    s += PE_NV;                                                  \
+                }                                                                \
+                since_ += s - s0_;                                               \
+                if (since_ >= PE_BLOCK) PE_LANES_OUT();                          \
+            }                                                                    \
+            for (; s < n; s++) {                                                 \
+                PE_T ua, ub;                                                     \
+                SEXPR(at_ + s, ua, ub);                                          \
+                ta_ += (double)ua, tb_ += (double)ub;                            \
+            }                                                                    \
+        }                                                                        \
+        PE_LANES_OUT();                                                          \
+        OUT_A = ta_, OUT_B = tb_;                                                \
     } while (0)
 
-static double PE_S(pe_row_sum)(const PE_T *restrict x, long n) {
-    double out;
-#define PE_X(i) x[i]
-    PE_LANE_SUM(PE_X, out);
-#undef PE_X
-    return out;
-}
-
-static double PE_S(pe_row_sqdev)(const PE_T *restrict x, long n, PE_T mu) {
-    double out;
-#define PE_SQ(i) ((x[i] - mu) * (x[i] - mu))
-    PE_LANE_SUM(PE_SQ, out);
-#undef PE_SQ
-    return out;
-}
-
-/* sum g and sum g * (x - mu) * rstd over a row. */
-static void PE_S(pe_row_grad_sums)(const PE_T *restrict g, const PE_T *restrict x, long n,
-                                   PE_T mu, PE_T rstd, double *sb, double *sw) {
-    double tb, tw;
-#define PE_G(i) g[i]
-#define PE_GX(i) (g[i] * ((x[i] - mu) * rstd))
-    PE_LANE_SUM(PE_G, tb);
-    PE_LANE_SUM(PE_GX, tw);
-#undef PE_G
+/* Over channel c's rows (g and x at the channel's first row, rows at `pitch`): sum g and
+ * sum g * (x - mu) * rstd, in one pass. */
+static void PE_S(pe_grad_sums)(const PE_T *restrict g, const PE_T *restrict x, long rows,
+                               long pitch, long n, PE_T mu, PE_T rstd, double *sb, double *sw) {
+    const PE_S(pe_nv) muv = PE_SPLAT(mu), rv = PE_SPLAT(rstd);
+#define PE_GXV(p) (ta = PE_NLOAD(g + (p)), tb = ta * ((PE_NLOAD(x + (p)) - muv) * rv))
+#define PE_GX(p, ua, ub) (ua = g[p], ub = ua * ((x[p] - mu) * rstd))
+    PE_LANE_SUM2(PE_GXV, PE_GX, rows, pitch, *sb, *sw);
+#undef PE_GXV
 #undef PE_GX
-    *sb += tb;
-    *sw += tw;
 }
 
-/* Channel c's statistics over its N rows of S (two passes in double: the mean, then the
- * centred sum of squares); returns the mean, the biased variance into *var. */
+/* The same two sums of gy = gz where lo < y < hi (else 0), y = (x - mu) * scale + shift
+ * formed as pe_batch_norm forms it; gy is written into `out` as well unless it is NULL (the
+ * vector select is a bitwise and with the comparisons' mask: a NaN y compares false, 0, as
+ * the scalar select). */
+static void PE_S(pe_masked_grad_sums)(const PE_T *restrict gz, const PE_T *restrict x,
+                                      PE_T *restrict out, long rows, long pitch, long n, PE_T mu,
+                                      PE_T rstd, PE_T scale, PE_T shift, PE_T lo, PE_T hi,
+                                      double *sb, double *sw) {
+    const PE_S(pe_nv) muv = PE_SPLAT(mu), rv = PE_SPLAT(rstd), sv = PE_SPLAT(scale);
+    const PE_S(pe_nv) bv = PE_SPLAT(shift), lov = PE_SPLAT(lo), hiv = PE_SPLAT(hi);
+    typedef __typeof__(muv < rv) mask_t;
+#define PE_MGXV(p)                                                         \
+    do {                                                                   \
+        PE_S(pe_nv) d_ = PE_NLOAD(x + (p)) - muv, y_ = d_ * sv + bv;       \
+        mask_t m_ = (y_ > lov) & (y_ < hiv);                               \
+        ta = (PE_S(pe_nv))((mask_t)PE_NLOAD(gz + (p)) & m_);               \
+        if (out) memcpy(out + (p), &ta, sizeof(ta));                       \
+        tb = ta * (d_ * rv);                                               \
+    } while (0)
+#define PE_MGX(p, ua, ub)                                                  \
+    do {                                                                   \
+        PE_T y_ = (x[p] - mu) * scale + shift;                             \
+        ua = (y_ > lo) & (y_ < hi) ? gz[p] : (PE_T)0;                      \
+        if (out) out[p] = ua;                                              \
+        ub = ua * ((x[p] - mu) * rstd);                                    \
+    } while (0)
+    PE_LANE_SUM2(PE_MGXV, PE_MGX, rows, pitch, *sb, *sw);
+#undef PE_MGXV
+#undef PE_MGX
+}
+
+/* Channel c's statistics over its N rows of S in one pass: the sums of d = x - k and of
+ * d * d, k the channel's first element (a shift that keeps the two sums small where the
+ * mean is far from zero: the variance's cancellation is of the order of (mean - k)^2 /
+ * var ulps, a few, where the raw sum of squares would lose mean^2 / var of them), in
+ * PE_LANE_SUM2's lanes, into double. Returns the mean, the biased variance into *var. */
 static PE_T PE_S(pe_bn_stats)(const PE_T *x, long N, long C, long S, long c, PE_T *var) {
-    double sum = 0, sq = 0, count = (double)(N * S);
-    for (long n = 0; n < N; n++) sum += PE_S(pe_row_sum)(x + (n * C + c) * S, S);
-    PE_T mu = (PE_T)(sum / count);
-    for (long n = 0; n < N; n++) sq += PE_S(pe_row_sqdev)(x + (n * C + c) * S, S, mu);
-    *var = (PE_T)(sq / count);
-    return mu;
+    double s1, s2, count = (double)(N * S);
+    const PE_T *restrict row = x + c * S, k = row[0];
+    const PE_S(pe_nv) kv = PE_SPLAT(k);
+    long n = S;
+#define PE_DV(p) (ta = PE_NLOAD(row + (p)) - kv, tb = ta * ta)
+#define PE_D(p, ua, ub) (ua = row[p] - k, ub = ua * ua)
+    PE_LANE_SUM2(PE_DV, PE_D, N, C * S, s1, s2);
+#undef PE_DV
+#undef PE_D
+    double m = s1 / count, v = s2 / count - m * m;
+    *var = (PE_T)(v > 0 ? v : v == v ? 0 : v); /* NaN stays NaN */
+    return (PE_T)((double)k + m);
 }
 
 /* batch_norm's scale of channel c: w / sqrt(var + eps), the same expression everywhere the
@@ -128,10 +178,8 @@ void PE_S(pe_batch_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
     PE_PARALLEL_FOR(N * C * S)
     for (long c = 0; c < C; c++) {
         PE_T rstd = (PE_T)(1.0 / sqrt((double)var[c] + eps)), mu = mean[c];
-        double sb = 0, sw = 0, n = (double)(N * S);
-        for (long i = 0; i < N; i++)
-            PE_S(pe_row_grad_sums)(gy + (i * C + c) * S, x + (i * C + c) * S, S, mu, rstd, &sb,
-                                   &sw);
+        double sb, sw, n = (double)(N * S);
+        PE_S(pe_grad_sums)(gy + c * S, x + c * S, N, C * S, S, mu, rstd, &sb, &sw);
         PE_T mb = (PE_T)(sb / n), mw = (PE_T)(sw / n), k = w[c] * rstd;
         for (long i = 0; i < N; i++) {
             const PE_T *g = gy + (i * C + c) * S, *row = x + (i * C + c) * S;
@@ -169,9 +217,12 @@ void PE_S(pe_batch_norm_apply)(const PE_T *x, const PE_T *w, const PE_T *b, cons
 
 /* The gradient through hardtanh(lo, hi) of batch_norm: gy = gz where lo < y < hi (y
  * recomputed from x, w, b and the saved statistics as pe_batch_norm forms it), then
- * batch_norm_grad of gy; neither y nor gy is stored in the graph. Each row's gy goes into
- * its gx row first (a branch-free select), where the two reductions and the final pass
- * read it back while the channel is still in cache. */
+ * batch_norm_grad of gy; neither y nor gy is a buffer of the graph. Two passes a channel:
+ * both per-channel sums in one (the mask formed on the fly), then gx. Rows of PE_BN_KEEP
+ * elements or more write gy into gx in the first pass and finish it in place from gx and
+ * x (measured faster on 32 x 32 maps and up); shorter rows form the mask again in the
+ * second pass, with the same operations (faster on 16 x 16 maps and below). */
+#define PE_BN_KEEP 1024
 void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T *w,
                                        const PE_T *b, const PE_T *mean, const PE_T *var,
                                        PE_T *gx, PE_T *gw, PE_T *gb, long N, long C, long S,
@@ -181,21 +232,23 @@ void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T
     for (long c = 0; c < C; c++) {
         PE_T rstd = (PE_T)(1.0 / sqrt((double)var[c] + eps)), mu = mean[c];
         PE_T scale = PE_BN_SCALE(w[c], var[c], eps), shift = b[c];
-        double sb = 0, sw = 0, count = (double)(N * S);
+        double sb, sw, count = (double)(N * S);
+        int keep = S >= PE_BN_KEEP; /* long rows: gy kept in gx for the second pass */
+        PE_S(pe_masked_grad_sums)(gz + c * S, x + c * S, keep ? gx + c * S : NULL, N, C * S, S,
+                                  mu, rstd, scale, shift, lo, hi, &sb, &sw);
+        PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
         for (long i = 0; i < N; i++) {
             const PE_T *restrict g = gz + (i * C + c) * S, *restrict row = x + (i * C + c) * S;
             PE_T *restrict out = gx + (i * C + c) * S;
+            if (keep) {
+                for (long s = 0; s < S; s++) out[s] = (out[s] - mb - (row[s] - mu) * rstd * mw) * k;
+                continue;
+            }
             for (long s = 0; s < S; s++) {
                 PE_T y = (row[s] - mu) * scale + shift;
-                out[s] = (y > lo) & (y < hi) ? g[s] : (PE_T)0;
+                PE_T gy = (y > lo) & (y < hi) ? g[s] : (PE_T)0;
+                out[s] = (gy - mb - (row[s] - mu) * rstd * mw) * k;
             }
-            PE_S(pe_row_grad_sums)(out, row, S, mu, rstd, &sb, &sw);
-        }
-        PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
-        for (long i = 0; i < N; i++) {
-            const PE_T *row = x + (i * C + c) * S;
-            PE_T *restrict out = gx + (i * C + c) * S;
-            for (long s = 0; s < S; s++) out[s] = (out[s] - mb - (row[s] - mu) * rstd * mw) * k;
         }
         gw[c] = (PE_T)sw;
         gb[c] = (PE_T)sb;
@@ -250,8 +303,12 @@ void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
     }
 }
 
-#undef PE_LANES
 #undef PE_BLOCK
-#undef PE_LANE_SUM
+#undef PE_LANE_SUM2
+#undef PE_LANES_OUT
+#undef PE_NV
+#undef PE_NLOAD
+#undef PE_SPLAT
 #undef PE_BN_SCALE
+#undef PE_BN_KEEP
 #endif
