@@ -10,9 +10,9 @@ put in the backward only for this mask are read by nothing and go. Then the forw
 ``hardtanh(y)`` with ``y`` read by nothing else becomes one ``batch_norm_hardtanh(x, w,
 b)`` at the batch norm's place, whose output pass clips, so ``y`` is never stored. Last,
 a batch norm (fused or not) that repeats an earlier one on the same ``x``, ``w`` and ``b``
-(rematerialisation's copy in the backward pass) and whose statistics nothing reads
-becomes ``batch_norm_apply(x, w, b, mean, var)`` of the earlier one's statistics: one
-read of ``x`` instead of three.
+(rematerialisation's copy in the backward pass) becomes ``batch_norm_apply(x, w, b,
+mean, var)`` of the earlier one's statistics, and what read the repeat's statistics
+reads the earlier one's (the same numbers): one read of ``x`` instead of three.
 
 The memory plan runs on the rewritten graph, so it holds neither ``y`` nor the masked
 gradient of a fused pair.
@@ -124,20 +124,26 @@ def _fuse_forward(graph: Graph) -> Graph:
 
 
 def _reuse_statistics(graph: Graph) -> Graph:
-    """Each repeat of a batch norm (same x, w, b and eps) whose statistics nothing reads
-    as a ``batch_norm_apply`` of the first one's statistics."""
-    users, returned = graph.users(), {v.name for v in graph.outputs}
+    """Each repeat of a batch norm (same x, w, b and eps, none of them written since the
+    first) as a ``batch_norm_apply`` of the first one's statistics. The repeat's
+    statistics are the first's, so what reads them (a recomputation registers every
+    result of the node it repeats) reads the first's instead; a repeat whose statistics
+    the graph returns stays."""
+    returned = {v.name for v in graph.outputs}
     first: dict[tuple[str, ...], Node] = {}
     written: set[str] = set()
+    same: dict[str, Value] = {}  # a repeat's statistics -> the first's
     nodes, changed = [], False
     for node in graph.nodes:
+        if any(v.name in same for v in node.inputs):
+            node = node.replace(inputs=tuple(same.get(v.name, v) for v in node.inputs))
         if node.op in ("batch_norm", "batch_norm_hardtanh"):
             key = (*(v.name for v in node.inputs), repr(node.attrs.get("eps")))
             made = first.setdefault(key, node)
-            stats = {v.name for v in node.outputs[1:]}
-            unread = not any(users.get(name) for name in stats) and not stats & returned
+            stats = [v.name for v in node.outputs[1:]]
             fresh = not any(v.name in written for v in node.inputs)
-            if made is not node and unread and fresh:
+            if made is not node and fresh and returned.isdisjoint(stats):
+                same.update(zip(stats, made.outputs[1:], strict=True))
                 clip = _bounds(node) if node.op == "batch_norm_hardtanh" else (None, None)
                 attrs = Attrs(eps=node.attrs["eps"], min_val=clip[0], max_val=clip[1])
                 inputs = (*node.inputs, *made.outputs[1:])
