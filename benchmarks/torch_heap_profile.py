@@ -10,8 +10,10 @@ PyTorch eager on the same weights, frozen set and batch), runs ``--warmup`` step
 ``--steps`` more, and prints the medians of each step's user and system CPU time and minor
 page faults (``getrusage``: a loaded machine stretches them far less than wall time).
 ``--trace`` then runs one more step with a line tracer on the generated function and
-prints the page faults of each op (summed over its lines). Workloads: ``zoo.benchmark``'s,
-and ``mcu`` (MobileNetV2 width 0.35, 128 px, batch 1).
+prints the page faults of each op (summed over its lines); ``--profile N`` runs one more
+step under ``torch.profiler`` and prints its ``N`` ATen ops of most self CPU time, with
+their calls (both frameworks: compare ours against ``--eager`` at the same thread count).
+Workloads: ``zoo.benchmark``'s, and ``mcu`` (MobileNetV2 width 0.35, 128 px, batch 1).
 """
 
 from __future__ import annotations
@@ -73,6 +75,19 @@ def _trace(step: Any, batch: Any) -> collections.Counter[str]:
     return per_op
 
 
+def _profile(step: Any, batch: Any, rows: int) -> str:
+    """One more step under ``torch.profiler``: its ``rows`` ops of most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(*batch)
+    averages = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in averages) / 1e3
+    calls = sum(e.count for e in averages)
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=rows)
+    return f"{calls} op calls, {total:.0f} ms of self CPU time\n{table}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,6 +100,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the N ops of most self CPU time of one more step")  # fmt: skip
     args = parser.parse_args()
     import torch
 
@@ -116,6 +133,8 @@ def main() -> int:
     if args.trace and not args.eager:
         for op, n in _trace(step, batch).most_common(8):
             print(f"{n:8d} faults ({n * 4 / 1024:6.1f} MiB)  {op}")
+    if args.profile:
+        print(_profile(step, batch, args.profile))
     return 0
 
 

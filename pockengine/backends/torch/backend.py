@@ -3,7 +3,8 @@
 ``TorchBackend.compile`` writes the whole graph as the source of one straight-line
 function (``codegen``; the lines come from the kernel tables in ``kernels``,
 ``kernels_shape`` and ``kernels_nn``), compiles it with ``compile()`` and binds
-the ATen kernels, dtypes, the device and the compile-time constants as its globals.
+the ATen kernels, dtypes, the device and the compile-time constants as its globals (a
+large source is parsed in a forked child, ``bytecode``).
 Running it is one call under ``torch.inference_mode()``: no autograd, no interpreter
 loop, no per-op lookups. The source stays on the executable as ``.source``; line
 ``first_line + k`` is node ``k``, so an error raised by a kernel names its node.
@@ -41,6 +42,7 @@ from pockengine.backends.torch import kernels_optim as torch_kernels_optim
 from pockengine.backends.torch import kernels_quant as torch_kernels_quant
 from pockengine.backends.torch import kernels_select as torch_kernels_select
 from pockengine.backends.torch import kernels_shape as torch_kernels_shape
+from pockengine.backends.torch.bytecode import code_object
 from pockengine.backends.torch.codegen import Emitter, PairFinder, generate_source
 from pockengine.backends.torch.heap import (
     LARGE_SLOT_BYTES,
@@ -158,7 +160,9 @@ class TorchExecutable(Executable):
         linecache.cache[self._filename] = (len(self.source), None, lines, self._filename)
         weakref.finalize(self, linecache.cache.pop, self._filename, None)
         namespace = {**_NAMESPACE, **generated.constants, "dev": device, "heap_trim": peak_trim}
-        exec(compile(self.source, self._filename, "exec"), namespace)
+        # parsed in a forked child where it is large (``bytecode``): the parser's garbage
+        # stays out of the training process
+        exec(code_object(self.source, self._filename), namespace)
         self.function: types.FunctionType = namespace[generated.function]
         self._inputs = tuple(v.name for v in graph.inputs)
         # The fused optimizer kernels index raw memory: what they write must be dense, in the
