@@ -23,10 +23,10 @@ from pockengine import zoo
 from pockengine.ir import Graph, Phase
 from pockengine.passes.remat_budget import block_targets
 from pockengine.plan import plan_memory
+from tests.remat_lora import compile_lora, layer_of, step_losses
 
 LAYERS = 3
 _ORIGINAL = re.compile(r"_re[0-9]+$")
-STEPS = 3
 
 
 def _work() -> zoo.Workload:
@@ -36,23 +36,10 @@ def _work() -> zoo.Workload:
 
 def _compile(backend: str, budget: int | None) -> tuple[pe.TrainStep, zoo.Workload]:
     work = _work()
-    scheme = pe.schemes.lora(rank=4, alpha=8, targets=["*q_proj", "*v_proj"])
-    step = pe.compile(work.model, work.loss_fn, work.make_batch(0), pe.optim.AdamW(lr=1e-2),
-                      scheme, backend=backend, memory_budget=budget,
-                      frozen_dtype="int4")  # fmt: skip
-    return step, work
+    return compile_lora(work, backend, budget), work
 
 
-def _losses(step: pe.TrainStep, work: zoo.Workload) -> list[float]:
-    return [float(step(*work.make_batch(k))) for k in range(STEPS)]
-
-
-def _layer(source: str) -> int | None:
-    m = re.search(r"layers\.([0-9]+)", source)
-    return int(m.group(1)) if m else None
-
-
-def test_block_targets_are_the_internals_of_each_layer() -> None:
+def test_block_targets_are_the_internals_of_eachlayer_of() -> None:
     step, _ = _compile("numpy", None)
     graph = step.graph
     blocks = block_targets(graph)
@@ -60,12 +47,12 @@ def test_block_targets_are_the_internals_of_each_layer() -> None:
     producers = graph.producers()
     forward = [n for n in graph.nodes if n.phase is not Phase.BACKWARD]
     for k, names in enumerate(blocks):
-        assert names and {_layer(producers[n].source) for n in names} == {k}
-        readers = {_layer(n.source) for n in forward for v in n.inputs if v.name in names}
+        assert names and {layer_of(producers[n].source) for n in names} == {k}
+        readers = {layer_of(n.source) for n in forward for v in n.inputs if v.name in names}
         assert readers == {k}  # nothing outside the block reads them
     # the values a layer hands on (its output: the next residual) are not targets
-    outputs = {v.name for n in forward if _layer(n.source) is not None for v in n.outputs}
-    handed = {v.name for n in forward if _layer(n.source) is None for v in n.inputs}
+    outputs = {v.name for n in forward if layer_of(n.source) is not None for v in n.outputs}
+    handed = {v.name for n in forward if layer_of(n.source) is None for v in n.inputs}
     assert outputs & handed and not (outputs & handed) & set().union(*blocks)
 
 
@@ -73,7 +60,7 @@ def test_block_targets_are_the_internals_of_each_layer() -> None:
 def _reference(backend: str) -> tuple[Graph, list[float]]:
     """The step without a budget: its graph and losses."""
     step, work = _compile(backend, None)
-    return step.graph, _losses(step, work)
+    return step.graph, step_losses(step, work)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c", pytest.param("torch", marks=pytest.mark.slow)])
@@ -83,9 +70,9 @@ def test_checkpointed_blocks_meet_the_budget_one_block_at_a_time(backend: str) -
     step, work = _compile(backend, budget)
     graph = step.graph
     assert plan_memory(graph).planned_peak_bytes <= budget
-    recomputed = [(i, n) for i, n in enumerate(graph.nodes) if _layer(n.source) is not None
+    recomputed = [(i, n) for i, n in enumerate(graph.nodes) if layer_of(n.source) is not None
                   and any(_ORIGINAL.search(v.name) for v in n.outputs)]  # fmt: skip
-    layers = {_layer(n.source) for _, n in recomputed}
+    layers = {layer_of(n.source) for _, n in recomputed}
     assert layers == set(range(LAYERS))  # every block repeated from its input
     # projections are repeated; the attention's output, dearer per byte than a projection's
     # here (a 64-token sequence, 32 wide), is what the budget's room keeps
@@ -99,4 +86,4 @@ def test_checkpointed_blocks_meet_the_budget_one_block_at_a_time(backend: str) -
         starts = min(i for i, names in own[k - 1].items() if names)
         copies = [name for names in own[k].values() for name in names]
         assert copies and all(last.get(name, -1) < starts for name in copies)
-    assert _losses(step, work) == losses  # the same kernels on the same values: same bits
+    assert step_losses(step, work) == losses  # the same kernels on the same values: same bits

@@ -27,9 +27,9 @@ from pockengine.passes.remat_budget import FitMemoryBudget, block_targets
 from pockengine.passes.remat_select import SavedValues, keep_order
 from pockengine.plan import plan_memory
 from pockengine.plan.liveness import last_reads
+from tests.remat_lora import compile_lora, layer_of, step_losses
 
 LAYERS = 3
-STEPS = 3
 BLOCK_FRACTION = 0.9  # of the plan without a budget: room for the last two blocks and a part
 REPEAT_FRACTION = 0.8  # the first block recomputed whole
 _RECOMPUTED = re.compile(r"_re[0-9]+$")
@@ -46,20 +46,7 @@ def _work() -> zoo.Workload:
 
 def _compile(backend: str, budget: int | None) -> tuple[pe.TrainStep, zoo.Workload]:
     work = _work()
-    scheme = pe.schemes.lora(rank=4, alpha=8, targets=["*q_proj", "*v_proj"])
-    step = pe.compile(work.model, work.loss_fn, work.make_batch(0), pe.optim.AdamW(lr=1e-2),
-                      scheme, backend=backend, memory_budget=budget,
-                      frozen_dtype="int4")  # fmt: skip
-    return step, work
-
-
-def _losses(step: pe.TrainStep, work: zoo.Workload) -> list[float]:
-    return [float(step(*work.make_batch(k))) for k in range(STEPS)]
-
-
-def _layer(source: str) -> int | None:
-    m = re.search(r"layers\.([0-9]+)", source)
-    return int(m.group(1)) if m else None
+    return compile_lora(work, backend, budget), work
 
 
 @functools.cache
@@ -96,7 +83,7 @@ def test_keep_order_ranks_the_last_block_and_its_projections_first() -> None:
     blocks = block_targets(graph, saved)
     order = keep_order(saved, blocks)
     producers = graph.producers()
-    layers = [_layer(producers[group[0]].source) for group in order]
+    layers = [layer_of(producers[group[0]].source) for group in order]
     assert layers == sorted(layers, reverse=True) and layers[0] == LAYERS - 1
     for k in range(LAYERS):
         ops = [producers[g[0]].op for g, layer in zip(order, layers, strict=True) if layer == k]
@@ -128,7 +115,7 @@ def test_a_budget_inside_a_block_keeps_its_projections(backend: str) -> None:
     k = next(i for i, b in enumerate(blocks) if b & made == cut[0])
     assert not set().union(*blocks[:k]) & made & read  # earlier blocks: recomputed whole
     assert set().union(*blocks[k + 1 :]) <= read  # later blocks: kept whole
-    assert _losses(step, work) == _losses(*_compile(backend, None))
+    assert step_losses(step, work) == step_losses(*_compile(backend, None))
 
 
 def test_no_recomputation_is_repeated() -> None:
@@ -139,7 +126,7 @@ def test_no_recomputation_is_repeated() -> None:
     recomputed = [(i, n) for i, n in enumerate(graph.nodes)
                   if n.phase is Phase.BACKWARD and n.outputs
                   and all(_RECOMPUTED.search(v.name) for v in n.outputs)]  # fmt: skip
-    attention = [_layer(n.source) for _, n in recomputed if n.op == "attention"]
+    attention = [layer_of(n.source) for _, n in recomputed if n.op == "attention"]
     assert sorted(attention) == sorted(set(attention)) and attention  # once per layer
     last = last_reads(graph)
     made: dict[tuple[str, tuple[str, ...], str], Node] = {}

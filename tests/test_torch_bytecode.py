@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import types
 from typing import Any
@@ -38,7 +39,10 @@ def _fields(code: types.CodeType) -> tuple[Any, ...]:
 
 @pytest.fixture
 def parsed_here(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The file names of the sources this process parses itself."""
+    """The file names of the sources this process parses itself. Forking counts as safe
+    (another test in this process may have started JAX or imported TensorFlow, which turns
+    it off: ``test_a_fresh_torch_process_may_fork`` checks the real condition)."""
+    monkeypatch.setattr(bytecode, "_can_fork", lambda: True)
     calls: list[str] = []
     real = bytecode._parse_here
 
@@ -101,6 +105,15 @@ def test_a_syntax_error_is_raised_as_compile_raises_it(parsed_here: list[str]) -
     with pytest.raises(SyntaxError):
         bytecode.code_object(source, "<broken>")
     assert parsed_here == ["<broken>"]  # the child failed; parsed here to raise the error
+
+
+def test_a_fresh_torch_process_may_fork() -> None:
+    code = (
+        "import torch; from pockengine.backends.torch import bytecode; print(bytecode._can_fork())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=300)  # fmt: skip
+    assert done.stdout.strip() == "True", done.stderr
 
 
 def test_not_forked_beside_a_started_jax_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
