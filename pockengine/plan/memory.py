@@ -31,7 +31,7 @@ from pockengine.ir import Graph, Role
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import Interval, Liveness, liveness
 
-__all__ = ["ALIGNMENT", "MemoryPlan", "place_intervals", "plan_memory"]
+__all__ = ["ALIGNMENT", "MemoryPlan", "place_intervals", "plan_memory", "reuse_groups"]
 
 ALIGNMENT = 64  # bytes; every offset is a multiple of it
 
@@ -104,7 +104,7 @@ def place_intervals(intervals: list[Interval]) -> dict[str, int]:
     return offsets
 
 
-def _reuse_groups(graph: Graph, reuse: Mapping[int, int], live: Liveness) -> dict[str, str]:
+def reuse_groups(graph: Graph, reuse: Mapping[int, int], live: Liveness) -> dict[str, str]:
     """Value -> the first value of its in-place chain, for every result that takes a dying
     input's buffer (its lifetime ended just before the node: ``liveness``)."""
     head: dict[str, str] = {}
@@ -147,7 +147,7 @@ def plan_memory(graph: Graph, reuse: Mapping[int, int] | None = None) -> MemoryP
     reuse = reusable_inputs(graph) if reuse is None else reuse
     live = liveness(graph, reuse)
     planned = [iv for iv in live.intervals.values() if iv.nbytes > 0]
-    offsets = _place_groups(planned, _reuse_groups(graph, reuse, live))
+    offsets = _place_groups(planned, reuse_groups(graph, reuse, live))
     arena = max((offsets[iv.value.name] + _aligned(iv.nbytes) for iv in planned), default=0)
     return MemoryPlan(
         offsets=offsets,

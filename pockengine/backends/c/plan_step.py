@@ -18,7 +18,7 @@ from pockengine.ir import Graph
 from pockengine.plan import MemoryPlan, plan_memory
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import Interval, Liveness, liveness
-from pockengine.plan.memory import ALIGNMENT, place_intervals
+from pockengine.plan.memory import ALIGNMENT, place_intervals, reuse_groups
 
 __all__ = ["plan_step_memory"]
 
@@ -31,7 +31,7 @@ def plan_step_memory(graph: Graph) -> MemoryPlan:
     if not views:
         return base
     live = liveness(graph, reuse)
-    head = _chains(graph, reuse, live)
+    head = reuse_groups(graph, reuse, live)
     for name, view in views.items():
         if view.root in live.intervals:
             head[name] = head.get(view.root, view.root)
@@ -61,18 +61,6 @@ def _aligned(nbytes: int) -> int:
 def _union(a: Interval, b: Interval) -> Interval:
     first = a if a.value.type.nbytes >= b.value.type.nbytes else b
     return Interval(first.value, min(a.start, b.start), max(a.end, b.end))
-
-
-def _chains(graph: Graph, reuse: dict[int, int], live: Liveness) -> dict[str, str]:
-    """Value -> the first value of its in-place chain (as ``plan_memory`` places them)."""
-    head: dict[str, str] = {}
-    for i, k in sorted(reuse.items()):
-        node = graph.nodes[i]
-        src, out = node.inputs[k].name, node.outputs[0].name
-        iv = live.intervals.get(src)
-        if iv is not None and iv.end == i - 1 and iv.nbytes == live.intervals[out].nbytes:
-            head[out] = head.get(src, src)
-    return head
 
 
 def _peak(live: Liveness, views: dict[str, View]) -> int:
