@@ -24,7 +24,7 @@ from pockengine.ir import Attrs, Graph, Node, Role, Value, get_op
 from pockengine.ir.registry import Fact
 from pockengine.ir.rewrite import substitute
 
-__all__ = ["REFILL_LIMIT", "eliminate_common_subexpressions"]
+__all__ = ["REFILL_LIMIT", "eliminate_common_subexpressions", "node_key"]
 
 REFILL_LIMIT = 64  # elements; larger creation nodes are refilled rather than shared
 _STORED = (Role.PARAM, Role.BUFFER, Role.CONST)
@@ -52,8 +52,14 @@ def _key(node: Node) -> _Key | None:
         not node.inputs or _recomputed_from_stored(node)
     ):
         return None
+    return node_key(node)
+
+
+def node_key(node: Node) -> _Key:
+    """What makes two pure nodes compute the same results: the op, the input names (sorted
+    for a commutative op) and the attributes by value and type."""
     names = tuple(v.name for v in node.inputs)
-    if opdef.has(Fact.COMMUTATIVE):
+    if get_op(node.op).has(Fact.COMMUTATIVE):
         names = tuple(sorted(names))
     return node.op, names, _attr_key(node.attrs)
 

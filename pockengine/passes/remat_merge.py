@@ -20,40 +20,33 @@ in order.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 
-from pockengine.ir import Attrs, Fact, Graph, Node, Phase, Value, get_op
+from pockengine.ir import Graph, Node, Phase, Value, get_op
 from pockengine.ir.rewrite import substitute
+from pockengine.passes.cse import node_key
 from pockengine.plan.liveness import last_reads
 
 __all__ = ["merge_recomputations"]
 
 _RECOMPUTED = re.compile(r"_re[0-9]+$")
-_Key = tuple[str, tuple[str, ...], str]
 
 
-def _attrs_key(attrs: Attrs) -> str:
-    """The attributes by value and type (0.0 is not -0.0, 1 is not 1.0)."""
-    return repr(sorted((k, type(v).__name__, repr(v)) for k, v in attrs.items()))
-
-
-def _key(node: Node) -> _Key | None:
+def _key(node: Node) -> Hashable | None:
     """What makes two recomputations interchangeable, or None for a node never merged."""
     opdef = get_op(node.op)
     if node.phase is not Phase.BACKWARD or not node.outputs or opdef.effectful:
         return None
     if not all(_RECOMPUTED.search(v.name) for v in node.outputs):
         return None
-    names = tuple(v.name for v in node.inputs)
-    if opdef.has(Fact.COMMUTATIVE):
-        names = tuple(sorted(names))
-    return node.op, names, _attrs_key(node.attrs)
+    return node_key(node)
 
 
 def merge_recomputations(graph: Graph) -> Graph:
     """Point the readers of a repeated recomputation at its live first copy (the module
     doc)."""
     last = last_reads(graph)  # of the merged values too, as merges extend them
-    first: dict[_Key, Node] = {}
+    first: dict[Hashable, Node] = {}
     mapping: dict[str, Value] = {}
     kept: list[Node] = []
     for i, node in enumerate(graph.nodes):
