@@ -116,16 +116,20 @@ def _pair(node: Node, key: str) -> tuple[int, int]:
 
 
 def conv_geometry(node: Node) -> ConvGeometry:
-    """The geometry of a conv node (any of ``CONV_OPS``): the input, weight and output
-    shapes read from whichever operands hold them."""
-    if node.op == "conv2d":
+    """The geometry of a conv node (any of ``CONV_OPS``, or their ``conv2d_nhwc`` forms,
+    whose maps are NHWC): the input, weight and output shapes read from whichever operands
+    hold them, in conv.c's order (NCHW sizes)."""
+    op = node.op.replace("_nhwc", "", 1)
+    if op == "conv2d":
         x, w, y = node.inputs[0].shape, node.inputs[1].shape, node.outputs[0].shape
-    elif node.op == "conv2d_input_grad":
+    elif op == "conv2d_input_grad":
         x, w, y = node.outputs[0].shape, node.inputs[1].shape, node.inputs[0].shape
     else:
         x, w, y = node.inputs[0].shape, node.outputs[0].shape, node.inputs[1].shape
     if len(x) != 4:
         raise ValueError(f"conv2d of a rank-{len(x)} input (the C kernel takes NCHW)")
+    if op != node.op:  # NHWC maps
+        x, y = (x[0], x[3], x[1], x[2]), (y[0], y[3], y[1], y[2])
     (sh, sw), (ph, pw), (dh, dw) = (_pair(node, k) for k in ("stride", "padding", "dilation"))
     groups = node.attrs.get("groups", 1)
     if not isinstance(groups, int):

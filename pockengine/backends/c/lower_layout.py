@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from pockengine.backends.c.conv_kernels import ConvGeometry
+from pockengine.backends.c.conv_kernels import ConvGeometry, conv_geometry
 from pockengine.backends.c.emit import CEmitError, EmitContext, Lowering, attr_int
 from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import Node
@@ -21,26 +21,12 @@ from pockengine.ops.layout import block_of
 __all__ = ["KERNELS", "nhwc_geometry", "nhwc_kernel"]
 
 
-def _pair(node: Node, key: str) -> tuple[int, int]:
-    value = node.attrs[key]
-    if not (isinstance(value, tuple) and len(value) == 2):
-        raise CEmitError(f"{node.op}: attribute {key}={value!r} is not a pair")
-    return int(value[0]), int(value[1])
-
-
 def nhwc_geometry(node: Node) -> ConvGeometry:
     """The geometry (conv.c's order: NCHW sizes) of an NHWC convolution node."""
-    if node.op == "conv2d_nhwc":
-        x, w, y = node.inputs[0].shape, node.inputs[1].shape, node.outputs[0].shape
-    elif node.op == "conv2d_nhwc_input_grad":
-        x, w, y = node.outputs[0].shape, node.inputs[1].shape, node.inputs[0].shape
-    else:
-        x, w, y = node.inputs[0].shape, node.outputs[0].shape, node.inputs[1].shape
-    (sh, sw), (ph, pw), (dh, dw) = (_pair(node, k) for k in ("stride", "padding", "dilation"))
-    groups = attr_int(node, "groups")
-    return ConvGeometry(
-        x[0], x[3], x[1], x[2], w[0], w[2], w[3], y[1], y[2], sh, sw, ph, pw, dh, dw, groups
-    )
+    try:
+        return conv_geometry(node)
+    except ValueError as e:
+        raise CEmitError(f"{node.op}: {e}") from None
 
 
 def nhwc_kernel(g: ConvGeometry) -> str | None:
