@@ -77,9 +77,16 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
     long dout = cols_inner ? drs : dcs, din = cols_inner ? dcs : drs;
     long sin = cols_inner ? l->cs : l->rs;
 #if PE_TSIZE == 4 && defined(PE_GEMM_TRANSPOSE_PACK)
-    if (sin == 1 && dout == 1 && din > 1 && l->split == 0) {
-        pe_pack_transposed_f32(dst, din, src + pe_axis_offset(l, outer, o0) + i0,
-                               cols_inner ? l->rs : l->cs, no, ni);
+    if (sin == 1 && dout == 1 && din > 1 && l->split != outer) {
+        /* register-tile transposes, one per run of the inner axis inside a span (a
+         * weight gradient's k axis runs over every image's plane) */
+        const PE_T *lines = src + pe_axis_offset(l, outer, o0);
+        for (long i = i0; i < i0 + ni;) {
+            long run = pe_axis_run(l, inner, i, i0 + ni);
+            pe_pack_transposed_f32(dst + (i - i0) * din, din, lines + pe_axis_offset(l, inner, i),
+                                   cols_inner ? l->rs : l->cs, no, run);
+            i += run;
+        }
         return;
     }
 #endif
