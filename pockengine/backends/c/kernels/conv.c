@@ -197,7 +197,7 @@ void PE_S(pe_conv2d_weight_grad_pointwise)(const PE_T *x, const PE_T *gy, PE_T *
      * positions (split at each image). */
     long N = g[PE_G_N], C = g[PE_G_C], O = g[PE_G_O], HW = g[PE_G_H] * g[PE_G_W];
     pe_layout la = {HW, 1, HW, O * HW, 2}, lb = {1, HW, HW, C * HW, 1}, lc = {C, 1, 0, 0, 0};
-    PE_S(pe_gemm_strided)(O, C, N * HW, gy, la, x, lb, gw, lc, 0);
+    PE_S(pe_gemm_least_padded)(O, C, N * HW, gy, la, x, lb, gw, lc, 0);
 }
 
 void PE_S(pe_conv2d_weight_grad_depthwise)(const PE_T *x, const PE_T *gy, PE_T *gw,

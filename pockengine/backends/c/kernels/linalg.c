@@ -45,6 +45,12 @@ static inline pe_layout pe_plain(long ld, int trans) {
     return l;
 }
 
+/* The layout of the transposed matrix: rows and columns (and the split axis) exchanged. */
+static inline pe_layout pe_transposed(pe_layout l) {
+    pe_layout t = {l.cs, l.rs, l.span, l.jump, l.split == 0 ? 0 : 3 - l.split};
+    return t;
+}
+
 static inline long pe_min(long a, long b) { return a < b ? a : b; }
 
 #if defined(__GNUC__)
@@ -233,6 +239,22 @@ void PE_S(pe_gemm_strided)(long M, long N, long K, const PE_T *A, pe_layout la, 
                            pe_layout lb, PE_T *C, pe_layout lc, int accumulate) {
     PE_S(pe_gemm_b) b = {B, lb, NULL, NULL};
     PE_S(pe_gemm_run)(M, N, K, A, la, &b, C, lc, accumulate);
+}
+
+/* pe_gemm_strided, or the same product transposed, C^T = op(B)^T op(A)^T, when its tiles
+ * pad less (a weight gradient [96, 16] fills half of each 32-column sliver; [16, 96] two
+ * 12-row panels of 16 rows). Each element sums the same products in the same k order,
+ * so the bits are the same either way. */
+void PE_S(pe_gemm_least_padded)(long M, long N, long K, const PE_T *A, pe_layout la,
+                                const PE_T *B, pe_layout lb, PE_T *C, pe_layout lc,
+                                int accumulate) {
+    long padded = (M + PE_MR - 1) / PE_MR * PE_MR * ((N + PE_NR - 1) / PE_NR * PE_NR);
+    long swapped = (N + PE_MR - 1) / PE_MR * PE_MR * ((M + PE_NR - 1) / PE_NR * PE_NR);
+    if (10 * swapped < 9 * padded)
+        PE_S(pe_gemm_strided)(N, M, K, B, pe_transposed(lb), A, pe_transposed(la),
+                              C, pe_transposed(lc), accumulate);
+    else
+        PE_S(pe_gemm_strided)(M, N, K, A, la, B, lb, C, lc, accumulate);
 }
 
 void PE_S(pe_gemm_implicit)(long M, long N, long K, const PE_T *A, pe_layout la,

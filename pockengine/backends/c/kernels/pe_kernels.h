@@ -67,6 +67,8 @@ size_t pe_dtype_size(int dtype);
                      long ldb, int tb, T *C, long ldc, int accumulate);                        \
     void pe_gemm_strided_##S(long M, long N, long K, const T *A, pe_layout la, const T *B,     \
                              pe_layout lb, T *C, pe_layout lc, int accumulate);                \
+    void pe_gemm_least_padded_##S(long M, long N, long K, const T *A, pe_layout la, const T *B, \
+                                  pe_layout lb, T *C, pe_layout lc, int accumulate);           \
     void pe_gemm_implicit_##S(long M, long N, long K, const T *A, pe_layout la,                \
                               void (*pack)(const void *, T *, long, long, long, long, long),   \
                               const void *ctx, T *C, pe_layout lc, int accumulate);            \
