@@ -61,6 +61,10 @@ KNOWN_ABSENT: dict[str, dict[str, str]] = {
         "batch_norm_hardtanh_grad": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
         "batch_norm_apply": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
         **dict.fromkeys(
+            ("conv2d_bn_hardtanh", "conv2d_bn_hardtanh_weight_grad"),
+            "made only by the C backend's lowering (backends/c/fuse_dw_bn.py)",
+        ),
+        **dict.fromkeys(
             ("layout_convert", "conv2d_nhwc", "conv2d_nhwc_input_grad", "conv2d_nhwc_weight_grad"),
             "made only by the C backend's layout pass (backends/c/layout.py)",
         ),

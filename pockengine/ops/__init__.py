@@ -5,6 +5,7 @@ from __future__ import annotations
 from pockengine.ops import (
     activation,
     attention,
+    conv_bn_act,
     conv_nhwc,
     elementwise,
     fused_loss,
@@ -30,6 +31,7 @@ from pockengine.ops import (
 __all__ = [
     "activation",
     "attention",
+    "conv_bn_act",
     "conv_nhwc",
     "elementwise",
     "fused_loss",

@@ -1,5 +1,5 @@
 """The torch kernels of ``batch_norm_hardtanh``, its gradient and ``batch_norm_apply``
-(``ops/norm_act.py``).
+(``ops/norm_act.py``), and of the convolutions reading them (``ops/conv_bn_act.py``).
 
 Only the C backend makes these ops (``backends/c/fuse_bn.py``); here they are the unfused
 ATen calls, so a graph holding them (an op-table test, a rewritten graph) runs on torch too.
@@ -60,7 +60,53 @@ def _batch_norm_apply(e: Emit) -> list[str]:
     return stmts
 
 
+def _geometry(e: Emit) -> str:
+    keys = ("stride", "padding", "dilation")
+    return ", ".join(literal(tuple(e.attr(k))) for k in keys) + f", {e.attr('groups')}"
+
+
+def _conv2d_bn_hardtanh(e: Emit) -> list[str]:
+    """batch_norm_hardtanh's statements into a temporary, then the convolution."""
+    x, bw, bb, w, *bias = e.ins
+    y, mean, var = e.outs
+    z = e.tmp()
+    eps = literal(float(e.attr("eps")))
+    call = f"aten_native_batch_norm({x}, {bw}, {bb}, None, None, True, 0.0, {eps})"
+    return [
+        f"{z}, {mean}, {var} = {call}",
+        f"{z} = aten_clamp({z}, {_bounds(e)})",
+        f"{var} = {var}.pow(-2).sub_({eps})",
+        f"{y} = aten_conv2d({z}, {w}, {bias[0] if bias else 'None'}, {_geometry(e)})",
+    ]
+
+
+def _conv2d_bn_hardtanh_weight_grad(e: Emit) -> list[str]:
+    """batch_norm_apply's statements (clipped) into a temporary, then the weight gradient."""
+    x, bw, bb, mean, var, gy = e.ins
+    eps = literal(float(e.attr("eps")))
+    view = literal((-1, *([1] * (e.node.inputs[0].type.rank - 2))))
+    scale = f"({bw} / aten_add({var}, {eps}).sqrt()).view({view})"
+    z = e.tmp()
+    shape = literal(tuple(e.attr("w_shape")))
+    grad = f"aten_convolution_backward({gy}, {z}, {z}.new_zeros(1).expand({shape}), None, "
+    return [
+        f"{z} = ({x} - {mean}.view({view})) * {scale} + {bb}.view({view})",
+        f"{z} = aten_clamp({z}, {_bounds(e)})",
+        f"{e.out} = {grad}{_geometry_transposed(e)}, (False, True, False))[1]",
+    ]
+
+
+def _geometry_transposed(e: Emit) -> str:
+    """convolution_backward's geometry: stride, padding, dilation, transposed, output
+    padding, groups."""
+    keys = ("stride", "padding", "dilation")
+    pairs = ", ".join(literal(tuple(e.attr(k))) for k in keys)
+    return f"{pairs}, False, (0, 0), {e.attr('groups')}"
+
+
 KERNELS: dict[str, Emitter] = {
+    "conv2d_bn_hardtanh": _conv2d_bn_hardtanh,
+    "conv2d_bn_hardtanh_weight_grad": _conv2d_bn_hardtanh_weight_grad,
     "batch_norm_hardtanh": _batch_norm_hardtanh,
     "batch_norm_hardtanh_grad": _batch_norm_hardtanh_grad,
     "batch_norm_apply": _batch_norm_apply,

@@ -128,9 +128,11 @@ static PE_T PE_S(pe_bn_stats)(const PE_T *x, long N, long C, long S, long c, PE_
     return (PE_T)((double)k + m);
 }
 
-/* batch_norm's scale of channel c: w / sqrt(var + eps), the same expression everywhere the
- * normalised value is formed (the fused gradient recomputes it bit for bit). */
-#define PE_BN_SCALE(w, v, eps) ((w) / (PE_T)sqrt((double)(v) + (eps)))
+/* Channel c's mean, and its biased variance into *var, as pe_batch_norm takes them
+ * (dw_bn.c's fused depthwise convolution). */
+PE_T PE_S(pe_bn_channel_stats)(const PE_T *x, long N, long C, long S, long c, PE_T *var) {
+    return PE_S(pe_bn_stats)(x, N, C, S, c, var);
+}
 
 void PE_S(pe_batch_norm)(const PE_T *x, const PE_T *w, const PE_T *b, PE_T *y, PE_T *mean,
                          PE_T *var, long N, long C, long S, double eps) {
@@ -309,6 +311,5 @@ void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
 #undef PE_NV
 #undef PE_NLOAD
 #undef PE_SPLAT
-#undef PE_BN_SCALE
 #undef PE_BN_KEEP
 #endif

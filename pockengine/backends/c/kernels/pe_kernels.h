@@ -109,6 +109,14 @@ size_t pe_dtype_size(int dtype);
                                          const T *mean, const T *var, T *gx, T *gw, T *gb,    \
                                          long N, long C, long S_, double eps, double lo,      \
                                          double hi);                                         \
+    T pe_bn_channel_stats_##S(const T *x, long N, long C, long S_, long c, T *var);           \
+    void pe_conv2d_bn_hardtanh_##S(const T *x, const T *bw, const T *bb, T *mean, T *var,      \
+                                   const T *w, const T *bias, T *y, const long *geom,          \
+                                   double eps, double lo, double hi);                          \
+    void pe_conv2d_bn_hardtanh_weight_grad_##S(const T *x, const T *bw, const T *bb,           \
+                                               const T *mean, const T *var, const T *gy,       \
+                                               T *gw, const long *geom, double eps, double lo, \
+                                               double hi);                                     \
     void pe_batch_norm_apply_##S(const T *x, const T *w, const T *b, const T *mean,           \
                                  const T *var, T *z, long N, long C, long S_, double eps,     \
                                  int clip, double lo, double hi);                             \
@@ -175,6 +183,15 @@ enum {
     PE_G_DIVISOR, /* pooling: divisor_override, 0 when none */
     PE_G_LEN
 };
+
+/* batch_norm's scale of channel c: w / sqrt(var + eps), the same expression everywhere the
+ * normalised value is formed (norm.c's fused gradient and dw_bn.c recompute it bit for
+ * bit); PE_T is the including kernel's element type. */
+#define PE_BN_SCALE(w, v, eps) ((w) / (PE_T)sqrt((double)(v) + (eps)))
+
+/* The most stack dw_bn.c's fused depthwise weight gradient takes a thread: one channel's
+ * planes of every image and their gradient planes (backends/c/fuse_dw_bn.py checks it). */
+#define PE_DW_BN_BYTES (256L * 1024)
 
 /* The dropout mask's counter-based hash (the random_mask op's docstring): a bijection of
  * [0, 2**32); every product stays below 2**63, so this equals the int64 reference. */
