@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 from pockengine.backends.c import CBackend, layout_tune, tune
 from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
+from tests.c_kernel_check import FLAG_SETS, run_check, run_check_on_aarch64
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
@@ -177,44 +177,17 @@ def test_winograd_trains_a_torch_initialised_cnn_as_numpy() -> None:
         np.testing.assert_allclose(steps["c"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
 
 
-_CHECK = Path(__file__).with_name("c_kernels") / "conv_check.c"
+_CONV_FILES = ("winograd.c", "depthwise.c", "dw_flat.c", "common.c")
 
 
-def _conv_check(tmp_path: Path, flags: list[str], compiler: str = "cc",
-                runner: list[str] | None = None) -> str:  # fmt: skip
-    from pockengine.backends.c.driver import KERNEL_DIR
-
-    files = ["winograd.c", "depthwise.c", "dw_flat.c", "common.c"]
-    binary = tmp_path / "conv_check"
-    common = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
-    sources = [str(_CHECK), *(str(KERNEL_DIR / f) for f in files)]
-    subprocess.run([compiler, *flags, *common, *sources, "-o", str(binary), "-lm"],
-                   check=True, capture_output=True, text=True)  # fmt: skip
-    done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
-                          check=False, timeout=300)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.startswith("ok "), done.stdout + done.stderr
-    assert int(done.stdout.split()[1]) >= 150  # the cases ran
-    return done.stdout
-
-
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ["-O3", "-march=native"],
-        ["-O3"],  # portable: SSE2 vectors on x86-64
-        ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
-    ],
-    ids=["native", "portable", "sanitized"],
-)
+@FLAG_SETS
 def test_depthwise_and_winograd_kernels_on_random_geometries(
     tmp_path: Path, flags: list[str]
 ) -> None:
-    _conv_check(tmp_path, flags)
+    out = run_check("conv_check.c", _CONV_FILES, tmp_path, flags)
+    assert int(out.split()[1]) >= 150  # the cases ran
 
 
 def test_depthwise_and_winograd_kernels_on_aarch64(tmp_path: Path) -> None:
-    """Needs Debian's gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
-    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-    if cross is None or qemu is None:
-        pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing")
-    _conv_check(tmp_path, ["-O3"], cross, [qemu, "-L", "/usr/aarch64-linux-gnu"])
+    out = run_check_on_aarch64("conv_check.c", _CONV_FILES, tmp_path)
+    assert int(out.split()[1]) >= 150

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,47 +14,21 @@ import pytest
 
 from pockengine.backends.c import CBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
+from tests.c_kernel_check import FLAG_SETS, run_check, run_check_on_aarch64
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
 
-_CHECK = Path(__file__).with_name("c_kernels") / "norm_check.c"
 
-
-def _norm_check(tmp_path: Path, flags: list[str], compiler: str = "cc",
-                runner: list[str] | None = None) -> None:  # fmt: skip
-    from pockengine.backends.c.driver import KERNEL_DIR
-
-    binary = tmp_path / "norm_check"
-    common = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
-    sources = [str(_CHECK), *(str(KERNEL_DIR / f) for f in ("norm.c", "common.c"))]
-    subprocess.run([compiler, *flags, *common, *sources, "-o", str(binary), "-lm"],
-                   check=True, capture_output=True, text=True)  # fmt: skip
-    done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
-                          check=False, timeout=300)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.startswith("ok "), done.stdout + done.stderr
-    assert int(done.stdout.split()[1]) == 400  # every case ran
-
-
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ["-O3", "-march=native"],
-        ["-O3"],  # portable
-        ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
-    ],
-    ids=["native", "portable", "sanitized"],
-)
+@FLAG_SETS
 def test_fused_batch_norm_kernels_equal_the_unfused_ones(tmp_path: Path, flags: list[str]) -> None:
-    _norm_check(tmp_path, flags)
+    out = run_check("norm_check.c", ("norm.c", "common.c"), tmp_path, flags)
+    assert int(out.split()[1]) == 400  # every case ran
 
 
 def test_fused_batch_norm_kernels_on_aarch64(tmp_path: Path) -> None:
-    """Needs Debian's gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
-    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-    if cross is None or qemu is None:
-        pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing")
-    _norm_check(tmp_path, ["-O3"], cross, [qemu, "-L", "/usr/aarch64-linux-gnu"])
+    out = run_check_on_aarch64("norm_check.c", ("norm.c", "common.c"), tmp_path)
+    assert int(out.split()[1]) == 400
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

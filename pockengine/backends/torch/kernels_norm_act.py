@@ -16,10 +16,9 @@ def _bounds(e: Emit) -> str:
     return f"{literal(float(e.attr('min_val')))}, {literal(float(e.attr('max_val')))}"
 
 
-def _batch_norm_hardtanh(e: Emit) -> list[str]:
-    """ATen's training-mode batch norm, clipped; the biased variance is 1/std^2 - eps."""
-    x, w, b = e.ins
-    z, mean, var = e.outs
+def _trained_clipped(e: Emit, x: str, w: str, b: str, z: str, mean: str, var: str) -> list[str]:
+    """ATen's training-mode batch norm of x into z, clipped; the biased variance is
+    1/std^2 - eps."""
     eps = literal(float(e.attr("eps")))
     invstd = e.tmp()
     call = f"aten_native_batch_norm({x}, {w}, {b}, None, None, True, 0.0, {eps})"
@@ -30,18 +29,29 @@ def _batch_norm_hardtanh(e: Emit) -> list[str]:
     ]
 
 
+def _normalised(e: Emit, k: int, w: str, b: str, mean: str, var: str) -> str:
+    """batch_norm's y from the node's input ``k`` and given statistics, by its operations."""
+    eps = literal(float(e.attr("eps")))
+    view = literal((-1, *([1] * (e.node.inputs[k].type.rank - 2))))
+    scale = f"({w} / aten_add({var}, {eps}).sqrt()).view({view})"
+    return f"({e.ins[k]} - {mean}.view({view})) * {scale} + {b}.view({view})"
+
+
+def _batch_norm_hardtanh(e: Emit) -> list[str]:
+    """ATen's training-mode batch norm, clipped."""
+    return _trained_clipped(e, *e.ins, *e.outs)
+
+
 def _batch_norm_hardtanh_grad(e: Emit) -> list[str]:
     """y from x and the saved statistics (batch_norm's operations), the hardtanh mask, then
     ATen's batch-norm backward."""
     gz, x, w, b, mean, var = e.ins
     eps = literal(float(e.attr("eps")))
-    view = literal((-1, *([1] * (e.node.inputs[1].type.rank - 2))))
     y, invstd = e.tmp(), e.tmp()
-    scale = f"({w} / aten_add({var}, {eps}).sqrt()).view({view})"
     mask = literal(e.used)
     args = f"{y}, {x}, {w}, None, None, {mean}, {invstd}, True, {eps}, {mask}"
     return [
-        f"{y} = ({x} - {mean}.view({view})) * {scale} + {b}.view({view})",
+        f"{y} = {_normalised(e, 1, w, b, mean, var)}",
         f"{y} = aten_hardtanh_backward({gz}, {y}, {_bounds(e)})",
         f"{invstd} = aten_rsqrt(aten_add({var}, {eps}))",
         f"{', '.join(e.outs)} = aten_native_batch_norm_backward({args})",
@@ -50,11 +60,8 @@ def _batch_norm_hardtanh_grad(e: Emit) -> list[str]:
 
 def _batch_norm_apply(e: Emit) -> list[str]:
     """y from x and the given statistics (batch_norm's operations), clipped when bounded."""
-    x, w, b, mean, var = e.ins
-    eps = literal(float(e.attr("eps")))
-    view = literal((-1, *([1] * (e.node.inputs[0].type.rank - 2))))
-    scale = f"({w} / aten_add({var}, {eps}).sqrt()).view({view})"
-    stmts = [f"{e.out} = ({x} - {mean}.view({view})) * {scale} + {b}.view({view})"]
+    _, w, b, mean, var = e.ins
+    stmts = [f"{e.out} = {_normalised(e, 0, w, b, mean, var)}"]
     if e.attr("min_val") is not None:
         stmts.append(f"{e.out} = aten_clamp({e.out}, {_bounds(e)})")
     return stmts
@@ -70,27 +77,18 @@ def _conv2d_bn_hardtanh(e: Emit) -> list[str]:
     x, bw, bb, w, *bias = e.ins
     y, mean, var = e.outs
     z = e.tmp()
-    eps = literal(float(e.attr("eps")))
-    call = f"aten_native_batch_norm({x}, {bw}, {bb}, None, None, True, 0.0, {eps})"
-    return [
-        f"{z}, {mean}, {var} = {call}",
-        f"{z} = aten_clamp({z}, {_bounds(e)})",
-        f"{var} = {var}.pow(-2).sub_({eps})",
-        f"{y} = aten_conv2d({z}, {w}, {bias[0] if bias else 'None'}, {_geometry(e)})",
-    ]
+    conv = f"{y} = aten_conv2d({z}, {w}, {bias[0] if bias else 'None'}, {_geometry(e)})"
+    return [*_trained_clipped(e, x, bw, bb, z, mean, var), conv]
 
 
 def _conv2d_bn_hardtanh_weight_grad(e: Emit) -> list[str]:
     """batch_norm_apply's statements (clipped) into a temporary, then the weight gradient."""
-    x, bw, bb, mean, var, gy = e.ins
-    eps = literal(float(e.attr("eps")))
-    view = literal((-1, *([1] * (e.node.inputs[0].type.rank - 2))))
-    scale = f"({bw} / aten_add({var}, {eps}).sqrt()).view({view})"
+    _, bw, bb, mean, var, gy = e.ins
     z = e.tmp()
     shape = literal(tuple(e.attr("w_shape")))
     grad = f"aten_convolution_backward({gy}, {z}, {z}.new_zeros(1).expand({shape}), None, "
     return [
-        f"{z} = ({x} - {mean}.view({view})) * {scale} + {bb}.view({view})",
+        f"{z} = {_normalised(e, 0, bw, bb, mean, var)}",
         f"{z} = aten_clamp({z}, {_bounds(e)})",
         f"{e.out} = {grad}{_geometry_transposed(e)}, (False, True, False))[1]",
     ]
