@@ -8,9 +8,12 @@ In a fresh C cache dir (a temporary ``$PE_C_CACHE``): compiles the step with
 (the timing harness built and every conv node measured: the cold-cache tuned compile),
 then ``tune=True`` again (the table read back: no measurement). Then steps the untuned and
 tuned steps in turn, ``--rounds`` times each after one warm-up round, on the same batch;
-prints the compile times, the time spent choosing kernels (timing them, or reading the
-table), the median process CPU and wall seconds a step, the ratios, the kernels chosen,
-and the largest loss difference. One JSON object on the last line.
+prints the compile times and their split (wall and CPU seconds, the C compiler's
+included: choosing kernels and choosing layouts, each with its timing harness's build;
+building the harnesses; building the step; the C backend in all, the rest being the
+frontend's tracing and the passes), the time spent choosing (timing, or reading the
+tables), the load average, the median process CPU and wall seconds a step, the ratios,
+the kernels chosen, and the largest loss difference. One JSON object on the last line.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 
 
 def _compile(workload: str, scheme_name: str, tune: bool) -> tuple[Any, list[Any], float]:
+    """The step, its batch and the compile's wall seconds (its CPU seconds, the C
+    compiler's included, go to stderr and the split as ``total``)."""
     import pockengine as pe
     from pockengine import zoo
     from pockengine.backends.c import CBackend
@@ -34,10 +39,61 @@ def _compile(workload: str, scheme_name: str, tune: bool) -> tuple[Any, list[Any
     work, optimizer = zoo.benchmark(workload)
     scheme = zoo.benchmark_schemes(workload)[scheme_name]
     batch = work.make_batch(0)
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), _cpu()
     step = pe.compile(work.model, work.loss_fn, batch, optimizer, scheme,
                       backend=CBackend(threads=1, tune=tune), compile_in="process")  # fmt: skip
-    return step, batch, time.perf_counter() - start
+    _TOTAL.update(wall=time.perf_counter() - start, cpu=_cpu() - cpu0)
+    return step, batch, _TOTAL["wall"]
+
+
+_TOTAL: dict[str, float] = {}  # the last compile's wall and CPU seconds
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its waited-for children (the C compiler)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class _Parts:
+    """Wall and CPU seconds spent in the parts of a compile, by wrapping their functions:
+    choosing kernels and layouts (each with its harness build), building libraries (the
+    harnesses' and the step's), and the C backend as a whole (the rest of a compile is
+    the frontend's tracing and the passes)."""
+
+    def __init__(self) -> None:
+        from pockengine.backends.c import backend, tune_harness
+
+        self.seconds: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+        self._wrap(backend, "choose_kernels", "choose_kernels")
+        self._wrap(backend, "choose_layouts", "choose_layouts")
+        self._wrap(tune_harness, "build_library", "build_harness")
+        self._wrap(backend, "build_library", "build_step")
+        self._wrap(backend.CExecutable, "__init__", "c_backend")
+
+    def _wrap(self, owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            start, cpu0 = time.perf_counter(), _cpu()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.seconds[label][0] += time.perf_counter() - start
+                self.seconds[label][1] += _cpu() - cpu0
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """The seconds so far (``wall``, ``cpu`` by part), then start again from zero."""
+        out = {k: {"wall": v[0], "cpu": v[1]} for k, v in self.seconds.items()}
+        out["total"] = dict(_TOTAL)
+        self.seconds.clear()
+        return out
+
+
+def _tuning(split: dict[str, dict[str, float]], kind: str) -> float:
+    return sum(split.get(k, {}).get(kind, 0.0) for k in ("choose_kernels", "choose_layouts"))
 
 
 def main() -> int:
@@ -57,28 +113,28 @@ def main() -> int:
 
         def counted(op: str, kernels: list[str], *a: Any) -> dict[str, float]:
             calls["measure"] += len(kernels)
+            calls["layouts"] += 1 if len(a) > 4 and a[4] is not None else 0  # nhwc beside them
             return measure(op, kernels, *a)
 
         tune.measure = counted  # type: ignore[assignment]
-        from pockengine.backends.c import backend as c_backend
+        from pockengine.backends.c import layout_tune
 
-        choose = c_backend.choose_kernels
-        tuning: list[float] = []
-        tuning_cpu: list[float] = []
+        measure_layouts = layout_tune.measure_layouts
 
-        def timed(*a: Any) -> Any:
-            start, cpu0 = time.perf_counter(), time.process_time()
-            try:
-                return choose(*a)
-            finally:
-                tuning.append(time.perf_counter() - start)
-                tuning_cpu.append(time.process_time() - cpu0)
+        def counted_layouts(op: str, kernel: str, *a: Any) -> dict[str, float]:
+            calls["layouts"] += 2 if len(a) < 5 or a[4] is None else 0  # else timed already
+            return measure_layouts(op, kernel, *a)
 
-        c_backend.choose_kernels = timed  # type: ignore[assignment]
+        layout_tune.measure_layouts = counted_layouts  # type: ignore[assignment]
+        parts = _Parts()
         plain, batch, t_plain = _compile(args.workload, args.scheme, False)
+        split = [parts.take()]
         tuned, _, t_tuned = _compile(args.workload, args.scheme, True)
-        measured = calls["measure"]
+        split.append(parts.take())
+        print(json.dumps({"tuned_cold_table_s": t_tuned, "split_s": split[1]}), file=sys.stderr)
+        measured, measured_layouts = calls["measure"], calls["layouts"]
         _, _, t_again = _compile(args.workload, args.scheme, True)
+        split.append(parts.take())
         again = calls["measure"] - measured
         steps = {"rule": plain, "tuned": tuned}
         cpu: dict[str, list[float]] = {k: [] for k in steps}
@@ -96,9 +152,13 @@ def main() -> int:
     row = {
         "workload": args.workload, "scheme": args.scheme,
         "compile_s": {"rule_cold": t_plain, "tuned_cold_table": t_tuned, "tuned_cached": t_again},
-        "tuning_s": {"cold_table": tuning[0], "cached": tuning[1]},
-        "tuning_cpu_s": {"cold_table": tuning_cpu[0], "cached": tuning_cpu[1]},
-        "measurements": measured, "measurements_second_compile": again,
+        "tuning_s": {"cold_table": _tuning(split[1], "wall"), "cached": _tuning(split[2], "wall")},
+        "tuning_cpu_s": {"cold_table": _tuning(split[1], "cpu"),
+                         "cached": _tuning(split[2], "cpu")},
+        "split_s": {"rule_cold": split[0], "tuned_cold_table": split[1], "tuned_cached": split[2]},
+        "load": os.getloadavg(),
+        "measurements": measured, "layout_measurements": measured_layouts,
+        "measurements_second_compile": again,
         "tuned_nodes": len(choices), "nodes_off_rule": changed, "kernels": dict(kinds),
         "cpu_s": {k: statistics.median(v[1:]) for k, v in cpu.items()},
         "wall_s": {k: statistics.median(v[1:]) for k, v in wall.items()},
@@ -120,7 +180,7 @@ def _rule(choice: Any, step: Any) -> str:
         n for n in nodes if n.outputs and n.outputs[0].name == choice.output
     )
     if node.op == "layout_convert":
-        node = next(n for n in nodes if n.outputs[0] == node.inputs[0])
+        node = next(n for n in nodes if n.outputs and n.outputs[0] == node.inputs[0])
     geometry = nhwc_geometry(node) if "nhwc" in node.op else conv_geometry(node)
     return rule_kernel(choice.op, geometry, node.outputs[0].dtype.itemsize)
 

@@ -20,6 +20,8 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c import CBackend, layout_tune, tune
 from pockengine.backends.c.conv_kernels import candidates, conv_geometry, rule_kernel
+from pockengine.backends.c.layout import nhwc_candidate
+from pockengine.backends.c.layout_tune import NHWC_KERNEL as NHWC
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
@@ -217,3 +219,41 @@ def test_a_node_s_candidates_are_timed_on_one_set_of_operands_with_an_early_stop
     assert len(seconds) == len(names) and all(0 < t < 1 for t in seconds)
     dropped = harness_times(node.op, names, dtype, g, 0.001, 0.0, None, 1)
     assert 0 < dropped[0] < 1 and all(t == float("inf") for t in dropped[1:])
+
+
+def test_the_nhwc_candidate_is_timed_in_its_kernels_harness_call(
+    table: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold tuned compile times each NHWC candidate node's ``nhwc`` variant after its NCHW
+    kernels, in one real harness call (``layout_tune.nhwc_beside``): the layout choice gets
+    the chosen kernel's and nhwc's times from it and times nothing itself; it keeps NHWC
+    exactly where those times say so; both tables are written, and a second compile
+    measures nothing."""
+    spy = Spy()
+    monkeypatch.setattr(tune, "measure", spy)
+    given: list[Any] = []
+
+    def layouts(op: str, nchw: str, *a: Any) -> dict[str, float]:
+        given.append(a[4])
+        assert a[4] is not None and set(a[4]) == {nchw, NHWC}, "not timed beside its kernels"
+        return dict(a[4])
+
+    monkeypatch.setattr(layout_tune, "measure_layouts", layouts)
+    w = zoo.small_cnn()
+    step = _compile(w, CBackend(tune=True))
+    want = _compile(w, "numpy")
+    np.testing.assert_allclose(_losses(step, w), _losses(want, w), rtol=1e-4, atol=1e-5)
+    choices = {c.output: c for c in step._exec.kernel_choices}
+    nodes = [n for n in _tunable(_compile(w, CBackend())) if nhwc_candidate(n)]
+    assert nodes and len(given) == len({(n.op, conv_geometry(n)) for n in nodes})
+    for node in nodes:  # nhwc's time is absent where its warm-up alone gave it up
+        seconds = choices[node.outputs[0].name].seconds
+        nchw = min((k for k in seconds if k != NHWC), key=seconds.__getitem__)
+        wins = seconds.get(NHWC, np.inf) < layout_tune.MARGIN * seconds[nchw]
+        assert choices[node.outputs[0].name].kernel == (NHWC if wins else nchw)
+    layout_table = json.loads((table.parent / layout_tune.CACHE_NAME).read_text())["entries"]
+    assert len(layout_table) == len(given)
+    calls, given[:] = spy.calls, []
+    again = _compile(w, CBackend(tune=True))
+    assert spy.calls == calls and given == []
+    assert all(c.cached for c in again._exec.kernel_choices)

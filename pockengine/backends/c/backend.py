@@ -34,7 +34,12 @@ from pockengine.backends.c import (
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
-from pockengine.backends.c.layout_tune import NHWC_KERNEL, choose_layouts, merge_choices
+from pockengine.backends.c.layout_tune import (
+    NHWC_KERNEL,
+    choose_layouts,
+    merge_choices,
+    nhwc_beside,
+)
 from pockengine.backends.c.lowering import LOWERING_PASSES, lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
@@ -116,10 +121,14 @@ class CExecutable(Executable):
         check_claims(graph)
         # tune: each conv node's kernel and layout by measurement (tune.py, layout_tune.py);
         # else the rule's kernels and heuristic_layout's layouts (layout.py)
-        choices = choose_kernels(graph, portable, threads) if tune else []
+        # (a node's nhwc candidate is timed in its kernels' harness call: ``beside``)
+        beside: dict[str, dict[str, float]] = {}
+        choices = (
+            choose_kernels(graph, portable, threads, nhwc_beside(portable), beside) if tune else []
+        )
         kernels = {c.output: c.kernel for c in choices}
         if tune:
-            layouts = choose_layouts(graph, kernels, portable, threads)
+            layouts = choose_layouts(graph, kernels, portable, threads, beside)
             choices = merge_choices(choices, layouts)
             nhwc = {c.output for c in layouts if c.kernel == NHWC_KERNEL}
         else:

@@ -8,7 +8,8 @@ the conversions' cost is counted in full (in the step, a layer's forward convolu
 weight gradient share one conversion of x, so this is the pessimistic side). NHWC is kept
 where it takes less than ``MARGIN`` (0.9) of the NCHW kernel's time. The choices are
 cached in ``conv-layouts.json`` beside the kernel table, keyed and validated the same way
-(``tune.table_key``).
+(``tune.table_key``). A node whose kernels ``tune.choose_kernels`` measured has ``nhwc``
+timed in that same harness call (``nhwc_beside``; the NCHW kernel is then not timed again).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "choose_layouts",
     "measure_layouts",
     "merge_choices",
+    "nhwc_beside",
 ]
 
 CACHE_NAME = "conv-layouts.json"
@@ -121,6 +123,13 @@ def _source() -> str:
     return tune_harness.harness_source((NHWC_KERNEL,), tuple(cases), prelude)
 
 
+def nhwc_beside(portable: bool | None) -> tune.Beside:
+    """The ``nhwc`` candidate as a variant ``tune.choose_kernels`` times beside a node's
+    NCHW kernels, in this module's harness (which has them all)."""
+    return tune.Beside(NHWC_KERNEL, lambda: tune_harness.harness_library(_source(), portable),
+                       _CODE, lambda node: nhwc_candidate(node) is not None)  # fmt: skip
+
+
 def measure_layouts(
     op: str,
     nchw_kernel: str,
@@ -128,9 +137,13 @@ def measure_layouts(
     g: ConvGeometry,
     portable: bool | None,
     threads: int | None,
+    timed: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """The median seconds of ``nchw_kernel`` and of the ``nhwc`` candidate on ``g``, timed
-    in turn on one set of operands (inf for one that could not be timed)."""
+    in turn on one set of operands (inf for one that could not be timed); ``timed``: both
+    already taken (``nhwc_beside``), returned as they are."""
+    if timed is not None:
+        return dict(timed)
     library = tune_harness.harness_library(_source(), portable)
     kernels = [nchw_kernel, NHWC_KERNEL]
     codes = (KERNEL_NAMES.index(nchw_kernel), _CODE)
@@ -153,11 +166,13 @@ def choose_layouts(
     kernels: Mapping[str, str],
     portable: bool | None = None,
     threads: int | None = None,
+    timed: Mapping[str, Mapping[str, float]] | None = None,
 ) -> list[KernelChoice]:
     """The measured (or cached) layout of each conv node of ``graph`` that has an NHWC
     kernel: kernel ``nhwc`` where that won, else the node's NCHW kernel (``kernels`` by
-    first output name, else the rule's). The table under the cache dir gains what was
-    measured."""
+    first output name, else the rule's; ``timed`` by output name: times already taken,
+    ``tune.choose_kernels``' ``beside_times``). The table under the cache dir gains what
+    was measured."""
     path = cache_dir() / CACHE_NAME
     table, dirty = tune.read_table(path, names=_NAMES)
     tc_key = toolchain(portable).key
@@ -174,7 +189,9 @@ def choose_layouts(
         if cached:
             entry = table[key]
         elif key not in fresh:
-            seconds = measure_layouts(node.op, nchw, out.dtype, g, portable, threads)
+            already = (timed or {}).get(out.name)
+            already = already if already is not None and nchw in already else None
+            seconds = measure_layouts(node.op, nchw, out.dtype, g, portable, threads, already)
             entry = fresh[key] = _entry(seconds, nchw)
         else:
             entry = fresh[key]

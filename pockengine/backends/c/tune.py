@@ -5,7 +5,10 @@ candidate is timed on the node's exact geometry and dtype by the timing harness
 (``tune_harness``; a warm-up run, then the median of a few) and the fastest is kept. A
 candidate whose warm-up already takes more than ``_GIVE_UP`` times the best median so far
 is dropped without further runs. The candidates of a node share one set of operands, and
-nodes of one geometry are measured once.
+nodes of one geometry are measured once. With ``beside`` (``layout_tune.nhwc_beside``) a
+node that has the layout choice's ``nhwc`` candidate has it timed in the same harness
+call, after its NCHW kernels (one harness library, one set of operands, no second timing
+of the NCHW kernel); those times go to ``beside_times`` for ``layout_tune.choose_layouts``.
 
 The choices are kept in ``conv-kernels.json`` under the C cache dir (``driver.cache_dir``),
 keyed by op, dtype, geometry (shapes, strides, padding, dilation, groups), target (machine
@@ -23,6 +26,8 @@ import logging
 import math
 import os
 import platform
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +44,8 @@ from pockengine.backends.c.driver import cache_dir, toolchain
 from pockengine.ir import DType, Graph, Node
 from pockengine.plan.report import KernelChoice
 
-__all__ = ["CACHE_NAME", "KernelChoice", "choose_kernels", "measure", "read_table", "table_key",
-           "write_table"]  # fmt: skip
+__all__ = ["CACHE_NAME", "Beside", "KernelChoice", "choose_kernels", "measure", "read_table",
+           "table_key", "write_table"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,18 @@ _GIVE_UP = 3.0  # a warm-up this many times the best median ends a candidate's t
 _BUDGET_S = 0.02  # a candidate's timed runs: about this long, 3 to 9 of them
 
 
+@dataclass(frozen=True)
+class Beside:
+    """A variant timed after a node's NCHW kernels in their harness call: its name, the
+    harness library that has it and every kernel (built on first use), its number there,
+    and whether a node has it."""
+
+    name: str
+    library: Callable[[], Any]
+    code: int
+    applies: Callable[[Node], bool]
+
+
 def measure(
     op: str,
     kernels: list[str],
@@ -58,13 +75,19 @@ def measure(
     g: ConvGeometry,
     portable: bool | None,
     threads: int | None,
+    beside: Beside | None = None,
 ) -> dict[str, float]:
-    """The median seconds of each of ``kernels`` on ``g``, timed in turn on one set of
-    operands (inf for one whose warm-up alone exceeds ``_GIVE_UP`` times the best median
-    before it, or when the operands could not be allocated)."""
-    seconds = tune_harness.harness_times(op, kernels, dtype, g, _BUDGET_S, _GIVE_UP,
-                                         portable, threads)  # fmt: skip
-    return dict(zip(kernels, seconds, strict=True))
+    """The median seconds of each of ``kernels`` (then ``beside``'s variant) on ``g``,
+    timed in turn on one set of operands (inf for one whose warm-up alone exceeds
+    ``_GIVE_UP`` times the best median before it, or when the operands could not be
+    allocated)."""
+    names, library, codes = kernels, None, None
+    if beside is not None:
+        names, library = [*kernels, beside.name], beside.library()
+        codes = (*(KERNEL_NAMES.index(k) for k in kernels), beside.code)
+    seconds = tune_harness.harness_times(op, names, dtype, g, _BUDGET_S, _GIVE_UP, portable,
+                                         threads, library, codes)  # fmt: skip
+    return dict(zip(names, seconds, strict=True))
 
 
 @functools.cache
@@ -171,25 +194,38 @@ def _measure_all(
     names: tuple[str, ...],
     portable: bool | None,
     threads: int | None,
-) -> dict[str, Any]:
+    beside: Beside | None,
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The table entry of a node's kernels, and the chosen kernel's and ``beside``'s
+    variant's seconds when the variant was timed (else empty)."""
     # the rule's kernel first: its median is the bar the others' warm-ups must clear
     rule = rule_kernel(op, g, dtype.itemsize)
-    seconds = measure(op, [rule, *(k for k in names if k != rule)], dtype, g, portable, threads)
-    timed = {k: v for k, v in seconds.items() if math.isfinite(v)}
+    order = [rule, *(k for k in names if k != rule)]
+    seconds = measure(op, order, dtype, g, portable, threads, beside)
+    timed = {k: v for k, v in seconds.items() if k in names and math.isfinite(v)}
     if not timed:  # nothing could be timed: the rule, unmeasured
-        return {"kernel": rule, "seconds": {rule: 0.0}}
-    return {"kernel": min(timed, key=lambda k: timed[k]), "seconds": timed}
+        return {"kernel": rule, "seconds": {rule: 0.0}}, {}
+    kernel = min(timed, key=lambda k: timed[k])
+    variant = {} if beside is None or beside.name not in seconds else {
+        kernel: timed[kernel], beside.name: seconds[beside.name]}  # fmt: skip
+    return {"kernel": kernel, "seconds": timed}, variant
 
 
 def choose_kernels(
-    graph: Graph, portable: bool | None = None, threads: int | None = None
+    graph: Graph,
+    portable: bool | None = None,
+    threads: int | None = None,
+    beside: Beside | None = None,
+    beside_times: dict[str, dict[str, float]] | None = None,
 ) -> list[KernelChoice]:
     """The measured (or cached) kernel of each conv node of ``graph`` that has more than
-    one candidate; the table under the cache dir gains what was measured."""
+    one candidate; the table under the cache dir gains what was measured. A measured
+    node that ``beside`` applies to has its variant timed in the same call: its output's
+    name maps to the chosen kernel's and the variant's seconds in ``beside_times``."""
     path = cache_dir() / CACHE_NAME
     table, dirty = _read(path)
     tc_key = toolchain(portable).key
-    fresh: dict[str, Any] = {}
+    fresh: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
     choices = []
     for node in _conv_nodes(graph):
         out = node.outputs[0]
@@ -201,15 +237,19 @@ def choose_kernels(
         cached = key not in fresh and key in table and table[key]["kernel"] in names
         if cached:
             entry = table[key]
-        elif key in fresh:
-            entry = fresh[key]
         else:
-            entry = fresh[key] = _measure_all(node.op, out.dtype, g, names, portable, threads)
+            if key not in fresh:
+                with_variant = beside if beside is not None and beside.applies(node) else None
+                fresh[key] = _measure_all(node.op, out.dtype, g, names, portable, threads,
+                                          with_variant)  # fmt: skip
+            entry, variant = fresh[key]
+            if variant and beside_times is not None:
+                beside_times[out.name] = dict(variant)
         choices.append(
             KernelChoice(node.op, out.name, entry["kernel"], dict(entry["seconds"]), cached)
         )
     if fresh or dirty:
-        _write(path, {**table, **fresh})
+        _write(path, {**table, **{k: entry for k, (entry, _) in fresh.items()}})
     return choices
 
 

@@ -6,7 +6,7 @@ function (``codegen``; the lines come from the kernel tables in ``kernels``,
 the ATen kernels, dtypes, the device and the compile-time constants as its globals (a
 large source is parsed in a forked child, ``bytecode``).
 Running it is one call under ``torch.inference_mode()``: no autograd, no interpreter
-loop, no per-op lookups. The source stays on the executable as ``.source``; line
+loop, no per-op lookups. The source is the executable's ``.source``; line
 ``first_line + k`` is node ``k``, so an error raised by a kernel names its node.
 
 Params, buffers and optimizer state stay in the ``Store`` as tensors on the device and
@@ -151,24 +151,30 @@ class TorchExecutable(Executable):
         self._arena = _arena(planned, device)
         slots = None if self._arena is None or planned is None else (self._arena, planned.offsets)
         generated = generate_source(graph, KERNELS, _FINDERS, device, reuse, after, slots)
-        self.source = generated.source
         self._first_line = generated.first_line
         self._filename = f"<pockengine-torch {graph.name} #{next(_serial)}>"
         # Registered with linecache (while the executable lives) so that tracebacks and
-        # debuggers show the generated lines.
-        lines = self.source.splitlines(keepends=True)
-        linecache.cache[self._filename] = (len(self.source), None, lines, self._filename)
+        # debuggers show the generated lines; the lines are the only copy of the source
+        # kept (``source`` joins them: the MCU head step's is 0.1 MiB)
+        self._lines = generated.source.splitlines(keepends=True)
+        entry = (len(generated.source), None, self._lines, self._filename)
+        linecache.cache[self._filename] = entry
         weakref.finalize(self, linecache.cache.pop, self._filename, None)
         namespace = {**_NAMESPACE, **generated.constants, "dev": device, "heap_trim": peak_trim}
         # parsed in a forked child where it is large (``bytecode``): the parser's garbage
         # stays out of the training process
-        exec(code_object(self.source, self._filename), namespace)
+        exec(code_object(generated.source, self._filename), namespace)
         self.function: types.FunctionType = namespace[generated.function]
         self._inputs = tuple(v.name for v in graph.inputs)
         # The fused optimizer kernels index raw memory: what they write must be dense, in the
         # layout the store gives it (``stored_layout``).
         written = {n.inputs[j].name for n in graph.nodes for j in get_op(n.op).mutates}
         self._written = tuple(k for k, name in enumerate(self._inputs) if name in written)
+
+    @property
+    def source(self) -> str:
+        """The generated function's source (joined again on each read)."""
+        return "".join(self._lines)
 
     def run(self, store: Store, feeds: Mapping[str, Any] | None = None) -> list[Any]:
         """Run once on ``store`` (params and state, written in place) and ``feeds``."""
