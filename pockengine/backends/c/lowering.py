@@ -1,6 +1,8 @@
 """The rewrites the C backend runs on a step's graph before it plans and emits it: products
 and the loss head on low-bit frozen matrices read the codes (``fuse_lowbit.py``); batch
-norm and the hardtanh after it run as one kernel each way (``fuse_bn.py``). The same list
+norm and the hardtanh after it run as one kernel each way (``fuse_bn.py``); a transposed
+matrix product (a weight's gradient) is the product of its transposed operands, read
+strided (``fuse_transpose.py``). The same list
 serves ``CBackend.lowering_passes`` (``pe.compile`` runs it before a memory budget plans),
 ``CExecutable`` and the exported trainer, so all three plan the graph C runs."""
 
@@ -10,6 +12,7 @@ from collections.abc import Callable
 
 from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
+from pockengine.backends.c.fuse_transpose import transpose_products
 from pockengine.ir import Graph
 
 __all__ = ["LOWERING_PASSES", "lower_for_c"]
@@ -17,6 +20,7 @@ __all__ = ["LOWERING_PASSES", "lower_for_c"]
 LOWERING_PASSES: tuple[Callable[[Graph], Graph], ...] = (
     fuse_lowbit_products,
     fuse_batch_norm_hardtanh,
+    transpose_products,
 )
 
 
