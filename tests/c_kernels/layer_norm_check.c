@@ -12,30 +12,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "check_draw.h"
+
 static int failures = 0, checks = 0;
 
-static double draw(unsigned long i, unsigned long seed) {
-    unsigned long h = (i + 1) * 0x9E3779B97F4A7C15UL ^ seed * 0xBF58476D1CE4E5B9UL;
-    h ^= h >> 31;
-    h *= 0x94D049BB133111EBUL;
-    h ^= h >> 29;
-    return (double)(h % 20001) / 10000.0 - 1.0;
-}
-
+/* Within tol of the largest |want| (NaN where want is NaN). */
 static void near(const double *want, const void *got, int f32, long n, double tol,
                  const char *what, long rows, long cols) {
-    double top = 0;
-    for (long i = 0; i < n; i++) top = fabs(want[i]) > top ? fabs(want[i]) : top;
+    double g;
+    long i = first_off(want, got, f32, n, tol, &g);
     checks++;
-    for (long i = 0; i < n; i++) {
-        double g = f32 ? (double)((const float *)got)[i] : ((const double *)got)[i];
-        if (!(fabs(g - want[i]) <= tol * (top + 1e-30))) {
-            failures++;
-            fprintf(stderr, "%s %s rows %ld cols %ld [%ld]: %.9g, want %.9g\n",
-                    f32 ? "f32" : "f64", what, rows, cols, i, g, want[i]);
-            return;
-        }
-    }
+    if (i < 0)
+        return;
+    failures++;
+    fprintf(stderr, "%s %s rows %ld cols %ld [%ld]: %.9g, want %.9g\n",
+            f32 ? "f32" : "f64", what, rows, cols, i, g, want[i]);
 }
 
 /* out: y, mean, rstd, gx, gw, gb of the inputs as the kernels read them. */
