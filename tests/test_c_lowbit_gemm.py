@@ -167,8 +167,8 @@ def test_lora_step_on_lowbit_weights_holds_no_float_matrix(weights: str) -> None
 
 
 CHECK = Path(__file__).with_name("c_kernels") / "lowbit_check.c"
-SOURCES = [str(CHECK), *(str(KERNEL_DIR / f) for f in ("linalg.c", "lowbit_gemm.c", "quant.c",
-                                                        "loss.c", "common.c"))]  # fmt: skip
+KERNELS = ("linalg.c", "lowbit_gemm.c", "quant.c", "loss.c", "loss_once.c", "common.c")
+SOURCES = [str(CHECK), *(str(KERNEL_DIR / f) for f in KERNELS)]
 COMMON = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
 
 

@@ -33,34 +33,7 @@ static long pe_attention_tile(long S) {
 }
 #endif
 
-#define PE_LANES 16
-/* The largest of row[0..n): in PE_LANES independent lanes, so the loop vectorises (the
- * maximum does not depend on the order it is taken in). */
-static inline PE_T PE_S(pe_row_max)(const PE_T *restrict row, long n) {
-    PE_T lane[PE_LANES];
-    for (int l = 0; l < PE_LANES; l++) lane[l] = -INFINITY;
-    long j = 0;
-    for (; j + PE_LANES <= n; j += PE_LANES)
-        for (int l = 0; l < PE_LANES; l++) lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
-    PE_T top = -INFINITY;
-    for (int l = 0; l < PE_LANES; l++) top = lane[l] > top ? lane[l] : top;
-    for (; j < n; j++) top = row[j] > top ? row[j] : top;
-    return top;
-}
-
-/* The sum of row[0..n): PE_LANES partial sums, added in order at the end, so the loop
- * vectorises; the rounding is fixed by n alone. */
-static inline PE_T PE_S(pe_row_sum)(const PE_T *restrict row, long n) {
-    PE_T lane[PE_LANES] = {0};
-    long j = 0;
-    for (; j + PE_LANES <= n; j += PE_LANES)
-        for (int l = 0; l < PE_LANES; l++) lane[l] += row[j + l];
-    PE_T total = 0;
-    for (int l = 0; l < PE_LANES; l++) total += lane[l];
-    for (; j < n; j++) total += row[j];
-    return total;
-}
-#undef PE_LANES
+#include "pe_rowred.h"
 
 /* Scores of queries [i0, i0+rows) of head (b, h) against every key, into tile[rows][S]:
  * q k^T * scale + mask, -inf above the diagonal when causal. */
@@ -72,7 +45,12 @@ static void PE_S(pe_attention_scores)(const PE_T *qh, const PE_T *kh, const PE_T
     for (long r = 0; r < rows; r++) {
         PE_T *row = tile + r * S;
         const PE_T *m = mask ? mask + b * g[6] + h * g[7] + (i0 + r) * g[8] : NULL;
-        for (long j = 0; j < S; j++) row[j] = row[j] * scale + (m ? m[j * g[9]] : (PE_T)0);
+        if (!m) /* three loops, so that the common ones run at unit stride (vectorised) */
+            for (long j = 0; j < S; j++) row[j] *= scale;
+        else if (g[9] == 1)
+            for (long j = 0; j < S; j++) row[j] = row[j] * scale + m[j];
+        else
+            for (long j = 0; j < S; j++) row[j] = row[j] * scale + m[j * g[9]];
         if (causal)
             for (long j = i0 + r + 1; j < S; j++) row[j] = -INFINITY;
     }
@@ -93,7 +71,7 @@ void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T 
             PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, scale, causal,
                                       tile);
             for (long r = 0; r < rows; r++) {
-                PE_T *row = tile + r * S, top = PE_S(pe_row_max)(row, S);
+                PE_T *row = tile + r * S, top = PE_S(pe_row_max)(row, S, -INFINITY);
                 if (top == -INFINITY) { /* every key masked: out 0, lse 0 */
                     for (long j = 0; j < S; j++) row[j] = 0;
                     lse[bh * L + i0 + r] = 0;

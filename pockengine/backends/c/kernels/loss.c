@@ -20,7 +20,9 @@
  * vocabulary. With both gradients the tiles' logits are recomputed once for each (one
  * GEMM more than a single pass, which would have to sum the threads' input gradients).
  * The merged op (forward and gradients together) makes each row chunk's logits once for
- * the forward and the input gradient (pe_linear_log_softmax_gather_with_grad). */
+ * the forward and the input gradient (pe_linear_log_softmax_gather_with_grad); with the
+ * weight gradient too, where the rows' logits fit in gw's buffer (rows <= K), loss_once.c
+ * makes each logit once for all three. */
 #ifndef PE_T
 #include "pe_kernels.h"
 #include "pe_exp.h"
@@ -28,6 +30,8 @@
 #define PE_SELF "loss.c"
 #include "pe_instantiate.h"
 #else
+
+#include "pe_rowred.h"
 
 #ifndef PE_LOSS_HELPERS
 #define PE_LOSS_HELPERS
@@ -70,18 +74,6 @@ static void PE_S(pe_loss_exp_row)(PE_T *restrict row, long n, PE_T m, PE_T s) {
         for (int l = 0; l < 16; l++) p[l] = s * PE_S(pe_loss_exp)(p[l] - m);
     }
     for (; c < n; c++) row[c] = s * PE_S(pe_loss_exp)(row[c] - m);
-}
-
-/* The largest of m and row[0 .. n) (NaN entries skipped), in 16 lanes. */
-static PE_T PE_S(pe_loss_max)(const PE_T *row, long n, PE_T m) {
-    PE_T lane[16];
-    long c = 0;
-    for (int l = 0; l < 16; l++) lane[l] = m;
-    for (; c + 16 <= n; c += 16)
-        for (int l = 0; l < 16; l++) lane[l] = row[c + l] > lane[l] ? row[c + l] : lane[l];
-    for (; c < n; c++) m = row[c] > m ? row[c] : m;
-    for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
-    return m;
 }
 
 /* z[r][c] = x[r0 + r] . w[:, j0 + c] (+ b[j0 + c]): one tile of logits, `cols` a row. */
@@ -222,6 +214,9 @@ static void PE_S(pe_loss_with_grad)(const PE_T *gp, const PE_T *scale, const PE_
                                     const PE_T *w, const pe_qmat *qw, const void *index,
                                     int wide, const PE_T *b, PE_T *picked, PE_T *lse, PE_T *gx,
                                     PE_T *gw, PE_T *gb, long rows, long K, long V, int major) {
+    if (!qw && PE_S(pe_loss_once)(gp, scale, x, w, index, wide, b, picked, lse, gx, gw, gb, rows,
+                                  K, V, major))
+        return; /* loss_once.c: each logit made once, kept in gw's buffer */
     long step = pe_loss_chunk(rows, qw ? PE_QLOSS_ROWS : PE_LOSS_ROWS);
     long chunks = (rows + step - 1) / step;
     PE_PARALLEL_FOR((gx ? 2 : 1) * rows * V * K)
@@ -240,7 +235,7 @@ static void PE_S(pe_loss_with_grad)(const PE_T *gp, const PE_T *scale, const PE_
                 PE_T *row = z + r * cols;
                 long t = pe_loss_target(index, wide, r0 + r) - j0;
                 if (t >= 0 && t < cols) hit[r] = row[t];
-                PE_T m = PE_S(pe_loss_max)(row, cols, top[r]);
+                PE_T m = PE_S(pe_row_max)(row, cols, top[r]);
                 /* 0 on the first tile */
                 PE_T alpha = top[r] == -INFINITY ? 0 : PE_S(pe_loss_exp)(top[r] - m);
                 PE_T s = total[r] * alpha;

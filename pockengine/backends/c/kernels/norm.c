@@ -9,6 +9,7 @@
 #else
 
 #define PE_BLOCK 1024
+#define PE_LN_COLS 64 /* layer norm gradient: columns a block of gw and gb */
 /* Two sums over a channel's `rows` rows of n elements (row r at r * pitch) in one loop:
  * each in two 64-byte vector accumulators (GCC/Clang vector types, any target: a zmm
  * register, two ymm or four NEON registers), so the additions do not wait on each other (a
@@ -257,20 +258,16 @@ void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T
     }
 }
 
+/* Layer norm: each row's statistics as pe_bn_stats takes a channel's (one pass in vector
+ * lanes, shifted by the row's first element, into double). */
 void PE_S(pe_layer_norm)(const PE_T *x, const PE_T *w, const PE_T *b, PE_T *y, PE_T *mean,
                          PE_T *rstd, long rows, long cols, double eps) {
     PE_PARALLEL_FOR(rows * cols)
     for (long r = 0; r < rows; r++) {
         const PE_T *row = x + r * cols;
-        PE_T *restrict out = y + r * cols;
-        double sum = 0, sq = 0;
-        for (long j = 0; j < cols; j++) sum += row[j];
-        PE_T mu = (PE_T)(sum / (double)cols);
-        for (long j = 0; j < cols; j++) {
-            PE_T d = row[j] - mu;
-            sq += (double)(d * d);
-        }
-        PE_T rs = (PE_T)(1.0 / sqrt(sq / (double)cols + eps));
+        PE_T *restrict out = y + r * cols, var;
+        PE_T mu = PE_S(pe_bn_stats)(row, 1, 1, cols, 0, &var);
+        PE_T rs = (PE_T)(1.0 / sqrt((double)var + eps));
         for (long j = 0; j < cols; j++) {
             PE_T v = (row[j] - mu) * rs;
             out[j] = w ? v * w[j] + (b ? b[j] : (PE_T)0) : v;
@@ -280,32 +277,61 @@ void PE_S(pe_layer_norm)(const PE_T *x, const PE_T *w, const PE_T *b, PE_T *y, P
     }
 }
 
+/* Over one row: sum gh and sum gh * xhat, gh = g * w (g where w is NULL), in one pass. */
+static void PE_S(pe_ln_grad_sums)(const PE_T *restrict g, const PE_T *restrict x,
+                                  const PE_T *restrict w, long n, PE_T mu, PE_T rstd,
+                                  double *s1, double *s2) {
+    const PE_S(pe_nv) muv = PE_SPLAT(mu), rv = PE_SPLAT(rstd);
+#define PE_LNV(p) (ta = PE_NLOAD(g + (p)) * PE_NLOAD(w + (p)), tb = ta * ((PE_NLOAD(x + (p)) - muv) * rv))
+#define PE_LN(p, ua, ub) (ua = g[p] * w[p], ub = ua * ((x[p] - mu) * rstd))
+    if (w)
+        PE_LANE_SUM2(PE_LNV, PE_LN, 1, n, *s1, *s2);
+    else
+        PE_S(pe_grad_sums)(g, x, 1, n, n, mu, rstd, s1, s2);
+#undef PE_LNV
+#undef PE_LN
+}
+
+/* gx row by row (rows split across threads), then gw and gb column by column (the columns
+ * split), each summed over the rows in order, so no result depends on the thread count. */
 void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, const PE_T *mean,
                               const PE_T *rstd, PE_T *gx, PE_T *gw, PE_T *gb, long rows,
                               long cols) {
-    if (gw) memset(gw, 0, sizeof(PE_T) * (size_t)cols);
-    if (gb) memset(gb, 0, sizeof(PE_T) * (size_t)cols);
+    PE_PARALLEL_FOR(rows * cols)
     for (long r = 0; r < rows; r++) {
         const PE_T *g = gy + r * cols, *row = x + r * cols;
         PE_T *restrict out = gx + r * cols;
         PE_T mu = mean[r], rs = rstd[r];
-        double s1 = 0, s2 = 0; /* sum of gxhat, sum of gxhat * xhat */
-        for (long j = 0; j < cols; j++) {
-            PE_T xh = (row[j] - mu) * rs, gh = w ? g[j] * w[j] : g[j];
-            s1 += gh;
-            s2 += (double)(gh * xh);
-            if (gw) gw[j] += g[j] * xh;
-            if (gb) gb[j] += g[j];
-        }
+        double s1, s2; /* sum of gxhat, sum of gxhat * xhat */
+        PE_S(pe_ln_grad_sums)(g, row, w, cols, mu, rs, &s1, &s2);
         PE_T m1 = (PE_T)(s1 / (double)cols), m2 = (PE_T)(s2 / (double)cols);
         for (long j = 0; j < cols; j++) {
             PE_T xh = (row[j] - mu) * rs, gh = w ? g[j] * w[j] : g[j];
             out[j] = rs * (gh - m1 - xh * m2);
         }
     }
+    if (!gw && !gb)
+        return;
+    long blocks = (cols + PE_LN_COLS - 1) / PE_LN_COLS;
+    PE_PARALLEL_FOR(rows * cols)
+    for (long blk = 0; blk < blocks; blk++) {
+        long j0 = blk * PE_LN_COLS, n = cols - j0 < PE_LN_COLS ? cols - j0 : PE_LN_COLS;
+        PE_T sw[PE_LN_COLS] = {0}, sb[PE_LN_COLS] = {0};
+        for (long r = 0; r < rows; r++) {
+            const PE_T *restrict g = gy + r * cols + j0, *restrict row = x + r * cols + j0;
+            PE_T mu = mean[r], rs = rstd[r];
+            for (long j = 0; j < n; j++) {
+                sw[j] += g[j] * ((row[j] - mu) * rs);
+                sb[j] += g[j];
+            }
+        }
+        if (gw) memcpy(gw + j0, sw, sizeof(PE_T) * (size_t)n);
+        if (gb) memcpy(gb + j0, sb, sizeof(PE_T) * (size_t)n);
+    }
 }
 
 #undef PE_BLOCK
+#undef PE_LN_COLS
 #undef PE_LANE_SUM2
 #undef PE_LANES_OUT
 #undef PE_NV

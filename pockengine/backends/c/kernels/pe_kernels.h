@@ -150,6 +150,9 @@ size_t pe_dtype_size(int dtype);
     void pe_attention_grad_##S(const T *go, const T *q, const T *k, const T *v, const T *mask, \
                                const T *out, const T *lse, T *gq, T *gk, T *gv,                \
                                const long *geom, double scale, int causal);              \
+    int pe_loss_once_##S(const T *gp, const T *scale, const T *x, const T *w,                  \
+                         const void *index, int wide, const T *b, T *picked, T *lse, T *gx,    \
+                         T *gw, T *gb, long rows, long K, long V, int major);                  \
     void pe_linear_log_softmax_gather_##S(const T *x, const T *w, const void *index, int wide, \
                                           const T *b, T *picked, T *lse, long rows, long K,    \
                                           long V, int major);                                 \
