@@ -18,6 +18,7 @@ graph returns or something else reads is never folded away.
 
 from __future__ import annotations
 
+from pockengine.backends.c.views import write_positions
 from pockengine.ir import Attrs, CompileError, Graph, Node, Value, get_op
 from pockengine.ops.ew_chain import CHAIN_OPS
 
@@ -34,21 +35,12 @@ def _eligible(node: Node) -> bool:
     return out.dtype.is_float and all(v.dtype is out.dtype for v in node.inputs)
 
 
-def _writes(graph: Graph) -> dict[str, list[int]]:
-    """Each value a parameter update writes -> the positions of its writes."""
-    found: dict[str, list[int]] = {}
-    for at, node in enumerate(graph.nodes):
-        for k in get_op(node.op).mutates:
-            found.setdefault(node.inputs[k].name, []).append(at)
-    return found
-
-
 def _roots(graph: Graph) -> dict[int, int]:
     """Each eligible node's position -> the position of the node whose chain computes it
     (itself where it stays a node). Walked from the last node: a result joins its readers'
     chain when they all belong to one chain, it has their shape, and nothing writes its
     inputs between it and that chain's last node."""
-    users, returned, writes = graph.users(), {v.name for v in graph.outputs}, _writes(graph)
+    users, returned, writes = graph.users(), {v.name for v in graph.outputs}, write_positions(graph)
     at = {id(node): k for k, node in enumerate(graph.nodes)}
     root: dict[int, int] = {}
     size: dict[int, int] = {}  # a chain's steps so far
