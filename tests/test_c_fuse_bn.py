@@ -20,6 +20,7 @@ from pockengine import zoo
 from pockengine.backends.c import CBackend
 from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
 from pockengine.backends.c.fuse_transpose import transpose_products
+from pockengine.backends.c.fuse_ew import fuse_elementwise_chains
 from pockengine.ir import Graph, verify
 from pockengine.plan import plan_memory
 
@@ -84,11 +85,12 @@ def test_the_fused_graph_stores_no_normalised_tensor(steps: Any) -> None:
 
 
 def test_the_rewrite_is_the_pipeline_s_last_c_pass(steps: Any) -> None:
-    """Rewriting the NumPy step's graph (then its transposed products, the one C pass
-    after it) gives the graph the C step runs (rewriting it again changes nothing)."""
+    """Rewriting the NumPy step's graph, then the C passes after it (transposed products,
+    elementwise chains), gives the graph the C step runs (rewriting it again changes
+    nothing)."""
     ref, ours, _ = steps
     fused = fuse_batch_norm_hardtanh(ref.graph)
-    lowered = transpose_products(fused)
+    lowered = fuse_elementwise_chains(transpose_products(fused))
     assert [n.op for n in lowered.nodes] == [n.op for n in ours._exec.graph.nodes]
     assert fuse_batch_norm_hardtanh(fused) is fused
 

@@ -60,6 +60,7 @@ KNOWN_ABSENT: dict[str, dict[str, str]] = {
         "batch_norm_hardtanh": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
         "batch_norm_hardtanh_grad": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
         "batch_norm_apply": "made only by the C backend's lowering (backends/c/fuse_bn.py)",
+        "elementwise_chain": "made only by the C backend's lowering (backends/c/fuse_ew.py)",
         **dict.fromkeys(
             ("conv2d_bn_hardtanh", "conv2d_bn_hardtanh_weight_grad"),
             "made only by the C backend's lowering (backends/c/fuse_dw_bn.py)",
@@ -234,20 +235,24 @@ _FRONTEND_FILES = {
 _SHARED_FILES = ("context.py", "lowering.py", "imported.py", "rng.py")
 # Elementwise ops a frontend knowingly never emits (op -> why): the source format has no
 # counterpart, so the model's own decomposition arrives as other ops.
+_LOWERED = {"elementwise_chain": "made only by the C backend's lowering (backends/c/fuse_ew.py)"}
 FRONTEND_ABSENT: dict[str, dict[str, str]] = {
-    "torch": {},
+    "torch": {**_LOWERED},
     "onnx": {
+        **_LOWERED,
         "log1p": "ONNX has no Log1p; exporters write Log(Add(x, 1))",
         "silu": "no ONNX op below opset 24; exporters write Mul(x, Sigmoid(x))",
         "stop_gradient": "an ONNX graph carries no gradient structure",
     },
     "jax": {
+        **_LOWERED,
         "gelu": "jax.nn.gelu traces to tanh/erf primitives",
         "hardtanh": "jax.nn.hard_tanh traces to clamp or max/min",
         "reciprocal": "JAX has no reciprocal primitive (integer_pow -1, div)",
         "silu": "jax.nn.silu traces to logistic and mul",
     },
     "keras": {
+        **_LOWERED,
         "gelu": "TF has no Gelu op; keras' gelu traces to Erf/Tanh ops",
         "silu": "tf.nn.silu traces to Sigmoid and Mul",
     },

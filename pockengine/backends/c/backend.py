@@ -22,6 +22,7 @@ import numpy as np
 from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, Store
 from pockengine.backends.c import (
+    lower_chain,
     lower_dw_bn,
     lower_ew,
     lower_layout,
@@ -58,6 +59,7 @@ KERNELS: dict[str, Lowering] = {
     **lower_quant.KERNELS,
     **lower_layout.KERNELS,
     **lower_dw_bn.KERNELS,
+    **lower_chain.KERNELS,
 }
 
 

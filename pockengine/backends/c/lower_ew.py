@@ -27,12 +27,12 @@ from pockengine.backends.c.emit import (
 from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import DType, Node, Value
 
-__all__ = ["KERNELS", "index_access", "index_in_range", "indexed_loop"]
+__all__ = ["KERNELS", "broadcast_strides", "index_access", "index_in_range", "indexed_loop"]
 
 _FLOATS = (DType.F32, DType.F64)
 
 
-def _bcast(v: Value, shape: tuple[int, ...]) -> tuple[int, ...]:
+def broadcast_strides(v: Value, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Strides of ``v`` broadcast to ``shape`` (0 on stretched or added axes)."""
     own = strides(v.shape)
     lead = len(shape) - v.type.rank
@@ -45,7 +45,7 @@ def _map(ctx: EmitContext, node: Node, expr: Callable[[list[str]], str]) -> str:
     """out[i] = expr(inputs at i), inputs broadcast to the output's shape."""
     out = node.outputs[0]
     ops = [(ctx.ref(out), strides(out.shape))]
-    ops += [(ctx.ref(v), _bcast(v, out.shape)) for v in node.inputs]
+    ops += [(ctx.ref(v), broadcast_strides(v, out.shape)) for v in node.inputs]
     return ctx.loops(out.shape, ops, lambda r: f"{r[0]} = {expr(r[1:])}")
 
 
@@ -285,7 +285,7 @@ def index_access(
     own = strides(target)
     terms = [f"o{place[a]} * {own[a]}" for a in rest]
     for a, v in zip(axes, indices, strict=True):
-        pos = _bcast(v, batch)
+        pos = broadcast_strides(v, batch)
         at = " + ".join(f"o{first + d} * {s}" for d, s in enumerate(pos) if s) or "0"
         i = f"{ctx.ref(v)}[{at}]"
         terms.append(f"(({i}) < 0 ? ({i}) + {target[a]} : ({i})) * {own[a]}")
@@ -306,7 +306,8 @@ def index_in_range(
     first = axes[0] if axes[-1] - axes[0] == len(axes) - 1 else 0
     conds = []
     for a, v in zip(axes, indices, strict=True):
-        at = " + ".join(f"o{first + d} * {s}" for d, s in enumerate(_bcast(v, batch)) if s) or "0"
+        pos = broadcast_strides(v, batch)
+        at = " + ".join(f"o{first + d} * {s}" for d, s in enumerate(pos) if s) or "0"
         i = f"{ctx.ref(v)}[{at}]"
         conds.append(f"(uint64_t)(({i}) < 0 ? ({i}) + {target[a]} : ({i})) < {target[a]}u")
     return " && ".join(conds) or "1"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pockengine.ir import Graph, Node, get_op
 from pockengine.plan.liveness import last_reads
 
-__all__ = ["HEAD_PERM", "View", "step_views"]
+__all__ = ["HEAD_PERM", "View", "step_views", "write_positions"]
 
 HEAD_PERM = (0, 2, 1, 3)  # [B, L, H, E] -> [B, H, L, E]: an attention's head split
 _COPIES = frozenset({"reshape", "stop_gradient"})
@@ -74,7 +74,7 @@ def step_views(graph: Graph) -> dict[str, View]:
             readers.setdefault(v.name, []).append((node, k))
     outputs = {v.name for v in graph.outputs}
     last = last_reads(graph)
-    written = _writes(graph)
+    written = write_positions(graph)
     views: dict[str, View] = {}
     for i, node in enumerate(graph.nodes):
         if len(node.inputs) != 1 or len(node.outputs) != 1:
@@ -101,7 +101,7 @@ def step_views(graph: Graph) -> dict[str, View]:
     return views
 
 
-def _writes(graph: Graph) -> dict[str, list[int]]:
+def write_positions(graph: Graph) -> dict[str, list[int]]:
     """Value name -> the indices of the effectful nodes that write it in place."""
     out: dict[str, list[int]] = {}
     for i, node in enumerate(graph.nodes):

@@ -34,6 +34,7 @@ from pockengine._libc import libc_function
 from pockengine.backends.base import Backend, Executable, NotShareableError, Store, check_ops
 from pockengine.backends.torch import kernels as torch_kernels
 from pockengine.backends.torch import kernels_attn as torch_kernels_attn
+from pockengine.backends.torch import kernels_chain as torch_kernels_chain
 from pockengine.backends.torch import kernels_layout as torch_kernels_layout
 from pockengine.backends.torch import kernels_loss as torch_kernels_loss
 from pockengine.backends.torch import kernels_nn as torch_kernels_nn
@@ -71,6 +72,7 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_loss.KERNELS,
     **torch_kernels_quant.KERNELS,
     **torch_kernels_norm_act.KERNELS,
+    **torch_kernels_chain.KERNELS,
     **torch_kernels_layout.KERNELS,
     **torch_kernels_optim.KERNELS,
     **torch_kernels_select.KERNELS,
