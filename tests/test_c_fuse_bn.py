@@ -19,8 +19,8 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c import CBackend
 from pockengine.backends.c.fuse_bn import fuse_batch_norm_hardtanh
-from pockengine.backends.c.fuse_transpose import transpose_products
 from pockengine.backends.c.fuse_ew import fuse_elementwise_chains
+from pockengine.backends.c.fuse_transpose import transpose_products
 from pockengine.ir import Graph, verify
 from pockengine.plan import plan_memory
 
