@@ -18,7 +18,7 @@ summation order, which is the same (each element sums over the shared axis in or
 
 from __future__ import annotations
 
-from pockengine.ir import Attrs, Graph, Node, TensorType, Value, get_op
+from pockengine.ir import Attrs, CompileError, Graph, Node, TensorType, Value, get_op
 from pockengine.passes.dce import eliminate_dead_code
 
 __all__ = ["transpose_products"]
@@ -46,12 +46,13 @@ def _is_swap(node: Node | None) -> bool:
 
 
 def _flipped(
-    v: Value, producers: dict[str, Node], written: set[str], names: _Names, at: Node
+    v: Value, producers: dict[str, Node], kept: set[str], names: _Names, at: Node
 ) -> tuple[Value, list[Node]]:
-    """``v`` transposed: the input of the transpose that made ``v`` where nothing writes it,
-    else a new transpose node (returned to go before the product)."""
+    """``v`` transposed: the input of the transpose that made ``v`` where that input stays
+    as it is (in ``kept``: nothing writes it and this pass does not rename it), else a new
+    transpose node (returned to go before the product)."""
     made = producers.get(v.name)
-    if made is not None and _is_swap(made) and made.inputs[0].name not in written:
+    if made is not None and _is_swap(made) and made.inputs[0].name in kept:
         return made.inputs[0], []
     out = Value(names.fresh(v.name), TensorType((v.shape[1], v.shape[0]), v.type.dtype))
     node = Node("transpose", (v,), (out,), Attrs(perm=_SWAP), at.source, at.phase)
@@ -60,7 +61,18 @@ def _flipped(
 
 def transpose_products(graph: Graph) -> Graph:
     """Every ``transpose(matmul(a, b))`` of rank-2 operands whose product only the
-    transpose reads, as ``matmul(transpose(b), transpose(a))`` at the product's place."""
+    transpose reads, as ``matmul(transpose(b), transpose(a))`` at the product's place;
+    repeated until none is left (a rewritten product may be a transpose's input in turn),
+    so running it again changes nothing."""
+    for _ in range(len(graph.nodes) + 1):  # each round moves transposes toward the inputs
+        rewritten = _transpose_products_once(graph)
+        if rewritten is graph:
+            return graph
+        graph = rewritten
+    raise CompileError("fuse_transpose: the rewrite did not settle")
+
+
+def _transpose_products_once(graph: Graph) -> Graph:
     readers: dict[str, int] = {}
     for node in graph.nodes:
         for v in node.inputs:
@@ -81,14 +93,16 @@ def transpose_products(graph: Graph) -> Graph:
     if not turned:
         return graph
     names, nodes = _Names(graph), []
+    kept = {v.name for v in graph.inputs} | set(producers)
+    kept -= written | set(turned)
     for node in graph.nodes:
         t = turned.get(node.outputs[0].name) if node.op == "matmul" else None
         if t is None:
             nodes.append(node)
             continue
         a, b = node.inputs
-        bt, before_b = _flipped(b, producers, written, names, node)
-        at, before_a = _flipped(a, producers, written, names, node)
+        bt, before_b = _flipped(b, producers, kept, names, node)
+        at, before_a = _flipped(a, producers, kept, names, node)
         nodes += [*before_b, *before_a, node.replace(inputs=(bt, at), outputs=t.outputs)]
     moved = {id(t) for t in turned.values()}
     kept = tuple(n for n in nodes if id(n) not in moved)
