@@ -25,20 +25,23 @@ def run_check(
     least: int,
     compiler: str = "cc",
     runner: list[str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> None:
     """Builds ``check`` (a file of tests/c_kernels/) with the ``kernels`` files and runs
-    it: it passes, and ran at least ``least`` checks."""
+    it (with ``args``): it passes, and ran at least ``least`` checks."""
     binary = tmp_path / Path(check).stem
     sources = [str(CHECKS / check), *(str(KERNEL_DIR / f) for f in kernels)]
     subprocess.run([compiler, *flags, *COMMON, *sources, "-o", str(binary), "-lm"],
                    check=True, capture_output=True, text=True)  # fmt: skip
-    done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
+    done = subprocess.run([*(runner or []), str(binary), *args], capture_output=True, text=True,
                           check=False, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.startswith("ok ") and int(done.stdout.split()[1]) >= least, done.stdout
 
 
-def run_check_aarch64(tmp_path: Path, check: str, kernels: tuple[str, ...], least: int) -> None:
+def run_check_aarch64(
+    tmp_path: Path, check: str, kernels: tuple[str, ...], least: int, args: tuple[str, ...] = ()
+) -> None:
     """``run_check`` built for aarch64 (NEON) and run under qemu; needs Debian's
     gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
     cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
@@ -46,4 +49,4 @@ def run_check_aarch64(tmp_path: Path, check: str, kernels: tuple[str, ...], leas
         pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing: apt-get install "
                     "gcc-aarch64-linux-gnu qemu-user")  # fmt: skip
     run_check(tmp_path, check, kernels, ["-O2"], least, cross,
-              [qemu, "-L", "/usr/aarch64-linux-gnu"])  # fmt: skip
+              [qemu, "-L", "/usr/aarch64-linux-gnu"], args)  # fmt: skip

@@ -273,7 +273,10 @@ class _SignalAt(Progress):
             os.kill(os.getpid(), self.sig)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGINT takes the same path as SIGTERM (one handler for both); its run is slow-marked.
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)]
+)
 def test_signal_stops_with_checkpoint_and_resumes(
     tmp_path: Path, task: dict[str, Any], monkeypatch: pytest.MonkeyPatch, sig: int
 ) -> None:
