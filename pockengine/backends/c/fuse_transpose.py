@@ -105,5 +105,5 @@ def _transpose_products_once(graph: Graph) -> Graph:
         at, before_a = _flipped(a, producers, kept, names, node)
         nodes += [*before_b, *before_a, node.replace(inputs=(bt, at), outputs=t.outputs)]
     moved = {id(t) for t in turned.values()}
-    kept = tuple(n for n in nodes if id(n) not in moved)
-    return eliminate_dead_code(graph.replace(nodes=kept))
+    remaining = tuple(n for n in nodes if id(n) not in moved)
+    return eliminate_dead_code(graph.replace(nodes=remaining))
