@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 
 from pockengine.ir.types import Graph, Node, Value
 
-__all__ = ["substitute", "with_inputs"]
+__all__ = ["FreshNames", "substitute", "with_inputs"]
 
 
 def substitute(nodes: Iterable[Node], mapping: Mapping[str, Value]) -> list[Node]:
@@ -29,3 +29,19 @@ def with_inputs(graph: Graph, inputs: Iterable[Value]) -> Graph:
         tuple(substitute(graph.nodes, mapping)),
         tuple(mapping.get(v.name, v) for v in graph.outputs),
     )
+
+
+class FreshNames:
+    """Value names not yet in a graph: ``fresh("x_t")`` is the first of ``x_t0``, ``x_t1``,
+    ... that neither the graph nor an earlier ``fresh`` holds."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.taken = {v.name for v in graph.inputs}
+        self.taken.update(v.name for n in graph.nodes for v in n.outputs)
+
+    def fresh(self, stem: str) -> str:
+        k = 0
+        while f"{stem}{k}" in self.taken:
+            k += 1
+        self.taken.add(f"{stem}{k}")
+        return f"{stem}{k}"

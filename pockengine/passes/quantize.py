@@ -47,6 +47,7 @@ from pockengine.ir import (
     verify,
 )
 from pockengine.ir.arrays import Array
+from pockengine.ir.rewrite import FreshNames
 from pockengine.ops.quant import Quantized, dequantize_array, quantize_int4, quantize_int8
 
 __all__ = [
@@ -154,17 +155,12 @@ class _Rewriter:
     """Fresh names, and the dequantize nodes that go before each reader."""
 
     def __init__(self, graph: Graph, params: dict[str, QuantizedParam]) -> None:
-        self.names = {v.name for v in graph.inputs}
-        self.names.update(v.name for n in graph.nodes for v in n.outputs)
+        self.names = FreshNames(graph)
         self.params = params
         self.inputs = {v.name: v for v in graph.inputs}
 
     def fresh(self, base: str) -> str:
-        k = 0
-        while f"{base}_{k}" in self.names:
-            k += 1
-        self.names.add(f"{base}_{k}")
-        return f"{base}_{k}"
+        return self.names.fresh(f"{base}_")
 
     def result(self, base: str, shape: tuple[int, ...], dtype: DType) -> Value:
         return Value(self.fresh(base.replace(".", "_")), TensorType(shape, dtype))

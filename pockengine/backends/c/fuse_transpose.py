@@ -19,6 +19,7 @@ summation order, which is the same (each element sums over the shared axis in or
 from __future__ import annotations
 
 from pockengine.ir import Attrs, CompileError, Graph, Node, TensorType, Value, get_op
+from pockengine.ir.rewrite import FreshNames
 from pockengine.passes.dce import eliminate_dead_code
 
 __all__ = ["transpose_products"]
@@ -26,27 +27,12 @@ __all__ = ["transpose_products"]
 _SWAP = (1, 0)
 
 
-class _Names:
-    """Fresh value names (``base_t0``, ``base_t1``, ...) beside the graph's own."""
-
-    def __init__(self, graph: Graph) -> None:
-        self.taken = {v.name for v in graph.inputs}
-        self.taken.update(v.name for n in graph.nodes for v in n.outputs)
-
-    def fresh(self, base: str) -> str:
-        k = 0
-        while f"{base}_t{k}" in self.taken:
-            k += 1
-        self.taken.add(f"{base}_t{k}")
-        return f"{base}_t{k}"
-
-
 def _is_swap(node: Node | None) -> bool:
     return node is not None and node.op == "transpose" and tuple(node.attrs["perm"]) == _SWAP  # type: ignore[arg-type]
 
 
 def _flipped(
-    v: Value, producers: dict[str, Node], kept: set[str], names: _Names, at: Node
+    v: Value, producers: dict[str, Node], kept: set[str], names: FreshNames, at: Node
 ) -> tuple[Value, list[Node]]:
     """``v`` transposed: the input of the transpose that made ``v`` where that input stays
     as it is (in ``kept``: nothing writes it and this pass does not rename it), else a new
@@ -54,7 +40,7 @@ def _flipped(
     made = producers.get(v.name)
     if made is not None and _is_swap(made) and made.inputs[0].name in kept:
         return made.inputs[0], []
-    out = Value(names.fresh(v.name), TensorType((v.shape[1], v.shape[0]), v.type.dtype))
+    out = Value(names.fresh(f"{v.name}_t"), TensorType((v.shape[1], v.shape[0]), v.type.dtype))
     node = Node("transpose", (v,), (out,), Attrs(perm=_SWAP), at.source, at.phase)
     return out, [node]
 
@@ -92,7 +78,7 @@ def _transpose_products_once(graph: Graph) -> Graph:
             turned[src.name] = node
     if not turned:
         return graph
-    names, nodes = _Names(graph), []
+    names, nodes = FreshNames(graph), []
     kept = {v.name for v in graph.inputs} | set(producers)
     kept -= written | set(turned)
     for node in graph.nodes:
