@@ -79,7 +79,9 @@ def write_task(folder: Path, rows: int = 240, module: str = "tiny_bag") -> dict[
 @pytest.fixture
 def task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.syspath_prepend(str(tmp_path))
-    return write_task(tmp_path)
+    # Compiled in this process: where the step is compiled changes no bit of it, and a
+    # child's imports would be most of each run's time. The CLI tests keep the default.
+    return {**write_task(tmp_path), "compile_in": "process"}
 
 
 def assert_same_state(a: Path, b: Path) -> None:
@@ -290,7 +292,7 @@ def test_signal_stops_with_checkpoint_and_resumes(
 
     with monkeypatch.context() as patch:
         patch.setattr(loop, "make_progress", signal_at_17)
-        first = pe.finetune(**task, out=str(tmp_path / "stopped"))
+        first = pe.finetune(**{**task, "compile_in": "child"}, out=str(tmp_path / "stopped"))
     assert first.stopped == signal.Signals(sig).name and first.steps == 17
     assert exit_code(first.stopped) == 128 + sig
     rest = pe.finetune(**task, out=str(tmp_path / "stopped"), resume=True)
