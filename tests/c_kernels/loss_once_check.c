@@ -129,7 +129,13 @@ DEFINE_CHECK(f32, float, 1e-4)
 DEFINE_CHECK(f64, double, 1e-10)
 
 /* With an argument (emulated and sanitized builds, where each product costs 10-50x): the
- * two largest shapes in their first two variants only. */
+ * two largest shapes in their first variant only, the largest in float only. */
+static int variants(int shape, int quick) {
+    if (shape == 4) return quick ? 1 : 8;
+    if (shape == 7) return quick ? 1 : 2;
+    return 8;
+}
+
 int main(int argc, char **argv) {
     (void)argv;
     int quick = argc > 1;
@@ -139,11 +145,11 @@ int main(int argc, char **argv) {
                                      {300, 24, 700}, {520, 530, 140}};
     pe_set_threads(1);
     for (int i = 0; i < 8; i++)
-        for (int v = 0; v < (i == 7 || (quick && i == 4) ? 2 : 8); v++) /* largest: 2 */ {
+        for (int v = 0; v < variants(i, quick); v++) {
             shape s = {shapes[i][0], shapes[i][1], shapes[i][2], v & 1, (v >> 1) & 1,
                        (v >> 2) & 1, (v + i) & 1};
             check_f32(&s);
-            check_f64(&s);
+            if (!(quick && i == 7)) check_f64(&s);
         }
     if (failures) {
         printf("%d of %d checks failed\n", failures, checks);
