@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/c_kernels_ab.py --rev HEAD --workload mbv2 \
         --scheme sparse --rounds 8
     OMP_NUM_THREADS=1 python benchmarks/c_kernels_ab.py --unfused --workload mbv2 --rounds 8
+    OMP_WAIT_POLICY=passive python benchmarks/c_kernels_ab.py --threads 2 --rev main --rounds 8
 
 With ``--unfused`` the baseline is instead the working tree's kernels with the C backend's
 batch-norm fusion (``backends/c/fuse_bn.py``) turned off, so the two steps differ by that
@@ -43,7 +44,7 @@ def _extract(rev: str, folder: Path) -> None:
         (folder / name).write_bytes(data)
 
 
-def _compile(workload: str, scheme_name: str, kernels: Path) -> tuple[Any, list[Any]]:
+def _compile(workload: str, scheme_name: str, kernels: Path, threads: int) -> tuple[Any, list[Any]]:
     import pockengine as pe
     from pockengine import zoo
     from pockengine.backends.c import CBackend, driver
@@ -52,7 +53,7 @@ def _compile(workload: str, scheme_name: str, kernels: Path) -> tuple[Any, list[
     work, optimizer = zoo.benchmark(workload)
     scheme = zoo.benchmark_schemes(workload)[scheme_name]
     batch = work.make_batch(0)
-    backend = CBackend(threads=1)
+    backend = CBackend(threads=threads)
     return pe.compile(work.model, work.loss_fn, batch, optimizer, scheme, backend=backend), batch
 
 
@@ -80,6 +81,7 @@ def main() -> int:
     parser.add_argument("--workload", default="mbv2")
     parser.add_argument("--scheme", default="sparse")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="CBackend(threads=...)")
     parser.add_argument(
         "--unfused", action="store_true", help="baseline: the tree without batch-norm fusion"
     )
@@ -91,11 +93,14 @@ def main() -> int:
         if args.unfused:
             args.rev = "unfused"
             with _without_bn_fusion():
-                base = _compile(args.workload, args.scheme, worktree)
+                base = _compile(args.workload, args.scheme, worktree, args.threads)
         else:
             _extract(args.rev, Path(tmp))
-            base = _compile(args.workload, args.scheme, Path(tmp))
-        steps = {args.rev: base, "worktree": _compile(args.workload, args.scheme, worktree)}
+            base = _compile(args.workload, args.scheme, Path(tmp), args.threads)
+        steps = {
+            args.rev: base,
+            "worktree": _compile(args.workload, args.scheme, worktree, args.threads),
+        }
         seconds: dict[str, list[float]] = {k: [] for k in steps}
         losses: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(args.rounds + 1):  # the first round is a warm-up
@@ -106,6 +111,7 @@ def main() -> int:
     (old, _), (new, _) = steps.values()
     same_state = all(np.array_equal(v, new.state_dict()[k]) for k, v in old.state_dict().items())
     row = {"workload": args.workload, "scheme": args.scheme, "rev": args.rev,
+           "threads": args.threads,
            "median_s": {k: statistics.median(v[1:]) for k, v in seconds.items()},
            "best_s": {k: min(v[1:]) for k, v in seconds.items()},
            "bit_identical": same_state and losses[args.rev] == losses["worktree"]}  # fmt: skip
