@@ -1,8 +1,9 @@
 """The C backend's depthwise convolution over a batch-normed input (backends/c/fuse_dw_bn.py,
-kernels/dw_bn.c): the fused kernels equal the unfused ones bit for bit (natively,
-portably, sanitized and on aarch64), the rewrite fires only where the NCHW depthwise
-kernels would run, and a step with it trains exactly as the C step without it, and as
-NumPy does to float32 tolerance, over 5 steps."""
+kernels/dw_bn.c), and the pointwise one on large maps: the fused kernels equal the unfused
+ones bit for bit (natively, portably, sanitized and on aarch64), the rewrite fires only
+where the NCHW depthwise kernels or a pointwise GEMM on 32 x 32 maps and up would run, and
+a step with it trains exactly as the C step without it, and as NumPy does to float32
+tolerance, over 5 steps."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.c_kernel_check import FLAG_SETS, run_check, run_check_on_aarch64
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
-_FILES = ("dw_bn.c", "depthwise.c", "dw_flat.c", "norm.c", "common.c")
+_FILES = ("dw_bn.c", "depthwise.c", "dw_flat.c", "norm.c", "linalg.c", "common.c")
 
 
 @FLAG_SETS
@@ -88,22 +89,28 @@ def steps() -> tuple[Any, Any, Any, zoo.Workload]:
     return _compile(w, "numpy"), unfused, _compile(w, CBackend()), w
 
 
-def test_the_rewrite_fires_on_the_nchw_depthwise_convolution_only(steps: Any) -> None:
+def test_the_rewrite_fires_on_the_nchw_depthwise_and_large_pointwise_convolutions(
+    steps: Any,
+) -> None:
     _, unfused, fused, _ = steps
     before, after = (Counter(n.op for n in s._exec.graph.nodes) for s in (unfused, fused))
     verify(fused._exec.graph)
     # the 32 x 32 block's depthwise forward and weight gradient, and the weight gradient of
     # the strided block (a 32 x 32 input; its forward's output rows, 64 bytes, run direct
-    # loops); the 16 x 16 and 4 x 4 (NHWC) ones are left alone
-    assert after["conv2d_bn_hardtanh"] == 1 and after["conv2d_bn_hardtanh_weight_grad"] == 2
+    # loops); the 16 x 16 and 4 x 4 (NHWC) ones are left alone. Forward, the 32 x 32
+    # block's projection (pointwise; its weight gradient reads a rematerialised z) too
+    forwards = [n for n in fused._exec.graph.nodes if n.op == "conv2d_bn_hardtanh"]
+    kernels = sorted(n.inputs[3].shape[1:] for n in forwards)
+    assert kernels == [(1, 3, 3), (24, 1, 1)] and after["conv2d_bn_hardtanh_weight_grad"] == 2
+    assert all(n.inputs[0].shape[2:] == (32, 32) for n in forwards)
     assert after["conv2d_nhwc"] == before["conv2d_nhwc"] == 1
-    assert before["batch_norm_hardtanh"] - after["batch_norm_hardtanh"] == 1
+    assert before["batch_norm_hardtanh"] - after["batch_norm_hardtanh"] == 2
     assert before["batch_norm_apply"] - after["batch_norm_apply"] == 2
-    # the normalised input of the fused convolution is made nowhere, so never planned
-    fwd = next(n for n in fused._exec.graph.nodes if n.op == "conv2d_bn_hardtanh")
-    gone = next(n for n in unfused._exec.graph.nodes if n.outputs[0] == fwd.outputs[0])
+    # the normalised inputs of the fused convolutions are made nowhere, so never planned
     made = {v.name for n in fused._exec.graph.nodes for v in n.outputs}
-    assert gone.inputs[0].name not in made | set(fused._exec.plan.offsets)
+    for fwd in forwards:
+        gone = next(n for n in unfused._exec.graph.nodes if n.outputs[0] == fwd.outputs[0])
+        assert gone.inputs[0].name not in made | set(fused._exec.plan.offsets)
     assert fuse_depthwise_batch_norm(fused._exec.graph) is fused._exec.graph
 
 

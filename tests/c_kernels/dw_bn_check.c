@@ -4,7 +4,9 @@
  * pe_batch_norm_apply (clipped) then pe_depthwise_weight_grad. Filters 1-5 a side,
  * strides 1-3, dilations 1-2, padding up to the filter's size, 1-9 channels, 1-3 images,
  * maps 1-72 a side (both depthwise.c's whole-plane and row kernels), with and without a
- * bias. Prints "ok <cases>" and exits 0, or names each case that differs and exits 1.
+ * bias; pe_conv2d_pointwise_bn_hardtanh against pe_batch_norm_hardtanh then the pointwise
+ * GEMM on 1-300 channels. Prints "ok <cases>" and exits 0, or names each case that differs
+ * and exits 1.
  * tests/test_c_fuse_dw_bn.py builds it with the backend's flags, portably, with the
  * address and undefined-behaviour sanitizers, and for aarch64 (run under qemu). */
 #include <stdio.h>
@@ -49,6 +51,28 @@ static int check(long N, long C, long H, long W, long K, long KW, long s, long s
     return ok;
 }
 
+/* pe_conv2d_pointwise_bn_hardtanh against pe_batch_norm_hardtanh then the pointwise
+ * convolution's GEMM (pe_gemm_images, as conv.c's pe_conv2d_pointwise calls it). */
+static int check_pointwise(long N, long C, long O, long H, long W) {
+    long S = H * W, X = N * C * S, Y = N * O * S;
+    long g[PE_G_LEN] = {N, C, H, W, O, 1, 1, H, W, 1, 1, 0, 0, 1, 1, 1, 0, 0};
+    float *x = alloc((size_t)X, 2.f, 0.5f), *bw = alloc((size_t)C, 1.f, 0.f);
+    float *bb = alloc((size_t)C, 1.f, 0.f), *w = alloc((size_t)(O * C), 1.f, 0.f);
+    float *z = malloc((size_t)X * sizeof(float)), *y[2], *m[2], *v[2];
+    for (int k = 0; k < 2; k++) {
+        y[k] = malloc((size_t)Y * sizeof(float));
+        m[k] = malloc((size_t)C * sizeof(float)), v[k] = malloc((size_t)C * sizeof(float));
+    }
+    pe_batch_norm_hardtanh_f32(x, bw, bb, z, m[0], v[0], N, C, S, 1e-5, 0.0, 6.0);
+    pe_gemm_images_f32(N, O, S, C, w, C, 0, z, C * S, y[0], O * S);
+    pe_conv2d_pointwise_bn_hardtanh_f32(x, bw, bb, m[1], v[1], w, y[1], g, 1e-5, 0.0, 6.0);
+    int ok = same(y[0], y[1], Y) && same(m[0], m[1], C) && same(v[0], v[1], C);
+    if (!ok) printf("pointwise differs: N=%ld C=%ld O=%ld H=%ld W=%ld\n", N, C, O, H, W);
+    free(x), free(bw), free(bb), free(w), free(z);
+    for (int k = 0; k < 2; k++) free(y[k]), free(m[k]), free(v[k]);
+    return ok;
+}
+
 int main(void) {
     int cases = 0, bad = 0;
     for (int it = 0; it < 200; it++) {
@@ -61,6 +85,13 @@ int main(void) {
     }
     cases++; /* MobileNetV2's largest expansion: 64 x 64, stride 2, one channel a block */
     bad += !check(2, 3, 64, 64, 3, 3, 2, 2, 1, 1, 1, 1, 0);
+    for (int it = 0; it < 24; it++) { /* products across image boundaries and k blocks */
+        long N = 1 + rnd(3), C = 1 + rnd(it < 20 ? 40 : 300), O = 1 + rnd(40);
+        cases++;
+        bad += !check_pointwise(N, C, O, 1 + rnd(20), 1 + rnd(20));
+    }
+    cases++; /* a projection on 32 x 32 maps: 144 -> 24 channels */
+    bad += !check_pointwise(2, 144, 24, 32, 32);
     if (bad) return 1;
     printf("ok %d\n", cases);
     return 0;

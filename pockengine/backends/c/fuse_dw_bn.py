@@ -1,5 +1,6 @@
 """C-backend rewrite: a depthwise convolution reads its batch-normed, clipped input from the
-batch norm's input, both ways, so the normalised tensor is never stored.
+batch norm's input, both ways, and a pointwise one forward, so the normalised tensor is
+never stored.
 
 Forward: ``(z, mean, var) = batch_norm_hardtanh(x, bw, bb)`` whose ``z`` only a depthwise
 ``conv2d(z, w[, bias])`` reads becomes one ``conv2d_bn_hardtanh(x, bw, bb, w[, bias])``
@@ -10,7 +11,10 @@ its planes normalised in scratch while they are still in cache. Backward: a dept
 (clipped; rematerialisation's copy, as ``fuse_bn.py`` leaves it) nothing else reads
 becomes ``conv2d_bn_hardtanh_weight_grad(x, bw, bb, mean, var, gy)`` at the weight
 gradient's place. MobileNetV2's expansion layers write and read z (the largest tensors of
-the step) three times less.
+the step) three times less. A pointwise ``conv2d(z, w)`` (1x1, stride 1, no padding, one
+group, no bias) over such a ``z`` becomes the same ``conv2d_bn_hardtanh`` forward, which
+``kernels/dw_bn.c`` runs as the convolution's GEMM with ``x`` normalised and clipped while
+the GEMM packs it: MobileNetV2's projections no longer read z from memory.
 
 Only convolutions the C backend would run with the depthwise kernels in NCHW are fused:
 one filter a channel, ``rule_kernel`` choosing ``depthwise``, ``heuristic_layout`` keeping
@@ -30,7 +34,7 @@ from pockengine.backends.c.conv_kernels import conv_geometry, rule_kernel
 from pockengine.backends.c.layout import NCHW, heuristic_layout
 from pockengine.ir import Attrs, CompileError, DType, Graph, Node, Value, get_op
 
-__all__ = ["DW_BN_BYTES", "DW_BN_MIN_PLANE", "fuse_depthwise_batch_norm"]
+__all__ = ["DW_BN_BYTES", "DW_BN_MIN_PLANE", "PW_BN_MIN_PLANE", "fuse_depthwise_batch_norm"]
 
 DW_BN_BYTES = 256 * 1024  # PE_DW_BN_BYTES in kernels/pe_kernels.h
 # Input planes of at least this many positions: measured (MobileNetV2's shapes, batch 8, one
@@ -38,12 +42,17 @@ DW_BN_BYTES = 256 * 1024  # PE_DW_BN_BYTES in kernels/pe_kernels.h
 # and the weight gradient 0.83-0.95x; on 16 x 16 and 8 x 8 planes, which stay in cache
 # anyway, the forward gained nothing and the weight gradient lost 5-30% (its copy of gy).
 DW_BN_MIN_PLANE = 32 * 32
+# A pointwise conv2d (one GEMM) normalises its operand as linalg.c packs it (dw_bn.c) on
+# planes of at least this many positions: MobileNetV2's 32 x 32 and 64 x 64 maps, whose
+# normalised tensors (up to 12 MiB at batch 8) are read back from memory, not from cache.
+PW_BN_MIN_PLANE = 32 * 32
 _GEOMETRY = ("stride", "padding", "dilation", "groups")
 
 
 def _fusable(conv: Node) -> bool:
     """Whether the C backend runs ``conv`` (conv2d or its weight gradient) with the NCHW
-    depthwise kernels, on planes that fit dw_bn.c's scratch."""
+    depthwise kernels, on planes that fit dw_bn.c's scratch, or ``conv`` is a pointwise
+    conv2d without bias on planes of at least ``PW_BN_MIN_PLANE`` positions."""
     dtype = conv.outputs[0].dtype
     if dtype not in (DType.F32, DType.F64):
         return False
@@ -51,6 +60,8 @@ def _fusable(conv: Node) -> bool:
         g = conv_geometry(conv)
     except ValueError:
         return False
+    if g.pointwise and conv.op == "conv2d":
+        return len(conv.inputs) == 2 and g.h * g.w >= PW_BN_MIN_PLANE
     if not (g.depthwise and g.o == g.c) or heuristic_layout(conv.op, g) != NCHW:
         return False
     scratch = g.n * (g.h * g.w + g.oh * g.ow) * dtype.itemsize

@@ -1,5 +1,6 @@
-"""C statements of the fused depthwise convolutions over a batch-normed, clipped input
-(``ops/conv_bn_act.py``, made by ``fuse_dw_bn.py``): calls of ``kernels/dw_bn.c``."""
+"""C statements of the fused depthwise and pointwise convolutions over a batch-normed,
+clipped input (``ops/conv_bn_act.py``, made by ``fuse_dw_bn.py``): calls of
+``kernels/dw_bn.c``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def _conv2d_bn_hardtanh(ctx: EmitContext, node: Node) -> str:
     y, mean, var = (ctx.ref(v) for v in node.outputs)
     conv = node.replace(op="conv2d", inputs=(x, *node.inputs[3:]), outputs=node.outputs[:1])
     ins = ", ".join(ctx.ref(v) for v in (x, bw, bb))
+    if conv_geometry(conv).pointwise:  # fuse_dw_bn fuses those without a bias only
+        return (
+            f"pe_conv2d_pointwise_bn_hardtanh_{_sfx(x)}({ins}, {mean}, {var}, {ctx.ref(w)}, "
+            f"{y}, {_tail(ctx, node, conv)});"
+        )
     return (
         f"pe_conv2d_bn_hardtanh_{_sfx(x)}({ins}, {mean}, {var}, {ctx.ref(w)}, {bias}, {y}, "
         f"{_tail(ctx, node, conv)});"

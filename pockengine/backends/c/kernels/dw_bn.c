@@ -1,5 +1,6 @@
 /* A depthwise convolution (depthwise.c) whose input is hardtanh(batch_norm(x)), and its
- * weight gradient, without the normalised tensor ever being stored.
+ * weight gradient, and a pointwise one over such an input, without the normalised tensor
+ * ever being stored.
  *
  *   forward        per block of channels: their batch-norm statistics (norm.c's one pass
  *                  over x), then each image's planes normalised and clipped into scratch
@@ -9,6 +10,9 @@
  *   weight grad    per block of channels: every image's planes normalised and clipped from
  *                  x and the saved statistics (a rematerialised batch_norm_apply) into
  *                  scratch beside their gradient planes, then depthwise.c's weight gradient
+ *   pointwise      every channel's statistics, then conv.c's one GEMM over the images
+ *                  (y[n] = w x[n]) with x normalised and clipped as linalg.c packs it
+ *                  (pe_gemm_implicit's packing hook), so z is neither written nor read
  *
  * Each step is the unfused kernels' own arithmetic on the same numbers in the same order
  * (the statistics, the normalisation of pe_batch_norm_apply, the depthwise kernels, whose
@@ -17,9 +21,15 @@
  * PE_DW_BN_PLANES (one channel's plane at least); the weight gradient's every image's
  * planes of the block and their gradient planes, within PE_DW_BN_BYTES, which the rewrite
  * (backends/c/fuse_dw_bn.py) checks one channel fits. The geometry array is indexed by the
- * PE_G_* names of pe_kernels.h; groups = C = O. */
+ * PE_G_* names of pe_kernels.h; groups = C = O for the depthwise kernels, 1 (and a 1 x 1
+ * filter, stride 1, no padding, no bias) for the pointwise one. */
 #ifndef PE_T
 #include "pe_kernels.h"
+#if defined(__GNUC__)
+#define PE_PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PE_PREFETCH(p) ((void)0)
+#endif
 #define PE_SELF "dw_bn.c"
 #include "pe_instantiate.h"
 #else
@@ -107,6 +117,52 @@ void PE_S(pe_conv2d_bn_hardtanh_weight_grad)(const PE_T *x, const PE_T *bw, cons
             memcpy(grads + n * cb * OHW, gy + (n * C + c0) * OHW, (size_t)(cb * OHW) * sizeof(PE_T));
         PE_S(pe_depthwise_weight_grad)(planes, grads, gw + c0 * taps, block);
     }
+}
+
+/* The pointwise convolution's operand op(B)[k][j] = clip((x[n][k][s] - mean[k]) * scale[k]
+ * + shift[k]), j = n * S + s: the images side by side, as pe_gemm_images reads them. */
+typedef struct {
+    const PE_T *x, *mean, *scale, *shift;
+    long C, S;
+    PE_T lo, hi;
+} PE_S(pe_pw_bn_operand);
+
+/* linalg.c's packing hook: rows k0 .. k0 + kc of op(B), columns j0 .. j0 + width, into the
+ * sliver (rows ld apart), each run inside one image normalised as pe_batch_norm_apply does. */
+static void PE_S(pe_pw_bn_pack)(const void *ctx, PE_T *sliver, long ld, long k0, long kc,
+                                long j0, long width) {
+    const PE_S(pe_pw_bn_operand) *b = ctx;
+    for (long j = j0; j < j0 + width;) {
+        long n = j / b->S, s = j % b->S;
+        long run = b->S - s < j0 + width - j ? b->S - s : j0 + width - j;
+        for (long k = k0; k < k0 + kc; k++) {
+            const PE_T *row = b->x + (n * b->C + k) * b->S + s;
+            PE_PREFETCH(row + run); /* the next sliver's run of this row, as linalg.c does */
+            PE_PREFETCH(row + run + 64 / sizeof(PE_T));
+            PE_S(pe_dw_bn_plane)(row, run, b->mean[k], b->scale[k], b->shift[k], b->lo, b->hi,
+                                 sliver + (k - k0) * ld + (j - j0));
+        }
+        j += run;
+    }
+}
+
+/* The statistics (channels in parallel, as pe_batch_norm_hardtanh takes them), then the
+ * product of pe_conv2d_pointwise (same blocking, same k order) on the packed operand. */
+void PE_S(pe_conv2d_pointwise_bn_hardtanh)(const PE_T *x, const PE_T *bw, const PE_T *bb,
+                                           PE_T *mean, PE_T *var, const PE_T *w, PE_T *y,
+                                           const long *g, double eps, double lo, double hi) {
+    long N = g[PE_G_N], C = g[PE_G_C], S = g[PE_G_H] * g[PE_G_W], O = g[PE_G_O];
+    PE_T scale[C], shift[C];
+    PE_PARALLEL_FOR(N * C * S)
+    for (long c = 0; c < C; c++) {
+        PE_T v;
+        mean[c] = PE_S(pe_bn_channel_stats)(x, N, C, S, c, &v);
+        var[c] = v;
+        scale[c] = PE_BN_SCALE(bw[c], v, eps), shift[c] = bb[c];
+    }
+    PE_S(pe_pw_bn_operand) b = {x, mean, scale, shift, C, S, (PE_T)lo, (PE_T)hi};
+    pe_layout la = {C, 1, 0, 0, 0}, lc = {S, 1, S, O * S, 2};
+    PE_S(pe_gemm_implicit)(O, N * S, C, w, la, PE_S(pe_pw_bn_pack), &b, y, lc, 0);
 }
 
 #endif

@@ -18,6 +18,7 @@
  * PE_MC x PE_KC + PE_KC x PE_NR elements, 296 KiB in float with AVX-512). */
 #ifndef PE_T
 #include "pe_kernels.h"
+#include "pe_rowcopy.h"
 #define PE_SELF "linalg.c"
 #include "pe_instantiate.h"
 #else
@@ -105,14 +106,12 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
             PE_T *restrict d = dline + (i - i0) * din;
             if (sin == 1 && din == 1) {
                 /* A short run of a long line: fetch the next block's run of it meanwhile.
-                 * A sliver's row (PE_NR elements) is a few vector moves inline, where a
-                 * call of memcpy per row cost more than the copy (attention's products). */
+                 * A sliver's row (PE_NR elements, at most 128 bytes) is a few vector moves
+                 * inline (pe_copy_run), where a call of memcpy per row cost more than the
+                 * copy (attention's products; GCC turns a plain copy loop into that call). */
                 PE_PREFETCH(s + run);
                 PE_PREFETCH(s + run + 64 / sizeof(PE_T));
-                if (run <= PE_NR)
-                    for (long t = 0; t < run; t++) d[t] = s[t];
-                else
-                    memcpy(d, s, (size_t)run * sizeof(PE_T));
+                pe_copy_run(d, s, (size_t)run * sizeof(PE_T));
             }
             else if (sin == 1)
                 for (long t = 0; t < run; t++) d[t * din] = s[t];

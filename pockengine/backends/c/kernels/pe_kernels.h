@@ -117,6 +117,9 @@ size_t pe_dtype_size(int dtype);
                                                const T *mean, const T *var, const T *gy,       \
                                                T *gw, const long *geom, double eps, double lo, \
                                                double hi);                                     \
+    void pe_conv2d_pointwise_bn_hardtanh_##S(const T *x, const T *bw, const T *bb, T *mean,    \
+                                             T *var, const T *w, T *y, const long *geom,       \
+                                             double eps, double lo, double hi);                \
     void pe_batch_norm_apply_##S(const T *x, const T *w, const T *b, const T *mean,           \
                                  const T *var, T *z, long N, long C, long S_, double eps,     \
                                  int clip, double lo, double hi);                             \
