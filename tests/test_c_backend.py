@@ -391,13 +391,24 @@ def _losses(stdout: str) -> list[float]:
     return [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("step ")]
 
 
-def test_exported_trainer_matches_in_process(tmp_path: Path) -> None:
-    folder, losses, state = _export_cnn(tmp_path)
+@pytest.fixture(scope="module")
+def built_cnn(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, list[float], dict[str, Array]]:
+    """The CNN trainer exported and built once, with its in-process losses and state."""
+    folder, losses, state = _export_cnn(tmp_path_factory.mktemp("cnn"))
     assert {p.name for p in folder.iterdir()} >= {
         "step.c", "bounds.c", "main.c", "pe_io.c", "pe_save.c", "pe_check.c", "Makefile",
         "README.md", "state.safetensors", "kernels",
     }  # fmt: skip
     subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    return folder, losses, state
+
+
+def test_exported_trainer_matches_in_process(
+    built_cnn: tuple[Path, list[float], dict[str, Array]],
+) -> None:
+    folder, losses, state = built_cnn
     libs = subprocess.run(["ldd", str(folder / "train")], capture_output=True, text=True).stdout
     assert not [ln for ln in libs.splitlines() if "=>" in ln and not
                 any(k in ln for k in ("libc.so", "libm.so"))], libs  # fmt: skip
@@ -412,9 +423,10 @@ def test_exported_trainer_matches_in_process(tmp_path: Path) -> None:
     _close(fresh.flat_state_dict(), state, "loaded state")
 
 
-def test_trainer_refuses_a_batch_of_the_wrong_shape(tmp_path: Path) -> None:
-    folder, _, _ = _export_cnn(tmp_path, steps=1)
-    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+def test_trainer_refuses_a_batch_of_the_wrong_shape(
+    built_cnn: tuple[Path, list[float], dict[str, Array]],
+) -> None:
+    folder, _, _ = built_cnn
     np.save(folder / "bad.npy", np.zeros((4, 3, 8, 8), np.float32))
     run = subprocess.run(["./train", "bad.npy", "Y.npy"], cwd=folder, capture_output=True,
                          text=True)  # fmt: skip
