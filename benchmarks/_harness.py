@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ __all__ = [
     "reset_peak",
     "run_cases",
     "run_child",
+    "trainer_step_seconds",
     "utc_now",
     "vm_kib",
     "vm_mib",
@@ -40,6 +43,21 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SHAPES = ("seq_len", "image_size", "epochs", "batch_size")  # finetune's shape options
+
+
+# -- the stand-alone C trainer's report ------------------------------------------------------
+
+
+def trainer_step_seconds(stderr: str) -> tuple[float, float]:
+    """The median wall-clock and process CPU seconds of ``./train``'s steps after the first
+    (the first alone when it ran one), from its ``step K time W s cpu C s`` lines."""
+    found = re.findall(r"^step \d+ time ([\d.]+) s cpu ([\d.]+) s$", stderr, re.MULTILINE)
+    if not found:
+        raise SystemExit(f"./train reported no step times:\n{stderr[-2000:]}")
+    timed = found[1:] or found
+    wall = statistics.median(float(w) for w, _ in timed)
+    cpu = statistics.median(float(c) for _, c in timed)
+    return wall, cpu
 
 
 # -- the process's own memory ------------------------------------------------------------

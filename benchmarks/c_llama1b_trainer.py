@@ -13,11 +13,12 @@ weights (``released.stand_in``: no float copy of them), compiled on the C backen
 ``memory_budget`` (recomputation), exported with ``step.export(folder, target="c")``,
 built with ``make NATIVE=1 STATIC=1 SMALL=1`` and run as ``./train --memory-report`` for
 ``--steps`` steps on one thread: whole-process peak and its split (file pages: the mapped
-frozen tensors and the code; anonymous: arena, state, libc), tokens per second (steps
-after the first), the losses, and how long each export phase took. Case ``torch``: the
-same model and blocks compiled on the torch backend (one thread), the same batches: the
-median step time after the first and the whole-process peak. Each case runs in its own
-process.
+frozen tensors and the code; anonymous: arena, state, libc), tokens per second (median
+of the steps after the first, wall clock and process CPU time as ./train reports them),
+the losses, and how long each export phase took. Case ``torch``: the same model and blocks
+compiled on the torch backend (one thread), the same batches: the median step time after
+the first (wall clock and process CPU time) and the whole-process peak. Each case runs in
+its own process.
 
     PYTHONPATH=$PWD python benchmarks/c_llama1b_trainer.py --steps 3 [--budget 200MB] \
         [--cases c torch] [--out benchmarks/results/c_llama1b_trainer.json]
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _harness import trainer_step_seconds
 
 SHAPE = {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192,
          "vocab": 128256, "rope_theta": 500000.0}  # fmt: skip
@@ -183,10 +185,9 @@ def _c_case(args: argparse.Namespace, work: Path, gguf_path: Path) -> dict[str, 
                           str(args.steps), "ids.npy"], cwd=folder, capture_output=True,
                          text=True, check=True)  # fmt: skip
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
-    mean = re.search(r"mean step time ([\d.]+) ms", run.stderr)
     report = re.search(r"memory MiB: (.*)", run.stderr)
     split = dict(re.findall(r"(\w+) ([\d.]+)", report[1])) if report else {}
-    step_s = float(mean[1]) / 1000 if mean else float("nan")
+    step_s, cpu_step_s = trainer_step_seconds(run.stderr)
     plan = re.search(r"planned peak [^*]*", (folder / "step.c").read_text()[:2000])
     return {
         "case": "c", "budget": args.budget, "peak_mib": int(peak[1]) / 1024 if peak else None,
@@ -195,6 +196,7 @@ def _c_case(args: argparse.Namespace, work: Path, gguf_path: Path) -> dict[str, 
         "state_file_mib": (folder / "state.safetensors").stat().st_size / 2**20,
         "code_kib": (folder / "train").stat().st_size / 1024,
         "step_s": step_s, "tokens_per_s": TOKENS / step_s,
+        "cpu_step_s": cpu_step_s, "cpu_tokens_per_s": TOKENS / cpu_step_s,
         "plan": plan[0].strip() if plan else None, "export_process_peak_mib": export_peak,
         **times,
         "losses": [float(ln.split()[-1]) for ln in run.stdout.splitlines()
@@ -208,14 +210,17 @@ def _torch_case(args: argparse.Namespace, gguf_path: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     shape = json.loads(args.shape)
     step = _compile("torch", shape, gguf_path, args.budget)
-    losses, times = [], []
+    losses, times, cpu = [], [], []
     for ids in _batches(args.steps, shape["vocab"]):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         losses.append(float(step(ids)))
         times.append(time.perf_counter() - start)
-    step_s = float(np.median(times[1:])) if len(times) > 1 else times[0]
+        cpu.append(time.process_time() - start_cpu)
+    step_s = float(np.median(times[1:] or times))
+    cpu_step_s = float(np.median(cpu[1:] or cpu))
     return {"case": "torch", "budget": args.budget, "peak_mib": _status_kb("VmHWM") / 1024,
-            "step_s": step_s, "tokens_per_s": TOKENS / step_s, "losses": losses}  # fmt: skip
+            "step_s": step_s, "tokens_per_s": TOKENS / step_s, "cpu_step_s": cpu_step_s,
+            "cpu_tokens_per_s": TOKENS / cpu_step_s, "losses": losses}  # fmt: skip
 
 
 def main() -> None:

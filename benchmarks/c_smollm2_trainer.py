@@ -4,14 +4,16 @@
 Case ``c``: ``pockengine export --recipe smollm2-pydocs --scheme lora --frozen-dtype gguf
 --backend c --target c`` (with ``--remat-budget`` when given), ``make NATIVE=1 STATIC=1
 SMALL=1`` (one thread), then ``./train`` over the written batches under ``/usr/bin/time
--v``: whole-process peak (max RSS), the trainer's mean step time (steps after the first),
-tokens per second, the plan, the losses. Case ``torch``: the same recipe's step compiled
+-v``: whole-process peak (max RSS), the trainer's median step time (steps after the
+first), tokens per second, the plan, the losses. Case ``torch``: the same recipe's step compiled
 on the torch backend (``--frozen-dtype gguf``, one thread), the same batches: median step
 time after the first, tokens per second, whole-process peak, losses. Each case runs in its
 own process. Beside the wall-clock figures, each case reports its CPU time a step
-(``cpu_step_s``, ``cpu_tokens_per_s``), which a loaded machine disturbs less: the torch
-step's median process time after the first; ``./train``'s user + system time over all
-steps less a one-step run's, over the steps after the first.
+(``cpu_step_s``, ``cpu_tokens_per_s``), which a loaded machine disturbs less. Both cases
+give medians over the steps after the first: the torch step timed around each call,
+``./train`` from the wall-clock and process CPU time it reports for each step.
+``--keep DIR`` exports case ``c``'s trainer into ``DIR/trainer`` and keeps it (to run
+``perf`` on).
 
 ``--eval K``: after the run, the validation perplexity (exp of the mean next-token loss) of
 both on the first K batches (8 sequences each) of the recipe's validation split, through
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _harness import trainer_step_seconds
 
 TOKENS = 4 * 128
 _EXPORT = ["--recipe", "smollm2-pydocs", "--frozen-dtype", "gguf", "--batch-size", "4",
@@ -95,12 +98,6 @@ def _load_trainer_state(step: Any, path: Path) -> None:
     step.load_state(optimizer={n: a for n, a in saved.items() if n not in names})
 
 
-def _cpu_seconds(time_v: str) -> float:
-    """User + system seconds from ``/usr/bin/time -v``'s report."""
-    found = re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", time_v)
-    return sum(float(f) for f in found)
-
-
 def _c_case(
     steps: int, budget: str | None, work: Path, extra: list[str], evals: int = 0
 ) -> dict[str, Any]:
@@ -112,16 +109,11 @@ def _c_case(
     subprocess.run(["make", "-s", "-C", str(folder), "NATIVE=1", "STATIC=1", "SMALL=1"],
                    check=True, capture_output=True)  # fmt: skip
     save = ["--save", "trained.safetensors"] if evals else []
-    one = subprocess.run(["/usr/bin/time", "-v", "./train", "--steps", "1",
-                          "batches/batch.0.npy"],
-                         cwd=folder, capture_output=True, text=True, check=True)  # fmt: skip
     run = subprocess.run(["/usr/bin/time", "-v", "./train", *save, "batches/batch.0.npy"],
                          cwd=folder, capture_output=True, text=True, check=True)  # fmt: skip
-    cpu_step_s = (_cpu_seconds(run.stderr) - _cpu_seconds(one.stderr)) / max(steps - 1, 1)
+    step_s, cpu_step_s = trainer_step_seconds(run.stderr)
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
-    mean = re.search(r"mean step time ([\d.]+) ms", run.stderr)
     plan = re.search(r"planned peak [^*]*", (folder / "step.c").read_text()[:2000])
-    step_s = float(mean[1]) / 1000 if mean else float("nan")
     quality: dict[str, float] = {}
     if evals:
         import torch
@@ -184,6 +176,8 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["c", "torch"])
     ap.add_argument("--eval", type=int, default=0, metavar="K",
                     help="validation perplexity of both on K held-out batches")  # fmt: skip
+    ap.add_argument("--keep", metavar="DIR",
+                    help="export case c's trainer into DIR/trainer, kept (to profile)")  # fmt: skip
     ap.add_argument("--case", help=argparse.SUPPRESS)  # one case, in this process
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -191,7 +185,8 @@ def main() -> None:
         extra = ["--scheme", args.scheme, "--optimizer-state", args.optimizer_state]
         with tempfile.TemporaryDirectory() as tmp:
             budget, evals = args.remat_budget, args.eval
-            result = (_c_case(args.steps, budget, Path(tmp), extra, evals)
+            work = Path(args.keep) if args.keep else Path(tmp)
+            result = (_c_case(args.steps, budget, work, extra, evals)
                       if args.case == "c"
                       else _torch_case(args.steps, budget, extra, evals))  # fmt: skip
         result.update(scheme=args.scheme, optimizer_state=args.optimizer_state)
@@ -219,6 +214,8 @@ def main() -> None:
             cmd += ["--remat-budget", budget]
         if args.eval:
             cmd += ["--eval", str(args.eval)]
+        if args.keep:
+            cmd += ["--keep", str(Path(args.keep).resolve())]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(results[-1]), flush=True)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,14 +135,21 @@ def test_gguf_llama_trains_in_c_as_on_torch(trained: _Trained) -> None:
 
 def test_exported_gguf_trainer_gives_the_in_process_losses(trained: _Trained) -> None:
     """``./train`` reads the i8/u8 codes and the f16 scales from its state file and gives
-    the in-process C step's losses."""
+    the in-process C step's losses; built ``SMALL=1`` (-O2 with loops vectorised: the
+    attention's exp among them) it prints the -O1 build's losses digit for digit."""
     folder = trained.folder
     np.save(folder / "ids.npy", np.stack(trained.batches))
-    subprocess.run(["make", "-s", "-C", str(folder), "CFLAGS=-O1"], check=True)
-    run = subprocess.run(["./train", "ids.npy"], cwd=folder, capture_output=True, text=True,
-                         check=True)  # fmt: skip
-    got = [float(ln.split()[-1]) for ln in run.stdout.splitlines() if ln.startswith("step ")]
+    runs = []
+    for flags in ("CFLAGS=-O1", "SMALL=1"):
+        subprocess.run(["make", "-s", "-B", "-C", str(folder), flags], check=True)
+        runs.append(subprocess.run(["./train", "ids.npy"], cwd=folder, capture_output=True,
+                                   text=True, check=True))  # fmt: skip
+    got = [float(ln.split()[-1]) for ln in runs[0].stdout.splitlines() if ln.startswith("step ")]
     np.testing.assert_allclose(got, trained.losses["c"], rtol=1e-6)
+    assert runs[1].stdout == runs[0].stdout
+    timed = re.findall(r"^step (\d+) time ([\d.]+) s cpu ([\d.]+) s$", runs[1].stderr, re.M)
+    assert [int(k) for k, _, _ in timed] == list(range(len(trained.batches))), runs[1].stderr
+    assert all(float(wall) > 0 and float(cpu) > 0 for _, wall, cpu in timed)
 
 
 def test_lora_on_int4_weights_trains_in_c_as_on_torch() -> None:

@@ -153,7 +153,7 @@ static inline void pe_dequant_i8_f32(const int8_t *restrict c, float s, long n,
         vst1q_f32(o + t + 4, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))), vs));
     }
 #endif
-    for (; t < n; t++) o[t] = (float)c[t] * s;
+    for (long rest = n - t, i = 0; i < rest; i++) o[t + i] = (float)c[t + i] * s;
 }
 
 #endif /* PE_SIMD_H */
