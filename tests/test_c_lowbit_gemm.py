@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +26,13 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends import get_backend
 from pockengine.backends.c import CBackend
-from pockengine.backends.c.driver import KERNEL_DIR, toolchain
+from pockengine.backends.c.driver import toolchain
 from pockengine.backends.c.fuse_lowbit import fuse_lowbit_products
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
 from pockengine.ops.quant import Quantized, dequantize_array, quantize_int4, quantize_int8
 from pockengine.plan import plan_memory
 from pockengine.tasks.gguf import decode_blocks
+from tests.c_check import run_check, run_check_aarch64
 
 Array = np.ndarray[Any, Any]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -166,38 +165,20 @@ def test_lora_step_on_lowbit_weights_holds_no_float_matrix(weights: str) -> None
         assert c_step(*batch) == pytest.approx(torch_step(*batch), rel=1e-5), i
 
 
-CHECK = Path(__file__).with_name("c_kernels") / "lowbit_check.c"
 KERNELS = ("linalg.c", "lowbit_gemm.c", "quant.c", "loss.c", "loss_once.c", "common.c")
-SOURCES = [str(CHECK), *(str(KERNEL_DIR / f) for f in KERNELS)]
-COMMON = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
-
-
-def _check(tmp_path: Path, flags: list[str], compiler: str = "cc",
-           runner: list[str] | None = None) -> None:  # fmt: skip
-    binary = tmp_path / "lowbit_check"
-    subprocess.run([compiler, *flags, *COMMON, *SOURCES, "-o", str(binary), "-lm"],
-                   check=True, capture_output=True, text=True)  # fmt: skip
-    done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
-                          check=False, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("ok ") and int(done.stdout.split()[1]) >= 400, done.stdout
 
 
 def test_lowbit_gemm_kernel_with_the_backend_flags(tmp_path: Path) -> None:
-    _check(tmp_path, list(toolchain().flags))
+    run_check(tmp_path, "lowbit_check.c", KERNELS, list(toolchain().flags), least=400)
 
 
 def test_lowbit_gemm_kernel_avx2_and_portable(tmp_path: Path) -> None:
     cpu = Path("/proc/cpuinfo")
     if {"avx2", "fma"} <= set(cpu.read_text().split() if cpu.exists() else ()):
-        _check(tmp_path, ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"])
-    _check(tmp_path, ["-O3", "-DPE_GEMM_PORTABLE"])
+        flags = ["-O3", "-march=native", "-mno-avx512f", "-fopenmp"]
+        run_check(tmp_path, "lowbit_check.c", KERNELS, flags, least=400)
+    run_check(tmp_path, "lowbit_check.c", KERNELS, ["-O3", "-DPE_GEMM_PORTABLE"], least=400)
 
 
 def test_lowbit_gemm_kernel_neon_under_qemu(tmp_path: Path) -> None:
-    """Needs Debian's gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
-    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-    if cross is None or qemu is None:
-        pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing: apt-get install "
-                    "gcc-aarch64-linux-gnu qemu-user")  # fmt: skip
-    _check(tmp_path, ["-O2"], cross, [qemu, "-L", "/usr/aarch64-linux-gnu"])
+    run_check_aarch64(tmp_path, "lowbit_check.c", KERNELS, least=300, args=("quick",))

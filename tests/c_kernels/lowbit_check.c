@@ -146,7 +146,11 @@ static int same(const void *a, const void *b, size_t bytes, const char *what, in
 DEFINE_LOSS_CHECK(f32, float)
 DEFINE_LOSS_CHECK(f64, double)
 
-int main(void) {
+/* With an argument (emulated builds, where each product costs 10-50x): the largest shape,
+ * the only one whose x spans two packed blocks, in its first group size only. */
+int main(int argc, char **argv) {
+    (void)argv;
+    int quick = argc > 1;
     /* rows, cols of W, rows of x: the last has more rows of x than one packed block (528)
      * and K split in two blocks of 144 */
     static const long shapes[][3] = {{37, 320, 19}, {16, 256, 6}, {5, 64, 1}, {70, 576, 64},
@@ -157,7 +161,7 @@ int main(void) {
                 for (int s = 0; s < 6; s++) {
                     long rows = shapes[s][0], cols = shapes[s][1], M = shapes[s][2];
                     long group = gi == 0 ? 32 : gi == 1 ? 64 : cols;
-                    if (cols % group || group % 2) continue;
+                    if (cols % group || group % 2 || (quick && s == 5 && gi > 0)) continue;
                     for (int t = 0; t < 2; t++)
                         for (int acc = 0; acc < 2; acc++) {
                             long row0 = rows > 4 ? 3 : 0, n = rows - row0 - (rows > 8 ? 2 : 0);
