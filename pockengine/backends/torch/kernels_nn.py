@@ -22,13 +22,7 @@ import torch
 
 from pockengine.backends.torch.codegen import Emit, Emitter, GraphIndex, PairFinder, literal
 from pockengine.backends.torch.kernels import slot_copies, torch_dtype
-from pockengine.backends.torch.serial import (
-    batch_norm_grad_probe,
-    batch_norm_probe,
-    fused_adamw_probe,
-    fused_sgd_probe,
-    serial_call,
-)
+from pockengine.backends.torch.serial import Probes, serial_call
 from pockengine.ir import Node
 
 __all__ = ["FINDERS", "KERNELS", "NAMESPACE"]
@@ -197,7 +191,7 @@ def _batch_norm(e: Emit) -> list[str]:
     eps = literal(float(e.attr("eps")))
     invstd = e.saved or e.tmp()
     args = f"{x}, {w}, {b}, None, None, True, 0.0, {eps}"
-    call = serial_call(e, "aten_native_batch_norm", args, batch_norm_probe)
+    call = serial_call(e, "aten_native_batch_norm", args, Probes.batch_norm)
     stmts = [f"{y}, {mean}, {invstd} = {call}"]
     stmts.append(f"{var} = {invstd}.pow(-2).sub_({eps})" if e.used[2] else f"{var} = None")
     return stmts
@@ -209,7 +203,7 @@ def _batch_norm_grad(e: Emit) -> list[str]:
     invstd = e.saved or f"aten_rsqrt(aten_add({var}, {eps}))"
     mask = literal(e.used)
     args = f"{gy}, {x}, {w}, None, None, {mean}, {invstd}, True, {eps}, {mask}"
-    call = serial_call(e, "aten_native_batch_norm_backward", args, batch_norm_grad_probe)
+    call = serial_call(e, "aten_native_batch_norm_backward", args, Probes.batch_norm_grad)
     return [f"{', '.join(e.outs)} = {call}"]
 
 
@@ -298,7 +292,7 @@ def _sgd_update(e: Emit) -> list[str]:
             f", weight_decay={literal(float(e.attr('weight_decay')))}, momentum=0.0, lr={lr}"
             ", dampening=0.0, nesterov=False, maximize=False, is_first_step=False"
         )
-        return [*stmts, serial_call(e, "aten_fused_sgd_", args + _skip(e, 3), fused_sgd_probe)]
+        return [*stmts, serial_call(e, "aten_fused_sgd_", args + _skip(e, 3), Probes.fused_sgd)]
     d = _direction(e, w, g, stmts)
     return [*stmts, f"{w}.addcmul_({d}, {lr}, value=-1)"]
 
@@ -335,7 +329,7 @@ def _sgd_momentum_update(e: Emit) -> list[str]:
         f", momentum={literal(float(e.attr('momentum')))}, lr={lr}, dampening=0.0"
         f", nesterov={bool(e.attr('nesterov'))}, maximize=False, is_first_step=False"
     )
-    return [*stmts, serial_call(e, "aten_fused_sgd_", args + _skip(e, 4), fused_sgd_probe)]
+    return [*stmts, serial_call(e, "aten_fused_sgd_", args + _skip(e, 4), Probes.fused_sgd)]
 
 
 def _adamw_update(e: Emit) -> list[str]:
@@ -349,7 +343,7 @@ def _adamw_update(e: Emit) -> list[str]:
     )
     args = f"[{w}], [laid_out_as({g}, {w})], [{m}], [{v}], [], [{t}], lr={lr}, {hyper}"
     args += f", amsgrad=False, maximize=False{_skip(e, 6)}"
-    return [*stmts, serial_call(e, "aten_fused_adamw_", args, fused_adamw_probe)]
+    return [*stmts, serial_call(e, "aten_fused_adamw_", args, Probes.fused_adamw)]
 
 
 # -- the table -------------------------------------------------------------------------------

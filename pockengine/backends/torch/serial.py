@@ -14,7 +14,7 @@ For each node of such a kernel (``batch_norm``, ``batch_norm_grad``, the fused S
 AdamW updates) on the CPU, compiling times the kernel on stand-in tensors of the node's
 shapes, in turn on all threads and on one (``torch.set_num_threads(1)`` around the call,
 0.3 us the pair), and the generated line calls it through ``pe_serially`` where one
-thread was faster (median of ``ROUNDS``). A 4-D stand-in is channels-last, as the
+thread was faster (mean of ``ROUNDS``). A 4-D stand-in is channels-last, as the
 backend stores the images and trained convolution weights by default. The choices are
 kept per process, keyed by (kernel, shapes, dtype, threads); with one thread there is
 nothing to choose and nothing is measured.
@@ -36,18 +36,15 @@ from pockengine.ir import TensorType
 __all__ = [
     "NAMESPACE",
     "ROUNDS",
-    "batch_norm_grad_probe",
-    "batch_norm_probe",
+    "Probes",
     "choices",
-    "fused_adamw_probe",
-    "fused_sgd_probe",
     "on_one_thread",
     "serial_call",
     "serially",
     "stand_in",
 ]
 
-ROUNDS = 5
+ROUNDS = 7
 _CHOICES: dict[tuple[Any, ...], bool] = {}
 
 Probe = Callable[[], object]
@@ -70,8 +67,9 @@ def choices() -> dict[tuple[Any, ...], bool]:
 
 
 def _one_thread_faster(probe: Probe) -> bool:
-    """Whether ``probe`` runs faster on one thread than on all: medians of ``ROUNDS``
-    timings each, taken in turn so both see the same load."""
+    """Whether ``probe`` runs faster on one thread than on all: the means of ``ROUNDS``
+    timings each (a step's time is the sum of its calls', stalls included), taken in turn
+    so both see the same load."""
     probe()
     serially(probe)
     threaded, single = [], []
@@ -82,7 +80,7 @@ def _one_thread_faster(probe: Probe) -> bool:
         serially(probe)
         threaded.append(middle - start)
         single.append(time.perf_counter() - middle)
-    return statistics.median(single) < statistics.median(threaded)
+    return statistics.fmean(single) < statistics.fmean(threaded)
 
 
 def on_one_thread(e: Emit, kernel: str, make_probe: Callable[[Emit], Probe]) -> bool:
@@ -125,41 +123,46 @@ def _inputs(e: Emit, fills: dict[int, float] | None = None) -> list[torch.Tensor
     return [stand_in(v.type, e.device, fills.get(i, 0.0)) for i, v in enumerate(e.node.inputs)]
 
 
-def batch_norm_probe(e: Emit) -> Probe:
-    """ATen's training-mode batch norm on stand-ins of ``batch_norm``'s inputs."""
-    x, w, b = _inputs(e)
-    eps = float(e.attr("eps"))
-    return lambda: torch.native_batch_norm(x, w, b, None, None, True, 0.0, eps)
+class Probes:
+    """Stand-in calls of the kernels that may run on one thread, one per kernel: each
+    takes the node and returns the call to time."""
 
+    @staticmethod
+    def batch_norm(e: Emit) -> Probe:
+        """ATen's training-mode batch norm on stand-ins of ``batch_norm``'s inputs."""
+        x, w, b = _inputs(e)
+        eps = float(e.attr("eps"))
+        return lambda: torch.native_batch_norm(x, w, b, None, None, True, 0.0, eps)
 
-def batch_norm_grad_probe(e: Emit) -> Probe:
-    """ATen's batch-norm backward on stand-ins of ``batch_norm_grad``'s inputs (1/std 1)."""
-    gy, x, w, mean, invstd = _inputs(e, {4: 1.0})
-    eps, mask = float(e.attr("eps")), list(e.used)
-    backward = torch.ops.aten.native_batch_norm_backward.default
-    return lambda: backward(gy, x, w, None, None, mean, invstd, True, eps, mask)
+    @staticmethod
+    def batch_norm_grad(e: Emit) -> Probe:
+        """ATen's batch-norm backward on stand-ins of ``batch_norm_grad``'s inputs (1/std 1)."""
+        gy, x, w, mean, invstd = _inputs(e, {4: 1.0})
+        eps, mask = float(e.attr("eps")), list(e.used)
+        backward = torch.ops.aten.native_batch_norm_backward.default
+        return lambda: backward(gy, x, w, None, None, mean, invstd, True, eps, mask)
 
+    @staticmethod
+    def fused_sgd(e: Emit) -> Probe:
+        """ATen's fused SGD on stand-ins of an SGD update's param, gradient and momentum
+        (a zero learning rate)."""
+        w, g, *rest = _inputs(e)
+        momentum = float(e.get("momentum", 0.0))
+        buf = [rest[0]] if momentum else []
+        return lambda: torch._fused_sgd_(
+            [w], [g], buf, weight_decay=0.0, momentum=momentum, lr=0.0, dampening=0.0,
+            nesterov=False, maximize=False, is_first_step=False,
+        )  # fmt: skip
 
-def fused_sgd_probe(e: Emit) -> Probe:
-    """ATen's fused SGD on stand-ins of an SGD update's param, gradient and momentum
-    (a zero learning rate)."""
-    w, g, *rest = _inputs(e)
-    momentum = float(e.get("momentum", 0.0))
-    buf = [rest[0]] if momentum else []
-    return lambda: torch._fused_sgd_(
-        [w], [g], buf, weight_decay=0.0, momentum=momentum, lr=0.0, dampening=0.0,
-        nesterov=False, maximize=False, is_first_step=False,
-    )  # fmt: skip
-
-
-def fused_adamw_probe(e: Emit) -> Probe:
-    """ATen's fused AdamW on stand-ins of ``adamw_update``'s param, gradient, moments and
-    step count (a zero learning rate)."""
-    w, g, m, v, t = _inputs(e, {4: 1.0})[:5]
-    return lambda: torch._fused_adamw_(
-        [w], [g], [m], [v], [], [t], lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0,
-        eps=1e-8, amsgrad=False, maximize=False,
-    )  # fmt: skip
+    @staticmethod
+    def fused_adamw(e: Emit) -> Probe:
+        """ATen's fused AdamW on stand-ins of ``adamw_update``'s param, gradient, moments and
+        step count (a zero learning rate)."""
+        w, g, m, v, t = _inputs(e, {4: 1.0})[:5]
+        return lambda: torch._fused_adamw_(
+            [w], [g], [m], [v], [], [t], lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0,
+            eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
 
 
 NAMESPACE: dict[str, Callable[..., Any]] = {"pe_serially": serially}
