@@ -5,6 +5,7 @@ thread count is what it was after every call."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -122,3 +123,33 @@ def test_one_thread_measures_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         torch.set_num_threads(threads)
     assert not measured and "pe_serially(" not in step._exec.source
+
+
+def _sleeps_on(threads_that_sleep: Callable[[int], bool], calls: list[int]) -> serial.Probe:
+    """A probe that sleeps 2 ms when ``threads_that_sleep(threads)``, else returns."""
+
+    def probe() -> None:
+        calls.append(torch.get_num_threads())
+        if threads_that_sleep(torch.get_num_threads()):
+            time.sleep(0.002)
+
+    return probe
+
+
+def test_the_faster_thread_count_is_chosen(
+    two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serial, "LARGE_S", 1.0)
+    calls: list[int] = []
+    assert serial._one_thread_faster(_sleeps_on(lambda n: n > 1, calls))
+    assert calls.count(1) == calls.count(2) == serial.ROUNDS + 1
+    assert not serial._one_thread_faster(_sleeps_on(lambda n: n == 1, []))
+
+
+def test_a_large_kernel_stays_on_all_threads_timed_once(
+    two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serial, "LARGE_S", 1e-3)
+    calls: list[int] = []
+    assert not serial._one_thread_faster(_sleeps_on(lambda n: True, calls))
+    assert calls == [2, 1]  # one warm-up on all threads, one timing on one

@@ -14,7 +14,8 @@ For each node of such a kernel (``batch_norm``, ``batch_norm_grad``, the fused S
 AdamW updates) on the CPU, compiling times the kernel on stand-in tensors of the node's
 shapes, in turn on all threads and on one (``torch.set_num_threads(1)`` around the call,
 0.3 us the pair), and the generated line calls it through ``pe_serially`` where one
-thread was faster (mean of ``ROUNDS``). A 4-D stand-in is channels-last, as the
+thread was faster (mean of ``ROUNDS``; a kernel of ``LARGE_S`` or more on one thread
+stays on all, timed once). A 4-D stand-in is channels-last, as the
 backend stores the images and trained convolution weights by default. The choices are
 kept per process, keyed by (kernel, shapes, dtype, threads); with one thread there is
 nothing to choose and nothing is measured.
@@ -34,6 +35,7 @@ from pockengine.backends.torch.kernels import torch_dtype
 from pockengine.ir import TensorType
 
 __all__ = [
+    "LARGE_S",
     "NAMESPACE",
     "ROUNDS",
     "Probes",
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 ROUNDS = 7
+LARGE_S = 1e-3
 _CHOICES: dict[tuple[Any, ...], bool] = {}
 
 Probe = Callable[[], object]
@@ -69,9 +72,14 @@ def choices() -> dict[tuple[Any, ...], bool]:
 def _one_thread_faster(probe: Probe) -> bool:
     """Whether ``probe`` runs faster on one thread than on all: the means of ``ROUNDS``
     timings each (a step's time is the sum of its calls', stalls included), taken in turn
-    so both see the same load."""
+    so both see the same load. A kernel taking ``LARGE_S`` or more on one thread stays on
+    all of them, measured no further: its regions' costs are small beside its work, and
+    timing it would lengthen the compile (MobileNetV2 at batch 8: 7 s of CPU time)."""
     probe()
+    start = time.perf_counter()
     serially(probe)
+    if time.perf_counter() - start >= LARGE_S:
+        return False
     threaded, single = [], []
     for _ in range(ROUNDS):
         start = time.perf_counter()
