@@ -10,6 +10,7 @@ node per line; ``ir.parser`` reads the same text back.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -103,7 +104,7 @@ class TensorType:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return int(math.prod(self.shape))  # a tenth of np.prod's time; passes ask often
 
     @property
     def nbytes(self) -> int:

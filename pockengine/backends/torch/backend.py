@@ -43,6 +43,7 @@ from pockengine.backends.torch import kernels_optim as torch_kernels_optim
 from pockengine.backends.torch import kernels_quant as torch_kernels_quant
 from pockengine.backends.torch import kernels_select as torch_kernels_select
 from pockengine.backends.torch import kernels_shape as torch_kernels_shape
+from pockengine.backends.torch import serial as torch_serial
 from pockengine.backends.torch.bytecode import code_object
 from pockengine.backends.torch.codegen import Emitter, PairFinder, generate_source
 from pockengine.backends.torch.heap import (
@@ -88,6 +89,7 @@ _NAMESPACE: dict[str, Any] = {
     **torch_kernels_optim.NAMESPACE,
     **torch_kernels_select.NAMESPACE,
     **torch_kernels_layout.NAMESPACE,
+    **torch_serial.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
     "nan": math.nan,

@@ -22,6 +22,7 @@ import torch
 
 from pockengine.backends.torch.codegen import Emit, Emitter, GraphIndex, PairFinder, literal
 from pockengine.backends.torch.kernels import slot_copies, torch_dtype
+from pockengine.backends.torch.serial import Probes, serial_call
 from pockengine.ir import Node
 
 __all__ = ["FINDERS", "KERNELS", "NAMESPACE"]
@@ -189,7 +190,8 @@ def _batch_norm(e: Emit) -> list[str]:
     y, mean, var = e.outs
     eps = literal(float(e.attr("eps")))
     invstd = e.saved or e.tmp()
-    call = f"aten_native_batch_norm({x}, {w}, {b}, None, None, True, 0.0, {eps})"
+    args = f"{x}, {w}, {b}, None, None, True, 0.0, {eps}"
+    call = serial_call(e, "aten_native_batch_norm", args, Probes.batch_norm)
     stmts = [f"{y}, {mean}, {invstd} = {call}"]
     stmts.append(f"{var} = {invstd}.pow(-2).sub_({eps})" if e.used[2] else f"{var} = None")
     return stmts
@@ -201,7 +203,8 @@ def _batch_norm_grad(e: Emit) -> list[str]:
     invstd = e.saved or f"aten_rsqrt(aten_add({var}, {eps}))"
     mask = literal(e.used)
     args = f"{gy}, {x}, {w}, None, None, {mean}, {invstd}, True, {eps}, {mask}"
-    return [f"{', '.join(e.outs)} = aten_native_batch_norm_backward({args})"]
+    call = serial_call(e, "aten_native_batch_norm_backward", args, Probes.batch_norm_grad)
+    return [f"{', '.join(e.outs)} = {call}"]
 
 
 def _bn_partner(node: Node, index: GraphIndex) -> Node | None:
@@ -289,7 +292,7 @@ def _sgd_update(e: Emit) -> list[str]:
             f", weight_decay={literal(float(e.attr('weight_decay')))}, momentum=0.0, lr={lr}"
             ", dampening=0.0, nesterov=False, maximize=False, is_first_step=False"
         )
-        return [*stmts, f"aten_fused_sgd_({args}{_skip(e, 3)})"]
+        return [*stmts, serial_call(e, "aten_fused_sgd_", args + _skip(e, 3), Probes.fused_sgd)]
     d = _direction(e, w, g, stmts)
     return [*stmts, f"{w}.addcmul_({d}, {lr}, value=-1)"]
 
@@ -326,7 +329,7 @@ def _sgd_momentum_update(e: Emit) -> list[str]:
         f", momentum={literal(float(e.attr('momentum')))}, lr={lr}, dampening=0.0"
         f", nesterov={bool(e.attr('nesterov'))}, maximize=False, is_first_step=False"
     )
-    return [*stmts, f"aten_fused_sgd_({args}{_skip(e, 4)})"]
+    return [*stmts, serial_call(e, "aten_fused_sgd_", args + _skip(e, 4), Probes.fused_sgd)]
 
 
 def _adamw_update(e: Emit) -> list[str]:
@@ -339,7 +342,8 @@ def _adamw_update(e: Emit) -> list[str]:
         f"{k}={literal(float(e.attr(k)))}" for k in ("beta1", "beta2", "weight_decay", "eps")
     )
     args = f"[{w}], [laid_out_as({g}, {w})], [{m}], [{v}], [], [{t}], lr={lr}, {hyper}"
-    return [*stmts, f"aten_fused_adamw_({args}, amsgrad=False, maximize=False{_skip(e, 6)})"]
+    args += f", amsgrad=False, maximize=False{_skip(e, 6)}"
+    return [*stmts, serial_call(e, "aten_fused_adamw_", args, Probes.fused_adamw)]
 
 
 # -- the table -------------------------------------------------------------------------------
