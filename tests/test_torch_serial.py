@@ -93,6 +93,31 @@ def test_kernels_on_one_thread_train_as_numpy(
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
+def test_partial_channel_updates_are_probed_on_the_part_they_write(
+    optimizer: str, two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An update of a weight's first rows (``channels=``): the probe's stand-in param has
+    the gradient's rows, as the generated call passes the param's narrowed view (a stand-in
+    of the whole param made ATen's fused kernels read past the gradient's end)."""
+    monkeypatch.setattr(serial, "_CHOICES", {})  # measured for real, afresh
+    w = zoo.small_cnn()
+    batch = w.make_batch(0)
+    scheme = pe.schemes.full(channels={"*weight": 0.5})
+    make = _OPTIMIZERS[optimizer]
+    ref = pe.compile(w.model, w.loss_fn, batch, optimizer=make(), scheme=scheme, backend="numpy")
+    ours = pe.compile(w.model, w.loss_fn, batch, optimizer=make(), scheme=scheme, backend="torch")
+    assert any(n.attrs.get("rows") for n in ours.graph.nodes)
+    update = "aten_fused_adamw_" if optimizer == "adamw" else "aten_fused_sgd_"
+    assert any(key[0] == update for key in serial.choices())
+    for i in range(2):
+        batch = w.make_batch(i)
+        assert ours(*batch) == pytest.approx(ref(*batch), rel=1e-4, abs=1e-5)
+    want, got = ref.state_dict(), ours.state_dict()
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_the_choice_is_measured_once_per_kernel_and_shapes(
     two_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

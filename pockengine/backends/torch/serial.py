@@ -137,6 +137,12 @@ def _inputs(e: Emit, fills: dict[int, float] | None = None) -> list[torch.Tensor
     return [stand_in(v.type, e.device, fills.get(i, 0.0)) for i, v in enumerate(e.node.inputs)]
 
 
+def _updated_part(e: Emit) -> torch.Tensor:
+    """A stand-in of what an update writes: the param, or (a ``rows`` update) the part of
+    it the gradient covers; the fused kernels index all their lists by the param's size."""
+    return stand_in(e.node.inputs[1].type, e.device)
+
+
 class Probes:
     """Stand-in calls of the kernels that may run on one thread, one per kernel: each
     takes the node and returns the call to time."""
@@ -160,7 +166,8 @@ class Probes:
     def fused_sgd(e: Emit) -> Probe:
         """ATen's fused SGD on stand-ins of an SGD update's param, gradient and momentum
         (a zero learning rate)."""
-        w, g, *rest = _inputs(e)
+        _, g, *rest = _inputs(e)
+        w = _updated_part(e)
         momentum = float(e.get("momentum", 0.0))
         buf = [rest[0]] if momentum else []
         return lambda: torch._fused_sgd_(
@@ -172,7 +179,8 @@ class Probes:
     def fused_adamw(e: Emit) -> Probe:
         """ATen's fused AdamW on stand-ins of ``adamw_update``'s param, gradient, moments and
         step count (a zero learning rate)."""
-        w, g, m, v, t = _inputs(e, {4: 1.0})[:5]
+        _, g, m, v, t = _inputs(e, {4: 1.0})[:5]
+        w = _updated_part(e)
         return lambda: torch._fused_adamw_(
             [w], [g], [m], [v], [], [t], lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0,
             eps=1e-8, amsgrad=False, maximize=False,
