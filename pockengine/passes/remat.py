@@ -54,6 +54,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from pockengine.ir import GRAD_PREFIX, Fact, Graph, Node, Phase, Role, Value, get_op
+from pockengine.ir.rewrite import FreshNames
 from pockengine.plan.liveness import last_reads
 
 __all__ = [
@@ -85,7 +86,7 @@ class _State:
     producers: dict[str, Node]
     last: dict[str, int]  # value -> index of its last reader (len(nodes) for outputs)
     written: dict[str, int]  # stored value -> index of the first effect writing it
-    names: set[str]
+    names: FreshNames  # the graph's value names and the copies' names
     recomputable: Recomputable
     from_params: set[str]  # forward values computed from stored values alone
     dropped: set[str] = field(default_factory=set)  # never kept: recomputed if read
@@ -103,12 +104,7 @@ class _State:
     keep: frozenset[str] = frozenset()  # forward values a chain may keep alive and read
 
     def fresh(self, base: str) -> str:
-        k = 0
-        while f"{base}_re{k}" in self.names:
-            k += 1
-        name = f"{base}_re{k}"
-        self.names.add(name)
-        return name
+        return self.names.fresh(f"{base}_re")
 
 
 def _backward(node: Node) -> bool:
@@ -289,13 +285,12 @@ def recompute(
     checkpointed block's input that its own backward does not read: the first layer's,
     the embedding output, where the embedding is frozen)."""
     nodes = graph.nodes
-    names = {v.name for v in graph.inputs}
     s = _State(
         graph,
         graph.producers(),
         last_reads(graph),
         {},
-        names,
+        FreshNames(graph),
         recomputable,
         _from_params(graph),
         prefer=prefer,
@@ -304,7 +299,6 @@ def recompute(
     )
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
-        s.names.update(v.name for v in node.outputs)
         for j, v in enumerate(node.inputs):
             readers.setdefault(v.name, []).append(i)
             if j in get_op(node.op).mutates:
