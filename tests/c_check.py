@@ -1,6 +1,8 @@
 """Building and running a kernel check program of ``tests/c_kernels/`` (one that prints
-"ok N", N its checks, and exits 0, or prints its failures and exits 1): with given flags,
-with a cross compiler under an emulator, the checks counted."""
+"ok N", N its checks, and exits 0, or prints its failures and exits 1) against the
+backend's kernel sources: with given flags (``FLAG_SETS``: the backend's own, portable, the
+address and undefined-behaviour sanitizers), with a cross compiler under an emulator, the
+checks counted."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from pockengine.backends.c.driver import KERNEL_DIR
 CHECKS = Path(__file__).with_name("c_kernels")
 COMMON = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-fno-math-errno", "-I", str(KERNEL_DIR)]
 SANITIZED = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+FLAG_SETS = pytest.mark.parametrize(
+    "flags", [["-O3", "-march=native"], ["-O3"], SANITIZED], ids=["native", "portable", "sanitized"]
+)
 
 
 def run_check(
@@ -40,13 +45,18 @@ def run_check(
 
 
 def run_check_aarch64(
-    tmp_path: Path, check: str, kernels: tuple[str, ...], least: int, args: tuple[str, ...] = ()
+    tmp_path: Path,
+    check: str,
+    kernels: tuple[str, ...],
+    least: int,
+    args: tuple[str, ...] = (),
+    flags: tuple[str, ...] = ("-O2",),
 ) -> None:
-    """``run_check`` built for aarch64 (NEON) and run under qemu; needs Debian's
-    gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
+    """``run_check`` built for aarch64 (NEON) with ``flags`` and run under qemu; needs
+    Debian's gcc-aarch64-linux-gnu and qemu-user (CI installs both)."""
     cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if cross is None or qemu is None:
         pytest.skip("aarch64-linux-gnu-gcc or qemu-aarch64 missing: apt-get install "
                     "gcc-aarch64-linux-gnu qemu-user")  # fmt: skip
-    run_check(tmp_path, check, kernels, ["-O2"], least, cross,
+    run_check(tmp_path, check, kernels, list(flags), least, cross,
               [qemu, "-L", "/usr/aarch64-linux-gnu"], args)  # fmt: skip
