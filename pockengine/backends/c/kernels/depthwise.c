@@ -8,7 +8,8 @@
  * columns in registers across every tap; rows are kept in a small ring (one row per
  * input row the window spans), so each is built once per plane. The input gradient at
  * stride 1 is the forward kernel on gy with the flipped filters; at other strides it
- * accumulates into one padded row in the same phases and copies it out; the weight
+ * accumulates into one padded row in the same phases and copies it out (at stride 2 a
+ * pair of columns a step, the two phases woven back with vector shuffles); the weight
  * gradient keeps a vector of partial sums a tap (conv.c keeps its direct loops for maps
  * narrower than a vector, where they are faster). The geometry array is indexed by the
  * PE_G_* names of pe_kernels.h. Smaller planes run dw_flat.c's whole-plane kernels
