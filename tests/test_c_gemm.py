@@ -5,7 +5,8 @@ float and double against a double reference, and that a result does not depend o
 tile an element falls in, the thread count, or whether images are read side by side. It
 is built here with the backend's flags (the native micro-kernel: AVX-512 on this machine),
 without AVX-512 (the AVX2+FMA kernel), with ``PE_GEMM_PORTABLE`` (the portable C kernel),
-without OpenMP, and for aarch64 (the NEON kernel) run under qemu.
+without OpenMP, with the address and undefined-behaviour sanitizers, and for aarch64 (the
+NEON kernel) run under qemu.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pockengine.backends.c.driver import KERNEL_DIR, toolchain
+from tests.c_check import SANITIZED
 
 CHECK = Path(__file__).with_name("c_kernels") / "gemm_check.c"
 SOURCES = [str(CHECK), str(KERNEL_DIR / "linalg.c"), str(KERNEL_DIR / "common.c")]
@@ -53,6 +55,13 @@ def test_gemm_avx2_kernel(tmp_path: Path) -> None:
 
 def test_gemm_portable_kernel_one_thread(tmp_path: Path) -> None:
     _build_and_run(tmp_path, ["-O3", "-DPE_GEMM_PORTABLE"])
+
+
+def test_gemm_under_the_sanitizers(tmp_path: Path) -> None:
+    """The native micro-kernel with the address and undefined-behaviour sanitizers: the
+    runs of packed slivers and the edge tiles stay inside their scratch and operands."""
+    out = _build_and_run(tmp_path, [*SANITIZED, "-march=native"])
+    assert int(out.split()[1]) >= 180
 
 
 def test_gemm_neon_kernel_under_qemu(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
  * loops in double on random geometries: depthwise with filters 1-5 a side, strides 1-3,
  * dilations 1-2, padding up to the filter's size, maps 1-40 a side; Winograd 3x3 with
  * 1-40 channels in and out, padding 0-3 (the input gradient then pads by 2 - p, down to
- * -1), maps 1-12. Prints "ok <cases>" and exits 0, or names each case off by more than
+ * -1), maps 1-12; then fixed depthwise geometries (maps up to 97 a side, on the row
+ * kernels, and MobileNetV2's). Prints "ok <cases>" and exits 0, or names each case off by more than
  * 1e-5 of its largest value and exits 1. tests/test_c_conv.py builds it with the
  * backend's flags, portably, with the address and undefined-behaviour sanitizers, and for
  * aarch64 (run under qemu). */
@@ -36,6 +37,33 @@ static void ref_wgrad(const float*x,const float*gy,float*gw,const long*g){
     gw[((o*cg+c)*KH+i)*KW+j]=(float)s;}
 }
 static double err(const float*a,const float*b,long n){double e=0,m=1;for(long i=0;i<n;i++){double d=fabs(a[i]-b[i]);if(d>e)e=d;if(fabs(b[i])>m)m=fabs(b[i]);}return e/m;}
+/* One geometry against the references; returns 1 when off. */
+static int check(const long*g,int wino,double*worst){
+  long N=g[0],C=g[1],H=g[2],W=g[3],O=g[4],K=g[5],KW=g[6],OH=g[7],OW=g[8],s=g[9],sw=g[10],p=g[11],pw=g[12],d=g[13],dw=g[14],G=g[15];
+  long nx=N*C*H*W, ny=N*O*OH*OW, nw=O*(C/G)*K*KW; int bad=0;
+  float*x=alloc(nx),*w=alloc(nw),*gy=alloc(ny),*y=alloc(ny),*y2=alloc(ny),*gx=alloc(nx),*gx2=alloc(nx),*gw=alloc(nw),*gw2=alloc(nw);
+  ref_fwd(x,w,y2,g); ref_igrad(gy,w,gx2,g); if(!wino) ref_wgrad(x,gy,gw2,g);
+  if(wino){ pe_conv2d_winograd_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd_f32(gy,w,gx,g);
+    double e1=err(y,y2,ny),e2=err(gx,gx2,nx); if(e1>worst[3])worst[3]=e1; if(e2>worst[4])worst[4]=e2;
+    if(e1>1e-5||e2>1e-5) bad=1, printf("winograd off %ld %ld %ld %ld %ld p%ld,%ld: %g %g\n",N,C,O,H,W,p,pw,e1,e2);
+  } else {
+    pe_depthwise_f32(x,w,NULL,y,g); pe_depthwise_input_grad_f32(gy,w,gx,g); pe_depthwise_weight_grad_f32(x,gy,gw,g);
+    double e1=err(y,y2,ny),e2=err(gx,gx2,nx),e3=err(gw,gw2,nw); if(e1>worst[0])worst[0]=e1; if(e2>worst[1])worst[1]=e2; if(e3>worst[2])worst[2]=e3;
+    if(e1>1e-5||e2>1e-5||e3>1e-5) bad=1, printf("depthwise off N%ld C%ld H%ld W%ld K%ldx%ld s%ld,%ld p%ld,%ld d%ld,%ld: %g %g %g\n",N,C,H,W,K,KW,s,sw,p,pw,d,dw,e1,e2,e3);
+  }
+  free(x);free(w);free(gy);free(y);free(y2);free(gx);free(gx2);free(gw);free(gw2);
+  return bad;
+}
+/* Depthwise geometries the random ones miss: maps of 62-97 a side, whose input gradient
+ * takes the row kernels (stride 2: their two phases woven back, either parity of padding),
+ * MobileNetV2's (3x3, padding 1, strides 1 and 2; 8x8 and 4x4 maps of many channels on the
+ * whole-plane kernels), paddings 0-2, odd sizes, and 5x5 filters.
+ * N, C, H, W, K, stride, padding. */
+static const long FIXED[][7]={
+  {2,8,64,64,3,2,1},{1,5,65,65,3,2,1},{1,4,64,63,3,2,0},{1,3,63,66,3,2,2},{1,3,97,70,5,2,2},
+  {1,2,66,64,5,2,1},{1,3,64,64,3,3,1},{1,3,70,68,3,1,1},{1,4,64,64,3,1,1},{2,96,8,8,3,1,1},
+  {1,576,8,8,3,1,1},{1,160,7,7,3,1,1},{2,240,4,4,3,1,1},{1,144,16,16,3,2,1},{1,32,15,17,3,2,1},
+  {1,24,9,9,3,2,0},{1,24,32,32,3,2,1},{1,16,33,31,3,2,2},{1,8,40,40,5,2,2},{1,12,12,12,3,3,1}};
 int main(void){
   double worst[5]={0};
   int cases = 0, bad = 0;
@@ -48,18 +76,13 @@ int main(void){
     if(OH<1||OW<1||H+2*p<d*(K-1)+1||W+2*pw<dw*(KW-1)+1) continue;
     cases++;
     long g[PE_G_LEN]={N,C,H,W,O,K,KW,OH,OW,s,sw,p,pw,d,dw,G,0,0};
-    long nx=N*C*H*W, ny=N*O*OH*OW, nw=O*(C/G)*K*KW;
-    float*x=alloc(nx),*w=alloc(nw),*gy=alloc(ny),*y=alloc(ny),*y2=alloc(ny),*gx=alloc(nx),*gx2=alloc(nx),*gw=alloc(nw),*gw2=alloc(nw);
-    ref_fwd(x,w,y2,g); ref_igrad(gy,w,gx2,g); if(!wino) ref_wgrad(x,gy,gw2,g);
-    if(wino){ pe_conv2d_winograd_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd_f32(gy,w,gx,g);
-      double e1=err(y,y2,ny),e2=err(gx,gx2,nx); if(e1>worst[3])worst[3]=e1; if(e2>worst[4])worst[4]=e2;
-      if(e1>1e-5||e2>1e-5) bad=1, printf("winograd off %ld %ld %ld %ld %ld p%ld,%ld: %g %g\n",N,C,O,H,W,p,pw,e1,e2);
-    } else {
-      pe_depthwise_f32(x,w,NULL,y,g); pe_depthwise_input_grad_f32(gy,w,gx,g); pe_depthwise_weight_grad_f32(x,gy,gw,g);
-      double e1=err(y,y2,ny),e2=err(gx,gx2,nx),e3=err(gw,gw2,nw); if(e1>worst[0])worst[0]=e1; if(e2>worst[1])worst[1]=e2; if(e3>worst[2])worst[2]=e3;
-      if(e1>1e-5||e2>1e-5||e3>1e-5) bad=1, printf("depthwise off N%ld C%ld H%ld W%ld K%ldx%ld s%ld,%ld p%ld,%ld d%ld,%ld: %g %g %g\n",N,C,H,W,K,KW,s,sw,p,pw,d,dw,e1,e2,e3);
-    }
-    free(x);free(w);free(gy);free(y);free(y2);free(gx);free(gx2);free(gw);free(gw2);
+    bad|=check(g,wino,worst);
+  }
+  for(size_t i=0;i<sizeof(FIXED)/sizeof(FIXED[0]);i++){
+    const long*f=FIXED[i]; long N=f[0],C=f[1],H=f[2],W=f[3],K=f[4],s=f[5],p=f[6];
+    long g[PE_G_LEN]={N,C,H,W,C,K,K,(H+2*p-K)/s+1,(W+2*p-K)/s+1,s,s,p,p,1,1,C,0,0};
+    cases++;
+    bad|=check(g,0,worst);
   }
   if (bad) return 1;
   printf("ok %d worst: depthwise %.1e %.1e %.1e, winograd %.1e %.1e\n", cases, worst[0],

@@ -6,7 +6,9 @@
  *    edges in every direction, against a double reference (error within a bound of the
  *    sum of |a||b| products: a product dropped or counted twice exceeds it);
  *  - a block of C computed alone equals the same elements of the whole product, bit for
- *    bit (edge tiles and full tiles sum in the same order), and one thread equals two;
+ *    bit (edge tiles and full tiles sum in the same order, wherever a run of packed
+ *    slivers of B starts), and one thread equals two; shapes such as 30 x 2000 x 16 cross
+ *    several runs of slivers;
  *  - images side by side (pe_gemm_images) and a k axis split across images (the
  *    pointwise convolution's weight gradient) equal the per-image products bit for bit. */
 #include "pe_kernels.h"
@@ -143,7 +145,8 @@ DEFINE_CHECKS(f64, double, 1e-14)
 int main(void) {
     static const long shapes[][3] = {{1, 1, 1},    {5, 7, 3},    {13, 33, 17},  {40, 4, 300},
                                      {37, 53, 300}, {64, 64, 64}, {70, 97, 290},  {7, 300, 260},
-                                     {300, 40, 9},  {193, 65, 0}};
+                                     {300, 40, 9},  {193, 65, 0},  {30, 2000, 16}, {29, 1501, 23},
+                                     {13, 203, 530}};
     for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
         for (int t = 0; t < 8; t++) {
             check_case_f32(shapes[s][0], shapes[s][1], shapes[s][2], t & 1, (t >> 1) & 1, t >> 2);
@@ -152,6 +155,9 @@ int main(void) {
     check_block_f32(200, 97, 300, 37, 50, 13, 40);
     check_block_f32(500, 300, 700, 0, 12, 32, 32);
     check_block_f64(200, 97, 300, 37, 50, 13, 40);
+    /* a block whose columns start and end inside runs of packed slivers */
+    check_block_f32(30, 2000, 16, 5, 20, 1000, 700);
+    check_block_f64(29, 1501, 23, 0, 29, 77, 1300);
     pe_set_threads(2);
     check_block_f32(600, 400, 300, 101, 77, 3, 290);
     static const long images[][4] = {{3, 40, 16, 300}, {8, 24, 49, 96}, {5, 17, 4, 33}, {2, 64, 64, 64}};

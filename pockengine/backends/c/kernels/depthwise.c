@@ -8,7 +8,8 @@
  * columns in registers across every tap; rows are kept in a small ring (one row per
  * input row the window spans), so each is built once per plane. The input gradient at
  * stride 1 is the forward kernel on gy with the flipped filters; at other strides it
- * accumulates into one padded row in the same phases and copies it out; the weight
+ * accumulates into one padded row in the same phases and copies it out (at stride 2 a
+ * pair of columns a step, the two phases woven back with vector shuffles); the weight
  * gradient keeps a vector of partial sums a tap (conv.c keeps its direct loops for maps
  * narrower than a vector, where they are faster). The geometry array is indexed by the
  * PE_G_* names of pe_kernels.h. Smaller planes run dw_flat.c's whole-plane kernels
@@ -157,6 +158,27 @@ static void PE_S(pe_dw_planes)(const PE_T *x, const PE_T *w, const PE_T *bias, P
     }
 }
 
+/* out[x] = padded[x + p] for x in [0, W), where padded column 2t is even[t] and 2t + 1 is
+ * odd[t]: the two phases of a stride-2 row woven back together, a pair of columns a
+ * step (constant-stride loads and stores the compiler turns into vector shuffles), where
+ * a loop a phase stored one element every other column. */
+static void PE_S(pe_dw_interleave2)(const PE_T *even, const PE_T *odd, long p, long W,
+                                    PE_T *restrict out) {
+    long x = 0;
+    if (p & 1) { /* padded column p is odd: one column before the pairs */
+        if (W > 0) out[0] = odd[p / 2];
+        x = 1;
+    }
+    long t0 = (p + x) / 2, pairs = (W - x) / 2;
+    const PE_T *e = even + t0, *o = odd + t0;
+    PE_T *restrict d = out + x;
+    for (long t = 0; t < pairs; t++) {
+        d[2 * t] = e[t];
+        d[2 * t + 1] = o[t];
+    }
+    if (x + 2 * pairs < W) out[W - 1] = e[pairs];
+}
+
 void PE_S(pe_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
     if (PE_S(pe_dw_flat_forward)(x, w, bias, y, g)) return;
     PE_S(pe_dw_planes)(x, w, bias, y, g, 0);
@@ -198,8 +220,12 @@ void PE_S(pe_depthwise_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, cons
                     for (long ow = 0; ow < OW; ow++) dst[ow] += wv * grow[ow];
                 }
             }
-            /* out[x] = padded[x + pw], padded[t * s + q] = phase q at t */
             PE_T *restrict out = gx + (nc * H + h) * W;
+            if (r.s == 2) {
+                PE_S(pe_dw_interleave2)(acc, acc + r.pl, r.pw, W, out);
+                continue;
+            }
+            /* out[x] = padded[x + pw], padded[t * s + q] = phase q at t */
             for (long q = 0; q < r.s; q++) {
                 long t0 = (r.pw - q + r.s - 1) / r.s; /* first t with t * s + q >= pw */
                 for (long t = t0, x = t0 * r.s + q - r.pw; x < W; t++, x += r.s)

@@ -120,7 +120,9 @@ static void PE_S(pe_dw_flat_pitch)(const PE_T *gy, long OH, long OW, long Bw, PE
     pe_zero_run(dst + OH * Bw, (size_t)tail * sizeof(PE_T));
 }
 
-/* out[k] = bias + sum_t w[t] src[k + off[t]] for k in [0, n) (n a multiple of 2V). */
+/* out[k] = bias + sum_t w[t] src[k + off[t]] for k in [0, n) (n a multiple of 2V): four
+ * vectors at a time (each tap's weight loaded once for four), then two. Every element
+ * sums its taps in t order either way. */
 static void PE_S(pe_dw_flat_sum)(const PE_T *src, const long *off, const PE_T *w, long taps,
                                  PE_T bias, long n, PE_T *restrict out) {
     enum { V = PE_DWF_V };
@@ -129,7 +131,22 @@ static void PE_S(pe_dw_flat_sum)(const PE_T *src, const long *off, const PE_T *w
     PE_S(pe_dwf_vec) wv[taps], b = {0};
     b += bias;
     for (long t = 0; t < taps; t++) wv[t] = (PE_S(pe_dwf_vec)){0} + w[t];
-    for (long k = 0; k < n; k += 2 * V) {
+    long k = 0;
+    for (; k + 4 * V <= n; k += 4 * V) {
+        PE_S(pe_dwf_vec) a0 = b, a1 = b, a2 = b, a3 = b;
+        for (long t = 0; t < taps; t++) {
+            const PE_T *s = src + off[t] + k;
+            a0 += wv[t] * PE_DWF_LOAD(s);
+            a1 += wv[t] * PE_DWF_LOAD(s + V);
+            a2 += wv[t] * PE_DWF_LOAD(s + 2 * V);
+            a3 += wv[t] * PE_DWF_LOAD(s + 3 * V);
+        }
+        memcpy(out + k, &a0, sizeof(a0));
+        memcpy(out + k + V, &a1, sizeof(a1));
+        memcpy(out + k + 2 * V, &a2, sizeof(a2));
+        memcpy(out + k + 3 * V, &a3, sizeof(a3));
+    }
+    for (; k < n; k += 2 * V) {
         PE_S(pe_dwf_vec) a0 = b, a1 = b;
         for (long t = 0; t < taps; t++) {
             const PE_T *s = src + off[t] + k;
@@ -139,6 +156,26 @@ static void PE_S(pe_dw_flat_sum)(const PE_T *src, const long *off, const PE_T *w
         memcpy(out + k, &a0, sizeof(a0));
         memcpy(out + k + V, &a1, sizeof(a1));
     }
+}
+
+/* out[x] = padded[x + p] for x in [0, W), where padded column 2b is even[b] and 2b + 1 is
+ * odd[b]: a stride-2 row's two phases woven back together, a pair of columns a step
+ * (constant-stride stores the compiler turns into vector shuffles). */
+static void PE_S(pe_dw_flat_interleave2)(const PE_T *even, const PE_T *odd, long p, long W,
+                                         PE_T *restrict out) {
+    long x = 0;
+    if (p & 1) { /* padded column p is odd: one column before the pairs */
+        if (W > 0) out[0] = odd[p / 2];
+        x = 1;
+    }
+    long b0 = (p + x) / 2, pairs = (W - x) / 2;
+    const PE_T *e = even + b0, *o = odd + b0;
+    PE_T *restrict d = out + x;
+    for (long b = 0; b < pairs; b++) {
+        d[2 * b] = e[b];
+        d[2 * b + 1] = o[b];
+    }
+    if (x + 2 * pairs < W) out[W - 1] = e[pairs];
 }
 
 static int PE_S(pe_dw_flat_fits)(const pe_dw_flat *f, long extra, long limit) {
@@ -173,19 +210,26 @@ int PE_S(pe_dw_flat_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
     enum { V = PE_DWF_V };
     pe_dw_flat f = pe_dw_flat_of(g);
     long OH = g[PE_G_OH], OW = g[PE_G_OW], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W];
-    long nq = f.sh * f.sw, n = pe_ceil_div(f.phase, 2 * V) * 2 * V;
-    long front = (f.Ah - 1) * f.Bw + f.Bw; /* more than any tap's offset */
-    long lead = front + n + 2 * V;          /* the laid-out gradient with its margins */
-    if (!PE_S(pe_dw_flat_fits)(&f, lead + 2 * V, PE_DW_FLAT_L1)) return 0;
+    long pw = g[PE_G_PW], nq = f.sh * f.sw, n = pe_ceil_div(f.phase, 2 * V) * 2 * V;
     long off[f.taps], phase[f.taps]; /* the geometry's, once: shared by every plane */
     pe_dw_flat_taps(&f, g, off, phase);
+    long front = 0; /* the margin before gy that the taps read: the largest offset */
+    for (long t = 0; t < f.taps; t++) front = off[t] > front ? off[t] : front;
+    long lead = front + n; /* the laid-out gradient with its margin */
+    /* which planes take these kernels is measured with a whole phase of margin, as
+     * many elements as the row kernels' choice was tuned against */
+    if (!PE_S(pe_dw_flat_fits)(&f, f.phase + n + 4 * V, PE_DW_FLAT_L1)) return 0;
+    /* gx columns [0, cols) lie in the phases (padded column x + pw < sw * Bw); the rest
+     * are past the windows' reach and get no gradient */
+    long cols = f.sw * f.Bw - pw < W ? f.sw * f.Bw - pw : W;
+    if (cols < 0) cols = 0;
     PE_PARALLEL_FOR(g[PE_G_N] * C * OH * OW * f.taps)
     for (long nc = 0; nc < g[PE_G_N] * C; nc++) {
         PE_T P[nq * f.phase + 2 * V], G[lead], taps[f.taps];
         long neg[f.taps];
         long c = nc % C;
         pe_zero_run(G, (size_t)front * sizeof(PE_T));
-        PE_S(pe_dw_flat_pitch)(gy + nc * OH * OW, OH, OW, f.Bw, G + front, lead - front - OH * f.Bw);
+        PE_S(pe_dw_flat_pitch)(gy + nc * OH * OW, OH, OW, f.Bw, G + front, n - OH * f.Bw);
         for (long q = 0; q < nq; q++) {
             long k = 0; /* phase q's taps: Pq[m] = sum w[t] G[front + m - off[t]] */
             for (long t = 0; t < f.taps; t++)
@@ -206,19 +250,15 @@ int PE_S(pe_dw_flat_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
                 pe_zero_run(out, (size_t)W * sizeof(PE_T));
                 continue;
             }
-            for (long qw = 0; qw < f.sw; qw++) {
-                const PE_T *src = P + (qh * f.sw + qw) * f.phase + r / f.sh * f.Bw;
-                long lo, hi; /* phase column b is gx column b*sw + qw - pw */
-                pe_dw_flat_run(f.Bw, f.sw, qw, g[PE_G_PW], W, &lo, &hi);
-                PE_T *dst = out + qw - g[PE_G_PW];
-                if (f.sw == 1)
-                    pe_copy_run(dst + lo, src + lo, (size_t)(hi - lo) * sizeof(PE_T));
-                else
-                    for (long b = lo; b < hi; b++) dst[b * f.sw] = src[b];
-                /* columns past the windows' reach get no gradient */
-                for (long b = hi, xx = hi * f.sw + qw - g[PE_G_PW]; xx < W; b++, xx += f.sw)
-                    if (xx >= 0) out[xx] = 0;
-            }
+            const PE_T *src = P + qh * f.sw * f.phase + r / f.sh * f.Bw;
+            if (f.sw == 1)
+                pe_copy_run(out, src + pw, (size_t)cols * sizeof(PE_T));
+            else if (f.sw == 2)
+                PE_S(pe_dw_flat_interleave2)(src, src + f.phase, pw, cols, out);
+            else
+                for (long x = 0; x < cols; x++)
+                    out[x] = src[(x + pw) % f.sw * f.phase + (x + pw) / f.sw];
+            if (cols < W) pe_zero_run(out + cols, (size_t)(W - cols) * sizeof(PE_T));
         }
     }
     return 1;

@@ -1,9 +1,10 @@
 /* Matrix products: a packed, cache-blocked GEMM, C = op(A) op(B) (+ C when accumulating).
  *
  * BLIS-style: for each k block of PE_KC, a block of PE_MC rows of op(A) is packed into
- * PE_MR-row panels (k-major; kept in L2), then for each PE_NR-column sliver of op(B)
- * (packed k-major, kept in L1) the register-blocked micro-kernel (gemm_micro.h: AVX-512,
- * AVX2+FMA, NEON or portable C, chosen at build time) runs over every panel. Packing
+ * PE_MR-row panels (k-major; kept in L2), then a run of PE_NR-column slivers of op(B)
+ * (packed k-major, 64 KiB: kept in L2), and the register-blocked micro-kernel
+ * (gemm_micro.h: AVX-512, AVX2+FMA, NEON or portable C, chosen at build time) runs each
+ * panel (in L1 meanwhile) across every sliver of the run. Packing
  * reads through a layout (pe_layout: strides, and one axis split into spans), so every
  * transposition case, and a batch of images' planes read as one matrix, packs into the
  * same panels: no transpose is ever materialised. Edge tiles (fewer than PE_MR rows or
@@ -14,8 +15,8 @@
  * accumulating), whatever the blocking, the tile it falls in or the thread count. With
  * OpenMP the tiles (row blocks, and column groups when there are fewer row blocks than
  * threads) are split across threads; inside another parallel region it runs on one.
- * Nothing is allocated on the heap: the panels and the sliver are on the stack (at most
- * PE_MC x PE_KC + PE_KC x PE_NR elements, 296 KiB in float with AVX-512). */
+ * Nothing is allocated on the heap: the panels and the run of slivers are on the stack
+ * (PE_MC x PE_KC elements and 64 KiB: 328 KiB in float with AVX-512). */
 #ifndef PE_T
 #include "pe_kernels.h"
 #include "pe_rowcopy.h"
@@ -72,6 +73,10 @@ static inline long pe_min(long a, long b) { return a < b ? a : b; }
 #else
 #define PE_MC (PE_MR * (192 / PE_MR))
 #endif
+/* The run of packed slivers of op(B) that each panel crosses: 64 KiB (in L2), and never
+ * less than one whole sliver. */
+#define PE_NRUN_BYTES (64L * 1024)
+#define PE_NRUN (PE_NRUN_BYTES / PE_TSIZE > PE_KC * PE_NR ? PE_NRUN_BYTES / PE_TSIZE : PE_KC * PE_NR)
 
 /* dst[(r - r0) * drs + (c - c0) * dcs] = M(r, c) for the block [r0, r0+nr) x [c0, c0+nc)
  * of the matrix at src with layout l; runs along the axis of smaller stride. */
@@ -147,42 +152,59 @@ typedef struct {
     const void *ctx;
 } PE_S(pe_gemm_b);
 
-/* C rows [r0, r1) x columns [c0, c1), every k block; panels and sliver are scratch. */
+/* One packed sliver of op(B): columns [j0, j0 + PE_NR) of the k block [k0, k0 + kc). */
+static void PE_S(pe_gemm_pack_sliver)(const PE_S(pe_gemm_b) *b, PE_T *restrict sliver,
+                                      long k0, long kc, long j0, long width) {
+    if (width < PE_NR) memset(sliver, 0, (size_t)(kc * PE_NR) * sizeof(PE_T));
+    if (b->pack)
+        b->pack(b->ctx, sliver, PE_NR, k0, kc, j0, width);
+    else
+        PE_S(pe_gemm_copy_in)(sliver, PE_NR, 1, b->B, &b->lb, k0, kc, j0, width);
+}
+
+/* C rows [r0, r1) x columns [c0, c1), every k block; panels and slivers are scratch.
+ * Per k block the row block's panels are packed, then a run of slivers (as many as
+ * PE_NRUN elements hold: two at AVX-512's 256 x 32, more on a short k block), and each
+ * panel runs across the whole run while it is in L1, the run in L2. The loop order does
+ * not touch any element's k order, so the bits are those of one sliver at a time. */
 static void PE_S(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const PE_T *A,
                                const pe_layout *la, const PE_S(pe_gemm_b) *b,
                                PE_T *C, const pe_layout *lc, int accumulate,
-                               PE_T *restrict panels, PE_T *restrict sliver) {
+                               PE_T *restrict panels, PE_T *restrict slivers) {
     _Alignas(64) PE_T tile[PE_MR * PE_NR];
     for (long k0 = 0; k0 < K; k0 += PE_KC) {
         long kc = pe_min(PE_KC, K - k0);
         int load = accumulate || k0 > 0;
+        long per_run = PE_NRUN / (kc * PE_NR); /* at least 1: PE_NRUN >= PE_KC * PE_NR */
         for (long i0 = r0; i0 < r1; i0 += PE_MR) {
             long rows = pe_min(PE_MR, r1 - i0);
             PE_T *panel = panels + (i0 - r0) * kc;
             if (rows < PE_MR) memset(panel, 0, (size_t)(kc * PE_MR) * sizeof(PE_T));
             PE_S(pe_gemm_copy_in)(panel, 1, PE_MR, A, la, i0, rows, k0, kc);
         }
-        for (long j0 = c0; j0 < c1; j0 += PE_NR) {
-            long width = pe_min(PE_NR, c1 - j0);
-            if (width < PE_NR) memset(sliver, 0, (size_t)(kc * PE_NR) * sizeof(PE_T));
-            if (b->pack)
-                b->pack(b->ctx, sliver, PE_NR, k0, kc, j0, width);
-            else
-                PE_S(pe_gemm_copy_in)(sliver, PE_NR, 1, b->B, &b->lb, k0, kc, j0, width);
-            int direct = width == PE_NR && lc->cs == 1 && lc->split != 1 &&
-                         pe_axis_run(lc, 2, j0, j0 + PE_NR) == PE_NR;
-            PE_T *cj = C + pe_axis_offset(lc, 2, j0);
+        for (long run0 = c0; run0 < c1; run0 += per_run * PE_NR) {
+            long run1 = pe_min(run0 + per_run * PE_NR, c1);
+            for (long j0 = run0; j0 < run1; j0 += PE_NR)
+                PE_S(pe_gemm_pack_sliver)(b, slivers + (j0 - run0) / PE_NR * kc * PE_NR, k0, kc,
+                                          j0, pe_min(PE_NR, c1 - j0));
             for (long i0 = r0; i0 < r1; i0 += PE_MR) {
                 long rows = pe_min(PE_MR, r1 - i0);
                 const PE_T *panel = panels + (i0 - r0) * kc;
-                if (direct && rows == PE_MR) {
-                    PE_MICRO(kc, panel, sliver, cj + i0 * lc->rs, lc->rs, load);
-                    continue;
+                for (long j0 = run0; j0 < run1; j0 += PE_NR) {
+                    long width = pe_min(PE_NR, c1 - j0);
+                    const PE_T *sliver = slivers + (j0 - run0) / PE_NR * kc * PE_NR;
+                    int direct = rows == PE_MR && width == PE_NR && lc->cs == 1 &&
+                                 lc->split != 1 && pe_axis_run(lc, 2, j0, j0 + PE_NR) == PE_NR;
+                    if (direct) {
+                        PE_T *cij = C + pe_axis_offset(lc, 2, j0) + i0 * lc->rs;
+                        PE_MICRO(kc, panel, sliver, cij, lc->rs, load);
+                        continue;
+                    }
+                    memset(tile, 0, sizeof(tile));
+                    if (load) PE_S(pe_gemm_copy_in)(tile, PE_NR, 1, C, lc, i0, rows, j0, width);
+                    PE_MICRO(kc, panel, sliver, tile, PE_NR, 1);
+                    PE_S(pe_gemm_copy_out)(C, lc, tile, i0, rows, j0, width);
                 }
-                memset(tile, 0, sizeof(tile));
-                if (load) PE_S(pe_gemm_copy_in)(tile, PE_NR, 1, C, lc, i0, rows, j0, width);
-                PE_MICRO(kc, panel, sliver, tile, PE_NR, 1);
-                PE_S(pe_gemm_copy_out)(C, lc, tile, i0, rows, j0, width);
             }
         }
     }
@@ -228,9 +250,9 @@ static void PE_S(pe_gemm_run)(long M, long N, long K, const PE_T *A, pe_layout l
     for (long t = 0; t < blocks * groups; t++) {
         long r0 = t / groups * mc, c0 = t % groups * nc;
         _Alignas(64) PE_T panels[PE_MC * PE_KC];
-        _Alignas(64) PE_T sliver[PE_KC * PE_NR];
+        _Alignas(64) PE_T slivers[PE_NRUN];
         PE_S(pe_gemm_tile)(r0, pe_min(r0 + mc, M), c0, pe_min(c0 + nc, N), K, A, &la, b, C,
-                           &lc, accumulate, panels, sliver);
+                           &lc, accumulate, panels, slivers);
     }
 }
 
@@ -281,6 +303,8 @@ void PE_S(pe_gemm_images)(long count, long M, long N, long K, const PE_T *A, lon
 
 #undef PE_KC
 #undef PE_MC
+#undef PE_NRUN
+#undef PE_NRUN_BYTES
 #undef PE_MR
 #undef PE_NR
 #undef PE_MICRO
