@@ -230,3 +230,57 @@ def test_absorbed_nodes_emit_no_code(monkeypatch: pytest.MonkeyPatch) -> None:
     body = source.splitlines()[1:-1]
     absorbed = [line for line in body if re.match(r"\s+(pass|del [^;]+)  # ", line)]
     assert len(absorbed) >= 8 * bns
+
+
+def _tracking_graph(var_factor: float, interrupted: bool) -> Any:
+    """batch_norm with its running statistics as the step writes them (momentum 0.1;
+    ``var_factor`` scales the biased variance), gated assigns and a batch count; with
+    ``interrupted``, a node that is no part of the run between the assigns."""
+    f64 = DType.F64
+    b = GraphBuilder("tracking")
+    x = b.input("x", TensorType((4, 3, 2, 2), f64))
+    skip = b.input("skip", TensorType((), DType.F32))
+    w = b.input("w", TensorType((3,), f64), Role.PARAM, trainable=True)
+    bias = b.input("b", TensorType((3,), f64), Role.PARAM, trainable=True)
+    rm, rv = (b.input(n, TensorType((3,), f64), Role.BUFFER) for n in ("rm", "rv"))
+    count = b.input("count", TensorType((), DType.I64), Role.BUFFER)
+    y, mean, var = b.call_multi("batch_norm", x, w, bias, eps=1e-5)
+    stats = []
+    for running, stat, factor in ((rm, mean, 0.1), (rv, var, var_factor)):
+        kept = b.call("mul", running, b.scalar(0.9, f64))
+        stats.append(b.call("add", kept, b.call("mul", stat, b.scalar(factor, f64))))
+    b.effect("assign", rm, stats[0], skip)
+    total = b.call("sum", y, axes=None, keepdims=False) if interrupted else y
+    b.effect("assign", rv, stats[1], skip)
+    b.effect("assign", count, b.call("add", count, b.scalar(1, DType.I64)), skip)
+    return b.build([total])
+
+
+@pytest.mark.parametrize("skipped", [False, True])
+@pytest.mark.parametrize(("unbiased", "interrupted"), [(True, False), (True, True), (False, False)])
+def test_tracked_statistics_against_their_formula(
+    unbiased: bool, interrupted: bool, skipped: bool
+) -> None:
+    """Absorbed (ATen's factors: the unbiased variance) or not (a biased variance's factor
+    is not ATen's), a run whole or cut in two: the statistics of the formula, or none
+    written on a skipped step."""
+    n = 16  # elements per channel
+    graph = _tracking_graph(0.1 * n / (n - 1) if unbiased else 0.1, interrupted)
+    backend = TorchBackend()
+    exe = backend.compile(graph)
+    assert ("aten_mul(" in exe.source) == (not unbiased)
+    # cut in two, the run before the cut is one assign: a copy of its own
+    assert exe.source.count("gated_update_(") == 1
+    assert exe.source.count("gated_copy_(") == (1 if interrupted else 0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 2, 2))
+    rm, rv = rng.standard_normal(3), rng.random(3) + 0.5
+    store = {"w": backend.from_numpy(np.ones(3)), "b": backend.from_numpy(np.zeros(3)),
+             "rm": backend.from_numpy(rm), "rv": backend.from_numpy(rv),
+             "count": backend.from_numpy(np.asarray(3))}  # fmt: skip
+    feeds = {"x": backend.from_numpy(x), "skip": backend.from_numpy(np.float32(skipped))}
+    exe.run(store, feeds)
+    var = x.var(axis=(0, 2, 3), ddof=1 if unbiased else 0)
+    want = (rm, rv, 3) if skipped else (0.9 * rm + 0.1 * x.mean((0, 2, 3)), 0.9 * rv + 0.1 * var, 4)
+    for name, value in zip(("rm", "rv", "count"), want, strict=True):
+        np.testing.assert_allclose(store[name].numpy(), value, rtol=1e-12, err_msg=name)
