@@ -243,6 +243,21 @@ def test_a_non_contiguous_stored_tensor_is_refused() -> None:
         backend.compile(graph).run(store, {"g": backend.from_numpy(np.ones((2, 3)))})
 
 
+def test_the_dense_check_is_made_once_per_tensor() -> None:
+    """A tensor found dense is remembered (weakly, by identity); one that is not is asked
+    again each time, and a new tensor at a freed one's address is asked afresh."""
+    from pockengine.backends.torch import stored
+
+    dense, strided = torch.ones(3, 2), torch.ones(2, 3).t()
+    assert stored.is_dense(dense) and stored._DENSE.get(id(dense)) is dense
+    assert not stored.is_dense(strided) and not stored.is_dense(strided)
+    assert id(strided) not in stored._DENSE
+    key = id(dense)
+    del dense  # its entry goes with it
+    assert key not in stored._DENSE
+    assert not stored.is_dense(torch.ones(4, 4).t())
+
+
 def _view_read_after_update() -> Graph:
     b = GraphBuilder("g")
     f64 = TensorType((2, 3), DType.F64)

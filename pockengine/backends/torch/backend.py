@@ -43,6 +43,7 @@ from pockengine.backends.torch import kernels_optim as torch_kernels_optim
 from pockengine.backends.torch import kernels_quant as torch_kernels_quant
 from pockengine.backends.torch import kernels_select as torch_kernels_select
 from pockengine.backends.torch import kernels_shape as torch_kernels_shape
+from pockengine.backends.torch import kernels_stats as torch_kernels_stats
 from pockengine.backends.torch import serial as torch_serial
 from pockengine.backends.torch.bytecode import code_object
 from pockengine.backends.torch.codegen import Emitter, PairFinder, generate_source
@@ -51,18 +52,27 @@ from pockengine.backends.torch.heap import (
     MMAP_THRESHOLD_MAX,
     WORKSPACE_OPS,
     Workspace,
+    checked_thresholds,
     fix_heap_thresholds,
     keep_step_heap,
     plan_workspace,
     trim_points,
 )
 from pockengine.backends.torch.kernels import torch_dtype
+from pockengine.backends.torch.stored import is_dense, stored_layout
 from pockengine.ir import CompileError, DType, Graph, PockEngineError, get_op, print_node
 from pockengine.ir.arrays import Array
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import liveness
 
-__all__ = ["KERNELS", "TorchBackend", "TorchExecutable", "TorchKernelError", "keep_freed_heap"]
+__all__ = [
+    "KERNELS",
+    "TorchBackend",
+    "TorchExecutable",
+    "TorchKernelError",
+    "keep_freed_heap",
+    "stored_layout",
+]
 
 
 KERNELS: dict[str, Emitter] = {
@@ -77,6 +87,7 @@ KERNELS: dict[str, Emitter] = {
     **torch_kernels_layout.KERNELS,
     **torch_kernels_optim.KERNELS,
     **torch_kernels_select.KERNELS,
+    **torch_kernels_stats.KERNELS,  # batch_norm and assign, absorbing what follows them
 }
 _FINDERS: dict[str, PairFinder] = {**torch_kernels.FINDERS, **torch_kernels_nn.FINDERS}
 _NAMESPACE: dict[str, Any] = {
@@ -90,28 +101,12 @@ _NAMESPACE: dict[str, Any] = {
     **torch_kernels_select.NAMESPACE,
     **torch_kernels_layout.NAMESPACE,
     **torch_serial.NAMESPACE,
+    **torch_kernels_stats.NAMESPACE,
     **{f"dt_{d}": torch_dtype(d) for d in DType},
     "inf": math.inf,
     "nan": math.nan,
 }
 _serial = itertools.count()
-
-
-def stored_layout(tensor: torch.Tensor, channels_last: bool = True) -> torch.memory_format:
-    """The layout of the tensors this backend copies in (``from_numpy``: trained params,
-    buffers, optimizer state, batch tensors): channels-last for 4-D (NHWC: images, conv
-    weights and their optimizer state) unless turned off, so convolutions, batch norm and
-    pointwise kernels take oneDNN's fast paths and propagate that layout; row-major for the
-    rest. Values the step only reads are shared as they arrive (``share_numpy``). The IR's
-    shapes stay logical (NCHW); only strides differ."""
-    return torch.channels_last if channels_last and tensor.dim() == 4 else torch.contiguous_format
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    return any(tensor.is_contiguous(memory_format=f) for f in _DENSE_FORMATS)
-
-
-_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last)
 
 
 class TorchKernelError(PockEngineError):
@@ -154,7 +149,9 @@ class TorchExecutable(Executable):
         self.workspace: Workspace | None = planned
         self._arena = _arena(planned, device)
         slots = None if self._arena is None or planned is None else (self._arena, planned.offsets)
-        generated = generate_source(graph, KERNELS, _FINDERS, device, reuse, after, slots)
+        generated = generate_source(
+            graph, KERNELS, _FINDERS, device, reuse, after, slots, torch_kernels_stats.ABSORBERS
+        )
         self._first_line = generated.first_line
         self._filename = f"<pockengine-torch {graph.name} #{next(_serial)}>"
         # Registered with linecache (while the executable lives) so that tracebacks and
@@ -188,7 +185,7 @@ class TorchExecutable(Executable):
         except KeyError:
             missing = [n for n in self._inputs if n not in store and n not in feeds]
             raise CompileError(f"graph {self.graph.name} is missing inputs {missing}") from None
-        bad = [self._inputs[k] for k in self._written if not _dense(args[k])]
+        bad = [self._inputs[k] for k in self._written if not is_dense(args[k])]
         if bad:
             raise TorchKernelError(
                 f"stored tensors written in place must be dense (row-major or channels-last): {bad}"
@@ -240,27 +237,6 @@ def keep_freed_heap() -> bool:
     keeps only what the compiled steps need; this is the older, unbounded opt-in:
     ``TorchBackend(keep_heap=True)``."""
     return fix_heap_thresholds(MMAP_THRESHOLD_MAX, _TRIM_THRESHOLD)
-
-
-def _checked_thresholds(
-    thresholds: tuple[int, int] | None, keep_heap: bool
-) -> tuple[int, int] | None:
-    """``TorchBackend``'s ``heap_thresholds``, validated: ``(mmap_bytes, trim_bytes)``."""
-    if thresholds is None:
-        return None
-    where = f"TorchBackend(heap_thresholds={thresholds!r})"
-    if not isinstance(thresholds, tuple) or len(thresholds) != 2:
-        raise CompileError(f"{where}: a pair (mmap_bytes, trim_bytes)")
-    if any(isinstance(n, bool) or not isinstance(n, int) for n in thresholds):
-        raise CompileError(f"{where}: both thresholds are numbers of bytes (int)")
-    mmap_bytes, trim_bytes = thresholds
-    if not 0 < mmap_bytes <= MMAP_THRESHOLD_MAX:
-        raise CompileError(f"{where}: glibc's mmap threshold is 1 to {MMAP_THRESHOLD_MAX} bytes")
-    if trim_bytes <= 0:
-        raise CompileError(f"{where}: the trim threshold must be positive")
-    if keep_heap:
-        raise CompileError(f"{where}: keep_heap=True fixes both thresholds itself; choose one")
-    return mmap_bytes, trim_bytes
 
 
 class TorchBackend(Backend):
@@ -329,7 +305,7 @@ class TorchBackend(Backend):
     ) -> None:
         self.device = torch.device(device)
         self.workspace = workspace
-        self.heap_thresholds = _checked_thresholds(heap_thresholds, keep_heap)
+        self.heap_thresholds = checked_thresholds(heap_thresholds, keep_heap)
         self.channels_last = channels_last
         self.keep_heap = keep_heap
         self.inplace = inplace  # elementwise results over dying inputs (plan.inplace)

@@ -18,6 +18,9 @@ module decides everything around them:
 - saved values: a node can hand a by-product to a later kernel (max pooling indices,
   batch norm's 1/std, a weight gradient computed with the input gradient) through a
   hidden local, when the table says how to pair them (``PairFinder``);
+- absorption: a node's kernel may compute the results of some later nodes
+  (``links.Absorber``: batch norm its running statistics, a gated assign the run of them
+  after it); their lines then emit nothing but the deaths they cause;
 - constants: kernels may bind compile-time tensors as globals (``k<n>``), and a 0-d
   ``full`` input can be written as a Python literal where an ATen overload takes a Scalar;
 - in-place reuse: where ``plan.inplace.reusable_inputs`` allows it (and the memory plan
@@ -39,11 +42,21 @@ from typing import Any
 
 import torch
 
+from pockengine.backends.torch.links import (
+    Absorbed,
+    Absorber,
+    GraphIndex,
+    PairFinder,
+    absorptions,
+    find_pairs,
+)
 from pockengine.ir import DType, Fact, Graph, Node, Role, Value, get_op, print_node
 from pockengine.plan.inplace import reusable_inputs
 from pockengine.plan.liveness import last_reads
 
 __all__ = [
+    "Absorbed",
+    "Absorber",
     "Emit",
     "Emitter",
     "GeneratedSource",
@@ -63,21 +76,6 @@ _SLOT_DTYPES = {DType.F16: torch.float16, DType.BF16: torch.bfloat16,
                 DType.F32: torch.float32, DType.F64: torch.float64}  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class GraphIndex:
-    """Lookups a pair finder needs: the node making each value, the nodes reading it, and
-    where each value is made (the index of its node; -1 for a graph input)."""
-
-    producers: Mapping[str, Node]
-    users: Mapping[str, list[Node]]
-    made_at: Mapping[str, int]
-
-
-# For a node of its op, the earlier node ("maker") whose kernel also computes a hidden value
-# this node's kernel reads (argmax indices for max_pool2d_grad, ...), or None.
-PairFinder = Callable[[Node, GraphIndex], Node | None]
-
-
 @dataclass
 class Emit:
     """What a kernel sees of one node: its input expressions and result names, and helpers."""
@@ -90,6 +88,7 @@ class Emit:
     partner: Node | None  # that node: the first reader of a maker's, the maker of a reader's
     reuse: int | None  # the input whose buffer the result may overwrite (plan.inplace)
     _gen: _Generator
+    absorbed: Absorbed | None = None  # the later nodes this kernel computes too
     temps: list[str] = field(default_factory=list)  # locals deleted at the end of the line
 
     @property
@@ -105,6 +104,15 @@ class Emit:
     @property
     def device(self) -> torch.device:
         return self._gen.device
+
+    def name(self, value: Value) -> str:
+        """The local of a value an absorbing kernel binds or reads (``Absorbed``)."""
+        return self._gen.locals[value.name]
+
+    def shares_saved(self, node: Node) -> bool:
+        """Whether ``node`` reads this node's hidden local (a pair, ``PairFinder``)."""
+        hidden = self._gen.pairs.hidden.get(self._gen.index.at(node))
+        return self.saved is not None and hidden == self.saved
 
     def attr(self, key: str) -> Any:
         return self.node.attrs[key]
@@ -203,13 +211,16 @@ class _Generator:
         finders: Mapping[str, PairFinder],
         reuse: Mapping[int, int],
         workspace: tuple[torch.Tensor, Mapping[str, int]] | None = None,
+        absorbers: Mapping[str, Absorber] | None = None,
     ) -> None:
+        absorbers = absorbers or {}
         self.graph = graph
         self.arena: torch.Tensor | None = None if workspace is None else workspace[0]
         self.slots: Mapping[str, int] = {} if workspace is None else workspace[1]
         self.device = device
         made_at = {v.name: i for i, n in enumerate(graph.nodes) for v in n.outputs}
-        self.index = GraphIndex(graph.producers(), graph.users(), made_at)
+        position = {id(node): i for i, node in enumerate(graph.nodes)}
+        self.index = GraphIndex(graph.producers(), graph.users(), made_at, position)
         self.locals = {v.name: f"v{k}" for k, v in enumerate(graph.inputs)}
         self.constants: dict[str, torch.Tensor] = {}
         self.shared: dict[tuple[Any, ...], str] = {}
@@ -217,7 +228,17 @@ class _Generator:
         self.input_set = frozenset(self.inputs)
         self.outputs = {v.name for v in graph.outputs}
         self.last = last_reads(graph)
-        self.pairs = _pairs(graph, self.index, finders)
+        self.pairs = find_pairs(graph, self.index, finders)
+        self.absorbed = absorptions(graph, self.index, absorbers)
+        # absorbed node -> its absorber's index; the absorbed results left unmade
+        self.absorber = {j: i for i, a in self.absorbed.items() for j in a.nodes}
+        self.unmade = {
+            v.name
+            for i, a in self.absorbed.items()
+            for j in a.nodes
+            for v in graph.nodes[j].outputs
+            if v not in a.binds
+        }
         self.reuse = reuse
         # value -> the stored tensors (or "<constant>") it may share memory with
         self.aliases = {v.name: frozenset({v.name}) for v in graph.inputs if v.role in _STORED}
@@ -249,22 +270,27 @@ class _Generator:
         """Node ``i`` as one line: copies its writes need, its kernel, the deaths it causes,
         then ``after``."""
         self.line_index = i
-        stmts = self._copies_before_write(i, node)
-        for v in node.outputs:
-            self.locals[v.name] = f"v{len(self.locals)}"
+        absorbed = self.absorbed.get(i)
+        later = [self.graph.nodes[j] for j in absorbed.nodes] if absorbed else []
+        stmts = [s for n in (node, *later) for s in self._copies_before_write(i, n)]
+        for v in (*node.outputs, *(absorbed.binds if absorbed else ())):
+            self.locals.setdefault(v.name, f"v{len(self.locals)}")
         e = Emit(
             node,
             tuple(self.locals[v.name] for v in node.inputs),
             tuple(self.locals[v.name] for v in node.outputs),
-            tuple(self.last[v.name] > i or v.name in self.outputs for v in node.outputs),
+            tuple(self._used(i, v) for v in node.outputs),
             self.pairs.hidden.get(i),
             self.pairs.partner.get(i),
             self.reuse.get(i),
             self,
+            absorbed,
         )
-        stmts += kernel(e)
+        if i not in self.absorber:
+            stmts += kernel(e)
         self._track_aliases(node)
         dying = {v.name for v in (*node.inputs, *node.outputs) if self.last[v.name] == i}
+        dying -= self.unmade
         dead = [self.locals[n] for n in sorted(dying - self.outputs - self.input_set)]
         dead += [h for h, at in self.pairs.last.items() if at == i]
         dead += e.temps
@@ -275,6 +301,16 @@ class _Generator:
         # the printed node as a comment, on this one line whatever its source string holds
         comment = " ".join(print_node(node).splitlines()).replace("\0", "")
         return f"    {'; '.join(stmts) or 'pass'}  # {comment}"
+
+    def _used(self, i: int, value: Value) -> bool:
+        """Whether a result of node ``i`` is returned or read by a node it does not absorb."""
+        if value.name in self.outputs:
+            return True
+        absorbed = self.absorbed.get(i)
+        if absorbed is None:
+            return self.last[value.name] > i
+        inside = set(absorbed.nodes)
+        return any(self.index.at(r) not in inside for r in self.index.users.get(value.name, []))
 
     def _copies_before_write(self, i: int, node: Node) -> list[str]:
         """Copy the live values that share memory with what ``node`` is about to write."""
@@ -307,32 +343,6 @@ class _Generator:
         return f"{local}.clone()" if self.aliases.get(name) else local
 
 
-@dataclass
-class _Pairs:
-    """Hidden locals shared by paired nodes (see ``PairFinder``)."""
-
-    hidden: dict[int, str] = field(default_factory=dict)  # node index -> its hidden local
-    partner: dict[int, Node] = field(default_factory=dict)  # maker -> first reader, and back
-    last: dict[str, int] = field(default_factory=dict)  # hidden local -> its last reader
-
-
-def _pairs(graph: Graph, index: GraphIndex, finders: Mapping[str, PairFinder]) -> _Pairs:
-    position = {id(node): i for i, node in enumerate(graph.nodes)}
-    pairs = _Pairs()
-    for i, node in enumerate(graph.nodes):
-        finder = finders.get(node.op)
-        maker = finder(node, index) if finder else None
-        if maker is None or position[id(maker)] >= i:
-            continue
-        j = position[id(maker)]
-        name = pairs.hidden.setdefault(j, f"h{j}")
-        pairs.hidden[i] = name
-        pairs.partner.setdefault(j, node)
-        pairs.partner[i] = maker
-        pairs.last[name] = i
-    return pairs
-
-
 def generate_source(
     graph: Graph,
     kernels: Mapping[str, Emitter],
@@ -341,15 +351,17 @@ def generate_source(
     reuse: Mapping[int, int] | None = None,
     after: Mapping[int, str] | None = None,
     workspace: tuple[torch.Tensor, Mapping[str, int]] | None = None,
+    absorbers: Mapping[str, Absorber] | None = None,
 ) -> GeneratedSource:
     """The step function's source; its globals are the kernels' and the constants.
     ``reuse``: node index -> the input whose buffer its elementwise result overwrites
     (default: all that ``plan.inplace.reusable_inputs`` allows; ``{}``: none).
     ``after``: node index -> a statement run once that node's line is done (its deaths
     included), on the same line. ``workspace``: a uint8 buffer and value name -> the byte
-    offset of that result there (``heap.plan_workspace``; ``Emit.dest``)."""
+    offset of that result there (``heap.plan_workspace``; ``Emit.dest``). ``absorbers``:
+    op -> who finds the later nodes its kernel computes too (``links.Absorber``)."""
     reuse = reusable_inputs(graph) if reuse is None else reuse
-    gen = _Generator(graph, device, finders, reuse, workspace)
+    gen = _Generator(graph, device, finders, reuse, workspace, absorbers)
     function = "step_" + "".join(c if c.isalnum() else "_" for c in graph.name)
     lines = [f"def {function}({', '.join(gen.locals[n] for n in gen.inputs)}):"]
     lines += [

@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pockengine._libc import libc_function
-from pockengine.ir import Fact, Graph, Node, Value, get_op
+from pockengine.ir import CompileError, Fact, Graph, Node, Value, get_op
 from pockengine.plan.liveness import Interval, last_reads, liveness
 from pockengine.plan.memory import place_intervals
 
@@ -65,6 +65,7 @@ __all__ = [
     "MMAP_THRESHOLD_MAX",
     "WORKSPACE_OPS",
     "Workspace",
+    "checked_thresholds",
     "fix_heap_thresholds",
     "keep_step_heap",
     "kept_trim_threshold",
@@ -288,3 +289,24 @@ def plan_workspace(
     offsets = place_intervals(intervals)
     size = max((offsets[iv.value.name] + iv.nbytes for iv in intervals), default=0)
     return Workspace(offsets, size)
+
+
+def checked_thresholds(
+    thresholds: tuple[int, int] | None, keep_heap: bool
+) -> tuple[int, int] | None:
+    """``TorchBackend``'s ``heap_thresholds``, validated: ``(mmap_bytes, trim_bytes)``."""
+    if thresholds is None:
+        return None
+    where = f"TorchBackend(heap_thresholds={thresholds!r})"
+    if not isinstance(thresholds, tuple) or len(thresholds) != 2:
+        raise CompileError(f"{where}: a pair (mmap_bytes, trim_bytes)")
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in thresholds):
+        raise CompileError(f"{where}: both thresholds are numbers of bytes (int)")
+    mmap_bytes, trim_bytes = thresholds
+    if not 0 < mmap_bytes <= MMAP_THRESHOLD_MAX:
+        raise CompileError(f"{where}: glibc's mmap threshold is 1 to {MMAP_THRESHOLD_MAX} bytes")
+    if trim_bytes <= 0:
+        raise CompileError(f"{where}: the trim threshold must be positive")
+    if keep_heap:
+        raise CompileError(f"{where}: keep_heap=True fixes both thresholds itself; choose one")
+    return mmap_bytes, trim_bytes

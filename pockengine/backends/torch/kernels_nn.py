@@ -5,7 +5,8 @@ Backward kernels call ATen's own backward ops (``convolution_backward``,
 (the weight of a weight gradient) it gets a one-element compile-time constant
 expanded to that shape. Nodes ATen computes together are paired (``FINDERS``): max
 pooling hands its backward the argmax indices, batch norm its 1/std, a convolution's
-input gradient the weight gradient of the same ``gy``.
+input gradient the weight gradient of the same ``gy``. Batch norm's forward kernel, which
+can take over its running statistics' updates, is in ``kernels_stats``.
 
 Update ops write the param and the optimizer state in place, each in one pass (ATen's
 fused SGD and AdamW kernels, ``addcmul_``, ``copy_``), so the tensors in the store keep
@@ -184,19 +185,6 @@ def _avg_pool2d_grad(e: Emit) -> list[str]:
 
 
 # -- normalisation ---------------------------------------------------------------------------
-def _batch_norm(e: Emit) -> list[str]:
-    """ATen's training-mode batch norm gives 1/std; the biased variance is 1/std^2 - eps."""
-    x, w, b = e.ins
-    y, mean, var = e.outs
-    eps = literal(float(e.attr("eps")))
-    invstd = e.saved or e.tmp()
-    args = f"{x}, {w}, {b}, None, None, True, 0.0, {eps}"
-    call = serial_call(e, "aten_native_batch_norm", args, Probes.batch_norm)
-    stmts = [f"{y}, {mean}, {invstd} = {call}"]
-    stmts.append(f"{var} = {invstd}.pow(-2).sub_({eps})" if e.used[2] else f"{var} = None")
-    return stmts
-
-
 def _batch_norm_grad(e: Emit) -> list[str]:
     gy, x, w, mean, var = e.ins
     eps = literal(float(e.attr("eps")))
@@ -357,7 +345,6 @@ KERNELS: dict[str, Emitter] = {
     "max_pool2d_grad": _max_pool2d_grad,
     "avg_pool2d": _avg_pool2d,
     "avg_pool2d_grad": _avg_pool2d_grad,
-    "batch_norm": _batch_norm,
     "batch_norm_grad": _batch_norm_grad,
     "layer_norm": _layer_norm,
     "layer_norm_grad": _layer_norm_grad,
