@@ -4,9 +4,8 @@
  * pe_batch_norm then the clip, and pe_batch_norm_hardtanh_grad equals pe_hardtanh_grad of
  * the clipped output then pe_batch_norm_grad, bit for bit (the same operations in the same
  * order), and pe_batch_norm_apply of the saved statistics equals pe_batch_norm's output,
- * clipped or not; then channels around the gradient's stack scratch (a channel of at most
- * 2048 elements, all its rows, packed in the first pass; larger ones not) and rows of 1024
- * and more (gy kept in gx between the passes). Prints "ok <cases>" and exits 0, or names
+ * clipped or not; then rows of 1024 elements and more (the gradient keeps gy in gx between
+ * its passes) and channels of up to 12 images. Prints "ok <cases>" and exits 0, or names
  * each case that differs and exits 1.
  * tests/test_c_norm.py builds it with the backend's flags, portably, with the address and
  * undefined-behaviour sanitizers, and for aarch64 (run under qemu). */
@@ -64,9 +63,8 @@ int main(void) {
         bad |= check_f64(N, C, L, nan);
         cases += 2;
     }
-    /* Channels around and past the gradient's stack scratch (PE_BN_SCRATCH = 2048
-     * elements: 8 rows of 256 packed, 8 of 257 not) and rows of 1024 and more, whose masked
-     * gradient waits in gx for the second pass. */
+    /* Rows on both sides of PE_BN_KEEP (1024: from there the masked gradient waits in gx
+     * for the second pass) and channels of many images. */
     long edges[][3] = {{8, 3, 256}, {8, 3, 257}, {1, 2, 2048}, {2, 2, 1024}, {3, 2, 1023}};
     for (int e = 0; e < 5; e++) {
         bad |= check_f32(edges[e][0], edges[e][1], edges[e][2], e == 1);

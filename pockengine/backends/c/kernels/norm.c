@@ -109,42 +109,6 @@ static void PE_S(pe_masked_grad_sums)(const PE_T *restrict gz, const PE_T *restr
 #undef PE_MGX
 }
 
-/* pe_masked_grad_sums for a channel whose rows fit PE_BN_SCRATCH: gy and d = x - mu (the
- * operands of gx's pass) are written as well, packed row after row (element s of row r at
- * r * n + s), into gys and ds. PE_LANE_SUM2 names the row r_ and its offset at_ that the
- * packed index is taken from. */
-static void PE_S(pe_masked_grad_sums_packed)(const PE_T *restrict gz, const PE_T *restrict x,
-                                             PE_T *restrict gys, PE_T *restrict ds, long rows,
-                                             long pitch, long n, PE_T mu, PE_T rstd, PE_T scale,
-                                             PE_T shift, PE_T lo, PE_T hi, double *sb,
-                                             double *sw) {
-    const PE_S(pe_nv) muv = PE_SPLAT(mu), rv = PE_SPLAT(rstd), sv = PE_SPLAT(scale);
-    const PE_S(pe_nv) bv = PE_SPLAT(shift), lov = PE_SPLAT(lo), hiv = PE_SPLAT(hi);
-    typedef __typeof__(muv < rv) mask_t;
-#define PE_PGXV(p)                                                         \
-    do {                                                                   \
-        long q_ = (p) - at_ + r_ * n;                                      \
-        PE_S(pe_nv) d_ = PE_NLOAD(x + (p)) - muv, y_ = d_ * sv + bv;       \
-        mask_t m_ = (y_ > lov) & (y_ < hiv);                               \
-        ta = (PE_S(pe_nv))((mask_t)PE_NLOAD(gz + (p)) & m_);               \
-        memcpy(gys + q_, &ta, sizeof(ta));                                 \
-        memcpy(ds + q_, &d_, sizeof(d_));                                  \
-        tb = ta * (d_ * rv);                                               \
-    } while (0)
-#define PE_PGX(p, ua, ub)                                                  \
-    do {                                                                   \
-        long q_ = (p) - at_ + r_ * n;                                      \
-        PE_T d_ = x[p] - mu, y_ = d_ * scale + shift;                      \
-        ua = (y_ > lo) & (y_ < hi) ? gz[p] : (PE_T)0;                      \
-        gys[q_] = ua;                                                      \
-        ds[q_] = d_;                                                       \
-        ub = ua * (d_ * rstd);                                             \
-    } while (0)
-    PE_LANE_SUM2(PE_PGXV, PE_PGX, rows, pitch, *sb, *sw);
-#undef PE_PGXV
-#undef PE_PGX
-}
-
 /* Channel c's statistics over its N rows of S in one pass: the sums of d = x - k and of
  * d * d, k the channel's first element (a shift that keeps the two sums small where the
  * mean is far from zero: the variance's cancellation is of the order of (mean - k)^2 /
@@ -260,16 +224,8 @@ void PE_S(pe_batch_norm_apply)(const PE_T *x, const PE_T *w, const PE_T *b, cons
  * both per-channel sums in one (the mask formed on the fly), then gx. Rows of PE_BN_KEEP
  * elements or more write gy into gx in the first pass and finish it in place from gx and
  * x (measured faster on 32 x 32 maps and up); shorter rows form the mask again in the
- * second pass, with the same operations (faster on 16 x 16 maps and below), unless the
- * channel's rows hold at most PE_BN_SCRATCH elements (MobileNetV2's 16 x 16 maps and below
- * at batch 8): then the first pass packs gy and x - mu into stack scratch and the second
- * reads them from there. Row pitches (C * S elements) are often multiples of 4 KiB, so a
- * channel's rows of gz, x and gx all fall in the same few L1 sets, more lines than the
- * sets hold: read back from them, half the kernel's time went to misses (8 x 960 x 4 x 4:
- * 177 ns a channel with the three buffers at the same offset in their pages, 95 ns at
- * different ones); from the packed scratch it is 0.5-0.65x whatever the offsets. */
+ * second pass, with the same operations (faster on 16 x 16 maps and below). */
 #define PE_BN_KEEP 1024
-#define PE_BN_SCRATCH 2048
 void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T *w,
                                        const PE_T *b, const PE_T *mean, const PE_T *var,
                                        PE_T *gx, PE_T *gw, PE_T *gb, long N, long C, long S,
@@ -281,20 +237,6 @@ void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T
         PE_T scale = PE_BN_SCALE(w[c], var[c], eps), shift = b[c];
         double sb, sw, count = (double)(N * S);
         int keep = S >= PE_BN_KEEP; /* long rows: gy kept in gx for the second pass */
-        if (!keep && N * S <= PE_BN_SCRATCH) {
-            PE_T gys[PE_BN_SCRATCH], ds[PE_BN_SCRATCH];
-            PE_S(pe_masked_grad_sums_packed)(gz + c * S, x + c * S, gys, ds, N, C * S, S, mu,
-                                             rstd, scale, shift, lo, hi, &sb, &sw);
-            PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
-            for (long i = 0; i < N; i++) {
-                const PE_T *restrict g = gys + i * S, *restrict d = ds + i * S;
-                PE_T *restrict out = gx + (i * C + c) * S;
-                for (long s = 0; s < S; s++) out[s] = (g[s] - mb - d[s] * rstd * mw) * k;
-            }
-            gw[c] = (PE_T)sw;
-            gb[c] = (PE_T)sb;
-            continue;
-        }
         PE_S(pe_masked_grad_sums)(gz + c * S, x + c * S, keep ? gx + c * S : NULL, N, C * S, S,
                                   mu, rstd, scale, shift, lo, hi, &sb, &sw);
         PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
@@ -396,5 +338,4 @@ void PE_S(pe_layer_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
 #undef PE_NLOAD
 #undef PE_SPLAT
 #undef PE_BN_KEEP
-#undef PE_BN_SCRATCH
 #endif
