@@ -4,7 +4,9 @@
  * pe_batch_norm then the clip, and pe_batch_norm_hardtanh_grad equals pe_hardtanh_grad of
  * the clipped output then pe_batch_norm_grad, bit for bit (the same operations in the same
  * order), and pe_batch_norm_apply of the saved statistics equals pe_batch_norm's output,
- * clipped or not. Prints "ok <cases>" and exits 0, or names each case that differs and exits 1.
+ * clipped or not; then rows of 1024 elements and more (the gradient keeps gy in gx between
+ * its passes) and channels of up to 12 images. Prints "ok <cases>" and exits 0, or names
+ * each case that differs and exits 1.
  * tests/test_c_norm.py builds it with the backend's flags, portably, with the address and
  * undefined-behaviour sanitizers, and for aarch64 (run under qemu). */
 #include <stdio.h>
@@ -57,6 +59,21 @@ int main(void) {
     for (int it = 0; it < 200; it++) {
         long N = 1 + rnd(5), C = 1 + rnd(9), L = 1 + rnd(300);
         int nan = it % 17 == 0;
+        bad |= check_f32(N, C, L, nan);
+        bad |= check_f64(N, C, L, nan);
+        cases += 2;
+    }
+    /* Rows on both sides of PE_BN_KEEP (1024: from there the masked gradient waits in gx
+     * for the second pass) and channels of many images. */
+    long edges[][3] = {{8, 3, 256}, {8, 3, 257}, {1, 2, 2048}, {2, 2, 1024}, {3, 2, 1023}};
+    for (int e = 0; e < 5; e++) {
+        bad |= check_f32(edges[e][0], edges[e][1], edges[e][2], e == 1);
+        bad |= check_f64(edges[e][0], edges[e][1], edges[e][2], e == 3);
+        cases += 2;
+    }
+    for (int it = 0; it < 30; it++) {
+        long N = 1 + rnd(12), C = 1 + rnd(4), L = 150 + rnd(1500);
+        int nan = it % 7 == 0;
         bad |= check_f32(N, C, L, nan);
         bad |= check_f64(N, C, L, nan);
         cases += 2;
