@@ -23,6 +23,8 @@
 #include "pe_instantiate.h"
 #else
 
+#include "pe_weave.h"
+
 #define PE_DW_CH (128 / PE_TSIZE) /* output columns in one register block: 128 bytes */
 
 /* The shape of a plane's phase rows: pl elements a phase, s phases. */
@@ -158,27 +160,6 @@ static void PE_S(pe_dw_planes)(const PE_T *x, const PE_T *w, const PE_T *bias, P
     }
 }
 
-/* out[x] = padded[x + p] for x in [0, W), where padded column 2t is even[t] and 2t + 1 is
- * odd[t]: the two phases of a stride-2 row woven back together, a pair of columns a
- * step (constant-stride loads and stores the compiler turns into vector shuffles), where
- * a loop a phase stored one element every other column. */
-static void PE_S(pe_dw_interleave2)(const PE_T *even, const PE_T *odd, long p, long W,
-                                    PE_T *restrict out) {
-    long x = 0;
-    if (p & 1) { /* padded column p is odd: one column before the pairs */
-        if (W > 0) out[0] = odd[p / 2];
-        x = 1;
-    }
-    long t0 = (p + x) / 2, pairs = (W - x) / 2;
-    const PE_T *e = even + t0, *o = odd + t0;
-    PE_T *restrict d = out + x;
-    for (long t = 0; t < pairs; t++) {
-        d[2 * t] = e[t];
-        d[2 * t + 1] = o[t];
-    }
-    if (x + 2 * pairs < W) out[W - 1] = e[pairs];
-}
-
 void PE_S(pe_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
     if (PE_S(pe_dw_flat_forward)(x, w, bias, y, g)) return;
     PE_S(pe_dw_planes)(x, w, bias, y, g, 0);
@@ -222,7 +203,7 @@ void PE_S(pe_depthwise_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, cons
             }
             PE_T *restrict out = gx + (nc * H + h) * W;
             if (r.s == 2) {
-                PE_S(pe_dw_interleave2)(acc, acc + r.pl, r.pw, W, out);
+                PE_S(pe_weave2)(acc, acc + r.pl, r.pw, W, out);
                 continue;
             }
             /* out[x] = padded[x + pw], padded[t * s + q] = phase q at t */

@@ -27,6 +27,8 @@
 #include "pe_instantiate.h"
 #else
 
+#include "pe_weave.h"
+
 #ifndef PE_DW_FLAT_HELPERS
 #define PE_DW_FLAT_HELPERS
 /* The most scratch one plane may take on the stack (phases, laid-out gradient, output):
@@ -158,26 +160,6 @@ static void PE_S(pe_dw_flat_sum)(const PE_T *src, const long *off, const PE_T *w
     }
 }
 
-/* out[x] = padded[x + p] for x in [0, W), where padded column 2b is even[b] and 2b + 1 is
- * odd[b]: a stride-2 row's two phases woven back together, a pair of columns a step
- * (constant-stride stores the compiler turns into vector shuffles). */
-static void PE_S(pe_dw_flat_interleave2)(const PE_T *even, const PE_T *odd, long p, long W,
-                                         PE_T *restrict out) {
-    long x = 0;
-    if (p & 1) { /* padded column p is odd: one column before the pairs */
-        if (W > 0) out[0] = odd[p / 2];
-        x = 1;
-    }
-    long b0 = (p + x) / 2, pairs = (W - x) / 2;
-    const PE_T *e = even + b0, *o = odd + b0;
-    PE_T *restrict d = out + x;
-    for (long b = 0; b < pairs; b++) {
-        d[2 * b] = e[b];
-        d[2 * b + 1] = o[b];
-    }
-    if (x + 2 * pairs < W) out[W - 1] = e[pairs];
-}
-
 static int PE_S(pe_dw_flat_fits)(const pe_dw_flat *f, long extra, long limit) {
     long elements = f->sh * f->sw * f->phase + f->Bw + 4 * PE_DWF_V + extra;
     return elements * (long)sizeof(PE_T) <= limit;
@@ -254,7 +236,7 @@ int PE_S(pe_dw_flat_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
             if (f.sw == 1)
                 pe_copy_run(out, src + pw, (size_t)cols * sizeof(PE_T));
             else if (f.sw == 2)
-                PE_S(pe_dw_flat_interleave2)(src, src + f.phase, pw, cols, out);
+                PE_S(pe_weave2)(src, src + f.phase, pw, cols, out);
             else
                 for (long x = 0; x < cols; x++)
                     out[x] = src[(x + pw) % f.sw * f.phase + (x + pw) / f.sw];
