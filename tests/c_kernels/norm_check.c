@@ -54,15 +54,23 @@ static int rnd(int n) { s_ = s_ * 1103515245u + 12345u; return (int)((s_ >> 8) %
 CHECK(float, f32)
 CHECK(double, f64)
 
-int main(void) {
-    int cases = 0, bad = 0;
-    for (int it = 0; it < 200; it++) {
-        long N = 1 + rnd(5), C = 1 + rnd(9), L = 1 + rnd(300);
-        int nan = it % 17 == 0;
+/* count random shapes, N in [1, n], C in [1, c], L in [l0, l0 + l): both element types,
+ * every nan_every-th with NaN inputs; adds the cases run to *cases. */
+static int random_cases(int count, int n, int c, int l0, int l, int nan_every, int *cases) {
+    int bad = 0;
+    for (int it = 0; it < count; it++) {
+        long N = 1 + rnd(n), C = 1 + rnd(c), L = l0 + rnd(l);
+        int nan = it % nan_every == 0;
         bad |= check_f32(N, C, L, nan);
         bad |= check_f64(N, C, L, nan);
-        cases += 2;
+        *cases += 2;
     }
+    return bad;
+}
+
+int main(void) {
+    int cases = 0, bad = 0;
+    bad |= random_cases(200, 5, 9, 1, 300, 17, &cases);
     /* Rows on both sides of PE_BN_KEEP (1024: from there the masked gradient waits in gx
      * for the second pass) and channels of many images. */
     long edges[][3] = {{8, 3, 256}, {8, 3, 257}, {1, 2, 2048}, {2, 2, 1024}, {3, 2, 1023}};
@@ -71,13 +79,7 @@ int main(void) {
         bad |= check_f64(edges[e][0], edges[e][1], edges[e][2], e == 3);
         cases += 2;
     }
-    for (int it = 0; it < 30; it++) {
-        long N = 1 + rnd(12), C = 1 + rnd(4), L = 150 + rnd(1500);
-        int nan = it % 7 == 0;
-        bad |= check_f32(N, C, L, nan);
-        bad |= check_f64(N, C, L, nan);
-        cases += 2;
-    }
+    bad |= random_cases(30, 12, 4, 150, 1500, 7, &cases);
     if (!bad) printf("ok %d\n", cases);
     return bad;
 }
