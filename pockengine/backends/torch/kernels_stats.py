@@ -27,8 +27,14 @@ from typing import Any
 import torch
 
 from pockengine.backends.torch import kernels_nn
-from pockengine.backends.torch.codegen import Absorbed, Absorber, Emit, Emitter, literal
-from pockengine.backends.torch.links import GraphIndex
+from pockengine.backends.torch.codegen import (
+    Absorbed,
+    Absorber,
+    Emit,
+    Emitter,
+    GraphIndex,
+    literal,
+)
 from pockengine.backends.torch.serial import Probes, serial_call
 from pockengine.ir import Graph, Node, Role, Value, get_op
 
@@ -83,7 +89,7 @@ def _running_update(
 
 
 def _absorb_running_stats(
-    i: int, graph: Graph, index: GraphIndex, taken: frozenset[int]
+    i: int, graph: Graph, index: GraphIndex, _taken: frozenset[int]
 ) -> Absorbed | None:
     """The running mean's and variance's updates after batch norm ``i``, when they are the
     ones ATen's training-mode batch norm makes with momentum m: (1 - m) * running +
@@ -98,12 +104,9 @@ def _absorb_running_stats(
     factors = ((a_m, 1 - m), (a_v, 1 - m), (b_v, m * n / (n - 1)))
     if rm == rv or not all(math.isclose(p, q, rel_tol=1e-6) for p, q in factors):
         return None
+    # nodes before i, or absorbed already, are refused by ``links.absorptions`` itself
     nodes = sorted(index.at(k) for k in (*nodes_m, *nodes_v))
-    if (
-        nodes[0] <= i
-        or taken.intersection(nodes)
-        or _written_between(graph, index, (rm, rv), i, nodes[-1])
-    ):
+    if _written_between(graph, index, (rm, rv), i, nodes[-1]):
         return None
     binds = (nodes_m[2].outputs[0], nodes_v[2].outputs[0])
     return Absorbed(tuple(nodes), binds, (rm, rv), {"momentum": m})

@@ -36,7 +36,7 @@ class GraphIndex:
     producers: Mapping[str, Node]
     users: Mapping[str, list[Node]]
     made_at: Mapping[str, int]
-    position: Mapping[int, int] = field(default_factory=dict)
+    position: Mapping[int, int]
 
     def at(self, node: Node) -> int:
         """The index of ``node`` in the graph."""
@@ -112,14 +112,13 @@ class Pairs:
 
 
 def find_pairs(graph: Graph, index: GraphIndex, finders: Mapping[str, PairFinder]) -> Pairs:
-    position = index.position
     pairs = Pairs()
     for i, node in enumerate(graph.nodes):
         finder = finders.get(node.op)
         maker = finder(node, index) if finder else None
-        if maker is None or position[id(maker)] >= i:
+        if maker is None or index.at(maker) >= i:
             continue
-        j = position[id(maker)]
+        j = index.at(maker)
         name = pairs.hidden.setdefault(j, f"h{j}")
         pairs.hidden[i] = name
         pairs.partner.setdefault(j, node)
