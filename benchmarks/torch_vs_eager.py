@@ -226,11 +226,12 @@ def _spread(ratios: list[float]) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| case | step ms ours / eager | ours/eager step | CPU ms a step ours / eager "
-             "| training MiB ours / eager | ours/eager memory | faults a step ours / eager |",
-             "|---|---|---:|---|---|---:|---|"]  # fmt: skip
+             "| training MiB ours / eager | ours/eager memory "
+             "| whole-process peak MiB ours / eager | faults a step ours / eager |",
+             "|---|---|---:|---|---|---:|---|---|"]  # fmt: skip
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['case']} | error: {r['error'][:80]} | | | | | | |")
             continue
         o, e = r["runs"]["ours"], r["runs"]["eager"]
         cpu = (
@@ -245,6 +246,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| **{r['time_ratio']:.2f}x** ({_spread(r['time_ratios'])}) "
             f"| {cpu} | {_cell(o, 'train_mib', '.0f')} / {_cell(e, 'train_mib', '.0f')} "
             f"| **{r['mem_ratio']:.2f}x** "
+            f"| {_cell(o, 'peak_rss_mib', '.0f')} / {_cell(e, 'peak_rss_mib', '.0f')} "
             f"| {_cell(o, 'faults_per_step', '.0f')} / {_cell(e, 'faults_per_step', '.0f')} |"
         )
     return "\n".join(lines)
