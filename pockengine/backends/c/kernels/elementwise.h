@@ -10,66 +10,54 @@
 #include "pe_kernels.h"
 #include "pe_exp.h"
 
-/* erf for float32 without a libm call, so the loops that call it (GELU and its gradient)
- * vectorise: x * P(x^2) / Q(x^2), a rational fit of degrees 6 and 5 in x^2 on
- * |x| <= 3.925 (relative error under 2e-9, increasing to 0.99999997 there), evaluated in
- * double (x^2 exact) and rounded once, so the result is within 0.54 ulp of the exact erf
- * (libm's erff: 0.5). Past 3.925 erf rounds to +-1 in float: one select after the
- * arithmetic, which also covers the fit overflowing to NaN for huge x (a clamp before it
- * would keep GCC from vectorising the loop); NaN passes through. */
-static inline float pe_erf32(float xf) {
-    double x = (double)xf, t = x * x;
-    double p = -1.2829347774022949e-08;
-    p = p * t + 4.614729410915899e-06;
-    p = p * t + 3.769663539995778e-04;
-    p = p * t + 3.839472349866083e-03;
-    p = p * t + 5.424944904133873e-02;
-    p = p * t + 1.8514162828236025e-01;
-    p = p * t + 1.1283791691680443;
-    double q = 6.245079204385112e-05;
-    q = q * t + 1.3019742182782152e-03;
-    q = q * t + 1.5432484156413696e-02;
-    q = q * t + 1.1388047372649542e-01;
-    q = q * t + 4.97410902821783e-01;
-    q = q * t + 1.0;
-    double r = x * p / q;
-    return (float)(t > 15.405625 ? copysign(1.0, x) : r);
-}
-
-/* exp(-x^2 / 2) for float32 without a libm call, for the GELU gradient's loop to vectorise:
- * |x| clamped to 15 on its bits (a select the compiler keeps branch-free; the result there
- * is below float's least subnormal, so 0), x^2 / 2 exact in double, exp by 2^k e^r with
- * k = round(v / ln 2) (the 1.5 * 2^52 shift), |r| <= ln 2 / 2, a degree-8 Taylor
- * polynomial (error under 3e-10) and 2^k made from k's bits; rounded once to float:
- * within 0.51 ulp of the exact value. NaN gives 0, as inf does (GELU's gradient is NaN
- * there through its x * pdf term). */
-static inline float pe_gauss32(float xf) {
-    uint32_t u;
-    memcpy(&u, &xf, sizeof u);
-    u &= 0x7fffffffu;
-    uint32_t big = (uint32_t)0 - (uint32_t)(u > 0x41700000u); /* |x| > 15 or NaN */
-    u = (u & ~big) | (0x41700000u & big);
-    float a;
-    memcpy(&a, &u, sizeof a);
-    double v = (double)a * (double)a * -0.5;
-    double kd = v * 1.4426950408889634 + 6755399441055744.0;
-    uint64_t kb;
-    memcpy(&kb, &kd, sizeof kb);
-    kd -= 6755399441055744.0;
-    double r = v - kd * 0.6931471805599453;
-    double e = 1.0 / 40320;
-    e = e * r + 1.0 / 5040;
-    e = e * r + 1.0 / 720;
-    e = e * r + 1.0 / 120;
-    e = e * r + 1.0 / 24;
-    e = e * r + 1.0 / 6;
-    e = e * r + 0.5;
-    e = e * r + 1.0;
-    e = e * r + 1.0;
-    uint64_t sb = (kb - UINT64_C(0x4338000000000000) + 1023u) << 52;
-    double s;
-    memcpy(&s, &sb, sizeof s);
-    return (float)(e * s);
+/* GELU's two float parts from one exponential, without a libm call, so the loops that call
+ * them vectorise: the normal density pdf = e^(-x^2/2) / sqrt(2 pi) and the distribution
+ * cdf = Phi(x) = 1 - Q(x) for x >= 0 and Q(|x|) for x < 0, where Q(z) = erfc(z / sqrt 2) / 2
+ * = e^(-z^2/2) u P(u) / 2 with u = 1 / (1 + z / (2 sqrt 2)) and P of degree 8 (a weighted
+ * least-squares fit to erfc(w) e^(w^2) / u over w in [0, 10.5]: relative error under 1e-7).
+ * The lower tail is a product, never 1 minus something near 1, so Phi keeps its relative
+ * accuracy for negative x; x^2 / 2 goes to the exponential as its rounded value and exact
+ * remainder (pe_exp32_lo). |x| is clamped to 14.85 (past it the density and the lower tail
+ * are 0 in float) and the two branches are selected on bits, so the loops vectorise on
+ * every target; NaN passes through (GELU's gradient is NaN at +-inf through its
+ * x * pdf term, as the double formula's). */
+static inline float pe_gelu_parts32(float x, float *pdf) {
+    uint32_t bits, neg;
+    memcpy(&bits, &x, sizeof bits);
+    neg = (uint32_t)0 - (bits >> 31);
+    float a = pe_clamp_magnitude32(x, 0x416d999au); /* 14.85 */
+    memcpy(&bits, &a, sizeof bits);
+    bits &= 0x7fffffffu;
+    memcpy(&a, &bits, sizeof a);
+    float t = a * a;
+#if defined(__FMA__) || defined(__aarch64__)
+    float low = __builtin_fmaf(a, a, -t);
+#else /* Dekker: a = hi + lo with 12-bit halves, so hi * hi, hi * lo and lo * lo are exact */
+    float hi = a * 4097.0f;
+    hi = hi - (hi - a);
+    float lo = a - hi;
+    float low = ((hi * hi - t) + 2.0f * hi * lo) + lo * lo;
+#endif
+    float e = pe_exp32_lo(-0.5f * t, -0.5f * low);
+    float u = 1.0f / (a * 0.35355339059327373f + 1.0f);
+    float p = -5.920651183e-02f;
+    p = p * u + 2.852451503e-01f;
+    p = p * u - 4.885853529e-01f;
+    p = p * u + 2.796491086e-01f;
+    p = p * u - 2.771295235e-02f;
+    p = p * u + 2.031456679e-01f;
+    p = p * u + 2.429881692e-01f;
+    p = p * u + 2.823911309e-01f;
+    p = p * u + 2.820855677e-01f; /* P(1) = 1 in float: Phi(0) = 1/2 exactly */
+    float tail = 0.5f * e * (u * p);
+    *pdf = e * 0.3989422804014327f;
+    float upper = 1.0f - tail; /* Phi(x) for x >= 0; the tail itself for x < 0 (sign bit) */
+    uint32_t ub, tb;
+    memcpy(&ub, &upper, sizeof ub);
+    memcpy(&tb, &tail, sizeof tb);
+    ub = (ub & ~neg) | (tb & neg);
+    memcpy(&upper, &ub, sizeof upper);
+    return upper;
 }
 #define PE_SELF "elementwise.h"
 #include "pe_instantiate.h"
@@ -79,10 +67,8 @@ static inline float pe_gauss32(float xf) {
 
 #define PE_C(x) ((PE_T)(x))
 #if PE_TSIZE == 4
-#define PE_ERF pe_erf32
 #define PE_EXP pe_exp32
 #else
-#define PE_ERF erf
 #define PE_EXP exp
 #endif
 
@@ -107,7 +93,12 @@ static inline PE_T PE_S(pe_gelu)(PE_T x, int tanh_mode) {
         PE_T inner = PE_C(0.7978845608028654) * (x + PE_C(0.044715) * x * x * x);
         return PE_C(0.5) * x * (PE_C(1) + tanh(inner));
     }
-    return PE_C(0.5) * x * (PE_C(1) + PE_ERF(x * PE_C(0.7071067811865476)));
+#if PE_TSIZE == 4
+    float pdf;
+    return x * pe_gelu_parts32(x, &pdf);
+#else
+    return PE_C(0.5) * x * (PE_C(1) + erf(x * PE_C(0.7071067811865476)));
+#endif
 }
 
 static inline PE_T PE_S(pe_gelu_grad)(PE_T gz, PE_T x, int tanh_mode) {
@@ -117,16 +108,15 @@ static inline PE_T PE_S(pe_gelu_grad)(PE_T gz, PE_T x, int tanh_mode) {
         PE_T dinner = PE_C(0.7978845608028654) * (PE_C(1) + PE_C(3 * 0.044715) * x2);
         return gz * (PE_C(0.5) * (PE_C(1) + t) + PE_C(0.5) * x * (PE_C(1) - t * t) * dinner);
     }
-    PE_T cdf = PE_C(0.5) * (PE_C(1) + PE_ERF(x * PE_C(0.7071067811865476)));
 #if PE_TSIZE == 4
-    PE_T pdf = pe_gauss32(x) * PE_C(0.3989422804014327);
+    float pdf, cdf = pe_gelu_parts32(x, &pdf);
 #else
+    PE_T cdf = PE_C(0.5) * (PE_C(1) + erf(x * PE_C(0.7071067811865476)));
     PE_T pdf = exp(PE_C(-0.5) * x * x) * PE_C(0.3989422804014327);
 #endif
     return gz * (cdf + x * pdf);
 }
 
-#undef PE_ERF
 #undef PE_EXP
 #undef PE_C
 #endif
