@@ -168,9 +168,13 @@ def main() -> None:
     p.add_argument("--scheme", default="sparse")
     p.add_argument("--upload-budget", type=float, help="--scheme auto: of full-model bytes")
     p.add_argument("--memory-budget", type=float, help="--scheme auto: planned peak, MiB")
-    p.add_argument("--auto-on", choices=("client0", "pooled"), default="client0",
-                   help="--scheme auto: analyse client 0's shard (as the command does) or "
-                   "the whole training split (diagnosis: no real server has it)")
+    p.add_argument(
+        "--auto-on",
+        choices=("client0", "pooled"),
+        default="client0",
+        help="--scheme auto: analyse client 0's shard (as the command does) or "
+        "the whole training split (diagnosis: no real server has it)",
+    )
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", type=int, default=10)
@@ -184,9 +188,12 @@ def main() -> None:
     p.add_argument("--server-betas", type=float, nargs=2, default=(0.9, 0.99))
     p.add_argument("--server-tau", type=float, default=1e-3)
     p.add_argument("--bn-statistics", choices=("recompute", "running"), default="recompute")
-    p.add_argument("--batchnorm", choices=("batch", "running"),
-                   help="what the trained BatchNorms normalise by (finetune --batchnorm; "
-                   "default: the recipe's)")
+    p.add_argument(
+        "--batchnorm",
+        choices=("batch", "running"),
+        help="what the trained BatchNorms normalise by (finetune --batchnorm; "
+        "default: the recipe's)",
+    )
     p.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx (decoupled)")
     p.add_argument("--local-loss", choices=LOCAL_LOSSES, default="plain")
     p.add_argument("--la-tau", type=float, default=1.0)

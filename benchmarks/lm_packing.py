@@ -21,13 +21,13 @@ work. Both layouts compile the same graph (same shapes, the mask built inside th
 the segment ids and positions), which the run checks and records as ``same_graph``.
 
 A third layout, ``buckets`` (``--packing off`` as the fine-tuner runs it): at most
-``--buckets`` row lengths, the fewest that pad at most 8% (``lm_buckets.choose_buckets``, each bucket
-holding a batch), one compiled step a bucket over one store (``BucketedStep``), an epoch's
-batches drawn per bucket (``lm_buckets.epoch_order``). Its step time is measured per bucket
-(the median over ``--steps`` steps of each, in the same rounds as the other layouts), its
-epoch time is the sum over the epoch's batches of their bucket's step time, and its padded
-share is counted over the tokens those batches process (the rows left over from each
-bucket's last partial batch ride in wider batches, which this counts).
+``--buckets`` row lengths, the fewest that pad at most 8% (``lm_buckets.choose_buckets``,
+each bucket holding a batch), one compiled step a bucket over one store (``BucketedStep``),
+an epoch's batches drawn per bucket (``lm_buckets.epoch_order``). Its step time is measured
+per bucket (the median over ``--steps`` steps of each, in the same rounds as the other
+layouts), its epoch time is the sum over the epoch's batches of their bucket's step time,
+and its padded share is counted over the tokens those batches process (the rows left over
+from each bucket's last partial batch ride in wider batches, which this counts).
 """
 
 from __future__ import annotations

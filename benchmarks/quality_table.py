@@ -202,10 +202,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_data_options(p, max_train=None, max_val=None, shapes=_SHAPES)
     p.add_argument("--test-fraction", type=float, default=0.5)
     p.add_argument("--backend", default="torch")
-    p.add_argument("--auto-budget", metavar="SIZE",
-                   help="auto's --memory-budget, e.g. 46MB (default: the recipe's)")
-    p.add_argument("--auto-score", choices=("fisher", "taylor", "grad"),
-                   help="auto's --auto-score (default: finetune's, fisher)")
+    p.add_argument(
+        "--auto-budget",
+        metavar="SIZE",
+        help="auto's --memory-budget, e.g. 46MB (default: the recipe's)",
+    )
+    p.add_argument(
+        "--auto-score",
+        choices=("fisher", "taylor", "grad"),
+        help="auto's --auto-score (default: finetune's, fisher)",
+    )
     p.add_argument("--batchnorm", choices=("batch", "running"),
                    help="every run's --batchnorm (running: every BatchNorm on its running "
                    "statistics; default: the recipe's)")  # fmt: skip

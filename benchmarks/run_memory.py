@@ -101,10 +101,18 @@ _HOOKS: tuple[tuple[str, str, str, int | None], ...] = (
     ("pockengine.tasks.metrics", "evaluate", "evaluate", 1),
     ("pockengine.finetune.running.loop", "evaluate", "evaluate", None),  # the loop's own import
     ("pockengine.finetune.run_folder.best", "BestWeights.offer", "keep the best weights", None),
-    ("pockengine.finetune.run_folder.home", "_load", "write the model: values into the module",
-     None),
-    ("pockengine.finetune.run_folder.home", "_quiet_save", "write the model: save_pretrained",
-     None),
+    (
+        "pockengine.finetune.run_folder.home",
+        "_load",
+        "write the model: values into the module",
+        None,
+    ),
+    (
+        "pockengine.finetune.run_folder.home",
+        "_quiet_save",
+        "write the model: save_pretrained",
+        None,
+    ),
     ("pockengine.finetune.run_folder.home", "write_model", "write the model", None),
     ("pockengine.finetune.running.trainer", "write_from_skeleton", "write the model", None),
     ("pockengine.step.running", "CompiledStep.__call__", "step", None),  # limit: --steps-shown
