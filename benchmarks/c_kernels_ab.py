@@ -14,7 +14,10 @@ off. Both steps are compiled in this process (the revision's ``kernels/`` extrac
 ``git show`` to a temporary folder), then stepped in turn, ``--rounds`` times each, on the
 same batch. Prints the median and best CPU seconds a step (``time.process_time``: on a
 shared machine it moves less than wall time) and whether every loss and every trained
-value came out the same, bit for bit. One JSON object on the last line.
+value came out the same, bit for bit. One JSON object on the last line. The step's C code
+is the working tree's for both: a revision whose kernels take other arguments than the
+tree's lowering passes (a batch norm gradient given no ``gx`` where nothing reads it, from
+192f486 and earlier lack it) cannot be stepped against it.
 """
 
 from __future__ import annotations

@@ -57,3 +57,42 @@ def test_batch_norm_statistics_of_an_offset_channel(dtype: str, spatial: tuple[i
     np.testing.assert_allclose(var, want_var, rtol=0, atol=tol * 1e4 * 4)
     want_y = (x64 - want_mean.reshape(1, 5, 1, 1)) / np.sqrt(want_var.reshape(1, 5, 1, 1) + 1e-5)
     np.testing.assert_allclose(y, want_y, rtol=0, atol=tol * 1e4 * 4)
+
+
+def test_an_unread_batch_norm_input_gradient_is_not_computed() -> None:
+    """Bias-only training of a stem conv-bn-relu6 (no conv bias): nothing reads the stem
+    batch norm's input gradient, so the C step passes its kernel no gx; the biases and the
+    running statistics still train as on the NumPy backend over 5 steps."""
+    import torch
+    from torch import nn
+
+    import pockengine as pe
+    from pockengine import zoo
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        zoo.ConvBNReLU(3, 8, 3, stride=2),
+        zoo.ConvBNReLU(8, 8, 3),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    )
+
+    def make(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn((4, 3, 12, 12), generator=g), torch.randint(0, 5, (4,), generator=g)
+
+    w = zoo.as_double(zoo.Workload("stem", model, zoo._classify, make))
+    batch, scheme = w.make_batch(0), pe.schemes.bias_only()
+    ref = pe.compile(w.model, w.loss_fn, batch, optimizer=pe.optim.SGD(lr=0.05), scheme=scheme)
+    ours = pe.compile(w.model, w.loss_fn, batch, optimizer=pe.optim.SGD(lr=0.05),
+                      scheme=scheme, backend=CBackend())  # fmt: skip
+    calls = [line for line in ours._exec.source.splitlines()
+             if "pe_batch_norm_hardtanh_grad_f64(" in line]  # fmt: skip
+    assert len(calls) == 2 and sum(", NULL, " in line for line in calls) == 1, calls
+    for i in range(5):
+        batch = w.make_batch(i)
+        want, got = ref(*batch), ours(*batch)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (i, got, want)
+    for name, value in ref.state_dict().items():
+        np.testing.assert_allclose(ours.state_dict()[name], value, rtol=1e-8, atol=1e-10)

@@ -5,7 +5,8 @@
  * the clipped output then pe_batch_norm_grad, bit for bit (the same operations in the same
  * order), and pe_batch_norm_apply of the saved statistics equals pe_batch_norm's output,
  * clipped or not; then rows of 1024 elements and more (the gradient keeps gy in gx between
- * its passes) and channels of up to 12 images. Prints "ok <cases>" and exits 0, or names
+ * its passes) and channels of up to 12 images. Both gradients given no gx (nothing reads
+ * it) give the same gw and gb. Prints "ok <cases>" and exits 0, or names
  * each case that differs and exits 1.
  * tests/test_c_norm.py builds it with the backend's flags, portably, with the address and
  * undefined-behaviour sanitizers, and for aarch64 (run under qemu). */
@@ -47,6 +48,12 @@ static int rnd(int n) { s_ = s_ * 1103515245u + 12345u; return (int)((s_ >> 8) %
         bad |= memcmp(y, z, sizeof(T) * n) || memcmp(m, m2, sizeof(T) * C) ||            \
                   memcmp(v, v2, sizeof(T) * C) || memcmp(gx, gx2, sizeof(T) * n) ||          \
                   memcmp(gw, gw2, sizeof(T) * C) || memcmp(gb, gb2, sizeof(T) * C);          \
+        /* gx NULL (unread): the same gw and gb */                                           \
+        pe_batch_norm_grad_##S(hg, x, w, m, v, NULL, gw2, gb2, N, C, L, 1e-5);               \
+        bad |= memcmp(gw, gw2, sizeof(T) * C) || memcmp(gb, gb2, sizeof(T) * C);             \
+        pe_batch_norm_hardtanh_grad_##S(g, x, w, b, m, v, NULL, gw2, gb2, N, C, L, 1e-5, 0.0, \
+                                        1.5);                                                \
+        bad |= memcmp(gw, gw2, sizeof(T) * C) || memcmp(gb, gb2, sizeof(T) * C);             \
         if (bad) printf(#S " differs: N%ld C%ld L%ld nan%d\n", N, C, L, nan);                 \
         free(x), free(g), free(y), free(z), free(hg), free(gx), free(gx2);                   \
         return bad;                                                                          \

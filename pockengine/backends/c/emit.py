@@ -120,9 +120,18 @@ class EmitContext:
     conv_slots: Mapping[str, int] = field(default_factory=dict)
     # a result run as a view of another value's memory (views.py) -> how
     views: Mapping[str, View] = field(default_factory=dict)
+    _read: set[str] | None = field(default=None, repr=False)  # names some node or the graph reads
 
     def ref(self, v: Value) -> str:
         return self.names[v.name]
+
+    def ref_if_read(self, v: Value) -> str:
+        """``ref(v)``, or ``NULL`` where no node reads ``v`` and the graph does not return
+        it (a kernel given NULL for an output skips computing it)."""
+        if self._read is None:
+            self._read = {u.name for n in self.graph.nodes for u in n.inputs}
+            self._read.update(u.name for u in self.graph.outputs)
+        return self.ref(v) if v.name in self._read else "NULL"
 
     def transposed(self, v: Value) -> Value | None:
         """The input of the transpose ``v`` is a strided view of (``ref(v)`` points at its

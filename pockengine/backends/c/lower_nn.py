@@ -145,7 +145,7 @@ def _batch_norm(ctx: EmitContext, node: Node) -> str:
 
 def _batch_norm_grad(ctx: EmitContext, node: Node) -> str:
     gy, x, w, mean, var = (ctx.ref(v) for v in node.inputs)
-    gx, gw, gb = (ctx.ref(v) for v in node.outputs)
+    gx, gw, gb = ctx.ref_if_read(node.outputs[0]), *(ctx.ref(v) for v in node.outputs[1:])
     eps = attr_float(node, "eps")
     dims = _bn_dims(node.inputs[1])
     return (
@@ -168,7 +168,8 @@ def _batch_norm_hardtanh(ctx: EmitContext, node: Node) -> str:
 
 def _batch_norm_hardtanh_grad(ctx: EmitContext, node: Node) -> str:
     ins = ", ".join(ctx.ref(v) for v in node.inputs)
-    outs = ", ".join(ctx.ref(v) for v in node.outputs)
+    gx = ctx.ref_if_read(node.outputs[0])  # the stem's, where its convolution takes no gradient
+    outs = ", ".join([gx, *(ctx.ref(v) for v in node.outputs[1:])])
     dims = _bn_dims(node.inputs[1])
     eps = attr_float(node, "eps")
     return (

@@ -175,6 +175,8 @@ void PE_S(pe_batch_norm_hardtanh)(const PE_T *x, const PE_T *w, const PE_T *b, P
     }
 }
 
+/* batch_norm's gradients: gx, and gw and gb (a channel's two sums in one pass); gx NULL
+ * (nothing reads it): the sums only. */
 void PE_S(pe_batch_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, const PE_T *mean,
                               const PE_T *var, PE_T *gx, PE_T *gw, PE_T *gb, long N, long C,
                               long S, double eps) {
@@ -184,7 +186,7 @@ void PE_S(pe_batch_norm_grad)(const PE_T *gy, const PE_T *x, const PE_T *w, cons
         double sb, sw, n = (double)(N * S);
         PE_S(pe_grad_sums)(gy + c * S, x + c * S, N, C * S, S, mu, rstd, &sb, &sw);
         PE_T mb = (PE_T)(sb / n), mw = (PE_T)(sw / n), k = w[c] * rstd;
-        for (long i = 0; i < N; i++) {
+        for (long i = 0; gx && i < N; i++) {
             const PE_T *g = gy + (i * C + c) * S, *row = x + (i * C + c) * S;
             PE_T *restrict out = gx + (i * C + c) * S;
             for (long s = 0; s < S; s++) out[s] = (g[s] - mb - (row[s] - mu) * rstd * mw) * k;
@@ -224,7 +226,8 @@ void PE_S(pe_batch_norm_apply)(const PE_T *x, const PE_T *w, const PE_T *b, cons
  * both per-channel sums in one (the mask formed on the fly), then gx. Rows of PE_BN_KEEP
  * elements or more write gy into gx in the first pass and finish it in place from gx and
  * x (measured faster on 32 x 32 maps and up); shorter rows form the mask again in the
- * second pass, with the same operations (faster on 16 x 16 maps and below). */
+ * second pass, with the same operations (faster on 16 x 16 maps and below). With gx NULL
+ * (nothing reads it) only the sums are taken: gw and gb. */
 #define PE_BN_KEEP 1024
 void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T *w,
                                        const PE_T *b, const PE_T *mean, const PE_T *var,
@@ -236,11 +239,11 @@ void PE_S(pe_batch_norm_hardtanh_grad)(const PE_T *gz, const PE_T *x, const PE_T
         PE_T rstd = (PE_T)(1.0 / sqrt((double)var[c] + eps)), mu = mean[c];
         PE_T scale = PE_BN_SCALE(w[c], var[c], eps), shift = b[c];
         double sb, sw, count = (double)(N * S);
-        int keep = S >= PE_BN_KEEP; /* long rows: gy kept in gx for the second pass */
+        int keep = gx && S >= PE_BN_KEEP; /* long rows: gy kept in gx for the second pass */
         PE_S(pe_masked_grad_sums)(gz + c * S, x + c * S, keep ? gx + c * S : NULL, N, C * S, S,
                                   mu, rstd, scale, shift, lo, hi, &sb, &sw);
         PE_T mb = (PE_T)(sb / count), mw = (PE_T)(sw / count), k = w[c] * rstd;
-        for (long i = 0; i < N; i++) {
+        for (long i = 0; gx && i < N; i++) {
             const PE_T *restrict g = gz + (i * C + c) * S, *restrict row = x + (i * C + c) * S;
             PE_T *restrict out = gx + (i * C + c) * S;
             if (keep) {
