@@ -16,8 +16,9 @@ same batch. Prints the median and best CPU seconds a step (``time.process_time``
 shared machine it moves less than wall time) and whether every loss and every trained
 value came out the same, bit for bit. One JSON object on the last line. The step's C code
 is the working tree's for both: a revision whose kernels take other arguments than the
-tree's lowering passes (a batch norm gradient given no ``gx`` where nothing reads it, from
-192f486 and earlier lack it) cannot be stepped against it.
+tree's lowering passes cannot be stepped against it (192f486 and earlier on MobileNetV2's
+sparse step: their batch norm gradients need a ``gx``, which the tree leaves out where
+nothing reads it).
 """
 
 from __future__ import annotations
