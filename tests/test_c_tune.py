@@ -257,3 +257,27 @@ def test_the_nhwc_candidate_is_timed_in_its_kernels_harness_call(
     again = _compile(w, CBackend(tune=True))
     assert spy.calls == calls and given == []
     assert all(c.cached for c in again._exec.kernel_choices)
+
+
+def test_a_saved_step_reports_the_kernels_its_loading_backend_chose(
+    table: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tuned step, saved and loaded again: loaded with ``CBackend(tune=True)`` its report
+    lists the kernels that backend chose (from the table: nothing measured again); loaded
+    with the rule's backend, none, since it runs the rule's."""
+    spy = Spy("direct")
+    monkeypatch.setattr(tune, "measure", spy)
+    w = zoo.small_cnn()
+    step = _compile(w, CBackend(tune=True))
+    folder = step.save(table.parent / "step")
+    spy.calls = 0
+    tuned = pe.load_step(folder, backend=CBackend(tune=True))
+    assert spy.calls == 0
+    listed = tuned.report().to_dict()["c_kernels"]
+    assert [(k["output"], k["kernel"]) for k in listed] == [
+        (c.output, c.kernel) for c in step._exec.kernel_choices
+    ]
+    assert all(k["cached"] for k in listed) and "C kernels" in str(tuned.report())
+    plain = pe.load_step(folder, backend=CBackend())
+    assert "c_kernels" not in plain.report().to_dict() and "C kernels" not in str(plain.report())
+    assert tuned(*w.make_batch(1)) == pytest.approx(plain(*w.make_batch(1)), rel=1e-4)

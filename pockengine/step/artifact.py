@@ -275,13 +275,16 @@ class LoadedStep(CompiledStep):
         self._evaluator: Evaluator | None = None
 
     def report(self, depth: int | None = None) -> Report:
-        """The compile-time report as the compiler wrote it (layers cut to ``depth``)."""
+        """The compile-time report as the compiler wrote it (layers cut to ``depth``), with
+        the kernels this step's backend chose by measurement where it tunes (``CBackend(
+        tune=True)``)."""
         from pockengine.backends.mixed import MixedBackend
 
         placement = None
         if isinstance(self.backend, MixedBackend):
             placement = self.backend.placement(self.graph)
-        return self._report.at_depth(depth, placement)
+        kernels = tuple(getattr(self._exec, "kernel_choices", ()))  # CBackend(tune=True)
+        return self._report.at_depth(depth, placement, kernels)
 
     def evaluator(self) -> Evaluator:
         """The compiled evaluator saved with the step; a ``StepFileError`` if none was."""

@@ -23,7 +23,7 @@ from pockengine.ir import DType, TensorType
 from pockengine.passes.quantize import QuantizedParam
 from pockengine.plan.index_bounds import IndexBound
 from pockengine.plan.recomputation import Recomputation, Segment
-from pockengine.plan.report import Figures, LayerFigures, Report
+from pockengine.plan.report import Figures, KernelChoice, LayerFigures, Report
 from pockengine.sparse import schemes
 from pockengine.sparse.lora import Adapter
 from pockengine.sparse.schemes import Resolution, Scheme
@@ -63,9 +63,16 @@ class SavedReport:
     full: Figures
     recomputation: Recomputation | None
 
-    def at_depth(self, depth: int | None, placement: Placement | None) -> Report:
+    def at_depth(
+        self,
+        depth: int | None,
+        placement: Placement | None,
+        kernels: tuple[KernelChoice, ...] = (),
+    ) -> Report:
+        """The report cut to ``depth``, with the loading backend's ``placement`` and
+        ``kernels`` (the kernels its executable chose: the loaded step's, not the saver's)."""
         ours, full = (_cut(f, depth) for f in (self.ours, self.full))
-        return Report(self.scheme, ours, full, placement, self.recomputation)
+        return Report(self.scheme, ours, full, placement, self.recomputation, kernels)
 
 
 def _cut(figures: Figures, depth: int | None) -> Figures:
