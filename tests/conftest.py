@@ -25,3 +25,20 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _curves_drawn_only_where_checked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fine-tuning runs in this process draw no curves.png unless the module is marked
+    ``curves``: each drawing is a child process (about 1.2 s of CPU to start Python,
+    PockEngine and matplotlib) and a run waits for one drawing before the next, which is
+    most of a small run's time. tests/test_run_output.py (marked) checks the drawing, and
+    runs in other processes (the command line's, started by subprocess) still draw."""
+    if request.node.get_closest_marker("curves") is not None:
+        yield
+        return
+    from pockengine.finetune.running import curves
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(curves.CurvesWriter, "update", lambda self, info: None)
+        yield
