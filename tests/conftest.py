@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +14,23 @@ os.environ.setdefault("PE_DEBUG", "1")  # verify after every pass in tests
 os.environ.setdefault("PE_COMPILE_IN", "process")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+_CC_CACHE: list[str] = []  # the folder this process made for tests/cached_cc.py
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One folder of kernel objects for the exported trainers' builds (tests/cached_cc.py),
+    made by the process that starts the session; pytest-xdist's workers inherit it."""
+    if "PE_TEST_CC_CACHE" not in os.environ:
+        _CC_CACHE.append(tempfile.mkdtemp(prefix="pe-test-cc-"))
+        os.environ["PE_TEST_CC_CACHE"] = _CC_CACHE[0]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _CC_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("PE_TEST_CC_CACHE", None)
 
 
 @pytest.fixture
