@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,8 @@ def make_trainer(folder: Path, *settings: str) -> None:
             compiler = setting.removeprefix("CC=")
         else:
             rest.append(setting)
-    wrapped = f"CC={sys.executable} {Path(__file__).resolve()} {compiler}"
+    wrapper = shlex.join([sys.executable, str(Path(__file__).resolve())])
+    wrapped = f"CC={wrapper} {compiler}"
     subprocess.run(["make", "-s", "-C", str(folder), wrapped, *rest], check=True)
 
 
