@@ -7,14 +7,16 @@ wrapper, each ``kernels/*.c`` of that command compiles alone, with the flags bef
 sources, into an object file kept under ``$PE_TEST_CC_CACHE`` (set for the session by
 tests/conftest.py) by the hash of the compiler's version, those flags and every file of
 ``kernels/``; the other sources then compile and link with the kept objects, with the
-command's own flags, in the command's order. Objects are written under a temporary name
-and renamed, so the test processes share them safely. A build of the same flags costs
-the step's own sources only (each kernel set takes 10-20 s to build, longer with the
-sanitizers). Tests that build with flags no other test uses call ``make`` directly.
+command's own flags, in the command's order. One process at a time builds the objects of
+a key (the others wait on its lock file), each written under a temporary name and renamed.
+A build of the same flags costs the step's own sources only (each kernel set takes 10-20 s
+to build, longer with the sanitizers). Tests that build with flags no other test uses
+call ``make`` directly.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shlex
@@ -70,7 +72,9 @@ def main(argv: list[str]) -> int:
         return subprocess.run([compiler, *args], check=False).returncode
     folder = Path(os.environ[CACHE]) / _key(compiler, flags, Path(kernels[0]).parent)
     folder.mkdir(parents=True, exist_ok=True)
-    linked = [str(_object(compiler, flags, s, folder)) if s in kernels else s for s in sources]
+    with (folder / ".lock").open("w") as lock:  # one process builds a set, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        linked = [str(_object(compiler, flags, s, folder)) if s in kernels else s for s in sources]
     return subprocess.run([compiler, *flags, *linked, *after], check=False).returncode
 
 
