@@ -38,6 +38,7 @@ from pockengine.ops.update_8bit import (
     quantize_blockwise,
 )
 from pockengine.optim import AdamW
+from tests.cached_cc import make_trainer
 
 Array = np.ndarray[Any, Any]
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -173,7 +174,7 @@ def test_exported_trainer_with_int8_state_matches_in_process(tmp_path: Path) -> 
     for k, name in enumerate(("X", "Y")):
         np.save(folder / f"{name}.npy", np.stack([b[k].numpy() for b in batches]))
     losses = [step(*b) for b in batches]
-    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    make_trainer(folder)
     run = subprocess.run(["./train", "--save", "out.safetensors", "X.npy", "Y.npy"],
                          cwd=folder, capture_output=True, text=True, check=True)  # fmt: skip
     got = [float(ln.split()[-1]) for ln in run.stdout.splitlines() if ln.startswith("step ")]

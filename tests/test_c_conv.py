@@ -199,13 +199,13 @@ def test_mobilenet_on_128_pixel_maps_trains_as_numpy() -> None:
     to rtol 1e-7 and 1e-6."""
     import pockengine as pe
     from pockengine import zoo
+    from pockengine.frontend.import_memo import reused_imports
 
     w = zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=2, size=128))
     batch = w.make_batch(0)
-    steps = {
-        b: pe.compile(w.model, w.loss_fn, batch, pe.optim.SGD(lr=0.01, momentum=0.9), backend=b)
-        for b in ("numpy", "c")
-    }
+    with reused_imports():  # one torch.export for both backends
+        opt = pe.optim.SGD(lr=0.01, momentum=0.9)
+        steps = {b: pe.compile(w.model, w.loss_fn, batch, opt, backend=b) for b in ("numpy", "c")}
     assert "pe_conv2d_input_grad_depthwise_f64(" in steps["c"]._exec.source
     for i in range(3):
         batch = w.make_batch(i)

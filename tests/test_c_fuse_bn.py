@@ -23,6 +23,7 @@ from pockengine.backends.c.fuse_ew import fuse_elementwise_chains
 from pockengine.backends.c.fuse_transpose import transpose_products
 from pockengine.ir import Graph, verify
 from pockengine.plan import plan_memory
+from tests.cached_cc import make_trainer
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -116,7 +117,7 @@ def test_the_exported_trainer_runs_the_fused_graph(tmp_path: Path) -> None:
     batches = [w.make_batch(i) for i in range(2)]
     np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
     np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
-    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    make_trainer(folder)
     run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
                          text=True, check=True)  # fmt: skip
     losses = [float(ln.split()[-1]) for ln in run.stdout.splitlines() if ln.startswith("step ")]

@@ -40,6 +40,7 @@ from pockengine.backends.c.export import TRAINER_DIR, bounds_source, read_safete
 from pockengine.ir import DType, GraphBuilder, Role, TensorType
 from pockengine.plan.index_bounds import IndexBound
 from pockengine.step.compiler import BatchError
+from tests.cached_cc import make_trainer
 
 Array = np.ndarray[Any, Any]
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -79,8 +80,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]
     folder = step.export(tmp_path_factory.mktemp("hostile") / "trainer", target="c")
     np.save(folder / "ids.npy", IDS)
     np.save(folder / "y.npy", LABELS)
-    subprocess.run(["make", "-s", "-C", str(folder), f"CFLAGS=-O0 -g {SANITIZE}",
-                    f"LDFLAGS={SANITIZE}"], check=True)  # fmt: skip
+    make_trainer(folder, f"CFLAGS=-O0 -g {SANITIZE}", f"LDFLAGS={SANITIZE}")
     losses = [step(*batch), step(*batch)]
     return folder, losses, step.flat_state_dict()
 

@@ -34,7 +34,9 @@ import pytest
 import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c.export import read_safetensors, read_trainer_state
+from pockengine.frontend.import_memo import reused_imports
 from pockengine.tasks.gguf import decode_blocks
+from tests.cached_cc import make_trainer
 
 Array = np.ndarray[Any, Any]
 pytestmark = [
@@ -79,15 +81,15 @@ def _export(kind: str, tmp: Path) -> _Case:
     kw: dict[str, Any] = {"scheme": lora}
     kw.update({"frozen_dtype": "int4"} if kind == "int4" else {"quantized": _gguf_blocks(w.model)})
     batch = w.make_batch(0)
-    steps = {b: pe.compile(w.model, w.loss_fn, batch, backend=b,
-                           optimizer=pe.optim.AdamW(lr=1e-2), **kw)
-             for b in ("c", "torch")}  # fmt: skip
+    with reused_imports():  # one torch.export for both backends
+        steps = {b: pe.compile(w.model, w.loss_fn, batch, backend=b,
+                               optimizer=pe.optim.AdamW(lr=1e-2), **kw)
+                 for b in ("c", "torch")}  # fmt: skip
     folder = steps["c"].export(tmp / kind, target="c")
     batches = [w.make_batch(i)[0].numpy() for i in range(STEPS)]
     np.save(folder / "ids.npy", np.stack(batches))
     losses = {b: [s(x) for x in batches] for b, s in steps.items()}
-    subprocess.run(["make", "-s", "-C", str(folder), f"CFLAGS=-O1 -g {SANITIZE}",
-                    f"LDFLAGS={SANITIZE}"], check=True)  # fmt: skip
+    make_trainer(folder, f"CFLAGS=-O1 -g {SANITIZE}", f"LDFLAGS={SANITIZE}")
     return _Case(folder, tuple(steps["c"].trained), losses)
 
 

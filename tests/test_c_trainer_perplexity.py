@@ -27,7 +27,9 @@ import torch
 import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c.export import read_safetensors
+from pockengine.frontend.import_memo import reused_imports
 from pockengine.tasks.metrics import causal_lm_eval
+from tests.cached_cc import make_trainer
 
 Array = np.ndarray[Any, Any]
 pytestmark = [
@@ -64,12 +66,14 @@ def test_trainer_validation_perplexity_matches_torch(tmp_path: Path) -> None:
     w = zoo.llama_lm(layers=1, tied=True, vocab=VOCAB, seq=SEQ, batch=BATCH)
     lora = pe.schemes.lora(rank=4, alpha=8, targets=["*q_proj", "*v_proj"])
     batches, held_out = _chain(1, STEPS), _chain(2, HELD_OUT)
-    steps = {b: pe.compile(w.model, w.loss_fn, (torch.from_numpy(batches[0]),), backend=b,
-                           optimizer=pe.optim.AdamW(lr=5e-2), scheme=lora, frozen_dtype="int4")
-             for b in ("c", "torch")}  # fmt: skip
+    with reused_imports():  # one torch.export for both backends
+        steps = {b: pe.compile(w.model, w.loss_fn, (torch.from_numpy(batches[0]),), backend=b,
+                               optimizer=pe.optim.AdamW(lr=5e-2), scheme=lora,
+                               frozen_dtype="int4")
+                 for b in ("c", "torch")}  # fmt: skip
     folder = steps["c"].export(tmp_path / "trainer", target="c")
     np.save(folder / "ids.npy", batches)
-    subprocess.run(["make", "-s", "-C", str(folder), "CFLAGS=-O1"], check=True)
+    make_trainer(folder, "CFLAGS=-O1")
     run = subprocess.run(["./train", "--steps", str(STEPS), "--save", "trained.safetensors",
                           "ids.npy"], cwd=folder, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr

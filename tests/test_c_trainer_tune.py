@@ -18,6 +18,7 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry
 from pockengine.backends.c.conv_table import TABLE_FILE, conv_slots
+from tests.cached_cc import make_trainer
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None or shutil.which("make") is None,
@@ -37,7 +38,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]
     np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
     np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
     losses = [step(*b) for b in batches]
-    subprocess.run(["make", "-s", "-C", str(folder)], check=True)
+    make_trainer(folder)
     return folder, losses, conv_slots(step._exec.graph)
 
 

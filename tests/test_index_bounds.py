@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from pockengine.ir import CompileError, DType, GraphBuilder, Role, TensorType
 from pockengine.plan.index_bounds import IndexBound, index_bounds
 from pockengine.step.artifact import load_step
 from pockengine.step.compiler import BatchError
+from tests.cached_cc import make_trainer
 from tests.test_c_trainer_hostile import SANITIZE, _losses, _snapshot, _train
 from tests.test_c_trainer_hostile import pytestmark as needs_cc
 
@@ -205,8 +205,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]
     folder = step.export(tmp_path_factory.mktemp("indices") / "trainer", target="c")
     np.save(folder / "ids.npy", IDS)
     np.save(folder / "pos.npy", POS)
-    subprocess.run(["make", "-s", "-C", str(folder), f"CFLAGS=-O0 -g {SANITIZE}",
-                    f"LDFLAGS={SANITIZE}"], check=True)  # fmt: skip
+    make_trainer(folder, f"CFLAGS=-O0 -g {SANITIZE}", f"LDFLAGS={SANITIZE}")
     return folder, [step(*_batch()), step(*_batch())]
 
 

@@ -25,6 +25,8 @@ from pockengine.finetune.running import curves
 from pockengine.finetune.running.result import best_row
 from tests.test_finetune_resume import write_task
 
+pytestmark = pytest.mark.curves
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
