@@ -1,8 +1,8 @@
-"""The C backend's float normal distribution and density (kernels/elementwise.h's
-pe_gelu_parts32, from which the float GELU and its gradient are made in loops that
-vectorise) against libm's double erfc and exp: Phi within 8 ulp (its lower tail too) and
-the density within 3 ulp on a dense grid of floats, exact far out and on the specials,
-NaN through, and GELU and its gradient within 2 ulp-scaled of the double formulas
+"""The C backend's float GELU math (kernels/elementwise.h): pe_erf32, which the float GELU
+calls, within 1 ulp of libm's double erf on a dense grid, odd, exact on the specials; and
+pe_gelu_parts32, the normal distribution and density from which GELU's gradient is made,
+Phi within 8 ulp (its lower tail too) and the density within 3 ulp, exact far out, NaN
+through; GELU and its gradient within 2 ulp-scaled of the double formulas
 (tests/c_kernels/gelu_check.c), built with the backend's flags, portably, with the address
 and undefined-behaviour sanitizers, and for aarch64 under qemu (the GELU op samples of a
 compiled step against NumPy: tests/test_c_backend.py)."""
@@ -34,8 +34,9 @@ def _gelu_check(tmp_path: Path, flags: list[str], step: int = 61, compiler: str 
     done = subprocess.run([*(runner or []), str(binary)], capture_output=True, text=True,
                           check=False, timeout=300)  # fmt: skip
     assert done.returncode == 0 and done.stdout.startswith("ok "), done.stdout + done.stderr
+    erf_grid = 0x40900000 // step + 1  # floats in [0, 4.5], each with its negative
     grid = 2 * (0x41480000 // step + 1)  # floats in [-12.5, 12.5]
-    assert int(done.stdout.split()[1]) == grid + 7 + 4 + 96001  # every case ran
+    assert int(done.stdout.split()[1]) == erf_grid + 10 + grid + 7 + 4 + 96001  # every case
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,13 @@
-/* pe_gelu_parts32 (elementwise.h's float normal distribution and density, which GELU and its
- * gradient use) against libm's double erfc and exp: on every STEP-th float of [0, 12.5] and
- * its negative, Phi(x) within 8 ulp of the correctly rounded value (relative, the lower tail
- * too) and the density within 3 ulp (to 13, where it is still a normal float), both 0
- * past 14.5 (Phi 1 above); the specials; and the float GELU and its gradient, in a loop the
- * compiler vectorises, within 2 ulp-scaled relative error of the double formulas over
- * [-12, 12], equal to the scalar calls.
+/* pe_erf32 (elementwise.h's float erf, which the float GELU uses) against libm's double
+ * erf: every STEP-th float in [0, 4.5] and its negative within 1 ulp of the correctly
+ * rounded value, erf odd exactly, the specials exact. pe_gelu_parts32 (the float normal
+ * distribution and density, which GELU's gradient uses) against libm's double erfc and
+ * exp: on every STEP-th float of [0, 12.5] and its negative, Phi(x) within 8 ulp of the
+ * correctly rounded value (relative, the lower tail too) and the density within 3 ulp (to
+ * 13, where it is still a normal float), both 0 past 14.5 (Phi 1 above); the specials;
+ * and the float GELU and its gradient, in a loop the compiler vectorises, within 2
+ * ulp-scaled relative error of the double formulas over [-12, 12], equal to the scalar
+ * calls.
  * Prints "ok <floats checked>" and exits 0, or names each failure and exits 1.
  * tests/test_c_gelu.py builds it with the backend's flags, portably, with the address and
  * undefined-behaviour sanitizers, and for aarch64 (run under qemu). */
@@ -44,6 +47,24 @@ static void gelu_loop(const float *restrict x, float *restrict y, float *restric
 
 int main(void) {
     long n = 0;
+    for (uint32_t b = 0; b <= 0x40900000u; b += STEP, n++) { /* 4.5f */
+        float x = from_bits(b);
+        float got = pe_erf32(x), neg = pe_erf32(-x);
+        double want = erf((double)x);
+        if (ulps(got, want) > 1.0) fail("erf", x, got, want);
+        if (neg != -got) fail("erf odd", -x, neg, -(double)got);
+    }
+    const float special[] = {0.0f, FLT_TRUE_MIN, FLT_MIN, 1e-30f, 3.925f, 3.93f, 10.0f,
+                             1e30f, FLT_MAX, INFINITY};
+    for (size_t i = 0; i < sizeof special / sizeof *special; i++, n++) {
+        float x = special[i];
+        for (int s = 0; s < 2; s++, x = -x) {
+            float got = pe_erf32(x);
+            double want = erf((double)x);
+            if ((float)want != got || signbit(got) != signbit(x)) fail("erf special", x, got, want);
+        }
+    }
+    if (!isnan(pe_erf32(NAN))) fail("erf NaN", NAN, pe_erf32(NAN), NAN);
     for (uint32_t b = 0; b <= 0x41480000u; b += STEP) { /* 12.5f */
         for (int s = 0; s < 2; s++, n++) {
             float x = from_bits(b | (s ? 0x80000000u : 0u)), pdf;
