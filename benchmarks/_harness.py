@@ -28,6 +28,7 @@ __all__ = [
     "add_data_options",
     "add_run_options",
     "child_env",
+    "extract_kernels",
     "forward",
     "reset_peak",
     "run_cases",
@@ -43,6 +44,17 @@ __all__ = [
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SHAPES = ("seq_len", "image_size", "epochs", "batch_size")  # finetune's shape options
+KERNELS = "pockengine/backends/c/kernels"
+
+
+def extract_kernels(rev: str, folder: Path) -> None:
+    """The C backend's kernel files at git revision ``rev`` into ``folder``."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    for name in names:
+        data = subprocess.run(["git", "show", f"{rev}:{KERNELS}/{name}"], cwd=ROOT,
+                              capture_output=True, check=True).stdout  # fmt: skip
+        (folder / name).write_bytes(data)
 
 
 # -- the stand-alone C trainer's report ------------------------------------------------------

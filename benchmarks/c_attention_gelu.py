@@ -23,7 +23,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import ROOT
+from _harness import extract_kernels
 
 B, H, L, E = 8, 12, 128, 32
 ROWS, COLS = 1024, 1536
@@ -62,16 +61,6 @@ def _library(kernels: Path | None) -> ctypes.CDLL:
         driver.KERNEL_DIR = saved
     lib.pe_set_threads.argtypes = [ctypes.c_int]
     return lib
-
-
-def _extract(rev: str, folder: Path) -> None:
-    kernels = "pockengine/backends/c/kernels"
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{kernels}"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    for name in names:
-        data = subprocess.run(["git", "show", f"{rev}:{kernels}/{name}"], cwd=ROOT,
-                              capture_output=True, check=True).stdout  # fmt: skip
-        (folder / name).write_bytes(data)
 
 
 class _Operands:
@@ -149,7 +138,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pe-kernels-") as tmp:
         libs = {"c": _library(None)}
         if args.rev:
-            _extract(args.rev, Path(tmp))
+            extract_kernels(args.rev, Path(tmp))
             libs[f"c@{args.rev}"] = _library(Path(tmp))
         for name, lib in libs.items():
             lib.pe_set_threads(args.threads)

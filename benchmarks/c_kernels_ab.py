@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,19 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import ROOT
-
-KERNELS = "pockengine/backends/c/kernels"
-
-
-def _extract(rev: str, folder: Path) -> None:
-    """The revision's kernel files into ``folder``."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    for name in names:
-        data = subprocess.run(["git", "show", f"{rev}:{KERNELS}/{name}"], cwd=ROOT,
-                              capture_output=True, check=True).stdout  # fmt: skip
-        (folder / name).write_bytes(data)
+from _harness import extract_kernels
 
 
 def _compile(workload: str, scheme_name: str, kernels: Path, threads: int) -> tuple[Any, list[Any]]:
@@ -101,7 +88,7 @@ def _baseline(args: argparse.Namespace, worktree: Path, tmp: Path) -> tuple[Any,
         args.rev = "unfused" if args.unfused else "unfused-pointwise"
         with _without_bn_fusion() if args.unfused else _without_pointwise_bn():
             return _compile(args.workload, args.scheme, worktree, args.threads)
-    _extract(args.rev, tmp)
+    extract_kernels(args.rev, tmp)
     return _compile(args.workload, args.scheme, tmp, args.threads)
 
 

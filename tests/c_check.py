@@ -20,6 +20,13 @@ SANITIZED = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover
 FLAG_SETS = pytest.mark.parametrize(
     "flags", [["-O3", "-march=native"], ["-O3"], SANITIZED], ids=["native", "portable", "sanitized"]
 )
+# The same builds for the checks that walk a grid of floats: each with its grid step (the
+# sanitized build, about 10x slower, walks a coarser one).
+STEPPED_FLAG_SETS = pytest.mark.parametrize(
+    ("flags", "step"),
+    [(["-O3", "-march=native"], 61), (["-O3"], 61), (SANITIZED, 997)],
+    ids=["native", "portable", "sanitized"],
+)
 
 
 def run_check(

@@ -15,22 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.c_check import STEPPED_FLAG_SETS
+
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
 
 _CHECK = Path(__file__).with_name("c_kernels") / "exp_check.c"
 
 
-@pytest.mark.parametrize(
-    ("flags", "step"),
-    [
-        (["-O3", "-march=native"], 61),
-        (["-O3"], 61),  # portable
-        (["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"], 997),
-    ],
-    ids=["native", "portable", "sanitized"],
-)
-def test_float_exp_within_half_an_ulp(tmp_path: Path, flags: list[str], step: int) -> None:
+@STEPPED_FLAG_SETS
+def test_float_exp_within_one_ulp(tmp_path: Path, flags: list[str], step: int) -> None:
     from pockengine.backends.c.driver import KERNEL_DIR
 
     binary = tmp_path / "exp_check"

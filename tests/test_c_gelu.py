@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.c_check import STEPPED_FLAG_SETS
+
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
 
@@ -39,15 +41,7 @@ def _gelu_check(tmp_path: Path, flags: list[str], step: int = 61, compiler: str 
     assert int(done.stdout.split()[1]) == erf_grid + 10 + grid + 7 + 4 + 96001  # every case
 
 
-@pytest.mark.parametrize(
-    ("flags", "step"),
-    [
-        (["-O3", "-march=native"], 61),
-        (["-O3"], 61),  # portable
-        (["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"], 997),
-    ],
-    ids=["native", "portable", "sanitized"],
-)
+@STEPPED_FLAG_SETS
 def test_float_normal_distribution_and_gelu(tmp_path: Path, flags: list[str], step: int) -> None:
     _gelu_check(tmp_path, flags, step)
 
