@@ -48,9 +48,13 @@ KERNELS = "pockengine/backends/c/kernels"
 
 
 def extract_kernels(rev: str, folder: Path) -> None:
-    """The C backend's kernel files at git revision ``rev`` into ``folder``."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    """The C backend's kernel files at git revision ``rev`` into ``folder``; exits with a
+    message where ``rev`` names no revision with that folder."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"], cwd=ROOT,
+                            capture_output=True, text=True, check=False)  # fmt: skip
+    if listed.returncode != 0:
+        sys.exit(f"error: --rev {rev}: no {KERNELS} there ({listed.stderr.strip()})")
+    names = listed.stdout.split()
     for name in names:
         data = subprocess.run(["git", "show", f"{rev}:{KERNELS}/{name}"], cwd=ROOT,
                               capture_output=True, check=True).stdout  # fmt: skip

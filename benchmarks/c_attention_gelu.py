@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 from _harness import extract_kernels
 
+from pockengine.finetune.arg_types import positive_int
+
 B, H, L, E = 8, 12, 128, 32
 ROWS, COLS = 1024, 1536
 
@@ -126,8 +128,8 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rev", default=None, help="also time this revision's kernels")
-    parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=positive_int, default=21)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch

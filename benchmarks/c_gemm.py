@@ -68,17 +68,24 @@ class _QMat(ctypes.Structure):
 def _library() -> ctypes.CDLL:
     from pockengine.backends.c.driver import build_library
 
-    lib = ctypes.CDLL(str(build_library("/* the kernels alone */\n")))
-    lib.pe_set_threads.argtypes = [ctypes.c_int]
-    fn = lib.pe_gemm_f32
+    lib = declare_gemm(ctypes.CDLL(str(build_library("/* the kernels alone */\n"))))
     p, n = ctypes.c_void_p, ctypes.c_long
-    fn.argtypes = [n, n, n, p, n, ctypes.c_int, p, n, ctypes.c_int, p, n, ctypes.c_int]
     q = lib.pe_qgemm_f32
     q.argtypes = [n, n, n, p, n, ctypes.POINTER(_QMat), n, ctypes.c_int, p, n, ctypes.c_int]
     return lib
 
 
-def _ours(lib: ctypes.CDLL, m: int, n: int, k: int, ta: int, tb: int) -> Callable[[], None]:
+def declare_gemm(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with the argument types of ``pe_set_threads`` and ``pe_gemm_f32``."""
+    lib.pe_set_threads.argtypes = [ctypes.c_int]
+    p, n = ctypes.c_void_p, ctypes.c_long
+    lib.pe_gemm_f32.argtypes = [n, n, n, p, n, ctypes.c_int, p, n, ctypes.c_int, p, n,
+                                ctypes.c_int]  # fmt: skip
+    return lib
+
+
+def gemm_runner(lib: ctypes.CDLL, m: int, n: int, k: int, ta: int, tb: int) -> Callable[[], None]:
+    """A call of ``lib``'s ``pe_gemm_f32`` on random operands of one product's shape."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
     b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
@@ -159,12 +166,13 @@ def main() -> int:
     clock = _clock(args.clock)
     shapes = [s for s in SHAPES if args.only in f"{s[0]} {s[1]}"]
     cases: list[tuple[Callable[[], None], Callable[[], None]]] = [
-        (_ours(lib, m, n, k, ta, tb), _torch(m, n, k, ta, tb)) for _, _, m, n, k, ta, tb in shapes
+        (gemm_runner(lib, m, n, k, ta, tb), _torch(m, n, k, ta, tb))
+        for _, _, m, n, k, ta, tb in shapes
     ]
     lowbit = [r for r in LOWBIT if args.only in f"lowbit {r[1]}"]
     for scheme, _what, m, transpose in lowbit:  # against the float GEMM on the same shape
         n, k = (_LLAMA[2], _LLAMA[1]) if transpose else (_LLAMA[1], _LLAMA[2])
-        cases.append((_lowbit(lib, scheme, m, transpose), _ours(lib, m, n, k, 0, transpose)))
+        cases.append((_lowbit(lib, scheme, m, transpose), gemm_runner(lib, m, n, k, 0, transpose)))
     probe = _torch(2048, 2048, 2048, 0, 0)
     times: list[tuple[list[float], list[float]]] = [([], []) for _ in cases]
     probe_times: list[float] = []

@@ -29,12 +29,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from c_gemm import SHAPES
+from c_gemm import SHAPES, declare_gemm, gemm_runner
 
 from pockengine.backends.c.driver import KERNEL_DIR, toolchain
+from pockengine.finetune.arg_types import positive_int
 
 # The instruction set's block in gemm_micro.h: (its first line, the line after it, the
 # vector type, its lanes, load, broadcast of a[k * MR + r], multiply-add, store, zero).
@@ -114,22 +114,6 @@ def _build(folder: Path, flags: tuple[str, ...], isa: str, shape: tuple[int, int
     return lib
 
 
-def _runner(lib: ctypes.CDLL, m: int, n: int, k: int, ta: int, tb: int) -> Any:
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
-    b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
-    c = np.empty((m, n), np.float32)
-    p, lo = ctypes.c_void_p, ctypes.c_long
-    args = (lo(m), lo(n), lo(k), p(a.ctypes.data), lo(a.shape[1]), ta, p(b.ctypes.data),
-            lo(b.shape[1]), tb, p(c.ctypes.data), lo(n), 0)  # fmt: skip
-
-    def run() -> None:
-        lib.pe_gemm_f32(*args)
-        assert a is not None and b is not None and c is not None
-
-    return run
-
-
 def _parse_shape(text: str) -> tuple[int, int]:
     try:
         rows, vectors = (int(x) for x in text.lower().split("x"))
@@ -147,7 +131,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", nargs="+", type=_parse_shape, default=["6x4", "8x3", "24x1"])
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=positive_int, default=9)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     shapes = [s if isinstance(s, tuple) else _parse_shape(s) for s in args.shapes]
@@ -163,10 +147,10 @@ def main() -> int:
         for name, shape in zip(names, [None, *shapes], strict=True):
             folder = Path(tmp) / name
             folder.mkdir()
-            lib = ctypes.CDLL(str(_build(folder, flags, isa, shape)))
+            lib = declare_gemm(ctypes.CDLL(str(_build(folder, flags, isa, shape))))
             lib.pe_set_threads(1)
             libs.append(lib)
-        runs = [[_runner(lib, *shape[2:]) for lib in libs] for shape in SHAPES]
+        runs = [[gemm_runner(lib, *shape[2:]) for lib in libs] for shape in SHAPES]
         seconds: list[list[list[float]]] = [[[] for _ in libs] for _ in SHAPES]
         for _ in range(args.rounds + 1):  # the first round warms up
             for s, per_lib in enumerate(runs):

@@ -12,7 +12,7 @@
 
 #include "pe_exp.h"
 
-#if defined(__FMA__) || defined(__aarch64__)
+#if PE_HAS_FMA
 #define PE_EXP_ULPS 1.0
 #else
 #define PE_EXP_ULPS 1.05

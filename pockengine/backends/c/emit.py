@@ -129,8 +129,7 @@ class EmitContext:
         """``ref(v)``, or ``NULL`` where no node reads ``v`` and the graph does not return
         it (a kernel given NULL for an output skips computing it)."""
         if self._read is None:
-            self._read = {u.name for n in self.graph.nodes for u in n.inputs}
-            self._read.update(u.name for u in self.graph.outputs)
+            self._read = set(self.graph.users()) | {u.name for u in self.graph.outputs}
         return self.ref(v) if v.name in self._read else "NULL"
 
     def transposed(self, v: Value) -> Value | None:

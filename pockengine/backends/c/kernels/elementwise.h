@@ -49,16 +49,13 @@ static inline float pe_erf32(float xf) {
  * target; NaN passes through (GELU's gradient is NaN at +-inf through its x * pdf term, as
  * the double formula's). */
 static inline float pe_gelu_parts32(float x, float *pdf) {
-    uint32_t bits, neg;
+    uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
-    neg = (uint32_t)0 - (bits >> 31);
-    float a = pe_clamp_magnitude32(x, 0x416d999au); /* 14.85 */
-    memcpy(&bits, &a, sizeof bits);
-    bits &= 0x7fffffffu;
-    memcpy(&a, &bits, sizeof a);
+    uint32_t neg = (uint32_t)0 - (bits >> 31);
+    float a = fabsf(pe_clamp_magnitude32(x, 0x416d999au)); /* 14.85 */
     float t = a * a;
-#if defined(__FMA__) || defined(__aarch64__)
-    float low = __builtin_fmaf(a, a, -t);
+#if PE_HAS_FMA
+    float low = PE_FMAF(a, a, -t);
 #else /* Dekker: a = hi + lo with 12-bit halves, so hi * hi, hi * lo and lo * lo are exact */
     float hi = a * 4097.0f;
     hi = hi - (hi - a);
@@ -94,8 +91,10 @@ static inline float pe_gelu_parts32(float x, float *pdf) {
 
 #define PE_C(x) ((PE_T)(x))
 #if PE_TSIZE == 4
+#define PE_ERF pe_erf32
 #define PE_EXP pe_exp32
 #else
+#define PE_ERF erf
 #define PE_EXP exp
 #endif
 
@@ -120,11 +119,7 @@ static inline PE_T PE_S(pe_gelu)(PE_T x, int tanh_mode) {
         PE_T inner = PE_C(0.7978845608028654) * (x + PE_C(0.044715) * x * x * x);
         return PE_C(0.5) * x * (PE_C(1) + tanh(inner));
     }
-#if PE_TSIZE == 4
-    return PE_C(0.5) * x * (PE_C(1) + pe_erf32(x * PE_C(0.7071067811865476)));
-#else
-    return PE_C(0.5) * x * (PE_C(1) + erf(x * PE_C(0.7071067811865476)));
-#endif
+    return PE_C(0.5) * x * (PE_C(1) + PE_ERF(x * PE_C(0.7071067811865476)));
 }
 
 static inline PE_T PE_S(pe_gelu_grad)(PE_T gz, PE_T x, int tanh_mode) {
@@ -137,12 +132,13 @@ static inline PE_T PE_S(pe_gelu_grad)(PE_T gz, PE_T x, int tanh_mode) {
 #if PE_TSIZE == 4
     float pdf, cdf = pe_gelu_parts32(x, &pdf);
 #else
-    PE_T cdf = PE_C(0.5) * (PE_C(1) + erf(x * PE_C(0.7071067811865476)));
+    PE_T cdf = PE_C(0.5) * (PE_C(1) + PE_ERF(x * PE_C(0.7071067811865476)));
     PE_T pdf = exp(PE_C(-0.5) * x * x) * PE_C(0.3989422804014327);
 #endif
     return gz * (cdf + x * pdf);
 }
 
+#undef PE_ERF
 #undef PE_EXP
 #undef PE_C
 #endif

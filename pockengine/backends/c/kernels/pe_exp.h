@@ -1,29 +1,32 @@
 /* exp for float32 without a libm call, so the loops that call it (sigmoid and SiLU, softmax,
- * the attention kernels' probabilities, the losses, GELU) vectorise, in float arithmetic
- * only (sixteen lanes a vector with AVX-512, where double halves that):
+ * the attention kernels' probabilities, the losses, GELU's gradient) vectorise, in float
+ * arithmetic only (sixteen lanes a vector with AVX-512, where double halves that):
  *
- *   x clamped to [-110, 110] on its bits (NaN passes through), k = round(x / ln 2) by the 1.5 * 2^23 shift, r = x - k ln 2
- *   in two fused steps (ln 2 split in a high part exact for every k and a low part), so
- *   |r| <= ln 2 / 2 to float rounding, e^r by a degree-7 Taylor polynomial (truncation
- *   under 5e-9 relative), then scaled by 2^k as two factors 2^(k/2) (both normal, so a
- *   subnormal result is rounded once, at the last multiply, and past the range the
- *   product is 0 or inf).
+ *   x clamped to [-110, 110] on its bits (NaN passes through); k = round(x / ln 2) by the
+ *   1.5 * 2^23 shift; r = x - k ln 2 in two steps (ln 2 split in a high part exact for
+ *   every k and a low part), so |r| <= ln 2 / 2 to float rounding; e^r by a degree-7
+ *   Taylor polynomial (truncation under 5e-9 relative); then scaled by 2^k as two factors
+ *   2^(k/2) (both normal, so a subnormal result is rounded once, at the last multiply, and
+ *   past the range the product is 0 or inf).
  *
- * Within 1 ulp of the exact value (0.92 ulp measured on a dense grid; subnormal results
- * within one subnormal step). Below -104 the result is 0 (under float's least subnormal),
- * above 88.73 inf. pe_exp32_lo(x, lo) is e^(x + lo) for a small correction lo (|lo| under
- * an ulp of x), added after the reduction: GELU passes -x^2/2 as a rounded product and its
+ * Within 1 ulp of the exact value where the target fuses multiply-adds (0.94 ulp over every
+ * float), 1.03 ulp where it does not; subnormal results within one subnormal step. Below
+ * -104 the result is 0 (under float's least subnormal), above 88.73 inf.
+ * pe_exp32_lo(x, lo) is e^(x + lo) for a small correction lo (|lo| under an ulp of x),
+ * added after the reduction: GELU's gradient passes -x^2/2 as a rounded product and its
  * exact remainder. */
 #ifndef PE_EXP_H
 #define PE_EXP_H
 #include <stdint.h>
 #include <string.h>
 
-/* a * b + c, fused where the target has the instruction (a libm call elsewhere would keep
- * the loops scalar); the bounds above hold either way. */
+/* a * b + c, fused where the target has the instruction (PE_HAS_FMA; a libm call elsewhere
+ * would keep the loops scalar); the bounds above hold either way. */
 #if defined(__FMA__) || defined(__aarch64__)
+#define PE_HAS_FMA 1
 #define PE_FMAF(a, b, c) __builtin_fmaf(a, b, c)
 #else
+#define PE_HAS_FMA 0
 #define PE_FMAF(a, b, c) ((a) * (b) + (c))
 #endif
 
@@ -54,7 +57,7 @@ static inline float pe_exp32_lo(float x, float lo) {
     e = PE_FMAF(e, r, 1.0f / 24);
     e = PE_FMAF(e, r, 1.0f / 6);
     e = PE_FMAF(e, r, 0.5f);
-#if defined(__FMA__) || defined(__aarch64__)
+#if PE_HAS_FMA
     e = PE_FMAF(PE_FMAF(e, r, 1.0f), r, 1.0f);
 #else
     e = 1.0f + (r + r * r * e); /* unfused: the small part summed first, 1 added once */
