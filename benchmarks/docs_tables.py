@@ -346,6 +346,30 @@ def c_vs_eager(name: str) -> Callable[[], str]:
     return render
 
 
+def c_winograd() -> str:
+    """The 3x3 kernels against the implicit GEMM, native and portable (c_winograd.py)."""
+    names = ("c_winograd-1thread.json", "c_winograd-1thread-portable.json")
+    native, portable = (load(n) for n in names)
+    rows = []
+    for a, b in zip(native["kernels"], portable["kernels"], strict=True):
+        ratio = [f"{r['vs_im2col'][k]:.2f}" if k in r["vs_im2col"] else "-"
+                 for r in (a, b) for k in ("winograd", "winograd4")]  # fmt: skip
+        shape = f"{a['shape']} (batch {a['batch']}, {a['in']}->{a['out']}, {a['side']}px)"
+        rows.append([shape, a["op"], f"{a['ms']['im2col']:.2f}", *ratio, a["rule"]])
+    header = ("shape", "op", "implicit GEMM, ms", "F(2x2) / GEMM", "F(4x4) / GEMM",
+              "portable: F(2x2) / GEMM", "portable: F(4x4) / GEMM", "rule")  # fmt: skip
+    steps = [f"{d['step']['ratio']:.2f}x ({label})" for d, label in
+             ((native, "native"), (portable, "portable"))]  # fmt: skip
+    return "\n".join([
+        f"{generated_by(*names)} One thread; times are medians of process CPU time.",
+        "",
+        _markdown_table(header, [*_align(2, 5), "---"], rows),
+        "",
+        "VGG-style step with the rule against the rule without F(4x4, 3x3): "
+        + ", ".join(steps) + " the CPU time.",
+    ])  # fmt: skip
+
+
 _LORA_MEMORY = (
     "lora_peer-smollm2-pydocs-workspace-s20-narrow.json",
     "lora_peer-smollm2-pydocs-workspace-s20-narrow2.json",
@@ -585,6 +609,7 @@ TABLES: tuple[Table, ...] = (
     _ours("docs/benchmarks.md", "lora-memory", lora_memory),
     _ours("docs/benchmarks.md", "lora-speed", lora_speed),
     _ours("docs/c_backend.md", "device-footprint", device_footprint),
+    _ours("docs/c_backend.md", "c-winograd", c_winograd),
     _ours("docs/c_backend.md", "c-vs-eager-1thread", c_vs_eager("c_vs_eager-1thread.json")),
     _ours("docs/c_backend.md", "c-vs-eager-2thread", c_vs_eager("c_vs_eager-2thread.json")),
     _ours(

@@ -5,15 +5,17 @@ smaller, equal to and larger than the filter's reach, dilation; direct loops for
 of too few channels and a strided input gradient), each forward, input gradient and
 weight gradient, with the rule's kernels and with each node forced onto direct loops or the
 implicit GEMM wherever valid, float32 (1e-5 relative to the sum of magnitudes) and
-float64 (1e-12), all in one compiled graph. Winograd F(2x2, 3x3) (every 3x3 stride-1
-case forced onto it, and by the rule from 32 channels) meets the same tolerances: its
-transforms add and halve before the products, so it rounds differently from direct
-convolution, by about 1e-6 of the largest output in float32."""
+float64 (1e-12), all in one compiled graph. Winograd F(2x2, 3x3) and F(4x4, 3x3) (every
+3x3 stride-1 case forced onto each, and each by the rule; F(4x4)'s weight gradient too)
+meet the same tolerances: their
+transforms add and scale before the products, so they round differently from direct
+convolution, by about 1e-6 (F(2x2)) and 1e-5 (F(4x4)) of the largest output in float32."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 from pockengine.backends.c import CBackend, layout_tune, tune
+from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
 from tests.c_check import FLAG_SETS, run_check, run_check_aarch64
@@ -53,6 +56,10 @@ CASES = [
     # Winograd by the rule (>= 32 channels): two blocks of tiles, of input and of output
     # channels, a remainder of output channels, odd maps (cut tiles)
     (2, 40, 37, 1, 9, 7, 3, 1, 1, 1),
+    # Winograd F(4x4, 3x3) by the rule (3 x 40 tiles >= 36 channels): two blocks of tiles,
+    # of input channels and of output channels (more in float64), cut tiles at the bottom
+    # and right edges
+    (2, 20, 36, 1, 18, 15, 3, 1, 1, 1),
 ]
 
 
@@ -98,6 +105,8 @@ def test_convolutions_match_numpy(dtype: DType) -> None:
     sfx = "f32" if dtype is DType.F32 else "f64"
     for op in ("conv2d", "conv2d_input_grad"):
         assert f"pe_{op}_winograd_{sfx}(" in step.source
+        assert f"pe_{op}_winograd4_{sfx}(" in step.source
+    assert f"pe_conv2d_weight_grad_winograd4_{sfx}(" in step.source
     got = step.run({}, dict(feeds))
     want = NumpyBackend().compile(graph).run(dict(feeds))
     tol = 1e-5 if dtype is DType.F32 else 1e-12
@@ -106,7 +115,7 @@ def test_convolutions_match_numpy(dtype: DType) -> None:
         np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
 
 
-@pytest.mark.parametrize("favour", ["direct", "im2col", "winograd"])
+@pytest.mark.parametrize("favour", ["direct", "im2col", "winograd", "winograd4"])
 def test_every_kernel_candidate_matches_numpy(
     favour: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,11 +149,16 @@ def test_every_kernel_candidate_matches_numpy(
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * scale, err_msg=str(value))
 
 
-def test_winograd_trains_a_torch_initialised_cnn_as_numpy() -> None:
+@pytest.mark.parametrize(("size", "batch", "kernel"), [(10, 2, "winograd4"), (6, 1, "winograd")])
+def test_winograd_trains_a_torch_initialised_cnn_as_numpy(
+    size: int, batch: int, kernel: str
+) -> None:
     """A VGG-style block (3x3 convolutions of 32 channels at stride 1: Winograd by the rule,
-    forward and input gradient) with PyTorch's own initialisation, 5 SGD steps in float32:
-    the losses and weights match NumPy's to rtol 1e-4 (Winograd's rounding differs from
-    direct convolution by about 1e-6 of each output; five steps keep it below 1e-4)."""
+    forward and input gradient: F(4x4, 3x3) on 10x10 maps of 2 images, its weight gradient
+    too, F(2x2, 3x3) on 6x6 maps of one, too few tiles for F(4x4)) with PyTorch's own
+    initialisation, 5 SGD steps in float32: the losses and weights match NumPy's to rtol
+    1e-4 (Winograd's rounding differs from direct convolution by about 1e-6 to 1e-5 of each
+    output)."""
     import torch
     from torch import nn
 
@@ -162,16 +176,18 @@ def test_winograd_trains_a_torch_initialised_cnn_as_numpy() -> None:
         return nn.functional.cross_entropy(m(x), y)
 
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(2, 3, 10, 10, generator=g), torch.randint(0, 5, (2,), generator=g))
-               for _ in range(5)]  # fmt: skip
+    batches = [(torch.randn(batch, 3, size, size, generator=g),
+                torch.randint(0, 5, (batch,), generator=g)) for _ in range(5)]  # fmt: skip
     steps = {
         b: pe.compile(model, loss_fn, batches[0], pe.optim.SGD(lr=0.05), backend=b)
         for b in ("numpy", "c")
     }
-    assert "pe_conv2d_winograd_f32(" in steps["c"]._exec.source
-    assert "pe_conv2d_input_grad_winograd_f32(" in steps["c"]._exec.source
-    for batch in batches:
-        want, got = steps["numpy"](*batch), steps["c"](*batch)
+    source = steps["c"]._exec.source
+    assert f"pe_conv2d_{kernel}_f32(" in source and f"pe_conv2d_input_grad_{kernel}_f32(" in source
+    if kernel == "winograd4":
+        assert "pe_conv2d_weight_grad_winograd4_f32(" in source
+    for inputs in batches:
+        want, got = steps["numpy"](*inputs), steps["c"](*inputs)
         assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
     for name, value in steps["numpy"].state_dict().items():
         np.testing.assert_allclose(steps["c"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
@@ -184,6 +200,22 @@ _CONV_FILES = ("winograd.c", "depthwise.c", "dw_flat.c", "common.c")
 def test_depthwise_and_winograd_kernels_on_random_geometries(
     tmp_path: Path, flags: list[str]
 ) -> None:
+    run_check(tmp_path, "conv_check.c", _CONV_FILES, flags, least=150)
+
+
+def test_winograd4_without_working_memory_falls_back(tmp_path: Path) -> None:
+    """Where F(4x4, 3x3)'s heap buffer cannot be had (its allocator made to fail), the
+    forward and input gradient run F(2x2, 3x3) and each weight-gradient block direct loops,
+    with the same results."""
+    flags = ["-O1", "-DPE_W4_ALLOC(bytes)=((void)(bytes), (void *)0)"]
+
+    def assembly(*extra: str) -> str:
+        command = ["cc", "-O1", *extra, "-I", str(KERNEL_DIR), "-S", "-o", "-"]
+        source = str(KERNEL_DIR / "winograd.c")
+        return subprocess.run([*command, source], check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+
+    assert "malloc" in assembly() and "malloc" not in assembly(flags[1])  # every one fails
     run_check(tmp_path, "conv_check.c", _CONV_FILES, flags, least=150)
 
 

@@ -78,13 +78,13 @@ def _rule(step: Any, output: str) -> str:
     return rule_kernel(node.op, conv_geometry(node), node.outputs[0].dtype.itemsize)
 
 
-@pytest.mark.parametrize("favour", [None, "direct", "im2col", "winograd"])
+@pytest.mark.parametrize("favour", [None, "direct", "im2col", "winograd", "winograd4"])
 def test_tuned_steps_train_as_numpy_does(
     table: Path, monkeypatch: pytest.MonkeyPatch, favour: str | None
 ) -> None:
-    """Measured choices, and every node pushed onto direct loops, the implicit GEMM or
-    Winograd (off the rule wherever they are valid): 5 SGD steps match NumPy's losses and weights;
-    the report lists every tuned node with its kernel."""
+    """Measured choices, and every node pushed onto direct loops, the implicit GEMM,
+    Winograd F(2x2, 3x3) or F(4x4, 3x3) (off the rule wherever they are valid): 5 SGD steps
+    match NumPy's losses and weights; the report lists every tuned node with its kernel."""
     monkeypatch.setattr(tune, "measure", Spy(favour))
     w = zoo.small_cnn()
     want = _compile(w, "numpy")

@@ -2,9 +2,11 @@
  * loops in double on random geometries: depthwise with filters 1-5 a side, strides 1-3,
  * dilations 1-2, padding up to the filter's size, maps 1-40 a side; Winograd 3x3 with
  * 1-40 channels in and out, padding 0-3 (the input gradient then pads by 2 - p, down to
- * -1), maps 1-12; then fixed depthwise geometries (maps up to 97 a side, on the row
- * kernels, and MobileNetV2's). Prints "ok <cases>" and exits 0, or names each case off by more than
- * 1e-5 of its largest value and exits 1. tests/test_c_conv.py builds it with the
+ * -1), maps 1-12 (F(2x2, 3x3) and F(4x4, 3x3), forward, input gradient and F(4x4)'s
+ * weight gradient); then fixed depthwise geometries (maps up to 97 a side, on the row
+ * kernels, and MobileNetV2's) and Winograd ones of up to 147 tiles. Prints "ok <cases>"
+ * and exits 0, or names each case off by more than 1e-5 of its largest value (3e-5 for
+ * F(4x4, 3x3)) and exits 1. tests/test_c_conv.py builds it with the
  * backend's flags, portably, with the address and undefined-behaviour sanitizers, and for
  * aarch64 (run under qemu). */
 #include <stdio.h>
@@ -36,16 +38,22 @@ static void ref_wgrad(const float*x,const float*gy,float*gw,const long*g){
       s+=(double)gy[((n*O+o)*OH+a)*OW+b]*x[((n*C+o/og*cg+c)*H+r)*W+q];}
     gw[((o*cg+c)*KH+i)*KW+j]=(float)s;}
 }
+#define WINO4_TOL 3e-5
 static double err(const float*a,const float*b,long n){double e=0,m=1;for(long i=0;i<n;i++){double d=fabs(a[i]-b[i]);if(d>e)e=d;if(fabs(b[i])>m)m=fabs(b[i]);}return e/m;}
 /* One geometry against the references; returns 1 when off. */
 static int check(const long*g,int wino,double*worst){
   long N=g[0],C=g[1],H=g[2],W=g[3],O=g[4],K=g[5],KW=g[6],OH=g[7],OW=g[8],s=g[9],sw=g[10],p=g[11],pw=g[12],d=g[13],dw=g[14],G=g[15];
   long nx=N*C*H*W, ny=N*O*OH*OW, nw=O*(C/G)*K*KW; int bad=0;
   float*x=alloc(nx),*w=alloc(nw),*gy=alloc(ny),*y=alloc(ny),*y2=alloc(ny),*gx=alloc(nx),*gx2=alloc(nx),*gw=alloc(nw),*gw2=alloc(nw);
-  ref_fwd(x,w,y2,g); ref_igrad(gy,w,gx2,g); if(!wino) ref_wgrad(x,gy,gw2,g);
+  ref_fwd(x,w,y2,g); ref_igrad(gy,w,gx2,g); ref_wgrad(x,gy,gw2,g);
   if(wino){ pe_conv2d_winograd_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd_f32(gy,w,gx,g);
     double e1=err(y,y2,ny),e2=err(gx,gx2,nx); if(e1>worst[3])worst[3]=e1; if(e2>worst[4])worst[4]=e2;
     if(e1>1e-5||e2>1e-5) bad=1, printf("winograd off %ld %ld %ld %ld %ld p%ld,%ld: %g %g\n",N,C,O,H,W,p,pw,e1,e2);
+    pe_conv2d_winograd4_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd4_f32(gy,w,gx,g);
+    pe_conv2d_weight_grad_winograd4_f32(x,gy,gw,g);
+    e1=err(y,y2,ny),e2=err(gx,gx2,nx); double e3=err(gw,gw2,nw);
+    if(e1>worst[5])worst[5]=e1; if(e2>worst[6])worst[6]=e2; if(e3>worst[7])worst[7]=e3;
+    if(e1>WINO4_TOL||e2>WINO4_TOL||e3>WINO4_TOL) bad=1, printf("winograd4 off %ld %ld %ld %ld %ld p%ld,%ld: %g %g %g\n",N,C,O,H,W,p,pw,e1,e2,e3);
   } else {
     pe_depthwise_f32(x,w,NULL,y,g); pe_depthwise_input_grad_f32(gy,w,gx,g); pe_depthwise_weight_grad_f32(x,gy,gw,g);
     double e1=err(y,y2,ny),e2=err(gx,gx2,nx),e3=err(gw,gw2,nw); if(e1>worst[0])worst[0]=e1; if(e2>worst[1])worst[1]=e2; if(e3>worst[2])worst[2]=e3;
@@ -64,8 +72,12 @@ static const long FIXED[][7]={
   {1,2,66,64,5,2,1},{1,3,64,64,3,3,1},{1,3,70,68,3,1,1},{1,4,64,64,3,1,1},{2,96,8,8,3,1,1},
   {1,576,8,8,3,1,1},{1,160,7,7,3,1,1},{2,240,4,4,3,1,1},{1,144,16,16,3,2,1},{1,32,15,17,3,2,1},
   {1,24,9,9,3,2,0},{1,24,32,32,3,2,1},{1,16,33,31,3,2,2},{1,8,40,40,5,2,2},{1,12,12,12,3,3,1}};
+/* Winograd geometries of many tiles (several blocks of 32 tiles, whose weight gradient sums
+ * across blocks), padding 0-2, cut tiles: N, C, O, H, W, padding. */
+static const long FIXED_WINO[][6]={
+  {2,20,36,18,15,1},{3,5,7,30,29,0},{1,33,65,17,17,2},{4,8,8,16,16,1},{1,3,40,23,9,1}};
 int main(void){
-  double worst[5]={0};
+  double worst[8]={0};
   int cases = 0, bad = 0;
   for(int it=0;it<240;it++){
     int wino = it%2;
@@ -84,8 +96,14 @@ int main(void){
     cases++;
     bad|=check(g,0,worst);
   }
+  for(size_t i=0;i<sizeof(FIXED_WINO)/sizeof(FIXED_WINO[0]);i++){
+    const long*f=FIXED_WINO[i]; long p=f[5];
+    long g[PE_G_LEN]={f[0],f[1],f[3],f[4],f[2],3,3,f[3]+2*p-2,f[4]+2*p-2,1,1,p,p,1,1,1,0,0};
+    cases++;
+    bad|=check(g,1,worst);
+  }
   if (bad) return 1;
-  printf("ok %d worst: depthwise %.1e %.1e %.1e, winograd %.1e %.1e\n", cases, worst[0],
-         worst[1], worst[2], worst[3], worst[4]);
+  printf("ok %d worst: depthwise %.1e %.1e %.1e, winograd %.1e %.1e, winograd4 %.1e %.1e %.1e\n",
+         cases, worst[0], worst[1], worst[2], worst[3], worst[4], worst[5], worst[6], worst[7]);
   return 0;
 }

@@ -9,15 +9,21 @@ kernel, ``pe_<op>_<kernel>_<f32|f64>``:
   input gradient at stride 1 only);
 - ``direct``: loops over the taps (any geometry);
 - ``winograd``: Winograd F(2x2, 3x3) (winograd.c; 3x3 filters at stride 1 and dilation 1,
-  one group, any padding; the forward and the input gradient).
+  one group, any padding; the forward and the input gradient);
+- ``winograd4``: Winograd F(4x4, 3x3) (winograd.c; where ``winograd`` is valid, and the
+  weight gradient too; its working memory, the transformed filters or a block's
+  transformed tiles, is a heap buffer of the call's).
 
 ``rule_kernel`` is the heuristic used without tuning, by exports and by cross-compiled
 trainers: pointwise, else depthwise where it measured faster than direct loops
 (``_depthwise_wins``: at stride 1 always but for the weight gradient of maps narrower
 than 32 bytes; strided, the forward and the input gradient of output rows of 128 bytes or
-more and the weight gradient of 64 or more), else Winograd for a forward or input gradient it
-computes with at least ``WINOGRAD_MIN`` channels in and out (measured on AVX-512, one
-thread: 0.85-0.95x the implicit GEMM's time from 32 channels, 1.0-2.7x below 16), else
+more and the weight gradient of 64 or more), else Winograd F(4x4, 3x3) where it has many
+tiles for its channels (``_winograd4_wins``; the forward, the input gradient and the weight
+gradient), else Winograd F(2x2, 3x3) for a forward or
+input gradient it computes with at least ``WINOGRAD_MIN`` channels in and out (measured on
+AVX-512, one thread: 0.85-0.95x the implicit GEMM's time from 32 channels, 1.0-2.7x below
+16), else
 im2col when a group has at least 4 channels out and a depth (channels x taps) of at
 least 4 (the input gradient at stride 1), else direct.
 """
@@ -31,6 +37,8 @@ from pockengine.ir import Node
 __all__ = [
     "CONV_OPS",
     "KERNEL_NAMES",
+    "WINOGRAD4_MIN",
+    "WINOGRAD4_WEIGHT_MIN",
     "WINOGRAD_MIN",
     "ConvGeometry",
     "candidates",
@@ -40,9 +48,11 @@ __all__ = [
 ]
 
 CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
-KERNEL_NAMES = ("pointwise", "depthwise", "im2col", "direct", "winograd")
+KERNEL_NAMES = ("pointwise", "depthwise", "im2col", "direct", "winograd", "winograd4")
 _DENSE_MIN = 4  # PE_DENSE_MIN in conv.c
-WINOGRAD_MIN = 32  # channels in and out from which the rule takes Winograd
+WINOGRAD_MIN = 32  # channels in and out from which the rule takes Winograd F(2x2, 3x3)
+WINOGRAD4_MIN = 8  # channels the F(4x4, 3x3) core reads from which the rule takes it
+WINOGRAD4_WEIGHT_MIN = 16  # input channels from which it takes F(4x4)'s weight gradient
 
 
 @dataclass(frozen=True)
@@ -140,7 +150,7 @@ def conv_geometry(node: Node) -> ConvGeometry:
 
 
 def implemented(op: str, kernel: str) -> bool:
-    """Whether ``pe_<op>_<kernel>_*`` exists (Winograd has no weight gradient)."""
+    """Whether ``pe_<op>_<kernel>_*`` exists (F(2x2, 3x3) has no weight gradient)."""
     return not (kernel == "winograd" and op == "conv2d_weight_grad")
 
 
@@ -152,6 +162,7 @@ def candidates(op: str, g: ConvGeometry) -> tuple[str, ...]:
         "im2col": not g.depthwise and (op != "conv2d_input_grad" or (g.sh, g.sw) == (1, 1)),
         "direct": True,
         "winograd": g.winograd,
+        "winograd4": g.winograd,
     }
     return tuple(k for k in KERNEL_NAMES if valid[k] and implemented(op, k))
 
@@ -167,12 +178,34 @@ def _depthwise_wins(op: str, g: ConvGeometry, itemsize: int) -> bool:
     return wide >= (64 if op == "conv2d_weight_grad" else 128)
 
 
+def _winograd4_wins(op: str, g: ConvGeometry) -> bool:
+    """Where F(4x4, 3x3) measured faster than the implicit GEMM and F(2x2, 3x3)
+    (``benchmarks/c_winograd.py``: AVX-512 and SSE2, one thread, batch 1-8, 3-512 channels,
+    maps 7-64). Enough channels on the side its vectors do not run along: the forward's
+    input channels, the input gradient's output channels (``WINOGRAD4_MIN``), the weight
+    gradient's input channels (``WINOGRAD4_WEIGHT_MIN``: they fill its vectors). And a 4x4
+    output tile for every three channels of the wider side (every four for the weight
+    gradient, which transforms no filters): with fewer tiles the filter transform (4x the
+    filters, made on every call) is not paid back, 2.3-2.8x the implicit GEMM's time at
+    256 channels on 14 x 14 maps (16 tiles), 0.8x at 128 channels on 28 x 28 (49 tiles)."""
+    if op == "conv2d_weight_grad":
+        read, least, span, (h, w) = g.c, WINOGRAD4_WEIGHT_MIN, 4, (g.oh, g.ow)
+    elif op == "conv2d":
+        read, least, span, (h, w) = g.c, WINOGRAD4_MIN, 3, (g.oh, g.ow)
+    else:
+        read, least, span, (h, w) = g.o, WINOGRAD4_MIN, 3, (g.h, g.w)
+    tiles = g.n * -(-h // 4) * -(-w // 4)
+    return read >= least and span * tiles >= max(g.c, g.o)
+
+
 def rule_kernel(op: str, g: ConvGeometry, itemsize: int) -> str:
     """The kernel the heuristic picks (see the module docstring)."""
     if g.pointwise:
         return "pointwise"
     if g.depthwise and _depthwise_wins(op, g, itemsize):
         return "depthwise"
+    if g.winograd and implemented(op, "winograd4") and _winograd4_wins(op, g):
+        return "winograd4"
     wide = min(g.c, g.o) >= WINOGRAD_MIN
     if g.winograd and implemented(op, "winograd") and wide:
         return "winograd"
