@@ -328,14 +328,37 @@ print(counter.pe_count_allocations(address, ctypes.c_void_p(bound.arena), bound.
 """
 
 
+def _winograd4_step() -> Any:
+    """A step whose 3x3 convolutions take Winograd F(4x4, 3x3) by the rule, all three ops."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 16 * 16, 4))  # fmt: skip
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x), y)
+
+    batch = (torch.randn(2, 3, 16, 16), torch.tensor([0, 3]))
+    step = pe.compile(model, loss_fn, batch, optimizer=_sgd(), backend="c")
+    for op in ("conv2d", "conv2d_input_grad", "conv2d_weight_grad"):
+        assert f"pe_{op}_winograd4_f32(" in step._exec.source
+    return step
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the counter replaces glibc's malloc")
-def test_a_step_makes_no_heap_allocation(tmp_path: Path, cnn_step: Any) -> None:
-    """The CNN's training step, parsed back from its IR text in a process without torch
-    (torch bundles an older libgomp that allocates a team per parallel region; the
-    system's reuses it). The counter (LD_PRELOAD) proves itself first."""
+@pytest.mark.parametrize("model", ["cnn", "winograd4"])
+def test_a_step_makes_no_heap_allocation(tmp_path: Path, cnn_step: Any, model: str) -> None:
+    """The CNN's training step, and one on Winograd F(4x4, 3x3) (its working memory is a
+    slot of the plan), parsed back from its IR text in a process without torch (torch
+    bundles an older libgomp that allocates a team per parallel region; the system's reuses
+    it). The counter (LD_PRELOAD) proves itself first."""
     src, lib, text = tmp_path / "counter.c", tmp_path / "libcounter.so", tmp_path / "g.txt"
     src.write_text(_COUNTER)
-    text.write_text(str(cnn_step[0].graph))
+    step = cnn_step[0] if model == "cnn" else _winograd4_step()
+    text.write_text(str(step.graph))
     subprocess.run(["cc", "-shared", "-fPIC", "-O2", str(src), "-o", str(lib)], check=True)
     env = {**os.environ, "LD_PRELOAD": str(lib), "OMP_NUM_THREADS": "2"}
     probe = (

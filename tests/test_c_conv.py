@@ -13,9 +13,9 @@ convolution, by about 1e-6 (F(2x2)) and 1e-5 (F(4x4)) of the largest output in f
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -203,20 +203,26 @@ def test_depthwise_and_winograd_kernels_on_random_geometries(
     run_check(tmp_path, "conv_check.c", _CONV_FILES, flags, least=150)
 
 
-def test_winograd4_without_working_memory_falls_back(tmp_path: Path) -> None:
-    """Where F(4x4, 3x3)'s heap buffer cannot be had (its allocator made to fail), the
-    forward and input gradient run F(2x2, 3x3) and each weight-gradient block direct loops,
-    with the same results."""
-    flags = ["-O1", "-DPE_W4_ALLOC(bytes)=((void)(bytes), (void *)0)"]
+def test_winograd4_work_agrees_with_c_and_no_kernel_allocates() -> None:
+    """``conv_kernels.winograd4_work`` (what the plan reserves) is ``pe_winograd4_work``
+    (what the kernels use) on every op and many geometries, and the kernel files call no
+    allocator: working memory is a slot of the plan, scratch is on the stack."""
+    from pockengine.backends.c import tune_harness
+    from pockengine.backends.c.conv_kernels import CONV_OPS, ConvGeometry, winograd4_work
 
-    def assembly(*extra: str) -> str:
-        command = ["cc", "-O1", *extra, "-I", str(KERNEL_DIR), "-S", "-o", "-"]
-        source = str(KERNEL_DIR / "winograd.c")
-        return subprocess.run([*command, source], check=True, capture_output=True,
-                              text=True).stdout  # fmt: skip
-
-    assert "malloc" in assembly() and "malloc" not in assembly(flags[1])  # every one fails
-    run_check(tmp_path, "conv_check.c", _CONV_FILES, flags, least=150)
+    lib = tune_harness._library(None)
+    lib.pe_winograd4_work.restype = ctypes.c_long
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, c, o, h, w = (int(v) for v in rng.integers(1, [4, 300, 300, 40, 40]))
+        g = ConvGeometry(n, c, h, w, o, 3, 3, h, w, 1, 1, 1, 1, 1, 1, 1)
+        longs = (ctypes.c_long * 18)(*g.longs())
+        for i, op in enumerate(CONV_OPS):
+            assert lib.pe_winograd4_work(i, longs) == winograd4_work(op, g), (op, g)
+    for source in KERNEL_DIR.glob("*.c"):
+        text = source.read_text()
+        assert not any(f"{f}(" in text for f in ("malloc", "calloc", "realloc",
+                                                 "aligned_alloc")), source.name  # fmt: skip
 
 
 def test_depthwise_and_winograd_kernels_on_aarch64(tmp_path: Path) -> None:

@@ -49,8 +49,11 @@ static int check(const long*g,int wino,double*worst){
   if(wino){ pe_conv2d_winograd_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd_f32(gy,w,gx,g);
     double e1=err(y,y2,ny),e2=err(gx,gx2,nx); if(e1>worst[3])worst[3]=e1; if(e2>worst[4])worst[4]=e2;
     if(e1>1e-5||e2>1e-5) bad=1, printf("winograd off %ld %ld %ld %ld %ld p%ld,%ld: %g %g\n",N,C,O,H,W,p,pw,e1,e2);
-    pe_conv2d_winograd4_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd4_f32(gy,w,gx,g);
-    pe_conv2d_weight_grad_winograd4_f32(x,gy,gw,g);
+    long nwork=pe_winograd4_work(0,g), n1=pe_winograd4_work(1,g), n2=pe_winograd4_work(2,g);
+    if(n1>nwork)nwork=n1; if(n2>nwork)nwork=n2;
+    float*work=malloc((size_t)nwork*sizeof(float));
+    pe_conv2d_winograd4_f32(x,w,NULL,y,g,work); pe_conv2d_input_grad_winograd4_f32(gy,w,gx,g,work);
+    pe_conv2d_weight_grad_winograd4_f32(x,gy,gw,g,work); free(work);
     e1=err(y,y2,ny),e2=err(gx,gx2,nx); double e3=err(gw,gw2,nw);
     if(e1>worst[5])worst[5]=e1; if(e2>worst[6])worst[6]=e2; if(e3>worst[7])worst[7]=e3;
     if(e1>WINO4_TOL||e2>WINO4_TOL||e3>WINO4_TOL) bad=1, printf("winograd4 off %ld %ld %ld %ld %ld p%ld,%ld: %g %g %g\n",N,C,O,H,W,p,pw,e1,e2,e3);

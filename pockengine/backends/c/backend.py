@@ -32,6 +32,7 @@ from pockengine.backends.c import (
     lower_reduce,
     lower_select,
 )
+from pockengine.backends.c.conv_kernels import CONV_OPS, conv_geometry, rule_kernel
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
@@ -44,6 +45,7 @@ from pockengine.backends.c.layout_tune import (
 from pockengine.backends.c.lowering import LOWERING_PASSES, lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
+from pockengine.backends.c.workspace import add_workspaces, with_workspace
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
 from pockengine.ir.arrays import Array
 from pockengine.plan import MemoryPlan
@@ -81,8 +83,10 @@ def _emits(node: Node) -> bool:
     ``minimum`` on i64 indices): the lowering run once, its C text dropped."""
     ctx = EmitContext(Graph("claim", (), (), ()), MemoryPlan.__new__(MemoryPlan), _AnyNames())
     try:
+        if node.op in CONV_OPS:  # the working memory its kernel may take (workspace.py)
+            node = with_workspace(node, set())
         KERNELS[node.op](ctx, node)
-    except CEmitError:
+    except (CEmitError, ValueError):
         return False
     return True
 
@@ -106,6 +110,12 @@ class BoundStep:
     function: Any  # the ctypes function pe_step
     arena: int  # the arena's address
     args: Any  # a ctypes array of the inputs' addresses
+
+
+def _emitted_kernel(node: Node, chosen: Mapping[str, str]) -> str:
+    """The kernel a conv node's call names: the measured choice, else the rule's."""
+    out = node.outputs[0]
+    return chosen.get(out.name) or rule_kernel(node.op, conv_geometry(node), out.dtype.itemsize)
 
 
 class CExecutable(Executable):
@@ -136,11 +146,13 @@ class CExecutable(Executable):
         else:
             nhwc = heuristic_nhwc(graph)
         graph = apply_layouts(graph, nhwc)
+        conv_kernels = {k: v for k, v in kernels.items() if k not in nhwc}
+        graph = add_workspaces(graph, lambda node: (_emitted_kernel(node, conv_kernels),))
         self.graph = graph
         self.plan: MemoryPlan = plan_step_memory(graph)
         self.profiled = profile
         self.kernel_choices: list[KernelChoice] = choices
-        self._conv_kernels = {k: v for k, v in kernels.items() if k not in nhwc}
+        self._conv_kernels = conv_kernels
         # The source (0.5 MB for MobileNetV2) is not kept: ``source`` emits it again.
         self.library_path = build_library(self.source, portable)
         self._lib = ctypes.CDLL(str(self.library_path))

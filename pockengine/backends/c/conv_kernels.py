@@ -45,6 +45,7 @@ __all__ = [
     "conv_geometry",
     "implemented",
     "rule_kernel",
+    "winograd4_work",
 ]
 
 CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
@@ -152,6 +153,18 @@ def conv_geometry(node: Node) -> ConvGeometry:
 def implemented(op: str, kernel: str) -> bool:
     """Whether ``pe_<op>_<kernel>_*`` exists (F(2x2, 3x3) has no weight gradient)."""
     return not (kernel == "winograd" and op == "conv2d_weight_grad")
+
+
+_W4_PAD = 16  # PE_W4_PAD in winograd.c: elements between the working memory's planes
+
+
+def winograd4_work(op: str, g: ConvGeometry) -> int:
+    """The elements of working memory ``winograd4`` takes for ``op`` on ``g``
+    (``pe_winograd4_work`` in winograd.c): 36 planes of the filters' channels, the
+    transformed filters, or the weight gradient's sums (its input channels rounded up
+    to 32)."""
+    wide = -(-g.c // 32) * 32 if op == "conv2d_weight_grad" else g.c
+    return 36 * (g.o * wide + _W4_PAD)
 
 
 def candidates(op: str, g: ConvGeometry) -> tuple[str, ...]:

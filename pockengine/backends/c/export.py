@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pockengine.backends.c.backend import KERNELS, check_claims
+from pockengine.backends.c.conv_kernels import candidates, conv_geometry
 from pockengine.backends.c.conv_table import conv_slots, conv_table_source
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
@@ -35,6 +36,7 @@ from pockengine.backends.c.frozen_file import (
 from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
 from pockengine.backends.c.lowering import lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
+from pockengine.backends.c.workspace import add_workspaces
 from pockengine.ir import CompileError, DType, Graph, Role, Value
 from pockengine.ir.arrays import Array
 from pockengine.plan.index_bounds import IndexBound, index_bounds
@@ -232,6 +234,8 @@ def export_c(
     graph = lower_for_c(graph)  # as CExecutable: the graph C runs
     check_claims(graph)
     graph = apply_layouts(graph, heuristic_nhwc(graph))  # the untuned layouts (layout.py)
+    # working memory for every kernel a slot may switch to (./train --tune)
+    graph = add_workspaces(graph, lambda node: candidates(node.op, conv_geometry(node)))
     out = make_dirs(Path(folder))
     make_dirs(out / "kernels", inside=out)
     plan = plan_step_memory(graph)

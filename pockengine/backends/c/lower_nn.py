@@ -20,6 +20,7 @@ from pockengine.backends.c.emit import (
     strides,
 )
 from pockengine.backends.c.emit import kernel_suffix as _sfx
+from pockengine.backends.c.workspace import WORK_KERNELS, workspace_of
 from pockengine.ir import DType, Node, Value
 
 __all__ = ["KERNELS"]
@@ -102,9 +103,14 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
     if kernel not in names:
         raise CEmitError(f"{node.op}: kernel {kernel!r} cannot compute {out}")
     geom = ctx.longs("conv", g.longs())
+    work = workspace_of(node)
 
     def call(name: str) -> str:
-        return f"pe_{node.op}_{name}_{_sfx(out)}({args}, {geom});"
+        if name not in WORK_KERNELS:
+            return f"pe_{node.op}_{name}_{_sfx(out)}({args}, {geom});"
+        if work is None:
+            raise CEmitError(f"{node.op}: kernel {name!r} has no working memory for {out}")
+        return f"pe_{node.op}_{name}_{_sfx(out)}({args}, {geom}, {ctx.ref(work)});"
 
     slot = ctx.conv_slots.get(out.name)
     if slot is None:

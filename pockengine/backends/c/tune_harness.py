@@ -22,6 +22,7 @@ from typing import Any
 
 from pockengine.backends.c.conv_kernels import CONV_OPS, KERNEL_NAMES, ConvGeometry, implemented
 from pockengine.backends.c.driver import build_library
+from pockengine.backends.c.workspace import WORK_KERNELS
 from pockengine.ir import DType
 
 __all__ = ["DTYPES", "harness_library", "harness_source", "harness_time", "harness_times"]
@@ -34,6 +35,7 @@ _ARGS = {
     "conv2d_input_grad": "(const {t} *)a, (const {t} *)b, ({t} *)out, g",
     "conv2d_weight_grad": "(const {t} *)a, (const {t} *)b, ({t} *)out, g",
 }
+_WORK = ", ({t} *)work"  # the working memory of the kernels that take it (workspace.py)
 
 _BODY = r"""
 static double pe_tune_now(void) {
@@ -61,8 +63,9 @@ static int pe_tune_cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* The operands of op on geometry g (a, b, c, out); 0 when one could not be allocated. */
-static int pe_tune_operands(int op, int dt, const long *g, void *p[4]) {
+/* The operands of op on geometry g (a, b, c, out, and the working memory of the kernels
+ * that take it); 0 when one could not be allocated. */
+static int pe_tune_operands(int op, int dt, const long *g, void *p[5]) {
     size_t e = dt ? sizeof(double) : sizeof(float);
     size_t nx = (size_t)(g[0] * g[1] * g[2] * g[3]);
     size_t nw = (size_t)(g[4] * (g[1] / g[15]) * g[5] * g[6]);
@@ -73,19 +76,22 @@ static int pe_tune_operands(int op, int dt, const long *g, void *p[4]) {
     p[1] = pe_tune_alloc(nb * e, 2, dt);
     p[2] = pe_tune_alloc(nc * e, 3, dt);
     p[3] = pe_tune_alloc(nout * e, 4, dt);
-    return p[0] && p[1] && p[2] && p[3];
+    int wino = g[5] == 3 && g[6] == 3 && g[9] == 1 && g[10] == 1 && g[13] == 1 && g[14] == 1 &&
+               g[15] == 1; /* where winograd4 is a candidate */
+    p[4] = pe_tune_alloc(wino ? (size_t)pe_winograd4_work(op, g) * e : 0, 5, dt);
+    return p[0] && p[1] && p[2] && p[3] && p[4];
 }
 
-static void pe_tune_release(void *p[4]) {
-    for (int i = 0; i < 4; i++) free(p[i]);
+static void pe_tune_release(void *p[5]) {
+    for (int i = 0; i < 5; i++) free(p[i]);
 }
 
 /* The median of reps timed runs (reps <= 64). */
-static double pe_tune_median(int code, void *p[4], const long *g, int reps) {
+static double pe_tune_median(int code, void *p[5], const long *g, int reps) {
     double times[64];
     for (int r = 0; r < reps; r++) {
         double t0 = pe_tune_now();
-        pe_tune_call(code, p[0], p[1], p[2], p[3], g);
+        pe_tune_call(code, p[0], p[1], p[2], p[3], g, p[4]);
         times[r] = pe_tune_now() - t0;
     }
     qsort(times, (size_t)reps, sizeof(double), pe_tune_cmp);
@@ -93,12 +99,12 @@ static double pe_tune_median(int code, void *p[4], const long *g, int reps) {
 }
 
 double pe_tune_time(int op, int kernel, int dt, const long *g, int reps) {
-    void *p[4];
+    void *p[5];
     double result = -1;
     if (reps > 64) reps = 64;
     if (pe_tune_operands(op, dt, g, p) && reps > 0) {
         int code = (op * PE_TUNE_KERNELS + kernel) * 2 + dt;
-        pe_tune_call(code, p[0], p[1], p[2], p[3], g);
+        pe_tune_call(code, p[0], p[1], p[2], p[3], g, p[4]);
         result = pe_tune_median(code, p, g, reps);
     }
     pe_tune_release(p);
@@ -111,13 +117,13 @@ double pe_tune_time(int op, int kernel, int dt, const long *g, int reps) {
  * when the operands could not be allocated. */
 int pe_tune_times(int op, int dt, const long *g, int n, const int *kernels, double budget,
                   double give_up, double *seconds) {
-    void *p[4];
+    void *p[5];
     int ok = pe_tune_operands(op, dt, g, p);
     double best = -1;
     for (int i = 0; ok && i < n; i++) {
         int code = (op * PE_TUNE_KERNELS + kernels[i]) * 2 + dt;
         double t0 = pe_tune_now();
-        pe_tune_call(code, p[0], p[1], p[2], p[3], g);
+        pe_tune_call(code, p[0], p[1], p[2], p[3], g, p[4]);
         double warm = pe_tune_now() - t0;
         if (best >= 0 && warm > give_up * best) {
             seconds[i] = -2;
@@ -146,7 +152,9 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
                 continue
             for d, dtype in enumerate(DTYPES):
                 sfx = "f32" if dtype is DType.F32 else "f64"
-                args = _ARGS[op].format(t=_CTYPE[dtype])
+                args = (_ARGS[op] + (_WORK if kernel in WORK_KERNELS else "")).format(
+                    t=_CTYPE[dtype]
+                )
                 code = (i * (len(KERNEL_NAMES) + len(extra)) + j) * 2 + d
                 cases.append(f"    case {code}: pe_{op}_{kernel}_{sfx}({args}); break;")
     head = [
@@ -157,8 +165,9 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
         prelude,
         "",
         f"#define PE_TUNE_KERNELS {len(KERNEL_NAMES) + len(extra)}",
-        "static void pe_tune_call(int code, void *a, void *b, void *c, void *out, const long *g) {",
-        "    (void)c;",
+        "static void pe_tune_call(int code, void *a, void *b, void *c, void *out, const long *g,",
+        "                         void *work) {",
+        "    (void)c, (void)work;",
         "    switch (code) {",
         *cases,
         "    default: break;",

@@ -57,20 +57,6 @@ static int pe_winograd_wins(const long *g) {
            g[PE_G_C] >= PE_WINOGRAD_MIN && g[PE_G_O] >= PE_WINOGRAD_MIN;
 }
 
-/* Winograd F(4x4, 3x3) (winograd.c) where it has many tiles for its channels
- * (conv_kernels._winograd4_wins): op 0 forward, 1 input gradient, 2 weight gradient. */
-#define PE_WINOGRAD4_MIN 8
-#define PE_WINOGRAD4_WEIGHT_MIN 16
-static int pe_winograd4_wins(int op, const long *g) {
-    long read = op == 1 ? g[PE_G_O] : g[PE_G_C], h = op == 1 ? g[PE_G_H] : g[PE_G_OH];
-    long w = op == 1 ? g[PE_G_W] : g[PE_G_OW], wide = g[PE_G_C] > g[PE_G_O] ? g[PE_G_C] : g[PE_G_O];
-    long least = op == 2 ? PE_WINOGRAD4_WEIGHT_MIN : PE_WINOGRAD4_MIN, span = op == 2 ? 4 : 3;
-    long tiles = g[PE_G_N] * ((h + 3) / 4) * ((w + 3) / 4);
-    return g[PE_G_KH] == 3 && g[PE_G_KW] == 3 && g[PE_G_SH] == 1 && g[PE_G_SW] == 1 &&
-           g[PE_G_DH] == 1 && g[PE_G_DW] == 1 && g[PE_G_GROUPS] == 1 && read >= least &&
-           span * tiles >= wide;
-}
-
 /* The heuristic for the rest: an implicit GEMM (im2col.c) when each group's product has
  * enough rows and depth to fill the micro-kernel (PE_DENSE_MIN channels in and out a
  * group), else direct loops. The input gradient takes the GEMM at stride 1 only. */
@@ -102,15 +88,13 @@ void PE_S(pe_conv2d_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, P
     PE_S(pe_depthwise)(x, w, bias, y, g);
 }
 
-/* The rule (conv_kernels.rule_kernel), for callers that do not choose (the emitter always
- * names a kernel). */
+/* The rule (conv_kernels.rule_kernel) less F(4x4, 3x3), which needs working memory, for
+ * callers that do not choose (the emitter always names a kernel). */
 void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
     if (pe_is_pointwise(g))
         PE_S(pe_conv2d_pointwise)(x, w, bias, y, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(0, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_depthwise)(x, w, bias, y, g);
-    else if (pe_winograd4_wins(0, g))
-        PE_S(pe_conv2d_winograd4)(x, w, bias, y, g);
     else if (pe_winograd_wins(g))
         PE_S(pe_conv2d_winograd)(x, w, bias, y, g);
     else if (pe_is_dense(g))
@@ -167,8 +151,6 @@ void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
         PE_S(pe_conv2d_input_grad_pointwise)(gy, w, gx, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(1, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_input_grad_depthwise)(gy, w, gx, g);
-    else if (pe_winograd4_wins(1, g))
-        PE_S(pe_conv2d_input_grad_winograd4)(gy, w, gx, g);
     else if (pe_winograd_wins(g))
         PE_S(pe_conv2d_input_grad_winograd)(gy, w, gx, g);
     else if (pe_is_dense(g) && g[PE_G_SH] == 1 && g[PE_G_SW] == 1)
@@ -228,8 +210,6 @@ void PE_S(pe_conv2d_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, const 
         PE_S(pe_conv2d_weight_grad_pointwise)(x, gy, gw, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(2, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_weight_grad_depthwise)(x, gy, gw, g);
-    else if (pe_winograd4_wins(2, g))
-        PE_S(pe_conv2d_weight_grad_winograd4)(x, gy, gw, g);
     else if (pe_is_dense(g))
         PE_S(pe_conv2d_weight_grad_im2col)(x, gy, gw, g);
     else

@@ -61,6 +61,7 @@ typedef struct {
 
 int pe_set_threads(int threads);
 size_t pe_dtype_size(int dtype);
+long pe_winograd4_work(int op, const long *geom); /* winograd.c: its working memory */
 
 #define PE_DECLARE(S, T)                                                                       \
     void pe_gemm_##S(long M, long N, long K, const T *A, long lda, int ta, const T *B,         \
@@ -90,9 +91,12 @@ size_t pe_dtype_size(int dtype);
     void pe_conv2d_input_grad_im2col_##S(const T *gy, const T *w, T *gx, const long *geom);    \
     void pe_conv2d_winograd_##S(const T *x, const T *w, const T *bias, T *y, const long *geom); \
     void pe_conv2d_input_grad_winograd_##S(const T *gy, const T *w, T *gx, const long *geom);  \
-    void pe_conv2d_winograd4_##S(const T *x, const T *w, const T *bias, T *y, const long *geom); \
-    void pe_conv2d_input_grad_winograd4_##S(const T *gy, const T *w, T *gx, const long *geom); \
-    void pe_conv2d_weight_grad_winograd4_##S(const T *x, const T *gy, T *gw, const long *geom); \
+    void pe_conv2d_winograd4_##S(const T *x, const T *w, const T *bias, T *y, const long *geom, \
+                                 T *work);                                                     \
+    void pe_conv2d_input_grad_winograd4_##S(const T *gy, const T *w, T *gx, const long *geom,  \
+                                            T *work);                                          \
+    void pe_conv2d_weight_grad_winograd4_##S(const T *x, const T *gy, T *gw, const long *geom, \
+                                             T *work);                                         \
     void pe_conv2d_weight_grad_im2col_##S(const T *x, const T *gy, T *gw, const long *geom);   \
     void pe_depthwise_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);      \
     void pe_depthwise_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);        \

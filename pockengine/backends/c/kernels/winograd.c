@@ -21,10 +21,19 @@
  *
  * The geometry array is indexed by the PE_G_* names of pe_kernels.h. */
 #ifndef PE_T
-#include <stdlib.h>
 #include "pe_kernels.h"
+#define PE_W4_PAD 16 /* elements between the working memory's planes (a cache line or two) */
 #define PE_SELF "winograd.c"
 #include "pe_instantiate.h"
+
+/* The elements of working memory F(4x4, 3x3) takes for op (0 forward, 1 input gradient, 2
+ * weight gradient) on geometry g: the transformed filters, 36 planes of Cout x Cin; for
+ * the weight gradient the sums M, 36 planes of O x C with the input channels rounded up
+ * to a multiple of 32. conv_kernels.winograd4_work agrees. */
+long pe_winograd4_work(int op, const long *g) {
+    long C = g[PE_G_C], O = g[PE_G_O], wide = (C + 31) / 32 * 32;
+    return 36 * ((op == 2 ? O * wide : C * O) + PE_W4_PAD);
+}
 #else
 
 #define PE_WG_TB 32 /* tiles a block: the vectors of a row of M */
@@ -254,25 +263,27 @@ void PE_S(pe_conv2d_input_grad_winograd)(const PE_T *gy, const PE_T *w, PE_T *gx
 /* Winograd F(4x4, 3x3): each 4x4 output tile from a 6x6 input tile, 36 products a tile and
  * channel pair where direct convolution takes 144 (4x fewer; F(2x2, 3x3) 2.25x). The
  * transforms are vectorised across a block's tiles: each tile's 6x6 patch is gathered into
- * a row of P (one column a tile), then B^T and B are applied column by column, every tile
- * at once. The transformed filters U = G g G^T of the whole convolution (36 x Cout x Cin,
- * 4x the filters) are computed once a call into a buffer taken from the heap and freed on
- * return (where it cannot be had, the call runs F(2x2, 3x3) instead); V is transformed again for every block of
- * PE_W4_OB output channels. The transforms multiply by up to 8 and 1/24, so rounding is
- * larger than F(2x2, 3x3)'s: float32 results agree with NumPy to about 1e-5 of the largest
- * output.
+ * a column of P (one column a tile), then B^T and B are applied down the columns, every
+ * tile of the block at once. The forward's (and input gradient's) transformed filters
+ * U = G g G^T of the whole convolution (36 x Cout x Cin, 4x the filters) are made once a
+ * call into the caller's working memory (`work`: pe_winograd4_work elements, a slot of
+ * the step's memory plan), and V is transformed again for every block of PE_W4_OB output
+ * channels. The weight gradient sums (A gy A^T) (.) (B^T d B) over the tiles into M in
+ * the working memory and folds each filter's 6x6 to 3x3 with G^T . G. The transforms
+ * multiply by up to 8 and 1/24, so rounding is larger than F(2x2, 3x3)'s: float32 results
+ * agree with NumPy to about 1e-5 of the largest output.
  *
  *   B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0;
  *          0 4 0 -5 0 1]
  *   G = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
  *   A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1] */
-#ifndef PE_W4_ALLOC /* the working memory's allocator (a test defines it to fail) */
-#define PE_W4_ALLOC(bytes) malloc(bytes)
-#endif
-#define PE_W4_OB (PE_TSIZE == 4 ? 32 : 16) /* output channels a block */
-#define PE_W4_CB (PE_TSIZE == 4 ? 16 : 8)  /* input channels a block */
+#define PE_W4_OB (PE_TSIZE == 4 ? 32 : 16)  /* output channels a block */
+#define PE_W4_CB (PE_TSIZE == 4 ? 16 : 8)   /* input channels a block */
+#define PE_W4_GOB (PE_TSIZE == 4 ? 32 : 8)  /* the weight gradient's output channels a block */
 #define PE_W4_VS (PE_W4_CB * PE_WG_TB + PE_WG_V)
 #define PE_W4_MS (PE_W4_OB * PE_WG_TB + PE_WG_V)
+#define PE_W4_GS (PE_W4_GOB * PE_WG_TB + PE_WG_V)
+#define PE_W4_WVS (PE_WG_TB * PE_WG_TB + PE_WG_V) /* the weight gradient's V: 32 channels */
 
 /* b = B^T d of six values, into b[0], b[st], ..., b[5 st]. */
 static inline void PE_S(pe_w4_bt)(PE_T d0, PE_T d1, PE_T d2, PE_T d3, PE_T d4, PE_T d5,
@@ -307,13 +318,9 @@ static inline void PE_S(pe_w4_at)(PE_T m0, PE_T m1, PE_T m2, PE_T m3, PE_T m4, P
     a[3 * st] = d12 + 8 * d34 + m5;
 }
 
-/* The planes of U lie this many elements apart: one cache line more than Cout x Cin, so
- * the 36 elements of one filter's transform do not alias in the cache. */
-static long PE_S(pe_w4_plane)(const PE_S(pe_wg) *q) { return q->Cout * q->Cin + PE_WG_V; }
-
-/* U[xi][o][c] of every filter. */
-static void PE_S(pe_w4_filters)(const PE_S(pe_wg) *q, PE_T *restrict U) {
-    long plane = PE_S(pe_w4_plane)(q), wc = q->wc;
+/* U[xi][o][c] of every filter, planes `plane` elements apart (pe_winograd4_work's layout). */
+static void PE_S(pe_w4_filters)(const PE_S(pe_wg) *q, PE_T *restrict U, long plane) {
+    long wc = q->wc;
     int tap[9];
     for (int k = 0; k < 9; k++) tap[k] = q->flip ? 8 - k : k;
     PE_PARALLEL_FOR(q->Cout * q->Cin * 400)
@@ -406,12 +413,10 @@ static void PE_S(pe_w4_output)(const PE_S(pe_wg) *q, const PE_T *M, long o0, lon
     }
 }
 
-/* The whole convolution; returns 0 (having written nothing) where U's buffer cannot be had. */
-static int PE_S(pe_w4_run)(const PE_S(pe_wg) *q) {
-    long plane = PE_S(pe_w4_plane)(q);
-    PE_T *U = PE_W4_ALLOC((size_t)(36 * plane) * sizeof(PE_T));
-    if (!U) return 0;
-    PE_S(pe_w4_filters)(q, U);
+/* The forward core: U into `work`, then each block of tiles. */
+static void PE_S(pe_w4_run)(const PE_S(pe_wg) *q, PE_T *U) {
+    long plane = q->Cout * q->Cin + PE_W4_PAD;
+    PE_S(pe_w4_filters)(q, U, plane);
     long total = q->N * q->tiles, blocks = (total + PE_WG_TB - 1) / PE_WG_TB;
     PE_PARALLEL_FOR(total * 36 * q->Cout * q->Cin)
     for (long b = 0; b < blocks; b++) {
@@ -428,44 +433,40 @@ static int PE_S(pe_w4_run)(const PE_S(pe_wg) *q) {
             PE_S(pe_w4_output)(q, M, o0, on, t0, tn);
         }
     }
-    free(U);
-    return 1;
 }
 
-/* 3x3, stride 1, dilation 1, one group (conv_kernels.py checks before emitting). */
+/* 3x3, stride 1, dilation 1, one group (conv_kernels.py checks before emitting); `work`
+ * holds pe_winograd4_work(0, g) elements. */
 void PE_S(pe_conv2d_winograd4)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
-                               const long *g) {
+                               const long *g, PE_T *work) {
     long C = g[PE_G_C], O = g[PE_G_O], ohw = g[PE_G_OH] * g[PE_G_OW];
     PE_S(pe_wg) q = PE_S(pe_wg_of)(x, w, y, g[PE_G_N], C, g[PE_G_H], g[PE_G_W], O, g[PE_G_OH],
                                    g[PE_G_OW], g[PE_G_PH], g[PE_G_PW], 4);
     q.wo = C * 9, q.wc = 9;
-    if (!PE_S(pe_w4_run)(&q)) {
-        PE_S(pe_conv2d_winograd)(x, w, bias, y, g);
-        return;
-    }
+    PE_S(pe_w4_run)(&q, work);
     if (bias)
         for (long no = 0; no < g[PE_G_N] * O; no++)
             for (long p = 0; p < ohw; p++) y[no * ohw + p] += bias[no % O];
 }
 
+/* `work` holds pe_winograd4_work(1, g) elements. */
 void PE_S(pe_conv2d_input_grad_winograd4)(const PE_T *gy, const PE_T *w, PE_T *gx,
-                                          const long *g) {
+                                          const long *g, PE_T *work) {
     long C = g[PE_G_C], O = g[PE_G_O];
     PE_S(pe_wg) q = PE_S(pe_wg_of)(gy, w, gx, g[PE_G_N], O, g[PE_G_OH], g[PE_G_OW], C,
                                    g[PE_G_H], g[PE_G_W], 2 - g[PE_G_PH], 2 - g[PE_G_PW], 4);
     q.wo = 9, q.wc = C * 9, q.flip = 1;
-    if (!PE_S(pe_w4_run)(&q)) PE_S(pe_conv2d_input_grad_winograd)(gy, w, gx, g);
+    PE_S(pe_w4_run)(&q, work);
 }
 
 /* The weight gradient by F(4x4, 3x3): gw[o][c] = G^T (sum over tiles of
  * (A gy A^T) (.) (B^T d B)) G, each 4x4 tile of the output gradient against the 6x6 input
- * tile under it. For each block of PE_WG_TB input channels and PE_W4_OB output channels
- * (the blocks in parallel), the tiles go by PE_WG_TB at a time: V as for the forward, each
+ * tile under it. For each block of PE_WG_TB input channels and PE_W4_GOB output channels
+ * (the blocks in parallel) the tiles go by PE_WG_TB at a time: V as for the forward, each
  * plane turned so the channels lie along the vector, the output gradient's tiles GY, and
- * M[xi][o][c] += sum_t GY[xi][o][t] V[xi][t][c] by the forward's multiply; then each
- * (o, c) pair's 6x6 M is folded to 3x3. Working memory: V, GY and M of a block (440 KiB
- * in float32), taken from the heap by each block; where it cannot be had, the block runs
- * direct loops. */
+ * M[xi][o][c] += sum_t GY[xi][o][t] V[xi][t][c] by the forward's multiply (V and GY on
+ * the stack: 297 KiB in float32, 373 KiB in float64). M lies in `work`, each block of
+ * input channels PE_WG_TB wide; at the end each (o, c) pair's 6x6 M is folded to 3x3. */
 
 /* GY[xi][o][t] = A gy A^T of each 4x4 tile of the output gradient (zeros outside its map)
  * for output channels [o0, o0+on) and tiles [t0, t0+tn); planes `gs` elements apart. */
@@ -520,38 +521,50 @@ static inline void PE_S(pe_w4_gt)(PE_T m0, PE_T m1, PE_T m2, PE_T m3, PE_T m4, P
     g[2 * st] = -s12 * (PE_T)(1.0 / 6) + s34 * (PE_T)(1.0 / 6) + m5;
 }
 
-/* The weight gradient of x [N, C, H, W] and gy [N, O, OH, OW] into gw [O, C, 3, 3] for
- * input channels [c0, c0+cn) and output channels [o0, o0+on); 0 where the working memory
- * cannot be had. */
-static int PE_S(pe_w4_weight_block)(const PE_S(pe_wg) *q, const PE_T *gy, PE_T *gw, long c0,
-                                    long cn, long o0, long on) {
-    long vs = PE_WG_TB * PE_WG_TB + PE_WG_V, ms = PE_W4_OB * PE_WG_TB + PE_WG_V;
-    PE_T *V = PE_W4_ALLOC((size_t)(36 * (vs + 2 * ms)) * sizeof(PE_T));
-    if (!V) return 0;
-    PE_T *GY = V + 36 * vs, *M = GY + 36 * ms;
+/* The sums M[xi][o][c] of one block of input and output channels over every tile. */
+static void PE_S(pe_w4_weight_block)(const PE_S(pe_wg) *q, const PE_T *gy, long c0, long cn,
+                                     long o0, long on, PE_T *M, long ms) {
+    PE_T V[36 * PE_W4_WVS], GY[36 * PE_W4_GS];
     long total = q->N * q->tiles;
     for (long t0 = 0; t0 < total; t0 += PE_WG_TB) {
         long tn = total - t0 < PE_WG_TB ? total - t0 : PE_WG_TB;
-        PE_S(pe_w4_input)(q, c0, cn, t0, tn, V, vs);
-        for (long c = cn; c < PE_WG_TB; c++) /* channels past the block's: zero lanes */
-            for (int xi = 0; xi < 36; xi++)
-                memset(V + xi * vs + c * PE_WG_TB, 0, PE_WG_TB * sizeof(PE_T));
-        for (int xi = 0; xi < 36; xi++) { /* V[xi][c][t] -> V[xi][t][c] */
-            PE_T *v = V + xi * vs;
+        PE_S(pe_w4_input)(q, c0, cn, t0, tn, V, PE_W4_WVS);
+        for (int xi = 0; xi < 36; xi++) { /* V[xi][c][t] -> V[xi][t][c], zeros past cn */
+            PE_T *plane = V + xi * PE_W4_WVS;
+            for (long c = cn; c < PE_WG_TB; c++)
+                memset(plane + c * PE_WG_TB, 0, PE_WG_TB * sizeof(PE_T));
             for (long c = 0; c < PE_WG_TB; c++)
                 for (long t = 0; t < c; t++) {
-                    PE_T a = v[c * PE_WG_TB + t];
-                    v[c * PE_WG_TB + t] = v[t * PE_WG_TB + c];
-                    v[t * PE_WG_TB + c] = a;
+                    PE_T a = plane[c * PE_WG_TB + t];
+                    plane[c * PE_WG_TB + t] = plane[t * PE_WG_TB + c];
+                    plane[t * PE_WG_TB + c] = a;
                 }
         }
-        PE_S(pe_w4_grad_tiles)(q, gy, o0, on, t0, tn, GY, ms);
-        PE_S(pe_wg_multiply)(GY, ms, PE_WG_TB, V, vs, 36, on, tn, t0 == 0, M, ms);
+        PE_S(pe_w4_grad_tiles)(q, gy, o0, on, t0, tn, GY, PE_W4_GS);
+        PE_S(pe_wg_multiply)(GY, PE_W4_GS, PE_WG_TB, V, PE_W4_WVS, 36, on, tn, t0 == 0, M, ms);
     }
-    for (long o = 0; o < on; o++)
-        for (long c = 0; c < cn; c++) {
-            PE_T e[18], *out = gw + ((o0 + o) * q->Cin + c0 + c) * 9;
-            const PE_T *m = M + o * PE_WG_TB + c;
+}
+
+/* `work` holds pe_winograd4_work(2, g) elements: M, each block of 32 input channels apart. */
+void PE_S(pe_conv2d_weight_grad_winograd4)(const PE_T *x, const PE_T *gy, PE_T *gw,
+                                           const long *g, PE_T *work) {
+    long C = g[PE_G_C], O = g[PE_G_O];
+    PE_S(pe_wg) q = PE_S(pe_wg_of)(x, NULL, NULL, g[PE_G_N], C, g[PE_G_H], g[PE_G_W], O,
+                                   g[PE_G_OH], g[PE_G_OW], g[PE_G_PH], g[PE_G_PW], 4);
+    long cb = (C + PE_WG_TB - 1) / PE_WG_TB, ob = (O + PE_W4_GOB - 1) / PE_W4_GOB;
+    long ms = O * cb * PE_WG_TB + PE_W4_PAD;
+    PE_T *M = work;
+    PE_PARALLEL_FOR(q.N * q.tiles * 36 * C * O)
+    for (long b = 0; b < cb * ob; b++) {
+        long c0 = b % cb * PE_WG_TB, o0 = b / cb * PE_W4_GOB;
+        long cn = C - c0 < PE_WG_TB ? C - c0 : PE_WG_TB, on = O - o0 < PE_W4_GOB ? O - o0 : PE_W4_GOB;
+        PE_S(pe_w4_weight_block)(&q, gy, c0, cn, o0, on, M + c0 * O + o0 * PE_WG_TB, ms);
+    }
+    PE_PARALLEL_FOR(O * C * 200)
+    for (long o = 0; o < O; o++)
+        for (long c = 0; c < C; c++) {
+            PE_T e[18], *out = gw + (o * C + c) * 9;
+            const PE_T *m = M + c / PE_WG_TB * PE_WG_TB * O + o * PE_WG_TB + c % PE_WG_TB;
             for (int j = 0; j < 6; j++) /* G^T M, a column at a time */
                 PE_S(pe_w4_gt)(m[j * ms], m[(6 + j) * ms], m[(12 + j) * ms], m[(18 + j) * ms],
                                m[(24 + j) * ms], m[(30 + j) * ms], e + j, 6);
@@ -559,52 +572,15 @@ static int PE_S(pe_w4_weight_block)(const PE_S(pe_wg) *q, const PE_T *gy, PE_T *
                 PE_S(pe_w4_gt)(e[6 * i], e[6 * i + 1], e[6 * i + 2], e[6 * i + 3], e[6 * i + 4],
                                e[6 * i + 5], out + 3 * i, 1);
         }
-    free(V);
-    return 1;
-}
-
-/* The same block by direct loops: where the working memory cannot be had. */
-static void PE_S(pe_w4_weight_direct)(const PE_S(pe_wg) *q, const PE_T *gy, PE_T *gw, long c0,
-                                      long cn, long o0, long on) {
-    long H = q->H, W = q->W, OH = q->OH, OW = q->OW;
-    for (long o = o0; o < o0 + on; o++)
-        for (long c = c0; c < c0 + cn; c++)
-            for (long k = 0; k < 9; k++) {
-                long di = k / 3 - q->ph, dj = k % 3 - q->pw;
-                PE_T s = 0;
-                for (long n = 0; n < q->N; n++) {
-                    const PE_T *x = q->in + (n * q->Cin + c) * H * W;
-                    const PE_T *e = gy + (n * q->Cout + o) * OH * OW;
-                    for (long i = 0; i < OH; i++) {
-                        if (i + di < 0 || i + di >= H) continue;
-                        for (long j = 0; j < OW; j++)
-                            if (j + dj >= 0 && j + dj < W)
-                                s += e[i * OW + j] * x[(i + di) * W + j + dj];
-                    }
-                }
-                gw[(o * q->Cin + c) * 9 + k] = s;
-            }
-}
-
-void PE_S(pe_conv2d_weight_grad_winograd4)(const PE_T *x, const PE_T *gy, PE_T *gw,
-                                           const long *g) {
-    long C = g[PE_G_C], O = g[PE_G_O];
-    PE_S(pe_wg) q = PE_S(pe_wg_of)(x, NULL, NULL, g[PE_G_N], C, g[PE_G_H], g[PE_G_W], O,
-                                   g[PE_G_OH], g[PE_G_OW], g[PE_G_PH], g[PE_G_PW], 4);
-    long cb = (C + PE_WG_TB - 1) / PE_WG_TB, ob = (O + PE_W4_OB - 1) / PE_W4_OB;
-    PE_PARALLEL_FOR(q.N * q.tiles * 36 * C * O)
-    for (long b = 0; b < cb * ob; b++) {
-        long c0 = b % cb * PE_WG_TB, o0 = b / cb * PE_W4_OB;
-        long cn = C - c0 < PE_WG_TB ? C - c0 : PE_WG_TB, on = O - o0 < PE_W4_OB ? O - o0 : PE_W4_OB;
-        if (!PE_S(pe_w4_weight_block)(&q, gy, gw, c0, cn, o0, on))
-            PE_S(pe_w4_weight_direct)(&q, gy, gw, c0, cn, o0, on);
-    }
 }
 
 #undef PE_W4_OB
 #undef PE_W4_CB
+#undef PE_W4_GOB
 #undef PE_W4_VS
 #undef PE_W4_MS
+#undef PE_W4_GS
+#undef PE_W4_WVS
 
 #undef PE_WG_TB
 #undef PE_WG_OB
