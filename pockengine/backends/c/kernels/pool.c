@@ -30,28 +30,105 @@ static long PE_S(pe_window_argmax)(const PE_T *plane, const long *g, long oh, lo
     return best;
 }
 
+#ifndef PE_POOL_HELPERS
+#define PE_POOL_HELPERS
+/* Whether every window lies inside the input with its taps adjacent (no padding, no
+ * dilation, no ceil_mode window past the edge): the loops below need no bounds. */
+static int pe_pool_inside(const long *g) {
+    return g[PE_G_PH] == 0 && g[PE_G_PW] == 0 && g[PE_G_DH] == 1 && g[PE_G_DW] == 1 &&
+           (g[PE_G_OH] - 1) * g[PE_G_SH] + g[PE_G_KH] <= g[PE_G_H] &&
+           (g[PE_G_OW] - 1) * g[PE_G_SW] + g[PE_G_KW] <= g[PE_G_W];
+}
+#endif
+
+/* Whether v takes a window's maximum from top (pe_window_argmax's rule: greater, or the
+ * first NaN). */
+#define PE_POOL_TAKES(v, top) ((v) > (top) || ((v) != (v) && (top) == (top)))
+
+/* One output row of windows inside the input: the maximum of each window into out[ow],
+ * the taps in row-major order, a tap at a time across the row (the loop vectorises). */
+static void PE_S(pe_max_row)(const PE_T *row, long W, long KH, long KW, long SW, long OW,
+                             PE_T *restrict out) {
+    for (long ow = 0; ow < OW; ow++) out[ow] = row[ow * SW];
+    for (long i = 0; i < KH; i++)
+        for (long j = i ? 0 : 1; j < KW; j++) {
+            const PE_T *r = row + i * W + j;
+            for (long ow = 0; ow < OW; ow++) {
+                PE_T v = r[ow * SW], t = out[ow];
+                out[ow] = PE_POOL_TAKES(v, t) ? v : t;
+            }
+        }
+}
+
 void PE_S(pe_max_pool2d)(const PE_T *x, PE_T *y, const long *g) {
     long planes = g[PE_G_N], HW = g[PE_G_H] * g[PE_G_W], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    int inside = pe_pool_inside(g);
     PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
     for (long p = 0; p < planes; p++)
-        for (long oh = 0; oh < OH; oh++)
+        for (long oh = 0; oh < OH; oh++) {
+            PE_T *out = y + (p * OH + oh) * OW;
+            if (inside) {
+                const PE_T *row = x + p * HW + oh * g[PE_G_SH] * g[PE_G_W];
+                PE_S(pe_max_row)(row, g[PE_G_W], g[PE_G_KH], g[PE_G_KW], g[PE_G_SW], OW, out);
+                continue;
+            }
             for (long ow = 0; ow < OW; ow++) {
                 long at = PE_S(pe_window_argmax)(x + p * HW, g, oh, ow);
-                y[(p * OH + oh) * OW + ow] = at < 0 ? (PE_T)-INFINITY : x[p * HW + at];
+                out[ow] = at < 0 ? (PE_T)-INFINITY : x[p * HW + at];
             }
+        }
+}
+
+/* The gradient of one output row of windows inside the input: each window's first
+ * maximum found as pe_max_row finds it, a run of PE_POOL_RUN windows at a time, then
+ * gy added there in window order (the order of the general loop, so the sums are the
+ * same bits). */
+#define PE_POOL_RUN 64
+static void PE_S(pe_max_row_grad)(const PE_T *row, long at0, long W, long KH, long KW, long SW,
+                                  long OW, const PE_T *gy, PE_T *out) {
+    for (long w0 = 0; w0 < OW; w0 += PE_POOL_RUN) {
+        long n = OW - w0 < PE_POOL_RUN ? OW - w0 : PE_POOL_RUN;
+        PE_T top[PE_POOL_RUN];
+        long at[PE_POOL_RUN];
+        for (long k = 0; k < n; k++) {
+            top[k] = row[(w0 + k) * SW];
+            at[k] = at0 + (w0 + k) * SW;
+        }
+        for (long i = 0; i < KH; i++)
+            for (long j = i ? 0 : 1; j < KW; j++) {
+                const PE_T *r = row + i * W + j + w0 * SW;
+                long off = at0 + i * W + j + w0 * SW;
+                for (long k = 0; k < n; k++) {
+                    PE_T v = r[k * SW];
+                    int take = PE_POOL_TAKES(v, top[k]);
+                    top[k] = take ? v : top[k];
+                    at[k] = take ? off + k * SW : at[k];
+                }
+            }
+        for (long k = 0; k < n; k++) out[at[k]] += gy[w0 + k];
+    }
 }
 
 void PE_S(pe_max_pool2d_grad)(const PE_T *gy, const PE_T *x, PE_T *gx, const long *g) {
     long planes = g[PE_G_N], HW = g[PE_G_H] * g[PE_G_W], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    int inside = pe_pool_inside(g);
     PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
     for (long p = 0; p < planes; p++) {
         PE_T *restrict out = gx + p * HW;
         for (long k = 0; k < HW; k++) out[k] = 0;
-        for (long oh = 0; oh < OH; oh++)
+        for (long oh = 0; oh < OH; oh++) {
+            const PE_T *grow = gy + (p * OH + oh) * OW;
+            if (inside) {
+                long at0 = oh * g[PE_G_SH] * g[PE_G_W];
+                PE_S(pe_max_row_grad)(x + p * HW + at0, at0, g[PE_G_W], g[PE_G_KH], g[PE_G_KW],
+                                      g[PE_G_SW], OW, grow, out);
+                continue;
+            }
             for (long ow = 0; ow < OW; ow++) {
                 long at = PE_S(pe_window_argmax)(x + p * HW, g, oh, ow);
-                if (at >= 0) out[at] += gy[(p * OH + oh) * OW + ow];
+                if (at >= 0) out[at] += grow[ow];
             }
+        }
     }
 }
 
@@ -103,4 +180,6 @@ void PE_S(pe_avg_pool2d_grad)(const PE_T *gy, PE_T *gx, const long *g) {
     }
 }
 
+#undef PE_POOL_TAKES
+#undef PE_POOL_RUN
 #endif
