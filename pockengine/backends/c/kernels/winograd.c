@@ -465,7 +465,7 @@ void PE_S(pe_conv2d_input_grad_winograd4)(const PE_T *gy, const PE_T *w, PE_T *g
  * (the blocks in parallel) the tiles go by PE_WG_TB at a time: V as for the forward, each
  * plane turned so the channels lie along the vector, the output gradient's tiles GY, and
  * M[xi][o][c] += sum_t GY[xi][o][t] V[xi][t][c] by the forward's multiply (V and GY on
- * the stack: 297 KiB in float32, 373 KiB in float64). M lies in `work`, each block of
+ * the stack: about 300 KiB in float32, 380 KiB in float64). M lies in `work`, each block of
  * input channels PE_WG_TB wide; at the end each (o, c) pair's 6x6 M is folded to 3x3. */
 
 /* GY[xi][o][t] = A gy A^T of each 4x4 tile of the output gradient (zeros outside its map)
