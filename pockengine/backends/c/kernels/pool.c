@@ -46,7 +46,8 @@ static int pe_pool_inside(const long *g) {
 #define PE_POOL_TAKES(v, top) ((v) > (top) || ((v) != (v) && (top) == (top)))
 
 /* One output row of windows inside the input: the maximum of each window into out[ow],
- * the taps in row-major order, a tap at a time across the row (the loop vectorises). */
+ * the taps in row-major order, a tap at a time across the row (the loop vectorises at
+ * stride 1; GCC leaves a runtime stride's loads scalar). */
 static void PE_S(pe_max_row)(const PE_T *row, long W, long KH, long KW, long SW, long OW,
                              PE_T *restrict out) {
     for (long ow = 0; ow < OW; ow++) out[ow] = row[ow * SW];
