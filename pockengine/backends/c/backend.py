@@ -32,7 +32,7 @@ from pockengine.backends.c import (
     lower_reduce,
     lower_select,
 )
-from pockengine.backends.c.conv_kernels import CONV_OPS, conv_geometry, rule_kernel
+from pockengine.backends.c.conv_kernels import CONV_OPS, conv_geometry, node_kernel
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
@@ -112,12 +112,6 @@ class BoundStep:
     args: Any  # a ctypes array of the inputs' addresses
 
 
-def _emitted_kernel(node: Node, chosen: Mapping[str, str]) -> str:
-    """The kernel a conv node's call names: the measured choice, else the rule's."""
-    out = node.outputs[0]
-    return chosen.get(out.name) or rule_kernel(node.op, conv_geometry(node), out.dtype.itemsize)
-
-
 class CExecutable(Executable):
     """One graph compiled to a shared library; ``run`` calls its ``pe_step`` once."""
 
@@ -147,7 +141,7 @@ class CExecutable(Executable):
             nhwc = heuristic_nhwc(graph)
         graph = apply_layouts(graph, nhwc)
         conv_kernels = {k: v for k, v in kernels.items() if k not in nhwc}
-        graph = add_workspaces(graph, lambda node: (_emitted_kernel(node, conv_kernels),))
+        graph = add_workspaces(graph, lambda n: (node_kernel(n, conv_geometry(n), conv_kernels),))
         self.graph = graph
         self.plan: MemoryPlan = plan_step_memory(graph)
         self.profiled = profile

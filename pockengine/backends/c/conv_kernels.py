@@ -11,8 +11,8 @@ kernel, ``pe_<op>_<kernel>_<f32|f64>``:
 - ``winograd``: Winograd F(2x2, 3x3) (winograd.c; 3x3 filters at stride 1 and dilation 1,
   one group, any padding; the forward and the input gradient);
 - ``winograd4``: Winograd F(4x4, 3x3) (winograd.c; where ``winograd`` is valid, and the
-  weight gradient too; its working memory, the transformed filters or a block's
-  transformed tiles, is a heap buffer of the call's).
+  weight gradient too; it takes working memory, ``winograd4_work`` elements, which the
+  step plans as an output of the node: workspace.py).
 
 ``rule_kernel`` is the heuristic used without tuning, by exports and by cross-compiled
 trainers: pointwise, else depthwise where it measured faster than direct loops
@@ -30,6 +30,7 @@ least 4 (the input gradient at stride 1), else direct.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pockengine.ir import Node
@@ -44,6 +45,7 @@ __all__ = [
     "candidates",
     "conv_geometry",
     "implemented",
+    "node_kernel",
     "rule_kernel",
     "winograd4_work",
 ]
@@ -224,3 +226,10 @@ def rule_kernel(op: str, g: ConvGeometry, itemsize: int) -> str:
         return "winograd"
     stride_ok = op != "conv2d_input_grad" or (g.sh, g.sw) == (1, 1)
     return "im2col" if g.dense and stride_ok else "direct"
+
+
+def node_kernel(node: Node, g: ConvGeometry, chosen: Mapping[str, str]) -> str:
+    """The kernel conv node ``node`` (geometry ``g``) runs: its entry in ``chosen`` (by
+    first output, a measured choice), else the rule's."""
+    out = node.outputs[0]
+    return chosen.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pockengine.backends.c import tune, tune_harness
-from pockengine.backends.c.conv_kernels import CONV_OPS, KERNEL_NAMES, ConvGeometry, rule_kernel
+from pockengine.backends.c.conv_kernels import CONV_OPS, KERNEL_NAMES, ConvGeometry, node_kernel
 from pockengine.backends.c.driver import cache_dir, toolchain
 from pockengine.backends.c.layout import nhwc_candidate
 from pockengine.ir import DType, Graph
@@ -183,7 +183,7 @@ def choose_layouts(
         if g is None:
             continue
         out = node.outputs[0]
-        nchw = kernels.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize)
+        nchw = node_kernel(node, g, kernels)
         key = tune.table_key(node.op, out.dtype, g, tc_key, threads, (nchw, NHWC_KERNEL))
         cached = key not in fresh and key in table and table[key]["kernel"] in (nchw, NHWC_KERNEL)
         if cached:

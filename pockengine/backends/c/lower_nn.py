@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry, rule_kernel
+from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry, node_kernel
 from pockengine.backends.c.emit import (
     CEmitError,
     EmitContext,
@@ -98,7 +98,7 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
         g = conv_geometry(node)
     except ValueError as exc:
         raise CEmitError(f"{node.op}: {exc}") from None
-    kernel = ctx.conv_kernels.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize)
+    kernel = node_kernel(node, g, ctx.conv_kernels)
     names = candidates(node.op, g)
     if kernel not in names:
         raise CEmitError(f"{node.op}: kernel {kernel!r} cannot compute {out}")

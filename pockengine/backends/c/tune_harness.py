@@ -78,7 +78,8 @@ static int pe_tune_operands(int op, int dt, const long *g, void *p[5]) {
     p[3] = pe_tune_alloc(nout * e, 4, dt);
     int wino = g[5] == 3 && g[6] == 3 && g[9] == 1 && g[10] == 1 && g[13] == 1 && g[14] == 1 &&
                g[15] == 1; /* where winograd4 is a candidate */
-    p[4] = pe_tune_alloc(wino ? (size_t)pe_winograd4_work(op, g) * e : 0, 5, dt);
+    size_t nwork = wino ? (size_t)pe_winograd4_work(op, g) * e : 0; /* written before read */
+    p[4] = aligned_alloc(64, (nwork + 63) / 64 * 64 + 64);
     return p[0] && p[1] && p[2] && p[3] && p[4];
 }
 
@@ -150,11 +151,10 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
         for j, kernel in enumerate(KERNEL_NAMES):
             if not implemented(op, kernel):
                 continue
+            work = _WORK if kernel in WORK_KERNELS else ""
             for d, dtype in enumerate(DTYPES):
                 sfx = "f32" if dtype is DType.F32 else "f64"
-                args = (_ARGS[op] + (_WORK if kernel in WORK_KERNELS else "")).format(
-                    t=_CTYPE[dtype]
-                )
+                args = (_ARGS[op] + work).format(t=_CTYPE[dtype])
                 code = (i * (len(KERNEL_NAMES) + len(extra)) + j) * 2 + d
                 cases.append(f"    case {code}: pe_{op}_{kernel}_{sfx}({args}); break;")
     head = [

@@ -318,6 +318,15 @@ static inline void PE_S(pe_w4_at)(PE_T m0, PE_T m1, PE_T m2, PE_T m3, PE_T m4, P
     a[3 * st] = d12 + 8 * d34 + m5;
 }
 
+/* Where tile t of an output-shaped map (q's Cout channels of OH x OW) starts, channel 0,
+ * and how many of its 4 rows and columns lie inside the map. */
+static long PE_S(pe_w4_tile)(const PE_S(pe_wg) *q, long t, long *rows, long *cols) {
+    long n = t / q->tiles, r = t % q->tiles, ya = r / q->tw * 4, xa = r % q->tw * 4;
+    *rows = q->OH - ya < 4 ? q->OH - ya : 4;
+    *cols = q->OW - xa < 4 ? q->OW - xa : 4;
+    return n * q->Cout * q->OH * q->OW + ya * q->OW + xa;
+}
+
 /* U[xi][o][c] of every filter, planes `plane` elements apart (pe_winograd4_work's layout). */
 static void PE_S(pe_w4_filters)(const PE_S(pe_wg) *q, PE_T *restrict U, long plane) {
     long wc = q->wc;
@@ -403,10 +412,8 @@ static void PE_S(pe_w4_output)(const PE_S(pe_wg) *q, const PE_T *M, long o0, lon
                 PE_S(pe_w4_at)(E[6 * i][t], E[6 * i + 1][t], E[6 * i + 2][t], E[6 * i + 3][t],
                                E[6 * i + 4][t], E[6 * i + 5][t], &Y[4 * i][t], PE_WG_TB);
         for (long t = 0; t < tn; t++) {
-            long n = (t0 + t) / q->tiles, r = (t0 + t) % q->tiles;
-            long ya = r / q->tw * 4, xa = r % q->tw * 4;
-            long rows = q->OH - ya < 4 ? q->OH - ya : 4, cols = q->OW - xa < 4 ? q->OW - xa : 4;
-            PE_T *plane = q->out + (n * q->Cout + o0 + o) * q->OH * q->OW + ya * q->OW + xa;
+            long rows, cols, at = PE_S(pe_w4_tile)(q, t0 + t, &rows, &cols);
+            PE_T *plane = q->out + at + (o0 + o) * q->OH * q->OW;
             for (long i = 0; i < rows; i++)
                 for (long j = 0; j < cols; j++) plane[i * q->OW + j] = Y[4 * i + j][t];
         }
@@ -468,6 +475,17 @@ void PE_S(pe_conv2d_input_grad_winograd4)(const PE_T *gy, const PE_T *w, PE_T *g
  * the stack: about 300 KiB in float32, 380 KiB in float64). M lies in `work`, each block of
  * input channels PE_WG_TB wide; at the end each (o, c) pair's 6x6 M is folded to 3x3. */
 
+/* a = A y of four values (A = (A^T)^T, 6 x 4), into a[0], a[st], ..., a[5 st]. */
+static inline void PE_S(pe_w4_a)(PE_T y0, PE_T y1, PE_T y2, PE_T y3, PE_T *a, long st) {
+    PE_T s02 = y0 + y2, s13 = y1 + y3, f02 = y0 + 4 * y2, f13 = 2 * y1 + 8 * y3;
+    a[0] = y0;
+    a[st] = s02 + s13;
+    a[2 * st] = s02 - s13;
+    a[3 * st] = f02 + f13;
+    a[4 * st] = f02 - f13;
+    a[5 * st] = y3;
+}
+
 /* GY[xi][o][t] = A gy A^T of each 4x4 tile of the output gradient (zeros outside its map)
  * for output channels [o0, o0+on) and tiles [t0, t0+tn); planes `gs` elements apart. */
 static void PE_S(pe_w4_grad_tiles)(const PE_S(pe_wg) *q, const PE_T *gy, long o0, long on,
@@ -477,37 +495,20 @@ static void PE_S(pe_w4_grad_tiles)(const PE_S(pe_wg) *q, const PE_T *gy, long o0
         for (long t = 0; t < PE_WG_TB; t++) {
             for (int k = 0; k < 16; k++) P[k][t] = 0;
             if (t >= tn) continue;
-            long n = (t0 + t) / q->tiles, r = (t0 + t) % q->tiles;
-            long ya = r / q->tw * 4, xa = r % q->tw * 4;
-            long rows = q->OH - ya < 4 ? q->OH - ya : 4, cols = q->OW - xa < 4 ? q->OW - xa : 4;
-            const PE_T *plane = gy + (n * q->Cout + o0 + o) * q->OH * q->OW + ya * q->OW + xa;
+            long rows, cols, at = PE_S(pe_w4_tile)(q, t0 + t, &rows, &cols);
+            const PE_T *plane = gy + at + (o0 + o) * q->OH * q->OW;
             for (long i = 0; i < rows; i++)
                 for (long j = 0; j < cols; j++) P[4 * i + j][t] = plane[i * q->OW + j];
         }
-        for (int j = 0; j < 4; j++) /* A gy, a column at a time: a = (y0, y0+y1+y2+y3, ...) */
-            for (long t = 0; t < PE_WG_TB; t++) {
-                PE_T y0 = P[j][t], y1 = P[4 + j][t], y2 = P[8 + j][t], y3 = P[12 + j][t];
-                PE_T s02 = y0 + y2, s13 = y1 + y3, f02 = y0 + 4 * y2, f13 = 2 * y1 + 8 * y3;
-                E[j][t] = y0;
-                E[4 + j][t] = s02 + s13;
-                E[8 + j][t] = s02 - s13;
-                E[12 + j][t] = f02 + f13;
-                E[16 + j][t] = f02 - f13;
-                E[20 + j][t] = y3;
-            }
+        for (int j = 0; j < 4; j++) /* A gy, a column at a time */
+            for (long t = 0; t < PE_WG_TB; t++)
+                PE_S(pe_w4_a)(P[j][t], P[4 + j][t], P[8 + j][t], P[12 + j][t], &E[j][t],
+                              4 * PE_WG_TB);
         for (int i = 0; i < 6; i++) { /* (A gy) A^T, a row at a time */
             PE_T *g = GY + 6 * i * gs + o * PE_WG_TB;
-            for (long t = 0; t < PE_WG_TB; t++) {
-                PE_T y0 = E[4 * i][t], y1 = E[4 * i + 1][t], y2 = E[4 * i + 2][t];
-                PE_T y3 = E[4 * i + 3][t];
-                PE_T s02 = y0 + y2, s13 = y1 + y3, f02 = y0 + 4 * y2, f13 = 2 * y1 + 8 * y3;
-                g[t] = y0;
-                g[gs + t] = s02 + s13;
-                g[2 * gs + t] = s02 - s13;
-                g[3 * gs + t] = f02 + f13;
-                g[4 * gs + t] = f02 - f13;
-                g[5 * gs + t] = y3;
-            }
+            for (long t = 0; t < PE_WG_TB; t++)
+                PE_S(pe_w4_a)(E[4 * i][t], E[4 * i + 1][t], E[4 * i + 2][t], E[4 * i + 3][t],
+                              g + t, gs);
         }
     }
 }
