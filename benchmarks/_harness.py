@@ -30,6 +30,7 @@ __all__ = [
     "child_env",
     "extract_kernels",
     "forward",
+    "out_file",
     "reset_peak",
     "run_cases",
     "run_child",
@@ -37,6 +38,7 @@ __all__ = [
     "utc_now",
     "vm_kib",
     "vm_mib",
+    "write_out",
     "write_results",
     "write_section",
 ]
@@ -45,6 +47,29 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SHAPES = ("seq_len", "image_size", "epochs", "batch_size")  # finetune's shape options
 KERNELS = "pockengine/backends/c/kernels"
+
+
+def out_file(text: str) -> Path:
+    """``--out``'s argparse type: a file to write the results to, checked before the run
+    (not a folder, in a folder that exists), so a typo costs no measurement."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no folder {path.parent}")
+    return path
+
+
+def write_out(path: Path, payload: Any) -> None:
+    """``payload`` as JSON at ``path``, written aside and renamed, following no link
+    (``pockengine.safe_write``); a refused write exits with one message."""
+    from pockengine.ir import PockEngineError
+    from pockengine.safe_write import write_json
+
+    try:
+        write_json(path, payload, indent=1)
+    except (OSError, PockEngineError) as exc:
+        sys.exit(f"error: --out {path}: {exc}")
 
 
 def extract_kernels(rev: str, folder: Path) -> None:

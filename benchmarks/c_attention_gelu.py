@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import extract_kernels
+from _harness import extract_kernels, out_file, write_out
 
 from pockengine.finetune.arg_types import positive_int
 
@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--rev", default=None, help="also time this revision's kernels")
     parser.add_argument("--rounds", type=positive_int, default=21)
     parser.add_argument("--threads", type=positive_int, default=1)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_file, default=None, help="also write the JSON here")
     args = parser.parse_args()
     import torch
 
@@ -167,7 +167,7 @@ def main() -> int:
     result: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds, "median_ms": ms,
                               "command": "python " + " ".join(sys.argv)}  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_out(args.out, result)
     print(json.dumps(result))
     return 0
 

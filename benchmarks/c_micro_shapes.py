@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _harness import out_file, write_out
 from c_gemm import SHAPES, declare_gemm, gemm_runner
 
 from pockengine.backends.c.driver import KERNEL_DIR, toolchain
@@ -132,7 +133,7 @@ def main() -> int:
     )
     parser.add_argument("--shapes", nargs="+", type=_parse_shape, default=["6x4", "8x3", "24x1"])
     parser.add_argument("--rounds", type=positive_int, default=9)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=out_file, default=None, help="also write the JSON here")
     args = parser.parse_args()
     shapes = [s if isinstance(s, tuple) else _parse_shape(s) for s in args.shapes]
     flags = toolchain().flags
@@ -181,7 +182,7 @@ def main() -> int:
         "total seconds of one pass: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in total.items())
     )
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_out(args.out, summary)
     print(json.dumps(summary))
     return 0
 

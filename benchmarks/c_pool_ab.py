@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import extract_kernels
+from _harness import extract_kernels, out_file, write_out
 from c_winograd import _vgg
 
 from pockengine.finetune.arg_types import positive_int
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--rev", required=True, help="the baseline's git revision")
     parser.add_argument("--rounds", type=positive_int, default=15)
     parser.add_argument("--threads", type=positive_int, default=1)
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--out", type=out_file, help="also write the JSON here")
     args = parser.parse_args()
 
     import pockengine as pe
@@ -108,7 +108,7 @@ def main() -> None:
               "step_median_cpu_s": {k: round(v, 4) for k, v in med.items()},
               "step_ratio": round(ratio, 3)}  # fmt: skip
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_out(args.out, result)
     print(json.dumps(result))
     sys.exit(0 if same else 1)
 

@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from _harness import out_file, write_out
+
 from pockengine.finetune.arg_types import positive_int
 
 # (name, batch, channels in, channels out, map side)
@@ -163,7 +165,7 @@ def main() -> None:
     parser.add_argument("--steps", type=positive_int, default=10, help="steps a variant")
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--portable", action="store_true", help="-O3 without -march")
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--out", type=out_file, help="also write the JSON here")
     args = parser.parse_args()
     rows = time_kernels(args.rounds, args.threads, args.portable)
     print(f"{'shape':22} {'op':18} " + " ".join(f"{k:>16}" for k in KERNELS) + "  rule")
@@ -179,7 +181,7 @@ def main() -> None:
               "rounds": args.rounds, "kernels": rows, "step": step}  # fmt: skip
     text = json.dumps(result)
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_out(args.out, result)
     print(text)
 
 
