@@ -46,6 +46,13 @@ class Backend(ABC):
     @abstractmethod
     def compile(self, graph: Graph) -> Executable: ...
 
+    def under_budget(self, budget: int) -> Backend:
+        """This backend for a step whose planned peak is capped at ``budget`` bytes
+        (``pe.compile(..., memory_budget=...)``). A backend that adds memory the training
+        graph's plan does not hold (the C backend's layout conversions and kernels' working
+        memory) returns a copy that gives those up to fit; the default is itself."""
+        return self
+
     @abstractmethod
     def from_numpy(self, array: Array) -> Any:
         """A copy of ``array`` that the backend owns (it never aliases ``array``)."""

@@ -24,7 +24,7 @@ from pockengine.plan.placement import Placement
 if TYPE_CHECKING:
     from pockengine.plan.recomputation import Recomputation
 
-__all__ = ["Figures", "KernelChoice", "LayerFigures", "Report", "analyze"]
+__all__ = ["BackendMemory", "Figures", "KernelChoice", "LayerFigures", "Report", "analyze"]
 
 _UPDATE_GRAD_INPUT = 1  # sgd_update, sgd_momentum_update, adamw_update: (w, g, ...)
 
@@ -51,6 +51,37 @@ class KernelChoice:
         if others:
             text += f"  others: {', '.join(others)}"
         return text + ("  (cached)" if self.cached else "")
+
+
+@dataclass(frozen=True)
+class BackendMemory:
+    """The memory plan of the step as its backend runs it, where the backend plans its own
+    (the C backend's arena): after the backend's layout pass and with its kernels' working
+    memory, which the training graph's plan (the report's "planned peak") does not hold.
+    ``given_up``: what a memory budget made the backend give up, one line each."""
+
+    backend: str
+    planned_peak_bytes: int  # its arena and the persistent values (params, state)
+    arena_bytes: int
+    work_bytes: int  # kernels' working memory, summed over the nodes that take it
+    work_nodes: int
+    conversion_bytes: int  # layout conversions' results, summed
+    conversions: int
+    budget: int | None = None  # pe.compile(memory_budget=...), bytes
+    given_up: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{self.backend} step's own plan: planned peak {_mib(self.planned_peak_bytes)} "
+            f"(arena {_mib(self.arena_bytes)})"
+            + ("" if self.budget is None else f", budget {_mib(self.budget)}"),
+            f"  kernels' working memory: {_mib(self.work_bytes)} on {self.work_nodes} nodes; "
+            f"layout conversions: {_mib(self.conversion_bytes)} in {self.conversions}",
+        ]
+        if self.given_up:
+            out.append("  given up to meet the budget:")
+            out += [f"    {line}" for line in self.given_up]
+        return out
 
 
 @dataclass
@@ -195,6 +226,7 @@ class Report:
     placement: Placement | None = None  # a step on several backends: who runs what
     recomputation: Recomputation | None = None  # compile(memory_budget=...): what it recomputes
     kernels: tuple[KernelChoice, ...] = ()  # CBackend(tune=True): each tuned node's kernel
+    backend_memory: BackendMemory | None = None  # a backend that plans its own memory (C)
 
     def ratio(self, key: str) -> float:
         base = getattr(self.full, key)
@@ -212,6 +244,8 @@ class Report:
             out["recomputation"] = self.recomputation.to_dict()
         if self.kernels:
             out["c_kernels"] = [asdict(k) for k in self.kernels]
+        if self.backend_memory is not None:
+            out["backend_memory"] = asdict(self.backend_memory)
         return out
 
     def __str__(self) -> str:
@@ -243,6 +277,8 @@ class Report:
                 lines.append(f"    {name}: {shown}")
         if self.recomputation is not None:
             lines += ["", *(f"  {line}" for line in self.recomputation.lines())]
+        if self.backend_memory is not None:
+            lines += ["", *(f"  {line}" for line in self.backend_memory.lines())]
         if self.kernels:
             total = sum(k.time for k in self.kernels)
             lines += [

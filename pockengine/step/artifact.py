@@ -284,7 +284,8 @@ class LoadedStep(CompiledStep):
         if isinstance(self.backend, MixedBackend):
             placement = self.backend.placement(self.graph)
         kernels = tuple(getattr(self._exec, "kernel_choices", ()))  # CBackend(tune=True)
-        return self._report.at_depth(depth, placement, kernels)
+        memory = getattr(self._exec, "memory", None)  # a backend's own plan (C)
+        return self._report.at_depth(depth, placement, kernels, memory)
 
     def evaluator(self) -> Evaluator:
         """The compiled evaluator saved with the step; a ``StepFileError`` if none was."""

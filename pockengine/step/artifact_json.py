@@ -23,7 +23,7 @@ from pockengine.ir import DType, TensorType
 from pockengine.passes.quantize import QuantizedParam
 from pockengine.plan.index_bounds import IndexBound
 from pockengine.plan.recomputation import Recomputation, Segment
-from pockengine.plan.report import Figures, KernelChoice, LayerFigures, Report
+from pockengine.plan.report import BackendMemory, Figures, KernelChoice, LayerFigures, Report
 from pockengine.sparse import schemes
 from pockengine.sparse.lora import Adapter
 from pockengine.sparse.schemes import Resolution, Scheme
@@ -68,11 +68,13 @@ class SavedReport:
         depth: int | None,
         placement: Placement | None,
         kernels: tuple[KernelChoice, ...] = (),
+        memory: BackendMemory | None = None,
     ) -> Report:
-        """The report cut to ``depth``, with the loading backend's ``placement`` and
-        ``kernels`` (the kernels its executable chose: the loaded step's, not the saver's)."""
+        """The report cut to ``depth``, with the loading backend's ``placement``,
+        ``kernels`` (the kernels its executable chose: the loaded step's, not the saver's)
+        and ``memory`` (its executable's own plan, where it has one)."""
         ours, full = (_cut(f, depth) for f in (self.ours, self.full))
-        return Report(self.scheme, ours, full, placement, self.recomputation, kernels)
+        return Report(self.scheme, ours, full, placement, self.recomputation, kernels, memory)
 
 
 def _cut(figures: Figures, depth: int | None) -> Figures:

@@ -144,9 +144,9 @@ class TrainStep(CompiledStep):
         placement = mixed.placement(self.graph) if mixed is not None else None
         ours, full_figures = analyze(self.graph, depth), analyze(full_graph, depth)
         kernels = tuple(getattr(self._exec, "kernel_choices", ()))  # CBackend(tune=True)
-        return Report(
-            label, ours, full_figures, placement, recomputation(self.passes, self.stages), kernels
-        )
+        memory = getattr(self._exec, "memory", None)  # a backend's own plan (C)
+        redone = recomputation(self.passes, self.stages)
+        return Report(label, ours, full_figures, placement, redone, kernels, memory)
 
 
 def compile(
@@ -215,7 +215,10 @@ def compile(
     # the backend's own rewrites (the C backend's low-bit products) last, so that a memory
     # budget plans the graph the backend runs
     pipeline = (*pipeline, *getattr(engine, "lowering_passes", lambda: ())())
-    pipeline = with_budget(pipeline, parse_budget(memory_budget))
+    budget = parse_budget(memory_budget)
+    pipeline = with_budget(pipeline, budget)
+    if budget is not None:  # the backend's own additions to the plan fit it too
+        engine = engine.under_budget(budget)
     kind, optim = frontend_of(model), optimizer or SGD()
     if not isinstance(in_place, bool):  # "no" or "false" would be truthy
         raise CompileError(f"in_place must be True or False, got {in_place!r}")

@@ -93,7 +93,7 @@ def _hf_folder(path: str) -> Path:
 
 
 # Loaders never run code from the folder (no auto_map classes) and never prompt for it.
-_SAFE = {"local_files_only": True, "trust_remote_code": False}
+_SAFE: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
 
 
 def load_hf_encoder(path: str) -> tuple[nn.Module, int, int]:
@@ -105,7 +105,9 @@ def load_hf_encoder(path: str) -> tuple[nn.Module, int, int]:
     try:
         with quiet_transformers():
             config = AutoConfig.from_pretrained(str(folder), **_SAFE)
-            extra = {"add_pooling_layer": False} if config.model_type in _POOLER_MODELS else {}
+            extra: dict[str, Any] = (
+                {"add_pooling_layer": False} if config.model_type in _POOLER_MODELS else {}
+            )
             encoder = AutoModel.from_pretrained(str(folder), use_safetensors=True, **_SAFE, **extra)
     except Exception as exc:  # transformers raises many kinds; the folder is the cause
         raise FinetuneError(f"cannot load the model in {folder}: {exc}") from exc

@@ -32,10 +32,11 @@ from pockengine.backends.c import (
     lower_reduce,
     lower_select,
 )
-from pockengine.backends.c.conv_kernels import CONV_OPS, conv_geometry, node_kernel
+from pockengine.backends.c.budget_fit import fit_budget, memory_of
+from pockengine.backends.c.conv_kernels import CONV_OPS
 from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
-from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
+from pockengine.backends.c.layout import heuristic_nhwc
 from pockengine.backends.c.layout_tune import (
     NHWC_KERNEL,
     choose_layouts,
@@ -43,12 +44,12 @@ from pockengine.backends.c.layout_tune import (
     nhwc_beside,
 )
 from pockengine.backends.c.lowering import LOWERING_PASSES, lower_for_c
-from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
-from pockengine.backends.c.workspace import add_workspaces, with_workspace
+from pockengine.backends.c.workspace import with_workspace
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
 from pockengine.ir.arrays import Array
 from pockengine.plan import MemoryPlan
+from pockengine.plan.report import BackendMemory
 
 __all__ = ["KERNELS", "BoundStep", "CBackend", "CExecutable"]
 
@@ -122,6 +123,7 @@ class CExecutable(Executable):
         profile: bool = False,
         tune: bool = False,
         threads: int | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         graph = lower_for_c(graph)  # low-bit products, batch norm with its hardtanh
         check_claims(graph)
@@ -139,14 +141,16 @@ class CExecutable(Executable):
             nhwc = {c.output for c in layouts if c.kernel == NHWC_KERNEL}
         else:
             nhwc = heuristic_nhwc(graph)
-        graph = apply_layouts(graph, nhwc)
-        conv_kernels = {k: v for k, v in kernels.items() if k not in nhwc}
-        graph = add_workspaces(graph, lambda n: (node_kernel(n, conv_geometry(n), conv_kernels),))
+        # the layouts and the kernels' working memory, less what a memory budget gives up
+        seconds = {c.output: c.seconds for c in choices}
+        arranged = fit_budget(graph, kernels, nhwc, memory_budget, seconds)
+        graph = arranged.graph
         self.graph = graph
-        self.plan: MemoryPlan = plan_step_memory(graph)
+        self.plan: MemoryPlan = arranged.plan
+        self.memory: BackendMemory = memory_of(arranged, memory_budget)
         self.profiled = profile
         self.kernel_choices: list[KernelChoice] = choices
-        self._conv_kernels = conv_kernels
+        self._conv_kernels = arranged.conv_kernels
         # The source (0.5 MB for MobileNetV2) is not kept: ``source`` emits it again.
         self.library_path = build_library(self.source, portable)
         self._lib = ctypes.CDLL(str(self.library_path))
@@ -236,7 +240,10 @@ class CBackend(Backend):
     convolution node at compile time and keeps the fastest (``tune.py``; cached, so a
     second compile measures nothing), then times NHWC against it where an NHWC kernel
     exists (``layout_tune.py``); off by default, when each node takes the kernel of
-    ``conv_kernels.rule_kernel`` and the layout of ``layout.heuristic_layout``."""
+    ``conv_kernels.rule_kernel`` and the layout of ``layout.heuristic_layout``.
+    ``memory_budget`` (bytes; ``pe.compile(..., memory_budget=...)`` sets it) caps the
+    arena plan: kernels' working memory and NHWC layouts are given up until the plan fits
+    (``budget_fit.py``; ``step.report()`` lists what was)."""
 
     name = "c"
 
@@ -246,14 +253,28 @@ class CBackend(Backend):
         threads: int | None = None,
         profile: bool = False,
         tune: bool = False,
+        memory_budget: int | None = None,
     ) -> None:
+        if memory_budget is not None and not (
+            isinstance(memory_budget, int)
+            and not isinstance(memory_budget, bool)
+            and memory_budget > 0
+        ):
+            raise CompileError(f"CBackend: memory_budget must be bytes > 0, got {memory_budget!r}")
         self.portable = portable
         self.threads = threads
         self.profile = profile
         self.tune = tune
+        self.memory_budget = memory_budget
+
+    def under_budget(self, budget: int) -> CBackend:
+        """This backend with its arena plan capped at ``budget`` bytes (a copy)."""
+        return CBackend(self.portable, self.threads, self.profile, self.tune, budget)
 
     def compile(self, graph: Graph) -> CExecutable:
-        executable = CExecutable(graph, self.portable, self.profile, self.tune, self.threads)
+        executable = CExecutable(
+            graph, self.portable, self.profile, self.tune, self.threads, self.memory_budget
+        )
         if self.threads is not None:
             executable._lib.pe_set_threads(ctypes.c_int(self.threads))
         return executable

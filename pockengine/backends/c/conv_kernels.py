@@ -30,7 +30,7 @@ least 4 (the input gradient at stride 1), else direct.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from pockengine.ir import Node
@@ -213,16 +213,18 @@ def _winograd4_wins(op: str, g: ConvGeometry) -> bool:
     return read >= least and span * tiles >= max(g.c, g.o)
 
 
-def rule_kernel(op: str, g: ConvGeometry, itemsize: int) -> str:
-    """The kernel the heuristic picks (see the module docstring)."""
+def rule_kernel(op: str, g: ConvGeometry, itemsize: int, without: Collection[str] = ()) -> str:
+    """The kernel the heuristic picks (see the module docstring), other than ``without``
+    (the kernels that take working memory, under a memory budget)."""
     if g.pointwise:
         return "pointwise"
     if g.depthwise and _depthwise_wins(op, g, itemsize):
         return "depthwise"
-    if g.winograd and implemented(op, "winograd4") and _winograd4_wins(op, g):
+    four = "winograd4" not in without and implemented(op, "winograd4")
+    if g.winograd and four and _winograd4_wins(op, g):
         return "winograd4"
     wide = min(g.c, g.o) >= WINOGRAD_MIN
-    if g.winograd and implemented(op, "winograd") and wide:
+    if g.winograd and "winograd" not in without and implemented(op, "winograd") and wide:
         return "winograd"
     stride_ok = op != "conv2d_input_grad" or (g.sh, g.sw) == (1, 1)
     return "im2col" if g.dense and stride_ok else "direct"

@@ -1,0 +1,167 @@
+"""The C step's arrangement, and what it gives up to meet a memory budget.
+
+``arrange(graph, kernels, nhwc)`` is the step as chosen: the layout pass applied
+(``layout.apply_layouts``) and working memory added to the convolutions whose kernel
+takes it (``workspace.add_workspaces``). Both add arena buffers that the training
+pipeline's budget pass (``passes.remat_budget``, which plans the graph before the backend
+sees it) does not plan: the converted maps and F(4x4, 3x3)'s transformed filters or
+weight-gradient sums.
+
+``fit_budget`` plans the arranged step (``plan_step.plan_step_memory``) and, while its
+planned peak is above ``pe.compile(..., memory_budget=...)``'s budget, gives up first
+working memory, one convolution at a time, the largest first (the node takes its fastest
+measured kernel without working memory, else the rule's), then every NHWC layout. It
+keeps the first arrangement that fits, else the one with the lowest peak, and a warning
+says how far that is from the budget. What it gives up costs time, never exactness: every
+kernel and layout computes the same values within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from pockengine.backends.c.conv_kernels import (
+    CONV_OPS,
+    candidates,
+    conv_geometry,
+    node_kernel,
+    rule_kernel,
+)
+from pockengine.backends.c.layout import apply_layouts
+from pockengine.backends.c.plan_step import plan_step_memory
+from pockengine.backends.c.workspace import WORK_KERNELS, add_workspaces, workspace_of
+from pockengine.ir import Graph, Node
+from pockengine.plan import MemoryPlan
+from pockengine.plan.report import BackendMemory
+
+__all__ = ["Arranged", "arrange", "fit_budget", "kernel_without_work", "memory_of"]
+
+log = logging.getLogger(__name__)
+_MIB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class Arranged:
+    """The step the C backend emits: the graph after the layout pass with working memory
+    added, the chosen kernel of each NCHW convolution (by first output), its arena plan,
+    and one line for each thing a memory budget made it give up."""
+
+    graph: Graph
+    conv_kernels: dict[str, str]
+    plan: MemoryPlan
+    given_up: tuple[str, ...] = ()
+
+
+def arrange(graph: Graph, kernels: Mapping[str, str], nhwc: Collection[str]) -> Arranged:
+    """``graph`` (lowered for C) with the convolutions named in ``nhwc`` in NHWC and each
+    other convolution's working memory for its kernel (``kernels``' entry, else the
+    rule's), planned."""
+    laid = apply_layouts(graph, nhwc)
+    conv = {k: v for k, v in kernels.items() if k not in nhwc}
+    worked = add_workspaces(laid, lambda n: (node_kernel(n, conv_geometry(n), conv),))
+    return Arranged(worked, conv, plan_step_memory(worked))
+
+
+def kernel_without_work(node: Node, seconds: Mapping[str, float] | None = None) -> str:
+    """The kernel conv node ``node`` takes instead of one with working memory: the fastest
+    of ``seconds`` (its measured candidates) that takes none, else the rule's."""
+    g = conv_geometry(node)
+    free = [k for k in candidates(node.op, g) if k not in WORK_KERNELS]
+    timed = [k for k in free if seconds and k in seconds]
+    if timed:
+        return min(timed, key=lambda k: seconds[k] if seconds else 0.0)
+    return rule_kernel(node.op, g, node.outputs[0].dtype.itemsize, without=WORK_KERNELS)
+
+
+def fit_budget(
+    graph: Graph,
+    kernels: Mapping[str, str],
+    nhwc: Collection[str],
+    budget: int | None,
+    seconds: Mapping[str, Mapping[str, float]] | None = None,
+) -> Arranged:
+    """The arrangement of ``graph`` whose planned peak meets ``budget`` bytes, giving up
+    as little as the module docstring says; ``seconds``: each tuned node's measured
+    candidates (by first output). With no budget, ``arrange``'s."""
+    first = arrange(graph, kernels, nhwc)
+    if budget is None or first.plan.planned_peak_bytes <= budget:
+        return first
+    worked = [(w.type.nbytes, n) for n in first.graph.nodes if (w := workspace_of(n)) is not None]
+    instead: dict[str, str] = {}  # first output -> kernel without working memory
+    lines: dict[str, str] = {}
+    best = first
+    for size, node in sorted(worked, key=lambda t: -t[0]):
+        name = node.outputs[0].name
+        was = node_kernel(node, conv_geometry(node), kernels)
+        instead[name] = kernel_without_work(node, (seconds or {}).get(name))
+        lines[name] = (
+            f"{node.op} {name}: {instead[name]} instead of {was} "
+            f"({size / _MIB:.2f} MiB of working memory)"
+        )
+        now = arrange(graph, {**kernels, **instead}, nhwc)
+        if now.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
+            best = now
+        if now.plan.planned_peak_bytes <= budget:
+            return _restored(graph, kernels, nhwc, budget, instead, lines)
+    convs = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in nhwc]
+    if convs:
+        now = arrange(graph, {**kernels, **instead}, ())
+        note = f"{len(convs)} convolutions in NCHW instead of NHWC (no layout conversions)"
+        if now.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
+            best = Arranged(now.graph, now.conv_kernels, now.plan, (*lines.values(), note))
+        if now.plan.planned_peak_bytes <= budget:
+            return best
+    if best is not first and not best.given_up:  # the lowest with working memory given up
+        best = _restored(graph, kernels, nhwc, best.plan.planned_peak_bytes, instead, lines)
+    log.warning(
+        "memory budget %.1f MiB not met by the C step: its plan peaks at %.1f MiB (%.1f MiB "
+        "over) with %s",
+        budget / _MIB,
+        best.plan.planned_peak_bytes / _MIB,
+        (best.plan.planned_peak_bytes - budget) / _MIB,
+        "its kernels' working memory and layouts given up where that lowered it"
+        if best.given_up
+        else "nothing of its own left to give up",
+    )
+    return best
+
+
+def _restored(
+    graph: Graph,
+    kernels: Mapping[str, str],
+    nhwc: Collection[str],
+    budget: int,
+    instead: dict[str, str],
+    lines: dict[str, str],
+) -> Arranged:
+    """The arrangement with ``instead``'s kernels (whose plan peaks at ``budget`` or less)
+    less those that the budget did not need: each given up in turn is taken back, the last
+    first, where the plan still fits without it (two nodes at one peak stay given up)."""
+    kept = dict(instead)
+    fitted = arrange(graph, {**kernels, **kept}, nhwc)
+    for name in reversed(list(instead)):
+        trial = {k: v for k, v in kept.items() if k != name}
+        now = arrange(graph, {**kernels, **trial}, nhwc)
+        if now.plan.planned_peak_bytes <= budget:
+            kept, fitted = trial, now
+    given = tuple(lines[k] for k in instead if k in kept)
+    return Arranged(fitted.graph, fitted.conv_kernels, fitted.plan, given)
+
+
+def memory_of(arranged: Arranged, budget: int | None = None) -> BackendMemory:
+    """The report's account of the arranged step's memory (``step.report()``)."""
+    works = [w for n in arranged.graph.nodes if (w := workspace_of(n)) is not None]
+    converted = [n.outputs[0] for n in arranged.graph.nodes if n.op == "layout_convert"]
+    return BackendMemory(
+        "C",
+        arranged.plan.planned_peak_bytes,
+        arranged.plan.arena_bytes,
+        sum(w.type.nbytes for w in works),
+        len(works),
+        sum(v.type.nbytes for v in converted),
+        len(converted),
+        budget,
+        arranged.given_up,
+    )
