@@ -14,14 +14,18 @@ no weight gradient, and F(4x4, 3x3) ``winograd4``) in the tuning harness that
 ``CBackend(tune=True)`` uses (one set of operands, a warm-up run, then the median of 3 to 9
 runs of process CPU time), ``--rounds`` times;
 the table shows the medians over the rounds, each kernel's time against the implicit
-GEMM's, and the rule's choice (``conv_kernels.rule_kernel``).
+GEMM's, and the rule's choice for the build (``conv_kernels.rule_kernel``).
 
 Step: a VGG-style CNN (3x3 convolutions of 32, 64 and 128 channels on 32 x 32 images,
 batch 8, every weight trained, SGD) compiled twice in this process, with the rule as it
 is and with the rule's F(4x4, 3x3) branch off (what it took before: F(2x2, 3x3) from 32
-channels, else the implicit GEMM), then stepped in turn on one batch; the median process
-CPU seconds of ``--steps`` steps each, and whether the losses agree to 1e-4. One JSON
-object on the last line; ``--out`` writes it to a file.
+channels, else the implicit GEMM) and, in a build with the wide FMA GEMM (AVX2 or
+AVX-512), with the portable build's rule (F(2x2, 3x3) from 32 channels, where the rule
+takes the implicit GEMM above 64), then stepped in turn on one batch; the median process
+CPU seconds of ``--steps`` steps each, and whether the losses agree to 1e-4. With the wide
+FMA GEMM, also ResNet-18's stages as plain 3x3 convolutions (64 to 512 channels, one image
+of 56 x 56) with the rule and with the portable build's rule. One JSON object on the last
+line; ``--out`` writes it to a file.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import json
 import re
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +71,10 @@ def time_kernels(rounds: int, threads: int, portable: bool) -> list[dict[str, An
     """Every shape's three ops with each kernel, medians over rounds."""
     from pockengine.backends.c import tune, tune_harness
     from pockengine.backends.c.conv_kernels import CONV_OPS, implemented, rule_kernel
+    from pockengine.backends.c.driver import has_fast_gemm
     from pockengine.ir import DType
 
-    rows = []
+    rows, fast = [], has_fast_gemm(portable)
     for name, batch, cin, cout, side in SHAPES:
         g = _geometry(batch, cin, cout, side)
         for op in CONV_OPS:
@@ -85,9 +90,22 @@ def time_kernels(rounds: int, threads: int, portable: bool) -> list[dict[str, An
                 "shape": name, "op": op, "batch": batch, "in": cin, "out": cout, "side": side,
                 "ms": {k: round(v, 3) for k, v in ms.items()},
                 "vs_im2col": {k: round(v / ms["im2col"], 3) for k, v in ms.items()},
-                "rule": rule_kernel(op, g, 4),
+                "rule": rule_kernel(op, g, 4, fast_gemm=fast),
             })  # fmt: skip
     return rows
+
+
+@contextlib.contextmanager
+def _portable_rule() -> Iterator[None]:
+    """The rule of a build without the wide FMA GEMM (F(2x2, 3x3) from 32 channels up)."""
+    from pockengine.backends.c import backend
+
+    saved = backend.has_fast_gemm
+    backend.has_fast_gemm = lambda portable=None: False
+    try:
+        yield
+    finally:
+        backend.has_fast_gemm = saved
 
 
 @contextlib.contextmanager
@@ -126,16 +144,44 @@ def _vgg() -> tuple[Any, Any, tuple[Any, ...]]:
     return model, loss_fn, batch
 
 
-def time_steps(steps: int, threads: int, portable: bool) -> dict[str, Any]:
-    """The VGG-style step with the rule and with its F(4x4, 3x3) branch off, in turn."""
+def _deep() -> tuple[Any, Any, tuple[Any, ...]]:
+    """ResNet-18's stages as plain 3x3 convolutions, one image of 56 x 56: 64 channels, then
+    128 on 28 x 28, 256 on 14 x 14 and 512 on 7 x 7 (each stage a strided convolution in
+    and one at stride 1)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, padding=1), nn.ReLU()]
+    for cin, cout in ((64, 128), (128, 256), (256, 512)):
+        layers += [nn.Conv2d(cin, cout, 3, stride=2, padding=1), nn.ReLU(),
+                   nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU()]  # fmt: skip
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10))
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x), y)
+
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(1, 3, 56, 56, generator=g), torch.randint(0, 10, (1,), generator=g))
+    return model, loss_fn, batch
+
+
+def _step_variants(
+    made: tuple[Any, Any, tuple[Any, ...]],
+    variants: dict[str, Callable[[], Any]],
+    steps: int,
+    threads: int,
+    portable: bool,
+) -> dict[str, Any]:
+    """Each variant of the rule compiled in turn, then stepped in turn on one batch: the
+    kernels each calls, the median CPU seconds, whether the losses agree to 1e-4."""
     import pockengine as pe
     from pockengine.backends.c import CBackend
 
-    model, loss_fn, batch = _vgg()
+    model, loss_fn, batch = made
     compiled, kernels = {}, {}
-    for name in ("winograd4", "without"):
-        ctx = _without_winograd4() if name == "without" else contextlib.nullcontext()
-        with ctx:  # the source is emitted again on each read: read it under the same rule
+    for name, variant in variants.items():
+        with variant():  # the source is emitted again on each read: read it under the same rule
             compiled[name] = pe.compile(model, loss_fn, batch, pe.optim.SGD(lr=0.01),
                                         backend=CBackend(portable, threads))  # fmt: skip
             calls = re.findall(r"pe_(conv2d\w*)_f32\(", compiled[name]._exec.source)
@@ -148,15 +194,49 @@ def time_steps(steps: int, threads: int, portable: bool) -> dict[str, Any]:
             losses[name].append(float(step(*batch)))
             seconds[name].append(time.process_time() - start)
     med = {name: statistics.median(s[1:]) for name, s in seconds.items()}
+    first = next(iter(losses.values()))
     agree = all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
-                for a, b in zip(losses["winograd4"], losses["without"], strict=True))  # fmt: skip
-    return {
+                for ls in losses.values() for a, b in zip(ls, first, strict=True))  # fmt: skip
+    return {"kernels": kernels, "median_cpu_s": {k: round(v, 4) for k, v in med.items()},
+            "losses_agree": agree}  # fmt: skip
+
+
+def time_steps(steps: int, threads: int, portable: bool) -> dict[str, Any]:
+    """The VGG-style step with the rule, with its F(4x4, 3x3) branch off and, built for
+    this machine with the wide FMA GEMM, with the portable build's rule, in turn."""
+    from pockengine.backends.c.driver import has_fast_gemm
+
+    variants: dict[str, Callable[[], Any]] = {
+        "winograd4": contextlib.nullcontext, "without": _without_winograd4}  # fmt: skip
+    if has_fast_gemm(portable):
+        variants["portable_rule"] = _portable_rule
+    out = {
         "model": "VGG-style: 3x3 convolutions 3-32-32, 32-64-64, 64-128-128 on 32x32, batch 8",
-        "kernels": kernels,
-        "median_cpu_s": {k: round(v, 4) for k, v in med.items()},
-        "ratio": round(med["winograd4"] / med["without"], 3),
-        "losses_agree": agree,
+        **_step_variants(_vgg(), variants, steps, threads, portable),
     }
+    med = out["median_cpu_s"]
+    out["ratio"] = round(med["winograd4"] / med["without"], 3)
+    if "portable_rule" in med:  # the rule as it is against the portable build's rule
+        out["ratio_portable_rule"] = round(med["winograd4"] / med["portable_rule"], 3)
+    return out
+
+
+def time_deep_steps(steps: int, threads: int, portable: bool) -> dict[str, Any] | None:
+    """Built with the wide FMA GEMM: the ResNet-style step with the rule and with the
+    portable build's rule (else None: the two rules are one)."""
+    from pockengine.backends.c.driver import has_fast_gemm
+
+    if not has_fast_gemm(portable):
+        return None
+    variants: dict[str, Callable[[], Any]] = {
+        "rule": contextlib.nullcontext, "portable_rule": _portable_rule}  # fmt: skip
+    out = {
+        "model": "ResNet-18's stages as 3x3 convolutions, 64-512 channels, 56 px, batch 1",
+        **_step_variants(_deep(), variants, steps, threads, portable),
+    }
+    med = out["median_cpu_s"]
+    out["ratio_portable_rule"] = round(med["rule"] / med["portable_rule"], 3)
+    return out
 
 
 def main() -> None:
@@ -176,9 +256,15 @@ def main() -> None:
     step = time_steps(args.steps, args.threads, args.portable)
     print(f"step: {step['median_cpu_s']} -> {step['ratio']}x; losses agree: "
           f"{step['losses_agree']}; kernels {step['kernels']}")  # fmt: skip
+    deep = time_deep_steps(args.steps, args.threads, args.portable)
+    if deep is not None:
+        print(f"deep step: {deep['median_cpu_s']} -> {deep['ratio_portable_rule']}x; losses "
+              f"agree: {deep['losses_agree']}; kernels {deep['kernels']}")  # fmt: skip
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result = {"args": options, "threads": args.threads, "portable": args.portable,
               "rounds": args.rounds, "kernels": rows, "step": step}  # fmt: skip
+    if deep is not None:
+        result["deep_step"] = deep
     text = json.dumps(result)
     if args.out:
         write_out(args.out, result)

@@ -355,18 +355,49 @@ def c_winograd() -> str:
         ratio = [f"{r['vs_im2col'][k]:.2f}" if k in r["vs_im2col"] else "-"
                  for r in (a, b) for k in ("winograd", "winograd4")]  # fmt: skip
         shape = f"{a['shape']} (batch {a['batch']}, {a['in']}->{a['out']}, {a['side']}px)"
-        rows.append([shape, a["op"], f"{a['ms']['im2col']:.2f}", *ratio, a["rule"]])
+        rows.append([shape, a["op"], f"{a['ms']['im2col']:.2f}", *ratio, a["rule"], b["rule"]])
     header = ("shape", "op", "implicit GEMM, ms", "F(2x2) / GEMM", "F(4x4) / GEMM",
-              "portable: F(2x2) / GEMM", "portable: F(4x4) / GEMM", "rule")  # fmt: skip
+              "portable: F(2x2) / GEMM", "portable: F(4x4) / GEMM", "rule",
+              "portable: rule")  # fmt: skip
     steps = [f"{d['step']['ratio']:.2f}x ({label})" for d, label in
              ((native, "native"), (portable, "portable"))]  # fmt: skip
-    return "\n".join([
+    lines = [
         f"{generated_by(*names)} One thread; times are medians of process CPU time.",
         "",
-        _markdown_table(header, [*_align(2, 5), "---"], rows),
+        _markdown_table(header, [*_align(2, 5), "---", "---"], rows),
         "",
         "VGG-style step with the rule against the rule without F(4x4, 3x3): "
         + ", ".join(steps) + " the CPU time.",
+    ]  # fmt: skip
+    against = native["step"].get("ratio_portable_rule")
+    if against is not None:
+        lines[-1] += (" Native, the rule against the portable build's rule (F(2x2, 3x3) "
+                      f"wherever it has 32 channels): {against:.2f}x.")  # fmt: skip
+    deep = native.get("deep_step")
+    if deep is not None:
+        lines[-1] += (" ResNet-18's stages as 3x3 convolutions (one image of 56 x 56), native, "
+                      f"the same: {deep['ratio_portable_rule']:.2f}x.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def c_strided_grad() -> str:
+    """Strided input gradients, col2im against direct loops (c_strided_grad.py)."""
+    name = "c_strided_grad-1thread.json"
+    data = load(name)
+    rows = [[r["shape"], str(r["batch"]), f"{r['side']}px", f"{r['ms']['direct']:.2f}",
+             f"{r['ms']['im2col']:.2f}", f"{r['ratio']:.3f}"] for r in data["kernels"]]  # fmt: skip
+    header = ("shape (stride 2)", "batch", "input", "direct loops, ms", "col2im, ms", "ratio")
+    step = data["step"]
+    med = step["median_cpu_s"]
+    return "\n".join([
+        f"{generated_by(name)} One thread; times are medians of process CPU time.",
+        "",
+        _markdown_table(header, _align(3, 3), rows),
+        "",
+        f"{step['model']}: {med['rule'] * 1e3:.1f} ms a step with col2im, "
+        f"{med['direct'] * 1e3:.1f} ms with the strided input gradients on direct loops "
+        f"({step['ratio']:.2f}x; "
+        + ("the same losses to 1e-4)." if step["losses_agree"] else "the losses DIFFER)."),
     ])  # fmt: skip
 
 
@@ -610,6 +641,7 @@ TABLES: tuple[Table, ...] = (
     _ours("docs/benchmarks.md", "lora-speed", lora_speed),
     _ours("docs/c_backend.md", "device-footprint", device_footprint),
     _ours("docs/c_backend.md", "c-winograd", c_winograd),
+    _ours("docs/c_backend.md", "c-strided-grad", c_strided_grad),
     _ours("docs/c_backend.md", "c-vs-eager-1thread", c_vs_eager("c_vs_eager-1thread.json")),
     _ours("docs/c_backend.md", "c-vs-eager-2thread", c_vs_eager("c_vs_eager-2thread.json")),
     _ours(

@@ -1,8 +1,9 @@
 """The C backend's convolution kernels against the NumPy backend: depthwise (3x3 and 5x5,
 strides 1 and 2, padding, dilation, maps from 1 to 33 columns), pointwise (maps narrower
 and wider than the GEMM's micro-kernel), dense and grouped ones (implicit GEMM: padding
-smaller, equal to and larger than the filter's reach, dilation; direct loops for a group
-of too few channels and a strided input gradient), each forward, input gradient and
+smaller, equal to and larger than the filter's reach, dilation; a strided input gradient
+as col2im of a product, in blocks of channels and positions; direct loops for a group
+of too few channels), each forward, input gradient and
 weight gradient, with the rule's kernels and with each node forced onto direct loops or the
 implicit GEMM wherever valid, float32 (1e-5 relative to the sum of magnitudes) and
 float64 (1e-12), all in one compiled graph. Winograd F(2x2, 3x3) and F(4x4, 3x3) (every
@@ -60,6 +61,13 @@ CASES = [
     # of input channels and of output channels (more in float64), cut tiles at the bottom
     # and right edges
     (2, 20, 36, 1, 18, 15, 3, 1, 1, 1),
+    # strided dense input gradients (col2im of a product): three blocks of channels (16 of
+    # 3x3 a block, the last short) and two of positions (128 a block; 13 x 13 here); a 7x7
+    # stem at stride 2; a 1x1 shortcut at stride 2; stride 3 with dilation, grouped
+    (1, 40, 24, 1, 26, 25, 3, 2, 1, 1),
+    (2, 3, 16, 1, 20, 18, 7, 2, 3, 1),
+    (2, 16, 24, 1, 9, 9, 1, 2, 0, 1),
+    (2, 12, 8, 2, 17, 16, 3, 3, 2, 2),
 ]
 
 
@@ -193,7 +201,7 @@ def test_winograd_trains_a_torch_initialised_cnn_as_numpy(
         np.testing.assert_allclose(steps["c"].state_dict()[name], value, rtol=1e-4, atol=1e-5)
 
 
-_CONV_FILES = ("winograd.c", "depthwise.c", "dw_flat.c", "common.c")
+_CONV_FILES = ("winograd.c", "depthwise.c", "dw_flat.c", "im2col.c", "linalg.c", "common.c")
 
 
 @FLAG_SETS

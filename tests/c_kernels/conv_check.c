@@ -3,7 +3,9 @@
  * dilations 1-2, padding up to the filter's size, maps 1-40 a side; Winograd 3x3 with
  * 1-40 channels in and out, padding 0-3 (the input gradient then pads by 2 - p, down to
  * -1), maps 1-12 (F(2x2, 3x3) and F(4x4, 3x3), forward, input gradient and F(4x4)'s
- * weight gradient); then fixed depthwise geometries (maps up to 97 a side, on the row
+ * weight gradient); the implicit GEMM's input gradient (col2im where strided) on dense and
+ * grouped geometries with filters 1-7 a side, strides 1-3 and dilations 1-2; then fixed
+ * depthwise geometries (maps up to 97 a side, on the row
  * kernels, and MobileNetV2's) and Winograd ones of up to 147 tiles. Prints "ok <cases>"
  * and exits 0, or names each case off by more than 1e-5 of its largest value (3e-5 for
  * F(4x4, 3x3)) and exits 1. tests/test_c_conv.py builds it with the
@@ -46,7 +48,7 @@ static int check(const long*g,int wino,double*worst){
   long nx=N*C*H*W, ny=N*O*OH*OW, nw=O*(C/G)*K*KW; int bad=0;
   float*x=alloc(nx),*w=alloc(nw),*gy=alloc(ny),*y=alloc(ny),*y2=alloc(ny),*gx=alloc(nx),*gx2=alloc(nx),*gw=alloc(nw),*gw2=alloc(nw);
   ref_fwd(x,w,y2,g); ref_igrad(gy,w,gx2,g); ref_wgrad(x,gy,gw2,g);
-  if(wino){ pe_conv2d_winograd_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd_f32(gy,w,gx,g);
+  if(wino==1){ pe_conv2d_winograd_f32(x,w,NULL,y,g); pe_conv2d_input_grad_winograd_f32(gy,w,gx,g);
     double e1=err(y,y2,ny),e2=err(gx,gx2,nx); if(e1>worst[3])worst[3]=e1; if(e2>worst[4])worst[4]=e2;
     if(e1>1e-5||e2>1e-5) bad=1, printf("winograd off %ld %ld %ld %ld %ld p%ld,%ld: %g %g\n",N,C,O,H,W,p,pw,e1,e2);
     long nwork=pe_winograd4_work(0,g), n1=pe_winograd4_work(1,g), n2=pe_winograd4_work(2,g);
@@ -57,6 +59,10 @@ static int check(const long*g,int wino,double*worst){
     e1=err(y,y2,ny),e2=err(gx,gx2,nx); double e3=err(gw,gw2,nw);
     if(e1>worst[5])worst[5]=e1; if(e2>worst[6])worst[6]=e2; if(e3>worst[7])worst[7]=e3;
     if(e1>WINO4_TOL||e2>WINO4_TOL||e3>WINO4_TOL) bad=1, printf("winograd4 off %ld %ld %ld %ld %ld p%ld,%ld: %g %g %g\n",N,C,O,H,W,p,pw,e1,e2,e3);
+  } else if(wino==2){ /* the implicit GEMM's input gradient: col2im where strided */
+    pe_conv2d_input_grad_im2col_f32(gy,w,gx,g);
+    double e2=err(gx,gx2,nx); if(e2>worst[8])worst[8]=e2;
+    if(e2>1e-5) bad=1, printf("im2col input grad off N%ld C%ld O%ld G%ld H%ld W%ld K%ldx%ld s%ld,%ld p%ld,%ld d%ld,%ld: %g\n",N,C,O,G,H,W,K,KW,s,sw,p,pw,d,dw,e2);
   } else {
     pe_depthwise_f32(x,w,NULL,y,g); pe_depthwise_input_grad_f32(gy,w,gx,g); pe_depthwise_weight_grad_f32(x,gy,gw,g);
     double e1=err(y,y2,ny),e2=err(gx,gx2,nx),e3=err(gw,gw2,nw); if(e1>worst[0])worst[0]=e1; if(e2>worst[1])worst[1]=e2; if(e3>worst[2])worst[2]=e3;
@@ -80,7 +86,7 @@ static const long FIXED[][7]={
 static const long FIXED_WINO[][6]={
   {2,20,36,18,15,1},{3,5,7,30,29,0},{1,33,65,17,17,2},{4,8,8,16,16,1},{1,3,40,23,9,1}};
 int main(void){
-  double worst[8]={0};
+  double worst[9]={0};
   int cases = 0, bad = 0;
   for(int it=0;it<240;it++){
     int wino = it%2;
@@ -92,6 +98,17 @@ int main(void){
     cases++;
     long g[PE_G_LEN]={N,C,H,W,O,K,KW,OH,OW,s,sw,p,pw,d,dw,G,0,0};
     bad|=check(g,wino,worst);
+  }
+  /* dense and grouped input gradients, strides 1-3 (col2im blocks: up to 40 channels of
+   * up to 7x7 taps, up to 900 positions) */
+  for(int it=0;it<80;it++){
+    long G=1+rnd(2),N=1+rnd(2),H=1+rnd(30),W=1+rnd(30),K=1+rnd(7),KW=1+rnd(7),s=1+rnd(3),sw=1+rnd(3),d=1+rnd(2),dw=1+rnd(2);
+    long p=rnd(K+1),pw=rnd(KW+1),C=G*(1+rnd(20)),O=G*(1+rnd(12));
+    long OH=(H+2*p-d*(K-1)-1)/s+1, OW=(W+2*pw-dw*(KW-1)-1)/sw+1;
+    if(OH<1||OW<1||H+2*p<d*(K-1)+1||W+2*pw<dw*(KW-1)+1) continue;
+    cases++;
+    long g[PE_G_LEN]={N,C,H,W,O,K,KW,OH,OW,s,sw,p,pw,d,dw,G,0,0};
+    bad|=check(g,2,worst);
   }
   for(size_t i=0;i<sizeof(FIXED)/sizeof(FIXED[0]);i++){
     const long*f=FIXED[i]; long N=f[0],C=f[1],H=f[2],W=f[3],K=f[4],s=f[5],p=f[6];
@@ -106,7 +123,8 @@ int main(void){
     bad|=check(g,1,worst);
   }
   if (bad) return 1;
-  printf("ok %d worst: depthwise %.1e %.1e %.1e, winograd %.1e %.1e, winograd4 %.1e %.1e %.1e\n",
-         cases, worst[0], worst[1], worst[2], worst[3], worst[4], worst[5], worst[6], worst[7]);
+  printf("ok %d worst: depthwise %.1e %.1e %.1e, winograd %.1e %.1e, winograd4 %.1e %.1e %.1e, "
+         "im2col input grad %.1e\n", cases, worst[0], worst[1], worst[2], worst[3], worst[4],
+         worst[5], worst[6], worst[7], worst[8]);
   return 0;
 }

@@ -34,7 +34,7 @@ from pockengine.backends.c import (
 )
 from pockengine.backends.c.budget_fit import fit_budget, memory_of
 from pockengine.backends.c.conv_kernels import CONV_OPS
-from pockengine.backends.c.driver import build_library
+from pockengine.backends.c.driver import build_library, has_fast_gemm
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.backends.c.layout import heuristic_nhwc
 from pockengine.backends.c.layout_tune import (
@@ -143,7 +143,8 @@ class CExecutable(Executable):
             nhwc = heuristic_nhwc(graph)
         # the layouts and the kernels' working memory, less what a memory budget gives up
         seconds = {c.output: c.seconds for c in choices}
-        arranged = fit_budget(graph, kernels, nhwc, memory_budget, seconds)
+        fast = has_fast_gemm(portable)  # the rule's F(2x2, 3x3) range depends on the GEMM
+        arranged = fit_budget(graph, kernels, nhwc, memory_budget, seconds, fast)
         graph = arranged.graph
         self.graph = graph
         self.plan: MemoryPlan = arranged.plan

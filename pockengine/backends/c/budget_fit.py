@@ -54,17 +54,25 @@ class Arranged:
     given_up: tuple[str, ...] = ()
 
 
-def arrange(graph: Graph, kernels: Mapping[str, str], nhwc: Collection[str]) -> Arranged:
-    """``graph`` (lowered for C) with the convolutions named in ``nhwc`` in NHWC and each
-    other convolution's working memory for its kernel (``kernels``' entry, else the
-    rule's), planned."""
+def arrange(
+    graph: Graph, kernels: Mapping[str, str], nhwc: Collection[str], fast_gemm: bool = False
+) -> Arranged:
+    """``graph`` (lowered for C) with the convolutions named in ``nhwc`` in NHWC, each
+    other convolution's kernel named (``kernels``' entry, else the rule's for a
+    ``fast_gemm`` build or not) and its working memory added, planned."""
     laid = apply_layouts(graph, nhwc)
-    conv = {k: v for k, v in kernels.items() if k not in nhwc}
-    worked = add_workspaces(laid, lambda n: (node_kernel(n, conv_geometry(n), conv),))
+    conv = {
+        n.outputs[0].name: node_kernel(n, conv_geometry(n), kernels, fast_gemm)
+        for n in graph.nodes
+        if n.op in CONV_OPS and n.outputs[0].name not in nhwc
+    }
+    worked = add_workspaces(laid, lambda n: (conv[n.outputs[0].name],))
     return Arranged(worked, conv, plan_step_memory(worked))
 
 
-def kernel_without_work(node: Node, seconds: Mapping[str, float] | None = None) -> str:
+def kernel_without_work(
+    node: Node, seconds: Mapping[str, float] | None = None, fast_gemm: bool = False
+) -> str:
     """The kernel conv node ``node`` takes instead of one with working memory: the fastest
     of ``seconds`` (its measured candidates) that takes none, else the rule's."""
     g = conv_geometry(node)
@@ -72,7 +80,7 @@ def kernel_without_work(node: Node, seconds: Mapping[str, float] | None = None) 
     timed = [k for k in free if seconds and k in seconds]
     if timed:
         return min(timed, key=lambda k: seconds[k] if seconds else 0.0)
-    return rule_kernel(node.op, g, node.outputs[0].dtype.itemsize, without=WORK_KERNELS)
+    return rule_kernel(node.op, g, node.outputs[0].dtype.itemsize, WORK_KERNELS, fast_gemm)
 
 
 def fit_budget(
@@ -81,11 +89,13 @@ def fit_budget(
     nhwc: Collection[str],
     budget: int | None,
     seconds: Mapping[str, Mapping[str, float]] | None = None,
+    fast_gemm: bool = False,
 ) -> Arranged:
     """The arrangement of ``graph`` whose planned peak meets ``budget`` bytes, giving up
     as little as the module docstring says; ``seconds``: each tuned node's measured
-    candidates (by first output). With no budget, ``arrange``'s."""
-    first = arrange(graph, kernels, nhwc)
+    candidates (by first output); ``fast_gemm``: the build's rule (``arrange``). With no
+    budget, ``arrange``'s."""
+    first = arrange(graph, kernels, nhwc, fast_gemm)
     if budget is None or first.plan.planned_peak_bytes <= budget:
         return first
     worked = [(w.type.nbytes, n) for n in first.graph.nodes if (w := workspace_of(n)) is not None]
@@ -94,27 +104,29 @@ def fit_budget(
     best = first
     for size, node in sorted(worked, key=lambda t: -t[0]):
         name = node.outputs[0].name
-        was = node_kernel(node, conv_geometry(node), kernels)
-        instead[name] = kernel_without_work(node, (seconds or {}).get(name))
+        was = first.conv_kernels[name]
+        instead[name] = kernel_without_work(node, (seconds or {}).get(name), fast_gemm)
         lines[name] = (
             f"{node.op} {name}: {instead[name]} instead of {was} "
             f"({size / _MIB:.2f} MiB of working memory)"
         )
-        now = arrange(graph, {**kernels, **instead}, nhwc)
+        now = arrange(graph, {**kernels, **instead}, nhwc, fast_gemm)
         if now.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
             best = now
         if now.plan.planned_peak_bytes <= budget:
-            return _restored(graph, kernels, nhwc, budget, instead, lines)
+            fitted = {**kernels, **first.conv_kernels}  # the rule's kernels, named
+            return _restored(graph, fitted, nhwc, budget, instead, lines)
     convs = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in nhwc]
     if convs:
-        now = arrange(graph, {**kernels, **instead}, ())
+        now = arrange(graph, {**kernels, **instead}, (), fast_gemm)
         note = f"{len(convs)} convolutions in NCHW instead of NHWC (no layout conversions)"
         if now.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
             best = Arranged(now.graph, now.conv_kernels, now.plan, (*lines.values(), note))
         if now.plan.planned_peak_bytes <= budget:
             return best
     if best is not first and not best.given_up:  # the lowest with working memory given up
-        best = _restored(graph, kernels, nhwc, best.plan.planned_peak_bytes, instead, lines)
+        fitted = {**kernels, **first.conv_kernels}
+        best = _restored(graph, fitted, nhwc, best.plan.planned_peak_bytes, instead, lines)
     log.warning(
         "memory budget %.1f MiB not met by the C step: its plan peaks at %.1f MiB (%.1f MiB "
         "over) with %s",

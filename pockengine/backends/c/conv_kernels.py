@@ -5,8 +5,8 @@ kernel, ``pe_<op>_<kernel>_<f32|f64>``:
 
 - ``pointwise``: one GEMM over the images (1x1, stride 1, no padding, one group);
 - ``depthwise``: depthwise.c's vectorised kernels (groups = in = out channels > 1);
-- ``im2col``: an implicit GEMM (im2col.c; any group of a non-depthwise convolution, the
-  input gradient at stride 1 only);
+- ``im2col``: an implicit GEMM (im2col.c; any group of a non-depthwise convolution; a
+  strided input gradient is col2im of a product, a block at a time);
 - ``direct``: loops over the taps (any geometry);
 - ``winograd``: Winograd F(2x2, 3x3) (winograd.c; 3x3 filters at stride 1 and dilation 1,
   one group, any padding; the forward and the input gradient);
@@ -21,11 +21,17 @@ than 32 bytes; strided, the forward and the input gradient of output rows of 128
 more and the weight gradient of 64 or more), else Winograd F(4x4, 3x3) where it has many
 tiles for its channels (``_winograd4_wins``; the forward, the input gradient and the weight
 gradient), else Winograd F(2x2, 3x3) for a forward or
-input gradient it computes with at least ``WINOGRAD_MIN`` channels in and out (measured on
-AVX-512, one thread: 0.85-0.95x the implicit GEMM's time from 32 channels, 1.0-2.7x below
-16), else
+input gradient it computes with at least ``WINOGRAD_MIN`` channels in and out (one thread,
+``benchmarks/c_winograd.py``: 0.74-0.86x the implicit GEMM's time at 32 and 64 channels
+built for AVX-512, 0.5-1.0x up to 512 channels built portably, 1.0-2.7x below 16) and, in a
+build whose GEMM has the wide FMA micro-kernels (``fast_gemm``: AVX2 or AVX-512), writing
+at most ``WINOGRAD_FAST_GEMM_MAX`` channels (the forward's output channels, the input
+gradient's input channels). There the implicit GEMM wins where the op writes 128 channels
+or more: F(2x2, 3x3) took 1.05-1.9x its time (ResNet-18's 128-512 channel layers, VGG's
+64 -> 128 and 128 -> 128 on 8 x 8 to 32 x 32 maps), and 0.48-1.09x where it writes 32 or
+64 from 128, else
 im2col when a group has at least 4 channels out and a depth (channels x taps) of at
-least 4 (the input gradient at stride 1), else direct.
+least 4, else direct.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "KERNEL_NAMES",
     "WINOGRAD4_MIN",
     "WINOGRAD4_WEIGHT_MIN",
+    "WINOGRAD_FAST_GEMM_MAX",
     "WINOGRAD_MIN",
     "ConvGeometry",
     "candidates",
@@ -54,6 +61,7 @@ CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
 KERNEL_NAMES = ("pointwise", "depthwise", "im2col", "direct", "winograd", "winograd4")
 _DENSE_MIN = 4  # PE_DENSE_MIN in conv.c
 WINOGRAD_MIN = 32  # channels in and out from which the rule takes Winograd F(2x2, 3x3)
+WINOGRAD_FAST_GEMM_MAX = 64  # channels written up to which a fast-GEMM build takes it
 WINOGRAD4_MIN = 8  # channels the F(4x4, 3x3) core reads from which the rule takes it
 WINOGRAD4_WEIGHT_MIN = 16  # input channels from which it takes F(4x4)'s weight gradient
 
@@ -174,7 +182,7 @@ def candidates(op: str, g: ConvGeometry) -> tuple[str, ...]:
     valid = {
         "pointwise": g.pointwise,
         "depthwise": g.depthwise,
-        "im2col": not g.depthwise and (op != "conv2d_input_grad" or (g.sh, g.sw) == (1, 1)),
+        "im2col": not g.depthwise,
         "direct": True,
         "winograd": g.winograd,
         "winograd4": g.winograd,
@@ -213,9 +221,16 @@ def _winograd4_wins(op: str, g: ConvGeometry) -> bool:
     return read >= least and span * tiles >= max(g.c, g.o)
 
 
-def rule_kernel(op: str, g: ConvGeometry, itemsize: int, without: Collection[str] = ()) -> str:
+def rule_kernel(
+    op: str,
+    g: ConvGeometry,
+    itemsize: int,
+    without: Collection[str] = (),
+    fast_gemm: bool = False,
+) -> str:
     """The kernel the heuristic picks (see the module docstring), other than ``without``
-    (the kernels that take working memory, under a memory budget)."""
+    (the kernels that take working memory, under a memory budget), for a build whose GEMM
+    has the wide FMA micro-kernels or not (``fast_gemm``; the portable rule by default)."""
     if g.pointwise:
         return "pointwise"
     if g.depthwise and _depthwise_wins(op, g, itemsize):
@@ -223,15 +238,17 @@ def rule_kernel(op: str, g: ConvGeometry, itemsize: int, without: Collection[str
     four = "winograd4" not in without and implemented(op, "winograd4")
     if g.winograd and four and _winograd4_wins(op, g):
         return "winograd4"
-    wide = min(g.c, g.o) >= WINOGRAD_MIN
+    made = g.o if op == "conv2d" else g.c  # the channels the op writes
+    wide = min(g.c, g.o) >= WINOGRAD_MIN and not (fast_gemm and made > WINOGRAD_FAST_GEMM_MAX)
     if g.winograd and "winograd" not in without and implemented(op, "winograd") and wide:
         return "winograd"
-    stride_ok = op != "conv2d_input_grad" or (g.sh, g.sw) == (1, 1)
-    return "im2col" if g.dense and stride_ok else "direct"
+    return "im2col" if g.dense else "direct"
 
 
-def node_kernel(node: Node, g: ConvGeometry, chosen: Mapping[str, str]) -> str:
+def node_kernel(
+    node: Node, g: ConvGeometry, chosen: Mapping[str, str], fast_gemm: bool = False
+) -> str:
     """The kernel conv node ``node`` (geometry ``g``) runs: its entry in ``chosen`` (by
-    first output, a measured choice), else the rule's."""
+    first output, a measured choice), else the rule's (for a ``fast_gemm`` build or not)."""
     out = node.outputs[0]
-    return chosen.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize)
+    return chosen.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize, (), fast_gemm)

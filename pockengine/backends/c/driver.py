@@ -34,6 +34,7 @@ __all__ = [
     "Toolchain",
     "build_library",
     "cache_dir",
+    "has_fast_gemm",
     "kernel_sources",
     "toolchain",
 ]
@@ -115,6 +116,29 @@ def toolchain(portable: bool | None = None, openmp: bool | None = None) -> Toolc
     if openmp is None:
         openmp = os.environ.get("PE_C_OPENMP", "1") != "0"
     return _probe(os.environ.get("CC") or "cc", portable, openmp)
+
+
+@functools.cache
+def _predefined(compiler: str, flags: tuple[str, ...]) -> frozenset[str]:
+    """The macros ``compiler`` predefines with ``flags`` (none when it cannot say)."""
+    done = subprocess.run(
+        [compiler, *flags, "-dM", "-E", "-x", "c", os.devnull],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        return frozenset()
+    return frozenset(line.split()[1] for line in done.stdout.splitlines() if line.count(" ") >= 1)
+
+
+def has_fast_gemm(portable: bool | None = None) -> bool:
+    """Whether the build has the GEMM's wide FMA micro-kernels (AVX-512, or AVX2 with FMA:
+    ``PE_FAST_GEMM`` in ``kernels/pe_isa.h``), where the implicit GEMM beats Winograd
+    F(2x2, 3x3) on many channels (``conv_kernels.rule_kernel``)."""
+    tc = toolchain(portable, openmp=False)
+    macros = _predefined(tc.compiler, tc.flags)
+    return "__AVX512F__" in macros or {"__AVX2__", "__FMA__"} <= macros
 
 
 def kernel_sources() -> list[Path]:

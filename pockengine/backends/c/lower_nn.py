@@ -115,10 +115,15 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
     slot = ctx.conv_slots.get(out.name)
     if slot is None:
         return call(kernel)
-    # the exported trainer: the kernel its table chose (conv_table.py), else this one
+    # the exported trainer: the kernel its table chose (conv_table.py), else the rule's for
+    # the build it is made with (PE_FAST_GEMM, kernels/pe_isa.h)
+    fast = node_kernel(node, g, ctx.conv_kernels, fast_gemm=True)
     others = [k for k in names if k != kernel]
     cases = " ".join(f"case {KERNEL_NAMES.index(k)}: {call(k)} break;" for k in others)
-    return f"switch (pe_conv_choice[{slot}]) {{ {cases} default: {call(kernel)} }}"
+    rule = call(kernel)
+    if fast != kernel:
+        rule = f"\n#if PE_FAST_GEMM\n{call(fast)}\n#else\n{rule}\n#endif\n"
+    return f"switch (pe_conv_choice[{slot}]) {{ {cases} default: {rule} }}"
 
 
 def _conv2d(ctx: EmitContext, node: Node) -> str:

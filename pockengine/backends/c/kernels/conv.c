@@ -5,8 +5,8 @@
  * images side by side: y[n] = w[O, C] x[n][C, HW] (pe_gemm_images); its weight gradient
  * is one GEMM whose k axis runs over every image's positions. Depthwise convolutions run
  * depthwise.c's kernels; dense and grouped ones with a few channels a group implicit GEMMs
- * (im2col.c; the input gradient at stride 1). What remains (a group of fewer than
- * PE_DENSE_MIN channels, a strided input gradient) runs direct loops whose innermost loop
+ * (im2col.c; a strided input gradient as col2im of a product). What remains (a group of
+ * fewer than PE_DENSE_MIN channels) runs direct loops whose innermost loop
  * walks one output row over the range of positions whose tap lands inside the input, so
  * it has no branch. The geometry array is indexed by the PE_G_*
  * names of pe_kernels.h. */
@@ -49,17 +49,21 @@ static int pe_depthwise_wins(int op, const long *g, long wide) {
 }
 
 /* Winograd F(2x2, 3x3) (winograd.c): 3x3, stride 1, dilation 1, one group, with at least
- * PE_WINOGRAD_MIN channels in and out (conv_kernels.WINOGRAD_MIN). */
+ * PE_WINOGRAD_MIN channels in and out (conv_kernels.WINOGRAD_MIN) and, with the wide FMA
+ * GEMM (PE_FAST_GEMM), at most PE_WINOGRAD_FAST_GEMM_MAX channels written (`made`: the
+ * forward's output channels, the input gradient's input channels). */
 #define PE_WINOGRAD_MIN 32
-static int pe_winograd_wins(const long *g) {
+#define PE_WINOGRAD_FAST_GEMM_MAX 64
+static int pe_winograd_wins(const long *g, long made) {
     return g[PE_G_KH] == 3 && g[PE_G_KW] == 3 && g[PE_G_SH] == 1 && g[PE_G_SW] == 1 &&
            g[PE_G_DH] == 1 && g[PE_G_DW] == 1 && g[PE_G_GROUPS] == 1 &&
-           g[PE_G_C] >= PE_WINOGRAD_MIN && g[PE_G_O] >= PE_WINOGRAD_MIN;
+           g[PE_G_C] >= PE_WINOGRAD_MIN && g[PE_G_O] >= PE_WINOGRAD_MIN &&
+           !(PE_FAST_GEMM && made > PE_WINOGRAD_FAST_GEMM_MAX);
 }
 
 /* The heuristic for the rest: an implicit GEMM (im2col.c) when each group's product has
  * enough rows and depth to fill the micro-kernel (PE_DENSE_MIN channels in and out a
- * group), else direct loops. The input gradient takes the GEMM at stride 1 only. */
+ * group), else direct loops. */
 #define PE_DENSE_MIN 4
 static int pe_is_dense(const long *g) {
     long groups = g[PE_G_GROUPS];
@@ -70,8 +74,8 @@ static int pe_is_dense(const long *g) {
 
 /* The candidates by name (the emitter calls the one chosen for each node; conv_kernels.py
  * states where each is valid): pointwise (one GEMM; 1x1, stride 1, no padding, one group),
- * depthwise (depthwise.c), im2col (im2col.c's implicit GEMM; the input gradient at stride
- * 1 only) and direct (any geometry); winograd.c holds winograd and winograd4. */
+ * depthwise (depthwise.c), im2col (im2col.c's implicit GEMM, or col2im for a strided input
+ * gradient) and direct (any geometry); winograd.c holds winograd and winograd4. */
 void PE_S(pe_conv2d_pointwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
                                const long *g) {
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
@@ -95,7 +99,7 @@ void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, co
         PE_S(pe_conv2d_pointwise)(x, w, bias, y, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(0, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_depthwise)(x, w, bias, y, g);
-    else if (pe_winograd_wins(g))
+    else if (pe_winograd_wins(g, g[PE_G_O]))
         PE_S(pe_conv2d_winograd)(x, w, bias, y, g);
     else if (pe_is_dense(g))
         PE_S(pe_conv2d_im2col)(x, w, bias, y, g);
@@ -151,9 +155,9 @@ void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const l
         PE_S(pe_conv2d_input_grad_pointwise)(gy, w, gx, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(1, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_input_grad_depthwise)(gy, w, gx, g);
-    else if (pe_winograd_wins(g))
+    else if (pe_winograd_wins(g, g[PE_G_C]))
         PE_S(pe_conv2d_input_grad_winograd)(gy, w, gx, g);
-    else if (pe_is_dense(g) && g[PE_G_SH] == 1 && g[PE_G_SW] == 1)
+    else if (pe_is_dense(g))
         PE_S(pe_conv2d_input_grad_im2col)(gy, w, gx, g);
     else
         PE_S(pe_conv2d_input_grad_direct)(gy, w, gx, g);

@@ -8,11 +8,14 @@
  *   weight grad    gw[grp] = gy[grp] [og, N*OH*OW]  x  col(x[grp])^T
  *   input grad     (stride 1) gx[grp] = flip(w[grp])^T [cg, og*KH*KW]  x  col(gy[grp]),
  *                  the convolution of gy padded by (K-1)*d - p with the flipped filters,
- *                  read in place through a layout of negative stride.
+ *                  read in place through a layout of negative stride;
+ *                  (strided) gx[grp] = col2im(w[grp]^T [cg*KH*KW, og]  x  gy[grp]), made
+ *                  a block at a time and scattered into gx.
  *
  * The geometry array is indexed by the PE_G_* names of pe_kernels.h. */
 #ifndef PE_T
 #include "pe_kernels.h"
+static inline long pe_min(long a, long b) { return a < b ? a : b; }
 #define PE_SELF "im2col.c"
 #include "pe_instantiate.h"
 #else
@@ -111,8 +114,58 @@ void PE_S(pe_conv2d_weight_grad_im2col)(const PE_T *x, const PE_T *gy, PE_T *gw,
     }
 }
 
-/* Stride 1 only (the caller checks): a convolution of gy with the flipped filters. */
+/* The strided input gradient: gx = col2im(w^T gy). A block of whole channels' rows
+ * (channel, tap) by a run of output positions is one product on the stack, scattered into
+ * gx as it is made (PE_COL_ELEMS elements: 72 KiB in float); blocks of different channels
+ * or images run on different threads, so no two threads add into one plane. */
+#define PE_COL_ROWS 144   /* rows (channel, tap) a block aims at: 16 channels of 3x3 */
+#define PE_COL_ELEMS 18432 /* elements of a block */
+static void PE_S(pe_col2im_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
+    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
+    long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
+    long sh = g[PE_G_SH], sw = g[PE_G_SW], ph = g[PE_G_PH], pw = g[PE_G_PW];
+    long dh = g[PE_G_DH], dw = g[PE_G_DW];
+    long groups = g[PE_G_GROUPS], cg = C / groups, og = O / groups, taps = KH * KW;
+    long rows = cg * taps, ohw = OH * OW;
+    long cb = PE_COL_ROWS / taps > 0 ? PE_COL_ROWS / taps : 1; /* channels a block */
+    long per = pe_min(PE_COL_ELEMS / (cb * taps), ohw);        /* positions a block */
+    long cblocks = (cg + cb - 1) / cb, total = N * groups * cblocks;
+    memset(gx, 0, (size_t)(N * C * H * W) * sizeof(PE_T));
+    pe_layout la = {1, rows, 0, 0, 0}, lb = {ohw, 1, 0, 0, 0};
+    PE_PARALLEL_FOR(N * C * taps * ohw * og)
+    for (long t = 0; t < total; t++) {
+        long n = t / (groups * cblocks), grp = t / cblocks % groups, c0 = t % cblocks * cb;
+        long nr = pe_min(cb, cg - c0) * taps;
+        _Alignas(64) PE_T block[PE_COL_ELEMS];
+        /* A(r, o) = w[grp * og + o][c0 * taps + r]: the filters' rows, transposed */
+        const PE_T *a = w + grp * og * rows + c0 * taps;
+        const PE_T *b = gy + (n * O + grp * og) * ohw;
+        PE_T *x = gx + (n * C + grp * cg + c0) * H * W;
+        for (long p0 = 0; p0 < ohw; p0 += per) {
+            long np = pe_min(per, ohw - p0);
+            pe_layout lc = {np, 1, 0, 0, 0};
+            PE_S(pe_gemm_strided)(nr, np, og, a, la, b + p0, lb, block, lc, 0);
+            for (long r = 0; r < nr; r++) {
+                long c = r / taps, i = r / KW % KH, j = r % KW;
+                PE_T *plane = x + c * H * W;
+                const PE_T *src = block + r * np;
+                long oh = p0 / OW, ow = p0 % OW;
+                for (long q = 0; q < np; q++) {
+                    long ih = oh * sh - ph + i * dh, iw = ow * sw - pw + j * dw;
+                    if (ih >= 0 && ih < H && iw >= 0 && iw < W) plane[ih * W + iw] += src[q];
+                    if (++ow == OW) ow = 0, oh++;
+                }
+            }
+        }
+    }
+}
+
+/* At stride 1 a convolution of gy with the flipped filters; strided, col2im (above). */
 void PE_S(pe_conv2d_input_grad_im2col)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
+    if (g[PE_G_SH] != 1 || g[PE_G_SW] != 1) {
+        PE_S(pe_col2im_input_grad)(gy, w, gx, g);
+        return;
+    }
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], O = g[PE_G_O];
     long KH = g[PE_G_KH], KW = g[PE_G_KW], OH = g[PE_G_OH], OW = g[PE_G_OW];
     long groups = g[PE_G_GROUPS], cg = C / groups, og = O / groups, taps = KH * KW;

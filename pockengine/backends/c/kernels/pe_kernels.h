@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pe_isa.h" /* the GEMM's instruction set; PE_FAST_GEMM picks the rule's kernels */
+
 #ifdef _OPENMP
 #include <omp.h>
 #define PE_PRAGMA(x) _Pragma(#x)

@@ -1,6 +1,6 @@
-/* The instruction set the GEMM and its packing are built for (-march=native, or the
- * target's flags), and the SIMD helpers packing shares: register-tile transposes and the
- * low-bit groups' dequantisation. Defining PE_GEMM_PORTABLE forces the portable code.
+/* The instruction set the GEMM and its packing are built for (pe_isa.h), and the SIMD
+ * helpers packing shares: register-tile transposes and the low-bit groups'
+ * dequantisation. Defining PE_GEMM_PORTABLE forces the portable code.
  *
  * Every helper computes what its portable loop computes, bit for bit: the transposes move
  * values, and the dequantisation does the scalar code's operations in its order (the code
@@ -10,17 +10,7 @@
 
 #include <stdint.h>
 
-#if defined(PE_GEMM_PORTABLE)
-#define PE_GEMM_ISA_C 1
-#elif defined(__AVX512F__)
-#define PE_GEMM_ISA_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PE_GEMM_ISA_AVX2 1
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-#define PE_GEMM_ISA_NEON 1
-#else
-#define PE_GEMM_ISA_C 1
-#endif
+#include "pe_isa.h"
 
 #if defined(PE_GEMM_ISA_AVX512) || defined(PE_GEMM_ISA_AVX2)
 #include <immintrin.h>
