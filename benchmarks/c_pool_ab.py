@@ -1,8 +1,8 @@
 """The C backend's max pooling, and a whole VGG-style step, with the kernels of a git
 revision against the working tree's, in one process.
 
-    OMP_NUM_THREADS=1 python benchmarks/c_pool_ab.py --rev c1860cc --rounds 15 \
-        --out benchmarks/results/c_pool_ab-1thread.json
+    OMP_NUM_THREADS=1 python benchmarks/c_pool_ab.py --rev b3e72e4 --rounds 15 \
+        --out benchmarks/results/c_pool_ab-padded-1thread.json
 
 Both builds are compiled here (the revision's ``kernels/`` extracted with ``git show``),
 then run in turn: a graph of ``max_pool2d`` and ``max_pool2d_grad`` on each shape of
@@ -29,10 +29,11 @@ from c_winograd import _vgg
 
 from pockengine.finetune.arg_types import positive_int
 
-# (name, input shape, kernel, stride)
+# (name, input shape, kernel, stride, padding)
 SHAPES = [
-    ("vgg 32ch 32px, 2x2/2", (8, 32, 32, 32), (2, 2), (2, 2)),
-    ("resnet stem 64ch 64px, 3x3/2", (8, 64, 64, 64), (3, 3), (2, 2)),
+    ("vgg 32ch 32px, 2x2/2", (8, 32, 32, 32), (2, 2), (2, 2), (0, 0)),
+    ("resnet stem 64ch 64px, 3x3/2", (8, 64, 64, 64), (3, 3), (2, 2), (0, 0)),
+    ("resnet stem 64ch 112px, 3x3/2 pad 1", (4, 64, 112, 112), (3, 3), (2, 2), (1, 1)),
 ]
 
 
@@ -42,8 +43,8 @@ def _pool_graph() -> tuple[Any, dict[str, Any]]:
     b = GraphBuilder("pools")
     outs, feeds = [], {}
     rng = np.random.default_rng(0)
-    for i, (_, shape, kernel, stride) in enumerate(SHAPES):
-        attrs = {"kernel": kernel, "stride": stride, "padding": (0, 0), "dilation": (1, 1),
+    for i, (_, shape, kernel, stride, padding) in enumerate(SHAPES):
+        attrs = {"kernel": kernel, "stride": stride, "padding": padding, "dilation": (1, 1),
                  "ceil_mode": False}  # fmt: skip
         x = b.input(f"x{i}", TensorType(shape, DType.F32), Role.INPUT)
         y = b.call("max_pool2d", x, **attrs)

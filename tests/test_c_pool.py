@@ -1,7 +1,8 @@
 """The C backend's max pooling and its gradient against the NumPy backend, bit for bit, on
-inputs full of ties and with NaNs: windows inside the input (no padding or dilation, the
-row-at-a-time loops) and the rest (padding, dilation, ceil_mode windows past the edge,
-the general loop), float32 and float64, rows longer than one run of windows."""
+inputs full of ties and with NaNs: windows inside the input (the row-at-a-time loops,
+with no padding and, padded, for the windows that do not reach the padding) and the rest
+(the windows reaching the padding, dilation, ceil_mode windows past the edge: the general
+loop), float32 and float64, rows longer than one run of windows."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ CASES = [
     ((1, 2, 8, 8), (3, 3), (2, 2), (1, 1), (1, 1), False),  # padding
     ((1, 2, 9, 9), (2, 3), (1, 2), (0, 0), (2, 2), False),  # dilation
     ((3, 6, 6), (2, 2), (2, 2), (0, 0), (1, 1), False),  # no batch axis
+    # padded: the windows inside by the row loops, those reaching the padding by the general
+    ((2, 3, 17, 16), (3, 3), (2, 2), (1, 1), (1, 1), False),  # ResNet's stem pooling
+    ((1, 2, 10, 11), (3, 3), (2, 2), (1, 1), (1, 1), True),  # and ceil_mode
+    ((1, 2, 7, 9), (2, 3), (1, 1), (1, 0), (1, 1), False),  # padding on one axis, stride 1
+    ((1, 2, 6, 9), (3, 2), (3, 2), (0, 1), (1, 1), False),  # the other axis, stride 3 and 2
+    ((1, 1, 5, 300), (3, 3), (2, 2), (1, 1), (1, 1), False),  # rows longer than a run
+    ((1, 2, 3, 2), (3, 3), (1, 1), (1, 1), (1, 1), False),  # no window inside
 ]
 
 

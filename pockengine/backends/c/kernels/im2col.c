@@ -115,9 +115,10 @@ void PE_S(pe_conv2d_weight_grad_im2col)(const PE_T *x, const PE_T *gy, PE_T *gw,
 }
 
 /* The strided input gradient: gx = col2im(w^T gy). A block of whole channels' rows
- * (channel, tap) by a run of output positions is one product on the stack, scattered into
- * gx as it is made (PE_COL_ELEMS elements: 72 KiB in float); blocks of different channels
- * or images run on different threads, so no two threads add into one plane. */
+ * (channel, tap) by a run of output positions (every image's, side by side) is one product
+ * on the stack, scattered into gx as it is made (PE_COL_ELEMS elements: 72 KiB in float);
+ * blocks of different channels run on different threads, so no two threads add into one
+ * plane. */
 #define PE_COL_ROWS 144   /* rows (channel, tap) a block aims at: 16 channels of 3x3 */
 #define PE_COL_ELEMS 18432 /* elements of a block */
 static void PE_S(pe_col2im_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
@@ -126,34 +127,42 @@ static void PE_S(pe_col2im_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, 
     long sh = g[PE_G_SH], sw = g[PE_G_SW], ph = g[PE_G_PH], pw = g[PE_G_PW];
     long dh = g[PE_G_DH], dw = g[PE_G_DW];
     long groups = g[PE_G_GROUPS], cg = C / groups, og = O / groups, taps = KH * KW;
-    long rows = cg * taps, ohw = OH * OW;
+    long rows = cg * taps, ohw = OH * OW, positions = N * ohw;
     long cb = PE_COL_ROWS / taps > 0 ? PE_COL_ROWS / taps : 1; /* channels a block */
-    long per = pe_min(PE_COL_ELEMS / (cb * taps), ohw);        /* positions a block */
-    long cblocks = (cg + cb - 1) / cb, total = N * groups * cblocks;
+    /* positions a block: whole images, or a run inside one image (so the block's columns
+     * start a span of B's split layout, or lie inside one) */
+    long per = pe_min(PE_COL_ELEMS / (cb * taps), positions);
+    if (per >= ohw) per = per / ohw * ohw;
+    long cblocks = (cg + cb - 1) / cb;
     memset(gx, 0, (size_t)(N * C * H * W) * sizeof(PE_T));
-    pe_layout la = {1, rows, 0, 0, 0}, lb = {ohw, 1, 0, 0, 0};
+    /* A(r, o) = w[grp * og + o][c0 * taps + r]: the filters' rows, transposed; B(o, p) =
+     * gy at image p / ohw, channel grp * og + o, position p % ohw */
+    pe_layout la = {1, rows, 0, 0, 0}, lb = {ohw, 1, ohw, O * ohw, 2};
     PE_PARALLEL_FOR(N * C * taps * ohw * og)
-    for (long t = 0; t < total; t++) {
-        long n = t / (groups * cblocks), grp = t / cblocks % groups, c0 = t % cblocks * cb;
-        long nr = pe_min(cb, cg - c0) * taps;
+    for (long t = 0; t < groups * cblocks; t++) {
+        long grp = t / cblocks, c0 = t % cblocks * cb, nr = pe_min(cb, cg - c0) * taps;
         _Alignas(64) PE_T block[PE_COL_ELEMS];
-        /* A(r, o) = w[grp * og + o][c0 * taps + r]: the filters' rows, transposed */
         const PE_T *a = w + grp * og * rows + c0 * taps;
-        const PE_T *b = gy + (n * O + grp * og) * ohw;
-        PE_T *x = gx + (n * C + grp * cg + c0) * H * W;
-        for (long p0 = 0; p0 < ohw; p0 += per) {
-            long np = pe_min(per, ohw - p0);
+        const PE_T *b = gy + grp * og * ohw;
+        PE_T *x = gx + (grp * cg + c0) * H * W;
+        for (long p0 = 0, np = 0; p0 < positions; p0 += np) {
+            np = pe_min(per, positions - p0);
+            if (per < ohw) np = pe_min(np, ohw - p0 % ohw);
             pe_layout lc = {np, 1, 0, 0, 0};
-            PE_S(pe_gemm_strided)(nr, np, og, a, la, b + p0, lb, block, lc, 0);
+            PE_S(pe_gemm_strided)(nr, np, og, a, la, b + p0 / ohw * O * ohw + p0 % ohw, lb,
+                                  block, lc, 0);
             for (long r = 0; r < nr; r++) {
                 long c = r / taps, i = r / KW % KH, j = r % KW;
-                PE_T *plane = x + c * H * W;
                 const PE_T *src = block + r * np;
-                long oh = p0 / OW, ow = p0 % OW;
+                long oh = p0 % ohw / OW, ow = p0 % OW;
+                long plane = (p0 / ohw * C + c) * H * W; /* the image's channel c in x */
                 for (long q = 0; q < np; q++) {
                     long ih = oh * sh - ph + i * dh, iw = ow * sw - pw + j * dw;
-                    if (ih >= 0 && ih < H && iw >= 0 && iw < W) plane[ih * W + iw] += src[q];
-                    if (++ow == OW) ow = 0, oh++;
+                    if (ih >= 0 && ih < H && iw >= 0 && iw < W) x[plane + ih * W + iw] += src[q];
+                    if (++ow == OW) {
+                        ow = 0;
+                        if (++oh == OH) oh = 0, plane += C * H * W;
+                    }
                 }
             }
         }
