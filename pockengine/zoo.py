@@ -29,6 +29,7 @@ __all__ = [
     "minilm_path",
     "mlp",
     "mobilenet_v2",
+    "resnet18",
     "small_cnn",
     "workload_sparse",
 ]
@@ -181,6 +182,64 @@ def mobilenet_v2(
     return Workload(f"mbv2-{width}", model, _classify, _images((batch, 3, size, size), classes))
 
 
+# -- ResNet-18 -------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with batch norm, the shortcut a strided
+    1x1 convolution with batch norm where the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 (He et al. 2016), torchvision's stages: a 7x7 stem at stride 2 and 3x3 max
+    pooling, then two basic blocks each of 64, 128, 256 and 512 channels (``blocks.0`` to
+    ``blocks.7``), global average pooling and a linear head."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.MaxPool2d(3, 2, 1),
+        )  # fmt: skip
+        blocks: list[nn.Module] = []
+        cin = 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            blocks += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(512, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.stem(x))
+        logits: torch.Tensor = self.head(h.mean((2, 3)))
+        return logits
+
+
+def resnet18(batch: int = 4, size: int = 112, classes: int = 10) -> Workload:
+    torch.manual_seed(0)
+    images = _images((batch, 3, size, size), classes)
+    return Workload("resnet18", ResNet18(classes), _classify, images)
+
+
 # -- transformers ------------------------------------------------------------------
 
 
@@ -316,9 +375,14 @@ BENCHMARKS: dict[str, Callable[[], Workload]] = {
     "mbv2-small": lambda: mobilenet_v2(width=0.35, batch=1, size=64, classes=10),
     # the MCU-class case: MobileNetV2 width 0.35 at 128 px, batch 1
     "mcu": lambda: mobilenet_v2(width=0.35, batch=1, size=128, classes=10),
+    # dense 3x3 convolutions, strided ones into each stage: ResNet-18 at 112 px, batch 4
+    "resnet18": lambda: resnet18(batch=4, size=112, classes=10),
 }
 # the last blocks each workload's sparse recipe trains
-RECIPE_BLOCKS = {"mbv2": 4, "bert": 2, "llama": 2, "mlp": 1, "cnn": 1, "mbv2-small": 1, "mcu": 4}
+RECIPE_BLOCKS = {
+    "mbv2": 4, "bert": 2, "llama": 2, "mlp": 1, "cnn": 1, "mbv2-small": 1, "mcu": 4,
+    "resnet18": 2,
+}  # fmt: skip
 
 
 def benchmark(name: str) -> tuple[Workload, Any]:
@@ -328,7 +392,7 @@ def benchmark(name: str) -> tuple[Workload, Any]:
     if name not in BENCHMARKS:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(BENCHMARKS)}")
     work = BENCHMARKS[name]()
-    cnn = name.startswith(("mbv2", "cnn", "mcu"))
+    cnn = name.startswith(("mbv2", "cnn", "mcu", "resnet"))
     opt = optim.SGD(lr=0.01, momentum=0.9) if cnn else optim.AdamW(lr=1e-4)
     return work, opt
 
