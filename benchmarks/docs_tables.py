@@ -646,6 +646,11 @@ TABLES: tuple[Table, ...] = (
     _ours("docs/c_backend.md", "c-vs-eager-2thread", c_vs_eager("c_vs_eager-2thread.json")),
     _ours(
         "docs/c_backend.md",
+        "c-vs-eager-resnet18-1thread",
+        c_vs_eager("c_vs_eager-resnet18-1thread.json"),
+    ),
+    _ours(
+        "docs/c_backend.md",
         "c-vs-eager-tf-1thread",
         c_vs_eager("c_vs_eager-transformers-1thread.json"),
     ),

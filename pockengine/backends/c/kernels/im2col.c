@@ -169,9 +169,15 @@ static void PE_S(pe_col2im_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, 
     }
 }
 
-/* At stride 1 a convolution of gy with the flipped filters; strided, col2im (above). */
+/* At stride 1 a convolution of gy with the flipped filters; strided, col2im (above), and
+ * at stride 1 where few output positions leave the convolution's packing mostly padding:
+ * maps of at most 16 positions, or fewer than 196 positions in all. Measured (AVX-512, one
+ * thread, 3x3, 64-512 channels): col2im took 0.56-0.82x the time on 2 x 2 and 4 x 4 maps,
+ * 0.70-0.85x on 7 x 7 maps of one or two images, 0.96-1.24x on 7 x 7 maps of 4-8 images. */
 void PE_S(pe_conv2d_input_grad_im2col)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
-    if (g[PE_G_SH] != 1 || g[PE_G_SW] != 1) {
+    long ohw = g[PE_G_OH] * g[PE_G_OW];
+    int few = ohw <= 16 || g[PE_G_N] * ohw < 196;
+    if (g[PE_G_SH] != 1 || g[PE_G_SW] != 1 || few) {
         PE_S(pe_col2im_input_grad)(gy, w, gx, g);
         return;
     }
