@@ -205,7 +205,7 @@ _CONV_FILES = ("winograd.c", "depthwise.c", "dw_flat.c", "im2col.c", "linalg.c",
 
 
 @FLAG_SETS
-def test_depthwise_and_winograd_kernels_on_random_geometries(
+def test_depthwise_winograd_and_im2col_kernels_on_random_geometries(
     tmp_path: Path, flags: list[str]
 ) -> None:
     run_check(tmp_path, "conv_check.c", _CONV_FILES, flags, least=150)
@@ -233,7 +233,7 @@ def test_winograd4_work_agrees_with_c_and_no_kernel_allocates() -> None:
                                                  "aligned_alloc")), source.name  # fmt: skip
 
 
-def test_depthwise_and_winograd_kernels_on_aarch64(tmp_path: Path) -> None:
+def test_depthwise_winograd_and_im2col_kernels_on_aarch64(tmp_path: Path) -> None:
     run_check_aarch64(tmp_path, "conv_check.c", _CONV_FILES, least=150, flags=("-O3",))
 
 

@@ -2,12 +2,14 @@
 inputs full of ties and with NaNs: windows inside the input (the row-at-a-time loops,
 with no padding and, padded, for the windows that do not reach the padding) and the rest
 (the windows reaching the padding, dilation, ceil_mode windows past the edge: the general
-loop), float32 and float64, rows longer than one run of windows."""
+loop), float32 and float64, rows longer than one run of windows; and the kernels alone
+on random geometries, sanitized too (``tests/c_kernels/pool_check.c``)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 from pockengine.backends.c import CBackend
 from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
+from tests.c_check import FLAG_SETS, run_check
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
@@ -67,3 +70,10 @@ def test_max_pooling_matches_numpy_bit_for_bit(dtype: DType) -> None:
     want = NumpyBackend().compile(graph).run(dict(feeds))
     for value, g, w in zip(outs, got, want, strict=True):
         np.testing.assert_array_equal(g, w, err_msg=str(value))
+
+
+@FLAG_SETS
+def test_max_pooling_on_random_geometries(tmp_path: Path, flags: list[str]) -> None:
+    """``tests/c_kernels/pool_check.c``: random geometries against naive loops, built with
+    the backend's flags, portably and with the sanitizers."""
+    run_check(tmp_path, "pool_check.c", ("pool.c", "common.c"), flags, least=300)
