@@ -6,6 +6,8 @@ of the C step's own plan.
 - ``pe.compile(..., memory_budget=...)`` below that plan gives up working memory, the
   least that fits: one byte under it, one node of six; at the training graph's own peak,
   every one. The step then trains as NumPy does, and its report lists what was given up.
+- An exported trainer of a step compiled under a budget leaves F(4x4, 3x3) out of the
+  slots whose working memory would break it, and trains as the step does.
 - A budget no arrangement meets keeps the lowest plan and warns; NHWC layouts are given up
   after working memory (a residual depthwise layer, whose conversions raise the peak).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +25,7 @@ import pytest
 
 import pockengine as pe
 from pockengine.backends.c import CBackend
-from pockengine.backends.c.budget_fit import arrange, fit_budget
+from pockengine.backends.c.budget_fit import arrange, export_candidates, fit_budget
 from pockengine.backends.c.lowering import lower_for_c
 from pockengine.ir import CompileError, DType, Graph, GraphBuilder, Role, TensorType
 
@@ -147,3 +150,50 @@ def test_a_bad_budget_is_one_clear_error() -> None:
         with pytest.raises(CompileError, match="memory_budget must be bytes > 0"):
             CBackend(memory_budget=bad)  # type: ignore[arg-type]
     assert CBackend(tune=True).under_budget(1 << 20).tune
+
+
+def _export_plan(step: Any, limits: Any = None) -> int:
+    """The planned peak of ``step``'s exported trainer, working memory for every kernel a
+    slot may take (``limits``: as ``export_candidates`` gives them; None: every one)."""
+    from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
+    from pockengine.backends.c.plan_step import plan_step_memory
+    from pockengine.backends.c.workspace import add_workspaces
+
+    graph = lower_for_c(step.graph)
+    graph = apply_layouts(graph, heuristic_nhwc(graph))
+    kernels = limits or export_candidates(graph, None)
+    worked = add_workspaces(graph, lambda n: kernels[n.outputs[0].name])
+    return plan_step_memory(worked).planned_peak_bytes
+
+
+def test_an_exported_trainer_keeps_a_budget_and_trains_as_the_step(tmp_path: Path) -> None:
+    """A step compiled with a budget one byte under its trainer's plan exports a trainer
+    whose slots leave F(4x4, 3x3) out where the plan needs the room (fewer winograd4 cases,
+    a smaller plan, within the budget), and ./train trains as the step does."""
+    import subprocess
+
+    from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
+    from tests.cached_cc import make_trainer
+
+    full = _export_plan(_step("c"))
+    step = _step("c", full - 1)
+    graph = lower_for_c(step.graph)
+    limits = export_candidates(apply_layouts(graph, heuristic_nhwc(graph)), full - 1)
+    dropped = [k for k, v in limits.items() if "winograd4" not in v]
+    assert dropped and len(dropped) < sum(1 for n in graph.nodes if n.op.startswith("conv2d"))
+    assert _export_plan(step, limits) <= full - 1
+    folder = step.export(tmp_path / "trainer", target="c")
+    source = (folder / "step.c").read_text()
+    for name, kernels in limits.items():  # each switch names F(4x4, 3x3) where it may take it
+        line = next(x for x in source.splitlines() if f"v_{name}," in x and "switch" in x)
+        assert ("winograd4" in line) == ("winograd4" in kernels), name
+    batches = _vgg()[2]
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    losses = [step(*b) for b in batches]
+    make_trainer(folder)
+    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = [float(x.split()[-1]) for x in run.stdout.splitlines() if x.startswith("step ")]
+    np.testing.assert_allclose(got, losses, rtol=1e-4)

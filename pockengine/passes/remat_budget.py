@@ -75,6 +75,7 @@ __all__ = [
     "Segment",
     "block_inputs",
     "block_targets",
+    "budget_of",
     "parse_budget",
     "recomputation",
     "with_budget",
@@ -308,6 +309,11 @@ def _recompute(graph: Graph, dropped: set[str], picks: Sequence[str]) -> tuple[G
         if not (dropped | {name}) & read:
             out, dropped = trial, dropped | {name}
     return out, dropped
+
+
+def budget_of(passes: Sequence[Pass]) -> int | None:
+    """The memory budget (bytes) ``with_budget`` put among ``passes``, or None."""
+    return next((p.budget for p in passes if isinstance(p, FitMemoryBudget)), None)
 
 
 def with_budget(passes: Sequence[Pass], budget: int | None) -> tuple[Pass, ...]:

@@ -29,6 +29,7 @@ from pockengine.ir import CompileError, Graph, PockEngineError, Role, get_op
 from pockengine.ir.arrays import Array
 from pockengine.optim import LR, Optimizer
 from pockengine.passes.quantize import QuantizedParam
+from pockengine.passes.remat_budget import budget_of
 from pockengine.plan.index_bounds import IndexBound, out_of_range
 from pockengine.sparse.schemes import Resolution, Scheme
 from pockengine.step.module_tensors import InPlace, ModuleHomes, bind_in_place
@@ -427,8 +428,9 @@ class CompiledStep(ABC):
         run with ``pockengine/ort_runner.py`` wherever numpy and onnxruntime are installed;
         returns the path of the state file. ``target="c"``: a self-contained folder
         (``path``) whose ``make`` builds a stand-alone ``./train`` needing only libc and
-        libm (see ``pockengine.backends.c.export``); returns the folder. ``target="step"``:
-        the step artifact (``save``)."""
+        libm (see ``pockengine.backends.c.export``; a step compiled with a ``memory_budget``
+        keeps the trainer's plan within it); returns the folder. ``target="step"``: the
+        step artifact (``save``)."""
         if target == "step":
             return self.save(path)
         state = {v.name: self._read(v.name) for v in self.graph.inputs if v.role is not Role.INPUT}
@@ -436,7 +438,8 @@ class CompiledStep(ABC):
             from pockengine.backends.c.export import export_c
 
             bounds = tuple(b for group in self._index_bounds.values() for b in group)
-            return export_c(path, self.graph, state, self._batch, self._state_names, bounds)
+            budget = budget_of(getattr(self, "passes", ()))  # pe.compile(memory_budget=...)
+            return export_c(path, self.graph, state, self._batch, self._state_names, bounds, budget)
         if target != "onnx":
             raise CompileError(f"unknown export target {target!r}; use 'onnx', 'c' or 'step'")
         from pockengine.backends.onnx.export import export_step

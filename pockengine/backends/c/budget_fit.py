@@ -36,7 +36,14 @@ from pockengine.ir import Graph, Node
 from pockengine.plan import MemoryPlan
 from pockengine.plan.report import BackendMemory
 
-__all__ = ["Arranged", "arrange", "fit_budget", "kernel_without_work", "memory_of"]
+__all__ = [
+    "Arranged",
+    "arrange",
+    "export_candidates",
+    "fit_budget",
+    "kernel_without_work",
+    "memory_of",
+]
 
 log = logging.getLogger(__name__)
 _MIB = float(1 << 20)
@@ -177,3 +184,47 @@ def memory_of(arranged: Arranged, budget: int | None = None) -> BackendMemory:
         budget,
         arranged.given_up,
     )
+
+
+def export_candidates(graph: Graph, budget: int | None) -> dict[str, tuple[str, ...]]:
+    """The kernels each conv node of an exported trainer's ``graph`` (after its layout
+    pass) may switch to (``./train --tune``), by first output: every valid one, less
+    F(4x4, 3x3) where a ``budget`` (bytes) leaves no room for its working memory, which
+    the trainer plans for every candidate (the largest first, then each taken back that
+    the budget did not need, as ``fit_budget`` does)."""
+    convs = [n for n in graph.nodes if n.op in CONV_OPS]
+    cands = {n.outputs[0].name: candidates(n.op, conv_geometry(n)) for n in convs}
+
+    def peak(given: Collection[str]) -> int:
+        kept = {k: tuple(c for c in v if k not in given or c not in WORK_KERNELS)
+                for k, v in cands.items()}  # fmt: skip
+        worked = add_workspaces(graph, lambda n: kept[n.outputs[0].name])
+        return plan_step_memory(worked).planned_peak_bytes
+
+    if budget is None or peak(()) <= budget:
+        return cands
+    sized = [
+        (w.type.nbytes, n.outputs[0].name)
+        for n in add_workspaces(graph, lambda n: cands[n.outputs[0].name]).nodes
+        if (w := workspace_of(n)) is not None
+    ]
+    given: list[str] = []
+    for _, name in sorted(sized, key=lambda t: -t[0]):
+        given.append(name)
+        if peak(given) <= budget:
+            break
+    fits = peak(given) <= budget
+    bar = budget if fits else peak(given)
+    for name in reversed(list(given)):
+        trial = [k for k in given if k != name]
+        if peak(trial) <= bar:
+            given = trial
+    if not fits:
+        log.warning(
+            "memory budget %.1f MiB not met by the exported trainer: its plan peaks at %.1f "
+            "MiB with F(4x4, 3x3)'s working memory given up",
+            budget / _MIB,
+            bar / _MIB,
+        )
+    return {k: tuple(c for c in v if k not in given or c not in WORK_KERNELS)
+            for k, v in cands.items()}  # fmt: skip

@@ -17,10 +17,12 @@ before it sets a choice.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 from pockengine.backends.c.conv_kernels import (
     CONV_OPS,
     KERNEL_NAMES,
+    ConvGeometry,
     candidates,
     conv_geometry,
     rule_kernel,
@@ -33,7 +35,14 @@ __all__ = ["TABLE_FILE", "conv_slots", "conv_table_source"]
 TABLE_FILE = "conv-kernels.txt"  # what ./train --tune writes and ./train reads
 
 
-def _tunable(graph: Graph) -> list[Node]:
+Candidates = Mapping[str, tuple[str, ...]]  # by first output: the kernels a slot may take
+
+
+def _kernels(node: Node, g: ConvGeometry, limits: Candidates | None) -> tuple[str, ...]:
+    return (limits or {}).get(node.outputs[0].name) or candidates(node.op, g)
+
+
+def _tunable(graph: Graph, limits: Candidates | None = None) -> list[Node]:
     nodes = []
     for node in graph.nodes:
         if node.op not in CONV_OPS or node.outputs[0].dtype not in DTYPES:
@@ -42,14 +51,16 @@ def _tunable(graph: Graph) -> list[Node]:
             g = conv_geometry(node)
         except ValueError:
             continue  # the lowering reports it
-        if len(candidates(node.op, g)) > 1:
+        if len(_kernels(node, g, limits)) > 1:
             nodes.append(node)
     return nodes
 
 
-def conv_slots(graph: Graph) -> dict[str, int]:
-    """Each tunable conv node's slot, by its first output's name, in graph order."""
-    return {node.outputs[0].name: k for k, node in enumerate(_tunable(graph))}
+def conv_slots(graph: Graph, limits: Candidates | None = None) -> dict[str, int]:
+    """Each tunable conv node's slot, by its first output's name, in graph order;
+    ``limits``: the kernels of nodes that may not take every valid one (by a memory
+    budget: ``budget_fit.export_candidates``)."""
+    return {node.outputs[0].name: k for k, node in enumerate(_tunable(graph, limits))}
 
 
 def _c_string(text: str) -> str:
@@ -57,16 +68,19 @@ def _c_string(text: str) -> str:
     return f'"{safe}"'
 
 
-def conv_table_source(graph: Graph) -> str:
-    """``convs.c``: the slots' table, its fingerprint and the timing harness."""
+def conv_table_source(graph: Graph, limits: Candidates | None = None) -> str:
+    """``convs.c``: the slots' table, its fingerprint and the timing harness (``limits``:
+    as ``conv_slots``)."""
     rows, arrays, facts = [], [], []
-    for k, node in enumerate(_tunable(graph)):
+    for k, node in enumerate(_tunable(graph, limits)):
         g = conv_geometry(node)
         out = node.outputs[0]
-        names = candidates(node.op, g)
+        names = _kernels(node, g, limits)
         mask = sum(1 << KERNEL_NAMES.index(n) for n in names)
-        plain = KERNEL_NAMES.index(rule_kernel(node.op, g, out.dtype.itemsize))
-        fast = KERNEL_NAMES.index(rule_kernel(node.op, g, out.dtype.itemsize, fast_gemm=True))
+        left_out = set(candidates(node.op, g)) - set(names)
+        size = out.dtype.itemsize
+        plain = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out))
+        fast = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out, fast_gemm=True))
         # the rule of the build the trainer is made with (PE_FAST_GEMM, kernels/pe_isa.h)
         rule = str(plain) if fast == plain else f"PE_FAST_GEMM ? {fast} : {plain}"
         op, dt = CONV_OPS.index(node.op), DTYPES.index(out.dtype)

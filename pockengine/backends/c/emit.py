@@ -118,6 +118,8 @@ class EmitContext:
     conv_kernels: Mapping[str, str] = field(default_factory=dict)
     # a conv node's first output name -> its slot in the trainer's table (conv_table.py)
     conv_slots: Mapping[str, int] = field(default_factory=dict)
+    # a slot's kernels where fewer than every valid one (budget_fit.export_candidates)
+    conv_candidates: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # a result run as a view of another value's memory (views.py) -> how
     views: Mapping[str, View] = field(default_factory=dict)
     _read: set[str] | None = field(default=None, repr=False)  # names some node or the graph reads
@@ -283,12 +285,14 @@ def emit_step(
     profile: bool = False,
     conv_kernels: Mapping[str, str] | None = None,
     conv_slots: Mapping[str, int] | None = None,
+    conv_candidates: Mapping[str, tuple[str, ...]] | None = None,
 ) -> str:
     """The C source of ``graph``'s step: includes, metadata, static geometry, then the nodes
     in functions of ``_NODES_PER_FUNCTION`` that ``pe_step`` calls in order. With
     ``profile``, each node's statement is timed into ``pe_node_seconds[k]``;
     ``conv_kernels`` names the kernel of conv nodes (by first output; the rest: the rule);
-    ``conv_slots`` makes those conv calls switch on the trainer's table (conv_table.py)."""
+    ``conv_slots`` makes those conv calls switch on the trainer's table (conv_table.py),
+    over ``conv_candidates``' kernels where a node has an entry (else every valid one)."""
     names: dict[str, str] = {}
     views = step_views(graph)
     decls = _declarations(graph, plan, names, views)
@@ -298,6 +302,7 @@ def emit_step(
         names,
         conv_kernels=conv_kernels or {},
         conv_slots=conv_slots or {},
+        conv_candidates=conv_candidates or {},
         views=views,
     )
     parts: list[str] = []

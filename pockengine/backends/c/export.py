@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pockengine.backends.c.backend import KERNELS, check_claims
-from pockengine.backends.c.conv_kernels import candidates, conv_geometry
+from pockengine.backends.c.budget_fit import export_candidates
 from pockengine.backends.c.conv_table import conv_slots, conv_table_source
 from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.c.emit import emit_step
@@ -224,25 +224,31 @@ def export_c(
     batch: tuple[Value, ...],
     state_names: Mapping[str, str],
     bounds: Sequence[IndexBound] | None = None,
+    memory_budget: int | None = None,
 ) -> Path:
     """Write the trainer folder for ``graph`` with initial ``state`` (IR name -> array);
     params and buffers are named in the state file as ``state_names`` maps them.
     ``bounds``: the index batch inputs' ranges (a step's ``facts.index_bounds``, derived
-    from its forward graph); None derives them from ``graph``. Each file is written
-    atomically, and no link inside ``folder`` is followed (``safe_write``)."""
+    from its forward graph); None derives them from ``graph``. ``memory_budget`` (bytes):
+    slots whose F(4x4, 3x3) working memory would take the plan over it leave that kernel
+    out (``budget_fit.export_candidates``). Each file is written atomically, and no link
+    inside ``folder`` is followed (``safe_write``)."""
     bounds = index_bounds(graph) if bounds is None else bounds
     graph = lower_for_c(graph)  # as CExecutable: the graph C runs
     check_claims(graph)
     graph = apply_layouts(graph, heuristic_nhwc(graph))  # the untuned layouts (layout.py)
-    # working memory for every kernel a slot may switch to (./train --tune)
-    graph = add_workspaces(graph, lambda node: candidates(node.op, conv_geometry(node)))
+    # working memory for every kernel a slot may switch to (./train --tune), less what a
+    # memory budget leaves no room for
+    limits = export_candidates(graph, memory_budget)
+    graph = add_workspaces(graph, lambda node: limits[node.outputs[0].name])
     out = make_dirs(Path(folder))
     make_dirs(out / "kernels", inside=out)
     plan = plan_step_memory(graph)
     names = _file_names(graph, state_names)
-    step = emit_step(graph, plan, KERNELS, names, conv_slots=conv_slots(graph))
+    slots = conv_slots(graph, limits)
+    step = emit_step(graph, plan, KERNELS, names, conv_slots=slots, conv_candidates=limits)
     write_text(out / "step.c", step, inside=out)
-    write_text(out / "convs.c", conv_table_source(graph), inside=out)
+    write_text(out / "convs.c", conv_table_source(graph, limits), inside=out)
     write_text(out / "bounds.c", bounds_source(graph, bounds), inside=out)
     for src in sorted(KERNEL_DIR.iterdir()):
         if src.suffix in (".c", ".h"):

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import math
 
-from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry, node_kernel
+from pockengine.backends.c.conv_kernels import (
+    KERNEL_NAMES,
+    candidates,
+    conv_geometry,
+    node_kernel,
+    rule_kernel,
+)
 from pockengine.backends.c.emit import (
     CEmitError,
     EmitContext,
@@ -99,7 +105,10 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
     except ValueError as exc:
         raise CEmitError(f"{node.op}: {exc}") from None
     kernel = node_kernel(node, g, ctx.conv_kernels)
-    names = candidates(node.op, g)
+    names = ctx.conv_candidates.get(out.name) or candidates(node.op, g)
+    left_out = set(candidates(node.op, g)) - set(names)  # by a budget (export_candidates)
+    if kernel in left_out:
+        kernel = rule_kernel(node.op, g, out.dtype.itemsize, left_out)
     if kernel not in names:
         raise CEmitError(f"{node.op}: kernel {kernel!r} cannot compute {out}")
     geom = ctx.longs("conv", g.longs())
@@ -118,6 +127,8 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
     # the exported trainer: the kernel its table chose (conv_table.py), else the rule's for
     # the build it is made with (PE_FAST_GEMM, kernels/pe_isa.h)
     fast = node_kernel(node, g, ctx.conv_kernels, fast_gemm=True)
+    if fast in left_out:
+        fast = rule_kernel(node.op, g, out.dtype.itemsize, left_out, fast_gemm=True)
     others = [k for k in names if k != kernel]
     cases = " ".join(f"case {KERNEL_NAMES.index(k)}: {call(k)} break;" for k in others)
     rule = call(kernel)
