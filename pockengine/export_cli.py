@@ -41,7 +41,9 @@ _FINETUNE_OPTIONS = ("recipe", "model", "data", "tokenizer", "epochs", "batch_si
                      "text_column", "label_column", "encoding", "weight_decay", "momentum",
                      "warmup", "val_fraction", "dedupe", "seed")  # fmt: skip
 _ONNX_MODEL_OPTIONS = ("loss", "output", "frozen_bn")
-_ALWAYS = ("source", "target", "out", "force", "backend", "threads", "run", "defaults")
+_ALWAYS = (
+    "source", "target", "out", "force", "backend", "threads", "run", "defaults", "layouts",
+)  # fmt: skip
 _RUN_OPTIONS = ("write_batches", "factory", "state")  # what goes with a run folder
 _ORT_RUNNER = Path(__file__).with_name("ort_runner.py")
 
@@ -136,6 +138,12 @@ def register(sub: Any) -> None:
         "whose LoRA factors replace the run's (the device's fine-tune)",
     )
     p.add_argument(
+        "--layouts",
+        metavar="FILE",
+        help="--target c: the layouts a trainer of this step measured (./train --tune's "
+        "conv-layouts.txt) instead of the heuristic's",
+    )
+    p.add_argument(
         "--write-batches",
         type=positive_int,
         metavar="N",
@@ -173,6 +181,8 @@ def _flags(names: list[str]) -> str:
 
 def _check_options(args: argparse.Namespace, kind: str) -> None:
     """One ``ExportError`` naming the options that do not go with this kind of source."""
+    if args.layouts is not None and args.target != "c":
+        raise ExportError(f"export: --layouts goes with --target c, not --target {args.target}")
     given = _given(args)
     if kind == "run":
         bad = [k for k in given if k not in _RUN_OPTIONS]
@@ -207,7 +217,7 @@ def _export(args: argparse.Namespace) -> int:
     run = Path(args.source) if kind == "run" else None
     out = _out_folder(args, f"train_step_{args.target}", run)
     prepared = _from_run(Path(args.source), args) if kind == "run" else _from_args(args)
-    written = write_export(prepared, out, args.target, args.write_batches)
+    written = write_export(prepared, out, args.target, args.write_batches, args.layouts)
     folder = out.path
     print(f"wrote {folder}/ ({prepared.what}): {', '.join(written)}")
     print(f"see {folder / 'README.txt'} for how to run it")
@@ -364,7 +374,7 @@ def _export_model(args: argparse.Namespace, kind: str) -> int:
     size = f"{len(step.graph.nodes)} nodes, {len(step.trained)} trained params"
     if out is not None:
         with building(out) as tmp:
-            step.export(tmp, target=args.target)
+            step.export(tmp, target=args.target, layouts=args.layouts)
         folder = out.path
     if args.target == "step":
         print(f"wrote {folder}/ ({size}); run it with pockengine.load_step({str(folder)!r})")
@@ -390,17 +400,22 @@ def batch_inputs(step: Any) -> list[Value]:
 
 
 def write_export(
-    prepared: _Prepared, out: OutFolder, target: str, batches: int | None
+    prepared: _Prepared,
+    out: OutFolder,
+    target: str,
+    batches: int | None,
+    layouts: str | None = None,
 ) -> list[str]:
     """Write the step to ``out`` for ``target``, the runner (onnx), ``README.txt`` and
     ``batches`` training batches, all in a folder beside it put in place at the end
     (``out_folder.building``: a failure leaves ``out`` as it was); returns the names
-    written at the top of the folder."""
+    written at the top of the folder. ``layouts``: for ``c``, a layout file
+    (``step.export``)."""
     step = prepared.step
     trainer_notes = ""
     with building(out) as folder:
         if target == "c":
-            step.export(folder, target="c")
+            step.export(folder, target="c", layouts=layouts)
             generic = folder / "README.md"  # the C trainer's own notes, folded into README.txt
             trainer_notes = generic.read_text()
             generic.unlink()

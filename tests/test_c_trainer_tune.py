@@ -66,7 +66,10 @@ def test_tune_writes_a_table_that_the_next_run_reads(
         k, kernel, seconds, name = line.split()
         assert int(k) == slot and slots[name] == slot and float(seconds) >= 0
         assert kernel in KERNEL_NAMES
-    assert len(tuned.stdout.splitlines()) == len(slots)
+    report = tuned.stdout.splitlines()  # a line a slot, then a line a layout candidate
+    assert len([x for x in report if not x.startswith("layout ")]) == len(slots)
+    layouts = (folder / "conv-layouts.txt").read_text().splitlines()
+    assert len(layouts) - 1 == len([x for x in report if x.startswith("layout ")]) > 0
     run = _run(folder, "X.npy", "Y.npy")
     assert run.returncode == 0 and f"conv kernels: {TABLE_FILE}" in run.stderr, run.stderr
     np.testing.assert_allclose(_losses(run.stdout), losses, rtol=1e-4)

@@ -422,15 +422,25 @@ class CompiledStep(ABC):
             self._store[name] = self.backend.from_numpy(codes)
 
     # -- writing it out ----------------------------------------------------------
-    def export(self, path: str | os.PathLike[str], *, target: str = "onnx") -> Path:
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        target: str = "onnx",
+        layouts: str | os.PathLike[str] | None = None,
+    ) -> Path:
         """Write this training step with its current params, buffers and optimizer state.
         ``target="onnx"``: one ONNX model (``path``) plus ``<stem>.state.npz`` beside it, to
         run with ``pockengine/ort_runner.py`` wherever numpy and onnxruntime are installed;
         returns the path of the state file. ``target="c"``: a self-contained folder
         (``path``) whose ``make`` builds a stand-alone ``./train`` needing only libc and
         libm (see ``pockengine.backends.c.export``; a step compiled with a ``memory_budget``
-        keeps the trainer's plan within it); returns the folder. ``target="step"``: the
-        step artifact (``save``)."""
+        keeps the trainer's plan within it; ``layouts``: the layout file a trainer of this
+        step measured, ``./train --tune``'s ``conv-layouts.txt``, whose layouts replace
+        the heuristic's); returns the folder. ``target="step"``: the step artifact
+        (``save``)."""
+        if layouts is not None and target != "c":
+            raise CompileError(f"export: layouts= goes with target='c', not {target!r}")
         if target == "step":
             return self.save(path)
         state = {v.name: self._read(v.name) for v in self.graph.inputs if v.role is not Role.INPUT}
@@ -439,7 +449,9 @@ class CompiledStep(ABC):
 
             bounds = tuple(b for group in self._index_bounds.values() for b in group)
             budget = budget_of(getattr(self, "passes", ()))  # pe.compile(memory_budget=...)
-            return export_c(path, self.graph, state, self._batch, self._state_names, bounds, budget)
+            return export_c(
+                path, self.graph, state, self._batch, self._state_names, bounds, budget, layouts
+            )
         if target != "onnx":
             raise CompileError(f"unknown export target {target!r}; use 'onnx', 'c' or 'step'")
         from pockengine.backends.onnx.export import export_step

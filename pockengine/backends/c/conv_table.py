@@ -27,6 +27,7 @@ from pockengine.backends.c.conv_kernels import (
     conv_geometry,
     rule_kernel,
 )
+from pockengine.backends.c.layout_tune import layout_harness_source
 from pockengine.backends.c.tune_harness import DTYPES, harness_source
 from pockengine.ir import Graph, Node
 
@@ -68,9 +69,12 @@ def _c_string(text: str) -> str:
     return f'"{safe}"'
 
 
-def conv_table_source(graph: Graph, limits: Candidates | None = None) -> str:
-    """``convs.c``: the slots' table, its fingerprint and the timing harness (``limits``:
-    as ``conv_slots``)."""
+def conv_table_source(
+    graph: Graph, limits: Candidates | None = None, layouts: str = "", nhwc_harness: bool = False
+) -> str:
+    """``convs.c``: the slots' table, its fingerprint, ``layouts`` (the layout candidates'
+    table: ``layout_table.layout_table_source``) and the timing harness, with the ``nhwc``
+    variant where ``nhwc_harness`` (``limits``: as ``conv_slots``)."""
     rows, arrays, facts = [], [], []
     for k, node in enumerate(_tunable(graph, limits)):
         g = conv_geometry(node)
@@ -106,4 +110,5 @@ def conv_table_source(graph: Graph, limits: Candidates | None = None) -> str:
         "};",
         "",
     ]
-    return "\n".join(head) + harness_source().split("\n", 1)[1]
+    harness = layout_harness_source() if nhwc_harness else harness_source()
+    return "\n".join(head) + layouts + harness.split("\n", 1)[1]

@@ -34,6 +34,7 @@ from pockengine.backends.c.frozen_file import (
     write_frozen_to,
 )
 from pockengine.backends.c.layout import apply_layouts, heuristic_nhwc
+from pockengine.backends.c.layout_table import layout_nodes, layout_table_source, read_layouts
 from pockengine.backends.c.lowering import lower_for_c
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.workspace import add_workspaces
@@ -225,18 +226,25 @@ def export_c(
     state_names: Mapping[str, str],
     bounds: Sequence[IndexBound] | None = None,
     memory_budget: int | None = None,
+    layouts: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write the trainer folder for ``graph`` with initial ``state`` (IR name -> array);
     params and buffers are named in the state file as ``state_names`` maps them.
     ``bounds``: the index batch inputs' ranges (a step's ``facts.index_bounds``, derived
     from its forward graph); None derives them from ``graph``. ``memory_budget`` (bytes):
     slots whose F(4x4, 3x3) working memory would take the plan over it leave that kernel
-    out (``budget_fit.export_candidates``). Each file is written atomically, and no link
-    inside ``folder`` is followed (``safe_write``)."""
+    out (``budget_fit.export_candidates``). ``layouts``: a layout file ``./train --tune``
+    wrote (``layout_table.read_layouts``), whose layouts replace the heuristic's. Each
+    file is written atomically, and no link inside ``folder`` is followed
+    (``safe_write``)."""
     bounds = index_bounds(graph) if bounds is None else bounds
     graph = lower_for_c(graph)  # as CExecutable: the graph C runs
     check_claims(graph)
-    graph = apply_layouts(graph, heuristic_nhwc(graph))  # the untuned layouts (layout.py)
+    # the layouts ./train --tune measured (layout_table.py), else the heuristic's
+    nhwc = heuristic_nhwc(graph) if layouts is None else read_layouts(layouts, graph)
+    candidates_table = layout_table_source(graph, nhwc)
+    has_candidates = bool(layout_nodes(graph))
+    graph = apply_layouts(graph, nhwc)
     # working memory for every kernel a slot may switch to (./train --tune), less what a
     # memory budget leaves no room for
     limits = export_candidates(graph, memory_budget)
@@ -248,7 +256,8 @@ def export_c(
     slots = conv_slots(graph, limits)
     step = emit_step(graph, plan, KERNELS, names, conv_slots=slots, conv_candidates=limits)
     write_text(out / "step.c", step, inside=out)
-    write_text(out / "convs.c", conv_table_source(graph, limits), inside=out)
+    table = conv_table_source(graph, limits, candidates_table, has_candidates)
+    write_text(out / "convs.c", table, inside=out)
     write_text(out / "bounds.c", bounds_source(graph, bounds), inside=out)
     for src in sorted(KERNEL_DIR.iterdir()):
         if src.suffix in (".c", ".h"):

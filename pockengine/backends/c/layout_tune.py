@@ -30,6 +30,7 @@ __all__ = [
     "MARGIN",
     "NHWC_KERNEL",
     "choose_layouts",
+    "layout_harness_source",
     "measure_layouts",
     "merge_choices",
     "nhwc_beside",
@@ -109,7 +110,8 @@ _ARGS = {
 _TYPES = {DType.F32: ("f32", "float"), DType.F64: ("f64", "double")}
 
 
-def _source() -> str:
+def layout_harness_source() -> str:
+    """The timing harness with the ``nhwc`` variant (kernel index ``len(KERNEL_NAMES)``)."""
     prelude = _PRELUDE + "".join(
         _TIMED.replace("{S}", s).replace("{T}", t) for s, t in _TYPES.values()
     )
@@ -126,8 +128,11 @@ def _source() -> str:
 def nhwc_beside(portable: bool | None) -> tune.Beside:
     """The ``nhwc`` candidate as a variant ``tune.choose_kernels`` times beside a node's
     NCHW kernels, in this module's harness (which has them all)."""
-    return tune.Beside(NHWC_KERNEL, lambda: tune_harness.harness_library(_source(), portable),
-                       _CODE, lambda node: nhwc_candidate(node) is not None)  # fmt: skip
+
+    def library() -> Any:
+        return tune_harness.harness_library(layout_harness_source(), portable)
+
+    return tune.Beside(NHWC_KERNEL, library, _CODE, lambda node: nhwc_candidate(node) is not None)
 
 
 def measure_layouts(
@@ -144,7 +149,7 @@ def measure_layouts(
     already taken (``nhwc_beside``), returned as they are."""
     if timed is not None:
         return dict(timed)
-    library = tune_harness.harness_library(_source(), portable)
+    library = tune_harness.harness_library(layout_harness_source(), portable)
     kernels = [nchw_kernel, NHWC_KERNEL]
     codes = (KERNEL_NAMES.index(nchw_kernel), _CODE)
     seconds = tune_harness.harness_times(op, kernels, dtype, g, 0.02, 3.0, portable, threads,

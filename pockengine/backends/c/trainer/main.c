@@ -2,11 +2,14 @@
  *
  *   ./train [--steps N] [--save out.safetensors] [--state in.safetensors] [--threads T]
  *           [--kernels conv-kernels.txt] [--memory-report] X.npy Y.npy ...
- *   ./train --tune [--threads T] [--kernels conv-kernels.txt]
+ *   ./train --tune [--threads T] [--kernels conv-kernels.txt] [--layouts conv-layouts.txt]
  *
  * --tune times each convolution's candidate kernels on this device and writes the
  * choices to the kernel table (default conv-kernels.txt), which later runs read
- * (pe_tune.h); without the file every convolution takes the exporter's rule.
+ * (pe_tune.h); without the file every convolution takes the exporter's rule. Where
+ * convolutions have an NHWC kernel it also times each against NHWC and writes the
+ * layouts to the layout file (default conv-layouts.txt), which a later export reads
+ * (pockengine export --layouts): layouts are fixed when the step is exported.
  *
  * The .npy files are the step's batch inputs in call order, each either one batch or a
  * stack of batches (a leading axis) used in turn. Memory: one state block (trained
@@ -53,6 +56,7 @@ typedef struct {
     long threads;
     int tune;            /* --tune: time the conv kernels, write the table, train nothing */
     const char *kernels; /* the kernel table */
+    const char *layouts; /* --tune: where the measured layouts go */
     const char *files[PE_MAX_FILES];
     int nfiles;
     int memory_report; /* --memory-report: the peak and its split after the last step */
@@ -61,7 +65,7 @@ typedef struct {
 static int usage(FILE *out, const char *argv0) {
     fprintf(out, "usage: %s [--steps N] [--save out.safetensors] [--state in.safetensors] "
             "[--threads T] [--kernels TABLE] [--memory-report] BATCH.npy ... | --tune [--threads T] "
-            "[--kernels TABLE]\n", argv0);
+            "[--kernels TABLE] [--layouts FILE]\n", argv0);
     return PE_REFUSED;
 }
 
@@ -85,7 +89,7 @@ static int parse_option(int argc, char **argv, int *i, options *o) {
     const char *flag = argv[*i];
     int known = !strcmp(flag, "--steps") || !strcmp(flag, "--save") ||
                 !strcmp(flag, "--state") || !strcmp(flag, "--threads") ||
-                !strcmp(flag, "--kernels");
+                !strcmp(flag, "--kernels") || !strcmp(flag, "--layouts");
     if (!known) {
         fprintf(stderr, "error: unknown option '%s'\n", flag);
         return 1;
@@ -99,6 +103,7 @@ static int parse_option(int argc, char **argv, int *i, options *o) {
     if (!strcmp(flag, "--threads")) return parse_count(flag, value, 4096, &o->threads);
     if (!strcmp(flag, "--save")) o->save = value;
     else if (!strcmp(flag, "--kernels")) o->kernels = value;
+    else if (!strcmp(flag, "--layouts")) o->layouts = value;
     else o->state = value;
     return 0;
 }
@@ -377,7 +382,7 @@ static int train(const options *o, trainer *t, size_t state_bytes) {
 /* --tune: no batch, state or save file; the table is all it writes. */
 static int tune(const options *o) {
     if (o->nfiles || o->save || o->steps >= 0) {
-        fprintf(stderr, "error: --tune takes only --threads and --kernels\n");
+        fprintf(stderr, "error: --tune takes only --threads, --kernels and --layouts\n");
         return PE_REFUSED;
     }
     if (o->threads > 0 && pe_set_threads((int)o->threads) != o->threads)
@@ -389,6 +394,15 @@ static int tune(const options *o) {
     }
     fflush(stdout);
     fprintf(stderr, "wrote %s (%d convolutions)\n", o->kernels, pe_num_convs);
+    if (pe_num_layout_nodes > 0) {
+        if (pe_layout_tune(o->layouts, stdout, err, sizeof(err))) {
+            fprintf(stderr, "error: %s\n", err);
+            return PE_FAILED;
+        }
+        fflush(stdout);
+        fprintf(stderr, "wrote %s (%d convolutions with an NHWC kernel; pockengine export "
+                "--layouts %s exports them so)\n", o->layouts, pe_num_layout_nodes, o->layouts);
+    }
     return 0;
 }
 
@@ -396,7 +410,8 @@ int main(int argc, char **argv) {
     /* Past a file size limit a write fails with EFBIG (and the save is undone) instead of
      * the signal ending the process. */
     signal(SIGXFSZ, SIG_IGN);
-    options o = {-1, NULL, "state.safetensors", 0, 0, "conv-kernels.txt", {0}, 0};
+    options o = {-1, NULL, "state.safetensors", 0, 0, "conv-kernels.txt", "conv-layouts.txt",
+                 {0}, 0, 0};
     int parsed = parse(argc, argv, &o);
     if (parsed < 0) {
         usage(stdout, argv[0]);

@@ -163,3 +163,51 @@ int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen) {
     }
     return 0;
 }
+
+#define PE_LAYOUT_FORMAT "pockengine-conv-layouts"
+#define PE_LAYOUT_MARGIN 0.9
+
+/* The median seconds of one harness kernel on a node's geometry, reps from a warm run. */
+static double time_kernel(int op, int k, int dtype, const long *g) {
+    double warm = pe_tune_time(op, k, dtype, g, 1);
+    if (warm < 0) return -1;
+    int reps = warm > 0.05 ? 3 : warm > 0.01 ? 5 : 9;
+    return pe_tune_time(op, k, dtype, g, reps);
+}
+
+int pe_layout_tune(const char *path, FILE *report, char *err, size_t errlen) {
+    char tmp[4096];
+    if ((size_t)snprintf(tmp, sizeof(tmp), "%s.%ld.tmp", path, (long)getpid()) >= sizeof(tmp)) {
+        snprintf(err, errlen, "%s: path too long", path);
+        return 1;
+    }
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
+        return 1;
+    }
+    fprintf(f, "%s %d %s\n", PE_LAYOUT_FORMAT, PE_TUNE_VERSION, pe_layout_fingerprint);
+    for (int s = 0; s < pe_num_layout_nodes; s++) {
+        const pe_layout_node *node = &pe_layout_nodes[s];
+        double nchw = -1;
+        for (int k = 0; k < pe_num_conv_kernels; k++) {
+            if (!(node->candidates >> k & 1)) continue;
+            double t = time_kernel(node->op, k, node->dtype, node->geometry);
+            if (t >= 0 && (nchw < 0 || t < nchw)) nchw = t;
+        }
+        double nhwc = time_kernel(node->op, pe_num_conv_kernels, node->dtype, node->geometry);
+        int take = nhwc >= 0 && (nchw < 0 || nhwc < PE_LAYOUT_MARGIN * nchw);
+        fprintf(report, "layout %-44s NCHW %.3f ms NHWC %.3f ms -> %s\n", node->name,
+                1e3 * nchw, 1e3 * nhwc, take ? "nhwc" : "nchw");
+        fprintf(f, "%s %s %.9g %.9g\n", node->name, take ? "nhwc" : "nchw",
+                nchw < 0 ? 0 : nchw, nhwc < 0 ? 0 : nhwc);
+    }
+    int failed = ferror(f) != 0;
+    failed |= fclose(f) != 0;
+    if (failed || rename(tmp, path) != 0) {
+        snprintf(err, errlen, "%s: %s", path, failed ? "write failed" : strerror(errno));
+        remove(tmp);
+        return 1;
+    }
+    return 0;
+}

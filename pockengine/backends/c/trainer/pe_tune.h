@@ -33,6 +33,22 @@ typedef struct {
     int rule;       /* the kernel taken without a table */
 } pe_conv_node;
 
+/* A convolution that has an NHWC kernel (layout.py's nhwc_candidate), in its NCHW form:
+ * ``./train --tune`` times its NCHW candidates against converting to NHWC, the NHWC kernel
+ * and converting back (harness kernel index pe_num_conv_kernels), and writes the layout
+ * each should take to the layout file, which ``pockengine export --layouts`` reads. */
+typedef struct {
+    const char *name; /* the node's first output (IR name) */
+    int op, dtype;
+    const long *geometry;
+    int candidates; /* its NCHW kernels, as pe_conv_node's */
+    int nhwc;       /* the layout this export gave it: 1 NHWC, 0 NCHW */
+} pe_layout_node;
+
+extern const int pe_num_layout_nodes;
+extern const pe_layout_node pe_layout_nodes[];
+extern const char pe_layout_fingerprint[];
+
 extern const int pe_num_convs;
 extern const int pe_num_conv_kernels;
 extern const char *const pe_conv_kernel_names[];
@@ -50,5 +66,15 @@ int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen);
 /* Time every candidate of every slot, print one line a slot to ``report`` and write the
  * table to ``path`` (a temporary file renamed over it). 0, or 1 with ``err`` set. */
 int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen);
+
+/* Time each layout node's best NCHW kernel against NHWC, print one line a node to
+ * ``report`` and write the layout file to ``path`` (a temporary file renamed over it):
+ *
+ *   pockengine-conv-layouts 1 <fingerprint>
+ *   <node name> <nchw|nhwc> <NCHW seconds> <NHWC seconds>
+ *
+ * NHWC where it took less than 0.9 of the NCHW kernel's time (layout_tune.MARGIN). 0, or
+ * 1 with ``err`` set. */
+int pe_layout_tune(const char *path, FILE *report, char *err, size_t errlen);
 
 #endif

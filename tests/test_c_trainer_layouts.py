@@ -1,0 +1,142 @@
+"""Layouts measured on the device: ``./train --tune`` of an exported trainer times every
+convolution that has an NHWC kernel against NHWC and writes ``conv-layouts.txt``; an
+export of the same step with that file (``step.export(..., layouts=...)``, ``pockengine
+export --layouts``) takes its layouts (``backends/c/layout_table.py``).
+
+- MobileNetV2 (width 0.35, 64 px, batch 2): the trainer's file names each candidate once
+  under this step's fingerprint; an export with every candidate in NHWC runs them all on
+  NHWC kernels and ./train trains as the in-process (NCHW) step does (float64); with every
+  one in NCHW none.
+- A file of another step, an unknown or repeated node, another layout word, a bad time, a
+  missing node, a file that is not text: one error naming the file and line, and no
+  folder is written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pockengine as pe
+from pockengine import zoo
+from pockengine.backends.c.layout_table import LAYOUT_FILE, LayoutFileError
+from pockengine.cli import main
+from tests.cached_cc import make_trainer
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
+                       reason="no C compiler (cc or $CC)"),
+    pytest.mark.skipif(shutil.which("make") is None, reason="no make"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
+    """The step, its workload and the layout file its trainer's ./train --tune wrote."""
+    w = zoo.mobilenet_v2(width=0.35, batch=2, size=64, classes=10)
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), pe.optim.SGD(lr=0.01), backend="c")
+    folder = step.export(tmp_path_factory.mktemp("tuned") / "trainer", target="c")
+    make_trainer(folder)
+    run = subprocess.run(["./train", "--tune"], cwd=folder, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert f"wrote {LAYOUT_FILE}" in run.stderr and "layout conv2d" in run.stdout
+    return step, w, folder / LAYOUT_FILE
+
+
+def _with(path: Path, lines: list[str], out: Path) -> Path:
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _lines(tuned: tuple[Any, Any, Path]) -> list[str]:
+    return tuned[2].read_text().splitlines()
+
+
+def test_the_trainer_writes_every_candidates_layout(tuned: tuple[Any, Any, Path]) -> None:
+    head, *rows = _lines(tuned)
+    assert head.startswith("pockengine-conv-layouts 1 ")
+    names = [r.split()[0] for r in rows]
+    assert len(names) == len(set(names)) > 10
+    assert all(r.split()[1] in ("nchw", "nhwc") for r in rows)
+
+
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_an_export_takes_the_files_layouts_and_trains_as_the_step(
+    layout: str, tmp_path: Path
+) -> None:
+    """In float64 with AdamW at 1e-4 (as tests/test_c_layout.py: float32 gradients of this
+    random network are ill-conditioned), every candidate forced onto ``layout``."""
+    from pockengine.backends.c.layout_table import layout_fingerprint, layout_nodes
+    from pockengine.backends.c.lowering import lower_for_c
+
+    w = zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=2, size=64, classes=10))
+    batches = [w.make_batch(i) for i in range(3)]
+    step = pe.compile(w.model, w.loss_fn, batches[0], pe.optim.AdamW(lr=1e-4), backend="c")
+    graph = lower_for_c(step.graph)
+    names = [n.outputs[0].name for n in layout_nodes(graph)]
+    head = f"pockengine-conv-layouts 1 {layout_fingerprint(graph)}"
+    forced = _with(tmp_path, [head, *(f"{n} {layout} 1e-6 1e-6" for n in names)],
+                   tmp_path / "layouts.txt")  # fmt: skip
+    folder = step.export(tmp_path / "trainer", target="c", layouts=forced)
+    nhwc_nodes = (folder / "step.c").read_text().count("= conv2d_nhwc")  # their IR lines
+    if layout == "nchw":
+        assert nhwc_nodes == 0
+        return
+    assert nhwc_nodes == len(names) > 10
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    losses = [step(*b) for b in batches]
+    make_trainer(folder)
+    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = [float(x.split()[-1]) for x in run.stdout.splitlines() if x.startswith("step ")]
+    np.testing.assert_allclose(got, losses, rtol=1e-8)
+
+
+def _bad_files(head: str, rows: list[str]) -> list[tuple[list[str], str]]:
+    first, second = rows[0].split()[0], rows[1].split()[0]
+    rest = rows[1:]
+    return [
+        (["pockengine-conv-layouts 1 0123456789abcdef", *rows], ":1: not the layouts of this"),
+        ([head, "conv2d_nope nhwc 1 1", *rows], ":2: 'conv2d_nope' is not a convolution"),
+        ([head, *rows, f"{first} nhwc 1 1"], "appears twice"),
+        ([head, f"{first} nchwc 1 1", *rest], ":2: layout 'nchwc' is not nchw or nhwc"),
+        ([head, f"{first} nhwc -1 1", *rest], ":2: the times must be seconds"),
+        ([head, f"{first} nhwc nan 1", *rest], ":2: the times must be seconds"),
+        ([head, f"{first} nhwc 1", *rest], ":2: expected '<node> <nchw|nhwc>"),
+        ([head, *rest], f"no layout for {first}"),
+        ([head, rows[0]], f"no layout for {second}"),
+    ]
+
+
+def test_a_bad_layout_file_is_one_clear_error_and_writes_nothing(
+    tuned: tuple[Any, Any, Path], tmp_path: Path
+) -> None:
+    step = tuned[0]
+    head, *rows = _lines(tuned)
+    for k, (lines, message) in enumerate(_bad_files(head, rows)):
+        bad = _with(tmp_path, lines, tmp_path / f"bad{k}.txt")
+        with pytest.raises(LayoutFileError, match="bad") as info:
+            step.export(tmp_path / f"out{k}", target="c", layouts=bad)
+        assert message in str(info.value), (message, str(info.value))
+        assert not (tmp_path / f"out{k}").exists()
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(LayoutFileError, match="not text"):
+        step.export(tmp_path / "outb", target="c", layouts=binary)
+    with pytest.raises(LayoutFileError, match="cannot read"):
+        step.export(tmp_path / "outm", target="c", layouts=tmp_path / "missing.txt")
+    with pytest.raises(pe.CompileError, match="goes with target='c'"):
+        step.export(tmp_path / "x.onnx", layouts=tuned[2])
+
+
+def test_the_cli_takes_layouts_with_target_c_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["export", "cnn", "--target", "onnx", "--layouts", "conv-layouts.txt"]) != 0
+    assert "--layouts goes with --target c" in capsys.readouterr().err
