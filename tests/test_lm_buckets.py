@@ -133,8 +133,11 @@ def test_bucket_steps_share_one_store() -> None:
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     after, ref = step.flat_state_dict(), reference.flat_state_dict()
     assert any(not np.array_equal(before[n], after[n]) for n in after)
+    # AdamW moves a weight by about lr (1e-2) a step whatever its gradient's size, so the
+    # padded step's other summation order can move one by a few 1e-5 (seen: 5e-5, with
+    # transformers 5.25); a step through the wrong store would differ by about 1e-2
     for name in after:
-        np.testing.assert_allclose(after[name], ref[name], rtol=1e-4, atol=1e-5)  # lr 1e-2
+        np.testing.assert_allclose(after[name], ref[name], rtol=1e-4, atol=2e-4)
     state, ref_state = step.optimizer_state(), reference.optimizer_state()
     assert state.keys() == ref_state.keys()
     for name in state:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import mmap
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -41,8 +42,15 @@ def test_a_phase_peak_is_what_ran_inside_it_alone() -> None:
     size = 64 * _MIB
 
     def allocate() -> int:
-        block = np.ones(size, dtype=np.uint8)  # touched: resident
-        return int(block[-1])
+        # fresh pages, touched: an anonymous mapping is new memory whatever the heap of this
+        # (long-lived test worker) process holds free, and it is gone at close
+        block = mmap.mmap(-1, size)
+        try:
+            for at in range(0, size, mmap.PAGESIZE):
+                block[at] = 1
+            return block[size - 1 - (size - 1) % mmap.PAGESIZE]
+        finally:
+            block.close()
 
     owner = SimpleNamespace(allocate=allocate)
     log.around(owner, "allocate", "allocate", limit=1)
