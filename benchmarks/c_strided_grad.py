@@ -21,18 +21,15 @@ without ``-march``. One JSON object on the last line; ``--out`` writes it to a f
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
-import re
 import statistics
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from _harness import out_file, write_out
-from c_winograd import _deep
+from c_winograd import _deep, _step_variants
 
 from pockengine.finetune.arg_types import positive_int
 
@@ -102,35 +99,15 @@ def _strided_direct() -> Iterator[None]:
 
 def time_steps(steps: int, threads: int, portable: bool) -> dict[str, Any]:
     """The deep model's step with the rule and with strided input gradients direct."""
-    import pockengine as pe
-    from pockengine.backends.c import CBackend
-
-    model, loss_fn, batch = _deep()
-    variants = {"rule": contextlib.nullcontext, "direct": _strided_direct}
-    compiled, kernels = {}, {}
-    for name, variant in variants.items():
-        with variant():  # the source is emitted again on each read: read it under the same rule
-            compiled[name] = pe.compile(model, loss_fn, batch, pe.optim.SGD(lr=0.01),
-                                        backend=CBackend(portable, threads))  # fmt: skip
-            calls = re.findall(r"pe_(conv2d_input_grad\w*)_f32\(", compiled[name]._exec.source)
-        kernels[name] = dict(sorted(collections.Counter(calls).items()))
-    seconds: dict[str, list[float]] = {name: [] for name in compiled}
-    losses: dict[str, list[float]] = {name: [] for name in compiled}
-    for _ in range(steps + 1):  # the first step of each warms up
-        for name, step in compiled.items():
-            start = time.process_time()
-            losses[name].append(float(step(*batch)))
-            seconds[name].append(time.process_time() - start)
-    med = {name: statistics.median(s[1:]) for name, s in seconds.items()}
-    agree = all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
-                for a, b in zip(losses["rule"], losses["direct"], strict=True))  # fmt: skip
-    return {
+    variants: dict[str, Callable[[], Any]] = {
+        "rule": contextlib.nullcontext, "direct": _strided_direct}  # fmt: skip
+    out = {
         "model": "ResNet-18's stages as 3x3 convolutions, 64-512 channels, 56 px, batch 1",
-        "input_grad_kernels": kernels,
-        "median_cpu_s": {k: round(v, 4) for k, v in med.items()},
-        "ratio": round(med["rule"] / med["direct"], 3),
-        "losses_agree": agree,
+        **_step_variants(_deep(), variants, steps, threads, portable),
     }
+    med = out["median_cpu_s"]
+    out["ratio"] = round(med["rule"] / med["direct"], 3)
+    return out
 
 
 def main() -> None:
@@ -148,7 +125,7 @@ def main() -> None:
               f"{r['ms']['im2col']:>10.3f} {r['ratio']:>6.3f}")  # fmt: skip
     step = time_steps(args.steps, args.threads, args.portable)
     print(f"step: {step['median_cpu_s']} -> {step['ratio']}x; losses agree: "
-          f"{step['losses_agree']}; input gradients {step['input_grad_kernels']}")  # fmt: skip
+          f"{step['losses_agree']}; kernels {step['kernels']}")  # fmt: skip
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result = {"args": options, "threads": args.threads, "portable": args.portable,
               "rounds": args.rounds, "kernels": rows, "step": step}  # fmt: skip

@@ -39,7 +39,7 @@ from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.frontend.import_memo import reused_imports
 from pockengine.ir import CompileError, DType, Graph, GraphBuilder, Role, TensorType, verify
-from tests.cached_cc import make_trainer
+from tests.trainer_losses import trainer_losses
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
@@ -219,7 +219,6 @@ def test_an_exported_trainer_runs_the_heuristic_layouts(
     """The small CNN with the heuristic's limit raised to its depthwise layer's 16x16 map:
     the step and the exported trainer both run that layer in NHWC, and ./train's losses
     are the step's."""
-    import subprocess
 
     monkeypatch.setattr(layout, "HEURISTIC_MAX_MAP", 256)
     w = zoo.small_cnn()
@@ -229,12 +228,5 @@ def test_an_exported_trainer_runs_the_heuristic_layouts(
     folder = step.export(tmp_path / "trainer", target="c")
     assert "pe_conv2d_nhwc_depthwise_f32(" in (folder / "step.c").read_text()
     batches = [w.make_batch(i) for i in range(3)]
-    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
-    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
     losses = [step(*b) for b in batches]
-    make_trainer(folder)
-    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
-                         text=True)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    got = [float(x.split()[-1]) for x in run.stdout.splitlines() if x.startswith("step ")]
-    np.testing.assert_allclose(got, losses, rtol=1e-4)
+    np.testing.assert_allclose(trainer_losses(folder, batches), losses, rtol=1e-4)

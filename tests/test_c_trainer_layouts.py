@@ -3,7 +3,7 @@ convolution that has an NHWC kernel against NHWC and writes ``conv-layouts.txt``
 export of the same step with that file (``step.export(..., layouts=...)``, ``pockengine
 export --layouts``) takes its layouts (``backends/c/layout_table.py``).
 
-- MobileNetV2 (width 0.35, 64 px, batch 2): the trainer's file names each candidate once
+- MobileNetV2 (width 0.35, 32 px, batch 2): the trainer's file names each candidate once
   under this step's fingerprint; an export with every candidate in NHWC runs them all on
   NHWC kernels and ./train trains as the in-process (NCHW) step does (float64); with every
   one in NCHW none.
@@ -28,6 +28,7 @@ from pockengine import zoo
 from pockengine.backends.c.layout_table import LAYOUT_FILE, LayoutFileError
 from pockengine.cli import main
 from tests.cached_cc import make_trainer
+from tests.trainer_losses import trainer_losses
 
 pytestmark = [
     pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -39,7 +40,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
     """The step, its workload and the layout file its trainer's ./train --tune wrote."""
-    w = zoo.mobilenet_v2(width=0.35, batch=2, size=64, classes=10)
+    w = zoo.mobilenet_v2(width=0.35, batch=2, size=32, classes=10)
     step = pe.compile(w.model, w.loss_fn, w.make_batch(0), pe.optim.SGD(lr=0.01), backend="c")
     folder = step.export(tmp_path_factory.mktemp("tuned") / "trainer", target="c")
     make_trainer(folder)
@@ -75,7 +76,7 @@ def test_an_export_takes_the_files_layouts_and_trains_as_the_step(
     from pockengine.backends.c.layout_table import layout_fingerprint, layout_nodes
     from pockengine.backends.c.lowering import lower_for_c
 
-    w = zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=2, size=64, classes=10))
+    w = zoo.as_double(zoo.mobilenet_v2(width=0.35, batch=2, size=32, classes=10))
     batches = [w.make_batch(i) for i in range(3)]
     step = pe.compile(w.model, w.loss_fn, batches[0], pe.optim.AdamW(lr=1e-4), backend="c")
     graph = lower_for_c(step.graph)
@@ -89,15 +90,8 @@ def test_an_export_takes_the_files_layouts_and_trains_as_the_step(
         assert nhwc_nodes == 0
         return
     assert nhwc_nodes == len(names) > 10
-    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
-    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
     losses = [step(*b) for b in batches]
-    make_trainer(folder)
-    run = subprocess.run(["./train", "X.npy", "Y.npy"], cwd=folder, capture_output=True,
-                         text=True)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    got = [float(x.split()[-1]) for x in run.stdout.splitlines() if x.startswith("step ")]
-    np.testing.assert_allclose(got, losses, rtol=1e-8)
+    np.testing.assert_allclose(trainer_losses(folder, batches), losses, rtol=1e-8)
 
 
 def _bad_files(head: str, rows: list[str]) -> list[tuple[list[str], str]]:

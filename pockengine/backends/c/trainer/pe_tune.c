@@ -116,44 +116,19 @@ int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen) {
     return bad;
 }
 
-/* The fastest candidate of slot s (its time in *best), each one's time printed. */
-static int tune_slot(int s, FILE *report, double *best) {
-    const pe_conv_node *node = &pe_conv_nodes[s];
-    int chosen = node->rule;
-    *best = -1;
-    fprintf(report, "%3d %-48s", s, node->name);
-    for (int k = 0; k < pe_num_conv_kernels; k++) {
-        if (!(node->candidates >> k & 1)) continue;
-        double warm = pe_tune_time(node->op, k, node->dtype, node->geometry, 1);
-        if (warm < 0) continue;
-        int reps = warm > 0.05 ? 3 : warm > 0.01 ? 5 : 9;
-        double t = pe_tune_time(node->op, k, node->dtype, node->geometry, reps);
-        fprintf(report, " %s %.3f ms", pe_conv_kernel_names[k], 1e3 * t);
-        if (t >= 0 && (*best < 0 || t < *best)) *best = t, chosen = k;
-    }
-    fprintf(report, " -> %s\n", pe_conv_kernel_names[chosen]);
-    if (*best < 0) *best = 0;
-    return chosen;
-}
-
-int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen) {
-    char tmp[4096];
-    if ((size_t)snprintf(tmp, sizeof(tmp), "%s.%ld.tmp", path, (long)getpid()) >= sizeof(tmp)) {
+/* A file written aside: ``path``.<pid>.tmp opened for writing (NULL with err set), and
+ * closed and renamed over ``path`` (0, or 1 with err set and the temporary removed). */
+static FILE *open_aside(const char *path, char *tmp, size_t tmplen, char *err, size_t errlen) {
+    if ((size_t)snprintf(tmp, tmplen, "%s.%ld.tmp", path, (long)getpid()) >= tmplen) {
         snprintf(err, errlen, "%s: path too long", path);
-        return 1;
+        return NULL;
     }
     FILE *f = fopen(tmp, "w");
-    if (!f) {
-        snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
-        return 1;
-    }
-    fprintf(f, "%s %d %s\n", PE_TUNE_FORMAT, PE_TUNE_VERSION, pe_conv_fingerprint);
-    for (int s = 0; s < pe_num_convs; s++) {
-        double seconds;
-        int k = tune_slot(s, report, &seconds);
-        fprintf(f, "%d %s %.9g %s\n", s, pe_conv_kernel_names[k], seconds, pe_conv_nodes[s].name);
-        pe_conv_choice[s] = k;
-    }
+    if (!f) snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
+    return f;
+}
+
+static int close_aside(FILE *f, const char *tmp, const char *path, char *err, size_t errlen) {
     int failed = ferror(f) != 0;
     failed |= fclose(f) != 0;
     if (failed || rename(tmp, path) != 0) {
@@ -164,10 +139,8 @@ int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen) {
     return 0;
 }
 
-#define PE_LAYOUT_FORMAT "pockengine-conv-layouts"
-#define PE_LAYOUT_MARGIN 0.9
-
-/* The median seconds of one harness kernel on a node's geometry, reps from a warm run. */
+/* The median seconds of one harness kernel on a geometry, its repeats set by a warm-up run
+ * (-1 when its operands could not be allocated). */
 static double time_kernel(int op, int k, int dtype, const long *g) {
     double warm = pe_tune_time(op, k, dtype, g, 1);
     if (warm < 0) return -1;
@@ -175,17 +148,45 @@ static double time_kernel(int op, int k, int dtype, const long *g) {
     return pe_tune_time(op, k, dtype, g, reps);
 }
 
+/* The fastest candidate of slot s (its time in *best), each one's time printed. */
+static int tune_slot(int s, FILE *report, double *best) {
+    const pe_conv_node *node = &pe_conv_nodes[s];
+    int chosen = node->rule;
+    *best = -1;
+    fprintf(report, "%3d %-48s", s, node->name);
+    for (int k = 0; k < pe_num_conv_kernels; k++) {
+        if (!(node->candidates >> k & 1)) continue;
+        double t = time_kernel(node->op, k, node->dtype, node->geometry);
+        if (t < 0) continue;
+        fprintf(report, " %s %.3f ms", pe_conv_kernel_names[k], 1e3 * t);
+        if (t >= 0 && (*best < 0 || t < *best)) *best = t, chosen = k;
+    }
+    fprintf(report, " -> %s\n", pe_conv_kernel_names[chosen]);
+    if (*best < 0) *best = 0;
+    return chosen;
+}
+
+int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen) {
+    char tmp[4096];
+    FILE *f = open_aside(path, tmp, sizeof(tmp), err, errlen);
+    if (!f) return 1;
+    fprintf(f, "%s %d %s\n", PE_TUNE_FORMAT, PE_TUNE_VERSION, pe_conv_fingerprint);
+    for (int s = 0; s < pe_num_convs; s++) {
+        double seconds;
+        int k = tune_slot(s, report, &seconds);
+        fprintf(f, "%d %s %.9g %s\n", s, pe_conv_kernel_names[k], seconds, pe_conv_nodes[s].name);
+        pe_conv_choice[s] = k;
+    }
+    return close_aside(f, tmp, path, err, errlen);
+}
+
+#define PE_LAYOUT_FORMAT "pockengine-conv-layouts"
+#define PE_LAYOUT_MARGIN 0.9
+
 int pe_layout_tune(const char *path, FILE *report, char *err, size_t errlen) {
     char tmp[4096];
-    if ((size_t)snprintf(tmp, sizeof(tmp), "%s.%ld.tmp", path, (long)getpid()) >= sizeof(tmp)) {
-        snprintf(err, errlen, "%s: path too long", path);
-        return 1;
-    }
-    FILE *f = fopen(tmp, "w");
-    if (!f) {
-        snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
-        return 1;
-    }
+    FILE *f = open_aside(path, tmp, sizeof(tmp), err, errlen);
+    if (!f) return 1;
     fprintf(f, "%s %d %s\n", PE_LAYOUT_FORMAT, PE_TUNE_VERSION, pe_layout_fingerprint);
     for (int s = 0; s < pe_num_layout_nodes; s++) {
         const pe_layout_node *node = &pe_layout_nodes[s];
@@ -202,12 +203,5 @@ int pe_layout_tune(const char *path, FILE *report, char *err, size_t errlen) {
         fprintf(f, "%s %s %.9g %.9g\n", node->name, take ? "nhwc" : "nchw",
                 nchw < 0 ? 0 : nchw, nhwc < 0 ? 0 : nhwc);
     }
-    int failed = ferror(f) != 0;
-    failed |= fclose(f) != 0;
-    if (failed || rename(tmp, path) != 0) {
-        snprintf(err, errlen, "%s: %s", path, failed ? "write failed" : strerror(errno));
-        remove(tmp);
-        return 1;
-    }
-    return 0;
+    return close_aside(f, tmp, path, err, errlen);
 }
