@@ -28,6 +28,7 @@ from pockengine.backends.c import CBackend
 from pockengine.backends.c.budget_fit import arrange, export_candidates, fit_budget
 from pockengine.backends.c.lowering import lower_for_c
 from pockengine.ir import CompileError, DType, Graph, GraphBuilder, Role, TensorType
+from tests.conv_stacks import conv_stack
 from tests.trainer_losses import trainer_losses
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -37,24 +38,7 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is No
 def _vgg() -> tuple[Any, Any, list[Any]]:
     """Three 3x3 convolutions of 32 channels on 10 x 10 maps of two images: F(4x4, 3x3) by
     the rule, forward, input and weight gradients (six nodes with working memory)."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 5),
-    )  # fmt: skip
-
-    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(m(x), y)
-
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(2, 3, 10, 10, generator=g),
-                torch.randint(0, 5, (2,), generator=g)) for _ in range(3)]  # fmt: skip
-    return model, loss_fn, batches
+    return conv_stack((32, 32, 32), 10, 2, 3, norm_after=(1,))
 
 
 def _step(backend: Any, budget: int | None = None) -> Any:

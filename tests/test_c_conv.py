@@ -28,6 +28,7 @@ from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
 from tests.c_check import FLAG_SETS, run_check, run_check_aarch64
+from tests.conv_stacks import conv_stack
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
@@ -167,25 +168,9 @@ def test_winograd_trains_a_torch_initialised_cnn_as_numpy(
     initialisation, 5 SGD steps in float32: the losses and weights match NumPy's to rtol
     1e-4 (Winograd's rounding differs from direct convolution by about 1e-6 to 1e-5 of each
     output)."""
-    import torch
-    from torch import nn
-
     import pockengine as pe
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 5),
-    )  # fmt: skip
-
-    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(m(x), y)
-
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(batch, 3, size, size, generator=g),
-                torch.randint(0, 5, (batch,), generator=g)) for _ in range(5)]  # fmt: skip
+    model, loss_fn, batches = conv_stack((32, 32, 32), size, batch, 5, norm_after=(1,))
     steps = {
         b: pe.compile(model, loss_fn, batches[0], pe.optim.SGD(lr=0.05), backend=b)
         for b in ("numpy", "c")

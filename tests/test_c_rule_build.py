@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from pockengine.backends.c.conv_kernels import (
     rule_kernel,
 )
 from pockengine.backends.c.driver import KERNEL_DIR, has_fast_gemm, toolchain
+from tests.conv_stacks import conv_stack
 from tests.trainer_losses import trainer_losses
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -71,25 +73,10 @@ def test_has_fast_gemm_agrees_with_the_c_headers(tmp_path: Path) -> None:
     assert not has_fast_gemm(True)
 
 
-def _model() -> tuple[object, object, list[tuple[object, object]]]:
+def _model() -> tuple[Any, Any, list[tuple[Any, Any]]]:
     """Two 3x3 convolutions of 128 channels on 6 x 6 maps of one image: too few tiles for
     F(4x4, 3x3), F(2x2, 3x3) by the portable rule."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 128, 3, padding=1), nn.ReLU(), nn.Conv2d(128, 128, 3, padding=1),
-        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 5),
-    )  # fmt: skip
-
-    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(m(x), y)
-
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(1, 3, 6, 6, generator=g),
-                torch.randint(0, 5, (1,), generator=g)) for _ in range(3)]  # fmt: skip
-    return model, loss_fn, batches
+    return conv_stack((128, 128), 6, 1, 3)
 
 
 def _default_kernel(source: str) -> str:
