@@ -20,18 +20,14 @@ without ``-march``. One JSON object on the last line; ``--out`` writes it to a f
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-from _harness import out_file, write_out
-from c_winograd import _deep, _step_variants
-
-from pockengine.finetune.arg_types import positive_int
+from _harness import write_out
+from c_winograd import _deep, _step_variants, kernel_bench_args, kernel_bench_result
 
 # (name, batch, channels in, channels out, input side, filter side, stride, padding)
 SHAPES = [
@@ -111,13 +107,7 @@ def time_steps(steps: int, threads: int, portable: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=positive_int, default=5, help="kernel timing rounds")
-    parser.add_argument("--steps", type=positive_int, default=10, help="steps a variant")
-    parser.add_argument("--threads", type=positive_int, default=1)
-    parser.add_argument("--portable", action="store_true", help="-O3 without -march")
-    parser.add_argument("--out", type=out_file, help="also write the JSON here")
-    args = parser.parse_args()
+    args = kernel_bench_args(__doc__ or "")
     rows = time_kernels(args.rounds, args.threads, args.portable)
     print(f"{'shape':24} {'batch':>5} {'direct ms':>10} {'col2im ms':>10} {'ratio':>6}")
     for r in rows:
@@ -126,9 +116,7 @@ def main() -> None:
     step = time_steps(args.steps, args.threads, args.portable)
     print(f"step: {step['median_cpu_s']} -> {step['ratio']}x; losses agree: "
           f"{step['losses_agree']}; kernels {step['kernels']}")  # fmt: skip
-    options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result = {"args": options, "threads": args.threads, "portable": args.portable,
-              "rounds": args.rounds, "kernels": rows, "step": step}  # fmt: skip
+    result = kernel_bench_result(args, rows, step)
     if args.out:
         write_out(args.out, result)
     print(json.dumps(result))

@@ -239,14 +239,28 @@ def time_deep_steps(steps: int, threads: int, portable: bool) -> dict[str, Any] 
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def kernel_bench_args(doc: str) -> argparse.Namespace:
+    """The options of a kernels-then-step benchmark (this one, ``c_strided_grad.py``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--rounds", type=positive_int, default=5, help="kernel timing rounds")
     parser.add_argument("--steps", type=positive_int, default=10, help="steps a variant")
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--portable", action="store_true", help="-O3 without -march")
     parser.add_argument("--out", type=out_file, help="also write the JSON here")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def kernel_bench_result(
+    args: argparse.Namespace, rows: list[dict[str, Any]], step: dict[str, Any]
+) -> dict[str, Any]:
+    """Its JSON: the options, the kernels' rows and the step."""
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {"args": options, "threads": args.threads, "portable": args.portable,
+            "rounds": args.rounds, "kernels": rows, "step": step}  # fmt: skip
+
+
+def main() -> None:
+    args = kernel_bench_args(__doc__ or "")
     rows = time_kernels(args.rounds, args.threads, args.portable)
     print(f"{'shape':22} {'op':18} " + " ".join(f"{k:>16}" for k in KERNELS) + "  rule")
     for r in rows:
@@ -260,9 +274,7 @@ def main() -> None:
     if deep is not None:
         print(f"deep step: {deep['median_cpu_s']} -> {deep['ratio_portable_rule']}x; losses "
               f"agree: {deep['losses_agree']}; kernels {deep['kernels']}")  # fmt: skip
-    options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result = {"args": options, "threads": args.threads, "portable": args.portable,
-              "rounds": args.rounds, "kernels": rows, "step": step}  # fmt: skip
+    result = kernel_bench_result(args, rows, step)
     if deep is not None:
         result["deep_step"] = deep
     text = json.dumps(result)

@@ -127,6 +127,9 @@ def test_a_bad_layout_file_is_one_clear_error_and_writes_nothing(
         step.export(tmp_path / "outb", target="c", layouts=binary)
     with pytest.raises(LayoutFileError, match="cannot read"):
         step.export(tmp_path / "outm", target="c", layouts=tmp_path / "missing.txt")
+    with pytest.raises(LayoutFileError, match="cannot read"):  # a folder where a file belongs
+        step.export(tmp_path / "outd", target="c", layouts=tmp_path)
+    assert not (tmp_path / "outd").exists()
     with pytest.raises(pe.CompileError, match="goes with target='c'"):
         step.export(tmp_path / "x.onnx", layouts=tuned[2])
 
@@ -134,3 +137,17 @@ def test_a_bad_layout_file_is_one_clear_error_and_writes_nothing(
 def test_the_cli_takes_layouts_with_target_c_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["export", "cnn", "--target", "onnx", "--layouts", "conv-layouts.txt"]) != 0
     assert "--layouts goes with --target c" in capsys.readouterr().err
+
+
+def test_the_trainer_takes_layouts_with_tune_only(tuned: tuple[Any, Any, Path]) -> None:
+    """``--layouts`` in a training run is refused (its layouts are compiled in), and a
+    layout file it cannot write fails naming it, leaving no temporary file."""
+    folder = tuned[2].parent
+    before = sorted(p.name for p in folder.iterdir())
+    run = subprocess.run(["./train", "--layouts", "x.txt", "X.npy", "Y.npy"], cwd=folder,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 2 and "--layouts goes with --tune" in run.stderr, run.stderr
+    run = subprocess.run(["./train", "--tune", "--layouts", "missing/conv-layouts.txt"],
+                         cwd=folder, capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 1 and "missing/conv-layouts.txt" in run.stderr, run.stderr
+    assert sorted(p.name for p in folder.iterdir()) == before

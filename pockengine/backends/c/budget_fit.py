@@ -19,7 +19,7 @@ kernel and layout computes the same values within float32 rounding.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from pockengine.backends.c.conv_kernels import (
@@ -83,11 +83,32 @@ def kernel_without_work(
     """The kernel conv node ``node`` takes instead of one with working memory: the fastest
     of ``seconds`` (its measured candidates) that takes none, else the rule's."""
     g = conv_geometry(node)
-    free = [k for k in candidates(node.op, g) if k not in WORK_KERNELS]
-    timed = [k for k in free if seconds and k in seconds]
+    timed = {k: t for k, t in (seconds or {}).items()
+             if k in candidates(node.op, g) and k not in WORK_KERNELS}  # fmt: skip
     if timed:
-        return min(timed, key=lambda k: seconds[k] if seconds else 0.0)
+        return min(timed, key=timed.__getitem__)
     return rule_kernel(node.op, g, node.outputs[0].dtype.itemsize, WORK_KERNELS, fast_gemm)
+
+
+def _least_given(
+    order: Sequence[str], peak: Callable[[Collection[str]], int], budget: int
+) -> tuple[list[str], bool]:
+    """The fewest of ``order`` to give up for ``peak(given)`` to meet ``budget``: given up
+    in that order until it does (or all are), then each taken back, the last first, where
+    the peak stays within the budget (or, unmet, within the lowest peak reached); and
+    whether the budget is met. Giving up working memory never raises a peak (it lives for
+    its own node only), so the lowest is the one with all given up."""
+    given: list[str] = []
+    for name in order:
+        given.append(name)
+        if peak(given) <= budget:
+            break
+    bar = max(budget, peak(given))
+    for name in reversed(list(given)):
+        trial = [k for k in given if k != name]
+        if peak(trial) <= bar:
+            given = trial
+    return given, bar == budget
 
 
 def fit_budget(
@@ -106,67 +127,43 @@ def fit_budget(
     if budget is None or first.plan.planned_peak_bytes <= budget:
         return first
     worked = [(w.type.nbytes, n) for n in first.graph.nodes if (w := workspace_of(n)) is not None]
-    instead: dict[str, str] = {}  # first output -> kernel without working memory
-    lines: dict[str, str] = {}
-    best = first
-    for size, node in sorted(worked, key=lambda t: -t[0]):
+    worked.sort(key=lambda t: -t[0])
+    named = {**kernels, **first.conv_kernels}  # every NCHW convolution's kernel, named
+    instead, lines = {}, {}  # by first output: the kernel without working memory, and why
+    for size, node in worked:
         name = node.outputs[0].name
-        was = first.conv_kernels[name]
         instead[name] = kernel_without_work(node, (seconds or {}).get(name), fast_gemm)
         lines[name] = (
-            f"{node.op} {name}: {instead[name]} instead of {was} "
+            f"{node.op} {name}: {instead[name]} instead of {named[name]} "
             f"({size / _MIB:.2f} MiB of working memory)"
         )
-        now = arrange(graph, {**kernels, **instead}, nhwc, fast_gemm)
-        if now.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
-            best = now
-        if now.plan.planned_peak_bytes <= budget:
-            fitted = {**kernels, **first.conv_kernels}  # the rule's kernels, named
-            return _restored(graph, fitted, nhwc, budget, instead, lines)
+
+    def with_given(given: Collection[str], layouts: Collection[str] = nhwc) -> Arranged:
+        chosen = {**named, **{k: instead[k] for k in given}}
+        now = arrange(graph, chosen, layouts, fast_gemm)
+        return Arranged(now.graph, now.conv_kernels, now.plan, tuple(lines[k] for k in given))
+
+    given, met = _least_given(list(instead), lambda g: with_given(g).plan.planned_peak_bytes,
+                              budget)  # fmt: skip
+    best = with_given(given)
     convs = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in nhwc]
-    if convs:
-        now = arrange(graph, {**kernels, **instead}, (), fast_gemm)
-        note = f"{len(convs)} convolutions in NCHW instead of NHWC (no layout conversions)"
-        if now.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
-            best = Arranged(now.graph, now.conv_kernels, now.plan, (*lines.values(), note))
-        if now.plan.planned_peak_bytes <= budget:
-            return best
-    if best is not first and not best.given_up:  # the lowest with working memory given up
-        fitted = {**kernels, **first.conv_kernels}
-        best = _restored(graph, fitted, nhwc, best.plan.planned_peak_bytes, instead, lines)
-    log.warning(
-        "memory budget %.1f MiB not met by the C step: its plan peaks at %.1f MiB (%.1f MiB "
-        "over) with %s",
-        budget / _MIB,
-        best.plan.planned_peak_bytes / _MIB,
-        (best.plan.planned_peak_bytes - budget) / _MIB,
-        "its kernels' working memory and layouts given up where that lowered it"
-        if best.given_up
-        else "nothing of its own left to give up",
-    )
+    if not met and convs:
+        nchw = with_given(given, ())
+        if nchw.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
+            note = f"{len(convs)} convolutions in NCHW instead of NHWC (no layout conversions)"
+            best = Arranged(nchw.graph, nchw.conv_kernels, nchw.plan, (*nchw.given_up, note))
+    if best.plan.planned_peak_bytes > budget:
+        log.warning(
+            "memory budget %.1f MiB not met by the C step: its plan peaks at %.1f MiB (%.1f "
+            "MiB over) with %s",
+            budget / _MIB,
+            best.plan.planned_peak_bytes / _MIB,
+            (best.plan.planned_peak_bytes - budget) / _MIB,
+            "its kernels' working memory and layouts given up where that lowered it"
+            if best.given_up
+            else "nothing of its own left to give up",
+        )
     return best
-
-
-def _restored(
-    graph: Graph,
-    kernels: Mapping[str, str],
-    nhwc: Collection[str],
-    budget: int,
-    instead: dict[str, str],
-    lines: dict[str, str],
-) -> Arranged:
-    """The arrangement with ``instead``'s kernels (whose plan peaks at ``budget`` or less)
-    less those that the budget did not need: each given up in turn is taken back, the last
-    first, where the plan still fits without it (two nodes at one peak stay given up)."""
-    kept = dict(instead)
-    fitted = arrange(graph, {**kernels, **kept}, nhwc)
-    for name in reversed(list(instead)):
-        trial = {k: v for k, v in kept.items() if k != name}
-        now = arrange(graph, {**kernels, **trial}, nhwc)
-        if now.plan.planned_peak_bytes <= budget:
-            kept, fitted = trial, now
-    given = tuple(lines[k] for k in instead if k in kept)
-    return Arranged(fitted.graph, fitted.conv_kernels, fitted.plan, given)
 
 
 def memory_of(arranged: Arranged, budget: int | None = None) -> BackendMemory:
@@ -195,10 +192,13 @@ def export_candidates(graph: Graph, budget: int | None) -> dict[str, tuple[str, 
     convs = [n for n in graph.nodes if n.op in CONV_OPS]
     cands = {n.outputs[0].name: candidates(n.op, conv_geometry(n)) for n in convs}
 
-    def peak(given: Collection[str]) -> int:
-        kept = {k: tuple(c for c in v if k not in given or c not in WORK_KERNELS)
+    def kept(given: Collection[str]) -> dict[str, tuple[str, ...]]:
+        return {k: tuple(c for c in v if k not in given or c not in WORK_KERNELS)
                 for k, v in cands.items()}  # fmt: skip
-        worked = add_workspaces(graph, lambda n: kept[n.outputs[0].name])
+
+    def peak(given: Collection[str]) -> int:
+        allowed = kept(given)
+        worked = add_workspaces(graph, lambda n: allowed[n.outputs[0].name])
         return plan_step_memory(worked).planned_peak_bytes
 
     if budget is None or peak(()) <= budget:
@@ -208,23 +208,12 @@ def export_candidates(graph: Graph, budget: int | None) -> dict[str, tuple[str, 
         for n in add_workspaces(graph, lambda n: cands[n.outputs[0].name]).nodes
         if (w := workspace_of(n)) is not None
     ]
-    given: list[str] = []
-    for _, name in sorted(sized, key=lambda t: -t[0]):
-        given.append(name)
-        if peak(given) <= budget:
-            break
-    fits = peak(given) <= budget
-    bar = budget if fits else peak(given)
-    for name in reversed(list(given)):
-        trial = [k for k in given if k != name]
-        if peak(trial) <= bar:
-            given = trial
-    if not fits:
+    given, met = _least_given([k for _, k in sorted(sized, key=lambda t: -t[0])], peak, budget)
+    if not met:
         log.warning(
             "memory budget %.1f MiB not met by the exported trainer: its plan peaks at %.1f "
             "MiB with F(4x4, 3x3)'s working memory given up",
             budget / _MIB,
-            bar / _MIB,
+            peak(given) / _MIB,
         )
-    return {k: tuple(c for c in v if k not in given or c not in WORK_KERNELS)
-            for k, v in cands.items()}  # fmt: skip
+    return kept(given)

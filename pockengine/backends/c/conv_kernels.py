@@ -246,9 +246,17 @@ def rule_kernel(
 
 
 def node_kernel(
-    node: Node, g: ConvGeometry, chosen: Mapping[str, str], fast_gemm: bool = False
+    node: Node,
+    g: ConvGeometry,
+    chosen: Mapping[str, str],
+    fast_gemm: bool = False,
+    without: Collection[str] = (),
 ) -> str:
     """The kernel conv node ``node`` (geometry ``g``) runs: its entry in ``chosen`` (by
-    first output, a measured choice), else the rule's (for a ``fast_gemm`` build or not)."""
+    first output, a measured choice), else the rule's (for a ``fast_gemm`` build or not),
+    neither one of ``without`` (kernels a memory budget left out)."""
     out = node.outputs[0]
-    return chosen.get(out.name) or rule_kernel(node.op, g, out.dtype.itemsize, (), fast_gemm)
+    kernel = chosen.get(out.name)
+    if kernel and kernel not in without:
+        return kernel
+    return rule_kernel(node.op, g, out.dtype.itemsize, without, fast_gemm)

@@ -31,7 +31,7 @@ from pockengine.backends.c.layout_tune import layout_harness_source
 from pockengine.backends.c.tune_harness import DTYPES, harness_source
 from pockengine.ir import Graph, Node
 
-__all__ = ["TABLE_FILE", "conv_slots", "conv_table_source"]
+__all__ = ["TABLE_FILE", "conv_slots", "conv_table_source", "name_literal"]
 
 TABLE_FILE = "conv-kernels.txt"  # what ./train --tune writes and ./train reads
 
@@ -64,7 +64,9 @@ def conv_slots(graph: Graph, limits: Candidates | None = None) -> dict[str, int]
     return {node.outputs[0].name: k for k, node in enumerate(_tunable(graph, limits))}
 
 
-def _c_string(text: str) -> str:
+def name_literal(text: str) -> str:
+    """A node's name as a C string literal for a table the trainer prints from: letters,
+    digits and ``._-[]/`` and spaces kept, anything else (quotes, newlines) as ``_``."""
     safe = "".join(c if c.isalnum() or c in "._-[]/ " else "_" for c in text)
     return f'"{safe}"'
 
@@ -89,7 +91,7 @@ def conv_table_source(
         rule = str(plain) if fast == plain else f"PE_FAST_GEMM ? {fast} : {plain}"
         op, dt = CONV_OPS.index(node.op), DTYPES.index(out.dtype)
         arrays.append(f"static const long pe_conv_g{k}[] = {{{', '.join(map(str, g.longs()))}}};")
-        rows.append(f"    {{{_c_string(out.name)}, {op}, {dt}, pe_conv_g{k}, {mask}, {rule}}},")
+        rows.append(f"    {{{name_literal(out.name)}, {op}, {dt}, pe_conv_g{k}, {mask}, {rule}}},")
         facts.append(f"{out.name} {op} {dt} {g.longs()} {mask} {rule}")
     count = len(rows)
     digest = hashlib.sha256("\n".join([*KERNEL_NAMES, *facts]).encode()).hexdigest()[:16]

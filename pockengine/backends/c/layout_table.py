@@ -30,6 +30,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from pockengine.backends.c.conv_kernels import CONV_OPS, KERNEL_NAMES, candidates, conv_geometry
+from pockengine.backends.c.conv_table import name_literal
 from pockengine.backends.c.layout import nhwc_candidate
 from pockengine.backends.c.tune_harness import DTYPES
 from pockengine.ir import CompileError, Graph, Node
@@ -75,11 +76,6 @@ def layout_fingerprint(graph: Graph) -> str:
     return hashlib.sha256(f"{_FORMAT} {_VERSION}\n{text}".encode()).hexdigest()[:16]
 
 
-def _c_string(text: str) -> str:
-    safe = "".join(c if c.isalnum() or c in "._-[]/ " else "_" for c in text)
-    return f'"{safe}"'
-
-
 def layout_table_source(graph: Graph, nhwc: Collection[str]) -> str:
     """The C definitions of ``pe_layout_nodes`` (``trainer/pe_tune.h``) for ``graph``
     (lowered, before the layout pass), ``nhwc`` naming the nodes this export puts in
@@ -92,7 +88,7 @@ def layout_table_source(graph: Graph, nhwc: Collection[str]) -> str:
         mask = sum(1 << KERNEL_NAMES.index(c) for c in candidates(node.op, g))
         arrays.append(f"static const long pe_layout_g{k}[] = {{{', '.join(map(str, g.longs()))}}};")
         op, dt = CONV_OPS.index(node.op), DTYPES.index(node.outputs[0].dtype)
-        rows.append(f"    {{{_c_string(name)}, {op}, {dt}, pe_layout_g{k}, {mask}, "
+        rows.append(f"    {{{name_literal(name)}, {op}, {dt}, pe_layout_g{k}, {mask}, "
                     f"{int(name in nhwc)}}},")  # fmt: skip
     return "\n".join([
         "/* The convolutions with an NHWC kernel (layout_table.py), for ./train --tune. */",

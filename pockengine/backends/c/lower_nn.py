@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import math
 
-from pockengine.backends.c.conv_kernels import (
-    KERNEL_NAMES,
-    candidates,
-    conv_geometry,
-    node_kernel,
-    rule_kernel,
-)
+from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry, node_kernel
 from pockengine.backends.c.emit import (
     CEmitError,
     EmitContext,
@@ -104,11 +98,9 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
         g = conv_geometry(node)
     except ValueError as exc:
         raise CEmitError(f"{node.op}: {exc}") from None
-    kernel = node_kernel(node, g, ctx.conv_kernels)
     names = ctx.conv_candidates.get(out.name) or candidates(node.op, g)
     left_out = set(candidates(node.op, g)) - set(names)  # by a budget (export_candidates)
-    if kernel in left_out:
-        kernel = rule_kernel(node.op, g, out.dtype.itemsize, left_out)
+    kernel = node_kernel(node, g, ctx.conv_kernels, without=left_out)
     if kernel not in names:
         raise CEmitError(f"{node.op}: kernel {kernel!r} cannot compute {out}")
     geom = ctx.longs("conv", g.longs())
@@ -126,9 +118,7 @@ def _conv_call(ctx: EmitContext, node: Node, args: str) -> str:
         return call(kernel)
     # the exported trainer: the kernel its table chose (conv_table.py), else the rule's for
     # the build it is made with (PE_FAST_GEMM, kernels/pe_isa.h)
-    fast = node_kernel(node, g, ctx.conv_kernels, fast_gemm=True)
-    if fast in left_out:
-        fast = rule_kernel(node.op, g, out.dtype.itemsize, left_out, fast_gemm=True)
+    fast = node_kernel(node, g, ctx.conv_kernels, fast_gemm=True, without=left_out)
     others = [k for k in names if k != kernel]
     cases = " ".join(f"case {KERNEL_NAMES.index(k)}: {call(k)} break;" for k in others)
     rule = call(kernel)

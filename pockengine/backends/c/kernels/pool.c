@@ -32,23 +32,21 @@ static long PE_S(pe_window_argmax)(const PE_T *plane, const long *g, long oh, lo
 
 #ifndef PE_POOL_HELPERS
 #define PE_POOL_HELPERS
-/* The output columns [*lo, *hi) whose windows lie inside the input's width, with their
- * taps adjacent (dilation 1: else none), so a row of them needs no bounds. */
-static void pe_pool_cols(const long *g, long *lo, long *hi) {
-    long SW = g[PE_G_SW], PW = g[PE_G_PW], KW = g[PE_G_KW], W = g[PE_G_W], OW = g[PE_G_OW];
-    long a = (PW + SW - 1) / SW; /* the first ow whose window starts at column 0 or after */
-    long b = W - KW + PW < 0 ? 0 : (W - KW + PW) / SW + 1; /* past the last ending inside */
-    if (g[PE_G_DH] != 1 || g[PE_G_DW] != 1) a = b = 0;
-    if (b > OW) b = OW;
-    if (a > b) a = b;
-    *lo = a;
-    *hi = b;
-}
-
-/* Whether output row oh's windows lie inside the input's height (dilation 1). */
-static int pe_pool_row_inside(const long *g, long oh) {
+/* Output row oh's windows that lie inside the input with their taps adjacent, so a row
+ * of them needs no bounds: columns [*a, *b) (none with dilation or where the row reaches
+ * the padding or past the edge), and where in the plane the first one's first tap is. */
+static long pe_pool_inside(const long *g, long oh, long *a, long *b) {
+    long W = g[PE_G_W], KW = g[PE_G_KW], SW = g[PE_G_SW], PW = g[PE_G_PW];
     long ih = oh * g[PE_G_SH] - g[PE_G_PH];
-    return g[PE_G_DH] == 1 && ih >= 0 && ih + g[PE_G_KH] <= g[PE_G_H];
+    long lo = (PW + SW - 1) / SW;                            /* the first starting inside */
+    long hi = W - KW + PW < 0 ? 0 : (W - KW + PW) / SW + 1; /* past the last ending inside */
+    if (hi > g[PE_G_OW]) hi = g[PE_G_OW];
+    *a = *b = 0;
+    if (g[PE_G_DH] != 1 || g[PE_G_DW] != 1 || ih < 0 || ih + g[PE_G_KH] > g[PE_G_H] || lo >= hi)
+        return 0;
+    *a = lo;
+    *b = hi;
+    return ih * W + lo * SW - PW;
 }
 #endif
 
@@ -72,29 +70,30 @@ static void PE_S(pe_max_row)(const PE_T *row, long W, long KH, long KW, long SW,
         }
 }
 
-/* Rows and columns of windows inside the input run pe_max_row; the windows that reach
- * into the padding (or past the edge with ceil_mode) the general loop, in window order. */
+/* Windows [from, to) of output row oh by the general loop (plane: one input plane). */
+static void PE_S(pe_max_windows)(const PE_T *plane, const long *g, long oh, long from, long to,
+                                 PE_T *out) {
+    for (long ow = from; ow < to; ow++) {
+        long at = PE_S(pe_window_argmax)(plane, g, oh, ow);
+        out[ow] = at < 0 ? (PE_T)-INFINITY : plane[at];
+    }
+}
+
+/* Each row's windows inside the input by pe_max_row, those that reach into the padding
+ * (or past the edge with ceil_mode) by the general loop. */
 void PE_S(pe_max_pool2d)(const PE_T *x, PE_T *y, const long *g) {
     long planes = g[PE_G_N], HW = g[PE_G_H] * g[PE_G_W], OH = g[PE_G_OH], OW = g[PE_G_OW];
-    long W = g[PE_G_W], lo, hi;
-    pe_pool_cols(g, &lo, &hi);
     PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
     for (long p = 0; p < planes; p++)
         for (long oh = 0; oh < OH; oh++) {
+            const PE_T *plane = x + p * HW;
             PE_T *out = y + (p * OH + oh) * OW;
-            long a = 0, b = 0; /* the columns pe_max_row takes */
-            if (hi > lo && pe_pool_row_inside(g, oh)) {
-                a = lo, b = hi;
-                const PE_T *row =
-                    x + p * HW + (oh * g[PE_G_SH] - g[PE_G_PH]) * W + lo * g[PE_G_SW] - g[PE_G_PW];
-                PE_S(pe_max_row)(row, W, g[PE_G_KH], g[PE_G_KW], g[PE_G_SW], hi - lo, out + lo);
-            }
-            for (long ow = 0; ow < OW; ow++) {
-                if (ow == a && b > a) ow = b;
-                if (ow >= OW) break;
-                long at = PE_S(pe_window_argmax)(x + p * HW, g, oh, ow);
-                out[ow] = at < 0 ? (PE_T)-INFINITY : x[p * HW + at];
-            }
+            long a, b, at0 = pe_pool_inside(g, oh, &a, &b);
+            PE_S(pe_max_windows)(plane, g, oh, 0, a, out);
+            if (b > a)
+                PE_S(pe_max_row)(plane + at0, g[PE_G_W], g[PE_G_KH], g[PE_G_KW], g[PE_G_SW],
+                                 b - a, out + a);
+            PE_S(pe_max_windows)(plane, g, oh, b, OW, out);
         }
 }
 
@@ -128,30 +127,32 @@ static void PE_S(pe_max_row_grad)(const PE_T *row, long at0, long W, long KH, lo
     }
 }
 
-/* As pe_max_pool2d: rows and columns of windows inside the input by pe_max_row_grad, the
- * others by the general loop, each row's windows in order (the general loop's sums). */
+/* The gradient of windows [from, to) of output row oh by the general loop, in order. */
+static void PE_S(pe_max_windows_grad)(const PE_T *plane, const long *g, long oh, long from,
+                                      long to, const PE_T *grow, PE_T *out) {
+    for (long ow = from; ow < to; ow++) {
+        long at = PE_S(pe_window_argmax)(plane, g, oh, ow);
+        if (at >= 0) out[at] += grow[ow];
+    }
+}
+
+/* As pe_max_pool2d, each row's windows in order (the general loop's sums): those before
+ * the ones inside the input, those (pe_max_row_grad), then those after. */
 void PE_S(pe_max_pool2d_grad)(const PE_T *gy, const PE_T *x, PE_T *gx, const long *g) {
     long planes = g[PE_G_N], HW = g[PE_G_H] * g[PE_G_W], OH = g[PE_G_OH], OW = g[PE_G_OW];
-    long W = g[PE_G_W], lo, hi;
-    pe_pool_cols(g, &lo, &hi);
     PE_PARALLEL_FOR(planes * OH * OW * g[PE_G_KH] * g[PE_G_KW])
     for (long p = 0; p < planes; p++) {
+        const PE_T *plane = x + p * HW;
         PE_T *restrict out = gx + p * HW;
         for (long k = 0; k < HW; k++) out[k] = 0;
         for (long oh = 0; oh < OH; oh++) {
             const PE_T *grow = gy + (p * OH + oh) * OW;
-            int fast = hi > lo && pe_pool_row_inside(g, oh);
-            for (long ow = 0; ow < OW; ow++) {
-                if (fast && ow == lo) {
-                    long at0 = (oh * g[PE_G_SH] - g[PE_G_PH]) * W + lo * g[PE_G_SW] - g[PE_G_PW];
-                    PE_S(pe_max_row_grad)(x + p * HW + at0, at0, W, g[PE_G_KH], g[PE_G_KW],
-                                          g[PE_G_SW], hi - lo, grow + lo, out);
-                    ow = hi - 1;
-                    continue;
-                }
-                long at = PE_S(pe_window_argmax)(x + p * HW, g, oh, ow);
-                if (at >= 0) out[at] += grow[ow];
-            }
+            long a, b, at0 = pe_pool_inside(g, oh, &a, &b);
+            PE_S(pe_max_windows_grad)(plane, g, oh, 0, a, grow, out);
+            if (b > a)
+                PE_S(pe_max_row_grad)(plane + at0, at0, g[PE_G_W], g[PE_G_KH], g[PE_G_KW],
+                                      g[PE_G_SW], b - a, grow + a, out);
+            PE_S(pe_max_windows_grad)(plane, g, oh, b, OW, grow, out);
         }
     }
 }

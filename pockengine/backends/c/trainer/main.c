@@ -56,7 +56,7 @@ typedef struct {
     long threads;
     int tune;            /* --tune: time the conv kernels, write the table, train nothing */
     const char *kernels; /* the kernel table */
-    const char *layouts; /* --tune: where the measured layouts go */
+    const char *layouts; /* --tune: where the measured layouts go (NULL: conv-layouts.txt) */
     const char *files[PE_MAX_FILES];
     int nfiles;
     int memory_report; /* --memory-report: the peak and its split after the last step */
@@ -394,14 +394,15 @@ static int tune(const options *o) {
     }
     fflush(stdout);
     fprintf(stderr, "wrote %s (%d convolutions)\n", o->kernels, pe_num_convs);
+    const char *layouts = o->layouts ? o->layouts : "conv-layouts.txt";
     if (pe_num_layout_nodes > 0) {
-        if (pe_layout_tune(o->layouts, stdout, err, sizeof(err))) {
+        if (pe_layout_tune(layouts, stdout, err, sizeof(err))) {
             fprintf(stderr, "error: %s\n", err);
             return PE_FAILED;
         }
         fflush(stdout);
         fprintf(stderr, "wrote %s (%d convolutions with an NHWC kernel; pockengine export "
-                "--layouts %s exports them so)\n", o->layouts, pe_num_layout_nodes, o->layouts);
+                "--layouts %s exports them so)\n", layouts, pe_num_layout_nodes, layouts);
     }
     return 0;
 }
@@ -410,8 +411,7 @@ int main(int argc, char **argv) {
     /* Past a file size limit a write fails with EFBIG (and the save is undone) instead of
      * the signal ending the process. */
     signal(SIGXFSZ, SIG_IGN);
-    options o = {-1, NULL, "state.safetensors", 0, 0, "conv-kernels.txt", "conv-layouts.txt",
-                 {0}, 0, 0};
+    options o = {-1, NULL, "state.safetensors", 0, 0, "conv-kernels.txt", NULL, {0}, 0, 0};
     int parsed = parse(argc, argv, &o);
     if (parsed < 0) {
         usage(stdout, argv[0]);
@@ -419,6 +419,10 @@ int main(int argc, char **argv) {
     }
     if (parsed) return usage(stderr, argv[0]);
     if (o.tune) return tune(&o);
+    if (o.layouts) {
+        fprintf(stderr, "error: --layouts goes with --tune (a run cannot change its layouts)\n");
+        return PE_REFUSED;
+    }
     trainer t = {0};
     size_t state_bytes = 0;
     for (int k = 0; k < pe_num_inputs; k++) {
