@@ -6,16 +6,18 @@
 In a fresh C cache dir (a temporary ``$PE_C_CACHE``): compiles the step with
 ``CBackend(tune=True)`` twice, once with the layout choice off (every convolution NCHW,
 each node's kernel measured) and once with it on (each convolution that has an NHWC
-kernel also timed as ``nhwc``: conversions in, the NHWC kernel, conversion out; kept
-where it is 10% faster), and with ``CBackend(tune=False)`` twice (the rule's kernels, all
-NCHW; and with the heuristic's layouts), then steps the four in turn, ``--rounds`` times
+kernel also timed as ``nhwc``: conversions in, the NHWC kernel, conversion out; each
+depthwise one also as ``nchwc``, the same around the channel-blocked kernel; the fastest
+kept where it is 10% faster), once more with the blocked candidate off (each convolution
+NCHW or NHWC), and with ``CBackend(tune=False)`` twice (the rule's kernels, all
+NCHW; and with the heuristic's layouts), then steps the five in turn, ``--rounds`` times
 each after one warm-up round, on the same batch, in one process. Prints and writes
 (``--out``) one JSON object: the compile times (the second one's layout measurement
 included), the median process CPU and wall seconds a step and their ratios, the largest
 loss difference between the steps (float32 MobileNetV2 trained on one batch drifts
 apart after a few steps; the first step's difference is the rounding), the conversions
-and NHWC convolutions in the step, and every candidate node's measured NCHW and NHWC
-times with the layout chosen.
+NHWC and NCHW{c}c convolutions in the step, and every candidate node's measured NCHW,
+NHWC and NCHW{c}c times with the layout chosen.
 """
 
 from __future__ import annotations
@@ -47,17 +49,19 @@ def _compile(workload: str, scheme_name: str, tune: bool = True) -> tuple[Any, l
 
 
 def _layouts(step: Any) -> list[dict[str, Any]]:
-    from pockengine.backends.c.layout_tune import NHWC_KERNEL
+    from pockengine.backends.c.layout_tune import BLOCKED_KERNEL, LAYOUT_KERNELS, NHWC_KERNEL
 
     rows = []
+    names = {NHWC_KERNEL: "NHWC", BLOCKED_KERNEL: "NCHWc"}
     for c in step._exec.kernel_choices:
-        if NHWC_KERNEL not in c.seconds:
+        if not set(LAYOUT_KERNELS) & c.seconds.keys():
             continue
-        nchw = {k: v for k, v in c.seconds.items() if k != NHWC_KERNEL}
+        nchw = {k: v for k, v in c.seconds.items() if k not in LAYOUT_KERNELS}
         best = min(nchw, key=lambda k: nchw[k])
         rows.append({
-            "op": c.op, "node": c.output, "layout": "NHWC" if c.kernel == NHWC_KERNEL else "NCHW",
-            "nchw_kernel": best, "nchw_s": nchw[best], "nhwc_s": c.seconds[NHWC_KERNEL],
+            "op": c.op, "node": c.output, "layout": names.get(c.kernel, "NCHW"),
+            "nchw_kernel": best, "nchw_s": nchw[best], "nhwc_s": c.seconds.get(NHWC_KERNEL),
+            "nchwc_s": c.seconds.get(BLOCKED_KERNEL),
         })  # fmt: skip
     return rows
 
@@ -83,7 +87,16 @@ def main() -> int:
         c_backend.choose_layouts, c_backend.heuristic_nhwc = choose, heuristic  # type: ignore[assignment]
         tuned, _, t_tuned = _compile(args.workload, args.scheme)
         untuned, _, _ = _compile(args.workload, args.scheme, tune=False)
-        steps = {"nchw": nchw, "layouts": tuned, "rule_nchw": rule, "rule_heuristic": untuned}
+        from pockengine.backends.c import layout_tune
+
+        variants = layout_tune._variants  # the candidates without the blocked layout
+        layout_tune._variants = lambda node: tuple(  # type: ignore[assignment]
+            v for v in variants(node) if v != layout_tune.BLOCKED_KERNEL
+        )
+        nhwc_only, _, _ = _compile(args.workload, args.scheme)
+        layout_tune._variants = variants  # type: ignore[assignment]
+        steps = {"nchw": nchw, "layouts": tuned, "rule_nchw": rule, "rule_heuristic": untuned,
+                 "layouts_nhwc_only": nhwc_only}  # fmt: skip
         cpu: dict[str, list[float]] = {k: [] for k in steps}
         wall: dict[str, list[float]] = {k: [] for k in steps}
         losses: dict[str, list[float]] = {k: [] for k in steps}
@@ -104,14 +117,19 @@ def main() -> int:
         "first_loss_diff": max(v[0] for v in losses.values()) - min(v[0] for v in losses.values()),
         "conversions": ops["layout_convert"],
         "nhwc_convolutions": sum(v for k, v in ops.items() if k.startswith("conv2d_nhwc")),
+        "nchwc_convolutions": sum(v for k, v in ops.items() if k.startswith("conv2d_nchwc")),
         "candidates": len(layouts),
         "chosen_nhwc": collections.Counter(r["op"] for r in layouts if r["layout"] == "NHWC"),
+        "chosen_nchwc": collections.Counter(r["op"] for r in layouts if r["layout"] == "NCHWc"),
         "plan_arena_mib": {k: s._exec.plan.arena_bytes / 2**20 for k, s in steps.items()},
         "load_average": os.getloadavg()[0],
         "layouts": layouts,
     }  # fmt: skip
     row["cpu_ratio_layouts_over_nchw"] = row["cpu_s"]["layouts"] / row["cpu_s"]["nchw"]
     row["wall_ratio_layouts_over_nchw"] = row["wall_s"]["layouts"] / row["wall_s"]["nchw"]
+    row["cpu_ratio_layouts_over_nhwc_only"] = (
+        row["cpu_s"]["layouts"] / row["cpu_s"]["layouts_nhwc_only"]
+    )
     row["cpu_ratio_heuristic_over_rule_nchw"] = (
         row["cpu_s"]["rule_heuristic"] / row["cpu_s"]["rule_nchw"]
     )

@@ -113,7 +113,7 @@ def main() -> int:
 
         def counted(op: str, kernels: list[str], *a: Any) -> dict[str, float]:
             calls["measure"] += len(kernels)
-            calls["layouts"] += 1 if len(a) > 4 and a[4] is not None else 0  # nhwc beside them
+            calls["layouts"] += len(a[5]) if len(a) > 5 else 0  # layout variants beside them
             return measure(op, kernels, *a)
 
         tune.measure = counted  # type: ignore[assignment]
@@ -122,7 +122,8 @@ def main() -> int:
         measure_layouts = layout_tune.measure_layouts
 
         def counted_layouts(op: str, kernel: str, *a: Any) -> dict[str, float]:
-            calls["layouts"] += 2 if len(a) < 5 or a[4] is None else 0  # else timed already
+            variants = a[5] if len(a) > 5 else (layout_tune.NHWC_KERNEL,)
+            calls["layouts"] += 1 + len(variants) if len(a) < 5 or a[4] is None else 0
             return measure_layouts(op, kernel, *a)
 
         layout_tune.measure_layouts = counted_layouts  # type: ignore[assignment]

@@ -7,10 +7,14 @@
   NHWC -> NCHW -> NHWC pair between the two depthwise convolutions, keeps every original
   result's name and type, computes what the graph computed (NumPy), and the C memory plan
   places every converted buffer; ``cancel_inverse_conversions`` drops an explicit pair.
+- The same chain in the channel-blocked NCHW{c}c (the depthwise nodes; the pointwise one
+  NHWC): one blocked copy of x and of gy, the blocked pair between the two depthwise
+  convolutions cancelled, the same values in NumPy and C.
 - The heuristic puts depthwise convolutions on maps of at most 16 positions in NHWC.
-- Whole models train as NumPy does over 5 steps with every candidate forced onto NHWC, with
-  measured layouts, and with the heuristic's: the small CNN and MobileNetV2 (width 0.35);
-  the report lists the ``nhwc`` candidate's time, a second compile measures nothing.
+- Whole models train as NumPy does over 5 steps with every candidate forced onto NHWC, or
+  the depthwise ones onto NCHW{c}c, with measured layouts, and with the heuristic's: the
+  small CNN and MobileNetV2 (width 0.35); the report lists the candidates' times, a
+  second compile measures nothing.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from pockengine.backends.c.layout import (
     HEURISTIC_MAX_MAP,
     NHWC,
     apply_layouts,
+    blocked_layout,
     cancel_inverse_conversions,
     heuristic_layout,
     heuristic_nhwc,
+    layout_candidates,
     nhwc_candidate,
 )
 from pockengine.backends.c.plan_step import plan_step_memory
@@ -100,6 +106,34 @@ def test_the_pass_converts_once_cancels_pairs_and_keeps_the_values() -> None:
     assert made and all(name in plan.offsets for name in made)
 
 
+def test_the_pass_lays_depthwise_convolutions_out_in_channel_blocks() -> None:
+    graph, feeds = _chain()
+    blocked = blocked_layout(DType.F32)
+    assert blocked == "NCHW16c"
+    chosen = {n.outputs[0].name: layout_candidates(n)[-1] for n in graph.nodes}
+    depthwise = {n.outputs[0].name for n in graph.nodes if n.attrs["groups"] == 8}
+    assert {k for k, v in chosen.items() if v == blocked} == depthwise  # pointwise: NHWC only
+    after = verify(apply_layouts(graph, chosen))
+    ops = _ops(after)
+    assert ops.count("conv2d_nchwc") == 2 and ops.count("conv2d_nchwc_weight_grad") == 2
+    assert ops.count("conv2d_nchwc_input_grad") == 1 and ops.count("conv2d_nhwc") == 1
+    converts = [n for n in after.nodes if n.op == "layout_convert"]
+    into = sorted(n.inputs[0].name for n in converts if n.attrs["dst"] == blocked)
+    assert into == ["gy", "x"]  # a's blocked result feeds b and gwb directly
+    assert [(v.name, v.type) for v in after.outputs] == [(v.name, v.type) for v in graph.outputs]
+    want = NumpyBackend().compile(graph).run(dict(feeds))
+    got = NumpyBackend().compile(after).run(dict(feeds))
+    ran = CBackend().compile(after).run({}, dict(feeds))
+    for g, r, w in zip(got, ran, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(r, w, rtol=1e-4, atol=1e-4)
+    plan = plan_step_memory(after)
+    made = [v.name for n in after.nodes for v in n.outputs if v.name.endswith(".nchw16c")]
+    assert made and all(name in plan.offsets for name in made)
+    with pytest.raises(CompileError, match="NCHW16c"):  # the pointwise node has no blocked kernel
+        apply_layouts(graph, dict.fromkeys(chosen, blocked))
+
+
 def test_an_explicit_inverse_pair_cancels() -> None:
     b = GraphBuilder("pair")
     x = b.input("x", TensorType((1, 3, 2, 2), DType.F32), Role.INPUT)
@@ -153,12 +187,17 @@ def _favour_nchw(op: str, nchw: str, *args: Any) -> dict[str, float]:
     return {nchw: 1e-6, layout_tune.NHWC_KERNEL: 2e-6}
 
 
-@pytest.mark.parametrize("how", ["forced", "measured", "heuristic"])
+def _favour_blocked(op: str, nchw: str, *args: Any) -> dict[str, float]:
+    return {nchw: 3e-6, layout_tune.NHWC_KERNEL: 2e-6, layout_tune.BLOCKED_KERNEL: 1e-6}
+
+
+@pytest.mark.parametrize("how", ["forced", "blocked", "measured", "heuristic"])
 def test_the_small_cnn_trains_as_numpy_in_every_layout(
     how: str, tables: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if how == "forced":
-        monkeypatch.setattr(layout_tune, "measure_layouts", _favour_nhwc)
+    if how in ("forced", "blocked"):
+        favour = _favour_nhwc if how == "forced" else _favour_blocked
+        monkeypatch.setattr(layout_tune, "measure_layouts", favour)
     if how == "heuristic":  # the depthwise layer's map is 16x16
         monkeypatch.setattr(layout, "HEURISTIC_MAX_MAP", 256)
     want, _ = _train(zoo.small_cnn(), "numpy")
@@ -166,8 +205,12 @@ def test_the_small_cnn_trains_as_numpy_in_every_layout(
     np.testing.assert_allclose(got, want, rtol=1e-4)
     nodes = step._exec.graph.nodes
     nhwc = [n for n in nodes if n.op.startswith("conv2d_nhwc")]
+    blocked = [n for n in nodes if n.op.startswith("conv2d_nchwc")]
     if how == "forced":  # the depthwise and pointwise layers, forward and both gradients
         assert len(nhwc) == 6 and any(n.op == "layout_convert" for n in nodes)
+    if how == "blocked":  # the depthwise layer blocked, the pointwise one NHWC
+        assert len(blocked) == 3 and len(nhwc) == 3
+        assert {n.attrs["block"] for n in blocked} == {16}
     if how == "heuristic":  # the depthwise layer, forward and both gradients
         assert len(nhwc) == 3
     if how != "heuristic":
@@ -175,6 +218,8 @@ def test_the_small_cnn_trains_as_numpy_in_every_layout(
         assert all(layout_tune.NHWC_KERNEL in c.seconds for c in report.kernels if
                    c.output in {n.outputs[0].name for n in nhwc})  # fmt: skip
         assert layout_tune.NHWC_KERNEL in str(report) or how == "measured"
+        if how == "blocked":
+            assert layout_tune.BLOCKED_KERNEL in str(report)
         again = pe.compile(zoo.small_cnn().model, zoo.small_cnn().loss_fn,
                            zoo.small_cnn().make_batch(0), backend=CBackend(tune=True))  # fmt: skip
         assert all(c.cached for c in again._exec.kernel_choices)
@@ -188,7 +233,8 @@ def test_mobilenet_trains_as_numpy_with_every_candidate_in_nhwc(
     since float32 gradients of this random network are ill-conditioned): every depthwise
     and pointwise layer NHWC gives the NCHW C step's losses (to 1e-9), and NumPy's
     (sparse, to 1e-5; full training of this batch of 2 is ill-conditioned enough that the
-    NCHW C step itself is 3e-3 from NumPy by step 4)."""
+    NCHW C step itself is 3e-3 from NumPy by step 4); so does every depthwise layer in
+    NCHW8c (the pointwise ones NHWC)."""
     monkeypatch.setattr(tune, "measure", lambda op, kernels, *a: {k: 1e-6 for k in kernels})
     scheme = pe.schemes.sparse(blocks=4) if scheme_name == "sparse" else None
 
@@ -208,8 +254,16 @@ def test_mobilenet_trains_as_numpy_with_every_candidate_in_nhwc(
         if scheme_name == "sparse":
             want, _ = run("numpy")
             np.testing.assert_allclose(got, want, rtol=1e-5)
+        monkeypatch.setattr(layout_tune, "measure_layouts", _favour_blocked)
+        monkeypatch.setattr(layout_tune, "cache_dir", lambda: tables / "blocked")
+        (tables / "blocked").mkdir()
+        in_blocks, blocked_step = run(CBackend(tune=True))
+        np.testing.assert_allclose(in_blocks, nchw, rtol=1e-9)
     ops = _ops(step._exec.graph)
     assert ops.count("conv2d_nhwc") > 10 and "conv2d_nhwc_weight_grad" in ops
+    blocked = [n for n in blocked_step._exec.graph.nodes if n.op.startswith("conv2d_nchwc")]
+    assert len(blocked) > 10 and {n.attrs["block"] for n in blocked} == {8}
+    assert "conv2d_nchwc_weight_grad" in _ops(blocked_step._exec.graph)
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")

@@ -1,15 +1,17 @@
 """Layouts measured on the device: ``./train --tune`` of an exported trainer times every
-convolution that has an NHWC kernel against NHWC and writes ``conv-layouts.txt``; an
-export of the same step with that file (``step.export(..., layouts=...)``, ``pockengine
-export --layouts``) takes its layouts (``backends/c/layout_table.py``).
+convolution that has an NHWC kernel against NHWC (and the depthwise ones against
+NCHW{c}c) and writes ``conv-layouts.txt``; an export of the same step with that file
+(``step.export(..., layouts=...)``, ``pockengine export --layouts``) takes its layouts
+(``backends/c/layout_table.py``).
 
 - MobileNetV2 (width 0.35, 32 px, batch 2): the trainer's file names each candidate once
-  under this step's fingerprint; an export with every candidate in NHWC runs them all on
-  NHWC kernels and ./train trains as the in-process (NCHW) step does (float64); with every
-  one in NCHW none.
-- A file of another step, an unknown or repeated node, another layout word, a bad time, a
-  missing node, a file that is not text: one error naming the file and line, and no
-  folder is written.
+  under this step's fingerprint, with an NCHW{c}c time exactly for the depthwise ones; an
+  export with every candidate in NHWC (or every depthwise one in NCHW8c, the rest NHWC)
+  runs them all on those kernels and ./train trains as the in-process (NCHW) step does
+  (float64); with every one in NCHW none.
+- A file of another step, an unknown or repeated node, another layout word, NCHW{c}c for a
+  node without that kernel, a bad time, a missing node, a file that is not text: one
+  error naming the file and line, and no folder is written.
 """
 
 from __future__ import annotations
@@ -59,15 +61,31 @@ def _lines(tuned: tuple[Any, Any, Path]) -> list[str]:
     return tuned[2].read_text().splitlines()
 
 
+def _blocked_names(step: Any) -> set[str]:
+    """The step's layout candidates that have an NCHW{c}c kernel."""
+    from pockengine.backends.c.layout import layout_candidates
+    from pockengine.backends.c.layout_table import layout_nodes
+    from pockengine.backends.c.lowering import lower_for_c
+
+    nodes = layout_nodes(lower_for_c(step.graph))
+    return {n.outputs[0].name for n in nodes if len(layout_candidates(n)) == 2}
+
+
 def test_the_trainer_writes_every_candidates_layout(tuned: tuple[Any, Any, Path]) -> None:
     head, *rows = _lines(tuned)
-    assert head.startswith("pockengine-conv-layouts 1 ")
+    assert head.startswith("pockengine-conv-layouts 2 ")
     names = [r.split()[0] for r in rows]
     assert len(names) == len(set(names)) > 10
-    assert all(r.split()[1] in ("nchw", "nhwc") for r in rows)
+    assert all(len(r.split()) == 5 and r.split()[1] in ("nchw", "nhwc", "nchwc") for r in rows)
+    blocked = _blocked_names(tuned[0])
+    assert 0 < len(blocked) < len(names)
+    for row in rows:  # an NCHW{c}c time exactly where the node has that kernel
+        name, layout, *times = row.split()
+        assert (float(times[2]) > 0) == (name in blocked), row
+        assert layout != "nchwc" or name in blocked
 
 
-@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("layout", ["nhwc", "nchwc", "nchw"])
 def test_an_export_takes_the_files_layouts_and_trains_as_the_step(
     layout: str, tmp_path: Path
 ) -> None:
@@ -81,30 +99,42 @@ def test_an_export_takes_the_files_layouts_and_trains_as_the_step(
     step = pe.compile(w.model, w.loss_fn, batches[0], pe.optim.AdamW(lr=1e-4), backend="c")
     graph = lower_for_c(step.graph)
     names = [n.outputs[0].name for n in layout_nodes(graph)]
-    head = f"pockengine-conv-layouts 1 {layout_fingerprint(graph)}"
-    forced = _with(tmp_path, [head, *(f"{n} {layout} 1e-6 1e-6" for n in names)],
-                   tmp_path / "layouts.txt")  # fmt: skip
+    head = f"pockengine-conv-layouts 2 {layout_fingerprint(graph)}"
+    blocked = _blocked_names(step)
+    rows = [f"{n} {'nhwc' if layout == 'nchwc' and n not in blocked else layout} 1e-6 1e-6 0"
+            for n in names]  # fmt: skip
+    forced = _with(tmp_path, [head, *rows], tmp_path / "layouts.txt")
     folder = step.export(tmp_path / "trainer", target="c", layouts=forced)
-    nhwc_nodes = (folder / "step.c").read_text().count("= conv2d_nhwc")  # their IR lines
+    source = (folder / "step.c").read_text()
+    nhwc_nodes = source.count("= conv2d_nhwc")  # their IR lines
+    blocked_nodes = source.count("= conv2d_nchwc")
     if layout == "nchw":
-        assert nhwc_nodes == 0
+        assert nhwc_nodes == blocked_nodes == 0
         return
-    assert nhwc_nodes == len(names) > 10
+    if layout == "nchwc":
+        assert blocked_nodes == len(blocked) > 10 and nhwc_nodes == len(names) - len(blocked)
+        assert "pe_conv2d_nchwc_weight_grad_depthwise_f64(" in source and "NCHW8c" in source
+    else:
+        assert nhwc_nodes == len(names) > 10
     losses = [step(*b) for b in batches]
     np.testing.assert_allclose(trainer_losses(folder, batches), losses, rtol=1e-8)
 
 
-def _bad_files(head: str, rows: list[str]) -> list[tuple[list[str], str]]:
+def _bad_files(head: str, rows: list[str], blocked: set[str]) -> list[tuple[list[str], str]]:
     first, second = rows[0].split()[0], rows[1].split()[0]
     rest = rows[1:]
+    k = next(i for i, r in enumerate(rows) if r.split()[0] not in blocked)
+    dense, others = rows[k].split()[0], rows[:k] + rows[k + 1 :]
     return [
-        (["pockengine-conv-layouts 1 0123456789abcdef", *rows], ":1: not the layouts of this"),
-        ([head, "conv2d_nope nhwc 1 1", *rows], ":2: 'conv2d_nope' is not a convolution"),
-        ([head, *rows, f"{first} nhwc 1 1"], "appears twice"),
-        ([head, f"{first} nchwc 1 1", *rest], ":2: layout 'nchwc' is not nchw or nhwc"),
-        ([head, f"{first} nhwc -1 1", *rest], ":2: the times must be seconds"),
-        ([head, f"{first} nhwc nan 1", *rest], ":2: the times must be seconds"),
-        ([head, f"{first} nhwc 1", *rest], ":2: expected '<node> <nchw|nhwc>"),
+        (["pockengine-conv-layouts 2 0123456789abcdef", *rows], ":1: not the layouts of this"),
+        (["pockengine-conv-layouts 1 " + head.split()[2], *rows], ":1: not the layouts of this"),
+        ([head, "conv2d_nope nhwc 1 1 0", *rows], ":2: 'conv2d_nope' is not a convolution"),
+        ([head, *rows, f"{first} nhwc 1 1 0"], "appears twice"),
+        ([head, f"{first} nchw4 1 1 0", *rest], ":2: layout 'nchw4' is not nchw, nhwc or nchwc"),
+        ([head, f"{dense} nchwc 1 1 1", *others], f":2: {dense!r} has no NCHW{{c}}c kernel"),
+        ([head, f"{first} nhwc -1 1 0", *rest], ":2: the times must be seconds"),
+        ([head, f"{first} nhwc nan 1 0", *rest], ":2: the times must be seconds"),
+        ([head, f"{first} nhwc 1 1", *rest], ":2: expected '<node> <nchw|nhwc|nchwc>"),
         ([head, *rest], f"no layout for {first}"),
         ([head, rows[0]], f"no layout for {second}"),
     ]
@@ -115,7 +145,7 @@ def test_a_bad_layout_file_is_one_clear_error_and_writes_nothing(
 ) -> None:
     step = tuned[0]
     head, *rows = _lines(tuned)
-    for k, (lines, message) in enumerate(_bad_files(head, rows)):
+    for k, (lines, message) in enumerate(_bad_files(head, rows, _blocked_names(step))):
         bad = _with(tmp_path, lines, tmp_path / f"bad{k}.txt")
         with pytest.raises(LayoutFileError, match="bad") as info:
             step.export(tmp_path / f"out{k}", target="c", layouts=bad)

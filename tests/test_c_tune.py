@@ -21,7 +21,6 @@ from pockengine import zoo
 from pockengine.backends.c import CBackend, layout_tune, tune
 from pockengine.backends.c.conv_kernels import candidates, conv_geometry, rule_kernel
 from pockengine.backends.c.layout import nhwc_candidate
-from pockengine.backends.c.layout_tune import NHWC_KERNEL as NHWC
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
                                 reason="no C compiler (cc or $CC)")  # fmt: skip
@@ -224,18 +223,18 @@ def test_a_node_s_candidates_are_timed_on_one_set_of_operands_with_an_early_stop
 def test_the_nhwc_candidate_is_timed_in_its_kernels_harness_call(
     table: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cold tuned compile times each NHWC candidate node's ``nhwc`` variant after its NCHW
-    kernels, in one real harness call (``layout_tune.nhwc_beside``): the layout choice gets
-    the chosen kernel's and nhwc's times from it and times nothing itself; it keeps NHWC
-    exactly where those times say so; both tables are written, and a second compile
-    measures nothing."""
+    """A cold tuned compile times each layout candidate node's variants (``nhwc``, and
+    ``nchwc`` for depthwise ones) after its NCHW kernels, in one real harness call
+    (``layout_tune.layout_beside``): the layout choice gets the chosen kernel's and the
+    variants' times from it and times nothing itself; it keeps a layout exactly where those
+    times say so; both tables are written, and a second compile measures nothing."""
     spy = Spy()
     monkeypatch.setattr(tune, "measure", spy)
     given: list[Any] = []
 
     def layouts(op: str, nchw: str, *a: Any) -> dict[str, float]:
         given.append(a[4])
-        assert a[4] is not None and set(a[4]) == {nchw, NHWC}, "not timed beside its kernels"
+        assert a[4] is not None and set(a[4]) == {nchw, *a[5]}, "not timed beside its kernels"
         return dict(a[4])
 
     monkeypatch.setattr(layout_tune, "measure_layouts", layouts)
@@ -246,11 +245,13 @@ def test_the_nhwc_candidate_is_timed_in_its_kernels_harness_call(
     choices = {c.output: c for c in step._exec.kernel_choices}
     nodes = [n for n in _tunable(_compile(w, CBackend())) if nhwc_candidate(n)]
     assert nodes and len(given) == len({(n.op, conv_geometry(n)) for n in nodes})
-    for node in nodes:  # nhwc's time is absent where its warm-up alone gave it up
+    variants = layout_tune.LAYOUT_KERNELS
+    for node in nodes:  # a variant's time is absent where its warm-up alone gave it up
         seconds = choices[node.outputs[0].name].seconds
-        nchw = min((k for k in seconds if k != NHWC), key=seconds.__getitem__)
-        wins = seconds.get(NHWC, np.inf) < layout_tune.MARGIN * seconds[nchw]
-        assert choices[node.outputs[0].name].kernel == (NHWC if wins else nchw)
+        nchw = min((k for k in seconds if k not in variants), key=seconds.__getitem__)
+        best = min(variants, key=lambda k: seconds.get(k, np.inf))
+        wins = seconds.get(best, np.inf) < layout_tune.MARGIN * seconds[nchw]
+        assert choices[node.outputs[0].name].kernel == (best if wins else nchw)
     layout_table = json.loads((table.parent / layout_tune.CACHE_NAME).read_text())["entries"]
     assert len(layout_table) == len(given)
     calls, given[:] = spy.calls, []

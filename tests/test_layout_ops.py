@@ -1,8 +1,9 @@
-"""The layout ops (``ops/layout.py``, ``ops/conv_nhwc.py``): ``layout_convert`` against
-torch (its values and, by autograd, its gradient, which is the inverse conversion), bad
-layouts refused with a ShapeError, and the C kernels (conversions, depthwise NHWC
-convolutions at strides 1 and 2 with 3x3 and 5x5 filters and more channels than one block,
-pointwise NHWC convolutions as GEMMs) against NumPy in float32 and float64."""
+"""The layout ops (``ops/layout.py``, ``ops/conv_nhwc.py``, ``ops/conv_blocked.py``):
+``layout_convert`` against torch (its values and, by autograd, its gradient, which is the
+inverse conversion), bad layouts refused with a ShapeError, and the C kernels
+(conversions, depthwise NHWC and NCHW{c}c convolutions at strides 1 and 2 with 3x3 and 5x5
+filters and more channels than one block, a padded last block, pointwise NHWC
+convolutions as GEMMs) against NumPy in float32 and float64."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ _NHWC_CASES = [
     (2, 16, 16, 16, 9, 8, 3, 2, 1),
     (1, 12, 12, 12, 11, 6, 5, 2, 2),
     (1, 8, 8, 8, 4, 4, 5, 1, 2),
+    (1, 20, 20, 20, 40, 37, 3, 1, 1),  # a map too large for the blocked kernels' halo copy
     (2, 24, 40, 1, 5, 3, 1, 1, 0),  # pointwise
 ]
 
@@ -132,6 +134,73 @@ def test_nhwc_kernels_match_numpy(dtype: DType) -> None:
     for value, g, w in zip(outs, got, want, strict=True):
         scale = max(float(np.abs(w).max()), 1.0)
         np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
+
+
+def _blocked_graph(dtype: DType, block: int) -> tuple[Any, list[Value], dict[str, Any]]:
+    """The depthwise cases of ``_NHWC_CASES`` on NCHW{block}c maps, converted from NCHW
+    and back, with both gradients."""
+    b = GraphBuilder("nchwc")
+    outs: list[Value] = []
+    feeds: dict[str, Any] = {}
+    np_dtype = dtype.to_numpy()
+    layout = f"NCHW{block}c"
+    for i, (n, c, o, groups, h, w, k, s, p) in enumerate(_NHWC_CASES):
+        if groups == 1:
+            continue
+        rng = np.random.default_rng(i)
+        attrs = {"stride": (s, s), "padding": (p, p), "dilation": (1, 1), "groups": groups}
+        xs = rng.standard_normal((n, c, h, w)).astype(np_dtype)
+        ws = rng.standard_normal((o, 1, k, k)).astype(np_dtype)
+        bs = rng.standard_normal(o).astype(np_dtype)
+        x = b.input(f"x{i}", TensorType(xs.shape, dtype), Role.INPUT)
+        wv = b.input(f"w{i}", TensorType(ws.shape, dtype), Role.INPUT)
+        bv = b.input(f"b{i}", TensorType(bs.shape, dtype), Role.INPUT)
+        xl = b.call("layout_convert", x, src="NCHW", dst=layout, channels=c)
+        y = b.call("conv2d_nchwc", xl, wv, bv, block=block, **attrs)
+        yn = b.call("layout_convert", y, src=layout, dst="NCHW", channels=o)
+        gys = rng.standard_normal(yn.shape).astype(np_dtype)
+        gyv = b.input(f"gy{i}", TensorType(gys.shape, dtype), Role.INPUT)
+        gy = b.call("layout_convert", gyv, src="NCHW", dst=layout, channels=o)
+        gx = b.call("conv2d_nchwc_input_grad", gy, wv, x_shape=xs.shape, block=block, **attrs)
+        gw = b.call("conv2d_nchwc_weight_grad", xl, gy, w_shape=ws.shape, block=block, **attrs)
+        back = b.call("layout_convert", gx, src=layout, dst="NCHW", channels=c)
+        outs += [y, yn, gx, gw, back]
+        feeds.update({f"x{i}": xs, f"w{i}": ws, f"b{i}": bs, f"gy{i}": gys})
+    return b.build(outs), outs, feeds
+
+
+@needs_cc
+@pytest.mark.parametrize(("dtype", "block"), [(DType.F32, 16), (DType.F64, 8), (DType.F32, 5)])
+def test_blocked_kernels_match_numpy(dtype: DType, block: int) -> None:
+    """Blocked results, padded lanes included (zeros), equal NumPy's."""
+    graph, outs, feeds = _blocked_graph(dtype, block)
+    step = CBackend().compile(graph)
+    sfx = "f32" if dtype is DType.F32 else "f64"
+    for kernel in ("", "_input_grad", "_weight_grad"):
+        assert f"pe_conv2d_nchwc{kernel}_depthwise_{sfx}(" in step.source
+    got = step.run({}, dict(feeds))
+    want = NumpyBackend().compile(graph).run(dict(feeds))
+    tol = 1e-5 if dtype is DType.F32 else 1e-12
+    for value, g, w in zip(outs, got, want, strict=True):
+        scale = max(float(np.abs(w).max()), 1.0)
+        np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
+
+
+@needs_cc
+@pytest.mark.parametrize("block", [16, 65])
+def test_a_blocked_convolution_without_a_c_kernel_is_not_claimed(block: int) -> None:
+    """Only depthwise NCHW{c}c convolutions with c up to 64 have C kernels."""
+    from pockengine.backends.c.backend import claims
+
+    b = GraphBuilder("blocked")
+    x = b.input("x", TensorType((1, 1, 5, 5, block), DType.F32), Role.INPUT)
+    dense = b.input("w", TensorType((6, 4, 3, 3), DType.F32), Role.INPUT)
+    depthwise = b.input("d", TensorType((4, 1, 3, 3), DType.F32), Role.INPUT)
+    geometry = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "block": block}
+    b.call("conv2d_nchwc", x, dense, groups=1, **geometry)
+    assert not claims(b.nodes[-1])
+    b.call("conv2d_nchwc", x, depthwise, groups=4, **geometry)
+    assert claims(b.nodes[-1]) == (block <= 64)
 
 
 @needs_cc

@@ -66,7 +66,15 @@ KNOWN_ABSENT: dict[str, dict[str, str]] = {
             "made only by the C backend's lowering (backends/c/fuse_dw_bn.py)",
         ),
         **dict.fromkeys(
-            ("layout_convert", "conv2d_nhwc", "conv2d_nhwc_input_grad", "conv2d_nhwc_weight_grad"),
+            (
+                "layout_convert",
+                "conv2d_nhwc",
+                "conv2d_nhwc_input_grad",
+                "conv2d_nhwc_weight_grad",
+                "conv2d_nchwc",
+                "conv2d_nchwc_input_grad",
+                "conv2d_nchwc_weight_grad",
+            ),
             "made only by the C backend's layout pass (backends/c/layout.py)",
         ),
     },

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pockengine.ops import (
     activation,
     attention,
+    conv_blocked,
     conv_bn_act,
     conv_nhwc,
     elementwise,
@@ -32,6 +33,7 @@ from pockengine.ops import (
 __all__ = [
     "activation",
     "attention",
+    "conv_blocked",
     "conv_bn_act",
     "conv_nhwc",
     "elementwise",

@@ -17,7 +17,7 @@ import numpy as np
 from pockengine.ir import Fact, Sample, ShapeError, TensorType, Value, VJPContext, defop
 from pockengine.ir.arrays import Array
 
-__all__ = ["LAYOUTS", "block_of", "logical_shape", "shape_in"]
+__all__ = ["LAYOUTS", "block_of", "from_nchw", "logical_shape", "shape_in", "to_nchw"]
 
 LAYOUTS = ("NCHW", "NHWC")  # and "NCHW{c}c" for any block c >= 2
 _BLOCKED = re.compile(r"NCHW([0-9]+)c")
@@ -63,7 +63,8 @@ def logical_shape(layout: str, shape: tuple[int, ...], channels: int) -> tuple[i
     return nchw
 
 
-def _to_nchw(x: Array, layout: str, channels: int) -> Array:
+def to_nchw(x: Array, layout: str, channels: int) -> Array:
+    """``x`` (an activation of ``channels`` channels laid out as ``layout``) in NCHW."""
     block = block_of("layout_convert", layout)
     if block == 0:
         return x
@@ -74,7 +75,8 @@ def _to_nchw(x: Array, layout: str, channels: int) -> Array:
     return full[:, :channels]
 
 
-def _from_nchw(x: Array, layout: str) -> Array:
+def from_nchw(x: Array, layout: str) -> Array:
+    """An NCHW activation ``x`` laid out as ``layout`` (a blocked one zero-padded)."""
     block = block_of("layout_convert", layout)
     if block == 0:
         return x
@@ -112,7 +114,7 @@ class LayoutConvert:
 
     @staticmethod
     def kernel(x: Array, *, src: str, dst: str, channels: int) -> Array:
-        return np.ascontiguousarray(_from_nchw(_to_nchw(x, src, channels), dst))
+        return np.ascontiguousarray(from_nchw(to_nchw(x, src, channels), dst))
 
     @staticmethod
     def vjp(c: VJPContext) -> Sequence[Value | None]:
@@ -123,7 +125,7 @@ class LayoutConvert:
     def samples(rng: np.random.Generator) -> list[Sample]:
         x = rng.standard_normal((2, 5, 3, 4))
         nhwc = np.transpose(x, (0, 2, 3, 1)).copy()
-        blocked = _from_nchw(x, "NCHW4c")
+        blocked = from_nchw(x, "NCHW4c")
         return [
             Sample((x,), {"src": "NCHW", "dst": "NHWC", "channels": 5}),
             Sample((nhwc,), {"src": "NHWC", "dst": "NCHW", "channels": 5}),

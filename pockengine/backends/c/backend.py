@@ -38,10 +38,10 @@ from pockengine.backends.c.driver import build_library, has_fast_gemm
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.backends.c.layout import heuristic_nhwc
 from pockengine.backends.c.layout_tune import (
-    NHWC_KERNEL,
     choose_layouts,
+    layout_beside,
+    layout_of,
     merge_choices,
-    nhwc_beside,
 )
 from pockengine.backends.c.lowering import LOWERING_PASSES, lower_for_c
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
@@ -129,16 +129,21 @@ class CExecutable(Executable):
         check_claims(graph)
         # tune: each conv node's kernel and layout by measurement (tune.py, layout_tune.py);
         # else the rule's kernels and heuristic_layout's layouts (layout.py)
-        # (a node's nhwc candidate is timed in its kernels' harness call: ``beside``)
+        # (a node's layout candidates are timed in its kernels' harness call: ``beside``)
         beside: dict[str, dict[str, float]] = {}
         choices = (
-            choose_kernels(graph, portable, threads, nhwc_beside(portable), beside) if tune else []
+            choose_kernels(graph, portable, threads, layout_beside(portable), beside)
+            if tune
+            else []
         )
         kernels = {c.output: c.kernel for c in choices}
+        nhwc: dict[str, str] | set[str]
         if tune:
-            layouts = choose_layouts(graph, kernels, portable, threads, beside)
-            choices = merge_choices(choices, layouts)
-            nhwc = {c.output for c in layouts if c.kernel == NHWC_KERNEL}
+            measured = choose_layouts(graph, kernels, portable, threads, beside)
+            choices = merge_choices(choices, measured)
+            dtypes = {n.outputs[0].name: n.outputs[0].dtype for n in graph.nodes if n.outputs}
+            laid = {c.output: layout_of(c.kernel, dtypes[c.output]) for c in measured}
+            nhwc = {name: layout for name, layout in laid.items() if layout is not None}
         else:
             nhwc = heuristic_nhwc(graph)
         # the layouts and the kernels' working memory, less what a memory budget gives up

@@ -1,6 +1,6 @@
 """The C step's arrangement, and what it gives up to meet a memory budget.
 
-``arrange(graph, kernels, nhwc)`` is the step as chosen: the layout pass applied
+``arrange(graph, kernels, layouts)`` is the step as chosen: the layout pass applied
 (``layout.apply_layouts``) and working memory added to the convolutions whose kernel
 takes it (``workspace.add_workspaces``). Both add arena buffers that the training
 pipeline's budget pass (``passes.remat_budget``, which plans the graph before the backend
@@ -10,8 +10,8 @@ weight-gradient sums.
 ``fit_budget`` plans the arranged step (``plan_step.plan_step_memory``) and, while its
 planned peak is above ``pe.compile(..., memory_budget=...)``'s budget, gives up first
 working memory, one convolution at a time, the largest first (the node takes its fastest
-measured kernel without working memory, else the rule's), then every NHWC layout. It
-keeps the first arrangement that fits, else the one with the lowest peak, and a warning
+measured kernel without working memory, else the rule's), then every NHWC and NCHW{c}c
+layout. It keeps the first arrangement that fits, else the one with the lowest peak, and a warning
 says how far that is from the budget. What it gives up costs time, never exactness: every
 kernel and layout computes the same values within float32 rounding.
 """
@@ -62,16 +62,20 @@ class Arranged:
 
 
 def arrange(
-    graph: Graph, kernels: Mapping[str, str], nhwc: Collection[str], fast_gemm: bool = False
+    graph: Graph,
+    kernels: Mapping[str, str],
+    layouts: Collection[str] | Mapping[str, str],
+    fast_gemm: bool = False,
 ) -> Arranged:
-    """``graph`` (lowered for C) with the convolutions named in ``nhwc`` in NHWC, each
+    """``graph`` (lowered for C) with the convolutions named in ``layouts`` in theirs
+    (``layout.apply_layouts``: a mapping to NHWC or NCHW{c}c, or names for NHWC), each
     other convolution's kernel named (``kernels``' entry, else the rule's for a
     ``fast_gemm`` build or not) and its working memory added, planned."""
-    laid = apply_layouts(graph, nhwc)
+    laid = apply_layouts(graph, layouts)
     conv = {
         n.outputs[0].name: node_kernel(n, conv_geometry(n), kernels, fast_gemm)
         for n in graph.nodes
-        if n.op in CONV_OPS and n.outputs[0].name not in nhwc
+        if n.op in CONV_OPS and n.outputs[0].name not in layouts
     }
     worked = add_workspaces(laid, lambda n: (conv[n.outputs[0].name],))
     return Arranged(worked, conv, plan_step_memory(worked))
@@ -114,7 +118,7 @@ def _least_given(
 def fit_budget(
     graph: Graph,
     kernels: Mapping[str, str],
-    nhwc: Collection[str],
+    layouts: Collection[str] | Mapping[str, str],
     budget: int | None,
     seconds: Mapping[str, Mapping[str, float]] | None = None,
     fast_gemm: bool = False,
@@ -123,7 +127,7 @@ def fit_budget(
     as little as the module docstring says; ``seconds``: each tuned node's measured
     candidates (by first output); ``fast_gemm``: the build's rule (``arrange``). With no
     budget, ``arrange``'s."""
-    first = arrange(graph, kernels, nhwc, fast_gemm)
+    first = arrange(graph, kernels, layouts, fast_gemm)
     if budget is None or first.plan.planned_peak_bytes <= budget:
         return first
     worked = [(w.type.nbytes, n) for n in first.graph.nodes if (w := workspace_of(n)) is not None]
@@ -138,19 +142,23 @@ def fit_budget(
             f"({size / _MIB:.2f} MiB of working memory)"
         )
 
-    def with_given(given: Collection[str], layouts: Collection[str] = nhwc) -> Arranged:
+    def with_given(
+        given: Collection[str], laid: Collection[str] | Mapping[str, str] = layouts
+    ) -> Arranged:
         chosen = {**named, **{k: instead[k] for k in given}}
-        now = arrange(graph, chosen, layouts, fast_gemm)
+        now = arrange(graph, chosen, laid, fast_gemm)
         return Arranged(now.graph, now.conv_kernels, now.plan, tuple(lines[k] for k in given))
 
     given, met = _least_given(list(instead), lambda g: with_given(g).plan.planned_peak_bytes,
                               budget)  # fmt: skip
     best = with_given(given)
-    convs = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in nhwc]
+    convs = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in layouts]
     if not met and convs:
         nchw = with_given(given, ())
         if nchw.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
-            note = f"{len(convs)} convolutions in NCHW instead of NHWC (no layout conversions)"
+            laid = layouts if isinstance(layouts, Mapping) else dict.fromkeys(layouts, "NHWC")
+            kinds = " or ".join(sorted({laid[n.outputs[0].name] for n in convs}))
+            note = f"{len(convs)} convolutions in NCHW instead of {kinds} (no layout conversions)"
             best = Arranged(nchw.graph, nchw.conv_kernels, nchw.plan, (*nchw.given_up, note))
     if best.plan.planned_peak_bytes > budget:
         log.warning(

@@ -137,24 +137,35 @@ def _pair(node: Node, key: str) -> tuple[int, int]:
 
 
 def conv_geometry(node: Node) -> ConvGeometry:
-    """The geometry of a conv node (any of ``CONV_OPS``, or their ``conv2d_nhwc`` forms,
-    whose maps are NHWC): the input, weight and output shapes read from whichever operands
-    hold them, in conv.c's order (NCHW sizes)."""
-    op = node.op.replace("_nhwc", "", 1)
+    """The geometry of a conv node (any of ``CONV_OPS``, or their ``conv2d_nhwc`` and
+    ``conv2d_nchwc`` forms, whose maps are NHWC or NCHW{c}c): the input, weight and output
+    shapes read from whichever operands hold them, in conv.c's order (NCHW sizes)."""
+    op = node.op.replace("_nhwc", "", 1).replace("_nchwc", "", 1)
     if op == "conv2d":
         x, w, y = node.inputs[0].shape, node.inputs[1].shape, node.outputs[0].shape
     elif op == "conv2d_input_grad":
         x, w, y = node.outputs[0].shape, node.inputs[1].shape, node.inputs[0].shape
     else:
         x, w, y = node.inputs[0].shape, node.outputs[0].shape, node.inputs[1].shape
-    if len(x) != 4:
-        raise ValueError(f"conv2d of a rank-{len(x)} input (the C kernel takes NCHW)")
-    if op != node.op:  # NHWC maps
-        x, y = (x[0], x[3], x[1], x[2]), (y[0], y[3], y[1], y[2])
-    (sh, sw), (ph, pw), (dh, dw) = (_pair(node, k) for k in ("stride", "padding", "dilation"))
     groups = node.attrs.get("groups", 1)
     if not isinstance(groups, int):
         raise ValueError(f"attribute groups={groups!r} is not an int")
+    if "_nchwc" in node.op:  # blocked maps: the channels from the weight
+        if op == "conv2d_input_grad":
+            shape = node.attrs["x_shape"]
+            if not isinstance(shape, tuple):
+                raise ValueError(f"attribute x_shape={shape!r} is not a shape")
+            x = tuple(int(d) for d in shape)
+        elif len(x) == 5:
+            x = (x[0], w[1] * groups, x[2], x[3])
+        if len(y) != 5:
+            raise ValueError(f"a blocked convolution's output gradient has rank {len(y)}")
+        y = (y[0], w[0], y[2], y[3])
+    if len(x) != 4:
+        raise ValueError(f"conv2d of a rank-{len(x)} input (the C kernel takes NCHW)")
+    if "_nhwc" in node.op:  # NHWC maps
+        x, y = (x[0], x[3], x[1], x[2]), (y[0], y[3], y[1], y[2])
+    (sh, sw), (ph, pw), (dh, dw) = (_pair(node, k) for k in ("stride", "padding", "dilation"))
     return ConvGeometry(
         x[0], x[1], x[2], x[3], w[0], w[2], w[3], y[2], y[3], sh, sw, ph, pw, dh, dw, groups
     )

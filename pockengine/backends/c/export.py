@@ -241,10 +241,11 @@ def export_c(
     graph = lower_for_c(graph)  # as CExecutable: the graph C runs
     check_claims(graph)
     # the layouts ./train --tune measured (layout_table.py), else the heuristic's
-    nhwc = heuristic_nhwc(graph) if layouts is None else read_layouts(layouts, graph)
-    candidates_table = layout_table_source(graph, nhwc)
+    laid: set[str] | dict[str, str]
+    laid = heuristic_nhwc(graph) if layouts is None else read_layouts(layouts, graph)
+    candidates_table = layout_table_source(graph, laid)
     has_candidates = bool(layout_nodes(graph))
-    graph = apply_layouts(graph, nhwc)
+    graph = apply_layouts(graph, laid)
     # working memory for every kernel a slot may switch to (./train --tune), less what a
     # memory budget leaves no room for
     limits = export_candidates(graph, memory_budget)

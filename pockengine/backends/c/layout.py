@@ -1,21 +1,25 @@
-"""C-backend rewrite: each convolution's layout, NCHW or NHWC, and the conversions between.
+"""C-backend rewrite: each convolution's layout (NCHW, NHWC or NCHW{c}c) and the
+conversions between.
 
 A convolution node (``conv2d``, ``conv2d_input_grad``, ``conv2d_weight_grad``) chosen for
-NHWC becomes its ``conv2d_nhwc*`` op (``ops/conv_nhwc.py``), reading its activations
-(x, gy) through ``layout_convert`` NCHW -> NHWC and giving its activation result (y, gx)
-back through NHWC -> NCHW under the result's own name, so every other node still reads
-NCHW. Only the convolutions that have NHWC kernels in C take NHWC
-(``lower_layout.nhwc_kernel``: depthwise with one filter a channel, and pointwise).
+NHWC becomes its ``conv2d_nhwc*`` op (``ops/conv_nhwc.py``), one chosen for the channel-
+blocked NCHW{c}c its ``conv2d_nchwc*`` op (``ops/conv_blocked.py``, attribute ``block``),
+reading its activations (x, gy) through ``layout_convert`` from NCHW and giving its
+activation result (y, gx) back through a conversion to NCHW under the result's own name,
+so every other node still reads NCHW. Only the convolutions that have such kernels in C
+take them (``lower_layout``: NHWC for depthwise ones with one filter a channel and
+pointwise ones, NCHW{c}c for the depthwise ones, with c = ``BLOCK_BYTES`` / itemsize: one
+cache line of channels, 16 floats or 8 doubles).
 
-Conversions are made once per value: the layer's forward convolution and its weight
-gradient read one NHWC copy of x, its input and weight gradients one of gy. A value that
-is itself an NHWC result converted back (a convolution chain in NHWC) is read in NHWC
-directly: the pair cancels, and the NCHW copy goes when nothing else reads it
-(``cancel_inverse_conversions`` does the same on any graph). The memory plan runs on the
-rewritten graph, so it counts each converted buffer for as long as it lives.
+Conversions are made once per value and layout: the layer's forward convolution and its
+weight gradient read one converted copy of x, its input and weight gradients one of gy. A
+value that is itself a converted result converted back (a convolution chain in one layout)
+is read in that layout directly: the pair cancels, and the NCHW copy goes when nothing
+else reads it (``cancel_inverse_conversions`` does the same on any graph). The memory plan
+runs on the rewritten graph, so it counts each converted buffer for as long as it lives.
 
-Which nodes take NHWC is the caller's choice (``layout_tune.choose_layouts``: measured
-with ``CBackend(tune=True)``, else ``heuristic_layout``).
+Which nodes take which layout is the caller's choice (``layout_tune.choose_layouts``:
+measured with ``CBackend(tune=True)``, else ``heuristic_layout``).
 
 Needs: a verified training graph (after ``lowering.lower_for_c``). Guarantees: every
 original result keeps its name and type; the graph computes the same values; conversions
@@ -24,27 +28,33 @@ read only activations, never a parameter, so no update is reordered.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from pockengine.backends.c.conv_kernels import CONV_OPS, ConvGeometry, conv_geometry
-from pockengine.backends.c.lower_layout import nhwc_kernel
+from pockengine.backends.c.lower_layout import blocked_kernel, nhwc_kernel
 from pockengine.ir import Attrs, CompileError, DType, Graph, Node, TensorType, Value
+from pockengine.ops.layout import block_of, shape_in
 from pockengine.passes.dce import eliminate_dead_code
 
 __all__ = [
+    "BLOCK_BYTES",
     "HEURISTIC_MAX_MAP",
     "NCHW",
     "NHWC",
     "apply_layouts",
+    "blocked_layout",
     "cancel_inverse_conversions",
     "heuristic_layout",
     "heuristic_nhwc",
+    "layout_candidates",
     "nhwc_candidate",
 ]
 
 NCHW, NHWC = "NCHW", "NHWC"
 HEURISTIC_MAX_MAP = 16  # output positions up to which heuristic_layout takes NHWC
+BLOCK_BYTES = 64  # an NCHW{c}c block: one cache line of channels
 _NHWC_OP = {op: op.replace("conv2d", "conv2d_nhwc", 1) for op in CONV_OPS}
+_BLOCKED_OP = {op: op.replace("conv2d", "conv2d_nchwc", 1) for op in CONV_OPS}
 _ACTIVATIONS = {"conv2d": (0,), "conv2d_input_grad": (0,), "conv2d_weight_grad": (0, 1)}
 
 
@@ -57,6 +67,21 @@ def nhwc_candidate(node: Node) -> ConvGeometry | None:
     except ValueError:
         return None
     return g if nhwc_kernel(g) is not None else None
+
+
+def blocked_layout(dtype: DType) -> str:
+    """The channel-blocked layout of ``dtype`` maps: NCHW{c}c, c channels a cache line."""
+    return f"NCHW{BLOCK_BYTES // dtype.itemsize}c"
+
+
+def layout_candidates(node: Node) -> tuple[str, ...]:
+    """The layouts other than NCHW that ``node`` (a float conv node) has kernels for in C:
+    NHWC, then its dtype's ``blocked_layout``; empty for any other node."""
+    g = nhwc_candidate(node)
+    if g is None:
+        return ()
+    blocked = (blocked_layout(node.outputs[0].dtype),) if blocked_kernel(g) else ()
+    return (NHWC, *blocked)
 
 
 def heuristic_layout(op: str, g: ConvGeometry) -> str:
@@ -84,70 +109,86 @@ def heuristic_nhwc(graph: Graph) -> set[str]:
     return chosen
 
 
-def _nhwc(t: TensorType) -> TensorType:
-    n, c, h, w = t.shape
-    return TensorType((n, h, w, c), t.dtype)
+def _laid(t: TensorType, layout: str) -> TensorType:
+    return TensorType(shape_in(layout, *t.shape), t.dtype)
 
 
 class _Rewriter:
-    """Builds the node list; remembers each value's NHWC copy."""
+    """Builds the node list; remembers each value's copies in other layouts."""
 
     def __init__(self, graph: Graph) -> None:
         self.nodes: list[Node] = []
-        self.nhwc: dict[str, Value] = {}  # NCHW value name -> its NHWC copy
+        self.copies: dict[tuple[str, str], Value] = {}  # (NCHW name, layout) -> its copy
         self.taken = {v.name for v in graph.inputs} | {
             v.name for n in graph.nodes for v in n.outputs
         }
 
-    def fresh(self, base: str, t: TensorType) -> Value:
-        name, k = f"{base}.nhwc", 1
+    def fresh(self, base: str, t: TensorType, layout: str) -> Value:
+        stem = f"{base}.{layout.lower()}"
+        name, k = stem, 1
         while name in self.taken:
-            name, k = f"{base}.nhwc{k}", k + 1
+            name, k = f"{stem}{k}", k + 1
         self.taken.add(name)
         return Value(name, t)
 
-    def to_nhwc(self, v: Value, at: Node) -> Value:
-        if v.name not in self.nhwc:
-            y = self.fresh(v.name, _nhwc(v.type))
-            attrs = Attrs(src=NCHW, dst=NHWC, channels=v.shape[1])
+    def laid_out(self, v: Value, layout: str, at: Node) -> Value:
+        key = (v.name, layout)
+        if key not in self.copies:
+            y = self.fresh(v.name, _laid(v.type, layout), layout)
+            attrs = Attrs(src=NCHW, dst=layout, channels=v.shape[1])
             self.nodes.append(Node("layout_convert", (v,), (y,), attrs, at.source, at.phase))
-            self.nhwc[v.name] = y
-        return self.nhwc[v.name]
+            self.copies[key] = y
+        return self.copies[key]
 
-    def convert(self, node: Node) -> None:
+    def convert(self, node: Node, layout: str) -> None:
         ins = list(node.inputs)
         for k in _ACTIVATIONS[node.op]:
-            ins[k] = self.to_nhwc(ins[k], node)
+            ins[k] = self.laid_out(ins[k], layout, node)
         attrs = node.attrs
-        if node.op == "conv2d_input_grad":
-            attrs = Attrs(attrs, x_shape=_nhwc(node.outputs[0].type).shape)
-        op = _NHWC_OP[node.op]
+        if layout == NHWC:
+            op = _NHWC_OP[node.op]
+            if node.op == "conv2d_input_grad":
+                attrs = Attrs(attrs, x_shape=_laid(node.outputs[0].type, NHWC).shape)
+        else:  # NCHW{c}c: x_shape stays the NCHW shape
+            op = _BLOCKED_OP[node.op]
+            attrs = Attrs(attrs, block=block_of(node.op, layout))
         if node.op == "conv2d_weight_grad":
             self.nodes.append(node.replace(op=op, inputs=tuple(ins), attrs=attrs))
             return
         out = node.outputs[0]
-        y = self.fresh(out.name, _nhwc(out.type))
+        y = self.fresh(out.name, _laid(out.type, layout), layout)
         self.nodes.append(node.replace(op=op, inputs=tuple(ins), outputs=(y,), attrs=attrs))
-        back = Attrs(src=NHWC, dst=NCHW, channels=out.shape[1])
+        back = Attrs(src=layout, dst=NCHW, channels=out.shape[1])
         self.nodes.append(Node("layout_convert", (y,), (out,), back, node.source, node.phase))
-        self.nhwc[out.name] = y  # a later NHWC reader takes y itself: the pair cancels
+        self.copies[(out.name, layout)] = (
+            y  # a later reader in this layout takes y: the pair cancels
+        )
 
 
-def apply_layouts(graph: Graph, nhwc: Collection[str]) -> Graph:
-    """``graph`` with the conv nodes whose first output is named in ``nhwc`` in NHWC (each
-    must be an ``nhwc_candidate``), their conversions shared and cancelled (module
-    docstring); ``graph`` itself when ``nhwc`` names none of its nodes."""
-    chosen = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in nhwc]
-    if not chosen:
+def apply_layouts(graph: Graph, layouts: Collection[str] | Mapping[str, str]) -> Graph:
+    """``graph`` with its conv nodes in the layouts ``layouts`` gives by first output name
+    (a mapping to NHWC or NCHW{c}c, each among the node's ``layout_candidates``; a plain
+    collection of names means NHWC for each), their conversions shared and cancelled
+    (module docstring); ``graph`` itself when ``layouts`` names none of its nodes."""
+    chosen = dict(layouts) if isinstance(layouts, Mapping) else dict.fromkeys(layouts, NHWC)
+    chosen = {k: v for k, v in chosen.items() if v != NCHW}
+    nodes = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in chosen]
+    if not nodes:
         return graph
-    bad = [n.outputs[0].name for n in chosen if nhwc_candidate(n) is None]
+    bad = [
+        f"{n.outputs[0].name} ({chosen[n.outputs[0].name]})"
+        for n in nodes
+        if chosen[n.outputs[0].name] not in layout_candidates(n)
+    ]
     if bad:
-        raise CompileError(f"layout pass: no NHWC kernel in C for the convolutions {bad}")
-    names = {n.outputs[0].name for n in chosen}
+        raise CompileError(
+            f"layout pass: no C kernel in the chosen layout for the convolutions {bad}"
+        )
     rewriter = _Rewriter(graph)
     for node in graph.nodes:
-        if node.op in CONV_OPS and node.outputs[0].name in names:
-            rewriter.convert(node)
+        layout = chosen.get(node.outputs[0].name) if node.op in CONV_OPS else None
+        if layout is not None:
+            rewriter.convert(node, layout)
         else:
             rewriter.nodes.append(node)
     return eliminate_dead_code(graph.replace(nodes=tuple(rewriter.nodes)))

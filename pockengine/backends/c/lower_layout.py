@@ -1,7 +1,10 @@
-"""C lowerings of the layout ops: ``layout_convert`` and the NHWC convolutions
-(``ops/layout.py``, ``ops/conv_nhwc.py``), which the layout pass (``layout.py``) makes.
+"""C lowerings of the layout ops: ``layout_convert``, the NHWC convolutions and the
+channel-blocked ones (``ops/layout.py``, ``ops/conv_nhwc.py``, ``ops/conv_blocked.py``),
+which the layout pass (``layout.py``) makes.
 
-A conversion is one ``pe_layout_convert`` call (tiled transposes between NCHW and NHWC).
+A conversion is one ``pe_layout_convert`` call (tiled transposes between NCHW and NHWC or
+NCHW{c}c). A depthwise NCHW{c}c convolution calls ``kernels/conv_nhwc.c``'s blocked kernels
+(one block of c channels a vector run); no other blocked convolution has a C kernel.
 A depthwise NHWC convolution (groups = in = out channels) calls ``kernels/conv_nhwc.c``;
 a pointwise one (1x1, stride 1, no padding, one group) is one GEMM over every image's
 positions, which NHWC lays out as one [N*H*W, C] matrix: ``Y = X W^T`` (+ bias),
@@ -18,7 +21,9 @@ from pockengine.backends.c.emit import kernel_suffix as _sfx
 from pockengine.ir import Node
 from pockengine.ops.layout import block_of
 
-__all__ = ["KERNELS", "nhwc_geometry", "nhwc_kernel"]
+__all__ = ["KERNELS", "MAX_BLOCK", "blocked_kernel", "nhwc_geometry", "nhwc_kernel"]
+
+MAX_BLOCK = 64  # kernels/conv_nhwc.c: PE_NHWC_CB, the widest block its kernels take
 
 
 def nhwc_geometry(node: Node) -> ConvGeometry:
@@ -34,6 +39,50 @@ def nhwc_kernel(g: ConvGeometry) -> str | None:
     if g.pointwise:
         return "pointwise"
     return "depthwise" if g.depthwise and g.o == g.c else None
+
+
+def blocked_kernel(g: ConvGeometry) -> bool:
+    """Whether ``g`` has an NCHW{c}c kernel: depthwise with one filter a channel."""
+    return g.depthwise and g.o == g.c
+
+
+def _blocked(node: Node) -> tuple[ConvGeometry, int]:
+    g = nhwc_geometry(node)
+    block = attr_int(node, "block")
+    if not blocked_kernel(g) or not 2 <= block <= MAX_BLOCK:
+        raise CEmitError(
+            f"{node.op}: only depthwise NCHW{{c}}c convolutions with 2 <= c <= {MAX_BLOCK} "
+            f"run in C (block {block})"
+        )
+    return g, block
+
+
+def _conv2d_nchwc(ctx: EmitContext, node: Node) -> str:
+    x, w = node.inputs[:2]
+    out = node.outputs[0]
+    g, block = _blocked(node)
+    bias = ctx.ref(node.inputs[2]) if len(node.inputs) > 2 else "NULL"
+    geom = ctx.longs("conv", g.longs())
+    args = f"{ctx.ref(x)}, {ctx.ref(w)}, {bias}, {ctx.ref(out)}, {geom}, {block}"
+    return f"pe_conv2d_nchwc_depthwise_{_sfx(out)}({args});"
+
+
+def _conv2d_nchwc_input_grad(ctx: EmitContext, node: Node) -> str:
+    gy, w = node.inputs
+    out = node.outputs[0]
+    g, block = _blocked(node)
+    geom = ctx.longs("conv", g.longs())
+    args = f"{ctx.ref(gy)}, {ctx.ref(w)}, {ctx.ref(out)}, {geom}, {block}"
+    return f"pe_conv2d_nchwc_input_grad_depthwise_{_sfx(out)}({args});"
+
+
+def _conv2d_nchwc_weight_grad(ctx: EmitContext, node: Node) -> str:
+    x, gy = node.inputs
+    out = node.outputs[0]
+    g, block = _blocked(node)
+    geom = ctx.longs("conv", g.longs())
+    args = f"{ctx.ref(x)}, {ctx.ref(gy)}, {ctx.ref(out)}, {geom}, {block}"
+    return f"pe_conv2d_nchwc_weight_grad_depthwise_{_sfx(out)}({args});"
 
 
 def _kernel(node: Node) -> tuple[ConvGeometry, str]:
@@ -105,4 +154,7 @@ KERNELS: dict[str, Lowering] = {
     "conv2d_nhwc": _conv2d_nhwc,
     "conv2d_nhwc_input_grad": _conv2d_nhwc_input_grad,
     "conv2d_nhwc_weight_grad": _conv2d_nhwc_weight_grad,
+    "conv2d_nchwc": _conv2d_nchwc,
+    "conv2d_nchwc_input_grad": _conv2d_nchwc_input_grad,
+    "conv2d_nchwc_weight_grad": _conv2d_nchwc_weight_grad,
 }

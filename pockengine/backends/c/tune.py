@@ -5,10 +5,11 @@ candidate is timed on the node's exact geometry and dtype by the timing harness
 (``tune_harness``; a warm-up run, then the median of a few) and the fastest is kept. A
 candidate whose warm-up already takes more than ``_GIVE_UP`` times the best median so far
 is dropped without further runs. The candidates of a node share one set of operands, and
-nodes of one geometry are measured once. With ``beside`` (``layout_tune.nhwc_beside``) a
-node that has the layout choice's ``nhwc`` candidate has it timed in the same harness
-call, after its NCHW kernels (one harness library, one set of operands, no second timing
-of the NCHW kernel); those times go to ``beside_times`` for ``layout_tune.choose_layouts``.
+nodes of one geometry are measured once. With ``beside`` (``layout_tune.layout_beside``) a
+node that has the layout choice's candidates (``nhwc``, ``nchwc``) has them timed in the
+same harness call, after its NCHW kernels (one harness library, one set of operands, no
+second timing of the NCHW kernel); those times go to ``beside_times`` for
+``layout_tune.choose_layouts``.
 
 The choices are kept in ``conv-kernels.json`` under the C cache dir (``driver.cache_dir``),
 keyed by op, dtype, geometry (shapes, strides, padding, dilation, groups), target (machine
@@ -58,14 +59,14 @@ _BUDGET_S = 0.02  # a candidate's timed runs: about this long, 3 to 9 of them
 
 @dataclass(frozen=True)
 class Beside:
-    """A variant timed after a node's NCHW kernels in their harness call: its name, the
-    harness library that has it and every kernel (built on first use), its number there,
-    and whether a node has it."""
+    """Variants timed after a node's NCHW kernels in their harness call: their names, the
+    harness library that has them and every kernel (built on first use), their numbers
+    there, and which of them a node has (``applies``: names, possibly none)."""
 
-    name: str
+    names: tuple[str, ...]
     library: Callable[[], Any]
-    code: int
-    applies: Callable[[Node], bool]
+    codes: tuple[int, ...]
+    applies: Callable[[Node], tuple[str, ...]]
 
 
 def measure(
@@ -76,15 +77,19 @@ def measure(
     portable: bool | None,
     threads: int | None,
     beside: Beside | None = None,
+    variants: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """The median seconds of each of ``kernels`` (then ``beside``'s variant) on ``g``,
-    timed in turn on one set of operands (inf for one whose warm-up alone exceeds
+    """The median seconds of each of ``kernels`` (then of ``variants``, ``beside``'s) on
+    ``g``, timed in turn on one set of operands (inf for one whose warm-up alone exceeds
     ``_GIVE_UP`` times the best median before it, or when the operands could not be
     allocated)."""
     names, library, codes = kernels, None, None
-    if beside is not None:
-        names, library = [*kernels, beside.name], beside.library()
-        codes = (*(KERNEL_NAMES.index(k) for k in kernels), beside.code)
+    if beside is not None and variants:
+        names, library = [*kernels, *variants], beside.library()
+        codes = (
+            *(KERNEL_NAMES.index(k) for k in kernels),
+            *(beside.codes[beside.names.index(v)] for v in variants),
+        )
     seconds = tune_harness.harness_times(op, names, dtype, g, _BUDGET_S, _GIVE_UP, portable,
                                          threads, library, codes)  # fmt: skip
     return dict(zip(names, seconds, strict=True))
@@ -195,19 +200,20 @@ def _measure_all(
     portable: bool | None,
     threads: int | None,
     beside: Beside | None,
+    variants: tuple[str, ...],
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """The table entry of a node's kernels, and the chosen kernel's and ``beside``'s
-    variant's seconds when the variant was timed (else empty)."""
+    """The table entry of a node's kernels, and the chosen kernel's and ``variants``'
+    seconds when the variants were timed (else empty)."""
     # the rule's kernel first: its median is the bar the others' warm-ups must clear
     rule = rule_kernel(op, g, dtype.itemsize)
     order = [rule, *(k for k in names if k != rule)]
-    seconds = measure(op, order, dtype, g, portable, threads, beside)
+    seconds = measure(op, order, dtype, g, portable, threads, beside, variants)
     timed = {k: v for k, v in seconds.items() if k in names and math.isfinite(v)}
     if not timed:  # nothing could be timed: the rule, unmeasured
         return {"kernel": rule, "seconds": {rule: 0.0}}, {}
     kernel = min(timed, key=lambda k: timed[k])
-    variant = {} if beside is None or beside.name not in seconds else {
-        kernel: timed[kernel], beside.name: seconds[beside.name]}  # fmt: skip
+    extra = {v: seconds[v] for v in variants if v in seconds}
+    variant = {kernel: timed[kernel], **extra} if extra else {}
     return {"kernel": kernel, "seconds": timed}, variant
 
 
@@ -220,8 +226,9 @@ def choose_kernels(
 ) -> list[KernelChoice]:
     """The measured (or cached) kernel of each conv node of ``graph`` that has more than
     one candidate; the table under the cache dir gains what was measured. A measured
-    node that ``beside`` applies to has its variant timed in the same call: its output's
-    name maps to the chosen kernel's and the variant's seconds in ``beside_times``."""
+    node that ``beside`` applies to has those variants timed in the same call: its
+    output's name maps to the chosen kernel's and the variants' seconds in
+    ``beside_times``."""
     path = cache_dir() / CACHE_NAME
     table, dirty = _read(path)
     tc_key = toolchain(portable).key
@@ -239,9 +246,9 @@ def choose_kernels(
             entry = table[key]
         else:
             if key not in fresh:
-                with_variant = beside if beside is not None and beside.applies(node) else None
+                variants = beside.applies(node) if beside is not None else ()
                 fresh[key] = _measure_all(node.op, out.dtype, g, names, portable, threads,
-                                          with_variant)  # fmt: skip
+                                          beside, variants)  # fmt: skip
             entry, variant = fresh[key]
             if variant and beside_times is not None:
                 beside_times[out.name] = dict(variant)

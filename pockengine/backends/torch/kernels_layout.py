@@ -1,5 +1,5 @@
-"""The torch kernels of ``layout_convert`` (``ops/layout.py``) and the NHWC convolutions
-(``ops/conv_nhwc.py``).
+"""The torch kernels of ``layout_convert`` (``ops/layout.py``), the NHWC convolutions
+(``ops/conv_nhwc.py``) and the channel-blocked ones (``ops/conv_blocked.py``).
 
 Only the C backend's layout pass makes these ops; here each is one call of a helper over
 ATen (a permutation, or the NCHW convolution between permutations), so a graph holding
@@ -78,6 +78,43 @@ def conv2d_nhwc_weight_grad(
     return gw
 
 
+def _blocked(x: torch.Tensor, block: int, channels: int) -> torch.Tensor:
+    return layout_convert(x, f"NCHW{block}c", "NCHW", channels)
+
+
+def _to_blocked(x: torch.Tensor, block: int) -> torch.Tensor:
+    return layout_convert(x, "NCHW", f"NCHW{block}c", x.shape[1])
+
+
+def conv2d_nchwc(
+    x: torch.Tensor, w: torch.Tensor, b: Any, block: int, *geometry: Any
+) -> torch.Tensor:
+    y = torch.conv2d(_blocked(x, block, w.shape[1] * geometry[3]), w, b, *geometry)
+    return _to_blocked(y, block)
+
+
+def conv2d_nchwc_input_grad(
+    gy: torch.Tensor, w: torch.Tensor, x_shape: tuple[int, ...], block: int, *geometry: Any
+) -> torch.Tensor:
+    stride, padding, dilation, groups = geometry
+    x = _stand_in(gy, tuple(x_shape))
+    args = (_blocked(gy, block, w.shape[0]), x, w, None, stride, padding, dilation, False)
+    gx = _aten.convolution_backward.default(*args, (0, 0), groups, (True, False, False))[0]
+    return _to_blocked(gx, block)
+
+
+def conv2d_nchwc_weight_grad(
+    x: torch.Tensor, gy: torch.Tensor, w_shape: tuple[int, ...], block: int, *geometry: Any
+) -> torch.Tensor:
+    stride, padding, dilation, groups = geometry
+    w = _stand_in(x, w_shape)
+    xn = _blocked(x, block, w_shape[1] * groups)
+    args = (_blocked(gy, block, w_shape[0]), xn, w, None, stride, padding, dilation)
+    grads = _aten.convolution_backward.default(*args, False, (0, 0), groups, (False, True, False))
+    gw: torch.Tensor = grads[1]
+    return gw
+
+
 def _geometry(e: Emit) -> str:
     return ", ".join(literal(e.attr(k)) for k in ("stride", "padding", "dilation", "groups"))
 
@@ -104,11 +141,32 @@ def _conv2d_nhwc_weight_grad(e: Emit) -> list[str]:
     return [f"{e.out} = pe_conv2d_nhwc_weight_grad({x}, {gy}, {shape}, {_geometry(e)})"]
 
 
+def _conv2d_nchwc(e: Emit) -> list[str]:
+    x, w, *b = e.ins
+    bias, block = b[0] if b else "None", literal(e.attr("block"))
+    return [f"{e.out} = pe_conv2d_nchwc({x}, {w}, {bias}, {block}, {_geometry(e)})"]
+
+
+def _conv2d_nchwc_input_grad(e: Emit) -> list[str]:
+    gy, w = e.ins
+    shape, block = literal(tuple(e.attr("x_shape"))), literal(e.attr("block"))
+    return [f"{e.out} = pe_conv2d_nchwc_input_grad({gy}, {w}, {shape}, {block}, {_geometry(e)})"]
+
+
+def _conv2d_nchwc_weight_grad(e: Emit) -> list[str]:
+    x, gy = e.ins
+    shape, block = literal(tuple(e.attr("w_shape"))), literal(e.attr("block"))
+    return [f"{e.out} = pe_conv2d_nchwc_weight_grad({x}, {gy}, {shape}, {block}, {_geometry(e)})"]
+
+
 KERNELS: dict[str, Emitter] = {
     "layout_convert": _layout_convert,
     "conv2d_nhwc": _conv2d_nhwc,
     "conv2d_nhwc_input_grad": _conv2d_nhwc_input_grad,
     "conv2d_nhwc_weight_grad": _conv2d_nhwc_weight_grad,
+    "conv2d_nchwc": _conv2d_nchwc,
+    "conv2d_nchwc_input_grad": _conv2d_nchwc_input_grad,
+    "conv2d_nchwc_weight_grad": _conv2d_nchwc_weight_grad,
 }
 
 NAMESPACE: dict[str, Any] = {
@@ -116,4 +174,7 @@ NAMESPACE: dict[str, Any] = {
     "pe_conv2d_nhwc": conv2d_nhwc,
     "pe_conv2d_nhwc_input_grad": conv2d_nhwc_input_grad,
     "pe_conv2d_nhwc_weight_grad": conv2d_nhwc_weight_grad,
+    "pe_conv2d_nchwc": conv2d_nchwc,
+    "pe_conv2d_nchwc_input_grad": conv2d_nchwc_input_grad,
+    "pe_conv2d_nchwc_weight_grad": conv2d_nchwc_weight_grad,
 }

@@ -1,5 +1,6 @@
-/* Channels-last kernels (conv_nhwc.c): layout conversions and the depthwise convolution on
- * NHWC maps. A layout is 0 (NCHW), -1 (NHWC) or c > 1 (NCHW{c}c). */
+/* Channels-last and channel-blocked kernels (conv_nhwc.c): layout conversions and the
+ * depthwise convolution on NHWC and NCHW{c}c maps. A layout is 0 (NCHW), -1 (NHWC) or
+ * c > 1 (NCHW{c}c). */
 #ifndef PE_LAYOUT_H
 #define PE_LAYOUT_H
 
@@ -11,7 +12,13 @@
     void pe_conv2d_nhwc_input_grad_depthwise_##S(const T *gy, const T *w, T *gx,               \
                                                  const long *geom);                            \
     void pe_conv2d_nhwc_weight_grad_depthwise_##S(const T *x, const T *gy, T *gw,              \
-                                                  const long *geom);
+                                                  const long *geom);                           \
+    void pe_conv2d_nchwc_depthwise_##S(const T *x, const T *w, const T *bias, T *y,            \
+                                       const long *geom, int block);                           \
+    void pe_conv2d_nchwc_input_grad_depthwise_##S(const T *gy, const T *w, T *gx,              \
+                                                  const long *geom, int block);                \
+    void pe_conv2d_nchwc_weight_grad_depthwise_##S(const T *x, const T *gy, T *gw,             \
+                                                   const long *geom, int block);
 
 PE_DECLARE_LAYOUT(f32, float)
 PE_DECLARE_LAYOUT(f64, double)

@@ -401,7 +401,7 @@ static int tune(const options *o) {
             return PE_FAILED;
         }
         fflush(stdout);
-        fprintf(stderr, "wrote %s (%d convolutions with an NHWC kernel; pockengine export "
+        fprintf(stderr, "wrote %s (%d convolutions with other layouts; pockengine export "
                 "--layouts %s exports them so)\n", layouts, pe_num_layout_nodes, layouts);
     }
     return 0;

@@ -181,13 +181,14 @@ int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen) {
 }
 
 #define PE_LAYOUT_FORMAT "pockengine-conv-layouts"
+#define PE_LAYOUT_VERSION 2 /* layout_table.py's _VERSION */
 #define PE_LAYOUT_MARGIN 0.9
 
 int pe_layout_tune(const char *path, FILE *report, char *err, size_t errlen) {
     char tmp[4096];
     FILE *f = open_aside(path, tmp, sizeof(tmp), err, errlen);
     if (!f) return 1;
-    fprintf(f, "%s %d %s\n", PE_LAYOUT_FORMAT, PE_TUNE_VERSION, pe_layout_fingerprint);
+    fprintf(f, "%s %d %s\n", PE_LAYOUT_FORMAT, PE_LAYOUT_VERSION, pe_layout_fingerprint);
     for (int s = 0; s < pe_num_layout_nodes; s++) {
         const pe_layout_node *node = &pe_layout_nodes[s];
         double nchw = -1;
@@ -197,11 +198,17 @@ int pe_layout_tune(const char *path, FILE *report, char *err, size_t errlen) {
             if (t >= 0 && (nchw < 0 || t < nchw)) nchw = t;
         }
         double nhwc = time_kernel(node->op, pe_num_conv_kernels, node->dtype, node->geometry);
-        int take = nhwc >= 0 && (nchw < 0 || nhwc < PE_LAYOUT_MARGIN * nchw);
-        fprintf(report, "layout %-44s NCHW %.3f ms NHWC %.3f ms -> %s\n", node->name,
-                1e3 * nchw, 1e3 * nhwc, take ? "nhwc" : "nchw");
-        fprintf(f, "%s %s %.9g %.9g\n", node->name, take ? "nhwc" : "nchw",
-                nchw < 0 ? 0 : nchw, nhwc < 0 ? 0 : nhwc);
+        double nchwc = node->block > 0 ? time_kernel(node->op, pe_num_conv_kernels + 1,
+                                                     node->dtype, node->geometry)
+                                       : -1;
+        int blocked = nchwc >= 0 && (nhwc < 0 || nchwc < nhwc);
+        double other = blocked ? nchwc : nhwc;
+        int take = other >= 0 && (nchw < 0 || other < PE_LAYOUT_MARGIN * nchw);
+        const char *chosen = !take ? "nchw" : blocked ? "nchwc" : "nhwc";
+        fprintf(report, "layout %-44s NCHW %.3f ms NHWC %.3f ms NCHWc %.3f ms -> %s\n",
+                node->name, 1e3 * nchw, 1e3 * nhwc, 1e3 * nchwc, chosen);
+        fprintf(f, "%s %s %.9g %.9g %.9g\n", node->name, chosen, nchw < 0 ? 0 : nchw,
+                nhwc < 0 ? 0 : nhwc, nchwc < 0 ? 0 : nchwc);
     }
     return close_aside(f, tmp, path, err, errlen);
 }

@@ -35,14 +35,17 @@ typedef struct {
 
 /* A convolution that has an NHWC kernel (layout.py's nhwc_candidate), in its NCHW form:
  * ``./train --tune`` times its NCHW candidates against converting to NHWC, the NHWC kernel
- * and converting back (harness kernel index pe_num_conv_kernels), and writes the layout
- * each should take to the layout file, which ``pockengine export --layouts`` reads. */
+ * and converting back (harness kernel index pe_num_conv_kernels), and, where it has one,
+ * the same around its NCHW{c}c kernel (index pe_num_conv_kernels + 1), and writes the
+ * layout each should take to the layout file, which ``pockengine export --layouts``
+ * reads. */
 typedef struct {
     const char *name; /* the node's first output (IR name) */
     int op, dtype;
     const long *geometry;
     int candidates; /* its NCHW kernels, as pe_conv_node's */
-    int nhwc;       /* the layout this export gave it: 1 NHWC, 0 NCHW */
+    int block;      /* c of its NCHW{c}c kernel, 0 for none */
+    int layout;     /* the layout this export gave it: 0 NCHW, -1 NHWC, c NCHW{c}c */
 } pe_layout_node;
 
 extern const int pe_num_layout_nodes;
@@ -67,14 +70,15 @@ int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen);
  * table to ``path`` (a temporary file renamed over it). 0, or 1 with ``err`` set. */
 int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen);
 
-/* Time each layout node's best NCHW kernel against NHWC, print one line a node to
- * ``report`` and write the layout file to ``path`` (a temporary file renamed over it):
+/* Time each layout node's best NCHW kernel against NHWC and (where it has one) NCHW{c}c,
+ * print one line a node to ``report`` and write the layout file to ``path`` (a temporary
+ * file renamed over it):
  *
- *   pockengine-conv-layouts 1 <fingerprint>
- *   <node name> <nchw|nhwc> <NCHW seconds> <NHWC seconds>
+ *   pockengine-conv-layouts 2 <fingerprint>
+ *   <node name> <nchw|nhwc|nchwc> <NCHW seconds> <NHWC seconds> <NCHWc seconds>
  *
- * NHWC where it took less than 0.9 of the NCHW kernel's time (layout_tune.MARGIN). 0, or
- * 1 with ``err`` set. */
+ * The faster of NHWC and NCHW{c}c where it took less than 0.9 of the NCHW kernel's time
+ * (layout_tune.MARGIN); 0 seconds for a layout not timed. 0, or 1 with ``err`` set. */
 int pe_layout_tune(const char *path, FILE *report, char *err, size_t errlen);
 
 #endif
