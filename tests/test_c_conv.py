@@ -124,7 +124,7 @@ def test_convolutions_match_numpy(dtype: DType) -> None:
         np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
 
 
-@pytest.mark.parametrize("favour", ["direct", "im2col", "winograd", "winograd4"])
+@pytest.mark.parametrize("favour", ["direct", "im2col", "winograd", "winograd4", "blocked"])
 def test_every_kernel_candidate_matches_numpy(
     favour: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,13 +95,14 @@ def test_the_rewrite_fires_on_the_nchw_depthwise_and_large_pointwise_convolution
     verify(fused._exec.graph)
     # the 32 x 32 block's depthwise forward and weight gradient, and the weight gradient of
     # the strided block (a 32 x 32 input; its forward's output rows, 64 bytes, run direct
-    # loops); the 16 x 16 and 4 x 4 (NHWC) ones are left alone. Forward, the 32 x 32
+    # loops); the 16 x 16 and 4 x 4 (the blocked kernels) ones are left alone. Forward, the 32 x 32
     # block's projection (pointwise; its weight gradient reads a rematerialised z) too
     forwards = [n for n in fused._exec.graph.nodes if n.op == "conv2d_bn_hardtanh"]
     kernels = sorted(n.inputs[3].shape[1:] for n in forwards)
     assert kernels == [(1, 3, 3), (24, 1, 1)] and after["conv2d_bn_hardtanh_weight_grad"] == 2
     assert all(n.inputs[0].shape[2:] == (32, 32) for n in forwards)
-    assert after["conv2d_nhwc"] == before["conv2d_nhwc"] == 1
+    assert after["conv2d_nhwc"] == before["conv2d_nhwc"] == 0
+    assert "pe_conv2d_blocked_f32(" in fused._exec.source
     assert before["batch_norm_hardtanh"] - after["batch_norm_hardtanh"] == 2
     assert before["batch_norm_apply"] - after["batch_norm_apply"] == 2
     # the normalised inputs of the fused convolutions are made nowhere, so never planned

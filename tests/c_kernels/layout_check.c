@@ -1,5 +1,7 @@
 /* The depthwise convolutions on NHWC and NCHW{c}c maps (conv_nhwc.c: forward, input and
- * weight gradients, and the layout conversions around them) against naive NCHW loops, on
+ * weight gradients, and the layout conversions around them), and the blocked kernels on
+ * NCHW maps (the conversions folded in; the depthwise kernels where the blocks do not
+ * fit), against naive NCHW loops, on
  * random geometries: 1-2 images, 1-70 channels, maps 1-40 a side (some too large for the
  * blocked kernels' bordered copies), filters 1-7 a side, strides 1-3, padding up to the
  * filter's extent, dilation 1-2; blocks of 16 (one cache line of floats: the blocked
@@ -48,6 +50,21 @@ static int same(const float *a, const float *b, long n) {
     for (long i = 0; i < n; i++)
         if (a[i] != b[i]) return 0;
     return 1;
+}
+
+/* The three blocked kernels on NCHW maps. */
+static int check_blocked(const float *x, const float *w, const float *gy, const float *y,
+                         const float *gx, const float *gw, const long *g) {
+    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], OH = g[PE_G_OH],
+         OW = g[PE_G_OW], taps = g[PE_G_KH] * g[PE_G_KW];
+    float *y2 = malloc(sizeof(float) * N * C * OH * OW), *gx2 = malloc(sizeof(float) * N * C * H * W);
+    float *gw2 = malloc(sizeof(float) * C * taps);
+    pe_conv2d_blocked_f32(x, w, NULL, y2, g);
+    pe_conv2d_input_grad_blocked_f32(gy, w, gx2, g);
+    pe_conv2d_weight_grad_blocked_f32(x, gy, gw2, g);
+    int ok = same(y, y2, N * C * OH * OW) && same(gx, gx2, N * C * H * W) && same(gw, gw2, C * taps);
+    free(y2), free(gx2), free(gw2);
+    return ok;
 }
 
 /* The three kernels in `layout` (-1 NHWC, else a block), converted from and back to NCHW. */
@@ -105,9 +122,11 @@ int main(void) {
         for (long i = 0; i < ny; i++) gy[i] = (float)(rnd(7) - 3);
         for (long i = 0; i < nw; i++) w[i] = (float)(rnd(5) - 2);
         ref(x, w, gy, y, gx, gw, g);
-        int layouts[3] = {-1, 16, 5};
-        for (int k = 0; k < 3; k++) {
-            if (!check(layouts[k], x, w, gy, y, gx, gw, g)) {
+        int layouts[4] = {-1, 16, 5, 0}; /* 0: the blocked kernels on NCHW maps */
+        for (int k = 0; k < 4; k++) {
+            int ok = layouts[k] ? check(layouts[k], x, w, gy, y, gx, gw, g)
+                                : check_blocked(x, w, gy, y, gx, gw, g);
+            if (!ok) {
                 bad = 1;
                 printf("off layout %d N%ld C%ld %ldx%ld K%ldx%ld s%ld,%ld p%ld,%ld d%ld,%ld\n",
                        layouts[k], N, C, H, W, KH, KW, sh, sw, ph, pw, dh, dw);

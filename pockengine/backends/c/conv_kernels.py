@@ -12,10 +12,17 @@ kernel, ``pe_<op>_<kernel>_<f32|f64>``:
   one group, any padding; the forward and the input gradient);
 - ``winograd4``: Winograd F(4x4, 3x3) (winograd.c; where ``winograd`` is valid, and the
   weight gradient too; it takes working memory, ``winograd4_work`` elements, which the
-  step plans as an output of the node: workspace.py).
+  step plans as an output of the node: workspace.py);
+- ``blocked``: conv_nhwc.c's channel-blocked depthwise kernels on NCHW maps, the
+  conversion to and from NCHW{c}c folded in: each image's block of one cache line of
+  channels is read into a zero-bordered block on the stack and written back as planes
+  (depthwise convolutions whose blocks fit, ``blocked_fits``).
 
 ``rule_kernel`` is the heuristic used without tuning, by exports and by cross-compiled
-trainers: pointwise, else depthwise where it measured faster than direct loops
+trainers: pointwise, else blocked for a depthwise convolution whose output map has at
+most ``BLOCKED_MAX_MAP`` positions (MobileNetV2's 4x4 and 8x8 maps, one thread, AVX-512:
+0.16-0.82x the depthwise kernels' time, 0.66-0.92x NHWC's with its conversions; from
+16x16 the depthwise kernels win), else depthwise where it measured faster than direct loops
 (``_depthwise_wins``: at stride 1 always but for the weight gradient of maps narrower
 than 32 bytes; strided, the forward and the input gradient of output rows of 128 bytes or
 more and the weight gradient of 64 or more), else Winograd F(4x4, 3x3) where it has many
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 from pockengine.ir import Node
 
 __all__ = [
+    "BLOCKED_MAX_MAP",
     "CONV_OPS",
     "KERNEL_NAMES",
     "WINOGRAD4_MIN",
@@ -49,6 +57,7 @@ __all__ = [
     "WINOGRAD_FAST_GEMM_MAX",
     "WINOGRAD_MIN",
     "ConvGeometry",
+    "blocked_fits",
     "candidates",
     "conv_geometry",
     "implemented",
@@ -58,12 +67,16 @@ __all__ = [
 ]
 
 CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
-KERNEL_NAMES = ("pointwise", "depthwise", "im2col", "direct", "winograd", "winograd4")
+KERNEL_NAMES = ("pointwise", "depthwise", "im2col", "direct", "winograd", "winograd4", "blocked")
 _DENSE_MIN = 4  # PE_DENSE_MIN in conv.c
 WINOGRAD_MIN = 32  # channels in and out from which the rule takes Winograd F(2x2, 3x3)
 WINOGRAD_FAST_GEMM_MAX = 64  # channels written up to which a fast-GEMM build takes it
 WINOGRAD4_MIN = 8  # channels the F(4x4, 3x3) core reads from which the rule takes it
 WINOGRAD4_WEIGHT_MIN = 16  # input channels from which it takes F(4x4)'s weight gradient
+BLOCKED_MAX_MAP = 64  # output positions up to which the rule takes the blocked kernels
+_HALO_BYTES = 32768  # PE_NHWC_HALO_BYTES in conv_nhwc.c: a bordered block on the stack
+_LINE = 64  # bytes of a block's position: one cache line of channels
+_TAPS = 49  # PE_NHWC_TAPS: the most filter taps the blocked kernels gather
 
 
 @dataclass(frozen=True)
@@ -188,8 +201,35 @@ def winograd4_work(op: str, g: ConvGeometry) -> int:
     return 36 * (g.o * wide + _W4_PAD)
 
 
+def _halo_fits(h: int, w: int, ph: int, pw: int) -> bool:
+    return ph >= 0 and pw >= 0 and (h + 2 * ph) * (w + 2 * pw) * _LINE <= _HALO_BYTES
+
+
+def _scatter_rows(o: int, s: int, k: int, d: int, size: int, p: int) -> int:
+    return max((o - 1) * s + (k - 1) * d + 1, size + p)
+
+
+def blocked_fits(op: str, g: ConvGeometry) -> bool:
+    """Whether the ``blocked`` kernels run ``op`` on ``g`` through their bordered blocks
+    (``pe_blocked_fits`` in conv_nhwc.c; elsewhere they would run the ``depthwise``
+    kernels): one filter a channel, at most 49 taps, and every block of one cache line of
+    channels they read and write within 32 KiB with its border."""
+    if not (g.groups == g.c == g.o) or g.kh * g.kw > _TAPS:
+        return False
+    written = _halo_fits(g.oh, g.ow, 0, 0)
+    if op != "conv2d_input_grad":
+        return written and _halo_fits(g.h, g.w, g.ph, g.pw)
+    if (g.sh, g.sw) == (1, 1):
+        flipped = _halo_fits(g.oh, g.ow, g.dh * (g.kh - 1) - g.ph, g.dw * (g.kw - 1) - g.pw)
+        return flipped and _halo_fits(g.h, g.w, 0, 0)
+    rows = _scatter_rows(g.oh, g.sh, g.kh, g.dh, g.h, g.ph)
+    cols = _scatter_rows(g.ow, g.sw, g.kw, g.dw, g.w, g.pw)
+    return written and rows * cols * _LINE <= _HALO_BYTES
+
+
 def candidates(op: str, g: ConvGeometry) -> tuple[str, ...]:
-    """The kernels that compute ``op`` correctly for ``g``, in ``KERNEL_NAMES`` order."""
+    """The kernels that compute ``op`` correctly for ``g``, in ``KERNEL_NAMES`` order
+    (``blocked`` only where its blocks fit: elsewhere it is the ``depthwise`` kernel)."""
     valid = {
         "pointwise": g.pointwise,
         "depthwise": g.depthwise,
@@ -197,6 +237,7 @@ def candidates(op: str, g: ConvGeometry) -> tuple[str, ...]:
         "direct": True,
         "winograd": g.winograd,
         "winograd4": g.winograd,
+        "blocked": g.depthwise and blocked_fits(op, g),
     }
     return tuple(k for k in KERNEL_NAMES if valid[k] and implemented(op, k))
 
@@ -244,6 +285,8 @@ def rule_kernel(
     has the wide FMA micro-kernels or not (``fast_gemm``; the portable rule by default)."""
     if g.pointwise:
         return "pointwise"
+    if g.depthwise and g.oh * g.ow <= BLOCKED_MAX_MAP and blocked_fits(op, g):
+        return "blocked"
     if g.depthwise and _depthwise_wins(op, g, itemsize):
         return "depthwise"
     four = "winograd4" not in without and implemented(op, "winograd4")

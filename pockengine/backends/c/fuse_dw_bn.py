@@ -17,8 +17,8 @@ group, no bias) over such a ``z`` becomes the same ``conv2d_bn_hardtanh`` forwar
 the GEMM packs it: MobileNetV2's projections no longer read z from memory.
 
 Only convolutions the C backend would run with the depthwise kernels in NCHW are fused:
-one filter a channel, ``rule_kernel`` choosing ``depthwise``, ``heuristic_layout`` keeping
-NCHW (small maps go to NHWC kernels, which these ops do not have), input planes of at
+one filter a channel, ``rule_kernel`` choosing ``depthwise`` (small maps take the blocked
+kernels, which these ops do not have), ``heuristic_layout`` keeping NCHW, input planes of at
 least ``DW_BN_MIN_PLANE`` positions (smaller ones stay in cache unfused) and one channel's
 planes of every image within ``DW_BN_BYTES`` (the kernel's stack scratch). With
 ``tune=True`` the fused nodes are not measured; they run the depthwise kernels.

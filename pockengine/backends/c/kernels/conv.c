@@ -48,6 +48,14 @@ static int pe_depthwise_wins(int op, const long *g, long wide) {
     return wide >= (op == 2 ? 64 : 128);
 }
 
+/* Where the blocked kernels (conv_nhwc.c) run a depthwise op (0 forward, 1 input gradient,
+ * 2 weight gradient) by the rule (conv_kernels.py's BLOCKED_MAX_MAP): output maps of at
+ * most 64 positions whose blocks fit (a block position is one cache line in either type,
+ * so the float test holds for both). */
+static int pe_blocked_wins(int op, const long *g) {
+    return pe_is_depthwise(g) && g[PE_G_OH] * g[PE_G_OW] <= 64 && pe_blocked_fits_f32(op, g);
+}
+
 /* Winograd F(2x2, 3x3) (winograd.c): 3x3, stride 1, dilation 1, one group, with at least
  * PE_WINOGRAD_MIN channels in and out (conv_kernels.WINOGRAD_MIN) and, with the wide FMA
  * GEMM (PE_FAST_GEMM), at most PE_WINOGRAD_FAST_GEMM_MAX channels written (`made`: the
@@ -97,6 +105,8 @@ void PE_S(pe_conv2d_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, P
 void PE_S(pe_conv2d)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y, const long *g) {
     if (pe_is_pointwise(g))
         PE_S(pe_conv2d_pointwise)(x, w, bias, y, g);
+    else if (pe_blocked_wins(0, g))
+        PE_S(pe_conv2d_blocked)(x, w, bias, y, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(0, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_depthwise)(x, w, bias, y, g);
     else if (pe_winograd_wins(g, g[PE_G_O]))
@@ -153,6 +163,8 @@ void PE_S(pe_conv2d_input_grad_depthwise)(const PE_T *gy, const PE_T *w, PE_T *g
 void PE_S(pe_conv2d_input_grad)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
     if (pe_is_pointwise(g))
         PE_S(pe_conv2d_input_grad_pointwise)(gy, w, gx, g);
+    else if (pe_blocked_wins(1, g))
+        PE_S(pe_conv2d_input_grad_blocked)(gy, w, gx, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(1, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_input_grad_depthwise)(gy, w, gx, g);
     else if (pe_winograd_wins(g, g[PE_G_C]))
@@ -212,6 +224,8 @@ void PE_S(pe_conv2d_weight_grad_depthwise)(const PE_T *x, const PE_T *gy, PE_T *
 void PE_S(pe_conv2d_weight_grad)(const PE_T *x, const PE_T *gy, PE_T *gw, const long *g) {
     if (pe_is_pointwise(g))
         PE_S(pe_conv2d_weight_grad_pointwise)(x, gy, gw, g);
+    else if (pe_blocked_wins(2, g))
+        PE_S(pe_conv2d_weight_grad_blocked)(x, gy, gw, g);
     else if (pe_is_depthwise(g) && pe_depthwise_wins(2, g, g[PE_G_OW] * (long)sizeof(PE_T)))
         PE_S(pe_conv2d_weight_grad_depthwise)(x, gy, gw, g);
     else if (pe_is_dense(g))

@@ -37,6 +37,14 @@ typedef struct {
     long img, blk, pos, cb;
 } pe_chan_view;
 
+/* The sizes the blocked kernels work on: the map read (IH x IW, with borders ph, pw) and
+ * the map written (YH x YW); flip: a stride-1 input gradient as the forward over gy with
+ * the taps flipped. */
+typedef struct {
+    long IH, IW, YH, YW, ph, pw;
+    int flip;
+} pe_blocked_maps;
+
 static inline pe_chan_view pe_chan_view_of(int layout, long C, long HW) {
     if (layout < 0) return (pe_chan_view){HW * C, PE_NHWC_CB, C, PE_NHWC_CB};
     long blocks = (C + layout - 1) / layout;
@@ -298,16 +306,50 @@ static void PE_S(pe_blocked_line)(const PE_T *x, const PE_T *wt, const PE_T *bl,
 #define PE_NHWC_HALO_BYTES 32768
 #endif
 
-/* x's block (H x W positions of L lanes) into buf with ph rows and pw columns of zeros
- * on each side; 0 when that does not fit in PE_NHWC_HALO_BYTES (or a border is
- * negative), else 1. */
-static int PE_S(pe_blocked_halo)(const PE_T *x, PE_T *buf, long H, long W, long ph, long pw) {
-    long L = PE_NHWC_LINE, HP = H + 2 * ph, WP = W + 2 * pw;
-    if (ph < 0 || pw < 0 || HP * WP * L * (long)sizeof(PE_T) > PE_NHWC_HALO_BYTES) return 0;
-    for (long q = 0; q < HP * WP * L; q++) buf[q] = 0;
+/* Whether an H x W map with ph, pw rows and columns of zeros each side fits a bordered
+ * block. */
+static int PE_S(pe_halo_fits)(long H, long W, long ph, long pw) {
+    long bytes = (H + 2 * ph) * (W + 2 * pw) * PE_NHWC_LINE * (long)sizeof(PE_T);
+    return ph >= 0 && pw >= 0 && bytes <= PE_NHWC_HALO_BYTES;
+}
+
+/* Block b of image n of an H x W map (C channels) into buf with ph rows and pw columns of
+ * zeros each side: read from NCHW{L}c (planes 0: the block's lanes) or from NCHW (planes
+ * 1: its up to L planes, transposed into lanes; the lanes past C are zeros). */
+static void PE_S(pe_halo_load)(const PE_T *x, PE_T *buf, long n, long b, long C, long H,
+                               long W, long ph, long pw, int planes) {
+    long L = PE_NHWC_LINE, WP = W + 2 * pw, c0 = b * L, nc = C - c0 < L ? C - c0 : L;
+    for (long q = 0; q < (H + 2 * ph) * WP * L; q++) buf[q] = 0;
+    if (!planes) {
+        const PE_T *xb = x + (n * ((C + L - 1) / L) + b) * H * W * L;
+        for (long h = 0; h < H; h++)
+            for (long q = 0; q < W * L; q++) buf[((h + ph) * WP + pw) * L + q] = xb[h * W * L + q];
+        return;
+    }
+    const PE_T *xp = x + (n * C + c0) * H * W;
     for (long h = 0; h < H; h++)
-        for (long q = 0; q < W * L; q++) buf[((h + ph) * WP + pw) * L + q] = x[h * W * L + q];
-    return 1;
+        for (long w = 0; w < W; w++) { /* a position's lanes written in a row */
+            PE_T *restrict lanes = buf + ((h + ph) * WP + w + pw) * L;
+            const PE_T *restrict at = xp + h * W + w;
+            for (long k = 0; k < nc; k++) lanes[k] = at[k * H * W];
+        }
+}
+
+/* An H x W block at buf (row stride WP positions, from (ph, pw)) into block b of image n
+ * of y: NCHW{L}c (planes 0: every lane) or NCHW (planes 1: the lanes of real channels). */
+static void PE_S(pe_halo_store)(const PE_T *buf, PE_T *y, long n, long b, long C, long H,
+                                long W, long WP, long ph, long pw, int planes) {
+    long L = PE_NHWC_LINE, c0 = b * L, nc = C - c0 < L ? C - c0 : L;
+    if (!planes) {
+        PE_T *yb = y + (n * ((C + L - 1) / L) + b) * H * W * L;
+        for (long h = 0; h < H; h++)
+            for (long q = 0; q < W * L; q++) yb[h * W * L + q] = buf[((h + ph) * WP + pw) * L + q];
+        return;
+    }
+    PE_T *yp = y + (n * C + c0) * H * W;
+    for (long k = 0; k < nc; k++)
+        for (long h = 0; h < H; h++)
+            for (long w = 0; w < W; w++) yp[(k * H + h) * W + w] = buf[((h + ph) * WP + w + pw) * L + k];
 }
 
 /* Block b's taps (flipped for the input gradient) and bias, zero-padded to L lanes. */
@@ -320,65 +362,83 @@ static void PE_S(pe_blocked_taps)(const PE_T *w, const PE_T *bias, long C, long 
     for (long k = 0; k < L; k++) bl[k] = bias && c0 + k < C ? bias[c0 + k] : 0;
 }
 
-/* The forward (flip 0) or stride-1 input gradient (flip 1: the forward over gy, taps
- * flipped, padding DH * (KH - 1) - PH) on NCHW{L}c maps. */
+static pe_blocked_maps PE_S(pe_blocked_maps_of)(const long *g, int input_grad) {
+    pe_blocked_maps m = {g[PE_G_H], g[PE_G_W], g[PE_G_OH], g[PE_G_OW], g[PE_G_PH], g[PE_G_PW], 0};
+    if (input_grad) {
+        m = (pe_blocked_maps){g[PE_G_OH], g[PE_G_OW], g[PE_G_H], g[PE_G_W],
+                              g[PE_G_DH] * (g[PE_G_KH] - 1) - g[PE_G_PH],
+                              g[PE_G_DW] * (g[PE_G_KW] - 1) - g[PE_G_PW], 1};
+    }
+    return m;
+}
+
+/* The forward (input_grad 0) or stride-1 input gradient (1) on blocks of L channels, read
+ * and written as NCHW{L}c (planes 0) or NCHW (planes 1). A block's taps are gathered once
+ * for every image; a map that fits is read through its bordered copy, a larger one (only
+ * with planes 0) with the bounds checks. */
 static void PE_S(pe_blocked_fast)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
-                                  const long *g, int flip) {
-    long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], OH = g[PE_G_OH],
-         OW = g[PE_G_OW], KH = g[PE_G_KH], KW = g[PE_G_KW], taps = KH * KW;
+                                  const long *g, int input_grad, int planes) {
+    long N = g[PE_G_N], C = g[PE_G_C], KH = g[PE_G_KH], KW = g[PE_G_KW], taps = KH * KW;
     long L = PE_NHWC_LINE, blocks = (C + L - 1) / L;
     long st[2] = {g[PE_G_SH], g[PE_G_SW]}, dl[2] = {g[PE_G_DH], g[PE_G_DW]};
-    long pd[2] = {g[PE_G_PH], g[PE_G_PW]};
-    long IH = H, IW = W, YH = OH, YW = OW; /* the map read and the map written */
-    if (flip) {
-        IH = OH, IW = OW, YH = H, YW = W;
-        pd[0] = dl[0] * (KH - 1) - pd[0], pd[1] = dl[1] * (KW - 1) - pd[1];
-    }
-    PE_PARALLEL_FOR(N * C * YH * YW * taps)
-    for (long b = 0; b < blocks; b++) { /* a block's taps gathered once for every image */
+    pe_blocked_maps m = PE_S(pe_blocked_maps_of)(g, input_grad);
+    long pd[2] = {m.ph, m.pw}, none[2] = {0, 0};
+    int haloed = PE_S(pe_halo_fits)(m.IH, m.IW, m.ph, m.pw);
+    PE_PARALLEL_FOR(N * C * m.YH * m.YW * taps)
+    for (long b = 0; b < blocks; b++) {
         PE_T wt[PE_NHWC_TAPS * 64 / sizeof(PE_T)], bl[64 / sizeof(PE_T)];
-        PE_T halo[PE_NHWC_HALO_BYTES / sizeof(PE_T)];
-        PE_S(pe_blocked_taps)(w, flip ? NULL : bias, C, b, taps, flip, wt, bl);
+        PE_T halo[PE_NHWC_HALO_BYTES / sizeof(PE_T)], out[PE_NHWC_HALO_BYTES / sizeof(PE_T)];
+        PE_S(pe_blocked_taps)(w, input_grad ? NULL : bias, C, b, taps, m.flip, wt, bl);
         for (long n = 0; n < N; n++) {
-            const PE_T *xb = x + (n * blocks + b) * IH * IW * L;
-            PE_T *yb = y + (n * blocks + b) * YH * YW * L;
-            if (PE_S(pe_blocked_halo)(xb, halo, IH, IW, pd[0], pd[1])) {
-                long none[2] = {0, 0};
-                PE_S(pe_blocked_line)(halo, wt, bl, yb, IH + 2 * pd[0], IW + 2 * pd[1], YH, YW,
-                                      KH, KW, st, none, dl);
+            PE_T *yb = planes ? out : y + (n * blocks + b) * m.YH * m.YW * L;
+            if (haloed) {
+                PE_S(pe_halo_load)(x, halo, n, b, C, m.IH, m.IW, m.ph, m.pw, planes);
+                PE_S(pe_blocked_line)(halo, wt, bl, yb, m.IH + 2 * m.ph, m.IW + 2 * m.pw, m.YH,
+                                      m.YW, KH, KW, st, none, dl);
             } else {
-                PE_S(pe_blocked_line)(xb, wt, bl, yb, IH, IW, YH, YW, KH, KW, st, pd, dl);
+                const PE_T *xb = x + (n * blocks + b) * m.IH * m.IW * L;
+                PE_S(pe_blocked_line)(xb, wt, bl, yb, m.IH, m.IW, m.YH, m.YW, KH, KW, st, pd, dl);
             }
+            if (planes) PE_S(pe_halo_store)(out, y, n, b, C, m.YH, m.YW, m.YW, 0, 0, 1);
         }
     }
 }
 
-/* A strided input gradient over NCHW{L}c maps whose bordered gx block fits on the stack
- * (PE_NHWC_HALO_BYTES): each gy position's lanes scattered through every tap into the
- * bordered block, whose inside is then gx. 0 when a block does not fit, else 1. */
+/* The bordered block a strided input gradient scatters into: rows up to (OH - 1) SH +
+ * (KH - 1) DH and at least H + PH (columns likewise); its byte size, or -1 past the
+ * stack's block. */
+static long PE_S(pe_scatter_rows)(long OH, long SH, long KH, long DH, long H, long PH) {
+    long rows = (OH - 1) * SH + (KH - 1) * DH + 1;
+    return rows > H + PH ? rows : H + PH;
+}
+
+/* A strided input gradient on blocks of L channels (read and written as NCHW{L}c, planes
+ * 0, or NCHW, planes 1) whose bordered gx block fits on the stack: each gy position's
+ * lanes scattered through every tap into the bordered block, whose inside is then gx. 0
+ * when a block does not fit, else 1. */
 static int PE_S(pe_blocked_input_grad_scatter)(const PE_T *gy, const PE_T *w, PE_T *gx,
-                                               const long *g) {
+                                               const long *g, int planes) {
     enum { L = 64 / sizeof(PE_T) };
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], OH = g[PE_G_OH],
          OW = g[PE_G_OW], KH = g[PE_G_KH], KW = g[PE_G_KW], taps = KH * KW;
     long SH = g[PE_G_SH], SW = g[PE_G_SW], DH = g[PE_G_DH], DW = g[PE_G_DW];
     long PH = g[PE_G_PH], PW = g[PE_G_PW];
-    /* the bordered block reaches every tap: rows up to (OH - 1) SH + (KH - 1) DH */
-    long HP = (OH - 1) * SH + (KH - 1) * DH + 1, WP = (OW - 1) * SW + (KW - 1) * DW + 1;
-    HP = HP > H + PH ? HP : H + PH, WP = WP > W + PW ? WP : W + PW;
+    long HP = PE_S(pe_scatter_rows)(OH, SH, KH, DH, H, PH);
+    long WP = PE_S(pe_scatter_rows)(OW, SW, KW, DW, W, PW);
     if (taps > PE_NHWC_TAPS || HP * WP * L * (long)sizeof(PE_T) > PE_NHWC_HALO_BYTES) return 0;
+    if (!PE_S(pe_halo_fits)(OH, OW, 0, 0)) return 0;
     long blocks = (C + L - 1) / L;
     PE_PARALLEL_FOR(N * C * OH * OW * taps)
     for (long b = 0; b < blocks; b++) {
         PE_T wt[PE_NHWC_TAPS * L], none[L];
-        PE_T halo[PE_NHWC_HALO_BYTES / sizeof(PE_T)];
+        PE_T halo[PE_NHWC_HALO_BYTES / sizeof(PE_T)], gyb[PE_NHWC_HALO_BYTES / sizeof(PE_T)];
         PE_S(pe_blocked_taps)(w, NULL, C, b, taps, 0, wt, none);
         for (long n = 0; n < N; n++) {
-            const PE_T *gb = gy + (n * blocks + b) * OH * OW * L;
+            PE_S(pe_halo_load)(gy, gyb, n, b, C, OH, OW, 0, 0, planes);
             for (long q = 0; q < HP * WP * L; q++) halo[q] = 0;
             for (long oh = 0; oh < OH; oh++)
                 for (long ow = 0; ow < OW; ow++) {
-                    const PE_T *restrict gp = gb + (oh * OW + ow) * L;
+                    const PE_T *restrict gp = gyb + (oh * OW + ow) * L;
                     PE_T *hp = halo + (oh * SH * WP + ow * SW) * L;
                     for (long i = 0; i < KH; i++)
                         for (long j = 0; j < KW; j++) {
@@ -387,38 +447,37 @@ static int PE_S(pe_blocked_input_grad_scatter)(const PE_T *gy, const PE_T *w, PE
                             for (int k = 0; k < L; k++) out[k] += gp[k] * wp[k];
                         }
                 }
-            PE_T *xb = gx + (n * blocks + b) * H * W * L;
-            for (long h = 0; h < H; h++)
-                for (long q = 0; q < W * L; q++) xb[h * W * L + q] = halo[((h + PH) * WP + PW) * L + q];
+            PE_S(pe_halo_store)(halo, gx, n, b, C, H, W, WP, PH, PW, planes);
         }
     }
     return 1;
 }
 
-/* gw over NCHW{L}c maps: each block's lanes of every tap summed over the positions. A
- * small map is read through its zero-bordered copy, every tap of a position at once. */
+/* gw on blocks of L channels (read as NCHW{L}c, planes 0, or NCHW, planes 1): each block's
+ * lanes of every tap summed over the positions. A map that fits is read through its
+ * bordered copy, every tap of a position at once; a larger one (only with planes 0) tap
+ * by tap with the bounds checks. */
 static void PE_S(pe_blocked_weight_grad_fast)(const PE_T *x, const PE_T *gy, PE_T *gw,
-                                              const long *g) {
+                                              const long *g, int planes) {
     enum { L = 64 / sizeof(PE_T) };
     long N = g[PE_G_N], C = g[PE_G_C], H = g[PE_G_H], W = g[PE_G_W], OH = g[PE_G_OH],
          OW = g[PE_G_OW], KH = g[PE_G_KH], KW = g[PE_G_KW], taps = KH * KW;
     long SH = g[PE_G_SH], SW = g[PE_G_SW], DH = g[PE_G_DH], DW = g[PE_G_DW];
     long PH = g[PE_G_PH], PW = g[PE_G_PW], WP = W + 2 * PW;
     long blocks = (C + L - 1) / L;
+    int haloed = PE_S(pe_halo_fits)(H, W, PH, PW) && PE_S(pe_halo_fits)(OH, OW, 0, 0);
     PE_PARALLEL_FOR(N * OH * OW * taps * C)
     for (long b = 0; b < blocks; b++) {
         long c0 = b * L, nc = C - c0 < L ? C - c0 : L;
         PE_T acc[PE_NHWC_TAPS * L];
-        PE_T halo[PE_NHWC_HALO_BYTES / sizeof(PE_T)];
+        PE_T halo[PE_NHWC_HALO_BYTES / sizeof(PE_T)], gyb[PE_NHWC_HALO_BYTES / sizeof(PE_T)];
         for (long q = 0; q < taps * L; q++) acc[q] = 0;
-        int haloed = 1;
         for (long n = 0; n < N && haloed; n++) {
-            const PE_T *gb = gy + (n * blocks + b) * OH * OW * L;
-            haloed = PE_S(pe_blocked_halo)(x + (n * blocks + b) * H * W * L, halo, H, W, PH, PW);
-            if (!haloed) break;
+            PE_S(pe_halo_load)(x, halo, n, b, C, H, W, PH, PW, planes);
+            PE_S(pe_halo_load)(gy, gyb, n, b, C, OH, OW, 0, 0, planes);
             for (long oh = 0; oh < OH; oh++)
                 for (long ow = 0; ow < OW; ow++) {
-                    const PE_T *restrict gp = gb + (oh * OW + ow) * L;
+                    const PE_T *restrict gp = gyb + (oh * OW + ow) * L;
                     const PE_T *xp = halo + (oh * SH * WP + ow * SW) * L;
                     for (long i = 0; i < KH; i++)
                         for (long j = 0; j < KW; j++) {
@@ -428,24 +487,21 @@ static void PE_S(pe_blocked_weight_grad_fast)(const PE_T *x, const PE_T *gy, PE_
                         }
                 }
         }
-        if (!haloed) { /* a large map: tap by tap with the bounds checks */
-            for (long q = 0; q < taps * L; q++) acc[q] = 0;
-            for (long t = 0; t < taps; t++) {
-                long i = t / KW, j = t % KW;
-                PE_T *restrict ap = acc + t * L;
-                for (long n = 0; n < N; n++) {
-                    const PE_T *xb = x + (n * blocks + b) * H * W * L;
-                    const PE_T *gb = gy + (n * blocks + b) * OH * OW * L;
-                    for (long oh = 0; oh < OH; oh++) {
-                        long ih = oh * SH - PH + i * DH;
-                        if (ih < 0 || ih >= H) continue;
-                        for (long ow = 0; ow < OW; ow++) {
-                            long iw = ow * SW - PW + j * DW;
-                            if (iw < 0 || iw >= W) continue;
-                            const PE_T *restrict xp = xb + (ih * W + iw) * L;
-                            const PE_T *restrict gp = gb + (oh * OW + ow) * L;
-                            for (int k = 0; k < L; k++) ap[k] += gp[k] * xp[k];
-                        }
+        for (long t = 0; t < taps && !haloed; t++) { /* a large NCHW{L}c map */
+            long i = t / KW, j = t % KW;
+            PE_T *restrict ap = acc + t * L;
+            for (long n = 0; n < N; n++) {
+                const PE_T *xb = x + (n * blocks + b) * H * W * L;
+                const PE_T *gb = gy + (n * blocks + b) * OH * OW * L;
+                for (long oh = 0; oh < OH; oh++) {
+                    long ih = oh * SH - PH + i * DH;
+                    if (ih < 0 || ih >= H) continue;
+                    for (long ow = 0; ow < OW; ow++) {
+                        long iw = ow * SW - PW + j * DW;
+                        if (iw < 0 || iw >= W) continue;
+                        const PE_T *restrict xp = xb + (ih * W + iw) * L;
+                        const PE_T *restrict gp = gb + (oh * OW + ow) * L;
+                        for (int k = 0; k < L; k++) ap[k] += gp[k] * xp[k];
                     }
                 }
             }
@@ -453,6 +509,57 @@ static void PE_S(pe_blocked_weight_grad_fast)(const PE_T *x, const PE_T *gy, PE_
         for (long t = 0; t < taps; t++)
             for (long k = 0; k < nc; k++) gw[(c0 + k) * taps + t] = acc[t * L + k];
     }
+}
+
+/* Whether the blocked kernels run op (0 forward, 1 input gradient, 2 weight gradient) on
+ * NCHW maps through bordered blocks on the stack (conv_kernels.py's blocked_fits): one
+ * filter a channel, taps gathered, every block it reads and writes within
+ * PE_NHWC_HALO_BYTES. */
+int PE_S(pe_blocked_fits)(int op, const long *g) {
+    if (g[PE_G_GROUPS] != g[PE_G_C] || g[PE_G_O] != g[PE_G_C]) return 0;
+    if (g[PE_G_KH] * g[PE_G_KW] > PE_NHWC_TAPS) return 0;
+    if (op == 0) return PE_S(pe_halo_fits)(g[PE_G_H], g[PE_G_W], g[PE_G_PH], g[PE_G_PW]) &&
+                        PE_S(pe_halo_fits)(g[PE_G_OH], g[PE_G_OW], 0, 0);
+    if (op == 2) return PE_S(pe_halo_fits)(g[PE_G_H], g[PE_G_W], g[PE_G_PH], g[PE_G_PW]) &&
+                        PE_S(pe_halo_fits)(g[PE_G_OH], g[PE_G_OW], 0, 0);
+    if (g[PE_G_SH] == 1 && g[PE_G_SW] == 1) {
+        pe_blocked_maps m = PE_S(pe_blocked_maps_of)(g, 1);
+        return PE_S(pe_halo_fits)(m.IH, m.IW, m.ph, m.pw) && PE_S(pe_halo_fits)(m.YH, m.YW, 0, 0);
+    }
+    long HP = PE_S(pe_scatter_rows)(g[PE_G_OH], g[PE_G_SH], g[PE_G_KH], g[PE_G_DH], g[PE_G_H],
+                                    g[PE_G_PH]);
+    long WP = PE_S(pe_scatter_rows)(g[PE_G_OW], g[PE_G_SW], g[PE_G_KW], g[PE_G_DW], g[PE_G_W],
+                                    g[PE_G_PW]);
+    return HP * WP * PE_NHWC_LINE * (long)sizeof(PE_T) <= PE_NHWC_HALO_BYTES &&
+           PE_S(pe_halo_fits)(g[PE_G_OH], g[PE_G_OW], 0, 0);
+}
+
+/* The depthwise convolution on NCHW maps through the blocked kernels: each block of L
+ * channels of an image is read into a bordered block on the stack (the conversion to
+ * NCHW{L}c folded into the copy) and written back as planes. Where the blocks do not fit
+ * (pe_blocked_fits), the NCHW depthwise kernels run instead. */
+void PE_S(pe_conv2d_blocked)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
+                             const long *g) {
+    if (PE_S(pe_blocked_fits)(0, g))
+        PE_S(pe_blocked_fast)(x, w, bias, y, g, 0, 1);
+    else
+        PE_S(pe_depthwise)(x, w, bias, y, g);
+}
+
+void PE_S(pe_conv2d_input_grad_blocked)(const PE_T *gy, const PE_T *w, PE_T *gx, const long *g) {
+    if (!PE_S(pe_blocked_fits)(1, g))
+        PE_S(pe_depthwise_input_grad)(gy, w, gx, g);
+    else if (g[PE_G_SH] == 1 && g[PE_G_SW] == 1)
+        PE_S(pe_blocked_fast)(gy, w, NULL, gx, g, 1, 1);
+    else
+        PE_S(pe_blocked_input_grad_scatter)(gy, w, gx, g, 1);
+}
+
+void PE_S(pe_conv2d_weight_grad_blocked)(const PE_T *x, const PE_T *gy, PE_T *gw, const long *g) {
+    if (PE_S(pe_blocked_fits)(2, g))
+        PE_S(pe_blocked_weight_grad_fast)(x, gy, gw, g, 1);
+    else
+        PE_S(pe_depthwise_weight_grad)(x, gy, gw, g);
 }
 
 void PE_S(pe_conv2d_nhwc_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
@@ -476,7 +583,7 @@ void PE_S(pe_conv2d_nchwc_depthwise)(const PE_T *x, const PE_T *w, const PE_T *b
                                      const long *g, int block) {
     int taps_fit = g[PE_G_KH] * g[PE_G_KW] <= PE_NHWC_TAPS;
     if (block == PE_NHWC_LINE && taps_fit)
-        PE_S(pe_blocked_fast)(x, w, bias, y, g, 0);
+        PE_S(pe_blocked_fast)(x, w, bias, y, g, 0, 0);
     else if (block >= 2 && block <= PE_NHWC_CB)
         PE_S(pe_depthwise_chan)(x, w, bias, y, g, block);
 }
@@ -485,8 +592,8 @@ void PE_S(pe_conv2d_nchwc_input_grad_depthwise)(const PE_T *gy, const PE_T *w, P
                                                 const long *g, int block) {
     int unit = g[PE_G_SH] == 1 && g[PE_G_SW] == 1 && g[PE_G_KH] * g[PE_G_KW] <= PE_NHWC_TAPS;
     if (block == PE_NHWC_LINE && unit)
-        PE_S(pe_blocked_fast)(gy, w, NULL, gx, g, 1);
-    else if (block == PE_NHWC_LINE && PE_S(pe_blocked_input_grad_scatter)(gy, w, gx, g))
+        PE_S(pe_blocked_fast)(gy, w, NULL, gx, g, 1, 0);
+    else if (block == PE_NHWC_LINE && PE_S(pe_blocked_input_grad_scatter)(gy, w, gx, g, 0))
         return;
     else if (block >= 2 && block <= PE_NHWC_CB)
         PE_S(pe_depthwise_input_grad_chan)(gy, w, gx, g, block);
@@ -495,7 +602,7 @@ void PE_S(pe_conv2d_nchwc_input_grad_depthwise)(const PE_T *gy, const PE_T *w, P
 void PE_S(pe_conv2d_nchwc_weight_grad_depthwise)(const PE_T *x, const PE_T *gy, PE_T *gw,
                                                  const long *g, int block) {
     if (block == PE_NHWC_LINE)
-        PE_S(pe_blocked_weight_grad_fast)(x, gy, gw, g);
+        PE_S(pe_blocked_weight_grad_fast)(x, gy, gw, g, 0);
     else if (block >= 2 && block <= PE_NHWC_CB)
         PE_S(pe_depthwise_weight_grad_chan)(x, gy, gw, g, block);
 }

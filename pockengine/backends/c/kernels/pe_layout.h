@@ -18,7 +18,11 @@
     void pe_conv2d_nchwc_input_grad_depthwise_##S(const T *gy, const T *w, T *gx,              \
                                                   const long *geom, int block);                \
     void pe_conv2d_nchwc_weight_grad_depthwise_##S(const T *x, const T *gy, T *gw,             \
-                                                   const long *geom, int block);
+                                                   const long *geom, int block);               \
+    int pe_blocked_fits_##S(int op, const long *geom);                                         \
+    void pe_conv2d_blocked_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);  \
+    void pe_conv2d_input_grad_blocked_##S(const T *gy, const T *w, T *gx, const long *geom);   \
+    void pe_conv2d_weight_grad_blocked_##S(const T *x, const T *gy, T *gw, const long *geom);
 
 PE_DECLARE_LAYOUT(f32, float)
 PE_DECLARE_LAYOUT(f64, double)
