@@ -34,6 +34,7 @@ __all__ = [
     "reset_peak",
     "run_cases",
     "run_child",
+    "steps_in_turn",
     "trainer_step_seconds",
     "utc_now",
     "vm_kib",
@@ -87,6 +88,24 @@ def extract_kernels(rev: str, folder: Path) -> None:
 
 
 # -- the stand-alone C trainer's report ------------------------------------------------------
+
+
+def steps_in_turn(
+    steps: Mapping[str, Callable[..., Any]], batch: Sequence[Any], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+    """Each of ``steps`` called on ``batch`` in turn, ``rounds + 1`` times (the first a
+    warm-up, kept): the process CPU seconds, wall seconds and losses of each call, by
+    name."""
+    cpu: dict[str, list[float]] = {k: [] for k in steps}
+    wall: dict[str, list[float]] = {k: [] for k in steps}
+    losses: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds + 1):
+        for tag, step in steps.items():
+            c0, w0 = time.process_time(), time.perf_counter()
+            losses[tag].append(float(step(*batch)))
+            cpu[tag].append(time.process_time() - c0)
+            wall[tag].append(time.perf_counter() - w0)
+    return cpu, wall, losses
 
 
 def trainer_step_seconds(stderr: str) -> tuple[float, float]:

@@ -22,9 +22,10 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from _harness import steps_in_turn
 
 from pockengine.finetune.arg_types import positive_int
 
@@ -71,15 +72,7 @@ def main() -> int:
     finally:
         conv_kernels.BLOCKED_MAX_MAP = limit
     steps = {"blocked": blocked, "without": without}
-    cpu: dict[str, list[float]] = {k: [] for k in steps}
-    wall: dict[str, list[float]] = {k: [] for k in steps}
-    losses: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.rounds + 1):  # the first round is a warm-up
-        for tag, step in steps.items():
-            c0, w0 = time.process_time(), time.perf_counter()
-            losses[tag].append(step(*batch))
-            cpu[tag].append(time.process_time() - c0)
-            wall[tag].append(time.perf_counter() - w0)
+    cpu, wall, losses = steps_in_turn(steps, batch, args.rounds)  # one warm-up round
     row: dict[str, Any] = {
         "workload": args.workload, "scheme": args.scheme, "threads": 1, "rounds": args.rounds,
         "cpu_s": {k: statistics.median(v[1:]) for k, v in cpu.items()},

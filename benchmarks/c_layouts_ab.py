@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _harness import steps_in_turn
+
 
 def _compile(workload: str, scheme_name: str, tune: bool = True) -> tuple[Any, list[Any], float]:
     import pockengine as pe
@@ -97,15 +99,7 @@ def main() -> int:
         layout_tune._variants = variants  # type: ignore[assignment]
         steps = {"nchw": nchw, "layouts": tuned, "rule_nchw": rule, "rule_heuristic": untuned,
                  "layouts_nhwc_only": nhwc_only}  # fmt: skip
-        cpu: dict[str, list[float]] = {k: [] for k in steps}
-        wall: dict[str, list[float]] = {k: [] for k in steps}
-        losses: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(args.rounds + 1):  # the first round is a warm-up
-            for tag, step in steps.items():
-                c0, w0 = time.process_time(), time.perf_counter()
-                losses[tag].append(step(*batch))
-                cpu[tag].append(time.process_time() - c0)
-                wall[tag].append(time.perf_counter() - w0)
+        cpu, wall, losses = steps_in_turn(steps, batch, args.rounds)  # one warm-up round
     ops = collections.Counter(n.op for n in tuned._exec.graph.nodes)
     layouts = _layouts(tuned)
     row = {

@@ -28,6 +28,8 @@ import tempfile
 import time
 from typing import Any
 
+from _harness import steps_in_turn
+
 
 def _compile(workload: str, scheme_name: str, tune: bool) -> tuple[Any, list[Any], float]:
     """The step, its batch and the compile's wall seconds (its CPU seconds, the C
@@ -138,15 +140,7 @@ def main() -> int:
         split.append(parts.take())
         again = calls["measure"] - measured
         steps = {"rule": plain, "tuned": tuned}
-        cpu: dict[str, list[float]] = {k: [] for k in steps}
-        wall: dict[str, list[float]] = {k: [] for k in steps}
-        losses: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(args.rounds + 1):  # the first round is a warm-up
-            for tag, step in steps.items():
-                c0, w0 = time.process_time(), time.perf_counter()
-                losses[tag].append(step(*batch))
-                cpu[tag].append(time.process_time() - c0)
-                wall[tag].append(time.perf_counter() - w0)
+        cpu, wall, losses = steps_in_turn(steps, batch, args.rounds)  # one warm-up round
     choices = tuned._exec.kernel_choices
     kinds = collections.Counter(f"{c.op}:{c.kernel}" for c in choices)
     changed = sum(1 for c in choices if c.kernel != _rule(c, tuned))

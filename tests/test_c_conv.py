@@ -28,6 +28,7 @@ from pockengine.backends.c.driver import KERNEL_DIR
 from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, TensorType, Value
 from tests.c_check import FLAG_SETS, run_check, run_check_aarch64
+from tests.c_numpy import matches_numpy
 from tests.conv_stacks import conv_stack
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -116,12 +117,7 @@ def test_convolutions_match_numpy(dtype: DType) -> None:
         assert f"pe_{op}_winograd_{sfx}(" in step.source
         assert f"pe_{op}_winograd4_{sfx}(" in step.source
     assert f"pe_conv2d_weight_grad_winograd4_{sfx}(" in step.source
-    got = step.run({}, dict(feeds))
-    want = NumpyBackend().compile(graph).run(dict(feeds))
-    tol = 1e-5 if dtype is DType.F32 else 1e-12
-    for value, g, w in zip(outs, got, want, strict=True):
-        scale = max(float(np.abs(w).max()), 1.0)
-        np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
+    matches_numpy(step, graph, outs, feeds, dtype)
 
 
 @pytest.mark.parametrize("favour", ["direct", "im2col", "winograd", "winograd4", "blocked"])

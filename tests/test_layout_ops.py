@@ -17,8 +17,8 @@ import torch
 
 import pockengine.ops  # noqa: F401  (registers the ops)
 from pockengine.backends.c import CBackend
-from pockengine.backends.numpy.backend import NumpyBackend
 from pockengine.ir import DType, GraphBuilder, Role, ShapeError, TensorType, Value, get_op
+from tests.c_numpy import matches_numpy
 
 _convert = get_op("layout_convert").kernel
 
@@ -128,12 +128,7 @@ def test_nhwc_kernels_match_numpy(dtype: DType) -> None:
     sfx = "f32" if dtype is DType.F32 else "f64"
     assert f"pe_conv2d_nhwc_weight_grad_depthwise_{sfx}(" in step.source
     assert f"pe_gemm_{sfx}(" in step.source
-    got = step.run({}, dict(feeds))
-    want = NumpyBackend().compile(graph).run(dict(feeds))
-    tol = 1e-5 if dtype is DType.F32 else 1e-12
-    for value, g, w in zip(outs, got, want, strict=True):
-        scale = max(float(np.abs(w).max()), 1.0)
-        np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
+    matches_numpy(step, graph, outs, feeds, dtype)
 
 
 def _blocked_graph(dtype: DType, block: int) -> tuple[Any, list[Value], dict[str, Any]]:
@@ -178,12 +173,7 @@ def test_blocked_kernels_match_numpy(dtype: DType, block: int) -> None:
     sfx = "f32" if dtype is DType.F32 else "f64"
     for kernel in ("", "_input_grad", "_weight_grad"):
         assert f"pe_conv2d_nchwc{kernel}_depthwise_{sfx}(" in step.source
-    got = step.run({}, dict(feeds))
-    want = NumpyBackend().compile(graph).run(dict(feeds))
-    tol = 1e-5 if dtype is DType.F32 else 1e-12
-    for value, g, w in zip(outs, got, want, strict=True):
-        scale = max(float(np.abs(w).max()), 1.0)
-        np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale * 10, err_msg=str(value))
+    matches_numpy(step, graph, outs, feeds, dtype)
 
 
 @needs_cc

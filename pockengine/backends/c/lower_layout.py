@@ -58,31 +58,17 @@ def _blocked(node: Node) -> tuple[ConvGeometry, int]:
 
 
 def _conv2d_nchwc(ctx: EmitContext, node: Node) -> str:
-    x, w = node.inputs[:2]
+    """Any of the three blocked ops: ``pe_<op>_depthwise_<sfx>(activations and filter
+    (the forward's bias, or NULL), result, geometry, block)``."""
     out = node.outputs[0]
     g, block = _blocked(node)
-    bias = ctx.ref(node.inputs[2]) if len(node.inputs) > 2 else "NULL"
+    args = [ctx.ref(v) for v in node.inputs]
+    if node.op == "conv2d_nchwc" and len(args) == 2:
+        args.append("NULL")  # no bias
     geom = ctx.longs("conv", g.longs())
-    args = f"{ctx.ref(x)}, {ctx.ref(w)}, {bias}, {ctx.ref(out)}, {geom}, {block}"
-    return f"pe_conv2d_nchwc_depthwise_{_sfx(out)}({args});"
-
-
-def _conv2d_nchwc_input_grad(ctx: EmitContext, node: Node) -> str:
-    gy, w = node.inputs
-    out = node.outputs[0]
-    g, block = _blocked(node)
-    geom = ctx.longs("conv", g.longs())
-    args = f"{ctx.ref(gy)}, {ctx.ref(w)}, {ctx.ref(out)}, {geom}, {block}"
-    return f"pe_conv2d_nchwc_input_grad_depthwise_{_sfx(out)}({args});"
-
-
-def _conv2d_nchwc_weight_grad(ctx: EmitContext, node: Node) -> str:
-    x, gy = node.inputs
-    out = node.outputs[0]
-    g, block = _blocked(node)
-    geom = ctx.longs("conv", g.longs())
-    args = f"{ctx.ref(x)}, {ctx.ref(gy)}, {ctx.ref(out)}, {geom}, {block}"
-    return f"pe_conv2d_nchwc_weight_grad_depthwise_{_sfx(out)}({args});"
+    return (
+        f"pe_{node.op}_depthwise_{_sfx(out)}({', '.join(args)}, {ctx.ref(out)}, {geom}, {block});"
+    )
 
 
 def _kernel(node: Node) -> tuple[ConvGeometry, str]:
@@ -155,6 +141,6 @@ KERNELS: dict[str, Lowering] = {
     "conv2d_nhwc_input_grad": _conv2d_nhwc_input_grad,
     "conv2d_nhwc_weight_grad": _conv2d_nhwc_weight_grad,
     "conv2d_nchwc": _conv2d_nchwc,
-    "conv2d_nchwc_input_grad": _conv2d_nchwc_input_grad,
-    "conv2d_nchwc_weight_grad": _conv2d_nchwc_weight_grad,
+    "conv2d_nchwc_input_grad": _conv2d_nchwc,
+    "conv2d_nchwc_weight_grad": _conv2d_nchwc,
 }
