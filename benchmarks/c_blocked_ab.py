@@ -4,14 +4,16 @@ with the blocked depthwise kernels against without them, in one process.
     OMP_NUM_THREADS=1 python benchmarks/c_blocked_ab.py --workload mbv2 --scheme sparse \
         --rounds 10 --out benchmarks/results/c_blocked_ab-mbv2-sparse-1thread.json
 
-Compiles the workload's step with ``backend=CBackend(threads=1)`` twice: as it is (the
-rule takes ``blocked`` for depthwise convolutions whose output map has at most
-``conv_kernels.BLOCKED_MAX_MAP`` positions, so the heuristic keeps them NCHW) and with
-that limit at 0 (the depthwise kernels or direct loops, and NHWC for maps of at most 16
-positions, with their conversions). Steps the two in turn, ``--rounds`` times each after
-one warm-up round, on the same batch. Prints and writes (``--out``) one JSON object: the
-median process CPU and wall seconds a step and their ratio, the largest loss difference,
-how many nodes run each way, and the two steps' arena sizes.
+Compiles the workload's step with ``backend=CBackend(threads=1)`` (``--portable``: the
+portable build) twice: as it is (the rule takes ``blocked`` for depthwise convolutions
+whose blocks fit, with the wide FMA vectors only on output maps of at most
+``conv_kernels.BLOCKED_MAX_MAP`` positions, so the heuristic keeps them NCHW) and without
+it (``BLOCKED_MAX_MAP`` 0 and ``blocked_fits`` false: the depthwise kernels or direct
+loops, and NHWC for maps of at most 16 positions, with their conversions). Steps the two
+in turn, ``--rounds`` times each after one warm-up round, on the same batch. Prints and
+writes (``--out``) one JSON object: the median process CPU and wall seconds a step and
+their ratio, the largest loss difference, how many nodes run each way, and the two
+steps' arena sizes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from _harness import steps_in_turn
 from pockengine.finetune.arg_types import positive_int
 
 
-def _compile(workload: str, scheme_name: str) -> tuple[Any, list[Any]]:
+def _compile(workload: str, scheme_name: str, portable: bool) -> tuple[Any, list[Any]]:
     import pockengine as pe
     from pockengine import zoo
     from pockengine.backends.c import CBackend
@@ -39,7 +41,7 @@ def _compile(workload: str, scheme_name: str) -> tuple[Any, list[Any]]:
     scheme = zoo.benchmark_schemes(workload)[scheme_name]
     batch = work.make_batch(0)
     step = pe.compile(work.model, work.loss_fn, batch, optimizer, scheme,
-                      backend=CBackend(threads=1), compile_in="process")  # fmt: skip
+                      backend=CBackend(portable, threads=1), compile_in="process")  # fmt: skip
     return step, batch
 
 
@@ -60,21 +62,24 @@ def main() -> int:
     parser.add_argument("--workload", default="mbv2")
     parser.add_argument("--scheme", default="sparse")
     parser.add_argument("--rounds", type=positive_int, default=10)
+    parser.add_argument("--portable", action="store_true", help="the portable build (-O3)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from pockengine.backends.c import conv_kernels
 
-    blocked, batch = _compile(args.workload, args.scheme)
-    limit = conv_kernels.BLOCKED_MAX_MAP
+    blocked, batch = _compile(args.workload, args.scheme, args.portable)
+    limit, fits = conv_kernels.BLOCKED_MAX_MAP, conv_kernels.blocked_fits
     conv_kernels.BLOCKED_MAX_MAP = 0
+    conv_kernels.blocked_fits = lambda op, g: False  # type: ignore[assignment]
     try:
-        without, _ = _compile(args.workload, args.scheme)
+        without, _ = _compile(args.workload, args.scheme, args.portable)
     finally:
-        conv_kernels.BLOCKED_MAX_MAP = limit
+        conv_kernels.BLOCKED_MAX_MAP, conv_kernels.blocked_fits = limit, fits  # type: ignore[assignment]
     steps = {"blocked": blocked, "without": without}
     cpu, wall, losses = steps_in_turn(steps, batch, args.rounds)  # one warm-up round
     row: dict[str, Any] = {
         "workload": args.workload, "scheme": args.scheme, "threads": 1, "rounds": args.rounds,
+        "portable": args.portable,
         "cpu_s": {k: statistics.median(v[1:]) for k, v in cpu.items()},
         "wall_s": {k: statistics.median(v[1:]) for k, v in wall.items()},
         "first_loss_diff": abs(losses["blocked"][0] - losses["without"][0]),

@@ -19,10 +19,13 @@ kernel, ``pe_<op>_<kernel>_<f32|f64>``:
   (depthwise convolutions whose blocks fit, ``blocked_fits``).
 
 ``rule_kernel`` is the heuristic used without tuning, by exports and by cross-compiled
-trainers: pointwise, else blocked for a depthwise convolution whose output map has at
-most ``BLOCKED_MAX_MAP`` positions (MobileNetV2's 4x4 and 8x8 maps, one thread, AVX-512:
-0.16-0.82x the depthwise kernels' time, 0.66-0.92x NHWC's with its conversions; from
-16x16 the depthwise kernels win), else depthwise where it measured faster than direct loops
+trainers: pointwise, else blocked for a depthwise convolution whose blocks fit and, in a
+build with the wide FMA vectors (``fast_gemm``: AVX2 or AVX-512), whose output map has at
+most ``BLOCKED_MAX_MAP`` positions (MobileNetV2's shapes, one thread: with AVX-512 on 4x4
+and 8x8 maps 0.16-0.82x the depthwise kernels' time and 0.66-0.92x NHWC's with its
+conversions, from 16x16 the depthwise kernels win; built portably (SSE2) 0.12-0.44x the
+depthwise kernels' and 0.52-0.93x direct loops' time up to 16x16 maps), else depthwise
+where it measured faster than direct loops
 (``_depthwise_wins``: at stride 1 always but for the weight gradient of maps narrower
 than 32 bytes; strided, the forward and the input gradient of output rows of 128 bytes or
 more and the weight gradient of 64 or more), else Winograd F(4x4, 3x3) where it has many
@@ -285,7 +288,8 @@ def rule_kernel(
     has the wide FMA micro-kernels or not (``fast_gemm``; the portable rule by default)."""
     if g.pointwise:
         return "pointwise"
-    if g.depthwise and g.oh * g.ow <= BLOCKED_MAX_MAP and blocked_fits(op, g):
+    small = g.oh * g.ow <= BLOCKED_MAX_MAP or not fast_gemm
+    if g.depthwise and small and blocked_fits(op, g):
         return "blocked"
     if g.depthwise and _depthwise_wins(op, g, itemsize):
         return "depthwise"

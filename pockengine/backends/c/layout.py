@@ -98,7 +98,9 @@ def heuristic_layout(op: str, g: ConvGeometry) -> str:
     are GEMMs either way and mostly measured within 10%, not worth two conversions.
     """
     wins = g.depthwise and g.o == g.c and g.oh * g.ow <= HEURISTIC_MAX_MAP
-    return NHWC if wins and rule_kernel(op, g, 4) != "blocked" else NCHW
+    # the rule of a wide-vector build: an export fixes the layout before the build is
+    # known, and up to HEURISTIC_MAX_MAP positions both builds' rules agree
+    return NHWC if wins and rule_kernel(op, g, 4, fast_gemm=True) != "blocked" else NCHW
 
 
 def heuristic_nhwc(graph: Graph) -> set[str]:

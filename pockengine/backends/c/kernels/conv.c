@@ -49,11 +49,15 @@ static int pe_depthwise_wins(int op, const long *g, long wide) {
 }
 
 /* Where the blocked kernels (conv_nhwc.c) run a depthwise op (0 forward, 1 input gradient,
- * 2 weight gradient) by the rule (conv_kernels.py's BLOCKED_MAX_MAP): output maps of at
- * most 64 positions whose blocks fit (a block position is one cache line in either type,
- * so the float test holds for both). */
+ * 2 weight gradient) by the rule (conv_kernels.py's rule_kernel): wherever its blocks fit
+ * (a block position is one cache line in either type, so the float test holds for both),
+ * and with the wide FMA vectors (PE_FAST_GEMM) on output maps of at most 64 positions
+ * (BLOCKED_MAX_MAP). */
 static int pe_blocked_wins(int op, const long *g) {
-    return pe_is_depthwise(g) && g[PE_G_OH] * g[PE_G_OW] <= 64 && pe_blocked_fits_f32(op, g);
+#if PE_FAST_GEMM
+    if (g[PE_G_OH] * g[PE_G_OW] > 64) return 0;
+#endif
+    return pe_is_depthwise(g) && pe_blocked_fits_f32(op, g);
 }
 
 /* Winograd F(2x2, 3x3) (winograd.c): 3x3, stride 1, dilation 1, one group, with at least
