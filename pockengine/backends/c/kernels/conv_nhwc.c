@@ -347,9 +347,12 @@ static void PE_S(pe_halo_store)(const PE_T *buf, PE_T *y, long n, long b, long C
         return;
     }
     PE_T *yp = y + (n * C + c0) * H * W;
-    for (long k = 0; k < nc; k++)
-        for (long h = 0; h < H; h++)
-            for (long w = 0; w < W; w++) yp[(k * H + h) * W + w] = buf[((h + ph) * WP + w + pw) * L + k];
+    for (long h = 0; h < H; h++)
+        for (long w = 0; w < W; w++) { /* a position's lanes read in a row */
+            const PE_T *restrict lanes = buf + ((h + ph) * WP + w + pw) * L;
+            PE_T *restrict at = yp + h * W + w;
+            for (long k = 0; k < nc; k++) at[k * H * W] = lanes[k];
+        }
 }
 
 /* Block b's taps (flipped for the input gradient) and bias, zero-padded to L lanes. */
