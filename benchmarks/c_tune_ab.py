@@ -168,7 +168,7 @@ def main() -> int:
 
 def _rule(choice: Any, step: Any) -> str:
     from pockengine.backends.c.conv_kernels import conv_geometry, rule_kernel
-    from pockengine.backends.c.lower_layout import nhwc_geometry
+    from pockengine.backends.c.driver import has_fast_gemm
 
     nodes = step._exec.graph.nodes
     node = next(  # an NHWC convolution's own output, or the conversion of it back to NCHW
@@ -176,8 +176,8 @@ def _rule(choice: Any, step: Any) -> str:
     )
     if node.op == "layout_convert":
         node = next(n for n in nodes if n.outputs and n.outputs[0] == node.inputs[0])
-    geometry = nhwc_geometry(node) if "nhwc" in node.op else conv_geometry(node)
-    return rule_kernel(choice.op, geometry, node.outputs[0].dtype.itemsize)
+    geometry, size = conv_geometry(node), node.outputs[0].dtype.itemsize
+    return rule_kernel(choice.op, geometry, size, fast_gemm=has_fast_gemm(None))
 
 
 if __name__ == "__main__":

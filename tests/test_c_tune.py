@@ -20,6 +20,7 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c import CBackend, layout_tune, tune
 from pockengine.backends.c.conv_kernels import candidates, conv_geometry, rule_kernel
+from pockengine.backends.c.driver import has_fast_gemm
 from pockengine.backends.c.layout import nhwc_candidate
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
@@ -73,8 +74,10 @@ def _tunable(step: Any) -> list[Any]:
 
 
 def _rule(step: Any, output: str) -> str:
+    """The rule's kernel for this machine's native build (as ``CBackend()`` compiles)."""
     node = next(n for n in step._exec.graph.nodes if n.outputs and n.outputs[0].name == output)
-    return rule_kernel(node.op, conv_geometry(node), node.outputs[0].dtype.itemsize)
+    size, fast = node.outputs[0].dtype.itemsize, has_fast_gemm(None)
+    return rule_kernel(node.op, conv_geometry(node), size, fast_gemm=fast)
 
 
 @pytest.mark.parametrize("favour", [None, "direct", "im2col", "winograd", "winograd4"])

@@ -41,7 +41,7 @@ from pockengine.backends.c.conv_kernels import (
     conv_geometry,
     rule_kernel,
 )
-from pockengine.backends.c.driver import cache_dir, toolchain
+from pockengine.backends.c.driver import cache_dir, has_fast_gemm, toolchain
 from pockengine.ir import DType, Graph, Node
 from pockengine.plan.report import KernelChoice
 
@@ -205,7 +205,7 @@ def _measure_all(
     """The table entry of a node's kernels, and the chosen kernel's and ``variants``'
     seconds when the variants were timed (else empty)."""
     # the rule's kernel first: its median is the bar the others' warm-ups must clear
-    rule = rule_kernel(op, g, dtype.itemsize)
+    rule = rule_kernel(op, g, dtype.itemsize, fast_gemm=has_fast_gemm(portable))
     order = [rule, *(k for k in names if k != rule)]
     seconds = measure(op, order, dtype, g, portable, threads, beside, variants)
     timed = {k: v for k, v in seconds.items() if k in names and math.isfinite(v)}
