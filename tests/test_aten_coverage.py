@@ -200,8 +200,10 @@ def _check(model: nn.Module, loss_fn: Any, batch: tuple[torch.Tensor, ...], back
     got = step.gradients(*batch)
     assert set(got) == set(ref)
     scale = max(float(np.abs(g).max()) for g in ref.values())
+    # float32 sums in another order (ATen's and NumPy's kernels, whose split depends on the
+    # threads free at the time) differ by up to about 1.2e-6 of the largest gradient
     for name, g in got.items():
-        np.testing.assert_allclose(g, ref[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0),
+        np.testing.assert_allclose(g, ref[name], rtol=1e-4, atol=4e-6 * max(scale, 1.0),
                                    err_msg=name)  # fmt: skip
     loss = step(*batch)
     assert abs(loss - expected) <= 1e-5 * (1 + abs(expected))
