@@ -580,12 +580,18 @@ void PE_S(pe_conv2d_nhwc_weight_grad_depthwise)(const PE_T *x, const PE_T *gy, P
     PE_S(pe_depthwise_weight_grad_chan)(x, gy, gw, g, -1);
 }
 
+/* Whether a block of NCHW{block}c maps takes the kernels above: one cache line of
+ * channels and filter taps they gather (their stack blocks hold PE_NHWC_TAPS taps). */
+static int PE_S(pe_blocked_line_kernels)(int block, const long *g) {
+    return block == PE_NHWC_LINE && g[PE_G_KH] * g[PE_G_KW] <= PE_NHWC_TAPS;
+}
+
 /* The same on NCHW{block}c maps (2 <= block <= PE_NHWC_CB; other blocks do nothing): a
- * block of one cache line takes the kernels above, any other the general ones. */
+ * block of one cache line with at most PE_NHWC_TAPS taps takes the kernels above, any
+ * other the general ones. */
 void PE_S(pe_conv2d_nchwc_depthwise)(const PE_T *x, const PE_T *w, const PE_T *bias, PE_T *y,
                                      const long *g, int block) {
-    int taps_fit = g[PE_G_KH] * g[PE_G_KW] <= PE_NHWC_TAPS;
-    if (block == PE_NHWC_LINE && taps_fit)
+    if (PE_S(pe_blocked_line_kernels)(block, g))
         PE_S(pe_blocked_fast)(x, w, bias, y, g, 0, 0);
     else if (block >= 2 && block <= PE_NHWC_CB)
         PE_S(pe_depthwise_chan)(x, w, bias, y, g, block);
@@ -593,10 +599,10 @@ void PE_S(pe_conv2d_nchwc_depthwise)(const PE_T *x, const PE_T *w, const PE_T *b
 
 void PE_S(pe_conv2d_nchwc_input_grad_depthwise)(const PE_T *gy, const PE_T *w, PE_T *gx,
                                                 const long *g, int block) {
-    int unit = g[PE_G_SH] == 1 && g[PE_G_SW] == 1 && g[PE_G_KH] * g[PE_G_KW] <= PE_NHWC_TAPS;
-    if (block == PE_NHWC_LINE && unit)
+    int line = PE_S(pe_blocked_line_kernels)(block, g);
+    if (line && g[PE_G_SH] == 1 && g[PE_G_SW] == 1)
         PE_S(pe_blocked_fast)(gy, w, NULL, gx, g, 1, 0);
-    else if (block == PE_NHWC_LINE && PE_S(pe_blocked_input_grad_scatter)(gy, w, gx, g, 0))
+    else if (line && PE_S(pe_blocked_input_grad_scatter)(gy, w, gx, g, 0))
         return;
     else if (block >= 2 && block <= PE_NHWC_CB)
         PE_S(pe_depthwise_input_grad_chan)(gy, w, gx, g, block);
@@ -604,7 +610,7 @@ void PE_S(pe_conv2d_nchwc_input_grad_depthwise)(const PE_T *gy, const PE_T *w, P
 
 void PE_S(pe_conv2d_nchwc_weight_grad_depthwise)(const PE_T *x, const PE_T *gy, PE_T *gw,
                                                  const long *g, int block) {
-    if (block == PE_NHWC_LINE)
+    if (PE_S(pe_blocked_line_kernels)(block, g))
         PE_S(pe_blocked_weight_grad_fast)(x, gy, gw, g, 0);
     else if (block >= 2 && block <= PE_NHWC_CB)
         PE_S(pe_depthwise_weight_grad_chan)(x, gy, gw, g, block);
