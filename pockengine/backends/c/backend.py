@@ -137,19 +137,19 @@ class CExecutable(Executable):
             else []
         )
         kernels = {c.output: c.kernel for c in choices}
-        nhwc: dict[str, str] | set[str]
+        layouts: dict[str, str] | set[str]
         if tune:
             measured = choose_layouts(graph, kernels, portable, threads, beside)
             choices = merge_choices(choices, measured)
             dtypes = {n.outputs[0].name: n.outputs[0].dtype for n in graph.nodes if n.outputs}
             laid = {c.output: layout_of(c.kernel, dtypes[c.output]) for c in measured}
-            nhwc = {name: layout for name, layout in laid.items() if layout is not None}
+            layouts = {name: layout for name, layout in laid.items() if layout is not None}
         else:
-            nhwc = heuristic_nhwc(graph)
+            layouts = heuristic_nhwc(graph)
         # the layouts and the kernels' working memory, less what a memory budget gives up
         seconds = {c.output: c.seconds for c in choices}
         fast = has_fast_gemm(portable)  # the rule's F(2x2, 3x3) range depends on the GEMM
-        arranged = fit_budget(graph, kernels, nhwc, memory_budget, seconds, fast)
+        arranged = fit_budget(graph, kernels, layouts, memory_budget, seconds, fast)
         graph = arranged.graph
         self.graph = graph
         self.plan: MemoryPlan = arranged.plan

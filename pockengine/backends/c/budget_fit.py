@@ -29,7 +29,7 @@ from pockengine.backends.c.conv_kernels import (
     node_kernel,
     rule_kernel,
 )
-from pockengine.backends.c.layout import apply_layouts
+from pockengine.backends.c.layout import apply_layouts, as_layouts
 from pockengine.backends.c.plan_step import plan_step_memory
 from pockengine.backends.c.workspace import WORK_KERNELS, add_workspaces, workspace_of
 from pockengine.ir import Graph, Node
@@ -71,11 +71,12 @@ def arrange(
     (``layout.apply_layouts``: a mapping to NHWC or NCHW{c}c, or names for NHWC), each
     other convolution's kernel named (``kernels``' entry, else the rule's for a
     ``fast_gemm`` build or not) and its working memory added, planned."""
-    laid = apply_layouts(graph, layouts)
+    chosen = as_layouts(layouts)
+    laid = apply_layouts(graph, chosen)
     conv = {
         n.outputs[0].name: node_kernel(n, conv_geometry(n), kernels, fast_gemm)
         for n in graph.nodes
-        if n.op in CONV_OPS and n.outputs[0].name not in layouts
+        if n.op in CONV_OPS and n.outputs[0].name not in chosen
     }
     worked = add_workspaces(laid, lambda n: (conv[n.outputs[0].name],))
     return Arranged(worked, conv, plan_step_memory(worked))
@@ -127,6 +128,7 @@ def fit_budget(
     as little as the module docstring says; ``seconds``: each tuned node's measured
     candidates (by first output); ``fast_gemm``: the build's rule (``arrange``). With no
     budget, ``arrange``'s."""
+    layouts = as_layouts(layouts)
     first = arrange(graph, kernels, layouts, fast_gemm)
     if budget is None or first.plan.planned_peak_bytes <= budget:
         return first
@@ -156,8 +158,7 @@ def fit_budget(
     if not met and convs:
         nchw = with_given(given, ())
         if nchw.plan.planned_peak_bytes < best.plan.planned_peak_bytes:
-            laid = layouts if isinstance(layouts, Mapping) else dict.fromkeys(layouts, "NHWC")
-            kinds = " or ".join(sorted({laid[n.outputs[0].name] for n in convs}))
+            kinds = " or ".join(sorted({layouts[n.outputs[0].name] for n in convs}))
             note = f"{len(convs)} convolutions in NCHW instead of {kinds} (no layout conversions)"
             best = Arranged(nchw.graph, nchw.conv_kernels, nchw.plan, (*nchw.given_up, note))
     if best.plan.planned_peak_bytes > budget:

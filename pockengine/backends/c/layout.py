@@ -42,6 +42,7 @@ __all__ = [
     "NCHW",
     "NHWC",
     "apply_layouts",
+    "as_layouts",
     "blocked_layout",
     "cancel_inverse_conversions",
     "heuristic_layout",
@@ -164,18 +165,23 @@ class _Rewriter:
         self.nodes.append(node.replace(op=op, inputs=tuple(ins), outputs=(y,), attrs=attrs))
         back = Attrs(src=layout, dst=NCHW, channels=out.shape[1])
         self.nodes.append(Node("layout_convert", (y,), (out,), back, node.source, node.phase))
-        self.copies[(out.name, layout)] = (
-            y  # a later reader in this layout takes y: the pair cancels
-        )
+        # a later reader in this layout takes y itself: the pair cancels
+        self.copies[(out.name, layout)] = y
+
+
+def as_layouts(layouts: Collection[str] | Mapping[str, str]) -> dict[str, str]:
+    """The conv nodes (first output names) that take a layout other than NCHW, with it:
+    ``layouts`` a mapping to layouts, or a plain collection of names, each meaning NHWC."""
+    chosen = layouts if isinstance(layouts, Mapping) else dict.fromkeys(layouts, NHWC)
+    return {name: layout for name, layout in chosen.items() if layout != NCHW}
 
 
 def apply_layouts(graph: Graph, layouts: Collection[str] | Mapping[str, str]) -> Graph:
     """``graph`` with its conv nodes in the layouts ``layouts`` gives by first output name
-    (a mapping to NHWC or NCHW{c}c, each among the node's ``layout_candidates``; a plain
-    collection of names means NHWC for each), their conversions shared and cancelled
-    (module docstring); ``graph`` itself when ``layouts`` names none of its nodes."""
-    chosen = dict(layouts) if isinstance(layouts, Mapping) else dict.fromkeys(layouts, NHWC)
-    chosen = {k: v for k, v in chosen.items() if v != NCHW}
+    (``as_layouts``; each layout among the node's ``layout_candidates``), their conversions
+    shared and cancelled (module docstring); ``graph`` itself when ``layouts`` names none
+    of its nodes."""
+    chosen = as_layouts(layouts)
     nodes = [n for n in graph.nodes if n.op in CONV_OPS and n.outputs[0].name in chosen]
     if not nodes:
         return graph

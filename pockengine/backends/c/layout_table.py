@@ -34,9 +34,10 @@ from pathlib import Path
 
 from pockengine.backends.c.conv_kernels import CONV_OPS, KERNEL_NAMES, candidates, conv_geometry
 from pockengine.backends.c.conv_table import name_literal
-from pockengine.backends.c.layout import NHWC, layout_candidates, nhwc_candidate
+from pockengine.backends.c.layout import NHWC, as_layouts, layout_candidates, nhwc_candidate
 from pockengine.backends.c.tune_harness import DTYPES
 from pockengine.ir import CompileError, Graph, Node
+from pockengine.ops.layout import block_of
 
 __all__ = [
     "LAYOUT_FILE",
@@ -72,10 +73,8 @@ def _blocked(node: Node) -> str | None:
 
 
 def _code(layout: str | None) -> int:
-    """A layout as the kernels code it: 0 NCHW, -1 NHWC, c for NCHW{c}c."""
-    if layout is None or layout == "NCHW":
-        return 0
-    return -1 if layout == NHWC else int(layout[4:-1])
+    """A layout as the kernels code it (``ops.layout.block_of``), None as NCHW."""
+    return block_of("layout table", layout or "NCHW")
 
 
 def _facts(node: Node) -> str:
@@ -96,7 +95,7 @@ def layout_table_source(graph: Graph, layouts: Collection[str] | Mapping[str, st
     """The C definitions of ``pe_layout_nodes`` (``trainer/pe_tune.h``) for ``graph``
     (lowered, before the layout pass), ``layouts`` giving the layouts this export takes
     (as ``layout.apply_layouts``: a mapping, or names for NHWC)."""
-    laid = layouts if isinstance(layouts, Mapping) else dict.fromkeys(layouts, NHWC)
+    laid = as_layouts(layouts)
     nodes = layout_nodes(graph)
     arrays, rows = [], []
     for k, node in enumerate(nodes):
