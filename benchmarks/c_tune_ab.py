@@ -9,8 +9,8 @@ In a fresh C cache dir (a temporary ``$PE_C_CACHE``): compiles the step with
 then ``tune=True`` again (the table read back: no measurement). Then steps the untuned and
 tuned steps in turn, ``--rounds`` times each after one warm-up round, on the same batch;
 prints the compile times and their split (wall and CPU seconds, the C compiler's
-included: choosing kernels and choosing layouts, each with its timing harness's build;
-building the harnesses; building the step; the C backend in all, the rest being the
+included: choosing kernels, layouts and GEMM micro-kernel shapes, each with its timing
+harness's build; building the harnesses; building the step; the C backend in all, the rest being the
 frontend's tracing and the passes), the time spent choosing (timing, or reading the
 tables), the load average, the median process CPU and wall seconds a step, the ratios,
 the kernels chosen, and the largest loss difference. One JSON object on the last line.
@@ -69,6 +69,7 @@ class _Parts:
         self.seconds: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
         self._wrap(backend, "choose_kernels", "choose_kernels")
         self._wrap(backend, "choose_layouts", "choose_layouts")
+        self._wrap(backend, "choose_shapes", "choose_shapes")
         self._wrap(tune_harness, "build_library", "build_harness")
         self._wrap(backend, "build_library", "build_step")
         self._wrap(backend.CExecutable, "__init__", "c_backend")
@@ -95,7 +96,8 @@ class _Parts:
 
 
 def _tuning(split: dict[str, dict[str, float]], kind: str) -> float:
-    return sum(split.get(k, {}).get(kind, 0.0) for k in ("choose_kernels", "choose_layouts"))
+    parts = ("choose_kernels", "choose_layouts", "choose_shapes")
+    return sum(split.get(k, {}).get(kind, 0.0) for k in parts)
 
 
 def main() -> int:

@@ -411,3 +411,33 @@ def test_the_in_process_c_step_refuses_out_of_range_batches(where: str) -> None:
         step(*(torch.from_numpy(a) for a in bad))
     for name, value in step.flat_state_dict().items():
         np.testing.assert_array_equal(value, before[name])
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"x" * 5000, "line longer than"),
+        (b"", "empty (expected the line"),
+        (b"\xff\xfe\x00garbage\n", "not text (a NUL byte)"),
+        (b"\xff\xfegarbage\n", "not a shape table of this step"),
+        (b"{header}\n99999999999999999999999 4x8 0 a\n", "expected '<slot>"),
+        (b"{header}\n0 4x8 1e999 a\n", "outside this step's"),
+        (b"{header}\n" + b"0 " + b"9" * 400 + b"x4 0 a\n", "outside this step's"),
+    ],
+)
+def test_hostile_shape_tables_are_refused(trainer: Any, content: bytes, message: str) -> None:
+    """Under the sanitizers: a GEMM shape table that is too long, empty, binary, or names
+    slots this step does not have is refused (exit 2) before anything runs or is written."""
+    folder, _, _ = trainer
+    tuned = _train(folder, "--tune", "--kernels", "k.txt", "--shapes", "s.txt",
+                   "--layouts", "l.txt")  # fmt: skip
+    assert tuned.returncode == 0, tuned.stderr
+    header = (folder / "s.txt").read_text().splitlines()[0].encode()
+    (folder / "bad-shapes.txt").write_bytes(content.replace(b"{header}", header))
+    before = _snapshot(folder)
+    run = _train(folder, "--shapes", "bad-shapes.txt", "--save", "state.safetensors",
+                 "ids.npy", "y.npy")  # fmt: skip
+    assert run.returncode == 2 and "bad-shapes.txt" in run.stderr and message in run.stderr
+    assert run.stdout == "" and _snapshot(folder) == before
+    for name in ("k.txt", "s.txt", "l.txt", "bad-shapes.txt"):
+        (folder / name).unlink(missing_ok=True)

@@ -1,7 +1,8 @@
 """``./train --tune``: the exported trainer times each convolution's candidate kernels on
-the device, writes its kernel table, and later runs read it (checked line by line: a
-slot, kernel or fingerprint that does not fit this step is refused before anything
-runs). A tiny CNN (dense, depthwise and pointwise convolutions, each with both
+the device, writes its kernel table, then times each GEMM node under the GEMM's
+micro-kernel shapes and writes its shape table; later runs read both (checked line by
+line: a slot, kernel, shape or fingerprint that does not fit this step is refused before
+anything runs). A tiny CNN (dense, depthwise and pointwise convolutions, each with both
 gradients) exported, built, tuned and trained end to end."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pockengine as pe
 from pockengine import zoo
 from pockengine.backends.c.conv_kernels import KERNEL_NAMES, candidates, conv_geometry
 from pockengine.backends.c.conv_table import TABLE_FILE, conv_slots
+from pockengine.backends.c.gemm_table import SHAPE_FILE, gemm_slots
 from tests.cached_cc import make_trainer
 
 pytestmark = pytest.mark.skipif(
@@ -66,8 +68,8 @@ def test_tune_writes_a_table_that_the_next_run_reads(
         k, kernel, seconds, name = line.split()
         assert int(k) == slot and slots[name] == slot and float(seconds) >= 0
         assert kernel in KERNEL_NAMES
-    report = tuned.stdout.splitlines()  # a line a slot, then a line a layout candidate
-    assert len([x for x in report if not x.startswith("layout ")]) == len(slots)
+    report = tuned.stdout.splitlines()  # a line a slot, a GEMM slot, a layout candidate
+    assert len([x for x in report if not x.startswith(("layout ", "gemm "))]) == len(slots)
     layouts = (folder / "conv-layouts.txt").read_text().splitlines()
     assert len(layouts) - 1 == len([x for x in report if x.startswith("layout ")]) > 0
     run = _run(folder, "X.npy", "Y.npy")
@@ -126,6 +128,90 @@ def test_a_table_of_another_step_or_a_repeated_slot_is_refused(
     assert run.returncode == 2 and "appears twice" in run.stderr, run.stderr
     run = _run(folder, "--tune", "X.npy")
     assert run.returncode == 2 and "--tune takes only" in run.stderr
+
+
+def _shapes(folder: Path) -> tuple[list[str], list[str]]:
+    """After ``--tune``: the shape table's lines, and the build's shapes (the report's)."""
+    tuned = _run(folder, "--tune")
+    assert tuned.returncode == 0, tuned.stderr
+    report = [x for x in tuned.stdout.splitlines() if x.startswith("gemm ")]
+    timed = next(x for x in report if " ms" in x).split("->")[0].split()
+    labels = [word for word in timed if "x" in word and word.replace("x", "").isdigit()]
+    return (folder / SHAPE_FILE).read_text().splitlines(), labels
+
+
+def test_tune_writes_a_shape_table_and_every_shape_trains_the_same_bits(
+    trainer: tuple[Path, list[float], dict[str, int]],
+) -> None:
+    """One line a GEMM slot, each naming one of the build's three shapes; a hand-written
+    table putting every slot on each shape in turn gives the untuned run's losses, to the
+    last printed digit (every shape sums each element's products in the same order)."""
+    folder, _, _ = trainer
+    (folder / TABLE_FILE).unlink(missing_ok=True)
+    (folder / SHAPE_FILE).unlink(missing_ok=True)
+    assert "pe_gemm_shape = pe_gemm_choice[" in (folder / "step.c").read_text()
+    plain = _run(folder, "X.npy", "Y.npy")
+    assert plain.returncode == 0 and "GEMM shapes" not in plain.stderr, plain.stderr
+    lines, labels = _shapes(folder)
+    assert len(labels) == 3 and len(set(labels)) == 3
+    assert lines[0].startswith("pockengine-gemm-shapes 1 ") and len(lines) > 1
+    for slot, line in enumerate(lines[1:]):
+        k, shape, seconds, _ = line.split()
+        assert int(k) == slot and shape in labels and float(seconds) >= 0
+    (folder / TABLE_FILE).unlink()
+    for label in labels:
+        table = [lines[0], *(f"{k} {label} 0 node" for k in range(len(lines) - 1))]
+        (folder / SHAPE_FILE).write_text("\n".join(table) + "\n")
+        run = _run(folder, "X.npy", "Y.npy")
+        assert run.returncode == 0 and f"GEMM shapes: {SHAPE_FILE}" in run.stderr, run.stderr
+        assert run.stdout == plain.stdout
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("99999 {shape} 0 x", "outside this step's"),
+        ("-1 {shape} 0 x", "expected '<slot>"),
+        ("0 99x99 0 x", "is not one of this build's for slot 0"),
+        ("0 {shape} nan x", "time in seconds"),
+        ("0 {shape} -1 x", "time in seconds"),
+        ("0 {shape} 0 x\n0 {shape} 0 x", "appears twice"),
+        ("garbage", "expected '<slot>"),
+    ],
+)
+def test_a_bad_shape_table_is_refused_with_its_line(
+    trainer: tuple[Path, list[float], dict[str, int]], line: str, message: str
+) -> None:
+    folder, _, _ = trainer
+    lines, labels = _shapes(folder)
+    bad = line.format(shape=labels[1])
+    (folder / SHAPE_FILE).write_text("\n".join([lines[0], bad]) + "\n")
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 2 and f"{SHAPE_FILE}:" in run.stderr and message in run.stderr
+    assert "step 0" not in run.stdout
+    (folder / SHAPE_FILE).write_text("\n".join(["pockengine-gemm-shapes 1 0000", *lines[1:]]))
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 2 and f"{SHAPE_FILE}:1: not a shape table of this step" in run.stderr
+    other = folder / "other-shapes.txt"
+    other.write_text("\n".join([lines[0], bad]) + "\n")
+    run = _run(folder, "--shapes", "other-shapes.txt", "X.npy", "Y.npy")
+    assert run.returncode == 2 and "other-shapes.txt:" in run.stderr
+    (folder / SHAPE_FILE).unlink()
+
+
+def test_gemm_slots_are_the_products_and_gemm_convolutions() -> None:
+    w = zoo.small_cnn()
+    step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=pe.optim.SGD(lr=0.1),
+                      backend="c")  # fmt: skip
+    graph = step._exec.graph
+    slots = gemm_slots(graph)
+    assert list(slots.values()) == list(range(len(slots))) and slots
+    ops = {n.outputs[0].name: n for n in graph.nodes if n.outputs}
+    for name in slots:
+        node = ops[name]
+        if node.op not in ("matmul", "linear"):
+            kernels = set(candidates(node.op, conv_geometry(node)))
+            assert kernels & {"pointwise", "im2col"}
 
 
 def test_slots_cover_every_conv_node_with_a_choice() -> None:

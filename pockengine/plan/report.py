@@ -32,22 +32,29 @@ _UPDATE_GRAD_INPUT = 1  # sgd_update, sgd_momentum_update, adamw_update: (w, g, 
 @dataclass(frozen=True)
 class KernelChoice:
     """A node's kernel as the backend chose it by measurement at compile time
-    (``CBackend(tune=True)``): the median seconds of each candidate it timed."""
+    (``CBackend(tune=True)``): the median seconds of each candidate it timed, and for a
+    node whose kernel is a GEMM, the micro-kernel shape chosen the same way."""
 
     op: str
     output: str  # the node's first output, which names it in the IR listing
     kernel: str
     seconds: dict[str, float]
     cached: bool  # read from the backend's table of earlier measurements
+    shape: str = ""  # the GEMM's micro-kernel shape ("12x32"); "" where none was timed
+    shape_seconds: dict[str, float] = field(default_factory=dict)  # each shape's median
 
     @property
     def time(self) -> float:
+        if self.shape:
+            return self.shape_seconds.get(self.shape, float("nan"))
         return self.seconds.get(self.kernel, float("nan"))
 
     def line(self) -> str:
-        """The node, its kernel and time, then the other candidates' times (ms)."""
+        """The node, its kernel (and shape) and time, then the other candidates' times (ms)."""
         others = [f"{k} {v * 1e3:.3f}" for k, v in self.seconds.items() if k != self.kernel]
-        text = f"{self.op:<20}{self.output:<28}{self.kernel:<11}{self.time * 1e3:>10.3f} ms"
+        others += [f"{k} {v * 1e3:.3f}" for k, v in self.shape_seconds.items() if k != self.shape]
+        kernel = f"{self.kernel} {self.shape}" if self.shape else self.kernel
+        text = f"{self.op:<20}{self.output:<28}{kernel:<11}{self.time * 1e3:>10.3f} ms"
         if others:
             text += f"  others: {', '.join(others)}"
         return text + ("  (cached)" if self.cached else "")

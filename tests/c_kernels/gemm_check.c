@@ -10,7 +10,9 @@
  *    slivers of B starts), and one thread equals two; shapes such as 30 x 2000 x 16 cross
  *    several runs of slivers;
  *  - images side by side (pe_gemm_images) and a k axis split across images (the
- *    pointwise convolution's weight gradient) equal the per-image products bit for bit. */
+ *    pointwise convolution's weight gradient) equal the per-image products bit for bit;
+ *  - all of it under each of the build's micro-kernel shapes (pe_gemm_shape), and every
+ *    shape's product equals the default shape's bit for bit. */
 #include "pe_kernels.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -108,6 +110,35 @@ static double value(long i, long salt) {
         free(C);                                                                               \
         free(D);                                                                               \
     }                                                                                          \
+    /* Every micro-kernel shape computes the default shape's bits. */                        \
+    static void check_shapes_##S(long M, long N, long K, int ta, int tb, int acc) {            \
+        long lda = ta ? M : K, ldb = tb ? K : N;                                               \
+        T *A = malloc(sizeof(T) * (size_t)(M * K + 1)), *B = malloc(sizeof(T) * (size_t)(K * N + 1)); \
+        T *C = malloc(sizeof(T) * (size_t)(M * N + 1)), *D = malloc(sizeof(T) * (size_t)(M * N + 1)); \
+        fill_##S(A, M * K, 8);                                                                 \
+        fill_##S(B, K * N, 9);                                                                 \
+        fill_##S(C, M * N, 10);                                                                \
+        memcpy(D, C, sizeof(T) * (size_t)(M * N));                                             \
+        int rows[8], cols[8], shapes = pe_gemm_shape_list_##S(rows, cols, 8), before = pe_gemm_shape; \
+        pe_gemm_shape = 0;                                                                     \
+        pe_gemm_##S(M, N, K, A, lda, ta, B, ldb, tb, C, N, acc);                               \
+        for (int s = 1; s < shapes; s++) {                                                     \
+            T *E = malloc(sizeof(T) * (size_t)(M * N + 1));                                    \
+            memcpy(E, D, sizeof(T) * (size_t)(M * N));                                         \
+            pe_gemm_shape = s;                                                                 \
+            pe_gemm_##S(M, N, K, A, lda, ta, B, ldb, tb, E, N, acc);                           \
+            checks++;                                                                          \
+            if (memcmp(C, E, sizeof(T) * (size_t)(M * N)) != 0)                               \
+                FAIL(#S " %ldx%ldx%ld ta%d tb%d: shape %dx%d differs from %dx%d", M, N, K, ta, \
+                     tb, rows[s], cols[s], rows[0], cols[0]);                                  \
+            free(E);                                                                           \
+        }                                                                                      \
+        pe_gemm_shape = before;                                                                \
+        free(A);                                                                               \
+        free(B);                                                                               \
+        free(C);                                                                               \
+        free(D);                                                                               \
+    }                                                                                          \
     /* Images side by side and a k axis split across images equal per-image products. */    \
     static void check_images_##S(long count, long M, long HW, long K) {                        \
         T *W = malloc(sizeof(T) * (size_t)(M * K)), *X = malloc(sizeof(T) * (size_t)(count * K * HW)); \
@@ -142,7 +173,7 @@ static double value(long i, long salt) {
 DEFINE_CHECKS(f32, float, 2e-6)
 DEFINE_CHECKS(f64, double, 1e-14)
 
-int main(void) {
+static void check_all(void) {
     static const long shapes[][3] = {{1, 1, 1},    {5, 7, 3},    {13, 33, 17},  {40, 4, 300},
                                      {37, 53, 300}, {64, 64, 64}, {70, 97, 290},  {7, 300, 260},
                                      {300, 40, 9},  {193, 65, 0},  {30, 2000, 16}, {29, 1501, 23},
@@ -158,13 +189,37 @@ int main(void) {
     /* a block whose columns start and end inside runs of packed slivers */
     check_block_f32(30, 2000, 16, 5, 20, 1000, 700);
     check_block_f64(29, 1501, 23, 0, 29, 77, 1300);
+    int before = pe_set_threads(0);
     pe_set_threads(2);
     check_block_f32(600, 400, 300, 101, 77, 3, 290);
+    pe_set_threads(before);
     static const long images[][4] = {{3, 40, 16, 300}, {8, 24, 49, 96}, {5, 17, 4, 33}, {2, 64, 64, 64}};
     for (size_t s = 0; s < sizeof(images) / sizeof(images[0]); s++) {
         check_images_f32(images[s][0], images[s][1], images[s][2], images[s][3]);
         check_images_f64(images[s][0], images[s][1], images[s][2], images[s][3]);
     }
+}
+
+int main(void) {
+    /* every check under each micro-kernel shape of the build */
+    int rows[8], cols[8], shapes = pe_gemm_shape_list_f32(rows, cols, 8);
+    if (shapes != pe_gemm_shape_list_f64(rows, cols, 8) || shapes < 1 || shapes > 8) {
+        FAIL("the float and double GEMMs list %d and %d shapes", shapes,
+             pe_gemm_shape_list_f64(rows, cols, 8));
+        return 1;
+    }
+    for (int s = 0; s < shapes; s++) {
+        pe_gemm_shape = s;
+        check_all();
+    }
+    pe_gemm_shape = 0;
+    static const long cases[][3] = {{1, 1, 1}, {5, 7, 3}, {13, 33, 17}, {25, 17, 300},
+                                    {7, 65, 40}, {70, 97, 290}, {300, 40, 9}, {30, 2000, 16}};
+    for (size_t s = 0; s < sizeof(cases) / sizeof(cases[0]); s++)
+        for (int t = 0; t < 8; t++) {
+            check_shapes_f32(cases[s][0], cases[s][1], cases[s][2], t & 1, (t >> 1) & 1, t >> 2);
+            check_shapes_f64(cases[s][0], cases[s][1], cases[s][2], t & 1, (t >> 1) & 1, t >> 2);
+        }
     if (failures) return 1;
     printf("ok %d\n", checks);
     return 0;

@@ -33,7 +33,7 @@ from pockengine.backends.c import (
     lower_select,
 )
 from pockengine.backends.c.budget_fit import fit_budget, memory_of
-from pockengine.backends.c.conv_kernels import CONV_OPS
+from pockengine.backends.c.conv_kernels import CONV_OPS, conv_geometry, node_kernel
 from pockengine.backends.c.driver import build_library, has_fast_gemm
 from pockengine.backends.c.emit import CTYPES, CEmitError, EmitContext, Lowering, emit_step
 from pockengine.backends.c.layout import heuristic_nhwc
@@ -44,6 +44,7 @@ from pockengine.backends.c.layout_tune import (
     merge_choices,
 )
 from pockengine.backends.c.lowering import LOWERING_PASSES, lower_for_c
+from pockengine.backends.c.shape_tune import GemmShape, choose_shapes, with_shapes
 from pockengine.backends.c.tune import KernelChoice, choose_kernels
 from pockengine.backends.c.workspace import with_workspace
 from pockengine.ir import CompileError, Graph, Node, Role, UnsupportedOpError, print_node
@@ -104,6 +105,24 @@ def check_claims(graph: Graph) -> None:
         raise UnsupportedOpError("ops for the c backend", list(missing))
 
 
+def _kept_shapes(
+    graph: Graph, conv_kernels: Mapping[str, str], shapes: list[GemmShape], fast: bool
+) -> dict[str, int]:
+    """The micro-kernel shape (its index) of each node that still runs what it was timed
+    on after the layout pass and a memory budget (the same op; a convolution, the same
+    kernel), where the measurement kept one other than the default."""
+    nodes = {n.outputs[0].name: n for n in graph.nodes if n.outputs}
+    kept = {}
+    for s in shapes:
+        node = nodes.get(s.output)
+        if node is None or node.op != s.op:
+            continue
+        if s.kernel and node_kernel(node, conv_geometry(node), conv_kernels, fast) != s.kernel:
+            continue
+        kept[s.output] = s.index
+    return kept
+
+
 @dataclass(frozen=True)
 class BoundStep:
     """One call of the compiled step, ready to make: ``function(arena, args)``."""
@@ -146,11 +165,15 @@ class CExecutable(Executable):
             layouts = {name: layout for name, layout in laid.items() if layout is not None}
         else:
             layouts = heuristic_nhwc(graph)
+        # tune: each GEMM node's micro-kernel shape by measurement (shape_tune.py)
+        shapes = choose_shapes(graph, kernels, portable, threads) if tune else []
         # the layouts and the kernels' working memory, less what a memory budget gives up
         seconds = {c.output: c.seconds for c in choices}
         fast = has_fast_gemm(portable)  # the rule's F(2x2, 3x3) range depends on the GEMM
         arranged = fit_budget(graph, kernels, layouts, memory_budget, seconds, fast)
         graph = arranged.graph
+        self._gemm_shapes = _kept_shapes(graph, arranged.conv_kernels, shapes, fast)
+        choices = with_shapes(choices, [s for s in shapes if s.output in self._gemm_shapes])
         self.graph = graph
         self.plan: MemoryPlan = arranged.plan
         self.memory: BackendMemory = memory_of(arranged, memory_budget)
@@ -180,7 +203,12 @@ class CExecutable(Executable):
     def source(self) -> str:
         """The step's C source (emitted again on each read; the library is built from it)."""
         return emit_step(
-            self.graph, self.plan, KERNELS, profile=self.profiled, conv_kernels=self._conv_kernels
+            self.graph,
+            self.plan,
+            KERNELS,
+            profile=self.profiled,
+            conv_kernels=self._conv_kernels,
+            gemm_shapes=self._gemm_shapes,
         )
 
     def _view(self, name: str) -> Array:

@@ -120,6 +120,10 @@ class EmitContext:
     conv_slots: Mapping[str, int] = field(default_factory=dict)
     # a slot's kernels where fewer than every valid one (budget_fit.export_candidates)
     conv_candidates: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # a GEMM node's first output name -> its micro-kernel shape (shape_tune.py); absent: 0
+    gemm_shapes: Mapping[str, int] = field(default_factory=dict)
+    # a GEMM node's first output name -> its slot in the trainer's shape table (gemm_table.py)
+    gemm_slots: Mapping[str, int] = field(default_factory=dict)
     # a result run as a view of another value's memory (views.py) -> how
     views: Mapping[str, View] = field(default_factory=dict)
     _read: set[str] | None = field(default=None, repr=False)  # names some node or the graph reads
@@ -286,13 +290,18 @@ def emit_step(
     conv_kernels: Mapping[str, str] | None = None,
     conv_slots: Mapping[str, int] | None = None,
     conv_candidates: Mapping[str, tuple[str, ...]] | None = None,
+    gemm_shapes: Mapping[str, int] | None = None,
+    gemm_slots: Mapping[str, int] | None = None,
 ) -> str:
     """The C source of ``graph``'s step: includes, metadata, static geometry, then the nodes
     in functions of ``_NODES_PER_FUNCTION`` that ``pe_step`` calls in order. With
     ``profile``, each node's statement is timed into ``pe_node_seconds[k]``;
     ``conv_kernels`` names the kernel of conv nodes (by first output; the rest: the rule);
     ``conv_slots`` makes those conv calls switch on the trainer's table (conv_table.py),
-    over ``conv_candidates``' kernels where a node has an entry (else every valid one)."""
+    over ``conv_candidates``' kernels where a node has an entry (else every valid one);
+    ``gemm_shapes`` sets the GEMM's micro-kernel shape around a node's statement (by first
+    output; the rest run the default shape), ``gemm_slots`` the shape the trainer's table
+    chose (gemm_table.py)."""
     names: dict[str, str] = {}
     views = step_views(graph)
     decls = _declarations(graph, plan, names, views)
@@ -303,6 +312,8 @@ def emit_step(
         conv_kernels=conv_kernels or {},
         conv_slots=conv_slots or {},
         conv_candidates=conv_candidates or {},
+        gemm_shapes=gemm_shapes or {},
+        gemm_slots=gemm_slots or {},
         views=views,
     )
     parts: list[str] = []
@@ -349,6 +360,11 @@ def _statement(
         statement = kernels[node.op](ctx, node)
     except (KeyError, TypeError, ValueError) as exc:
         raise CEmitError(f"C backend: cannot emit {text} ({exc})") from exc
+    name = node.outputs[0].name if node.outputs else ""
+    shape = f"pe_gemm_choice[{ctx.gemm_slots[name]}]" if name in ctx.gemm_slots else ""
+    shape = shape or str(int(ctx.gemm_shapes.get(name, 0)) or "")
+    if shape:
+        statement = f"{{ pe_gemm_shape = {shape}; {statement} pe_gemm_shape = 0; }}"
     if profile:
         statement = f"{{ double t = pe_now(); {statement} pe_node_seconds[{k}] += pe_now() - t; }}"
     return f"    /* {text} */\n    {statement}"

@@ -46,7 +46,7 @@ from pockengine.ir import DType, Graph, Node
 from pockengine.plan.report import KernelChoice
 
 __all__ = ["CACHE_NAME", "Beside", "KernelChoice", "choose_kernels", "measure", "read_table",
-           "table_key", "write_table"]  # fmt: skip
+           "table_key", "target_key", "write_table"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -261,4 +261,4 @@ def choose_kernels(
 
 
 # The table's helpers under public names, for the layout choice's own table (layout_tune.py)
-read_table, write_table, table_key = _read, _write, _key
+read_table, write_table, table_key, target_key = _read, _write, _key, _target

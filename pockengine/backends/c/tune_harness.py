@@ -25,7 +25,8 @@ from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.workspace import WORK_KERNELS
 from pockengine.ir import DType
 
-__all__ = ["DTYPES", "harness_library", "harness_source", "harness_time", "harness_times"]
+__all__ = ["DTYPES", "gemm_shapes", "gemm_times", "harness_library", "harness_source",
+           "harness_time", "harness_times"]  # fmt: skip
 
 DTYPES = (DType.F32, DType.F64)
 _CTYPE = {DType.F32: "float", DType.F64: "double"}
@@ -64,9 +65,18 @@ static int pe_tune_cmp(const void *a, const void *b) {
 }
 
 /* The operands of op on geometry g (a, b, c, out, and the working memory of the kernels
- * that take it); 0 when one could not be allocated. */
+ * that take it); 0 when one could not be allocated. Op PE_TUNE_GEMM is a product of
+ * g = {M, N, K, ta, tb}: a is op(A), b op(B), out C. */
 static int pe_tune_operands(int op, int dt, const long *g, void *p[5]) {
     size_t e = dt ? sizeof(double) : sizeof(float);
+    if (op == PE_TUNE_GEMM) {
+        p[0] = pe_tune_alloc((size_t)(g[0] * g[2]) * e, 1, dt);
+        p[1] = pe_tune_alloc((size_t)(g[2] * g[1]) * e, 2, dt);
+        p[2] = aligned_alloc(64, 64);
+        p[3] = pe_tune_alloc((size_t)(g[0] * g[1]) * e, 4, dt);
+        p[4] = aligned_alloc(64, 64);
+        return p[0] && p[1] && p[2] && p[3] && p[4];
+    }
     size_t nx = (size_t)(g[0] * g[1] * g[2] * g[3]);
     size_t nw = (size_t)(g[4] * (g[1] / g[15]) * g[5] * g[6]);
     size_t ny = (size_t)(g[0] * g[4] * g[7] * g[8]);
@@ -112,17 +122,19 @@ double pe_tune_time(int op, int kernel, int dt, const long *g, int reps) {
     return result;
 }
 
-/* kernels[0..n) of op on geometry g, on one set of operands, in turn: a timed warm-up
- * run; seconds[i] = -2 when it took more than give_up times the best median so far,
- * else the median of an odd 3 to 9 runs, about budget seconds in all. Returns 0, or -1
- * when the operands could not be allocated. */
-int pe_tune_times(int op, int dt, const long *g, int n, const int *kernels, double budget,
-                  double give_up, double *seconds) {
+/* kernels[0..n) of op on geometry g, on one set of operands, in turn, kernel i with the
+ * GEMM's micro-kernel shape shapes[i] (each the default, 0, when shapes is NULL): a timed
+ * warm-up run; seconds[i] = -2 when it took more than give_up times the best median so
+ * far, else the median of an odd 3 to 9 runs, about budget seconds in all. Returns 0, or
+ * -1 when the operands could not be allocated. */
+int pe_tune_times(int op, int dt, const long *g, int n, const int *kernels, const int *shapes,
+                  double budget, double give_up, double *seconds) {
     void *p[5];
     int ok = pe_tune_operands(op, dt, g, p);
     double best = -1;
     for (int i = 0; ok && i < n; i++) {
         int code = (op * PE_TUNE_KERNELS + kernels[i]) * 2 + dt;
+        pe_gemm_shape = shapes ? shapes[i] : 0;
         double t0 = pe_tune_now();
         pe_tune_call(code, p[0], p[1], p[2], p[3], g, p[4]);
         double warm = pe_tune_now() - t0;
@@ -135,6 +147,7 @@ int pe_tune_times(int op, int dt, const long *g, int n, const int *kernels, doub
         seconds[i] = pe_tune_median(code, p, g, reps);
         if (best < 0 || seconds[i] < best) best = seconds[i];
     }
+    pe_gemm_shape = 0;
     pe_tune_release(p);
     return ok ? 0 : -1;
 }
@@ -147,6 +160,12 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
     ``extra`` names variants numbered after ``KERNEL_NAMES`` (the layout pass's ``nhwc``),
     whose ``case`` lines ``extra_cases`` holds, over functions ``prelude`` defines."""
     cases = list(extra_cases)
+    for d, dtype in enumerate(DTYPES):  # the product: op(A) and op(B) packed, ta and tb
+        sfx = "f32" if dtype is DType.F32 else "f64"
+        code = len(CONV_OPS) * (len(KERNEL_NAMES) + len(extra)) * 2 + d
+        gemm = (f"pe_gemm_{sfx}(g[0], g[1], g[2], a, g[3] ? g[0] : g[2], (int)g[3], b, "
+                f"g[4] ? g[2] : g[1], (int)g[4], out, g[1], 0)")  # fmt: skip
+        cases.append(f"    case {code}: {gemm}; break;")
     for i, op in enumerate(CONV_OPS):
         for j, kernel in enumerate(KERNEL_NAMES):
             if not implemented(op, kernel):
@@ -165,6 +184,7 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
         prelude,
         "",
         f"#define PE_TUNE_KERNELS {len(KERNEL_NAMES) + len(extra)}",
+        f"#define PE_TUNE_GEMM {len(CONV_OPS)} /* the op number of a plain product */",
         "static void pe_tune_call(int code, void *a, void *b, void *c, void *out, const long *g,",
         "                         void *work) {",
         "    (void)c, (void)work;",
@@ -188,11 +208,14 @@ def harness_library(source: str, portable: bool | None) -> Any:
     c_int = ctypes.c_int
     lib.pe_tune_time.argtypes = [c_int, c_int, c_int, ctypes.POINTER(ctypes.c_long), c_int]
     lib.pe_tune_time.restype = ctypes.c_double
-    lib.pe_tune_times.argtypes = [c_int, c_int, ctypes.POINTER(ctypes.c_long), c_int,
-                                  ctypes.POINTER(c_int), ctypes.c_double, ctypes.c_double,
+    ints = ctypes.POINTER(c_int)
+    lib.pe_tune_times.argtypes = [c_int, c_int, ctypes.POINTER(ctypes.c_long), c_int, ints,
+                                  ints, ctypes.c_double, ctypes.c_double,
                                   ctypes.POINTER(ctypes.c_double)]  # fmt: skip
     lib.pe_tune_times.restype = c_int
     lib.pe_set_threads.argtypes = [ctypes.c_int]
+    for sfx in ("f32", "f64"):
+        getattr(lib, f"pe_gemm_shape_list_{sfx}").argtypes = [ints, ints, c_int]
     return lib
 
 
@@ -227,13 +250,15 @@ def harness_times(
     threads: int | None = None,
     library: Any = None,
     codes: tuple[int, ...] | None = None,
+    shapes: tuple[int, ...] | None = None,
 ) -> list[float]:
     """The median seconds of each of ``kernels`` for ``op`` on ``g``, timed in turn on one
     set of operands (``pe_tune_times``): after a warm-up run, an odd 3 to 9 runs of about
     ``budget`` seconds in all; inf for a kernel whose warm-up took more than ``give_up``
     times the best median before it, and for all when the operands could not be
     allocated. ``library`` and ``codes`` (each kernel's number in it): another harness
-    (``harness_library``), whose extra variants ``kernels`` may name."""
+    (``harness_library``), whose extra variants ``kernels`` may name. ``shapes``: the
+    GEMM's micro-kernel shape of each run (indices of ``gemm_shapes``; default 0)."""
     lib = library or _library(portable)
     if threads is not None:
         lib.pe_set_threads(threads)
@@ -243,6 +268,43 @@ def harness_times(
     codes_c = (ctypes.c_int * len(kernels))(*numbers)
     seconds = (ctypes.c_double * len(kernels))()
     op_code, dt = CONV_OPS.index(op), DTYPES.index(dtype)
-    if lib.pe_tune_times(op_code, dt, geometry, len(kernels), codes_c, budget, give_up, seconds):
+    shapes_c = None if shapes is None else (ctypes.c_int * len(kernels))(*shapes)
+    if lib.pe_tune_times(op_code, dt, geometry, len(kernels), codes_c, shapes_c, budget,
+                         give_up, seconds):  # fmt: skip
         return [math.inf] * len(kernels)
+    return [t if t >= 0 else math.inf for t in seconds]
+
+
+def gemm_shapes(dtype: DType, portable: bool | None) -> tuple[str, ...]:
+    """The GEMM's micro-kernel shapes in this build for ``dtype`` ("ROWSxCOLUMNS"), the
+    default first; the index of one is what ``pe_gemm_shape`` takes."""
+    lib = _library(portable)
+    rows, cols = (ctypes.c_int * 8)(), (ctypes.c_int * 8)()
+    sfx = "f32" if dtype is DType.F32 else "f64"
+    count = getattr(lib, f"pe_gemm_shape_list_{sfx}")(rows, cols, 8)
+    return tuple(f"{rows[i]}x{cols[i]}" for i in range(min(count, 8)))
+
+
+def gemm_times(
+    dtype: DType,
+    product: tuple[int, int, int, int, int],
+    shapes: tuple[int, ...],
+    budget: float,
+    give_up: float,
+    portable: bool | None,
+    threads: int | None = None,
+) -> list[float]:
+    """The median seconds of the product ``(M, N, K, ta, tb)`` (``pe_gemm``) under each of
+    the micro-kernel ``shapes`` (indices of ``gemm_shapes``), timed in turn on one set of
+    operands as ``harness_times`` does."""
+    lib = _library(portable)
+    if threads is not None:
+        lib.pe_set_threads(threads)
+    geometry = (ctypes.c_long * 5)(*product)
+    codes = (ctypes.c_int * len(shapes))(*([0] * len(shapes)))
+    shapes_c = (ctypes.c_int * len(shapes))(*shapes)
+    seconds = (ctypes.c_double * len(shapes))()
+    if lib.pe_tune_times(len(CONV_OPS), DTYPES.index(dtype), geometry, len(shapes), codes,
+                         shapes_c, budget, give_up, seconds):  # fmt: skip
+        return [math.inf] * len(shapes)
     return [t if t >= 0 else math.inf for t in seconds]

@@ -4,7 +4,10 @@
  * PE_MR-row panels (k-major; kept in L2), then a run of PE_NR-column slivers of op(B)
  * (packed k-major, 64 KiB: kept in L2), and the register-blocked micro-kernel
  * (gemm_micro.h: AVX-512, AVX2+FMA, NEON or portable C, chosen at build time) runs each
- * panel (in L1 meanwhile) across every sliver of the run. Packing
+ * panel (in L1 meanwhile) across every sliver of the run. Each instruction set has three
+ * micro-kernel shapes, each with its own blocked driver (gemm_shape.h); a product runs the
+ * shape pe_gemm_shape names, which the step sets around a node the tuner chose one for
+ * (the default, shape 0, elsewhere). Packing
  * reads through a layout (pe_layout: strides, and one axis split into spans), so every
  * transposition case, and a batch of images' planes read as one matrix, packs into the
  * same panels: no transpose is ever materialised. Edge tiles (fewer than PE_MR rows or
@@ -12,7 +15,8 @@
  * zero-padded panels into a tile on the stack, copied to C afterwards.
  *
  * Every element of C sums its products in k order from its starting value (0, or C when
- * accumulating), whatever the blocking, the tile it falls in or the thread count. With
+ * accumulating), whatever the blocking, the shape, the tile it falls in or the thread
+ * count. With
  * OpenMP the tiles (row blocks, and column groups when there are fewer row blocks than
  * threads) are split across threads; inside another parallel region it runs on one.
  * Nothing is allocated on the heap: the panels and the run of slivers are on the stack
@@ -20,6 +24,8 @@
 #ifndef PE_T
 #include "pe_kernels.h"
 #include "pe_rowcopy.h"
+/* The micro-kernel shape the GEMMs run (gemm_micro.h), set by the step around a node. */
+int pe_gemm_shape = 0;
 #define PE_SELF "linalg.c"
 #include "pe_instantiate.h"
 #else
@@ -62,21 +68,6 @@ static inline long pe_min(long a, long b) { return a < b ? a : b; }
 #endif
 
 #endif
-
-/* The k block: the sliver (PE_KC x PE_NR) stays in L1 beside a panel's stream. */
-#define PE_KC (PE_TSIZE == 4 ? 256 : 128)
-/* The row block: PE_MC x PE_KC of packed A stays in L2 (about 192 rows; 264 with AVX-512,
- * whose cores have at least 1 MiB of L2, so a 256-row product is one block and each sliver
- * of op(B) is packed once per k block). */
-#if defined(PE_GEMM_ISA_AVX512)
-#define PE_MC (PE_MR * (264 / PE_MR))
-#else
-#define PE_MC (PE_MR * (192 / PE_MR))
-#endif
-/* The run of packed slivers of op(B) that each panel crosses: 64 KiB (in L2), and never
- * less than one whole sliver. */
-#define PE_NRUN_BYTES (64L * 1024)
-#define PE_NRUN (PE_NRUN_BYTES / PE_TSIZE > PE_KC * PE_NR ? PE_NRUN_BYTES / PE_TSIZE : PE_KC * PE_NR)
 
 /* dst[(r - r0) * drs + (c - c0) * dcs] = M(r, c) for the block [r0, r0+nr) x [c0, c0+nc)
  * of the matrix at src with layout l; runs along the axis of smaller stride. */
@@ -127,15 +118,15 @@ static void PE_S(pe_gemm_copy_in)(PE_T *restrict dst, long drs, long dcs, const 
     }
 }
 
-/* C(r, c) = tile[(r - r0) * PE_NR + (c - c0)] over the block [r0, r0+nr) x [c0, c0+nc). */
+/* C(r, c) = tile[(r - r0) * ldt + (c - c0)] over the block [r0, r0+nr) x [c0, c0+nc). */
 static void PE_S(pe_gemm_copy_out)(PE_T *C, const pe_layout *l, const PE_T *restrict tile,
-                                   long r0, long nr, long c0, long nc) {
+                                   long ldt, long r0, long nr, long c0, long nc) {
     for (long r = r0; r < r0 + nr; r++) {
         PE_T *line = C + pe_axis_offset(l, 1, r);
         for (long c = c0; c < c0 + nc;) {
             long run = pe_axis_run(l, 2, c, c0 + nc);
             PE_T *restrict d = line + pe_axis_offset(l, 2, c);
-            const PE_T *s = tile + (r - r0) * PE_NR + (c - c0);
+            const PE_T *s = tile + (r - r0) * ldt + (c - c0);
             for (long t = 0; t < run; t++) d[t * l->cs] = s[t];
             c += run;
         }
@@ -152,62 +143,15 @@ typedef struct {
     const void *ctx;
 } PE_S(pe_gemm_b);
 
-/* One packed sliver of op(B): columns [j0, j0 + PE_NR) of the k block [k0, k0 + kc). */
-static void PE_S(pe_gemm_pack_sliver)(const PE_S(pe_gemm_b) *b, PE_T *restrict sliver,
+/* One packed sliver of op(B) of nr columns: [j0, j0 + width) of the k block [k0, k0 + kc),
+ * zero-padded to nr. */
+static void PE_S(pe_gemm_pack_sliver)(const PE_S(pe_gemm_b) *b, PE_T *restrict sliver, long nr,
                                       long k0, long kc, long j0, long width) {
-    if (width < PE_NR) memset(sliver, 0, (size_t)(kc * PE_NR) * sizeof(PE_T));
+    if (width < nr) memset(sliver, 0, (size_t)(kc * nr) * sizeof(PE_T));
     if (b->pack)
-        b->pack(b->ctx, sliver, PE_NR, k0, kc, j0, width);
+        b->pack(b->ctx, sliver, nr, k0, kc, j0, width);
     else
-        PE_S(pe_gemm_copy_in)(sliver, PE_NR, 1, b->B, &b->lb, k0, kc, j0, width);
-}
-
-/* C rows [r0, r1) x columns [c0, c1), every k block; panels and slivers are scratch.
- * Per k block the row block's panels are packed, then a run of slivers (as many as
- * PE_NRUN elements hold: two at AVX-512's 256 x 32, more on a short k block), and each
- * panel runs across the whole run while it is in L1, the run in L2. The loop order does
- * not touch any element's k order, so the bits are those of one sliver at a time. */
-static void PE_S(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const PE_T *A,
-                               const pe_layout *la, const PE_S(pe_gemm_b) *b,
-                               PE_T *C, const pe_layout *lc, int accumulate,
-                               PE_T *restrict panels, PE_T *restrict slivers) {
-    _Alignas(64) PE_T tile[PE_MR * PE_NR];
-    for (long k0 = 0; k0 < K; k0 += PE_KC) {
-        long kc = pe_min(PE_KC, K - k0);
-        int load = accumulate || k0 > 0;
-        long per_run = PE_NRUN / (kc * PE_NR); /* at least 1: PE_NRUN >= PE_KC * PE_NR */
-        for (long i0 = r0; i0 < r1; i0 += PE_MR) {
-            long rows = pe_min(PE_MR, r1 - i0);
-            PE_T *panel = panels + (i0 - r0) * kc;
-            if (rows < PE_MR) memset(panel, 0, (size_t)(kc * PE_MR) * sizeof(PE_T));
-            PE_S(pe_gemm_copy_in)(panel, 1, PE_MR, A, la, i0, rows, k0, kc);
-        }
-        for (long run0 = c0; run0 < c1; run0 += per_run * PE_NR) {
-            long run1 = pe_min(run0 + per_run * PE_NR, c1);
-            for (long j0 = run0; j0 < run1; j0 += PE_NR)
-                PE_S(pe_gemm_pack_sliver)(b, slivers + (j0 - run0) / PE_NR * kc * PE_NR, k0, kc,
-                                          j0, pe_min(PE_NR, c1 - j0));
-            for (long i0 = r0; i0 < r1; i0 += PE_MR) {
-                long rows = pe_min(PE_MR, r1 - i0);
-                const PE_T *panel = panels + (i0 - r0) * kc;
-                for (long j0 = run0; j0 < run1; j0 += PE_NR) {
-                    long width = pe_min(PE_NR, c1 - j0);
-                    const PE_T *sliver = slivers + (j0 - run0) / PE_NR * kc * PE_NR;
-                    int direct = rows == PE_MR && width == PE_NR && lc->cs == 1 &&
-                                 lc->split != 1 && pe_axis_run(lc, 2, j0, j0 + PE_NR) == PE_NR;
-                    if (direct) {
-                        PE_T *cij = C + pe_axis_offset(lc, 2, j0) + i0 * lc->rs;
-                        PE_MICRO(kc, panel, sliver, cij, lc->rs, load);
-                        continue;
-                    }
-                    memset(tile, 0, sizeof(tile));
-                    if (load) PE_S(pe_gemm_copy_in)(tile, PE_NR, 1, C, lc, i0, rows, j0, width);
-                    PE_MICRO(kc, panel, sliver, tile, PE_NR, 1);
-                    PE_S(pe_gemm_copy_out)(C, lc, tile, i0, rows, j0, width);
-                }
-            }
-        }
-    }
+        PE_S(pe_gemm_copy_in)(sliver, nr, 1, b->B, &b->lb, k0, kc, j0, width);
 }
 
 /* The threads to use for a product of `work` multiply-adds. */
@@ -220,39 +164,58 @@ static int PE_S(pe_gemm_threads)(long work) {
     return 1;
 }
 
+/* One blocked driver per micro-kernel shape (gemm_shape.h): PE_S(pe_gemm_blocked_s<i>). */
+#define PE_SHAPE PE_SHAPE_0
+#define PE_B(name) PE_S(name##_s0)
+#include "gemm_shape.h"
+#undef PE_SHAPE
+#undef PE_B
+#define PE_SHAPE PE_SHAPE_1
+#define PE_B(name) PE_S(name##_s1)
+#include "gemm_shape.h"
+#undef PE_SHAPE
+#undef PE_B
+#define PE_SHAPE PE_SHAPE_2
+#define PE_B(name) PE_S(name##_s2)
+#include "gemm_shape.h"
+#undef PE_SHAPE
+#undef PE_B
+
+/* The micro-kernel shapes of this type's GEMM, rows and columns; shape pe_gemm_shape runs
+ * (0, the default, when it names none). */
+static const int PE_S(pe_gemm_blocks)[PE_GEMM_SHAPES][2] = PE_SHAPE_LIST;
+
+static int PE_S(pe_gemm_current)(void) {
+    return pe_gemm_shape > 0 && pe_gemm_shape < PE_GEMM_SHAPES ? pe_gemm_shape : 0;
+}
+
+/* Writes the shapes (up to max) to rows[i] x cols[i]; returns how many there are. */
+int PE_S(pe_gemm_shape_list)(int *rows, int *cols, int max) {
+    for (int i = 0; i < PE_GEMM_SHAPES && i < max; i++) {
+        rows[i] = PE_S(pe_gemm_blocks)[i][0];
+        cols[i] = PE_S(pe_gemm_blocks)[i][1];
+    }
+    return PE_GEMM_SHAPES;
+}
+
 static void PE_S(pe_gemm_run)(long M, long N, long K, const PE_T *A, pe_layout la,
                               const PE_S(pe_gemm_b) *b, PE_T *C, pe_layout lc, int accumulate) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         if (!accumulate) {
-            PE_T zeros[PE_MR * PE_NR] = {0};
-            for (long i = 0; i < M; i += PE_MR)
-                for (long j = 0; j < N; j += PE_NR)
-                    PE_S(pe_gemm_copy_out)(C, &lc, zeros, i, pe_min(PE_MR, M - i), j,
-                                           pe_min(PE_NR, N - j));
+            PE_T zeros[8 * 8] = {0};
+            for (long i = 0; i < M; i += 8)
+                for (long j = 0; j < N; j += 8)
+                    PE_S(pe_gemm_copy_out)(C, &lc, zeros, 8, i, pe_min(8, M - i), j,
+                                           pe_min(8, N - j));
         }
         return;
     }
     int threads = PE_S(pe_gemm_threads)(M * N * K);
-    /* Row blocks: a multiple of the thread count where there are several, as even as the
-     * panel height allows; fewer row blocks than threads split the columns too. */
-    long blocks = (M + PE_MC - 1) / PE_MC;
-    if (threads > 1 && blocks > 1) blocks = (blocks + threads - 1) / threads * threads;
-    long mc = ((M + blocks - 1) / blocks + PE_MR - 1) / PE_MR * PE_MR;
-    blocks = (M + mc - 1) / mc;
-    long slivers = (N + PE_NR - 1) / PE_NR, groups = 1;
-    if (threads > blocks) groups = pe_min((threads + blocks - 1) / blocks, slivers);
-    long nc = (slivers + groups - 1) / groups * PE_NR;
-    groups = (N + nc - 1) / nc;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-#endif
-    for (long t = 0; t < blocks * groups; t++) {
-        long r0 = t / groups * mc, c0 = t % groups * nc;
-        _Alignas(64) PE_T panels[PE_MC * PE_KC];
-        _Alignas(64) PE_T slivers[PE_NRUN];
-        PE_S(pe_gemm_tile)(r0, pe_min(r0 + mc, M), c0, pe_min(c0 + nc, N), K, A, &la, b, C,
-                           &lc, accumulate, panels, slivers);
+    switch (PE_S(pe_gemm_current)()) {
+    case 1: PE_S(pe_gemm_blocked_s1)(M, N, K, A, la, b, C, lc, accumulate, threads); break;
+    case 2: PE_S(pe_gemm_blocked_s2)(M, N, K, A, la, b, C, lc, accumulate, threads); break;
+    default: PE_S(pe_gemm_blocked_s0)(M, N, K, A, la, b, C, lc, accumulate, threads); break;
     }
 }
 
@@ -269,8 +232,10 @@ void PE_S(pe_gemm_strided)(long M, long N, long K, const PE_T *A, pe_layout la, 
 void PE_S(pe_gemm_least_padded)(long M, long N, long K, const PE_T *A, pe_layout la,
                                 const PE_T *B, pe_layout lb, PE_T *C, pe_layout lc,
                                 int accumulate) {
-    long padded = (M + PE_MR - 1) / PE_MR * PE_MR * ((N + PE_NR - 1) / PE_NR * PE_NR);
-    long swapped = (N + PE_MR - 1) / PE_MR * PE_MR * ((M + PE_NR - 1) / PE_NR * PE_NR);
+    long mr = PE_S(pe_gemm_blocks)[PE_S(pe_gemm_current)()][0];
+    long nr = PE_S(pe_gemm_blocks)[PE_S(pe_gemm_current)()][1];
+    long padded = (M + mr - 1) / mr * mr * ((N + nr - 1) / nr * nr);
+    long swapped = (N + mr - 1) / mr * mr * ((M + nr - 1) / nr * nr);
     if (10 * swapped < 9 * padded)
         PE_S(pe_gemm_strided)(N, M, K, B, pe_transposed(lb), A, pe_transposed(la),
                               C, pe_transposed(lc), accumulate);
@@ -301,10 +266,6 @@ void PE_S(pe_gemm_images)(long count, long M, long N, long K, const PE_T *A, lon
     PE_S(pe_gemm_strided)(M, count * N, K, A, pe_plain(lda, ta), B, lb, C, lc, 0);
 }
 
-#undef PE_KC
-#undef PE_MC
-#undef PE_NRUN
-#undef PE_NRUN_BYTES
 #undef PE_MR
 #undef PE_NR
 #undef PE_MICRO

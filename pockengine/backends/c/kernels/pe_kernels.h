@@ -64,6 +64,9 @@ typedef struct {
 int pe_set_threads(int threads);
 size_t pe_dtype_size(int dtype);
 long pe_winograd4_work(int op, const long *geom); /* winograd.c: its working memory */
+/* linalg.c: the micro-kernel shape the GEMMs run, 0 (the default) to 2 (gemm_micro.h); the
+ * step sets it around a node the tuner chose a shape for. */
+extern int pe_gemm_shape;
 
 #define PE_DECLARE(S, T)                                                                       \
     void pe_gemm_##S(long M, long N, long K, const T *A, long lda, int ta, const T *B,         \
@@ -77,6 +80,7 @@ long pe_winograd4_work(int op, const long *geom); /* winograd.c: its working mem
                               const void *ctx, T *C, pe_layout lc, int accumulate);            \
     void pe_gemm_images_##S(long count, long M, long N, long K, const T *A, long lda, int ta,  \
                             const T *B, long bstride, T *C, long cstride);                     \
+    int pe_gemm_shape_list_##S(int *rows, int *cols, int max);                                 \
     void pe_conv2d_##S(const T *x, const T *w, const T *bias, T *y, const long *geom);         \
     void pe_conv2d_input_grad_##S(const T *gy, const T *w, T *gx, const long *geom);           \
     void pe_conv2d_weight_grad_##S(const T *x, const T *gy, T *gw, const long *geom);          \
@@ -189,6 +193,7 @@ void pe_topk_f64(const double *x, double *values, int64_t *indices, long outer, 
 /* The exported trainer's kernel choice of each tunable conv node (its convs.c; -1: the
  * rule's kernel). In-process steps never read it. */
 extern int pe_conv_choice[];
+extern int pe_gemm_choice[]; /* the exported trainer's shape of each GEMM slot (pe_tune.h) */
 
 /* Geometry of a 2-D window op, as the emitter writes it (one static array per node). */
 enum {

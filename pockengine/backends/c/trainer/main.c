@@ -1,12 +1,16 @@
 /* The stand-alone trainer: runs the exported training step on .npy batches.
  *
  *   ./train [--steps N] [--save out.safetensors] [--state in.safetensors] [--threads T]
- *           [--kernels conv-kernels.txt] [--memory-report] X.npy Y.npy ...
- *   ./train --tune [--threads T] [--kernels conv-kernels.txt] [--layouts conv-layouts.txt]
+ *           [--kernels conv-kernels.txt] [--shapes gemm-shapes.txt] [--memory-report]
+ *           X.npy Y.npy ...
+ *   ./train --tune [--threads T] [--kernels conv-kernels.txt] [--shapes gemm-shapes.txt]
+ *           [--layouts conv-layouts.txt]
  *
  * --tune times each convolution's candidate kernels on this device and writes the
- * choices to the kernel table (default conv-kernels.txt), which later runs read
- * (pe_tune.h); without the file every convolution takes the exporter's rule. Where
+ * choices to the kernel table (default conv-kernels.txt), then each GEMM node under the
+ * GEMM's micro-kernel shapes and writes those to the shape table (default
+ * gemm-shapes.txt); later runs read both (pe_tune.h). Without the files every
+ * convolution takes the exporter's rule and every GEMM the default shape. Where
  * convolutions have an NHWC kernel it also times each against NHWC and writes the
  * layouts to the layout file (default conv-layouts.txt), which a later export reads
  * (pockengine export --layouts): layouts are fixed when the step is exported.
@@ -56,6 +60,7 @@ typedef struct {
     long threads;
     int tune;            /* --tune: time the conv kernels, write the table, train nothing */
     const char *kernels; /* the kernel table */
+    const char *shapes;  /* the GEMM shape table */
     const char *layouts; /* --tune: where the measured layouts go (NULL: conv-layouts.txt) */
     const char *files[PE_MAX_FILES];
     int nfiles;
@@ -64,8 +69,8 @@ typedef struct {
 
 static int usage(FILE *out, const char *argv0) {
     fprintf(out, "usage: %s [--steps N] [--save out.safetensors] [--state in.safetensors] "
-            "[--threads T] [--kernels TABLE] [--memory-report] BATCH.npy ... | --tune [--threads T] "
-            "[--kernels TABLE] [--layouts FILE]\n", argv0);
+            "[--threads T] [--kernels TABLE] [--shapes TABLE] [--memory-report] BATCH.npy ... | "
+            "--tune [--threads T] [--kernels TABLE] [--shapes TABLE] [--layouts FILE]\n", argv0);
     return PE_REFUSED;
 }
 
@@ -89,7 +94,8 @@ static int parse_option(int argc, char **argv, int *i, options *o) {
     const char *flag = argv[*i];
     int known = !strcmp(flag, "--steps") || !strcmp(flag, "--save") ||
                 !strcmp(flag, "--state") || !strcmp(flag, "--threads") ||
-                !strcmp(flag, "--kernels") || !strcmp(flag, "--layouts");
+                !strcmp(flag, "--kernels") || !strcmp(flag, "--shapes") ||
+                !strcmp(flag, "--layouts");
     if (!known) {
         fprintf(stderr, "error: unknown option '%s'\n", flag);
         return 1;
@@ -103,6 +109,7 @@ static int parse_option(int argc, char **argv, int *i, options *o) {
     if (!strcmp(flag, "--threads")) return parse_count(flag, value, 4096, &o->threads);
     if (!strcmp(flag, "--save")) o->save = value;
     else if (!strcmp(flag, "--kernels")) o->kernels = value;
+    else if (!strcmp(flag, "--shapes")) o->shapes = value;
     else if (!strcmp(flag, "--layouts")) o->layouts = value;
     else o->state = value;
     return 0;
@@ -382,7 +389,7 @@ static int train(const options *o, trainer *t, size_t state_bytes) {
 /* --tune: no batch, state or save file; the table is all it writes. */
 static int tune(const options *o) {
     if (o->nfiles || o->save || o->steps >= 0) {
-        fprintf(stderr, "error: --tune takes only --threads, --kernels and --layouts\n");
+        fprintf(stderr, "error: --tune takes only --threads, --kernels, --shapes and --layouts\n");
         return PE_REFUSED;
     }
     if (o->threads > 0 && pe_set_threads((int)o->threads) != o->threads)
@@ -394,6 +401,12 @@ static int tune(const options *o) {
     }
     fflush(stdout);
     fprintf(stderr, "wrote %s (%d convolutions)\n", o->kernels, pe_num_convs);
+    if (pe_gemm_tune(o->shapes, stdout, err, sizeof(err))) {
+        fprintf(stderr, "error: %s\n", err);
+        return PE_FAILED;
+    }
+    fflush(stdout);
+    fprintf(stderr, "wrote %s (%d GEMM nodes)\n", o->shapes, pe_num_gemm_slots);
     const char *layouts = o->layouts ? o->layouts : "conv-layouts.txt";
     if (pe_num_layout_nodes > 0) {
         if (pe_layout_tune(layouts, stdout, err, sizeof(err))) {
@@ -411,7 +424,8 @@ int main(int argc, char **argv) {
     /* Past a file size limit a write fails with EFBIG (and the save is undone) instead of
      * the signal ending the process. */
     signal(SIGXFSZ, SIG_IGN);
-    options o = {-1, NULL, "state.safetensors", 0, 0, "conv-kernels.txt", NULL, {0}, 0, 0};
+    options o = {-1,   NULL, "state.safetensors", 0, 0, "conv-kernels.txt", "gemm-shapes.txt",
+                 NULL, {0},  0,    0};
     int parsed = parse(argc, argv, &o);
     if (parsed < 0) {
         usage(stdout, argv[0]);
@@ -441,6 +455,11 @@ int main(int argc, char **argv) {
         return PE_REFUSED;
     }
     if (found) fprintf(stderr, "conv kernels: %s\n", o.kernels);
+    if (pe_gemm_table_read(o.shapes, &found, err, sizeof(err))) {
+        fprintf(stderr, "error: %s\n", err);
+        return PE_REFUSED;
+    }
+    if (found) fprintf(stderr, "GEMM shapes: %s\n", o.shapes);
     t.save.fd = -1;
     int status = train(&o, &t, state_bytes);
     trainer_free(&t);

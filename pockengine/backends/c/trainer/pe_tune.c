@@ -56,27 +56,36 @@ static int read_entry(const char *line, const char *path, long lineno, int *choi
     return 0;
 }
 
-static int read_lines(FILE *f, const char *path, int *choice, char *err, size_t errlen) {
-    char line[PE_TUNE_LINE], header[PE_TUNE_LINE];
-    snprintf(header, sizeof(header), "%s %d %s", PE_TUNE_FORMAT, PE_TUNE_VERSION,
-             pe_conv_fingerprint);
+/* One entry line into choice[]: 0, or 1 with err set. */
+typedef int (*entry_reader)(const char *line, const char *path, long lineno, int *choice,
+                            char *err, size_t errlen);
+
+/* The lines of a table (``what``, for errors) whose first line must be ``header``, each
+ * later one an entry. */
+static int read_lines(FILE *f, const char *path, const char *what, const char *header,
+                      entry_reader entry, int *choice, char *err, size_t errlen) {
+    char line[PE_TUNE_LINE];
     long lineno = 0;
     while (fgets(line, sizeof(line), f)) {
         lineno++;
         size_t n = strlen(line);
         if (n && line[n - 1] == '\n') line[--n] = '\0';
         else if (!feof(f)) {
-            snprintf(err, errlen, "%s:%ld: line longer than %d bytes", path, lineno,
-                     PE_TUNE_LINE - 1);
+            /* a line that stops short of a full buffer without its newline held a NUL */
+            if (n + 1 < sizeof(line))
+                snprintf(err, errlen, "%s:%ld: not text (a NUL byte)", path, lineno);
+            else
+                snprintf(err, errlen, "%s:%ld: line longer than %d bytes", path, lineno,
+                         PE_TUNE_LINE - 1);
             return 1;
         }
         if (lineno == 1) {
             if (strcmp(line, header) != 0) {
-                snprintf(err, errlen, "%s:1: not a kernel table of this step (expected '%s'); "
-                         "run ./train --tune again or remove it", path, header);
+                snprintf(err, errlen, "%s:1: not a %s of this step (expected '%s'); "
+                         "run ./train --tune again or remove it", path, what, header);
                 return 1;
             }
-        } else if (read_entry(line, path, lineno, choice, err, errlen)) {
+        } else if (entry(line, path, lineno, choice, err, errlen)) {
             return 1;
         }
     }
@@ -87,7 +96,11 @@ static int read_lines(FILE *f, const char *path, int *choice, char *err, size_t 
     return 0;
 }
 
-int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen) {
+/* Reads the table at path (header, entries) into choices[0..n): 0 when it was read or does
+ * not exist (*found says which), 1 with err set and nothing changed. */
+static int read_table(const char *path, const char *what, const char *header,
+                      entry_reader entry, int *choices, int n, int *found, char *err,
+                      size_t errlen) {
     *found = 0;
     FILE *f = fopen(path, "r");
     if (!f) {
@@ -96,24 +109,31 @@ int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen) {
         return 1;
     }
     *found = 1;
-    int n = pe_num_convs > 0 ? pe_num_convs : 1;
-    int *choice = malloc((size_t)n * sizeof(int));
+    int *choice = malloc((size_t)(n > 0 ? n : 1) * sizeof(int));
     if (!choice) {
         fclose(f);
         snprintf(err, errlen, "out of memory");
         return 1;
     }
     for (int k = 0; k < n; k++) choice[k] = -1;
-    int bad = read_lines(f, path, choice, err, errlen);
+    int bad = read_lines(f, path, what, header, entry, choice, err, errlen);
     if (!bad && ferror(f)) {
         snprintf(err, errlen, "%s: read failed", path);
         bad = 1;
     }
     fclose(f);
     if (!bad)
-        for (int k = 0; k < pe_num_convs; k++) pe_conv_choice[k] = choice[k];
+        for (int k = 0; k < n; k++) choices[k] = choice[k];
     free(choice);
     return bad;
+}
+
+int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen) {
+    char header[PE_TUNE_LINE];
+    snprintf(header, sizeof(header), "%s %d %s", PE_TUNE_FORMAT, PE_TUNE_VERSION,
+             pe_conv_fingerprint);
+    return read_table(path, "kernel table", header, read_entry, pe_conv_choice, pe_num_convs,
+                      found, err, errlen);
 }
 
 /* A file written aside: ``path``.<pid>.tmp opened for writing (NULL with err set), and
@@ -176,6 +196,112 @@ int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen) {
         int k = tune_slot(s, report, &seconds);
         fprintf(f, "%d %s %.9g %s\n", s, pe_conv_kernel_names[k], seconds, pe_conv_nodes[s].name);
         pe_conv_choice[s] = k;
+    }
+    return close_aside(f, tmp, path, err, errlen);
+}
+
+#define PE_SHAPE_FORMAT "pockengine-gemm-shapes"
+#define PE_SHAPE_VERSION 1
+#define PE_SHAPE_MARGIN 0.97 /* shape_tune._MARGIN */
+#define PE_SHAPE_MAX 8
+
+/* The build's micro-kernel shapes for a dtype (rows[i] x cols[i]); how many. */
+static int shape_list(int dtype, int rows[PE_SHAPE_MAX], int cols[PE_SHAPE_MAX]) {
+    int n = dtype ? pe_gemm_shape_list_f64(rows, cols, PE_SHAPE_MAX)
+                  : pe_gemm_shape_list_f32(rows, cols, PE_SHAPE_MAX);
+    return n < PE_SHAPE_MAX ? n : PE_SHAPE_MAX;
+}
+
+/* One "<slot> <shape> <seconds> <name>" line into choice[]; 0, or 1 with err set. */
+static int read_shape_entry(const char *line, const char *path, long lineno, int *choice,
+                            char *err, size_t errlen) {
+    char shape[64], *end;
+    int used = 0;
+    errno = 0;
+    long slot = line[0] >= '0' && line[0] <= '9' ? strtol(line, &end, 10) : -1;
+    if (slot < 0 || errno == ERANGE || *end != ' ') {
+        snprintf(err, errlen, "%s:%ld: expected '<slot> <shape> <seconds> <node>'", path, lineno);
+        return 1;
+    }
+    if (slot >= pe_num_gemm_slots) {
+        snprintf(err, errlen, "%s:%ld: slot %ld is outside this step's %d GEMM slots", path,
+                 lineno, slot, pe_num_gemm_slots);
+        return 1;
+    }
+    double seconds;
+    if (sscanf(end, " %63s %lf %n", shape, &seconds, &used) != 2 || !(seconds >= 0) ||
+        !isfinite(seconds)) {
+        snprintf(err, errlen, "%s:%ld: expected a shape (ROWSxCOLUMNS) and a time in seconds",
+                 path, lineno);
+        return 1;
+    }
+    const pe_gemm_node *node = &pe_gemm_nodes[slot];
+    int rows[PE_SHAPE_MAX], cols[PE_SHAPE_MAX], n = shape_list(node->dtype, rows, cols), k = -1;
+    for (int i = 0; i < n && k < 0; i++) {
+        char label[32];
+        snprintf(label, sizeof(label), "%dx%d", rows[i], cols[i]);
+        if (!strcmp(label, shape)) k = i;
+    }
+    if (k < 0) {
+        snprintf(err, errlen, "%s:%ld: shape '%s' is not one of this build's for slot %ld (%s)",
+                 path, lineno, shape, slot, node->name);
+        return 1;
+    }
+    if (choice[slot] >= 0) {
+        snprintf(err, errlen, "%s:%ld: slot %ld appears twice", path, lineno, slot);
+        return 1;
+    }
+    choice[slot] = k;
+    return 0;
+}
+
+int pe_gemm_table_read(const char *path, int *found, char *err, size_t errlen) {
+    char header[PE_TUNE_LINE];
+    snprintf(header, sizeof(header), "%s %d %s", PE_SHAPE_FORMAT, PE_SHAPE_VERSION,
+             pe_gemm_fingerprint);
+    int bad = read_table(path, "shape table", header, read_shape_entry, pe_gemm_choice,
+                         pe_num_gemm_slots, found, err, errlen);
+    for (int k = 0; !bad && k < pe_num_gemm_slots; k++)
+        if (pe_gemm_choice[k] < 0) pe_gemm_choice[k] = 0; /* a slot the file leaves out */
+    return bad;
+}
+
+/* The conv kernel a slot's shapes are timed with (its table choice, else the rule's), or
+ * -1 for one whose kernel does not run the GEMM. */
+static int slot_kernel(const pe_gemm_node *node) {
+    if (node->op == PE_GEMM_PRODUCT) return 0;
+    int k = node->conv_slot >= 0 && pe_conv_choice[node->conv_slot] >= 0
+                ? pe_conv_choice[node->conv_slot]
+                : node->kernel;
+    const char *name = pe_conv_kernel_names[k];
+    return !strcmp(name, "pointwise") || !strcmp(name, "im2col") ? k : -1;
+}
+
+int pe_gemm_tune(const char *path, FILE *report, char *err, size_t errlen) {
+    char tmp[4096];
+    FILE *f = open_aside(path, tmp, sizeof(tmp), err, errlen);
+    if (!f) return 1;
+    fprintf(f, "%s %d %s\n", PE_SHAPE_FORMAT, PE_SHAPE_VERSION, pe_gemm_fingerprint);
+    for (int s = 0; s < pe_num_gemm_slots; s++) {
+        const pe_gemm_node *node = &pe_gemm_nodes[s];
+        int rows[PE_SHAPE_MAX], cols[PE_SHAPE_MAX], n = shape_list(node->dtype, rows, cols);
+        int kernel = slot_kernel(node), chosen = 0, best = -1;
+        double times[PE_SHAPE_MAX];
+        fprintf(report, "gemm %3d %-43s", s, node->name);
+        for (int i = 0; i < n && kernel >= 0; i++) {
+            pe_gemm_shape = i;
+            times[i] = time_kernel(node->op, kernel, node->dtype, node->geometry);
+            if (times[i] >= 0) fprintf(report, " %dx%d %.3f ms", rows[i], cols[i], 1e3 * times[i]);
+            if (times[i] >= 0 && (best < 0 || times[i] < times[best])) best = i;
+        }
+        pe_gemm_shape = 0;
+        if (kernel < 0) fprintf(report, " (its kernel runs no GEMM)");
+        else if (best >= 0 && times[0] >= 0 && times[best] <= PE_SHAPE_MARGIN * times[0])
+            chosen = best;
+        double seconds = kernel >= 0 && times[chosen] >= 0 ? times[chosen] : 0;
+        fprintf(report, " -> %dx%d\n", rows[chosen], cols[chosen]);
+        fprintf(f, "%d %dx%d %.9g %s\n", s, rows[chosen], cols[chosen], seconds, node->name);
+        pe_gemm_choice[s] = chosen;
     }
     return close_aside(f, tmp, path, err, errlen);
 }

@@ -52,6 +52,29 @@ extern const int pe_num_layout_nodes;
 extern const pe_layout_node pe_layout_nodes[];
 extern const char pe_layout_fingerprint[];
 
+/* A GEMM slot (gemm_table.py): a node whose work is the GEMM's, timed by ./train --tune
+ * under each of the build's micro-kernel shapes (gemm_micro.h). Its statement in step.c
+ * sets pe_gemm_shape to pe_gemm_choice[slot] (declared in pe_kernels.h; 0, the default
+ * shape, without a table). The shape file is data, checked as the kernel table is:
+ *
+ *   pockengine-gemm-shapes 1 <fingerprint>
+ *   <slot> <shape> <seconds> <node name>
+ *
+ * where <shape> is one of this build's shapes for the slot's dtype ("6x64"). */
+#define PE_GEMM_PRODUCT 3 /* a product's op (the harness's PE_TUNE_GEMM) */
+typedef struct {
+    const char *name; /* the node's first output (IR name) */
+    int op;           /* 0-2 a convolution (as pe_conv_node's), or PE_GEMM_PRODUCT */
+    int dtype;        /* 0 float32, 1 float64 */
+    const long *geometry; /* a convolution's geometry, or a product's {M, N, K, ta, tb} */
+    int conv_slot;    /* a convolution's slot in pe_conv_nodes (its kernel choice), or -1 */
+    int kernel;       /* a convolution's kernel without a choice (the rule's) */
+} pe_gemm_node;
+
+extern const int pe_num_gemm_slots;
+extern const pe_gemm_node pe_gemm_nodes[];
+extern const char pe_gemm_fingerprint[];
+
 extern const int pe_num_convs;
 extern const int pe_num_conv_kernels;
 extern const char *const pe_conv_kernel_names[];
@@ -69,6 +92,16 @@ int pe_conv_table_read(const char *path, int *found, char *err, size_t errlen);
 /* Time every candidate of every slot, print one line a slot to ``report`` and write the
  * table to ``path`` (a temporary file renamed over it). 0, or 1 with ``err`` set. */
 int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen);
+
+/* Read the shape file at ``path`` into pe_gemm_choice, as pe_conv_table_read. */
+int pe_gemm_table_read(const char *path, int *found, char *err, size_t errlen);
+
+/* Time every GEMM slot under each shape (a convolution with the kernel pe_conv_choice
+ * names, else the rule's; one whose kernel is not a GEMM's keeps the default untimed),
+ * print one line a slot to ``report`` and write the shape file to ``path``. A shape other
+ * than the default is taken where it takes at most 0.97 of the default's time
+ * (shape_tune._MARGIN). 0, or 1 with ``err`` set. */
+int pe_gemm_tune(const char *path, FILE *report, char *err, size_t errlen);
 
 /* Time each layout node's best NCHW kernel against NHWC and (where it has one) NCHW{c}c,
  * print one line a node to ``report`` and write the layout file to ``path`` (a temporary
