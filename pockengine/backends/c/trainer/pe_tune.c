@@ -18,29 +18,53 @@ static int kernel_index(const char *name) {
     return -1;
 }
 
-/* One "<slot> <kernel> <seconds> <name>" line into choice[]; 0, or 1 with err set. */
-static int read_entry(const char *line, const char *path, long lineno, int *choice, char *err,
-                      size_t errlen) {
-    char kernel[64], *end;
+/* The "<slot> <word> <seconds>" head of an entry line of a table of `slots` slots (each a
+ * `what`, its word a `word`): the slot and the word (in 64 bytes); 0, or 1 with err set. */
+static int read_head(const char *line, const char *path, long lineno, int slots,
+                     const char *what, const char *word, long *slot, char value[64], char *err,
+                     size_t errlen) {
+    char *end;
     int used = 0;
     errno = 0;
-    long slot = line[0] >= '0' && line[0] <= '9' ? strtol(line, &end, 10) : -1;
-    if (slot < 0 || errno == ERANGE || *end != ' ') {
-        snprintf(err, errlen, "%s:%ld: expected '<slot> <kernel> <seconds> <node>'", path, lineno);
+    *slot = line[0] >= '0' && line[0] <= '9' ? strtol(line, &end, 10) : -1;
+    if (*slot < 0 || errno == ERANGE || *end != ' ') {
+        snprintf(err, errlen, "%s:%ld: expected '<slot> <%s> <seconds> <node>'", path, lineno,
+                 word);
         return 1;
     }
-    if (slot >= pe_num_convs) {
-        snprintf(err, errlen, "%s:%ld: slot %ld is outside this step's %d tunable convolutions",
-                 path, lineno, slot, pe_num_convs);
+    if (*slot >= slots) {
+        snprintf(err, errlen, "%s:%ld: slot %ld is outside this step's %d %s", path, lineno,
+                 *slot, slots, what);
         return 1;
     }
     double seconds;
-    if (sscanf(end, " %63s %lf %n", kernel, &seconds, &used) != 2 || !(seconds >= 0) ||
+    if (sscanf(end, " %63s %lf %n", value, &seconds, &used) != 2 || !(seconds >= 0) ||
         !isfinite(seconds)) {
-        snprintf(err, errlen, "%s:%ld: expected a kernel name and a time in seconds", path,
-                 lineno);
+        snprintf(err, errlen, "%s:%ld: expected a %s and a time in seconds", path, lineno, word);
         return 1;
     }
+    return 0;
+}
+
+/* Sets choice[slot] = k unless the slot has one; 0, or 1 with err set. */
+static int choose_once(int *choice, long slot, int k, const char *path, long lineno,
+                       char *err, size_t errlen) {
+    if (choice[slot] >= 0) {
+        snprintf(err, errlen, "%s:%ld: slot %ld appears twice", path, lineno, slot);
+        return 1;
+    }
+    choice[slot] = k;
+    return 0;
+}
+
+/* One "<slot> <kernel> <seconds> <name>" line into choice[]; 0, or 1 with err set. */
+static int read_entry(const char *line, const char *path, long lineno, int *choice, char *err,
+                      size_t errlen) {
+    char kernel[64];
+    long slot;
+    if (read_head(line, path, lineno, pe_num_convs, "tunable convolutions", "kernel", &slot,
+                  kernel, err, errlen))
+        return 1;
     const pe_conv_node *node = &pe_conv_nodes[slot];
     int k = kernel_index(kernel);
     if (k < 0 || !(node->candidates >> k & 1)) {
@@ -48,12 +72,7 @@ static int read_entry(const char *line, const char *path, long lineno, int *choi
                  kernel, slot, node->name);
         return 1;
     }
-    if (choice[slot] >= 0) {
-        snprintf(err, errlen, "%s:%ld: slot %ld appears twice", path, lineno, slot);
-        return 1;
-    }
-    choice[slot] = k;
-    return 0;
+    return choose_once(choice, slot, k, path, lineno, err, errlen);
 }
 
 /* One entry line into choice[]: 0, or 1 with err set. */
@@ -215,26 +234,11 @@ static int shape_list(int dtype, int rows[PE_SHAPE_MAX], int cols[PE_SHAPE_MAX])
 /* One "<slot> <shape> <seconds> <name>" line into choice[]; 0, or 1 with err set. */
 static int read_shape_entry(const char *line, const char *path, long lineno, int *choice,
                             char *err, size_t errlen) {
-    char shape[64], *end;
-    int used = 0;
-    errno = 0;
-    long slot = line[0] >= '0' && line[0] <= '9' ? strtol(line, &end, 10) : -1;
-    if (slot < 0 || errno == ERANGE || *end != ' ') {
-        snprintf(err, errlen, "%s:%ld: expected '<slot> <shape> <seconds> <node>'", path, lineno);
+    char shape[64];
+    long slot;
+    if (read_head(line, path, lineno, pe_num_gemm_slots, "GEMM slots", "shape", &slot, shape,
+                  err, errlen))
         return 1;
-    }
-    if (slot >= pe_num_gemm_slots) {
-        snprintf(err, errlen, "%s:%ld: slot %ld is outside this step's %d GEMM slots", path,
-                 lineno, slot, pe_num_gemm_slots);
-        return 1;
-    }
-    double seconds;
-    if (sscanf(end, " %63s %lf %n", shape, &seconds, &used) != 2 || !(seconds >= 0) ||
-        !isfinite(seconds)) {
-        snprintf(err, errlen, "%s:%ld: expected a shape (ROWSxCOLUMNS) and a time in seconds",
-                 path, lineno);
-        return 1;
-    }
     const pe_gemm_node *node = &pe_gemm_nodes[slot];
     int rows[PE_SHAPE_MAX], cols[PE_SHAPE_MAX], n = shape_list(node->dtype, rows, cols), k = -1;
     for (int i = 0; i < n && k < 0; i++) {
@@ -247,12 +251,7 @@ static int read_shape_entry(const char *line, const char *path, long lineno, int
                  path, lineno, shape, slot, node->name);
         return 1;
     }
-    if (choice[slot] >= 0) {
-        snprintf(err, errlen, "%s:%ld: slot %ld appears twice", path, lineno, slot);
-        return 1;
-    }
-    choice[slot] = k;
-    return 0;
+    return choose_once(choice, slot, k, path, lineno, err, errlen);
 }
 
 int pe_gemm_table_read(const char *path, int *found, char *err, size_t errlen) {
