@@ -31,7 +31,8 @@ from pockengine.backends.c.layout_tune import layout_harness_source
 from pockengine.backends.c.tune_harness import DTYPES, harness_source
 from pockengine.ir import Graph, Node
 
-__all__ = ["TABLE_FILE", "conv_slots", "conv_table_source", "name_literal"]
+__all__ = ["TABLE_FILE", "conv_slots", "conv_table_source", "name_literal", "rule_source",
+           "slot_kernels"]  # fmt: skip
 
 TABLE_FILE = "conv-kernels.txt"  # what ./train --tune writes and ./train reads
 
@@ -39,8 +40,19 @@ TABLE_FILE = "conv-kernels.txt"  # what ./train --tune writes and ./train reads
 Candidates = Mapping[str, tuple[str, ...]]  # by first output: the kernels a slot may take
 
 
-def _kernels(node: Node, g: ConvGeometry, limits: Candidates | None) -> tuple[str, ...]:
+def slot_kernels(node: Node, g: ConvGeometry, limits: Candidates | None) -> tuple[str, ...]:
+    """The kernels conv node ``node`` may take: its entry in ``limits``, else every valid one."""
     return (limits or {}).get(node.outputs[0].name) or candidates(node.op, g)
+
+
+def rule_source(node: Node, g: ConvGeometry, limits: Candidates | None) -> str:
+    """The rule's kernel number of the node, as a C expression of the build the trainer is
+    made with (``PE_FAST_GEMM``, kernels/pe_isa.h), among its ``slot_kernels``."""
+    left_out = set(candidates(node.op, g)) - set(slot_kernels(node, g, limits))
+    size = node.outputs[0].dtype.itemsize
+    plain = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out))
+    fast = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out, fast_gemm=True))
+    return str(plain) if fast == plain else f"PE_FAST_GEMM ? {fast} : {plain}"
 
 
 def _tunable(graph: Graph, limits: Candidates | None = None) -> list[Node]:
@@ -52,7 +64,7 @@ def _tunable(graph: Graph, limits: Candidates | None = None) -> list[Node]:
             g = conv_geometry(node)
         except ValueError:
             continue  # the lowering reports it
-        if len(_kernels(node, g, limits)) > 1:
+        if len(slot_kernels(node, g, limits)) > 1:
             nodes.append(node)
     return nodes
 
@@ -81,14 +93,8 @@ def conv_table_source(
     for k, node in enumerate(_tunable(graph, limits)):
         g = conv_geometry(node)
         out = node.outputs[0]
-        names = _kernels(node, g, limits)
-        mask = sum(1 << KERNEL_NAMES.index(n) for n in names)
-        left_out = set(candidates(node.op, g)) - set(names)
-        size = out.dtype.itemsize
-        plain = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out))
-        fast = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out, fast_gemm=True))
-        # the rule of the build the trainer is made with (PE_FAST_GEMM, kernels/pe_isa.h)
-        rule = str(plain) if fast == plain else f"PE_FAST_GEMM ? {fast} : {plain}"
+        mask = sum(1 << KERNEL_NAMES.index(n) for n in slot_kernels(node, g, limits))
+        rule = rule_source(node, g, limits)
         op, dt = CONV_OPS.index(node.op), DTYPES.index(out.dtype)
         arrays.append(f"static const long pe_conv_g{k}[] = {{{', '.join(map(str, g.longs()))}}};")
         rows.append(f"    {{{name_literal(out.name)}, {op}, {dt}, pe_conv_g{k}, {mask}, {rule}}},")

@@ -24,14 +24,17 @@ from collections.abc import Mapping
 from pockengine.backends.c.conv_kernels import (
     CONV_OPS,
     KERNEL_NAMES,
-    candidates,
     conv_geometry,
-    rule_kernel,
 )
-from pockengine.backends.c.conv_table import name_literal
-from pockengine.backends.c.shape_tune import GEMM_CONV_KERNELS, MIN_WORK, gemm_work, product_of
+from pockengine.backends.c.conv_table import name_literal, rule_source, slot_kernels
+from pockengine.backends.c.shape_tune import (
+    GEMM_CONV_KERNELS,
+    MIN_WORK,
+    gemm_work,
+    product_of,
+    transposed_values,
+)
 from pockengine.backends.c.tune_harness import DTYPES
-from pockengine.backends.c.views import step_views
 from pockengine.ir import Graph, Node
 
 __all__ = ["SHAPE_FILE", "gemm_slots", "gemm_table_source"]
@@ -50,8 +53,7 @@ def _slot_nodes(graph: Graph, limits: Mapping[str, tuple[str, ...]] | None) -> l
                 g = conv_geometry(node)
             except ValueError:
                 continue  # the lowering reports it
-            names = (limits or {}).get(node.outputs[0].name) or candidates(node.op, g)
-            if not set(names) & set(GEMM_CONV_KERNELS):
+            if not set(slot_kernels(node, g, limits)) & set(GEMM_CONV_KERNELS):
                 continue
         elif node.op not in ("matmul", "linear"):
             continue
@@ -73,19 +75,14 @@ def gemm_table_source(
 ) -> str:
     """The GEMM slots' table and its fingerprint, for ``convs.c`` (``conv_slots``: the conv
     table's slots, whose choices name the kernel a convolution's shapes are timed with)."""
-    transposed = {name for name, view in step_views(graph).items() if view.transposed}
+    transposed = transposed_values(graph)
     rows, arrays, facts = [], [], []
     for k, node in enumerate(_slot_nodes(graph, limits)):
         out = node.outputs[0]
         dt = DTYPES.index(out.dtype)
         if node.op in CONV_OPS:
             g = conv_geometry(node)
-            names = (limits or {}).get(out.name) or candidates(node.op, g)
-            left_out = set(candidates(node.op, g)) - set(names)
-            size = out.dtype.itemsize
-            plain = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out))
-            fast = KERNEL_NAMES.index(rule_kernel(node.op, g, size, left_out, fast_gemm=True))
-            rule = str(plain) if fast == plain else f"PE_FAST_GEMM ? {fast} : {plain}"
+            rule = rule_source(node, g, limits)
             op, longs, conv_slot = CONV_OPS.index(node.op), g.longs(), conv_slots.get(out.name, -1)
         else:
             op, longs, conv_slot, rule = _PRODUCT, list(product_of(node, transposed)), -1, "0"

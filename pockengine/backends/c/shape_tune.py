@@ -36,7 +36,7 @@ from pockengine.ir import Graph, Node
 from pockengine.plan.report import KernelChoice
 
 __all__ = ["CACHE_NAME", "GEMM_CONV_KERNELS", "MIN_WORK", "GemmShape", "choose_shapes", "gemm_work",
-           "product_of", "with_shapes"]  # fmt: skip
+           "product_of", "transposed_values", "with_shapes"]  # fmt: skip
 
 CACHE_NAME = "gemm-shapes.json"
 GEMM_CONV_KERNELS = ("pointwise", "im2col")  # the conv kernels whose work is the GEMM's
@@ -63,14 +63,19 @@ class GemmShape:
     default: str  # the build's default shape's label
 
 
+def transposed_values(graph: Graph) -> set[str]:
+    """The values the step reads as transposed views of their source (``views.py``)."""
+    return {name for name, view in step_views(graph).items() if view.transposed}
+
+
 def product_of(node: Node, transposed: set[str]) -> tuple[int, int, int, int, int]:
     """(M, N, K, ta, tb) of one GEMM call of a ``matmul`` or ``linear`` node, as its lowering
-    (``lower_nn.py``) makes it."""
+    (``lower_nn.py``) makes it: ``linear`` reads x in rows (ta 0), the weight as a view."""
     x, w = node.inputs[:2]
-    ta = int(x.name in transposed)
     tb = int(w.name in transposed)
     if node.op == "linear":
-        return math.prod(x.shape[:-1]), w.shape[1], w.shape[0], ta, tb
+        return math.prod(x.shape[:-1]), w.shape[1], w.shape[0], 0, tb
+    ta = int(x.name in transposed)
     m, k, n = x.shape[-2], x.shape[-1], w.shape[-1]
     if w.type.rank == 2:
         m = math.prod(x.shape[:-1])
@@ -108,7 +113,7 @@ def choose_shapes(
     path = cache_dir() / CACHE_NAME
     fast = has_fast_gemm(portable)
     tc_key = toolchain(portable).key
-    transposed = {name for name, view in step_views(graph).items() if view.transposed}
+    transposed = transposed_values(graph)
     labels_of = {d: tune_harness.gemm_shapes(d, portable) for d in tune_harness.DTYPES}
     names = tuple(sorted({label for labels in labels_of.values() for label in labels}))
     table, dirty = read_table(path, names=names)
