@@ -36,7 +36,7 @@
         _Pragma("GCC unroll 24") for (int r = 0; r < MR; r++)                                 \
         _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                  \
             acc[r][v] = load ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();   \
-        for (long k = 0; k < kc; k++) {                                                       \
+        _Pragma("GCC unroll 4") for (long k = 0; k < kc; k++) {                               \
             __m512 bv[NV];                                                                    \
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                              \
                 bv[v] = _mm512_loadu_ps(b + k * (16 * NV) + 16 * v);                          \

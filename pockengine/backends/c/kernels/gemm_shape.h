@@ -6,30 +6,28 @@
 #define PE_BMICRO PE_ARGS0(PE_SHAPE)
 #define PE_BMR PE_ARGS1(PE_SHAPE)
 #define PE_BNR PE_ARGS2(PE_SHAPE)
-/* The k block: the sliver (PE_BKC x PE_BNR) stays in L1 beside a panel's stream. */
+/* The k block: a panel (PE_BMR x PE_BKC) stays in L1 while it crosses a run of slivers. */
 #define PE_BKC (PE_TSIZE == 4 ? 256 : 128)
-/* The row block: PE_BMC x PE_BKC of packed A stays in L2 (about 192 rows; 264 with AVX-512,
- * whose cores have at least 1 MiB of L2, so a 256-row product is one block and each sliver
- * of op(B) is packed once per k block). */
+/* The run of packed slivers of op(B) that each panel crosses, in L2 meanwhile: 512 KiB with
+ * AVX-512 (whose cores have at least 1 MiB of L2: a run of 16 slivers of 256 x 32, so the
+ * slivers of a 512-column product are packed once per k block whatever its rows), 128 KiB
+ * elsewhere; never less than one whole sliver. */
 #if defined(PE_GEMM_ISA_AVX512)
-#define PE_BMC (PE_BMR * (264 / PE_BMR))
+#define PE_BNRUN_ELEMS (512L * 1024 / PE_TSIZE)
 #else
-#define PE_BMC (PE_BMR * (192 / PE_BMR))
+#define PE_BNRUN_ELEMS (128L * 1024 / PE_TSIZE)
 #endif
-/* The run of packed slivers of op(B) that each panel crosses: 64 KiB (in L2), and never
- * less than one whole sliver. */
-#define PE_BNRUN_ELEMS (64L * 1024 / PE_TSIZE)
 #define PE_BNRUN (PE_BNRUN_ELEMS > PE_BKC * PE_BNR ? PE_BNRUN_ELEMS : PE_BKC * PE_BNR)
 
-/* C rows [r0, r1) x columns [c0, c1), every k block; panels and slivers are scratch.
- * Per k block the row block's panels are packed, then a run of slivers (as many as
- * PE_BNRUN elements hold: two at AVX-512's 256 x 32, more on a short k block), and each
- * panel runs across the whole run while it is in L1, the run in L2. The loop order does
- * not touch any element's k order, so the bits are those of one sliver at a time. */
+/* C rows [r0, r1) x columns [c0, c1), every k block; the panel and the slivers are scratch.
+ * Per k block a run of slivers is packed (as many as PE_BNRUN elements hold), then each
+ * PE_BMR-row panel of op(A) in turn is packed and runs across the whole run: every sliver
+ * is packed once per k block, a panel once per run. The loop order does not touch any
+ * element's k order, so the bits are those of one sliver at a time. */
 static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const PE_T *A,
                                const pe_layout *la, const PE_S(pe_gemm_b) *b,
                                PE_T *C, const pe_layout *lc, int accumulate,
-                               PE_T *restrict panels, PE_T *restrict slivers) {
+                               PE_T *restrict panel, PE_T *restrict slivers) {
     /* an edge tile; never under 256 bytes, where GCC's overflow check would take
      * pe_copy_run's long-run branch (more than 128 bytes) for a possible write */
     _Alignas(64) PE_T tile[PE_BMR * PE_BNR * PE_TSIZE < 256 ? 256 / PE_TSIZE : PE_BMR * PE_BNR];
@@ -37,12 +35,6 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
         long kc = pe_min(PE_BKC, K - k0);
         int load = accumulate || k0 > 0;
         long per_run = PE_BNRUN / (kc * PE_BNR); /* at least 1: PE_BNRUN >= PE_BKC * PE_BNR */
-        for (long i0 = r0; i0 < r1; i0 += PE_BMR) {
-            long rows = pe_min(PE_BMR, r1 - i0);
-            PE_T *panel = panels + (i0 - r0) * kc;
-            if (rows < PE_BMR) memset(panel, 0, (size_t)(kc * PE_BMR) * sizeof(PE_T));
-            PE_S(pe_gemm_copy_in)(panel, 1, PE_BMR, A, la, i0, rows, k0, kc);
-        }
         for (long run0 = c0; run0 < c1; run0 += per_run * PE_BNR) {
             long run1 = pe_min(run0 + per_run * PE_BNR, c1);
             for (long j0 = run0; j0 < run1; j0 += PE_BNR)
@@ -50,7 +42,8 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
                                           k0, kc, j0, pe_min(PE_BNR, c1 - j0));
             for (long i0 = r0; i0 < r1; i0 += PE_BMR) {
                 long rows = pe_min(PE_BMR, r1 - i0);
-                const PE_T *panel = panels + (i0 - r0) * kc;
+                if (rows < PE_BMR) memset(panel, 0, (size_t)(kc * PE_BMR) * sizeof(PE_T));
+                PE_S(pe_gemm_copy_in)(panel, 1, PE_BMR, A, la, i0, rows, k0, kc);
                 for (long j0 = run0; j0 < run1; j0 += PE_BNR) {
                     long width = pe_min(PE_BNR, c1 - j0);
                     const PE_T *sliver = slivers + (j0 - run0) / PE_BNR * kc * PE_BNR;
@@ -71,15 +64,14 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
     }
 }
 
-/* The product on `threads` threads, K > 0: row blocks a multiple of the thread count where
- * there are several, as even as the panel height allows; fewer row blocks than threads
- * split the columns too. */
+/* The product on `threads` threads, K > 0: one row block a thread, as even as the panel
+ * height allows; fewer row blocks than threads split the columns too. */
 static void PE_B(pe_gemm_blocked)(long M, long N, long K, const PE_T *A, pe_layout la,
                                   const PE_S(pe_gemm_b) *b, PE_T *C, pe_layout lc,
                                   int accumulate, int threads) {
-    long blocks = (M + PE_BMC - 1) / PE_BMC;
-    if (threads > 1 && blocks > 1) blocks = (blocks + threads - 1) / threads * threads;
-    long mc = ((M + blocks - 1) / blocks + PE_BMR - 1) / PE_BMR * PE_BMR;
+    long panels = (M + PE_BMR - 1) / PE_BMR;
+    long blocks = threads > 1 ? pe_min(threads, panels) : 1;
+    long mc = (panels + blocks - 1) / blocks * PE_BMR;
     blocks = (M + mc - 1) / mc;
     long slivers = (N + PE_BNR - 1) / PE_BNR, groups = 1;
     if (threads > blocks) groups = pe_min((threads + blocks - 1) / blocks, slivers);
@@ -92,10 +84,10 @@ static void PE_B(pe_gemm_blocked)(long M, long N, long K, const PE_T *A, pe_layo
 #endif
     for (long t = 0; t < blocks * groups; t++) {
         long r0 = t / groups * mc, c0 = t % groups * nc;
-        _Alignas(64) PE_T panels[PE_BMC * PE_BKC];
+        _Alignas(64) PE_T panel[PE_BMR * PE_BKC];
         _Alignas(64) PE_T slivers[PE_BNRUN];
         PE_B(pe_gemm_tile)(r0, pe_min(r0 + mc, M), c0, pe_min(c0 + nc, N), K, A, &la, b, C,
-                           &lc, accumulate, panels, slivers);
+                           &lc, accumulate, panel, slivers);
     }
 }
 
@@ -103,6 +95,5 @@ static void PE_B(pe_gemm_blocked)(long M, long N, long K, const PE_T *A, pe_layo
 #undef PE_BMR
 #undef PE_BNR
 #undef PE_BKC
-#undef PE_BMC
 #undef PE_BNRUN_ELEMS
 #undef PE_BNRUN

@@ -1,10 +1,10 @@
 /* Matrix products: a packed, cache-blocked GEMM, C = op(A) op(B) (+ C when accumulating).
  *
- * BLIS-style: for each k block of PE_KC, a block of PE_MC rows of op(A) is packed into
- * PE_MR-row panels (k-major; kept in L2), then a run of PE_NR-column slivers of op(B)
- * (packed k-major, 64 KiB: kept in L2), and the register-blocked micro-kernel
- * (gemm_micro.h: AVX-512, AVX2+FMA, NEON or portable C, chosen at build time) runs each
- * panel (in L1 meanwhile) across every sliver of the run. Each instruction set has three
+ * BLIS-style: for each k block of PE_KC, a run of PE_NR-column slivers of op(B) is packed
+ * (k-major; 512 KiB with AVX-512, 128 KiB elsewhere: kept in L2), then each PE_MR-row panel
+ * of op(A) in turn is packed (k-major) and the register-blocked micro-kernel (gemm_micro.h:
+ * AVX-512, AVX2+FMA, NEON or portable C, chosen at build time) runs it (in L1 meanwhile)
+ * across every sliver of the run. Each instruction set has three
  * micro-kernel shapes, each with its own blocked driver (gemm_shape.h); a product runs the
  * shape pe_gemm_shape names, which the step sets around a node the tuner chose one for
  * (the default, shape 0, elsewhere). Packing
@@ -17,10 +17,10 @@
  * Every element of C sums its products in k order from its starting value (0, or C when
  * accumulating), whatever the blocking, the shape, the tile it falls in or the thread
  * count. With
- * OpenMP the tiles (row blocks, and column groups when there are fewer row blocks than
- * threads) are split across threads; inside another parallel region it runs on one.
- * Nothing is allocated on the heap: the panels and the run of slivers are on the stack
- * (PE_MC x PE_KC elements and 64 KiB: 328 KiB in float with AVX-512). */
+ * OpenMP each thread takes one row block (and a column group when there are fewer row
+ * blocks than threads); inside another parallel region it runs on one. Nothing is
+ * allocated on the heap: the panel and the run of slivers are on the stack (at most
+ * 540 KiB in float with AVX-512, 144 KiB elsewhere). */
 #ifndef PE_T
 #include "pe_kernels.h"
 #include "pe_rowcopy.h"
