@@ -19,6 +19,37 @@
 #endif
 #define PE_BNRUN (PE_BNRUN_ELEMS > PE_BKC * PE_BNR ? PE_BNRUN_ELEMS : PE_BKC * PE_BNR)
 
+/* Packing of whole panels and slivers whose runs are contiguous in memory and unsplit
+ * (the panels of a transposed A, the slivers of a row-major B): one copy of a constant
+ * size per k, which the compiler makes a few vector moves, where the general copy spends
+ * more on each short run's offsets and size than on moving it. */
+static inline void PE_B(pe_gemm_pack_panel)(PE_T *restrict panel, const PE_T *A,
+                                            const pe_layout *la, long i0, long rows, long k0,
+                                            long kc) {
+    if (rows == PE_BMR && la->rs == 1 && la->split == 0) {
+        const PE_T *s = A + i0 + k0 * la->cs;
+        for (long k = 0; k < kc; k++)
+            memcpy(panel + k * PE_BMR, s + k * la->cs, PE_BMR * sizeof(PE_T));
+        return;
+    }
+    if (rows < PE_BMR) memset(panel, 0, (size_t)(kc * PE_BMR) * sizeof(PE_T));
+    PE_S(pe_gemm_copy_in)(panel, 1, PE_BMR, A, la, i0, rows, k0, kc);
+}
+
+static inline void PE_B(pe_gemm_pack_sliver)(const PE_S(pe_gemm_b) *b, PE_T *restrict sliver,
+                                             long k0, long kc, long j0, long width) {
+    if (!b->pack && width == PE_BNR && b->lb.cs == 1 && b->lb.split == 0) {
+        const PE_T *s = b->B + j0 + k0 * b->lb.rs;
+        for (long k = 0; k < kc; k++) {
+            /* the next sliver's run of this row (a long row of a weight) meanwhile */
+            PE_PREFETCH(s + k * b->lb.rs + PE_BNR);
+            memcpy(sliver + k * PE_BNR, s + k * b->lb.rs, PE_BNR * sizeof(PE_T));
+        }
+        return;
+    }
+    PE_S(pe_gemm_pack_sliver)(b, sliver, PE_BNR, k0, kc, j0, width);
+}
+
 /* C rows [r0, r1) x columns [c0, c1), every k block; the panel and the slivers are scratch.
  * Per k block a run of slivers is packed (as many as PE_BNRUN elements hold), then each
  * PE_BMR-row panel of op(A) in turn is packed and runs across the whole run: every sliver
@@ -38,12 +69,11 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
         for (long run0 = c0; run0 < c1; run0 += per_run * PE_BNR) {
             long run1 = pe_min(run0 + per_run * PE_BNR, c1);
             for (long j0 = run0; j0 < run1; j0 += PE_BNR)
-                PE_S(pe_gemm_pack_sliver)(b, slivers + (j0 - run0) / PE_BNR * kc * PE_BNR, PE_BNR,
-                                          k0, kc, j0, pe_min(PE_BNR, c1 - j0));
+                PE_B(pe_gemm_pack_sliver)(b, slivers + (j0 - run0) / PE_BNR * kc * PE_BNR, k0, kc,
+                                          j0, pe_min(PE_BNR, c1 - j0));
             for (long i0 = r0; i0 < r1; i0 += PE_BMR) {
                 long rows = pe_min(PE_BMR, r1 - i0);
-                if (rows < PE_BMR) memset(panel, 0, (size_t)(kc * PE_BMR) * sizeof(PE_T));
-                PE_S(pe_gemm_copy_in)(panel, 1, PE_BMR, A, la, i0, rows, k0, kc);
+                PE_B(pe_gemm_pack_panel)(panel, A, la, i0, rows, k0, kc);
                 for (long j0 = run0; j0 < run1; j0 += PE_BNR) {
                     long width = pe_min(PE_BNR, c1 - j0);
                     const PE_T *sliver = slivers + (j0 - run0) / PE_BNR * kc * PE_BNR;
@@ -51,6 +81,10 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
                                  lc->split != 1 && pe_axis_run(lc, 2, j0, j0 + PE_BNR) == PE_BNR;
                     if (direct) {
                         PE_T *cij = C + pe_axis_offset(lc, 2, j0) + i0 * lc->rs;
+                        if (load && j0 + PE_BNR < run1) /* the next tile of C meanwhile */
+                            for (int r = 0; r < PE_BMR; r++)
+                                for (int l = 0; l < PE_BNR * PE_TSIZE; l += 64)
+                                    PE_PREFETCH((const char *)(cij + PE_BNR + r * lc->rs) + l);
                         PE_BMICRO(kc, panel, sliver, cij, lc->rs, load);
                         continue;
                     }

@@ -5,12 +5,18 @@
 /* The largest of m and row[0..n) (NaN entries skipped: a comparison with NaN is false;
  * the maximum does not depend on the order it is taken in). */
 static inline PE_T PE_S(pe_row_max)(const PE_T *restrict row, long n, PE_T m) {
-    PE_T lane[PE_ROW_LANES];
+    /* a vector of the lanes (GCC's and Clang's vector extension), so the comparison and
+     * select are whole vectors: written as scalars, GCC keeps the lanes in scalar code */
+    typedef PE_T lanes __attribute__((vector_size(PE_ROW_LANES * sizeof(PE_T))));
+    lanes lane;
     for (int l = 0; l < PE_ROW_LANES; l++) lane[l] = m;
     long j = 0;
-    for (; j + PE_ROW_LANES <= n; j += PE_ROW_LANES)
-        for (int l = 0; l < PE_ROW_LANES; l++)
-            lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
+    for (; j + PE_ROW_LANES <= n; j += PE_ROW_LANES) {
+        lanes x;
+        memcpy(&x, row + j, sizeof x);
+        __typeof__(x > lane) gt = x > lane; /* all ones where x is greater */
+        lane = (lanes)(((__typeof__(gt))x & gt) | ((__typeof__(gt))lane & ~gt));
+    }
     for (int l = 0; l < PE_ROW_LANES; l++) m = lane[l] > m ? lane[l] : m;
     for (; j < n; j++) m = row[j] > m ? row[j] : m;
     return m;
