@@ -132,3 +132,35 @@ def test_attention_reads_split_heads_strided(causal: bool) -> None:
     assert sum(view.transposed for view in step_views(graph).values()) == 4
     _, got, want = _run_both(graph, seed=3)
     _close(got, want)
+
+
+@pytest.mark.parametrize("mask", ["causal", "causal tensor", "padding"])
+@pytest.mark.parametrize("queries,keys", [(300, 300), (170, 300), (300, 170)])
+def test_attention_skips_unseen_keys_over_several_query_tiles(
+    mask: str, queries: int, keys: int
+) -> None:
+    # 300 keys make tiles of 54 queries. A tile stops at the last key one of its queries can
+    # see (causal, or a -inf mask: a causal mask as a tensor, padding that hides every key
+    # of some queries), and gk and gv start from zero for keys that no tile reaches.
+    b = GraphBuilder("g")
+    q = b.input("q", TensorType((1, 2, queries, 8), F32), Role.INPUT)
+    k, v = (b.input(n, TensorType((1, 2, keys, 8), F32), Role.INPUT) for n in ("k", "v"))
+    go = b.input("go", TensorType((1, 2, queries, 8), F32), Role.INPUT)
+    extra: list[Value] = []
+    if mask != "causal":
+        extra.append(b.input("mask", TensorType((1, 1, queries, keys), F32), Role.INPUT))
+    attrs = {"scale": 0.3, "causal": mask == "causal"}
+    out, lse = b.call_multi("attention", q, k, v, *extra, **attrs)
+    grads = b.call_multi("attention_grad", go, q, k, v, out, lse, *extra, **attrs)
+    graph = b.build([out, lse, *grads])
+    values = _random(graph, seed=4)
+    rows, cols = np.indices((queries, keys))
+    if mask == "causal tensor":
+        values["mask"] = np.where(cols <= rows, 0.0, -np.inf).astype(np.float32)[None, None]
+    elif mask == "padding":  # the first 60 queries see nothing, the rest the first 100 keys
+        hidden = (cols >= 100) | (rows < 60)
+        values["mask"] = np.where(hidden, -np.inf, 0.0).astype(np.float32)[None, None]
+    ex, _, _ = _run_both(graph, seed=5)  # leaves its results in the step's buffers
+    got = ex.run({}, values)
+    want = NumpyBackend().compile(graph).run(values)
+    _close(got, want)

@@ -36,20 +36,44 @@ static long pe_attention_tile(long S) {
     long t = 16384 / (S > 0 ? S : 1);
     return t < 1 ? 1 : (t > 128 ? 128 : t);
 }
+
+/* The keys queries [i0, i0+rows) can see: all S, or when causal (query i sees keys j <= i)
+ * the first i0 + rows; the tile's products and loops stop there, so a causal step does
+ * about half the work. */
+static long pe_attention_keys(long S, long i0, long rows, int causal) {
+    return causal && i0 + rows < S ? i0 + rows : S;
+}
 #endif
 
 #include "pe_rowred.h"
 
-/* Scores of queries [i0, i0+rows) of head (b, h) against every key, into tile[rows][S]:
- * q k^T, then * scale + mask where there is a mask (else the caller multiplies by the
- * scale as it reads a score: the returned factor, 1 where it is already applied), -inf
- * above the diagonal when causal. A positive scale commutes with the row maximum, so
- * max(s * scale) = max(s) * scale bit for bit. */
+/* The keys that queries [i0, i0+rows) of head (b, h) can see, of the first n: past the
+ * last key whose mask is not -inf for some query of the tile, every probability is exactly
+ * 0 (a causal mask built as a tensor, padding), so the tile's products and loops stop
+ * there; at least one key, so that a tile whose every key is masked still runs. */
+static long PE_S(pe_attention_visible)(const PE_T *mask, const long *g, long b, long h, long i0,
+                                       long rows, long n) {
+    if (!mask || n == 0) return n;
+    long seen = 1;
+    for (long r = 0; r < rows && seen < n; r++) {
+        const PE_T *m = mask + b * g[6] + h * g[7] + (i0 + r) * g[8];
+        long j = n;
+        while (j > seen && m[(j - 1) * g[9]] == -INFINITY) j--;
+        seen = j > seen ? j : seen;
+    }
+    return seen;
+}
+
+/* Scores of queries [i0, i0+rows) of head (b, h) against keys [0, n), into tile[rows][S]
+ * (row stride S): q k^T, then * scale + mask where there is a mask (else the caller
+ * multiplies by the scale as it reads a score: the returned factor, 1 where it is
+ * already applied), -inf above the diagonal when causal. A positive scale commutes with
+ * the row maximum, so max(s * scale) = max(s) * scale bit for bit. */
 static PE_T PE_S(pe_attention_scores)(const PE_T *qh, const PE_T *kh, const PE_T *mask,
                                       const long *g, long b, long h, long i0, long rows,
-                                      PE_T scale, int causal, PE_T *tile) {
+                                      long n, PE_T scale, int causal, PE_T *tile) {
     long S = g[3], E = g[4];
-    PE_S(pe_gemm)(rows, S, E, qh + i0 * g[12], g[12], 0, kh, g[15], 1, tile, S, 0);
+    PE_S(pe_gemm)(rows, n, E, qh + i0 * g[12], g[12], 0, kh, g[15], 1, tile, S, 0);
     int fold = !mask && scale > 0;
     for (long r = 0; r < rows; r++) {
         PE_T *row = tile + r * S;
@@ -57,13 +81,13 @@ static PE_T PE_S(pe_attention_scores)(const PE_T *qh, const PE_T *kh, const PE_T
         if (fold)
             ;
         else if (!m) /* three loops, so that the common ones run at unit stride */
-            for (long j = 0; j < S; j++) row[j] *= scale;
+            for (long j = 0; j < n; j++) row[j] *= scale;
         else if (g[9] == 1)
-            for (long j = 0; j < S; j++) row[j] = row[j] * scale + m[j];
+            for (long j = 0; j < n; j++) row[j] = row[j] * scale + m[j];
         else
-            for (long j = 0; j < S; j++) row[j] = row[j] * scale + m[j * g[9]];
+            for (long j = 0; j < n; j++) row[j] = row[j] * scale + m[j * g[9]];
         if (causal)
-            for (long j = i0 + r + 1; j < S; j++) row[j] = -INFINITY;
+            for (long j = i0 + r + 1; j < n; j++) row[j] = -INFINITY;
     }
     return fold ? scale : 1;
 }
@@ -81,23 +105,25 @@ void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T 
         const PE_T *vh = v + b * g[16] + h * g[17];
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
-            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows,
+            long n = PE_S(pe_attention_visible)(mask, g, b, h, i0, rows,
+                                                pe_attention_keys(S, i0, rows, causal));
+            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, n,
                                                  scale, causal, tile);
             for (long r = 0; r < rows; r++) {
-                PE_T *row = tile + r * S, top = PE_S(pe_row_max)(row, S, -INFINITY) * mul;
+                PE_T *row = tile + r * S, top = PE_S(pe_row_max)(row, n, -INFINITY) * mul;
                 if (top == -INFINITY) { /* every key masked: out 0, lse 0 */
-                    for (long j = 0; j < S; j++) row[j] = 0;
+                    for (long j = 0; j < n; j++) row[j] = 0;
                     lse[bh * L + i0 + r] = 0;
                     totals[r] = 1;
                     continue;
                 }
-                for (long j = 0; j < S; j++) row[j] = PE_EXP(row[j] * mul - top);
-                totals[r] = PE_S(pe_row_sum)(row, S);
+                for (long j = 0; j < n; j++) row[j] = PE_EXP(row[j] * mul - top);
+                totals[r] = PE_S(pe_row_sum)(row, n);
                 lse[bh * L + i0 + r] = top + log(totals[r]);
             }
             /* out = (exp(s - max) v) / total: the normalisation on Ev values a query, not S */
             PE_T *o = out + (bh * L + i0) * Ev;
-            PE_S(pe_gemm)(rows, Ev, S, tile, S, 0, vh, g[18], 0, o, Ev, 0);
+            PE_S(pe_gemm)(rows, Ev, n, tile, S, 0, vh, g[18], 0, o, Ev, 0);
             for (long r = 0; r < rows; r++)
                 for (long e = 0; e < Ev; e++) o[r * Ev + e] /= totals[r];
         }
@@ -115,26 +141,34 @@ void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const
         long b = bh / H, h = bh % H, gs = g[21];
         const PE_T *qh = q + b * g[10] + h * g[11], *kh = k + b * g[13] + h * g[14];
         const PE_T *vh = v + b * g[16] + h * g[17];
+        PE_T *gkh = gk + bh * S * E, *gvh = gv + bh * S * Ev;
+        int limited = causal || mask; /* tiles see fewer keys than S: gk and gv start at 0 */
+        if (limited) {
+            memset(gkh, 0, (size_t)(S * E) * sizeof(PE_T));
+            memset(gvh, 0, (size_t)(S * Ev) * sizeof(PE_T));
+        }
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
+            long n = PE_S(pe_attention_visible)(mask, g, b, h, i0, rows,
+                                                pe_attention_keys(S, i0, rows, causal));
+            int acc = limited || i0 > 0;
             const PE_T *gor = go + b * g[19] + h * g[20] + i0 * gs;
-            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows,
+            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, n,
                                                  scale, causal, p);
-            PE_S(pe_gemm)(rows, S, Ev, gor, gs, 0, vh, g[18], 1, ds, S, 0); /* dp = go v^T */
+            PE_S(pe_gemm)(rows, n, Ev, gor, gs, 0, vh, g[18], 1, ds, S, 0); /* dp = go v^T */
             for (long r = 0; r < rows; r++) {
                 const PE_T *o = out + (bh * L + i0 + r) * Ev, *gr = gor + r * gs;
                 PE_T m = lse[bh * L + i0 + r], delta = 0;
                 for (long e = 0; e < Ev; e++) delta += gr[e] * o[e];
-                for (long j = 0; j < S; j++) {
+                for (long j = 0; j < n; j++) {
                     PE_T pj = PE_EXP(p[r * S + j] * mul - m);
                     p[r * S + j] = pj;
                     ds[r * S + j] = pj * (ds[r * S + j] - delta) * scale;
                 }
             }
-            PE_S(pe_gemm)(rows, E, S, ds, S, 0, kh, g[15], 0, gq + (bh * L + i0) * E, E, 0);
-            PE_S(pe_gemm)(S, E, rows, ds, S, 1, qh + i0 * g[12], g[12], 0, gk + bh * S * E, E,
-                          i0 > 0);
-            PE_S(pe_gemm)(S, Ev, rows, p, S, 1, gor, gs, 0, gv + bh * S * Ev, Ev, i0 > 0);
+            PE_S(pe_gemm)(rows, E, n, ds, S, 0, kh, g[15], 0, gq + (bh * L + i0) * E, E, 0);
+            PE_S(pe_gemm)(n, E, rows, ds, S, 1, qh + i0 * g[12], g[12], 0, gkh, E, acc);
+            PE_S(pe_gemm)(n, Ev, rows, p, S, 1, gor, gs, 0, gvh, Ev, acc);
         }
     }
 }
