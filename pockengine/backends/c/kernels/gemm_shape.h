@@ -65,7 +65,9 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
     for (long k0 = 0; k0 < K; k0 += PE_BKC) {
         long kc = pe_min(PE_BKC, K - k0);
         int load = accumulate || k0 > 0;
-        long per_run = PE_BNRUN / (kc * PE_BNR); /* at least 1: PE_BNRUN >= PE_BKC * PE_BNR */
+        /* at least 1 (PE_BNRUN >= PE_BKC * PE_BNR) and at most 512 columns: a short k block
+         * gains nothing from more, and would touch more of the stack (a trainer's peak) */
+        long per_run = pe_min(PE_BNRUN / (kc * PE_BNR), (512 + PE_BNR - 1) / PE_BNR);
         for (long run0 = c0; run0 < c1; run0 += per_run * PE_BNR) {
             long run1 = pe_min(run0 + per_run * PE_BNR, c1);
             for (long j0 = run0; j0 < run1; j0 += PE_BNR)
