@@ -199,6 +199,17 @@ def test_a_bad_shape_table_is_refused_with_its_line(
     (folder / SHAPE_FILE).unlink()
 
 
+def test_a_folder_given_as_a_table_is_refused_as_a_folder(
+    trainer: tuple[Path, list[float], dict[str, int]],
+) -> None:
+    folder, _, _ = trainer
+    (folder / "tables").mkdir(exist_ok=True)
+    for flag in ("--shapes", "--kernels"):
+        run = _run(folder, flag, "tables", "X.npy", "Y.npy")
+        assert run.returncode == 2, run.stderr
+        assert "tables: is a folder, not a file" in run.stderr and "step 0" not in run.stdout
+
+
 def test_gemm_slots_are_the_products_and_gemm_convolutions() -> None:
     w = zoo.small_cnn()
     step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=pe.optim.SGD(lr=0.1),

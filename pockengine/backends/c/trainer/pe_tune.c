@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define PE_TUNE_FORMAT "pockengine-conv-kernels"
@@ -128,6 +129,13 @@ static int read_table(const char *path, const char *what, const char *header,
         return 1;
     }
     *found = 1;
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && !S_ISREG(st.st_mode)) { /* a folder, a pipe, a device */
+        fclose(f);
+        snprintf(err, errlen, "%s: %s, not a file; expected the %s that ./train --tune writes",
+                 path, S_ISDIR(st.st_mode) ? "is a folder" : "is not a regular file", what);
+        return 1;
+    }
     int *choice = malloc((size_t)(n > 0 ? n : 1) * sizeof(int));
     if (!choice) {
         fclose(f);
