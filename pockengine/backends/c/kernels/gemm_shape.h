@@ -100,13 +100,21 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
     }
 }
 
-/* The product on `threads` threads, K > 0: one row block a thread, as even as the panel
- * height allows; fewer row blocks than threads split the columns too. */
+/* The product on `threads` threads, K > 0. A thread that takes a block of rows packs every
+ * sliver of op(B) itself, so the rows are split only where there are more than
+ * PE_BSPLIT of them, one block a thread, as even as the panel height allows; otherwise, and
+ * where there are fewer row blocks than threads, the columns are split (a thread packs
+ * only its own slivers: a pointwise convolution's few output channels by many positions). */
+#if defined(PE_GEMM_ISA_AVX512)
+#define PE_BSPLIT 264
+#else
+#define PE_BSPLIT 192
+#endif
 static void PE_B(pe_gemm_blocked)(long M, long N, long K, const PE_T *A, pe_layout la,
                                   const PE_S(pe_gemm_b) *b, PE_T *C, pe_layout lc,
                                   int accumulate, int threads) {
     long panels = (M + PE_BMR - 1) / PE_BMR;
-    long blocks = threads > 1 ? pe_min(threads, panels) : 1;
+    long blocks = threads > 1 && M > PE_BSPLIT ? pe_min(threads, panels) : 1;
     long mc = (panels + blocks - 1) / blocks * PE_BMR;
     blocks = (M + mc - 1) / mc;
     long slivers = (N + PE_BNR - 1) / PE_BNR, groups = 1;
@@ -132,4 +140,5 @@ static void PE_B(pe_gemm_blocked)(long M, long N, long K, const PE_T *A, pe_layo
 #undef PE_BNR
 #undef PE_BKC
 #undef PE_BNRUN_ELEMS
+#undef PE_BSPLIT
 #undef PE_BNRUN

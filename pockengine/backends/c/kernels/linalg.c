@@ -17,8 +17,8 @@
  * Every element of C sums its products in k order from its starting value (0, or C when
  * accumulating), whatever the blocking, the shape, the tile it falls in or the thread
  * count. With
- * OpenMP each thread takes one row block (and a column group when there are fewer row
- * blocks than threads); inside another parallel region it runs on one. Nothing is
+ * OpenMP each thread takes one block of rows where there are many (more than PE_BSPLIT),
+ * else a group of columns; inside another parallel region it runs on one. Nothing is
  * allocated on the heap: the panel and the run of slivers are on the stack (at most
  * 540 KiB in float with AVX-512, 144 KiB elsewhere). */
 #ifndef PE_T
