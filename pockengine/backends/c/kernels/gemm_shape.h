@@ -83,10 +83,13 @@ static void PE_B(pe_gemm_tile)(long r0, long r1, long c0, long c1, long K, const
                                  lc->split != 1 && pe_axis_run(lc, 2, j0, j0 + PE_BNR) == PE_BNR;
                     if (direct) {
                         PE_T *cij = C + pe_axis_offset(lc, 2, j0) + i0 * lc->rs;
-                        if (load && j0 + PE_BNR < run1) /* the next tile of C meanwhile */
+                        if (load && lc->split == 0 && j0 + PE_BNR < run1) {
+                            /* the next tile of C meanwhile, as far as it reaches */
+                            long next = pe_min(PE_BNR, run1 - j0 - PE_BNR) * PE_TSIZE;
                             for (int r = 0; r < PE_BMR; r++)
-                                for (int l = 0; l < PE_BNR * PE_TSIZE; l += 64)
+                                for (long l = 0; l < next; l += 64)
                                     PE_PREFETCH((const char *)(cij + PE_BNR + r * lc->rs) + l);
+                        }
                         PE_BMICRO(kc, panel, sliver, cij, lc->rs, load);
                         continue;
                     }
