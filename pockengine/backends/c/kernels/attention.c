@@ -36,27 +36,28 @@ static long pe_attention_tile(long S) {
     long t = 16384 / (S > 0 ? S : 1);
     return t < 1 ? 1 : (t > 128 ? 128 : t);
 }
-
-/* The keys queries [i0, i0+rows) can see: all S, or when causal (query i sees keys j <= i)
- * the first i0 + rows; the tile's products and loops stop there, so a causal step does
- * about half the work. */
-static long pe_attention_keys(long S, long i0, long rows, int causal) {
-    return causal && i0 + rows < S ? i0 + rows : S;
-}
 #endif
 
 #include "pe_rowred.h"
 
-/* The keys that queries [i0, i0+rows) of head (b, h) can see, of the first n: past the
- * last key whose mask is not -inf for some query of the tile, every probability is exactly
- * 0 (a causal mask built as a tensor, padding), so the tile's products and loops stop
- * there; at least one key, so that a tile whose every key is masked still runs. */
-static long PE_S(pe_attention_visible)(const PE_T *mask, const long *g, long b, long h, long i0,
-                                       long rows, long n) {
+/* Query i's row of the additive mask of head (b, h) (its keys g[9] elements apart). */
+static const PE_T *PE_S(pe_attention_mask_row)(const PE_T *mask, const long *g, long b, long h,
+                                               long i) {
+    return mask + b * g[6] + h * g[7] + i * g[8];
+}
+
+/* How many keys queries [i0, i0+rows) of head (b, h) can see: all S, or the first i0 + rows
+ * when causal (query i sees keys j <= i), and no further than the last key whose mask is
+ * not -inf for some query of the tile (a causal mask built as a tensor, padding). Every
+ * probability past it is exactly 0, so the tile's products and loops stop there; at least
+ * one key, so that a tile whose every key is masked still runs. */
+static long PE_S(pe_attention_seen)(const PE_T *mask, const long *g, long b, long h, long i0,
+                                    long rows, int causal) {
+    long S = g[3], n = causal && i0 + rows < S ? i0 + rows : S;
     if (!mask || n == 0) return n;
     long seen = 1;
     for (long r = 0; r < rows && seen < n; r++) {
-        const PE_T *m = mask + b * g[6] + h * g[7] + (i0 + r) * g[8];
+        const PE_T *m = PE_S(pe_attention_mask_row)(mask, g, b, h, i0 + r);
         long j = n;
         while (j > seen && m[(j - 1) * g[9]] == -INFINITY) j--;
         seen = j > seen ? j : seen;
@@ -77,7 +78,7 @@ static PE_T PE_S(pe_attention_scores)(const PE_T *qh, const PE_T *kh, const PE_T
     int fold = !mask && scale > 0;
     for (long r = 0; r < rows; r++) {
         PE_T *row = tile + r * S;
-        const PE_T *m = mask ? mask + b * g[6] + h * g[7] + (i0 + r) * g[8] : NULL;
+        const PE_T *m = mask ? PE_S(pe_attention_mask_row)(mask, g, b, h, i0 + r) : NULL;
         if (fold)
             ;
         else if (!m) /* three loops, so that the common ones run at unit stride */
@@ -105,10 +106,9 @@ void PE_S(pe_attention)(const PE_T *q, const PE_T *k, const PE_T *v, const PE_T 
         const PE_T *vh = v + b * g[16] + h * g[17];
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
-            long n = PE_S(pe_attention_visible)(mask, g, b, h, i0, rows,
-                                                pe_attention_keys(S, i0, rows, causal));
-            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, n,
-                                                 scale, causal, tile);
+            long n = PE_S(pe_attention_seen)(mask, g, b, h, i0, rows, causal);
+            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, b, h, i0, rows, n, scale,
+                                                 causal, tile);
             for (long r = 0; r < rows; r++) {
                 PE_T *row = tile + r * S, top = PE_S(pe_row_max)(row, n, -INFINITY) * mul;
                 if (top == -INFINITY) { /* every key masked: out 0, lse 0 */
@@ -149,12 +149,11 @@ void PE_S(pe_attention_grad)(const PE_T *go, const PE_T *q, const PE_T *k, const
         }
         for (long i0 = 0; i0 < L; i0 += T) {
             long rows = L - i0 < T ? L - i0 : T;
-            long n = PE_S(pe_attention_visible)(mask, g, b, h, i0, rows,
-                                                pe_attention_keys(S, i0, rows, causal));
+            long n = PE_S(pe_attention_seen)(mask, g, b, h, i0, rows, causal);
             int acc = limited || i0 > 0;
             const PE_T *gor = go + b * g[19] + h * g[20] + i0 * gs;
-            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, bh / H, bh % H, i0, rows, n,
-                                                 scale, causal, p);
+            PE_T mul = PE_S(pe_attention_scores)(qh, kh, mask, g, b, h, i0, rows, n, scale,
+                                                 causal, p);
             PE_S(pe_gemm)(rows, n, Ev, gor, gs, 0, vh, g[18], 1, ds, S, 0); /* dp = go v^T */
             for (long r = 0; r < rows; r++) {
                 const PE_T *o = out + (bh * L + i0 + r) * Ev, *gr = gor + r * gs;
