@@ -204,10 +204,15 @@ def test_a_folder_given_as_a_table_is_refused_as_a_folder(
 ) -> None:
     folder, _, _ = trainer
     (folder / "tables").mkdir(exist_ok=True)
+    (folder / "pipe").unlink(missing_ok=True)
+    os.mkfifo(folder / "pipe")  # opening it to read would wait for a writer
     for flag in ("--shapes", "--kernels"):
         run = _run(folder, flag, "tables", "X.npy", "Y.npy")
         assert run.returncode == 2, run.stderr
         assert "tables: is a folder, not a file" in run.stderr and "step 0" not in run.stdout
+        run = subprocess.run(["./train", flag, "pipe", "X.npy", "Y.npy"], cwd=folder,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert run.returncode == 2 and "pipe: is not a regular file" in run.stderr, run.stderr
 
 
 def test_gemm_slots_are_the_products_and_gemm_convolutions() -> None:

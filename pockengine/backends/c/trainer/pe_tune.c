@@ -122,6 +122,13 @@ static int read_table(const char *path, const char *what, const char *header,
                       entry_reader entry, int *choices, int n, int *found, char *err,
                       size_t errlen) {
     *found = 0;
+    struct stat st; /* before opening: opening a pipe to read waits for a writer */
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) { /* a folder, a pipe, a device */
+        *found = 1;
+        snprintf(err, errlen, "%s: %s, not a file; expected the %s that ./train --tune writes",
+                 path, S_ISDIR(st.st_mode) ? "is a folder" : "is not a regular file", what);
+        return 1;
+    }
     FILE *f = fopen(path, "r");
     if (!f) {
         if (errno == ENOENT) return 0;
@@ -129,13 +136,6 @@ static int read_table(const char *path, const char *what, const char *header,
         return 1;
     }
     *found = 1;
-    struct stat st;
-    if (fstat(fileno(f), &st) == 0 && !S_ISREG(st.st_mode)) { /* a folder, a pipe, a device */
-        fclose(f);
-        snprintf(err, errlen, "%s: %s, not a file; expected the %s that ./train --tune writes",
-                 path, S_ISDIR(st.st_mode) ? "is a folder" : "is not a regular file", what);
-        return 1;
-    }
     int *choice = malloc((size_t)(n > 0 ? n : 1) * sizeof(int));
     if (!choice) {
         fclose(f);
