@@ -1,5 +1,7 @@
 """The C backend's float GELU math (kernels/elementwise.h): pe_erf32, which the float GELU
-calls, within 1 ulp of libm's double erf on a dense grid, odd, exact on the specials; and
+calls where the target has no fused multiply-add, within 1 ulp of libm's double erf on a
+dense grid, odd, exact on the specials; the float GELU (pe_gelu32 where it fuses) within
+2 eps |x| of x Phi(x) on the same grid as the normal distribution; and
 pe_gelu_parts32, the normal distribution and density from which GELU's gradient is made,
 Phi within 8 ulp (its lower tail too) and the density within 3 ulp, exact far out, NaN
 through; GELU and its gradient within 2 ulp-scaled of the double formulas

@@ -4,10 +4,11 @@
  * distribution and density, which GELU's gradient uses) against libm's double erfc and
  * exp: on every STEP-th float of [0, 12.5] and its negative, Phi(x) within 8 ulp of the
  * correctly rounded value (relative, the lower tail too) and the density within 3 ulp (to
- * 13, where it is still a normal float), both 0 past 14.5 (Phi 1 above); the specials;
- * and the float GELU and its gradient, in a loop the compiler vectorises, within 2
- * ulp-scaled relative error of the double formulas over [-12, 12], equal to the scalar
- * calls.
+ * 13, where it is still a normal float), both 0 past 14.5 (Phi 1 above); the float GELU
+ * (pe_gelu32 where the target fuses a * b + c) within 2 eps |x| of x Phi(x) on the same
+ * grid; the specials; and the float GELU and its gradient, in a loop the compiler
+ * vectorises, within 2 ulp-scaled relative error of the double formulas over [-12, 12],
+ * equal to the scalar calls.
  * Prints "ok <floats checked>" and exits 0, or names each failure and exits 1.
  * tests/test_c_gelu.py builds it with the backend's flags, portably, with the address and
  * undefined-behaviour sanitizers, and for aarch64 (run under qemu). */
@@ -73,6 +74,10 @@ int main(void) {
             double dens = exp(-0.5 * (double)x * (double)x) * 0.3989422804014327;
             if (!(ulps(cdf, want) <= 8.0)) fail("Phi", x, cdf, want);
             if (!(ulps(pdf, dens) <= 3.0)) fail("pdf", x, pdf, dens);
+            /* the forward on the same grid: pe_gelu32 where the target fuses, else erf */
+            float y = pe_gelu_f32(x, 0);
+            if (!(fabs(y - (double)x * want) <= 2 * FLT_EPSILON * fabs((double)x) + FLT_TRUE_MIN))
+                fail("gelu grid", x, y, (double)x * want);
         }
     }
     const float far[] = {14.5f, 14.85f, 15.0f, 100.0f, 1e30f, FLT_MAX, INFINITY};
