@@ -239,3 +239,40 @@ def test_slots_cover_every_conv_node_with_a_choice() -> None:
     convs = [n for n in graph.nodes if n.op.startswith("conv2d")]
     multi = [n.outputs[0].name for n in convs if len(candidates(n.op, conv_geometry(n))) > 1]
     assert list(slots) == multi and list(slots.values()) == list(range(len(multi)))
+
+
+def test_a_float_trainer_names_no_double_kernel_and_links_no_scanf(
+    trainer: tuple[Path, list[float], dict[str, int]],
+) -> None:
+    """Its timing harness has cases for float only, so a static build (``STATIC=1``: unused
+    code dropped) carries no double kernels; the tables are read without scanf."""
+    folder, _, _ = trainer
+    convs = (folder / "convs.c").read_text()
+    assert "_f32(" in convs and "_f64" not in convs
+    assert "case 0: return pe_gemm_shape_list_f32" in convs
+    undefined = subprocess.run(["nm", "-u", "train"], cwd=folder, capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+    assert "printf" in undefined and "scanf" not in undefined
+
+
+def test_a_double_trainer_tunes_and_trains_as_the_step(tmp_path: Path) -> None:
+    """float64: its harness times the double kernels and shapes; the tables it writes are
+    read back and the run trains as the in-process step."""
+    w = zoo.as_double(zoo.small_cnn())
+    batches = [w.make_batch(i) for i in range(3)]
+    step = pe.compile(w.model, w.loss_fn, batches[0], optimizer=pe.optim.SGD(lr=0.05),
+                      backend="c")  # fmt: skip
+    folder = step.export(tmp_path / "trainer", target="c")
+    convs = (folder / "convs.c").read_text()
+    assert "_f64(" in convs and "_f32(" not in convs
+    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
+    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
+    make_trainer(folder)
+    tuned = _run(folder, "--tune")
+    assert tuned.returncode == 0, tuned.stderr
+    for table in (SHAPE_FILE, TABLE_FILE):  # a slot whose kernel runs no GEMM: no time
+        times = [float(x.split()[2]) for x in (folder / table).read_text().splitlines()[1:]]
+        assert times and min(times) >= 0 and max(times) > 0, table
+    run = _run(folder, "X.npy", "Y.npy")
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_allclose(_losses(run.stdout), [step(*b) for b in batches], rtol=1e-8)

@@ -163,21 +163,25 @@ _ARGS = {
 _TYPES = {DType.F32: ("f32", "float"), DType.F64: ("f64", "double")}
 
 
-def layout_harness_source() -> str:
+def layout_harness_source(dtypes: tuple[DType, ...] = tune_harness.DTYPES) -> str:
     """The timing harness with the ``nhwc`` and ``nchwc`` variants (kernel numbers
-    ``len(KERNEL_NAMES)`` and one more)."""
+    ``len(KERNEL_NAMES)`` and one more), for ``dtypes`` (``harness_source``)."""
     prelude = _PRELUDE + "".join(
-        (_TIMED + _TIMED_BLOCKED).replace("{S}", s).replace("{T}", t) for s, t in _TYPES.values()
+        (_TIMED + _TIMED_BLOCKED).replace("{S}", _TYPES[d][0]).replace("{T}", _TYPES[d][1])
+        for d in _TYPES
+        if d in dtypes
     )
     cases = []
     for i, op in enumerate(CONV_OPS):
         for d, dtype in enumerate(tune_harness.DTYPES):
+            if dtype not in dtypes:
+                continue
             s, t = _TYPES[dtype]
             args = _ARGS[op].replace("{T}", t)
             for variant, prefix in ((NHWC_KERNEL, "pe_lt"), (BLOCKED_KERNEL, "pe_lb")):
                 code = (i * len(_NAMES) + _CODES[variant]) * 2 + d
                 cases.append(f"    case {code}: {prefix}_{op}_{s}({args}); break;")
-    return tune_harness.harness_source(LAYOUT_KERNELS, tuple(cases), prelude)
+    return tune_harness.harness_source(LAYOUT_KERNELS, tuple(cases), prelude, dtypes)
 
 
 def _variants(node: Node) -> tuple[str, ...]:

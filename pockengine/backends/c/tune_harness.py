@@ -155,12 +155,16 @@ int pe_tune_times(int op, int dt, const long *g, int n, const int *kernels, cons
 
 
 def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (),
-                   prelude: str = "") -> str:  # fmt: skip
+                   prelude: str = "", dtypes: tuple[DType, ...] = DTYPES) -> str:  # fmt: skip
     """The harness's C source: a switch over (op, kernel, dtype) codes, then the timer.
     ``extra`` names variants numbered after ``KERNEL_NAMES`` (the layout pass's ``nhwc``),
-    whose ``case`` lines ``extra_cases`` holds, over functions ``prelude`` defines."""
+    whose ``case`` lines ``extra_cases`` holds, over functions ``prelude`` defines. Only the
+    ``dtypes`` get cases (a trainer's harness: its step's, so the linker drops the kernels
+    of the others); a code of another dtype times nothing."""
     cases = list(extra_cases)
     for d, dtype in enumerate(DTYPES):  # the product: op(A) and op(B) packed, ta and tb
+        if dtype not in dtypes:
+            continue
         sfx = "f32" if dtype is DType.F32 else "f64"
         code = len(CONV_OPS) * (len(KERNEL_NAMES) + len(extra)) * 2 + d
         gemm = (f"pe_gemm_{sfx}(g[0], g[1], g[2], a, g[3] ? g[0] : g[2], (int)g[3], b, "
@@ -172,6 +176,8 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
                 continue
             work = _WORK if kernel in WORK_KERNELS else ""
             for d, dtype in enumerate(DTYPES):
+                if dtype not in dtypes:
+                    continue
                 sfx = "f32" if dtype is DType.F32 else "f64"
                 args = (_ARGS[op] + work).format(t=_CTYPE[dtype])
                 code = (i * (len(KERNEL_NAMES) + len(extra)) + j) * 2 + d

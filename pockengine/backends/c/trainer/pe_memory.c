@@ -1,6 +1,7 @@
 /* --memory-report (pe_memory.h). */
 #include "pe_memory.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 /* The kB value of ``key`` in /proc/self/status, or -1. */
@@ -11,8 +12,12 @@ static long status_kb(const char *key) {
     long kb = -1;
     size_t n = strlen(key);
     while (fgets(line, sizeof(line), f))
-        if (!strncmp(line, key, n) && line[n] == ':' && sscanf(line + n + 1, "%ld", &kb) == 1)
+        if (!strncmp(line, key, n) && line[n] == ':') { /* strtol, not sscanf: no scanf linked */
+            char *end;
+            long v = strtol(line + n + 1, &end, 10);
+            if (end != line + n + 1 && v >= 0) kb = v;
             break;
+        }
     fclose(f);
     return kb;
 }

@@ -19,13 +19,24 @@ static int kernel_index(const char *name) {
     return -1;
 }
 
+/* The next word of `s` (after blanks; up to the next blank or the end) into value, in 64
+ * bytes; where the word ends, or NULL for no word or a longer one. Not sscanf: the trainer
+ * links no scanf (its code would be resident in every run). */
+static const char *read_word(const char *s, char value[64]) {
+    while (*s == ' ' || *s == '\t') s++;
+    size_t n = strcspn(s, " \t\r\n");
+    if (n == 0 || n > 63) return NULL;
+    memcpy(value, s, n);
+    value[n] = '\0';
+    return s + n;
+}
+
 /* The "<slot> <word> <seconds>" head of an entry line of a table of `slots` slots (each a
  * `what`, its word a `word`): the slot and the word (in 64 bytes); 0, or 1 with err set. */
 static int read_head(const char *line, const char *path, long lineno, int slots,
                      const char *what, const char *word, long *slot, char value[64], char *err,
                      size_t errlen) {
     char *end;
-    int used = 0;
     errno = 0;
     *slot = line[0] >= '0' && line[0] <= '9' ? strtol(line, &end, 10) : -1;
     if (*slot < 0 || errno == ERANGE || *end != ' ') {
@@ -38,9 +49,10 @@ static int read_head(const char *line, const char *path, long lineno, int slots,
                  *slot, slots, what);
         return 1;
     }
-    double seconds;
-    if (sscanf(end, " %63s %lf %n", value, &seconds, &used) != 2 || !(seconds >= 0) ||
-        !isfinite(seconds)) {
+    const char *after = read_word(end, value);
+    char *stop = NULL;
+    double seconds = after ? strtod(after, &stop) : -1.0;
+    if (!after || stop == after || !(seconds >= 0) || !isfinite(seconds)) {
         snprintf(err, errlen, "%s:%ld: expected a %s and a time in seconds", path, lineno, word);
         return 1;
     }
@@ -234,8 +246,7 @@ int pe_conv_tune(const char *path, FILE *report, char *err, size_t errlen) {
 
 /* The build's micro-kernel shapes for a dtype (rows[i] x cols[i]); how many. */
 static int shape_list(int dtype, int rows[PE_SHAPE_MAX], int cols[PE_SHAPE_MAX]) {
-    int n = dtype ? pe_gemm_shape_list_f64(rows, cols, PE_SHAPE_MAX)
-                  : pe_gemm_shape_list_f32(rows, cols, PE_SHAPE_MAX);
+    int n = pe_tune_shape_list(dtype, rows, cols, PE_SHAPE_MAX);
     return n < PE_SHAPE_MAX ? n : PE_SHAPE_MAX;
 }
 

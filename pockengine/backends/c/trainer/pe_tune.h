@@ -75,6 +75,10 @@ extern const int pe_num_gemm_slots;
 extern const pe_gemm_node pe_gemm_nodes[];
 extern const char pe_gemm_fingerprint[];
 
+/* The build's micro-kernel shapes for a dtype code of this step (rows[i] x cols[i], at
+ * most max); how many, 0 for a dtype the step does not have (convs.c). */
+int pe_tune_shape_list(int dtype, int *rows, int *cols, int max);
+
 extern const int pe_num_convs;
 extern const int pe_num_conv_kernels;
 extern const char *const pe_conv_kernel_names[];
