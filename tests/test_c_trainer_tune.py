@@ -99,6 +99,9 @@ def test_a_run_follows_the_table(trainer: tuple[Path, list[float], dict[str, int
         ("0 fft 0 x", "cannot compute slot 0"),
         ("0 direct nan x", "time in seconds"),
         ("0 direct -1 x", "time in seconds"),
+        ("0 direct", "time in seconds"),
+        ("0 direct 1e-3x x", "time in seconds"),
+        ("0 " + "d" * 64 + " 1e-3 x", "time in seconds"),  # a word past the 63 bytes read
         ("garbage", "expected '<slot>"),
     ],
 )

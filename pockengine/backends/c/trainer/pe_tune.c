@@ -52,7 +52,9 @@ static int read_head(const char *line, const char *path, long lineno, int slots,
     const char *after = read_word(end, value);
     char *stop = NULL;
     double seconds = after ? strtod(after, &stop) : -1.0;
-    if (!after || stop == after || !(seconds >= 0) || !isfinite(seconds)) {
+    /* the time ends at a blank or at the line's end (strchr finds the NUL too) */
+    if (!after || stop == after || !strchr(" \t\r\n", *stop) || !(seconds >= 0) ||
+        !isfinite(seconds)) {
         snprintf(err, errlen, "%s:%ld: expected a %s and a time in seconds", path, lineno, word);
         return 1;
     }
