@@ -28,8 +28,8 @@ from pockengine.backends.c.conv_kernels import (
     rule_kernel,
 )
 from pockengine.backends.c.layout_tune import layout_harness_source
-from pockengine.backends.c.tune_harness import DTYPES, harness_source
-from pockengine.ir import DType, Graph, Node
+from pockengine.backends.c.tune_harness import DTYPES, harness_source, shape_list_source
+from pockengine.ir import Graph, Node
 
 __all__ = ["TABLE_FILE", "conv_slots", "conv_table_source", "name_literal", "rule_source",
            "slot_kernels"]  # fmt: skip
@@ -123,20 +123,6 @@ def conv_table_source(
     # double ones
     timed = [n for n in graph.nodes if n.op.startswith("conv2d") or n.op in ("matmul", "linear")]
     dtypes = tuple(d for d in DTYPES if any(n.outputs[0].dtype is d for n in timed if n.outputs))
-    shape_lists = [
-        f"    case {d}: return pe_gemm_shape_list_{'f32' if dtype is DType.F32 else 'f64'}"
-        "(rows, cols, max);"
-        for d, dtype in enumerate(DTYPES)
-        if dtype in dtypes
-    ]
-    shape_list = [
-        "int pe_tune_shape_list(int dtype, int *rows, int *cols, int max) {",
-        "    switch (dtype) {",
-        *shape_lists,
-        "    default: return 0;",
-        "    }",
-        "}",
-        "",
-    ]
     harness = layout_harness_source(dtypes) if nhwc_harness else harness_source(dtypes=dtypes)
-    return "\n".join(head + shape_list) + layouts + harness.split("\n", 1)[1]
+    shape_list = shape_list_source(dtypes)
+    return "\n".join([*head, shape_list, ""]) + layouts + harness.split("\n", 1)[1]
