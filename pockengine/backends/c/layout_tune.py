@@ -160,15 +160,16 @@ _ARGS = {
     "conv2d_input_grad": "(const {T} *)a, (const {T} *)b, ({T} *)out, g",
     "conv2d_weight_grad": "(const {T} *)a, (const {T} *)b, ({T} *)out, g",
 }
-_TYPES = {DType.F32: ("f32", "float"), DType.F64: ("f64", "double")}
 
 
 def layout_harness_source(dtypes: tuple[DType, ...] = tune_harness.DTYPES) -> str:
     """The timing harness with the ``nhwc`` and ``nchwc`` variants (kernel numbers
     ``len(KERNEL_NAMES)`` and one more), for ``dtypes`` (``harness_source``)."""
     prelude = _PRELUDE + "".join(
-        (_TIMED + _TIMED_BLOCKED).replace("{S}", _TYPES[d][0]).replace("{T}", _TYPES[d][1])
-        for d in _TYPES
+        (_TIMED + _TIMED_BLOCKED)
+        .replace("{S}", tune_harness.SUFFIX[d])
+        .replace("{T}", tune_harness.CTYPE[d])
+        for d in tune_harness.DTYPES
         if d in dtypes
     )
     cases = []
@@ -176,7 +177,7 @@ def layout_harness_source(dtypes: tuple[DType, ...] = tune_harness.DTYPES) -> st
         for d, dtype in enumerate(tune_harness.DTYPES):
             if dtype not in dtypes:
                 continue
-            s, t = _TYPES[dtype]
+            s, t = tune_harness.SUFFIX[dtype], tune_harness.CTYPE[dtype]
             args = _ARGS[op].replace("{T}", t)
             for variant, prefix in ((NHWC_KERNEL, "pe_lt"), (BLOCKED_KERNEL, "pe_lb")):
                 code = (i * len(_NAMES) + _CODES[variant]) * 2 + d

@@ -25,12 +25,13 @@ from pockengine.backends.c.driver import build_library
 from pockengine.backends.c.workspace import WORK_KERNELS
 from pockengine.ir import DType
 
-__all__ = ["DTYPES", "gemm_shapes", "gemm_times", "harness_library", "harness_source",
-           "harness_time", "harness_times", "shape_list_source"]  # fmt: skip
+__all__ = ["CTYPE", "DTYPES", "SUFFIX", "gemm_shapes", "gemm_times", "harness_library",
+           "harness_source", "harness_time", "harness_times", "shape_list_source"]  # fmt: skip
 
 DTYPES = (DType.F32, DType.F64)
-_CTYPE = {DType.F32: "float", DType.F64: "double"}
-_SUFFIX = {DType.F32: "f32", DType.F64: "f64"}  # of the kernels instantiated for each
+# each dtype's C type and the suffix of the kernels instantiated for it
+CTYPE = {DType.F32: "float", DType.F64: "double"}
+SUFFIX = {DType.F32: "f32", DType.F64: "f64"}
 
 _ARGS = {
     "conv2d": "(const {t} *)a, (const {t} *)b, (const {t} *)c, ({t} *)out, g",
@@ -166,7 +167,7 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
     for d, dtype in enumerate(DTYPES):  # the product: op(A) and op(B) packed, ta and tb
         if dtype not in dtypes:
             continue
-        sfx = _SUFFIX[dtype]
+        sfx = SUFFIX[dtype]
         code = len(CONV_OPS) * (len(KERNEL_NAMES) + len(extra)) * 2 + d
         gemm = (f"pe_gemm_{sfx}(g[0], g[1], g[2], a, g[3] ? g[0] : g[2], (int)g[3], b, "
                 f"g[4] ? g[2] : g[1], (int)g[4], out, g[1], 0)")  # fmt: skip
@@ -179,8 +180,8 @@ def harness_source(extra: tuple[str, ...] = (), extra_cases: tuple[str, ...] = (
             for d, dtype in enumerate(DTYPES):
                 if dtype not in dtypes:
                     continue
-                sfx = _SUFFIX[dtype]
-                args = (_ARGS[op] + work).format(t=_CTYPE[dtype])
+                sfx = SUFFIX[dtype]
+                args = (_ARGS[op] + work).format(t=CTYPE[dtype])
                 code = (i * (len(KERNEL_NAMES) + len(extra)) + j) * 2 + d
                 cases.append(f"    case {code}: pe_{op}_{kernel}_{sfx}({args}); break;")
     head = [
@@ -208,7 +209,7 @@ def shape_list_source(dtypes: tuple[DType, ...] = DTYPES) -> str:
     """C's ``pe_tune_shape_list(dtype, rows, cols, max)``: the build's micro-kernel shapes
     for a dtype code (its index in ``DTYPES``), for ``dtypes`` only (0 for the others),
     so a trainer links the GEMM drivers of its step's dtypes alone."""
-    cases = [f"    case {d}: return pe_gemm_shape_list_{_SUFFIX[dtype]}(rows, cols, max);"
+    cases = [f"    case {d}: return pe_gemm_shape_list_{SUFFIX[dtype]}(rows, cols, max);"
              for d, dtype in enumerate(DTYPES) if dtype in dtypes]  # fmt: skip
     head = "int pe_tune_shape_list(int dtype, int *rows, int *cols, int max) {"
     return "\n".join([head, "    switch (dtype) {", *cases, "    default: return 0;", "    }", "}"])
@@ -231,7 +232,7 @@ def harness_library(source: str, portable: bool | None) -> Any:
                                   ctypes.POINTER(ctypes.c_double)]  # fmt: skip
     lib.pe_tune_times.restype = c_int
     lib.pe_set_threads.argtypes = [ctypes.c_int]
-    for sfx in _SUFFIX.values():
+    for sfx in SUFFIX.values():
         getattr(lib, f"pe_gemm_shape_list_{sfx}").argtypes = [ints, ints, c_int]
     return lib
 
@@ -297,7 +298,7 @@ def gemm_shapes(dtype: DType, portable: bool | None) -> tuple[str, ...]:
     default first; the index of one is what ``pe_gemm_shape`` takes."""
     lib = _library(portable)
     rows, cols = (ctypes.c_int * 8)(), (ctypes.c_int * 8)()
-    sfx = _SUFFIX[dtype]
+    sfx = SUFFIX[dtype]
     count = getattr(lib, f"pe_gemm_shape_list_{sfx}")(rows, cols, 8)
     return tuple(f"{rows[i]}x{cols[i]}" for i in range(min(count, 8)))
 
