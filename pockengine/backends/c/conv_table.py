@@ -28,6 +28,7 @@ from pockengine.backends.c.conv_kernels import (
     rule_kernel,
 )
 from pockengine.backends.c.layout_tune import layout_harness_source
+from pockengine.backends.c.shape_tune import PRODUCT_OPS
 from pockengine.backends.c.tune_harness import DTYPES, harness_source, shape_list_source
 from pockengine.ir import Graph, Node
 
@@ -121,7 +122,7 @@ def conv_table_source(
     # the timing harness and the shape list of the dtypes of the step's convolutions and
     # products only: the linker keeps the kernels a case names, and a float step needs no
     # double ones
-    timed = [n for n in graph.nodes if n.op.startswith("conv2d") or n.op in ("matmul", "linear")]
+    timed = [n for n in graph.nodes if n.op.startswith("conv2d") or n.op in PRODUCT_OPS]
     dtypes = tuple(d for d in DTYPES if any(n.outputs[0].dtype is d for n in timed if n.outputs))
     harness = layout_harness_source(dtypes) if nhwc_harness else harness_source(dtypes=dtypes)
     shape_list = shape_list_source(dtypes)

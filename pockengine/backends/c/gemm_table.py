@@ -30,6 +30,7 @@ from pockengine.backends.c.conv_table import name_literal, rule_source, slot_ker
 from pockengine.backends.c.shape_tune import (
     GEMM_CONV_KERNELS,
     MIN_WORK,
+    PRODUCT_OPS,
     gemm_work,
     product_of,
     transposed_values,
@@ -55,7 +56,7 @@ def _slot_nodes(graph: Graph, limits: Mapping[str, tuple[str, ...]] | None) -> l
                 continue  # the lowering reports it
             if not set(slot_kernels(node, g, limits)) & set(GEMM_CONV_KERNELS):
                 continue
-        elif node.op not in ("matmul", "linear"):
+        elif node.op not in PRODUCT_OPS:
             continue
         if gemm_work(node) >= MIN_WORK:
             nodes.append(node)

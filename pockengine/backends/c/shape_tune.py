@@ -35,12 +35,13 @@ from pockengine.backends.c.views import step_views
 from pockengine.ir import Graph, Node
 from pockengine.plan.report import KernelChoice
 
-__all__ = ["CACHE_NAME", "GEMM_CONV_KERNELS", "MIN_WORK", "GemmShape", "choose_shapes", "gemm_work",
-           "product_of", "transposed_values", "with_shapes"]  # fmt: skip
+__all__ = ["CACHE_NAME", "GEMM_CONV_KERNELS", "MIN_WORK", "PRODUCT_OPS", "GemmShape",
+           "choose_shapes", "gemm_work", "product_of", "transposed_values",
+           "with_shapes"]  # fmt: skip
 
 CACHE_NAME = "gemm-shapes.json"
 GEMM_CONV_KERNELS = ("pointwise", "im2col")  # the conv kernels whose work is the GEMM's
-_PRODUCT_OPS = ("matmul", "linear")
+PRODUCT_OPS = ("matmul", "linear")  # the product ops, beside the GEMM convolutions
 _MARGIN = 0.97  # a shape other than the default is kept at most this share of its time
 _BUDGET_S = 0.02  # a shape's timed runs: about this long, 3 to 9 of them
 _GIVE_UP = math.inf  # three candidates: every one is timed in full
@@ -124,9 +125,9 @@ def choose_shapes(
         if out is None or out.dtype not in tune_harness.DTYPES:
             continue
         labels = labels_of[out.dtype]
-        if node.op not in (*_PRODUCT_OPS, *CONV_OPS) or gemm_work(node) < MIN_WORK:
+        if node.op not in (*PRODUCT_OPS, *CONV_OPS) or gemm_work(node) < MIN_WORK:
             continue
-        if node.op in _PRODUCT_OPS:
+        if node.op in PRODUCT_OPS:
             kernel, product = "", product_of(node, transposed)
             flags = tc_key.replace("\n", " ")
             text = ",".join(map(str, product))
