@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,19 +29,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], dict[str, int]]:
-    """The exported, built trainer of a small CNN with 3 batches, the in-process losses
-    and the step's conv slots."""
-    w = zoo.small_cnn()
-    opt = pe.optim.SGD(lr=0.05, momentum=0.9)
+def _built(w: zoo.Workload, opt: Any, folder: Path) -> tuple[Path, list[float], Any]:
+    """``w``'s C step exported to ``folder`` and built, with 3 batches as X.npy and Y.npy;
+    the folder, the in-process losses on them and the step."""
     step = pe.compile(w.model, w.loss_fn, w.make_batch(0), optimizer=opt, backend="c")
-    folder = step.export(tmp_path_factory.mktemp("tune") / "trainer", target="c")
+    folder = step.export(folder, target="c")
     batches = [w.make_batch(i) for i in range(3)]
     np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
     np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
     losses = [step(*b) for b in batches]
     make_trainer(folder)
+    return folder, losses, step
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], dict[str, int]]:
+    """The exported, built trainer of a small CNN with 3 batches, the in-process losses
+    and the step's conv slots."""
+    opt = pe.optim.SGD(lr=0.05, momentum=0.9)
+    folder, losses, step = _built(zoo.small_cnn(), opt, tmp_path_factory.mktemp("tune") / "trainer")
     return folder, losses, conv_slots(step._exec.graph)
 
 
@@ -262,15 +269,9 @@ def test_a_double_trainer_tunes_and_trains_as_the_step(tmp_path: Path) -> None:
     """float64: its harness times the double kernels and shapes; the tables it writes are
     read back and the run trains as the in-process step."""
     w = zoo.as_double(zoo.small_cnn())
-    batches = [w.make_batch(i) for i in range(3)]
-    step = pe.compile(w.model, w.loss_fn, batches[0], optimizer=pe.optim.SGD(lr=0.05),
-                      backend="c")  # fmt: skip
-    folder = step.export(tmp_path / "trainer", target="c")
+    folder, losses, _ = _built(w, pe.optim.SGD(lr=0.05), tmp_path / "trainer")
     convs = (folder / "convs.c").read_text()
     assert "_f64(" in convs and "_f32(" not in convs
-    np.save(folder / "X.npy", np.stack([b[0].numpy() for b in batches]))
-    np.save(folder / "Y.npy", np.stack([b[1].numpy() for b in batches]))
-    make_trainer(folder)
     tuned = _run(folder, "--tune")
     assert tuned.returncode == 0, tuned.stderr
     for table in (SHAPE_FILE, TABLE_FILE):  # a slot whose kernel runs no GEMM: no time
@@ -278,4 +279,4 @@ def test_a_double_trainer_tunes_and_trains_as_the_step(tmp_path: Path) -> None:
         assert times and min(times) >= 0 and max(times) > 0, table
     run = _run(folder, "X.npy", "Y.npy")
     assert run.returncode == 0, run.stderr
-    np.testing.assert_allclose(_losses(run.stdout), [step(*b) for b in batches], rtol=1e-8)
+    np.testing.assert_allclose(_losses(run.stdout), losses, rtol=1e-8)
